@@ -1,0 +1,169 @@
+"""The ``kvstrata`` command: ``hash``, ``replay`` and ``indexer``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from typing import Sequence
+
+from .config import ConfigError, load_config, parse_tiers_flag
+from .logical.policy import ADMISSION_POLICIES, EVICTION_POLICIES
+from .tokens import TokenError, hash_blocks, isolation_seed
+
+
+def _cmd_hash(args: argparse.Namespace) -> int:
+    seed = isolation_seed(args.lora, args.salt)
+    try:
+        tokens = [int(t) for t in args.tokens]
+        local, seqs = hash_blocks(tokens, args.block_size, seed)
+    except (ValueError, TokenError) as exc:
+        print(f"kvstrata hash: {exc}", file=sys.stderr)
+        return 2
+    out = {"block_size": args.block_size, "local_hashes": local, "sequence_hashes": seqs}
+    if seed != 1337:
+        out["seed"] = seed
+    print(json.dumps(out))
+    return 0
+
+
+def _build_replay_config(args: argparse.Namespace):
+    overrides = {}
+    if args.block_size is not None:
+        overrides["block_size"] = args.block_size
+    if args.tiers:
+        overrides["tiers"] = parse_tiers_flag(args.tiers)
+    if args.policy:
+        overrides["eviction"] = args.policy
+    if args.admission:
+        overrides["admission"] = args.admission
+    config = load_config(args.config, **overrides)
+    if args.tiers:
+        # Per-tier policies from a config file would silently override --policy: drop them.
+        tiers = {n: replace(t, eviction=None) if args.policy else t for n, t in config.tiers.items()}
+        config = replace(config, tiers=tiers)
+    return config
+
+
+def _cmd_replay(args: argparse.Namespace) -> int:
+    from .replay import TraceFormatError, default_trace_path, iter_trace, replay
+    from .report import format_table, write_plot
+
+    try:
+        config = _build_replay_config(args)
+    except ConfigError as exc:
+        print(f"kvstrata replay: {exc}", file=sys.stderr)
+        return 2
+    trace = args.trace or str(default_trace_path())
+    try:
+        requests = list(iter_trace(trace))
+    except TraceFormatError as exc:
+        print(f"kvstrata replay: malformed trace: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"kvstrata replay: cannot read trace {trace}: {exc.strerror}", file=sys.stderr)
+        return 2
+    if args.limit:
+        requests = requests[: args.limit]
+
+    bar = None
+    if not args.no_progress and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(requests), unit="req", file=sys.stderr, leave=False)
+    observers = []
+    publisher = None
+    if args.events:
+        from .events import make_publisher
+
+        publisher = make_publisher(args.events)
+        observers.append(publisher)
+    try:
+        result = replay(
+            requests,
+            config,
+            granularity=args.granularity,
+            observers=observers,
+            trace_name=trace,
+            progress=(lambda n: bar.update(1)) if bar is not None else None,
+            curve_every=max(1, len(requests) // 200) if args.plot else 0,
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+        if publisher is not None:
+            publisher.close()
+    doc = result.as_dict()
+    if publisher is not None:
+        doc["events"] = publisher.stats() if hasattr(publisher, "stats") else {}
+    if args.plot:
+        write_plot(result, args.plot)
+        doc["plot"] = args.plot
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        print(format_table(doc))
+        if args.plot:
+            print(f"plot written to {args.plot}")
+    return 0
+
+
+def _cmd_indexer(argv: Sequence[str]) -> int:
+    from .events.indexer import main as indexer_main
+
+    return indexer_main(list(argv))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvstrata", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p_hash = sub.add_parser("hash", help="print the block hashes of a token sequence (JSON)")
+    p_hash.add_argument("--block-size", type=int, required=True)
+    p_hash.add_argument("--lora", help="LoRA adapter name (changes the seed)")
+    p_hash.add_argument("--salt", help="per-request cache salt (changes the seed)")
+    p_hash.add_argument("tokens", nargs="*", help="token ids")
+    p_hash.set_defaults(func=_cmd_hash)
+
+    p_replay = sub.add_parser(
+        "replay",
+        help="replay a Mooncake trace through the tiered pools and report hit rates",
+        description="Replay a Mooncake-format trace (default: the packaged conversation "
+        "trace) through the real pools of a G1/G2/G3 hierarchy.",
+    )
+    p_replay.add_argument("trace", nargs="?", help="trace file (.jsonl or .jsonl.gz)")
+    p_replay.add_argument("--config", help="TOML config file (see docs/configuration.md)")
+    p_replay.add_argument("--granularity", choices=("trace", "engine"), default="engine",
+                          help="one block per trace id, or engine-size blocks (default)")
+    p_replay.add_argument("--block-size", type=int, help="engine block size in tokens (default 16)")
+    p_replay.add_argument("--tiers", help="e.g. G1=2000,G2=8000,G3=32000 (blocks) or G2=4GiB")
+    p_replay.add_argument("--policy", help=f"eviction policy: {', '.join(sorted(EVICTION_POLICIES))}")
+    p_replay.add_argument("--admission",
+                          help=f"lower-tier admission: {', '.join(sorted(ADMISSION_POLICIES))}")
+    p_replay.add_argument("--limit", type=int, help="replay only the first N requests")
+    p_replay.add_argument("--json", action="store_true", help="print the report as JSON")
+    p_replay.add_argument("--plot", metavar="PNG", help="write a hit-rate-along-the-trace plot")
+    p_replay.add_argument("--events", metavar="SINK",
+                          help="publish block events, e.g. jsonl:PATH, dynamo-json:PATH, "
+                          "nats://127.0.0.1:4222/SUBJECT")
+    p_replay.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p_replay.set_defaults(func=_cmd_replay)
+
+    p_index = sub.add_parser("indexer", help="follow an event stream and answer prefix queries",
+                             add_help=False)
+    p_index.add_argument("rest", nargs=argparse.REMAINDER)
+    p_index.set_defaults(func=None)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "indexer":
+        return _cmd_indexer(argv[1:])
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,385 @@
+"""One configuration object for kvstrata, from keyword arguments, a TOML file and env vars.
+
+Precedence, lowest first: built-in defaults < TOML file < ``KVSTRATA_*`` / Dynamo env vars <
+keyword arguments. :func:`load_config` merges them; :meth:`KvConfig.validate` reports every
+problem at once in a single :class:`ConfigError`. docs/configuration.md lists every key.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping
+
+from .logical.policy import ADMISSION_POLICIES, EVICTION_POLICIES
+from .logical.registry import TIER_NAMES
+
+_DTYPE_BYTES = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "bf16": 2, "bfloat16": 2,
+                "fp8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "ki": 1024, "kib": 1024,
+               "m": 1000**2, "mb": 1000**2, "mi": 1024**2, "mib": 1024**2,
+               "g": 1000**3, "gb": 1000**3, "gi": 1024**3, "gib": 1024**3,
+               "t": 1000**4, "tb": 1000**4, "ti": 1024**4, "tib": 1024**4}
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; ``problems`` lists every problem found."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = list(problems)
+        super().__init__(
+            "invalid kvstrata config:\n" + "\n".join(f"  - {p}" for p in self.problems)
+        )
+
+
+def parse_size(value: str | int | float) -> int:
+    """Bytes from ``1073741824``, ``"4GiB"``, ``"2.5 GB"`` (GB = 10**9, GiB = 2**30)."""
+    if isinstance(value, bool):
+        raise ValueError(f"not a size: {value!r}")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ValueError(f"size must be >= 0, got {value}")
+        return int(value)
+    match = _SIZE_RE.match(str(value))
+    if not match:
+        raise ValueError(f"not a size: {value!r} (e.g. 4096, '4GiB', '2.5GB')")
+    number, unit = match.groups()
+    return int(float(number) * _SIZE_UNITS[(unit or "").lower()])
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    """What one KV block weighs: layers x (K,V) x block_size x kv_heads x head_dim x dtype."""
+
+    num_layers: int = 4
+    kv_heads: int = 8
+    head_dim: int = 64
+    dtype: str = "bf16"
+    outer_dim: int = 2  # 2 for K and V, 1 for MLA
+
+    def bytes_per_block(self, block_size: int) -> int:
+        return (
+            self.num_layers * self.outer_dim * block_size * self.kv_heads * self.head_dim
+            * _DTYPE_BYTES.get(self.dtype, 2)
+        )
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """One tier's size (``blocks`` or ``bytes``) and policies (None = the global ones)."""
+
+    blocks: int | None = None
+    bytes: int | None = None
+    eviction: str | None = None
+    admission: str | None = None
+    path: str | None = None  # G3: directory for the slab file
+
+    def num_blocks(self, bytes_per_block: int) -> int:
+        if self.blocks is not None:
+            return self.blocks
+        if self.bytes is not None:
+            return self.bytes // bytes_per_block
+        return 0
+
+
+DEFAULT_TIERS: dict[str, TierConfig] = {
+    "G1": TierConfig(blocks=2_000),
+    "G2": TierConfig(blocks=8_000),
+    "G3": TierConfig(blocks=32_000),
+}
+
+
+@dataclass(frozen=True)
+class KvConfig:
+    """Everything a block manager needs to know; immutable, validated by :meth:`validate`.
+
+    ``eviction`` is the default order of every tier and ``admission`` the default filter of
+    every tier (blocks the engine computes are offered to G1, blocks registered in a tier are
+    offered to the next one down); a tier may override either.
+    """
+
+    block_size: int = 16
+    tiers: Mapping[str, TierConfig] = field(default_factory=lambda: dict(DEFAULT_TIERS))
+    eviction: str = "default"
+    admission: str = "always"
+    model: ModelGeometry = field(default_factory=ModelGeometry)
+    disk_dir: str | None = None
+    keep_tokens: bool = False
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.model.bytes_per_block(self.block_size)
+
+    def tier_blocks(self, tier: str) -> int:
+        return self.tiers[tier].num_blocks(self.bytes_per_block)
+
+    def tier_eviction(self, tier: str) -> str:
+        return self.tiers[tier].eviction or self.eviction
+
+    def tier_admission(self, tier: str) -> str:
+        return self.tiers[tier].admission or self.admission
+
+    def validate(self) -> "KvConfig":
+        """Return self if valid, else raise one :class:`ConfigError` naming every problem."""
+        problems: list[str] = []
+        if not isinstance(self.block_size, int) or self.block_size <= 0:
+            problems.append(f"block_size must be a positive integer, got {self.block_size!r}")
+        if not self.tiers:
+            problems.append("at least one tier is required (e.g. G1)")
+        for name in self.tiers:
+            if name not in TIER_NAMES:
+                problems.append(f"unknown tier {name!r}; tiers are {', '.join(TIER_NAMES)}")
+        present = [t for t in TIER_NAMES if t in self.tiers]
+        if present and present[0] != "G1":
+            problems.append("tier G1 is required when lower tiers are configured")
+        for name, tier in self.tiers.items():
+            if tier.blocks is None and tier.bytes is None:
+                problems.append(f"tier {name}: give a size in blocks or bytes")
+            if tier.blocks is not None and tier.bytes is not None:
+                problems.append(f"tier {name}: give blocks or bytes, not both")
+            if tier.blocks is not None and (not isinstance(tier.blocks, int) or tier.blocks < 1):
+                problems.append(f"tier {name}: blocks must be a positive integer, got {tier.blocks!r}")
+            if tier.bytes is not None and (not isinstance(tier.bytes, int) or tier.bytes < 1):
+                problems.append(f"tier {name}: bytes must be positive, got {tier.bytes!r}")
+            elif tier.bytes is not None and self._geometry_ok() and (
+                tier.bytes < self.bytes_per_block
+            ):
+                problems.append(
+                    f"tier {name}: {tier.bytes} bytes hold no block of {self.bytes_per_block} bytes"
+                )
+            if tier.eviction and tier.eviction not in EVICTION_POLICIES:
+                problems.append(
+                    f"tier {name}: unknown eviction {tier.eviction!r}; one of {sorted(EVICTION_POLICIES)}"
+                )
+            if tier.admission and tier.admission not in ADMISSION_POLICIES:
+                problems.append(
+                    f"tier {name}: unknown admission {tier.admission!r}; one of {sorted(ADMISSION_POLICIES)}"
+                )
+        if self.eviction not in EVICTION_POLICIES:
+            problems.append(f"unknown eviction {self.eviction!r}; one of {sorted(EVICTION_POLICIES)}")
+        if self.admission not in ADMISSION_POLICIES:
+            problems.append(
+                f"unknown admission {self.admission!r}; one of {sorted(ADMISSION_POLICIES)}"
+            )
+        m = self.model
+        for key in ("num_layers", "kv_heads", "head_dim"):
+            value = getattr(m, key)
+            if not isinstance(value, int) or value <= 0:
+                problems.append(f"model.{key} must be a positive integer, got {value!r}")
+        if m.outer_dim not in (1, 2):
+            problems.append(f"model.outer_dim must be 1 (MLA) or 2 (K and V), got {m.outer_dim!r}")
+        if m.dtype not in _DTYPE_BYTES:
+            problems.append(f"model.dtype {m.dtype!r} unknown; one of {sorted(_DTYPE_BYTES)}")
+        if problems:
+            raise ConfigError(problems)
+        return self
+
+    def _geometry_ok(self) -> bool:
+        m = self.model
+        return (
+            isinstance(self.block_size, int) and self.block_size > 0
+            and all(isinstance(getattr(m, k), int) and getattr(m, k) > 0
+                    for k in ("num_layers", "kv_heads", "head_dim"))
+            and m.outer_dim in (1, 2)
+        )
+
+
+# -- loading ---------------------------------------------------------------------------------
+
+_TOP_KEYS = {"block_size", "eviction", "admission", "disk_dir", "keep_tokens"}
+_TIER_KEYS = {"blocks", "bytes", "gb", "eviction", "admission", "path"}
+_MODEL_KEYS = {"num_layers", "kv_heads", "head_dim", "dtype", "outer_dim"}
+
+
+def _tier_from_mapping(name: str, raw: Mapping[str, Any], problems: list[str]) -> TierConfig:
+    unknown = set(raw) - _TIER_KEYS
+    if unknown:
+        problems.append(f"tier {name}: unknown keys {sorted(unknown)}; known {sorted(_TIER_KEYS)}")
+    size_bytes: int | None = None
+    try:
+        if "bytes" in raw:
+            size_bytes = parse_size(raw["bytes"])
+        elif "gb" in raw:
+            size_bytes = int(float(raw["gb"]) * 1024**3)
+    except (ValueError, TypeError) as exc:
+        problems.append(f"tier {name}: {exc}")
+    blocks = raw.get("blocks")
+    if blocks is not None:
+        try:
+            blocks = _to_int(blocks)
+        except ValueError:
+            problems.append(f"tier {name}: blocks must be an integer, got {blocks!r}")
+            blocks = None
+    return TierConfig(
+        blocks=blocks,
+        bytes=size_bytes,
+        eviction=raw.get("eviction"),
+        admission=raw.get("admission"),
+        path=raw.get("path"),
+    )
+
+
+def _to_int(value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError(value)
+    if isinstance(value, int):
+        return value
+    text = str(value).replace("_", "").replace(",", "")
+    return int(text)
+
+
+def _from_mapping(raw: Mapping[str, Any], problems: list[str], source: str) -> dict[str, Any]:
+    """Turn a TOML-like mapping into KvConfig keyword arguments."""
+    out: dict[str, Any] = {}
+    known = _TOP_KEYS | {"tiers", "model", "policy"}
+    unknown = set(raw) - known
+    if unknown:
+        problems.append(f"{source}: unknown keys {sorted(unknown)}; known {sorted(known)}")
+    for key in _TOP_KEYS & set(raw):
+        out[key] = raw[key]
+    if "policy" in raw:
+        out["eviction"] = raw["policy"]
+    if "tiers" in raw:
+        tiers = raw["tiers"]
+        if not isinstance(tiers, Mapping):
+            problems.append(f"{source}: [tiers] must be a table")
+        else:
+            out["tiers"] = {
+                name: _tier_from_mapping(name, spec if isinstance(spec, Mapping) else {"blocks": spec}, problems)
+                for name, spec in tiers.items()
+            }
+    if "model" in raw:
+        model = raw["model"]
+        unknown = set(model) - _MODEL_KEYS
+        if unknown:
+            problems.append(f"{source}: model has unknown keys {sorted(unknown)}")
+        out["model"] = ModelGeometry(**{k: v for k, v in model.items() if k in _MODEL_KEYS})
+    return out
+
+
+_ENV_SCALARS = {
+    "KVSTRATA_BLOCK_SIZE": "block_size",
+    "KVSTRATA_EVICTION": "eviction",
+    "KVSTRATA_POLICY": "eviction",
+    "KVSTRATA_ADMISSION": "admission",
+    "KVSTRATA_DISK_DIR": "disk_dir",
+    "DYN_KVBM_DISK_CACHE_DIR": "disk_dir",
+}
+_ENV_TIER_SIZE = re.compile(r"^KVSTRATA_(G[1-4])_(BLOCKS|BYTES|GB)$")
+_DYNAMO_TIER_GB = {"DYN_KVBM_CPU_CACHE_GB": "G2", "DYN_KVBM_DISK_CACHE_GB": "G3"}
+
+
+def _from_env(env: Mapping[str, str], problems: list[str]) -> tuple[dict[str, Any], dict[str, dict]]:
+    scalars: dict[str, Any] = {}
+    tiers: dict[str, dict[str, Any]] = {}
+    for var, key in _ENV_SCALARS.items():
+        if var in env:
+            scalars[key] = env[var]
+    if "block_size" in scalars:
+        try:
+            scalars["block_size"] = _to_int(scalars["block_size"])
+        except ValueError:
+            problems.append(f"KVSTRATA_BLOCK_SIZE must be an integer, got {env['KVSTRATA_BLOCK_SIZE']!r}")
+            del scalars["block_size"]
+    for var, value in env.items():
+        match = _ENV_TIER_SIZE.match(var)
+        if match:
+            tiers.setdefault(match.group(1), {})[match.group(2).lower()] = value
+        elif var in _DYNAMO_TIER_GB:
+            tiers.setdefault(_DYNAMO_TIER_GB[var], {}).setdefault("gb", value)
+    return scalars, tiers
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    **overrides: Any,
+) -> KvConfig:
+    """Build and validate a :class:`KvConfig`.
+
+    ``path`` (or ``$KVSTRATA_CONFIG``) names a TOML file; ``env`` defaults to ``os.environ``;
+    ``overrides`` are KvConfig fields (``tiers`` may map names to TierConfig, an int of
+    blocks, or a mapping like ``{"bytes": "4GiB"}``).
+    """
+    env = os.environ if env is None else env
+    problems: list[str] = []
+    kwargs: dict[str, Any] = {}
+    path = path or env.get("KVSTRATA_CONFIG")
+    if path:
+        try:
+            with open(path, "rb") as fh:
+                kwargs.update(_from_mapping(tomllib.load(fh), problems, str(path)))
+        except OSError as exc:
+            problems.append(f"cannot read config file {path}: {exc.strerror}")
+        except tomllib.TOMLDecodeError as exc:
+            problems.append(f"config file {path} is not valid TOML: {exc}")
+    env_scalars, env_tiers = _from_env(env, problems)
+    kwargs.update(env_scalars)
+    if env_tiers:
+        tiers = dict(kwargs.get("tiers", DEFAULT_TIERS))
+        for name, raw in env_tiers.items():
+            base = tiers.get(name, TierConfig())
+            parsed = _tier_from_mapping(name, raw, problems)
+            tiers[name] = replace(base, blocks=parsed.blocks, bytes=parsed.bytes)
+        kwargs["tiers"] = tiers
+    if "tiers" in overrides and overrides["tiers"] is not None:
+        overrides = dict(overrides)
+        overrides["tiers"] = normalize_tiers(overrides["tiers"], problems)
+    kwargs.update({k: v for k, v in overrides.items() if v is not None})
+    known = set(KvConfig.__dataclass_fields__)
+    unknown = set(kwargs) - known
+    if unknown:
+        problems.append(f"unknown config fields {sorted(unknown)}; known {sorted(known)}")
+        for key in unknown:
+            kwargs.pop(key)
+    config = KvConfig(**kwargs)
+    try:
+        config.validate()
+    except ConfigError as exc:
+        problems.extend(exc.problems)
+    if problems:
+        raise ConfigError(problems)
+    return config
+
+
+def normalize_tiers(tiers: Mapping[str, Any], problems: list[str] | None = None) -> dict[str, TierConfig]:
+    """Tier specs given as TierConfig, an int (blocks), a size string or a mapping."""
+    problems = [] if problems is None else problems
+    out: dict[str, TierConfig] = {}
+    for name, spec in tiers.items():
+        if isinstance(spec, TierConfig):
+            out[name] = spec
+        elif isinstance(spec, Mapping):
+            out[name] = _tier_from_mapping(name, spec, problems)
+        elif isinstance(spec, int) and not isinstance(spec, bool):
+            out[name] = TierConfig(blocks=spec)
+        else:
+            out[name] = _tier_from_mapping(name, _parse_tier_text(str(spec)), problems)
+    return out
+
+
+def _parse_tier_text(text: str) -> dict[str, Any]:
+    """``"5000"`` -> blocks; ``"4GiB"`` -> bytes."""
+    text = text.strip()
+    if re.fullmatch(r"[0-9_,]+", text):
+        return {"blocks": text}
+    return {"bytes": text}
+
+
+def parse_tiers_flag(flag: str) -> dict[str, TierConfig]:
+    """Parse ``G1=1000,G2=4GiB,G3=100000`` (blocks, or bytes with a unit)."""
+    problems: list[str] = []
+    tiers: dict[str, Any] = {}
+    for part in filter(None, (p.strip() for p in flag.split(","))):
+        name, sep, size = part.partition("=")
+        if not sep or not size:
+            problems.append(f"--tiers entry {part!r} must look like G1=1000 or G2=4GiB")
+            continue
+        tiers[name.strip().upper()] = size.strip()
+    out = normalize_tiers(tiers, problems)
+    if problems:
+        raise ConfigError(problems)
+    return out

@@ -1,0 +1,130 @@
+"""Handles on blocks handed out by a pool.
+
+A handle covers a batch of blocks from one pool. It is released explicitly (``release()``) or by
+leaving a ``with`` block. If a handle is garbage-collected unreleased, a finalizer posts its
+blocks to the pool's return queue; the pool takes them back on its next call, on its owner
+thread (the garbage collector never mutates a pool).
+
+* :class:`MutableBlocks` come from ``allocate``: exclusively owned, in any state but
+  Registered; fill them (``init_sequence``/``add_tokens``/``commit`` or ``apply_token_block``)
+  and hand them to ``register``. Releasing them unregistered returns them to the free list.
+* :class:`ImmutableBlocks` come from ``register`` and ``match``: shared, registered blocks.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Iterator, Sequence
+
+from .block import Block, BlockState
+from .registry import BlockRecord
+
+if TYPE_CHECKING:
+    from .pool import BlockPool
+
+
+class HandleReleasedError(RuntimeError):
+    """A handle was used after it was released or consumed by ``register``."""
+
+
+class _Blocks:
+    __slots__ = ("_pool", "_blocks", "_finalizer", "__weakref__")
+
+    def __init__(self, pool: "BlockPool", blocks: list[Block]) -> None:
+        self._pool = pool
+        self._blocks: list[Block] | None = blocks
+        self._finalizer = (
+            weakref.finalize(self, pool._post_orphans, [b.block_id for b in blocks], self._mutable)
+            if blocks
+            else None
+        )
+
+    _mutable = False
+
+    @property
+    def pool(self) -> "BlockPool":
+        return self._pool
+
+    @property
+    def blocks(self) -> list[Block]:
+        """The blocks (raises once released)."""
+        if self._blocks is None:
+            raise HandleReleasedError("handle already released")
+        return self._blocks
+
+    @property
+    def block_ids(self) -> list[int]:
+        return [b.block_id for b in self.blocks]
+
+    @property
+    def sequence_hashes(self) -> list[int | None]:
+        return [b.sequence_hash for b in self.blocks]
+
+    @property
+    def released(self) -> bool:
+        return self._blocks is None
+
+    def __len__(self) -> int:
+        return len(self._blocks) if self._blocks is not None else 0
+
+    def __iter__(self) -> Iterator[Block]:
+        return iter(self.blocks)
+
+    def __getitem__(self, index: int) -> Block:
+        return self.blocks[index]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._blocks is not None:
+            self.release()
+
+    def release(self) -> None:
+        """Give the blocks back to the pool (idempotent errors: a second call raises)."""
+        self._pool.release(self)
+
+    def _take(self) -> list[Block]:
+        """Detach the blocks from this handle (the pool calls this when it takes them back)."""
+        blocks = self.blocks
+        self._blocks = None
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        return blocks
+
+
+class MutableBlocks(_Blocks):
+    """Exclusively owned blocks on their way to being registered."""
+
+    __slots__ = ()
+    _mutable = True
+
+    def apply_token_blocks(self, records: Sequence[BlockRecord]) -> None:
+        """``apply_token_block`` on each block with the matching record; all or nothing."""
+        blocks = self.blocks
+        if len(records) != len(blocks):
+            raise ValueError(f"{len(records)} records for {len(blocks)} blocks")
+        size = blocks[0].block_size if blocks else 0
+        for block, record in zip(blocks, records):
+            if (
+                block.state is not BlockState.RESET
+                or record.block_size != size
+                or (record.token_ids is not None and len(record.token_ids) != size)
+            ):
+                block.apply_token_block(record)  # raises the precise BlockStateError
+        complete = BlockState.COMPLETE
+        for block, record in zip(blocks, records):
+            # Inlined Block.apply_token_block (validated above): this is the offload hot path.
+            block.state = complete
+            block.sequence_hash = record.sequence_hash
+            block.local_hash = record.local_hash
+            block.parent_hash = record.parent_hash
+            block.cached_record = record
+            if record.token_ids is not None:
+                block.tokens = list(record.token_ids)
+
+
+class ImmutableBlocks(_Blocks):
+    """Shared handles on registered blocks."""
+
+    __slots__ = ()

@@ -1,0 +1,256 @@
+"""Pluggable eviction and admission policies for block pools.
+
+An *eviction policy* orders a pool's evictable blocks (registered, no users, and, when the
+policy asks for ``leaf_first``, no registered children in the pool). The pool tells it when a
+block becomes evictable (``insert``), stops being evictable (``remove``), is touched while idle
+(``touch``) or is used (``record_hit``), and asks it for the next ``victim``. Policies see
+:class:`~kvstrata.logical.block.Block` objects and keep their own structures keyed by block id.
+
+An *admission policy* decides whether a block offered to a lower tier is worth a slot there.
+
+Policies are chosen by name (:data:`EVICTION_POLICIES`, :data:`ADMISSION_POLICIES`); see
+docs/configuration.md for what each does and docs/policies.md for how they compare.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from typing import Callable
+
+from .block import Block
+
+
+class PolicyError(ValueError):
+    """An unknown policy name or bad policy parameter."""
+
+
+class EvictionPolicy:
+    """Interface of an eviction order over a pool's evictable blocks."""
+
+    name = "base"
+    leaf_first = False
+    """If True the pool only offers blocks with no registered children (leaves go first)."""
+
+    def registered(self, block: Block) -> None:
+        """``block`` was newly registered in the pool (not a dedup hit)."""
+
+    def insert(self, block: Block) -> None:
+        """``block`` became evictable (its ``release_tick`` is already stamped)."""
+        raise NotImplementedError
+
+    def remove(self, block: Block) -> None:
+        """``block`` is no longer evictable (acquired again, reset, or gained a child)."""
+        raise NotImplementedError
+
+    def touch(self, block: Block) -> None:
+        """An evictable ``block`` was used without being acquired; default: re-insert."""
+        self.remove(block)
+        self.insert(block)
+
+    def record_hit(self, block: Block) -> None:
+        """``block`` served a look-up (matched or touched); frequency policies count it."""
+
+    def victim(self) -> Block | None:
+        """Remove and return the next block to evict, or None if nothing is evictable."""
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+
+class LruEviction(EvictionPolicy):
+    """Plain least-recently-released first, ignoring priority and the prefix tree.
+
+    This is the exact LRU of REFERENCE.md §6, used to check the replay against known counts.
+    """
+
+    name = "lru"
+
+    def __init__(self, capacity: int = 0) -> None:
+        self._order: OrderedDict[int, Block] = OrderedDict()
+
+    def insert(self, block: Block) -> None:
+        self._order[block.block_id] = block
+
+    def remove(self, block: Block) -> None:
+        self._order.pop(block.block_id, None)
+
+    def touch(self, block: Block) -> None:
+        self._order.move_to_end(block.block_id)
+
+    def victim(self) -> Block | None:
+        if not self._order:
+            return None
+        return self._order.popitem(last=False)[1]
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+
+class _HeapEviction(EvictionPolicy):
+    """An eviction order kept in a heap of ``(key, release_tick, block_id, block)`` entries.
+
+    Deletion is lazy: an entry is live only while ``_live[block_id]`` is that very entry, so
+    ``remove`` is O(1) and stale entries are skipped (and compacted away when they pile up).
+    """
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, int, int, Block]] = []
+        self._live: dict[int, tuple[int, int, int, Block]] = {}
+
+    def key(self, block: Block) -> int:
+        raise NotImplementedError
+
+    def insert(self, block: Block) -> None:
+        entry = (self.key(block), block.release_tick, block.block_id, block)
+        self._live[block.block_id] = entry
+        heapq.heappush(self._heap, entry)
+        if len(self._heap) > 4 * len(self._live) + 64:
+            live = self._live
+            self._heap = [e for e in self._heap if live.get(e[2]) is e]
+            heapq.heapify(self._heap)
+
+    def remove(self, block: Block) -> None:
+        self._live.pop(block.block_id, None)
+
+    def victim(self) -> Block | None:
+        heap, live = self._heap, self._live
+        while heap:
+            entry = heapq.heappop(heap)
+            if live.get(entry[2]) is entry:
+                del live[entry[2]]
+                self.evicted(entry)
+                return entry[3]
+        return None
+
+    def evicted(self, entry: tuple[int, int, int, Block]) -> None:
+        """Hook: ``entry`` was just chosen as a victim."""
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+
+class PriorityLruEviction(_HeapEviction):
+    """The default order (REFERENCE.md §2): lowest priority first, then least recently
+    released; leaves before their prefixes."""
+
+    name = "default"
+    leaf_first = True
+
+    def __init__(self, capacity: int = 0) -> None:
+        super().__init__()
+
+    def key(self, block: Block) -> int:
+        return block.priority
+
+
+class AgedFrequencyEviction(_HeapEviction):
+    """Least-frequently-used with dynamic aging and a ghost history ("lfu").
+
+    Each block's use count ``f`` lives in ``block.policy_state``: 1 when registered (plus
+    what the ghost remembers of it), +1 per hit. An evictable block's key is ``L + f``, where
+    ``L`` is the key of the last victim; the lowest key goes first, ties by least recently
+    used. Aging through ``L`` lets yesterday's popular blocks give way to today's. Evicted
+    blocks leave their count in a FIFO ghost of ``ghost_factor x capacity`` hashes, so a block
+    that comes back soon resumes its count instead of starting cold.
+
+    Why: on multi-turn traces most blocks are used once, while a block used twice is likely
+    to be used again; LRU cannot tell them apart, frequency can (docs/policies.md).
+    """
+
+    name = "lfu"
+
+    def __init__(self, capacity: int = 0, ghost_factor: int = 4) -> None:
+        super().__init__()
+        self._age = 0
+        self._ghost: OrderedDict[int, int] = OrderedDict()
+        self._ghost_size = max(1, ghost_factor * capacity)
+
+    def registered(self, block: Block) -> None:
+        block.policy_state = self._ghost.pop(block.sequence_hash, 0) + 1  # type: ignore[arg-type]
+
+    def record_hit(self, block: Block) -> None:
+        block.policy_state += 1
+
+    def key(self, block: Block) -> int:
+        return self._age + block.policy_state
+
+    def evicted(self, entry: tuple[int, int, int, Block]) -> None:
+        self._age = entry[0]
+        block = entry[3]
+        ghost = self._ghost
+        ghost[block.sequence_hash] = block.policy_state  # type: ignore[index]
+        ghost.move_to_end(block.sequence_hash)  # type: ignore[arg-type]
+        if len(ghost) > self._ghost_size:
+            ghost.popitem(last=False)
+
+
+class AdmissionPolicy:
+    """Decides whether a block offered to a tier is admitted there."""
+
+    name = "always"
+
+    def admit(self, sequence_hash: int) -> bool:
+        return True
+
+
+class SecondOfferAdmission(AdmissionPolicy):
+    """Admit a block only the second time it is offered (Dynamo's disk filter).
+
+    The first offer is remembered in a bounded FIFO history of ``history`` hashes (default:
+    four times the tier's capacity), so a block offered once long ago is forgotten.
+    One-hit blocks thus never displace blocks that were needed twice.
+    """
+
+    name = "second-offer"
+
+    def __init__(self, capacity: int, history: int | None = None) -> None:
+        size = history if history is not None else 4 * capacity
+        if size <= 0:
+            raise PolicyError(f"second-offer history must be positive, got {size}")
+        self._size = size
+        self._seen: OrderedDict[int, None] = OrderedDict()
+
+    def admit(self, sequence_hash: int) -> bool:
+        seen = self._seen
+        if sequence_hash in seen:
+            del seen[sequence_hash]
+            return True
+        seen[sequence_hash] = None
+        if len(seen) > self._size:
+            seen.popitem(last=False)
+        return False
+
+
+EVICTION_POLICIES: dict[str, Callable[[int], EvictionPolicy]] = {
+    "lru": LruEviction,
+    "default": PriorityLruEviction,
+    "lfu": AgedFrequencyEviction,
+}
+ADMISSION_POLICIES: dict[str, Callable[[int], AdmissionPolicy]] = {
+    "always": lambda capacity: AdmissionPolicy(),
+    "second-offer": SecondOfferAdmission,
+}
+
+
+def make_eviction(name: str, capacity: int) -> EvictionPolicy:
+    """Build the eviction policy called ``name`` for a pool of ``capacity`` blocks."""
+    try:
+        factory = EVICTION_POLICIES[name]
+    except KeyError:
+        raise PolicyError(
+            f"unknown eviction policy {name!r}; choose one of {sorted(EVICTION_POLICIES)}"
+        ) from None
+    return factory(capacity)
+
+
+def make_admission(name: str, capacity: int) -> AdmissionPolicy:
+    """Build the admission policy called ``name`` for a tier of ``capacity`` blocks."""
+    try:
+        factory = ADMISSION_POLICIES[name]
+    except KeyError:
+        raise PolicyError(
+            f"unknown admission policy {name!r}; choose one of {sorted(ADMISSION_POLICIES)}"
+        ) from None
+    return factory(capacity)

@@ -1,0 +1,441 @@
+"""A fixed-size pool of blocks for one tier: allocate, register (dedup), match, touch, release.
+
+Block slots are ``0 .. num_blocks-1`` (the physical layer's storage for the tier has the same
+slots). Every slot is in exactly one place:
+
+* the *reset* free list (state Reset, no users);
+* *active*: held by at least one handle (``ref_count > 0``);
+* *inactive*: Registered, no users, still matchable; the eviction policy orders those that
+  may be evicted now.
+
+``allocate`` takes reset slots first, then evicts inactive blocks in the policy's order.
+A pool is mutated only by its owner thread (DESIGN.md "one owner per pool"); handles dropped
+without ``release`` are returned through a queue that the owner drains on its next call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from queue import SimpleQueue, Empty
+from typing import Iterable, Sequence
+
+from .block import Block, BlockState, BlockStateError
+from .handles import HandleReleasedError, ImmutableBlocks, MutableBlocks, _Blocks
+from .policy import EvictionPolicy, LruEviction, PriorityLruEviction
+from .registry import BlockRecord, BlockRegistry
+
+
+class PoolError(RuntimeError):
+    """Base class of pool errors."""
+
+
+class PoolExhaustedError(PoolError):
+    """``allocate(n)`` asked for more blocks than are free or evictable; nothing changed."""
+
+    def __init__(self, tier: str, requested: int, available: int) -> None:
+        super().__init__(
+            f"pool {tier}: cannot allocate {requested} blocks, only {available} free or evictable"
+        )
+        self.requested = requested
+        self.available = available
+
+
+class ForeignHandleError(PoolError):
+    """A handle from another pool was given to this pool."""
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStatus:
+    """Counts of a pool's slots by place; ``active + inactive + reset == capacity``."""
+
+    tier: str
+    capacity: int
+    active: int
+    inactive: int
+    reset: int
+    evictions: int
+
+
+class BlockPool:
+    """The blocks of one tier. See the module docstring for the model."""
+
+    def __init__(
+        self,
+        tier: str,
+        num_blocks: int,
+        block_size: int,
+        *,
+        eviction: EvictionPolicy | None = None,
+        registry: BlockRegistry | None = None,
+        keep_tokens: bool = False,
+    ) -> None:
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.tier = tier
+        self.block_size = block_size
+        self.capacity = num_blocks
+        self.eviction = eviction if eviction is not None else PriorityLruEviction(num_blocks)
+        self.registry = registry if registry is not None else BlockRegistry()
+        self.keep_tokens = keep_tokens
+        self._blocks = [Block(i, block_size) for i in range(num_blocks)]
+        # Free list as a stack, lowest ids handed out first (deterministic allocation).
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._by_hash: dict[int, Block] = {}
+        self._inactive = 0
+        self._tick = 0
+        self._orphans: SimpleQueue[tuple[list[int], bool]] = SimpleQueue()
+        self.evictions = 0
+        self._leaf_first = self.eviction.leaf_first
+        # Registered blocks in use; leaf-first pools need them to count what eviction can reach.
+        self._active_registered: set[int] = set()
+
+    # -- side-effect-free queries ----------------------------------------------------------
+    def __contains__(self, sequence_hash: int) -> bool:
+        return sequence_hash in self._by_hash
+
+    def match_length(self, sequence_hashes: Sequence[int]) -> int:
+        """Length of the longest prefix of ``sequence_hashes`` registered here (no side effect)."""
+        by_hash = self._by_hash
+        n = 0
+        for h in sequence_hashes:
+            if h not in by_hash:
+                break
+            n += 1
+        return n
+
+    def can_allocate(self, count: int) -> bool:
+        """Whether ``allocate(count)`` would succeed now (no side effect)."""
+        return count <= len(self._free) + len(self.eviction) or count <= self._evictable_total()
+
+    def status(self) -> PoolStatus:
+        self._drain_orphans()
+        reset = len(self._free)
+        return PoolStatus(
+            self.tier,
+            self.capacity,
+            self.capacity - reset - self._inactive,
+            self._inactive,
+            reset,
+            self.evictions,
+        )
+
+    def block(self, block_id: int) -> Block:
+        """The slot ``block_id`` (for the physical layer and tests; do not mutate)."""
+        return self._blocks[block_id]
+
+    def lookup(self, sequence_hash: int) -> Block | None:
+        """The registered block holding ``sequence_hash``, if any (no side effect)."""
+        return self._by_hash.get(sequence_hash)
+
+    # -- allocation ------------------------------------------------------------------------
+    def allocate(self, count: int) -> MutableBlocks:
+        """``count`` Reset blocks, evicting in policy order if needed; all or nothing."""
+        self._drain_orphans()
+        if count < 0:
+            raise ValueError(f"cannot allocate {count} blocks")
+        free = self._free
+        if count > len(free) + len(self.eviction):
+            available = self._evictable_total()
+            if count > available:
+                raise PoolExhaustedError(self.tier, count, available)
+        taken: list[Block] = []
+        blocks = self._blocks
+        while len(taken) < count and free:
+            taken.append(blocks[free.pop()])
+        if len(taken) < count:
+            taken.extend(self._evict(count - len(taken)))
+        for block in taken:
+            block.ref_count = 1
+        return MutableBlocks(self, taken)
+
+    def _evict(self, count: int) -> list[Block]:
+        victims: list[Block] = []
+        removed: list[int] = []
+        eviction = self.eviction
+        by_hash = self._by_hash
+        while len(victims) < count:
+            block = eviction.victim()
+            if block is None:  # cannot happen: allocate checked the evictable total
+                raise AssertionError(f"pool {self.tier}: eviction order ran dry")
+            removed.append(block.sequence_hash)  # type: ignore[arg-type]
+            del by_hash[block.sequence_hash]
+            self._inactive -= 1
+            self._unlink_parent(block)
+            block.reset()
+            victims.append(block)
+        self.evictions += len(victims)
+        self.registry.record_removed(self.tier, removed)
+        return victims
+
+    def _evictable_total(self) -> int:
+        """Free slots plus inactive blocks that eviction can reach (cascading up the tree).
+
+        An inactive block is unreachable only if it is an ancestor of an active block in this
+        pool (leaf-first policies never evict a prefix of something in use).
+        """
+        if not self._leaf_first:
+            return len(self._free) + len(self.eviction)
+        pinned: set[int] = set()
+        blocks = self._blocks
+        for block_id in self._active_registered:
+            parent = blocks[block_id].parent_id
+            while parent >= 0 and parent not in pinned:
+                pinned.add(parent)
+                parent = blocks[parent].parent_id
+        pinned_inactive = sum(1 for i in pinned if blocks[i].ref_count == 0)
+        return len(self._free) + self._inactive - pinned_inactive
+
+    # -- registration ----------------------------------------------------------------------
+    def register(self, handle: MutableBlocks, priority: int = 0) -> ImmutableBlocks:
+        """Make Complete blocks matchable; returns handles on the registered blocks.
+
+        A hash already registered here is deduplicated: the handle points at the existing
+        block and the new slot goes back to the free list. ``handle`` is consumed. If any
+        block is not Complete, nothing changes and :class:`BlockStateError` is raised.
+        """
+        self._check_owner(handle)
+        self._drain_orphans()
+        blocks = handle.blocks
+        for block in blocks:
+            if block.state is not BlockState.COMPLETE:
+                raise BlockStateError(block.block_id, block.state, "register", "must be Complete")
+        handle._take()
+        by_hash = self._by_hash
+        out: list[Block] = []
+        stored: list[BlockRecord] = []
+        keep_tokens = self.keep_tokens
+        leaf_first = self._leaf_first
+        registered = self.eviction.registered
+        for block in blocks:
+            existing = by_hash.get(block.sequence_hash)  # type: ignore[arg-type]
+            if existing is not None:
+                self._acquire(existing)
+                block.reset()
+                block.ref_count = 0
+                self._free.append(block.block_id)
+                out.append(existing)
+                continue
+            block.state = BlockState.REGISTERED
+            block.priority = priority
+            by_hash[block.sequence_hash] = block  # type: ignore[index]
+            if leaf_first:
+                self._link_parent(block)
+                self._active_registered.add(block.block_id)
+            registered(block)
+            record = block.cached_record
+            stored.append(record if record is not None and not keep_tokens else block.record(keep_tokens))
+            out.append(block)
+        self.registry.record_stored(self.tier, stored)
+        return ImmutableBlocks(self, out)
+
+    def _link_parent(self, block: Block) -> None:
+        parent = self._by_hash.get(block.parent_hash) if block.parent_hash is not None else None
+        if parent is None:
+            return
+        block.parent_id = parent.block_id
+        parent.children += 1
+        if parent.children == 1 and parent.ref_count == 0:
+            self.eviction.remove(parent)
+
+    def _unlink_parent(self, block: Block) -> None:
+        if block.parent_id < 0:
+            return
+        parent = self._blocks[block.parent_id]
+        parent.children -= 1
+        if parent.children == 0 and parent.ref_count == 0:
+            self.eviction.insert(parent)
+
+    # -- matching and use ------------------------------------------------------------------
+    def match(self, sequence_hashes: Sequence[int]) -> ImmutableBlocks:
+        """Handles on the longest registered prefix of ``sequence_hashes`` (stops at a miss)."""
+        self._drain_orphans()
+        by_hash = self._by_hash
+        found: list[Block] = []
+        record_hit = self.eviction.record_hit
+        for h in sequence_hashes:
+            block = by_hash.get(h)
+            if block is None:
+                break
+            self._acquire(block)
+            record_hit(block)
+            found.append(block)
+        return ImmutableBlocks(self, found)
+
+    def touch(self, sequence_hashes: Iterable[int]) -> int:
+        """Mark registered blocks as just used, without acquiring them; returns how many."""
+        self._drain_orphans()
+        by_hash = self._by_hash
+        eviction = self.eviction
+        leaf_first = self._leaf_first
+        touched = 0
+        for h in sequence_hashes:
+            block = by_hash.get(h)
+            if block is None:
+                continue
+            self._tick += 1
+            block.release_tick = self._tick
+            eviction.record_hit(block)
+            if block.ref_count == 0 and not (leaf_first and block.children):
+                eviction.touch(block)
+            touched += 1
+        return touched
+
+    def _acquire(self, block: Block) -> None:
+        if block.ref_count == 0:
+            self._inactive -= 1
+            if self._leaf_first:
+                self._active_registered.add(block.block_id)
+                if not block.children:
+                    self.eviction.remove(block)
+            else:
+                self.eviction.remove(block)
+        block.ref_count += 1
+
+    # -- release ---------------------------------------------------------------------------
+    def release(self, handle: _Blocks) -> None:
+        """Return a handle's blocks (registered ones stay cached and matchable)."""
+        self._check_owner(handle)
+        self._drain_orphans()
+        self._release_blocks(handle._take(), isinstance(handle, MutableBlocks))
+
+    def _release_blocks(self, blocks: list[Block], mutable: bool) -> None:
+        eviction = self.eviction
+        leaf_first = self._leaf_first
+        free = self._free
+        for block in blocks:
+            if mutable:
+                block.reset()
+                block.ref_count = 0
+                free.append(block.block_id)
+                continue
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block.block_id} released more than acquired"
+            if block.ref_count == 0:
+                self._tick += 1
+                block.release_tick = self._tick
+                self._inactive += 1
+                if leaf_first:
+                    self._active_registered.discard(block.block_id)
+                    if block.children:
+                        continue
+                eviction.insert(block)
+
+    def _post_orphans(self, block_ids: list[int], mutable: bool) -> None:
+        """Finalizer target: queue a dropped handle's blocks for the owner thread."""
+        self._orphans.put((block_ids, mutable))
+
+    def _drain_orphans(self) -> None:
+        orphans = self._orphans
+        if orphans.empty():
+            return
+        while True:
+            try:
+                ids, mutable = orphans.get_nowait()
+            except Empty:
+                return
+            self._release_blocks([self._blocks[i] for i in ids], mutable)
+
+    # -- explicit eviction -----------------------------------------------------------------
+    def reset_blocks(self, sequence_hashes: Iterable[int]) -> list[int]:
+        """Drop the given hashes if they are inactive; returns the hashes actually dropped.
+
+        Blocks in use are left alone. With a leaf-first policy a block whose children are
+        still registered is dropped together with that subtree's inactive blocks only if
+        the whole subtree is inactive; otherwise it is left alone.
+        """
+        self._drain_orphans()
+        dropped: list[int] = []
+        for h in sequence_hashes:
+            block = self._by_hash.get(h)
+            if block is None or block.ref_count or block.children:
+                continue
+            self.eviction.remove(block)
+            del self._by_hash[h]
+            self._inactive -= 1
+            self._unlink_parent(block)
+            block.reset()
+            self._free.append(block.block_id)
+            dropped.append(h)
+        self.registry.record_removed(self.tier, dropped)
+        return dropped
+
+    def clear(self) -> int:
+        """Drop every inactive block (a "cleared" event when nothing is in use); returns count."""
+        self._drain_orphans()
+        in_use = any(b.ref_count for b in self._blocks)
+        if in_use:
+            # Leaves first, repeatedly, so parents of dropped leaves can go too.
+            total = 0
+            while True:
+                batch = [
+                    h for h, b in self._by_hash.items() if b.ref_count == 0 and not b.children
+                ]
+                if not batch:
+                    return total
+                total += len(self.reset_blocks(batch))
+        held = list(self._by_hash)
+        for block in self._by_hash.values():
+            self.eviction.remove(block)
+            block.reset()
+            self._free.append(block.block_id)
+        self._by_hash.clear()
+        self._inactive = 0
+        self.registry.record_cleared(self.tier, held)
+        return len(held)
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _check_owner(self, handle: _Blocks) -> None:
+        if handle.pool is not self:
+            raise ForeignHandleError(f"handle belongs to pool {handle.pool.tier}, not {self.tier}")
+        if handle.released:
+            raise HandleReleasedError("handle already released")
+
+    def check_invariants(self) -> None:
+        """Assert the pool's bookkeeping is consistent (tests and debugging; O(capacity))."""
+        free = set(self._free)
+        assert len(free) == len(self._free), "a slot is on the free list twice"
+        inactive = 0
+        for block in self._blocks:
+            assert block.ref_count >= 0, f"block {block.block_id} has negative refs"
+            if block.block_id in free:
+                assert block.state is BlockState.RESET and block.ref_count == 0, (
+                    f"free block {block.block_id} is {block.state.name} with {block.ref_count} refs"
+                )
+            elif block.state is BlockState.REGISTERED:
+                assert self._by_hash.get(block.sequence_hash) is block, (  # type: ignore[arg-type]
+                    f"registered block {block.block_id} not indexed by its hash"
+                )
+                inactive += block.ref_count == 0
+            else:
+                assert block.ref_count > 0, f"unregistered block {block.block_id} leaked"
+        assert inactive == self._inactive, f"inactive count {self._inactive} != {inactive}"
+        assert len(self._by_hash) <= self.capacity
+        for h, block in self._by_hash.items():
+            assert block.sequence_hash == h and block.state is BlockState.REGISTERED
+        if self._leaf_first:
+            for block in self._by_hash.values():
+                kids = sum(
+                    1 for b in self._by_hash.values() if b.parent_id == block.block_id
+                )
+                assert kids == block.children, f"block {block.block_id} child count drifted"
+        expected_evictable = sum(
+            1
+            for b in self._by_hash.values()
+            if b.ref_count == 0 and not (self._leaf_first and b.children)
+        )
+        assert len(self.eviction) == expected_evictable, (
+            f"policy holds {len(self.eviction)} evictable, expected {expected_evictable}"
+        )
+
+
+__all__ = [
+    "BlockPool",
+    "PoolStatus",
+    "PoolError",
+    "PoolExhaustedError",
+    "ForeignHandleError",
+    "LruEviction",
+    "PriorityLruEviction",
+]

@@ -1,0 +1,151 @@
+"""Which tiers hold which sequence hash, and the observer hook the event plane listens on.
+
+Each tier's pool reports to one shared :class:`BlockRegistry` when a hash becomes visible in
+that tier (registered) and when it stops being visible (evicted or reset). The registry keeps,
+per hash, the set of tiers holding it, and tells observers:
+
+* ``on_tier_stored`` / ``on_tier_removed`` / ``on_tier_cleared``: per-tier changes, one call per
+  batch, in the order they happened (a consumer that replays them reaches the exact state);
+* ``on_stored`` / ``on_removed``: the hash entered its first tier / left its last tier.
+
+Observers run synchronously on the pool owner's thread, so they must be cheap (the event
+publisher only enqueues). The registry is metadata only: it never touches bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+TIER_NAMES = ("G1", "G2", "G3", "G4")
+"""Tier names, fastest first: device, host, local disk, remote."""
+
+_TIER_BIT = {name: 1 << i for i, name in enumerate(TIER_NAMES)}
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRecord:
+    """What the outside world needs to know about one registered block.
+
+    ``parent_hash`` is the sequence hash of the previous block in the chain (None for the
+    first block); ``token_ids`` is optional and only filled when the pool was asked to keep
+    tokens (it costs memory).
+    """
+
+    sequence_hash: int
+    local_hash: int
+    parent_hash: int | None
+    block_size: int
+    token_ids: tuple[int, ...] | None = None
+
+
+class RegistryObserver:
+    """Base class for registry observers; override what you need (the defaults do nothing)."""
+
+    def on_tier_stored(self, tier: str, records: Sequence[BlockRecord]) -> None:
+        """``records`` became visible in ``tier`` (in registration order, parents first)."""
+
+    def on_tier_removed(self, tier: str, sequence_hashes: Sequence[int]) -> None:
+        """``sequence_hashes`` stopped being visible in ``tier``."""
+
+    def on_tier_cleared(self, tier: str) -> None:
+        """Every block of ``tier`` was dropped at once (``reset_blocks`` of everything)."""
+
+    def on_stored(self, records: Sequence[BlockRecord]) -> None:
+        """``records`` entered their first tier (were held nowhere before)."""
+
+    def on_removed(self, sequence_hashes: Sequence[int]) -> None:
+        """``sequence_hashes`` left their last tier (are held nowhere now)."""
+
+
+class BlockRegistry:
+    """Maps each sequence hash to the tiers that hold it, and fans changes out to observers."""
+
+    def __init__(self) -> None:
+        # hash -> bit mask of the tiers holding it (bit i = TIER_NAMES[i]); cheaper than sets.
+        self._tiers_by_hash: dict[int, int] = {}
+        self._observers: list[RegistryObserver] = []
+
+    # -- observers -------------------------------------------------------------------------
+    def add_observer(self, observer: RegistryObserver) -> None:
+        """Start telling ``observer`` about changes (it sees only changes from now on)."""
+        self._observers.append(observer)
+
+    def remove_observer(self, observer: RegistryObserver) -> None:
+        """Stop telling ``observer``; unknown observers are ignored."""
+        if observer in self._observers:
+            self._observers.remove(observer)
+
+    # -- queries ---------------------------------------------------------------------------
+    def tiers_of(self, sequence_hash: int) -> frozenset[str]:
+        """The tiers holding ``sequence_hash`` (empty if none)."""
+        mask = self._tiers_by_hash.get(sequence_hash, 0)
+        return frozenset(name for name, bit in _TIER_BIT.items() if mask & bit)
+
+    def __contains__(self, sequence_hash: int) -> bool:
+        return sequence_hash in self._tiers_by_hash
+
+    def __len__(self) -> int:
+        """Number of distinct hashes held by at least one tier."""
+        return len(self._tiers_by_hash)
+
+    def hashes_in(self, tier: str) -> set[int]:
+        """All hashes ``tier`` holds (O(total hashes); for tests and snapshots)."""
+        bit = _TIER_BIT[tier]
+        return {h for h, mask in self._tiers_by_hash.items() if mask & bit}
+
+    # -- updates (called by pools, on the owner thread) ------------------------------------
+    def record_stored(self, tier: str, records: Sequence[BlockRecord]) -> None:
+        """Pools call this after ``records`` were registered in ``tier``."""
+        if not records:
+            return
+        first_seen: list[BlockRecord] = []
+        tiers_by_hash = self._tiers_by_hash
+        bit = _TIER_BIT[tier]
+        for record in records:
+            h = record.sequence_hash
+            mask = tiers_by_hash.get(h)
+            if mask is None:
+                tiers_by_hash[h] = bit
+                first_seen.append(record)
+            else:
+                tiers_by_hash[h] = mask | bit
+        for observer in self._observers:
+            observer.on_tier_stored(tier, records)
+            if first_seen:
+                observer.on_stored(first_seen)
+
+    def record_removed(self, tier: str, sequence_hashes: Sequence[int]) -> None:
+        """Pools call this after ``sequence_hashes`` stopped being visible in ``tier``."""
+        if not sequence_hashes:
+            return
+        gone = self._drop_tier(tier, sequence_hashes)
+        for observer in self._observers:
+            observer.on_tier_removed(tier, sequence_hashes)
+            if gone:
+                observer.on_removed(gone)
+
+    def _drop_tier(self, tier: str, sequence_hashes: Iterable[int]) -> list[int]:
+        """Remove ``tier`` from each hash; returns the hashes now held by no tier."""
+        gone: list[int] = []
+        tiers_by_hash = self._tiers_by_hash
+        keep = ~_TIER_BIT[tier]
+        for h in sequence_hashes:
+            mask = tiers_by_hash.get(h)
+            if mask is None:
+                continue
+            mask &= keep
+            if mask:
+                tiers_by_hash[h] = mask
+            else:
+                del tiers_by_hash[h]
+                gone.append(h)
+        return gone
+
+    def record_cleared(self, tier: str, sequence_hashes: Iterable[int]) -> None:
+        """Pools call this after dropping every block of ``tier`` (``sequence_hashes`` held)."""
+        gone = self._drop_tier(tier, sequence_hashes)
+        for observer in self._observers:
+            observer.on_tier_cleared(tier)
+            if gone:
+                observer.on_removed(gone)

@@ -1,0 +1,50 @@
+"""The physical layer of kvstrata: the bytes of KV blocks.
+
+Entry points::
+
+    from kvstrata.physical import (LayoutConfig, HostStorage, DiskStorage, DeviceStorage,
+                                   TransferEngine, TransferPlan)
+
+    cfg = LayoutConfig(num_blocks=1024, num_layers=32, outer_dim=2, page_size=16,
+                       inner_dim=1024, dtype="bf16")
+    g1 = DeviceStorage.wrap(kv_caches)               # engine tensors, zero-copy
+    g2 = HostStorage(cfg.with_blocks(4096))          # pinned when CUDA is present
+    g3 = DiskStorage(cfg.with_blocks(65536), "/nvme/kvstrata")
+    engine = TransferEngine({"G1": g1, "G2": g2, "G3": g3})
+    fut = engine.submit(TransferPlan("G1->G2", [3, 7], [0, 1], [h3, h7]))
+
+Modules: :mod:`.layout` (geometry and addressing), :mod:`.layout_codec` (sharing layouts
+between processes), :mod:`.storage` (backends), :mod:`.checksum` (xxh3-64 integrity),
+:mod:`.copy` (copy engines), :mod:`.plan` and :mod:`.transfer` (plans, results, engine),
+:mod:`.errors` (typed errors). See docs/physical.md.
+"""
+
+from .checksum import ChecksumTable, block_checksum
+from .copy import (CopyEngine, MemmoveCopyEngine, StagedCopyEngine, TorchCopyEngine,
+                   default_copy_engine)
+from .dtypes import SUPPORTED_DTYPES
+from .errors import (BlockFailure, BlockIntegrityError, BlockIOError, ChecksumMismatchError,
+                     DiskFullError, EngineBusyError, EngineClosedError, FailureKind,
+                     LayoutConfigError, LayoutError, LayoutFormatError, LayoutMismatchError,
+                     LayoutVersionError, PhysicalError, StorageClosedError, StorageConfigError,
+                     StorageError, StorageIOError, TransferError, TransferPlanError)
+from .layout import (FullyContiguousLayout, Granularity, LayerOrder, LayerSeparateLayout, Layout,
+                     LayoutConfig, Region)
+from .layout_codec import SharedLayout, StorageDescriptor
+from .plan import PATHS, TIERS, TransferPlan, TransferResult
+from .storage import (BlockMemory, DeviceStorage, DiskStorage, FileOps, HostStorage,
+                      MemoryStorage, Storage, StorageStatus)
+from .transfer import TransferEngine
+
+__all__ = ["ChecksumTable", "block_checksum", "CopyEngine", "MemmoveCopyEngine",
+           "StagedCopyEngine", "TorchCopyEngine", "default_copy_engine", "SUPPORTED_DTYPES",
+           "BlockFailure", "BlockIntegrityError", "BlockIOError", "ChecksumMismatchError",
+           "DiskFullError", "EngineBusyError", "EngineClosedError", "FailureKind",
+           "LayoutConfigError", "LayoutError", "LayoutFormatError", "LayoutMismatchError",
+           "LayoutVersionError", "PhysicalError", "StorageClosedError", "StorageConfigError",
+           "StorageError", "StorageIOError", "TransferError", "TransferPlanError",
+           "FullyContiguousLayout", "Granularity", "LayerOrder", "LayerSeparateLayout",
+           "Layout", "LayoutConfig", "Region", "SharedLayout", "StorageDescriptor", "PATHS",
+           "TIERS", "TransferPlan", "TransferResult", "BlockMemory", "DeviceStorage",
+           "DiskStorage", "FileOps", "HostStorage", "MemoryStorage", "Storage",
+           "StorageStatus", "TransferEngine"]

@@ -1,0 +1,210 @@
+"""Token blocks and chained block hashes, compatible with the Dynamo KV router.
+
+The scheme (REFERENCE.md §1), fixed so that every process, run and machine agrees:
+
+* tokens are hashed per *full* block of ``block_size`` tokens; a partial tail has no hash;
+* local block hash = ``xxh3_64(tokens as little-endian uint32, seed)``;
+* sequence hash of block 0 = its local hash; of block i > 0 =
+  ``xxh3_64(pack('<QQ', seq_hash[i-1], local_hash[i]), seed)``.
+
+The seed is 1337 unless the tokens belong to a LoRA adapter or carry a per-request cache salt
+(see :func:`isolation_seed`). Two different seeds never produce the same chain, so two tenants
+never share a block.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Iterable, Sequence
+
+import numpy as np
+import xxhash
+
+DEFAULT_SEED = 1337
+_MASK64 = (1 << 64) - 1
+_pack_pair = struct.Struct("<QQ").pack
+_xxh3 = xxhash.xxh3_64_intdigest
+
+
+class TokenError(ValueError):
+    """Token ids or block parameters that cannot be hashed (negative, > 2**32-1, bad size)."""
+
+
+def isolation_seed(lora_name: str | None = None, cache_salt: str | bytes | None = None) -> int:
+    """The hash seed for a tenant.
+
+    * no LoRA, no salt: 1337 (the Dynamo default);
+    * LoRA adapter: ``(1337 + xxh3_64(lora_name utf-8)) mod 2**64`` (Dynamo's rule);
+    * cache salt (vLLM's per-request ``cache_salt``): the seed so far plus
+      ``xxh3_64(b"salt:" + salt)`` mod 2**64. The ``salt:`` prefix keeps a salt from ever
+      colliding with a LoRA name of the same spelling.
+    """
+    seed = DEFAULT_SEED
+    if lora_name:
+        seed = (seed + _xxh3(lora_name.encode("utf-8"))) & _MASK64
+    if cache_salt:
+        salt = cache_salt.encode("utf-8") if isinstance(cache_salt, str) else bytes(cache_salt)
+        seed = (seed + _xxh3(b"salt:" + salt)) & _MASK64
+    return seed
+
+
+def _as_uint32(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Token ids as a contiguous little-endian uint32 array, validated."""
+    if isinstance(tokens, np.ndarray):
+        if tokens.dtype == np.dtype("<u4"):
+            return np.ascontiguousarray(tokens)
+        if tokens.size and (tokens.min() < 0 or tokens.max() > 0xFFFFFFFF):
+            raise TokenError("token ids must be in [0, 2**32-1]")
+        if tokens.dtype.kind not in "iu":
+            raise TokenError(f"token ids must be integers, got dtype {tokens.dtype}")
+        return np.ascontiguousarray(tokens, dtype="<u4")
+    try:
+        return np.fromiter(tokens, dtype="<u4", count=len(tokens))
+    except (OverflowError, ValueError, TypeError) as exc:
+        raise TokenError(f"token ids must be integers in [0, 2**32-1]: {exc}") from None
+
+
+def _check_block_size(block_size: int) -> None:
+    if not isinstance(block_size, int) or block_size <= 0:
+        raise TokenError(f"block_size must be a positive int, got {block_size!r}")
+
+
+def local_block_hash(tokens: Sequence[int] | np.ndarray, seed: int = DEFAULT_SEED) -> int:
+    """Hash of one block's tokens, independent of what came before."""
+    return _xxh3(_as_uint32(tokens), seed=seed)
+
+
+def chain_hash(parent_sequence_hash: int | None, local_hash: int, seed: int = DEFAULT_SEED) -> int:
+    """Sequence hash of a block from its parent's sequence hash and its own local hash."""
+    if parent_sequence_hash is None:
+        return local_hash
+    return _xxh3(_pack_pair(parent_sequence_hash, local_hash), seed=seed)
+
+
+def hash_blocks(
+    tokens: Sequence[int] | np.ndarray,
+    block_size: int,
+    seed: int = DEFAULT_SEED,
+    parent_sequence_hash: int | None = None,
+) -> tuple[list[int], list[int]]:
+    """Local and sequence hashes of every full block of ``tokens``.
+
+    ``parent_sequence_hash`` continues an existing chain (the hash of the block before
+    ``tokens[0]``). Returns ``(local_hashes, sequence_hashes)``.
+    """
+    _check_block_size(block_size)
+    array = _as_uint32(tokens)
+    n_blocks = len(array) // block_size
+    view = memoryview(array[: n_blocks * block_size]).cast("B")
+    step = block_size * 4
+    local_hashes = [_xxh3(view[i * step : (i + 1) * step], seed=seed) for i in range(n_blocks)]
+    sequence_hashes = chain_hashes(local_hashes, seed, parent_sequence_hash)
+    return local_hashes, sequence_hashes
+
+
+def chain_hashes(
+    local_hashes: Iterable[int], seed: int = DEFAULT_SEED, parent_sequence_hash: int | None = None
+) -> list[int]:
+    """Sequence hashes for a run of local hashes continuing ``parent_sequence_hash``."""
+    out: list[int] = []
+    parent = parent_sequence_hash
+    for local in local_hashes:
+        parent = local if parent is None else _xxh3(_pack_pair(parent, local), seed=seed)
+        out.append(parent)
+    return out
+
+
+class TokenSequence:
+    """A growing token sequence that hashes each block as soon as it is full.
+
+    Appending a token is O(1); hashing happens once per completed block. ``extend`` takes a
+    list or numpy array and hashes the completed blocks in one pass.
+
+    >>> seq = TokenSequence(block_size=4)
+    >>> seq.extend(range(1, 11))
+    >>> seq.sequence_hashes
+    [14643705804678351452, 4945711292740353085]
+    """
+
+    __slots__ = ("block_size", "seed", "_tail", "_n_tokens", "local_hashes", "sequence_hashes")
+
+    def __init__(
+        self,
+        tokens: Sequence[int] | np.ndarray = (),
+        *,
+        block_size: int,
+        seed: int = DEFAULT_SEED,
+    ) -> None:
+        _check_block_size(block_size)
+        self.block_size = block_size
+        self.seed = seed
+        self._tail: list[int] = []
+        self._n_tokens = 0
+        self.local_hashes: list[int] = []
+        self.sequence_hashes: list[int] = []
+        if len(tokens):
+            self.extend(tokens)
+
+    def __len__(self) -> int:
+        return self._n_tokens
+
+    @property
+    def num_full_blocks(self) -> int:
+        return len(self.sequence_hashes)
+
+    @property
+    def tail_tokens(self) -> list[int]:
+        """Tokens of the partial last block (not hashed yet)."""
+        return list(self._tail)
+
+    def append(self, token: int) -> int | None:
+        """Add one token; returns the new block's sequence hash if it completed a block."""
+        if not isinstance(token, (int, np.integer)) or not 0 <= token <= 0xFFFFFFFF:
+            raise TokenError(f"token id must be an int in [0, 2**32-1], got {token!r}")
+        self._tail.append(int(token))
+        self._n_tokens += 1
+        if len(self._tail) < self.block_size:
+            return None
+        return self._seal_tail()
+
+    def extend(self, tokens: Sequence[int] | np.ndarray) -> list[int]:
+        """Add many tokens; returns the sequence hashes of the blocks they completed."""
+        array = _as_uint32(tokens)
+        if not len(array):
+            return []
+        start = 0
+        new_hashes: list[int] = []
+        if self._tail:
+            need = self.block_size - len(self._tail)
+            self._tail.extend(array[:need].tolist())
+            self._n_tokens += min(need, len(array))
+            start = need
+            if len(self._tail) == self.block_size:
+                new_hashes.append(self._seal_tail())
+        rest = array[start:]
+        if len(rest):
+            parent = self.sequence_hashes[-1] if self.sequence_hashes else None
+            local, seqs = hash_blocks(rest, self.block_size, self.seed, parent)
+            self.local_hashes.extend(local)
+            self.sequence_hashes.extend(seqs)
+            new_hashes.extend(seqs)
+            full = len(local) * self.block_size
+            self._tail = rest[full:].tolist()
+            self._n_tokens += len(rest)
+        return new_hashes
+
+    def pop(self) -> int:
+        """Remove the last token (only from the partial tail; hashed blocks are immutable)."""
+        if not self._tail:
+            raise TokenError("no partial-block token to pop (full blocks are sealed)")
+        self._n_tokens -= 1
+        return self._tail.pop()
+
+    def _seal_tail(self) -> int:
+        local = _xxh3(np.asarray(self._tail, dtype="<u4"), seed=self.seed)
+        parent = self.sequence_hashes[-1] if self.sequence_hashes else None
+        seq = chain_hash(parent, local, self.seed)
+        self.local_hashes.append(local)
+        self.sequence_hashes.append(seq)
+        self._tail = []
+        return seq
