@@ -1,0 +1,102 @@
+import pytest
+
+from kvstrata.config import (
+    ConfigError,
+    KvConfig,
+    TierConfig,
+    load_config,
+    parse_size,
+    parse_tiers_flag,
+)
+
+
+def test_defaults_are_valid():
+    config = load_config(env={})
+    assert config.block_size == 16 and set(config.tiers) == {"G1", "G2", "G3"}
+    assert config.tier_eviction("G1") == "default" and config.tier_admission("G3") == "always"
+
+
+def test_kwargs_override_everything(tmp_path):
+    path = tmp_path / "kv.toml"
+    path.write_text('block_size = 32\npolicy = "lru"\n[tiers.G1]\nblocks = 10\n')
+    config = load_config(path, env={"KVSTRATA_BLOCK_SIZE": "64"}, block_size=128)
+    assert config.block_size == 128 and config.eviction == "lru"
+    assert config.tiers == {"G1": TierConfig(blocks=10)}
+
+
+def test_toml_file(tmp_path):
+    path = tmp_path / "kv.toml"
+    path.write_text(
+        'block_size = 32\neviction = "lfu"\nadmission = "second-offer"\n'
+        '[model]\nnum_layers = 2\nkv_heads = 2\nhead_dim = 64\ndtype = "fp16"\n'
+        '[tiers.G1]\nblocks = 100\n[tiers.G2]\nbytes = "1MiB"\neviction = "lru"\n'
+        '[tiers.G3]\ngb = 0.001\nadmission = "always"\npath = "/tmp/x"\n'
+    )
+    config = load_config(path, env={})
+    assert config.bytes_per_block == 2 * 2 * 32 * 2 * 64 * 2  # 32 KiB
+    assert config.tier_blocks("G2") == 32 and config.tier_eviction("G2") == "lru"
+    assert config.tier_blocks("G3") == int(0.001 * 1024**3) // 32768
+    assert config.tier_admission("G1") == "second-offer"
+    assert config.tier_admission("G3") == "always"
+
+
+def test_env_vars_and_dynamo_aliases():
+    env = {
+        "KVSTRATA_BLOCK_SIZE": "32",
+        "KVSTRATA_G1_BLOCKS": "500",
+        "DYN_KVBM_CPU_CACHE_GB": "2",
+        "DYN_KVBM_DISK_CACHE_GB": "10",
+        "DYN_KVBM_DISK_CACHE_DIR": "/mnt/nvme",
+        "KVSTRATA_POLICY": "lfu",
+    }
+    config = load_config(env=env)
+    assert config.block_size == 32 and config.tier_blocks("G1") == 500
+    assert config.tiers["G2"].bytes == 2 * 1024**3 and config.tiers["G3"].bytes == 10 * 1024**3
+    assert config.disk_dir == "/mnt/nvme" and config.eviction == "lfu"
+
+
+def test_kvstrata_env_wins_over_dynamo_alias():
+    config = load_config(env={"DYN_KVBM_CPU_CACHE_GB": "2", "KVSTRATA_G2_BLOCKS": "77"})
+    assert config.tiers["G2"].blocks == 77 and config.tiers["G2"].bytes is None
+
+
+def test_one_error_names_every_problem(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_config(
+            env={"KVSTRATA_BLOCK_SIZE": "abc"},
+            tiers={"G1": 0, "G9": 5, "G2": {"bytes": "lots"}},
+            eviction="magic",
+            admission="never",
+        )
+    text = str(err.value)
+    for fragment in ("KVSTRATA_BLOCK_SIZE", "G9", "tier G1: blocks", "tier G2", "magic", "never"):
+        assert fragment in text, fragment
+    assert len(err.value.problems) >= 6
+
+
+def test_missing_file_and_bad_toml(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("block_size = [")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad, env={})
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.toml", env={})
+
+
+def test_validate_rejects_bad_direct_construction():
+    with pytest.raises(ConfigError, match="G1 is required"):
+        KvConfig(tiers={"G2": TierConfig(blocks=4)}).validate()
+
+
+@pytest.mark.parametrize("text, expected", [("4096", 4096), ("4GiB", 4 * 1024**3),
+                                            ("2.5GB", 2_500_000_000), ("1 MiB", 1024**2)])
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+def test_tiers_flag():
+    tiers = parse_tiers_flag("G1=1000, G2=4GiB,g3=1_000")
+    assert tiers["G1"].blocks == 1000 and tiers["G2"].bytes == 4 * 1024**3
+    assert tiers["G3"].blocks == 1000
+    with pytest.raises(ConfigError):
+        parse_tiers_flag("G1")

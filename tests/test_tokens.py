@@ -1,0 +1,111 @@
+import numpy as np
+import pytest
+
+from kvstrata.tokens import (
+    DEFAULT_SEED,
+    TokenError,
+    TokenSequence,
+    chain_hash,
+    hash_blocks,
+    isolation_seed,
+    local_block_hash,
+)
+
+# REFERENCE.md §1 test vector.
+VECTOR_LOCAL = [14643705804678351452, 16777012769546811212]
+VECTOR_SEQ = [14643705804678351452, 4945711292740353085]
+
+
+def test_reference_vector_from_list():
+    local, seqs = hash_blocks(list(range(1, 11)), 4)
+    assert local == VECTOR_LOCAL
+    assert seqs == VECTOR_SEQ
+
+
+@pytest.mark.parametrize("dtype", ["int64", "int32", "uint32", "<u4"])
+def test_reference_vector_from_numpy(dtype):
+    local, seqs = hash_blocks(np.arange(1, 11, dtype=dtype), 4)
+    assert (local, seqs) == (VECTOR_LOCAL, VECTOR_SEQ)
+
+
+def test_chain_hash_definition():
+    assert chain_hash(None, VECTOR_LOCAL[0]) == VECTOR_LOCAL[0]
+    assert chain_hash(VECTOR_SEQ[0], VECTOR_LOCAL[1]) == VECTOR_SEQ[1]
+    assert local_block_hash([5, 6, 7, 8]) == VECTOR_LOCAL[1]
+
+
+def test_partial_tail_has_no_hash():
+    local, seqs = hash_blocks([1, 2, 3], 4)
+    assert local == [] and seqs == []
+
+
+def test_incremental_append_equals_bulk():
+    tokens = list(np.random.default_rng(0).integers(0, 50_000, size=203))
+    seq = TokenSequence(block_size=16)
+    completed = []
+    for t in tokens:
+        h = seq.append(int(t))
+        if h is not None:
+            completed.append(h)
+    _, bulk = hash_blocks(tokens, 16)
+    assert seq.sequence_hashes == bulk == completed
+    assert len(seq) == 203 and seq.tail_tokens == [int(t) for t in tokens[192:]]
+
+
+def test_extend_in_uneven_chunks_equals_bulk():
+    tokens = np.arange(1000, 1100)
+    seq = TokenSequence(block_size=8)
+    for start, stop in [(0, 3), (3, 20), (20, 21), (21, 100)]:
+        seq.extend(tokens[start:stop])
+    assert seq.sequence_hashes == hash_blocks(tokens, 8)[1]
+    assert seq.num_full_blocks == 12
+
+
+def test_pop_only_from_tail():
+    seq = TokenSequence([1, 2, 3, 4, 5], block_size=4)
+    assert seq.pop() == 5
+    with pytest.raises(TokenError):
+        seq.pop()
+    assert seq.num_full_blocks == 1
+
+
+def test_continuing_a_chain_equals_hashing_whole():
+    tokens = list(range(64))
+    _, whole = hash_blocks(tokens, 16)
+    _, first = hash_blocks(tokens[:32], 16)
+    _, rest = hash_blocks(tokens[32:], 16, parent_sequence_hash=first[-1])
+    assert first + rest == whole
+
+
+@pytest.mark.parametrize("bad", [[-1, 2, 3, 4], [2**32, 1, 1, 1], ["a", 1, 2, 3]])
+def test_bad_tokens_rejected(bad):
+    with pytest.raises(TokenError):
+        hash_blocks(bad, 4)
+
+
+@pytest.mark.parametrize("size", [0, -4, 2.5])
+def test_bad_block_size_rejected(size):
+    with pytest.raises(TokenError):
+        hash_blocks([1, 2, 3, 4], size)
+
+
+def test_isolation_seeds_are_distinct_and_stable():
+    assert isolation_seed() == DEFAULT_SEED
+    lora = isolation_seed(lora_name="adapter-a")
+    salt = isolation_seed(cache_salt="adapter-a")
+    both = isolation_seed(lora_name="adapter-a", cache_salt="tenant-1")
+    assert len({DEFAULT_SEED, lora, salt, both}) == 4
+    assert isolation_seed(lora_name="adapter-a") == lora  # deterministic
+    assert isolation_seed(cache_salt=b"adapter-a") == salt
+
+
+def test_two_salts_never_share_a_block():
+    tokens = list(range(256))
+    chains = {
+        salt: set(hash_blocks(tokens, 16, isolation_seed(cache_salt=salt))[1])
+        for salt in ("tenant-a", "tenant-b", None)
+    }
+    assert not chains["tenant-a"] & chains["tenant-b"]
+    assert not chains["tenant-a"] & chains[None]
+    # Same salt, same tokens: identical chains (sharing inside a tenant still works).
+    assert set(hash_blocks(tokens, 16, isolation_seed(cache_salt="tenant-a"))[1]) == chains["tenant-a"]
