@@ -1,0 +1,348 @@
+"""G3 disk storage: one preallocated slab file per pool, a FullyContiguous block per slot.
+
+``DiskStorage(config, directory)`` creates ``kvstrata-<name>-<pid>-<random>.slab`` in
+``directory`` and reserves ``num_blocks * block_stride`` bytes with ``os.posix_fallocate``
+(falling back to ``ftruncate`` plus writing zeros where the filesystem cannot fallocate).
+``block_stride`` is the payload rounded up to 4096, so every block starts on a 4 KiB boundary.
+
+O_DIRECT is probed by opening the slab with ``O_DIRECT`` and writing one aligned page; if the
+filesystem refuses, buffered I/O is used and ``status().notes`` records why (``o_direct=True``
+makes the refusal an error instead). I/O is positional (``os.pwritev``/``os.preadv``), runs of
+consecutive slots are coalesced into one call, and buffers that are not 4 KiB-aligned (or
+shorter than a stride) are bounced through page-aligned ``mmap`` staging buffers.
+
+Integrity: :meth:`DiskStorage.write_blocks` hashes each block (xxh3-64) and records the hash
+and sequence hash only after the write succeeded; :meth:`DiskStorage.read_blocks` always checks
+the slot holds the requested sequence hash and re-hashes the bytes read. Failures raise a
+:class:`~kvstrata.physical.errors.BlockIOError` subclass — :class:`DiskFullError` (ENOSPC),
+:class:`StorageIOError` (EIO, short I/O), :class:`BlockIntegrityError` /
+:class:`ChecksumMismatchError` — whose ``failures`` name the failed positions and slots; all
+other blocks of the batch completed.
+
+The file is deleted on :meth:`close` unless ``keep_file=True``. Nothing here holds a lock
+across I/O; concurrent calls on distinct slots are safe.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import queue
+import secrets
+import threading
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from ..buffers import AlignedBuffer, address_of
+from ..checksum import ChecksumTable, block_checksum
+from ..errors import (BlockFailure, DiskFullError, FailureKind, StorageConfigError,
+                      StorageIOError, raise_for_failures)
+from ..layout import FullyContiguousLayout, LayoutConfig
+from ..layout_codec import StorageDescriptor
+from .base import Storage, StorageStatus
+from .fileio import FileOps
+
+__all__ = ["DiskStorage", "DIRECT_ALIGNMENT"]
+
+DIRECT_ALIGNMENT = 4096
+_IOV_MAX = 1024
+_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+_NO_FALLOCATE = {errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS}
+
+
+def _failure_kind(exc: OSError) -> FailureKind:
+    return FailureKind.DISK_FULL if exc.errno in _FULL_ERRNOS else FailureKind.IO_ERROR
+
+
+class DiskStorage(Storage):
+    """Slab-file block pool (G3). See the module docstring for the I/O and integrity rules."""
+
+    kind = "disk"
+
+    def __init__(self, config: LayoutConfig, directory: str | os.PathLike, *,
+                 name: str = "g3", o_direct: bool | None = None,
+                 file_ops: FileOps | None = None, max_io_bytes: int = 16 << 20,
+                 staging_buffers: int = 2, keep_file: bool = False) -> None:
+        layout = FullyContiguousLayout(
+            config.with_alignment(max(config.alignment, DIRECT_ALIGNMENT)))
+        super().__init__(layout)
+        self._ops = file_ops or FileOps()
+        self._stride = layout.block_stride
+        self._max_run = max(1, min(max_io_bytes // self._stride, _IOV_MAX))
+        self._keep_file = keep_file
+        self.notes: list[str] = []
+        self.checksums = ChecksumTable(config.num_blocks)
+        self._staging: queue.SimpleQueue[AlignedBuffer] = queue.SimpleQueue()
+        self._staging_left = max(1, staging_buffers)
+        self._staging_lock = threading.Lock()
+
+        directory = Path(directory)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StorageConfigError(f"cannot create disk pool directory {directory}: {exc}") from exc
+        self.path = directory / f"kvstrata-{name}-{os.getpid()}-{secrets.token_hex(4)}.slab"
+        self.size = layout.region_bytes(0)
+        fd = self._ops.open(str(self.path), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC)
+        try:
+            self._preallocate(fd)
+            self._fd, self.o_direct = self._open_for_io(fd, o_direct)
+        except BaseException:
+            self._ops.close(fd)
+            self._remove_file()
+            raise
+        if self._fd != fd:
+            self._ops.close(fd)
+
+    # ------------------------------------------------------------------ set-up
+    def _preallocate(self, fd: int) -> None:
+        try:
+            self._ops.fallocate(fd, 0, self.size)
+            return
+        except OSError as exc:
+            if exc.errno in _FULL_ERRNOS:
+                raise DiskFullError(f"no space for a {self.size}-byte slab in "
+                                    f"{self.path.parent}: {exc}", ()) from exc
+            if exc.errno not in _NO_FALLOCATE:
+                raise StorageIOError(f"posix_fallocate of {self.path} failed: {exc}", ()) from exc
+            self.notes.append(f"posix_fallocate unsupported ({exc.strerror}); wrote zeros")
+        self._ops.ftruncate(fd, self.size)
+        zeros = AlignedBuffer(min(self.size, 8 << 20))
+        offset = 0
+        try:
+            while offset < self.size:
+                view = zeros.array[:min(zeros.size, self.size - offset)]
+                offset += self._ops.pwritev(fd, [view], offset)
+        except OSError as exc:
+            cls = DiskFullError if exc.errno in _FULL_ERRNOS else StorageIOError
+            raise cls(f"reserving {self.size} bytes for {self.path} failed at offset "
+                      f"{offset}: {exc}", ()) from exc
+
+    def _open_for_io(self, fd: int, o_direct: bool | None) -> tuple[int, bool]:
+        if o_direct is False:
+            self.notes.append("O_DIRECT disabled by configuration")
+            return fd, False
+        if not hasattr(os, "O_DIRECT"):
+            reason = "this platform has no O_DIRECT"
+        else:
+            direct_fd = None
+            try:
+                direct_fd = self._ops.open(str(self.path), os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC)
+                probe = AlignedBuffer(DIRECT_ALIGNMENT)
+                if self._ops.pwritev(direct_fd, [probe.array], 0) != DIRECT_ALIGNMENT:
+                    raise OSError(errno.EIO, "short probe write")
+                return direct_fd, True
+            except OSError as exc:
+                if direct_fd is not None:
+                    self._ops.close(direct_fd)
+                reason = f"filesystem refused O_DIRECT ({exc.strerror or exc})"
+        if o_direct:
+            raise StorageConfigError(f"O_DIRECT requested for {self.path} but {reason}")
+        self.notes.append(f"buffered I/O: {reason}")
+        return fd, False
+
+    # ------------------------------------------------------------------ data path
+    def write_blocks(self, block_ids: Sequence[int], sources: Sequence[np.ndarray],
+                     sequence_hashes: Sequence[int]) -> list[int]:
+        """Write ``sources[i]`` (``uint8`` arrays of at least ``block_bytes``) to slot
+        ``block_ids[i]``. Returns the xxh3-64 of each block; raises a :class:`BlockIOError`
+        subclass naming failed positions (``.checksums`` then has ``None`` for those)."""
+        self._check_batch(block_ids, sources, sequence_hashes)
+        self.checksums.invalidate(block_ids)
+        block_bytes = self.config.block_bytes
+        sums: list[int | None] = [block_checksum(src[:block_bytes]) for src in sources]
+        failures: list[BlockFailure] = []
+        for run in self._runs(block_ids):
+            for part in self._isolating(run, lambda r: self._write_run(
+                    block_ids[r[0]], [sources[p] for p in r])):
+                positions, exc = part
+                failures.extend(BlockFailure(p, block_ids[p], _failure_kind(exc),
+                                             f"write failed: {exc}") for p in positions)
+                for p in positions:
+                    sums[p] = None
+        good = [p for p in range(len(block_ids)) if sums[p] is not None]
+        self.checksums.record_many([block_ids[p] for p in good], [sums[p] for p in good],
+                                   [sequence_hashes[p] for p in good])
+        raise_for_failures(f"write to {self.path.name}", failures, len(block_ids), sums)
+        return sums  # type: ignore[return-value]
+
+    def read_blocks(self, block_ids: Sequence[int], destinations: Sequence[np.ndarray],
+                    sequence_hashes: Sequence[int]) -> None:
+        """Read slot ``block_ids[i]`` into ``destinations[i]`` (``uint8`` arrays of at least
+        ``block_bytes``), verifying sequence hash and checksum. Raises a
+        :class:`BlockIOError` subclass naming failed positions; a failed destination may hold
+        garbage and must not be used."""
+        self._check_batch(block_ids, destinations, sequence_hashes)
+        failures = self.checksums.check_identities(block_ids, sequence_hashes)
+        refused = {f.position for f in failures}
+        wanted = [p for p in range(len(block_ids)) if p not in refused]
+        sub_ids = [block_ids[p] for p in wanted]
+        for run in self._runs(sub_ids):
+            for positions, exc in self._isolating(
+                    [wanted[i] for i in run],
+                    lambda r: self._read_run(block_ids[r[0]], [destinations[p] for p in r],
+                                             r, block_ids, failures)):
+                failures.extend(BlockFailure(p, block_ids[p], FailureKind.IO_ERROR,
+                                             f"read failed: {exc}") for p in positions)
+        raise_for_failures(f"read from {self.path.name}", failures, len(block_ids))
+
+    # ------------------------------------------------------------------ helpers
+    def _check_batch(self, block_ids, buffers, sequence_hashes) -> None:
+        self._check_open()
+        if not len(block_ids) == len(buffers) == len(sequence_hashes):
+            raise ValueError(f"batch lengths differ: {len(block_ids)} ids, {len(buffers)} "
+                             f"buffers, {len(sequence_hashes)} sequence hashes")
+        self.check_block_ids(block_ids)
+        for buf in buffers:
+            if buf.dtype != np.uint8 or buf.ndim != 1 or buf.size < self.config.block_bytes:
+                raise ValueError(f"block buffers must be 1-D uint8 arrays of at least "
+                                 f"{self.config.block_bytes} bytes")
+
+    def _runs(self, block_ids: Sequence[int]) -> list[list[int]]:
+        """Positions grouped into runs of consecutive slots (each run one syscall)."""
+        order = sorted(range(len(block_ids)), key=lambda p: block_ids[p])
+        runs: list[list[int]] = []
+        for p in order:
+            if runs and block_ids[p] == block_ids[runs[-1][-1]] + 1 \
+                    and len(runs[-1]) < self._max_run:
+                runs[-1].append(p)
+            else:
+                runs.append([p])
+        return runs
+
+    @staticmethod
+    def _isolating(run: list[int], io) -> list[tuple[list[int], OSError]]:
+        """Do ``io(run)``; if it fails, retry block by block so one bad block does not fail
+        its neighbours. Returns ``(positions, error)`` for what still failed."""
+        try:
+            io(run)
+            return []
+        except OSError as exc:
+            if len(run) == 1:
+                return [(run, exc)]
+        failed = []
+        for p in run:
+            try:
+                io([p])
+            except OSError as exc:
+                failed.append(([p], exc))
+        return failed
+
+    def _direct_ok(self, buf: np.ndarray) -> bool:
+        return buf.size >= self._stride and (
+            not self.o_direct or address_of(buf) % DIRECT_ALIGNMENT == 0)
+
+    def _write_run(self, first_slot: int, sources: list[np.ndarray]) -> None:
+        offset = first_slot * self._stride
+        if all(self._direct_ok(s) for s in sources):
+            self._pwrite_all([s[:self._stride] for s in sources], offset)
+            return
+        staging = self._acquire_staging(len(sources))
+        try:
+            block_bytes = self.config.block_bytes
+            views = []
+            for i, src in enumerate(sources):
+                view = staging.array[i * self._stride:(i + 1) * self._stride]
+                view[:block_bytes] = src[:block_bytes]
+                views.append(view)
+            self._pwrite_all(views, offset)
+        finally:
+            self._staging.put(staging)
+
+    def _read_run(self, first_slot: int, dests: list[np.ndarray], positions: list[int],
+                  block_ids: Sequence[int], failures: list[BlockFailure]) -> None:
+        offset = first_slot * self._stride
+        block_bytes = self.config.block_bytes
+        if all(self._direct_ok(d) for d in dests):
+            self._pread_all([d[:self._stride] for d in dests], offset)
+            for pos, dest in zip(positions, dests):
+                failure = self.checksums.check_bytes(pos, block_ids[pos], dest[:block_bytes])
+                if failure is not None:
+                    failures.append(failure)
+            return
+        staging = self._acquire_staging(len(dests))
+        try:
+            views = [staging.array[i * self._stride:(i + 1) * self._stride]
+                     for i in range(len(dests))]
+            self._pread_all(views, offset)
+            for pos, dest, view in zip(positions, dests, views):
+                failure = self.checksums.check_bytes(pos, block_ids[pos], view[:block_bytes])
+                if failure is None:
+                    dest[:block_bytes] = view[:block_bytes]   # only verified bytes go out
+                else:
+                    failures.append(failure)
+        finally:
+            self._staging.put(staging)
+
+    def _pwrite_all(self, buffers: list[np.ndarray], offset: int) -> None:
+        total = len(buffers) * self._stride
+        done = self._ops.pwritev(self._fd, buffers, offset)
+        while done < total:   # short write: continue where it stopped
+            if done <= 0:
+                raise OSError(errno.EIO, f"write made no progress at offset {offset + done}")
+            rest = _tail(buffers, done, self._stride)
+            done += self._ops.pwritev(self._fd, rest, offset + done)
+
+    def _pread_all(self, buffers: list[np.ndarray], offset: int) -> None:
+        total = len(buffers) * self._stride
+        done = self._ops.preadv(self._fd, buffers, offset)
+        while done < total:
+            if done <= 0:
+                raise OSError(errno.EIO, f"short read at offset {offset + max(done, 0)}")
+            rest = _tail(buffers, done, self._stride)
+            got = self._ops.preadv(self._fd, rest, offset + done)
+            if got <= 0:
+                raise OSError(errno.EIO, f"short read at offset {offset + done} (end of file)")
+            done += got
+
+    def _acquire_staging(self, blocks: int) -> AlignedBuffer:
+        """A staging buffer for ``blocks`` blocks; waits (without spinning) if all are busy."""
+        try:
+            return self._staging.get_nowait()
+        except queue.Empty:
+            pass
+        with self._staging_lock:
+            create = self._staging_left > 0
+            if create:
+                self._staging_left -= 1
+        if create:
+            return AlignedBuffer(self._max_run * self._stride)
+        return self._staging.get()
+
+    # ------------------------------------------------------------------ description
+    def status(self) -> StorageStatus:
+        cfg = self.config
+        return StorageStatus(kind=self.kind, blocks=cfg.num_blocks, block_bytes=cfg.block_bytes,
+                             bytes=self.size, o_direct=self.o_direct, path=str(self.path),
+                             notes=tuple(self.notes))
+
+    def descriptors(self) -> tuple[StorageDescriptor, ...]:
+        return (StorageDescriptor("disk", self.size, path=str(self.path)),)
+
+    def close(self) -> None:
+        """Close the file and delete it (unless ``keep_file``). Idempotent."""
+        if self.closed:
+            return
+        super().close()
+        try:
+            self._ops.close(self._fd)
+        finally:
+            if not self._keep_file:
+                self._remove_file()
+
+    def _remove_file(self) -> None:
+        try:
+            self._ops.unlink(str(self.path))
+        except FileNotFoundError:
+            pass
+
+
+def _tail(buffers: list[np.ndarray], done: int, stride: int) -> list[np.ndarray]:
+    """The part of equally sized ``buffers`` after the first ``done`` bytes."""
+    first, skip = divmod(done, stride)
+    rest = list(buffers[first:])
+    if skip:
+        rest[0] = rest[0][skip:]
+    return rest

@@ -1,0 +1,127 @@
+"""G2 host storage: one FullyContiguous region of host RAM, a block per slot.
+
+``HostStorage(config)`` allocates ``num_blocks * block_stride`` bytes, page-locked (pinned)
+when CUDA is present, else page-aligned anonymous memory; either way every page is touched at
+creation so the data path never faults. Each block is contiguous, so moving a block is one
+copy, and disk I/O can go straight from/to a slot when ``block_stride`` is a multiple of 4096.
+
+Integrity: the storage keeps a :class:`~kvstrata.physical.checksum.ChecksumTable`. Writers call
+:meth:`HostStorage.begin_write` before and :meth:`HostStorage.seal` after putting bytes in a
+slot; readers call :meth:`HostStorage.check_readable`, which checks the slot holds the
+requested sequence hash and, when ``verify_reads`` is on, that its bytes still hash to the
+recorded xxh3-64.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from ..buffers import AlignedBuffer
+from ..checksum import ChecksumTable, block_checksum
+from ..errors import BlockFailure
+from ..layout import FullyContiguousLayout, LayoutConfig
+from ..layout_codec import StorageDescriptor
+from .base import BlockMemory, MemoryStorage, StorageStatus
+
+__all__ = ["HostStorage"]
+
+
+class HostStorage(MemoryStorage):
+    """Host-RAM block pool (G2). ``pin=None`` pins iff ``torch.cuda.is_available()``."""
+
+    kind = "host"
+
+    def __init__(self, config: LayoutConfig, *, pin: bool | None = None,
+                 verify_reads: bool = False) -> None:
+        layout = FullyContiguousLayout(config)
+        size = layout.region_bytes(0)
+        self.pinned = torch.cuda.is_available() if pin is None else bool(pin)
+        self._buffer: AlignedBuffer | None = None
+        if self.pinned:
+            region = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            region.zero_()   # pre-touch
+        else:
+            self._buffer = AlignedBuffer(size)
+            region = self._buffer.tensor
+        super().__init__(BlockMemory(layout, (region,)))
+        self._array = region.numpy()
+        self.verify_reads = verify_reads
+        self.checksums = ChecksumTable(config.num_blocks)
+
+    @property
+    def block_stride(self) -> int:
+        return self.layout.block_stride
+
+    # -- raw access
+    def block_array(self, block_id: int) -> np.ndarray:
+        """The ``block_stride`` bytes of slot ``block_id`` as a numpy ``uint8`` view."""
+        self._check_open()
+        start = block_id * self.layout.block_stride
+        return self._array[start:start + self.layout.block_stride]
+
+    def payload(self, block_id: int) -> np.ndarray:
+        """The ``block_bytes`` payload of slot ``block_id`` (no alignment padding)."""
+        return self.block_array(block_id)[:self.config.block_bytes]
+
+    def block_view(self, block_id: int) -> torch.Tensor:
+        """Slot ``block_id`` as a typed tensor ``[num_layers, outer_dim, page_size, inner_dim]``."""
+        cfg = self.config
+        data = torch.from_numpy(self.payload(block_id))
+        return data.view(cfg.torch_dtype).view(cfg.num_layers, cfg.outer_dim, cfg.page_size,
+                                               cfg.inner_dim)
+
+    # -- integrity protocol
+    def begin_write(self, block_ids: Sequence[int]) -> None:
+        """Invalidate slots about to be overwritten."""
+        self.checksums.invalidate(block_ids)
+
+    def seal(self, block_ids: Sequence[int], sequence_hashes: Sequence[int],
+             checksums: Sequence[int | None] | None = None) -> list[int]:
+        """Record slots as holding ``sequence_hashes``; hashes the bytes unless ``checksums``
+        (already verified values) are given. Returns the checksums."""
+        self._check_open()
+        if checksums is None or any(c is None for c in checksums):
+            array, stride, nbytes = self._array, self.layout.block_stride, self.config.block_bytes
+            checksums = [block_checksum(array[b * stride:b * stride + nbytes])
+                         if checksums is None or checksums[i] is None else checksums[i]
+                         for i, b in enumerate(block_ids)]
+        checksums = list(checksums)
+        self.checksums.record_many(block_ids, checksums, sequence_hashes)
+        return checksums
+
+    def check_readable(self, block_ids: Sequence[int], sequence_hashes: Sequence[int],
+                       *, verify: bool | None = None) -> list[BlockFailure]:
+        """Failures for slots that must not be read as ``sequence_hashes``; bytes are
+        re-hashed when ``verify`` (default: the storage's ``verify_reads``)."""
+        verify = self.verify_reads if verify is None else verify
+        failures = self.checksums.check_identities(block_ids, sequence_hashes)
+        if verify:
+            bad = {f.position for f in failures}
+            for pos, block_id in enumerate(block_ids):
+                if pos not in bad:
+                    failure = self.checksums.check_bytes(pos, block_id, self.payload(block_id))
+                    if failure is not None:
+                        failures.append(failure)
+            failures.sort(key=lambda f: f.position)
+        return failures
+
+    # -- description
+    def status(self) -> StorageStatus:
+        cfg = self.config
+        return StorageStatus(kind=self.kind, blocks=cfg.num_blocks, block_bytes=cfg.block_bytes,
+                             bytes=self.layout.region_bytes(0), pinned=self.pinned,
+                             device="cpu")
+
+    def descriptors(self) -> tuple[StorageDescriptor, ...]:
+        region = self.memory.regions[0]
+        return (StorageDescriptor("pinned" if self.pinned else "host", region.numel(),
+                                  address=region.data_ptr()),)
+
+    def close(self) -> None:
+        if not self.closed:
+            super().close()
+            self._array = None
+            self._buffer = None

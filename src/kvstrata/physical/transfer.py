@@ -1,0 +1,316 @@
+"""The transfer engine: executes :class:`TransferPlan` batches between tier storages.
+
+Usage::
+
+    engine = TransferEngine({"G1": device, "G2": host, "G3": disk})
+    future = engine.submit(TransferPlan("G1->G2", src_ids, dst_ids, seq_hashes))
+    result = future.result()            # or drain engine.completions in the pool owner
+    engine.close()
+
+* One bounded queue and ``workers_per_path`` worker threads per path, so offload and onboard
+  never wait behind each other; at most ``queue_depth + workers_per_path`` plans per path are
+  in flight. :meth:`TransferEngine.submit` waits (sleeping) for room up to ``timeout`` and then
+  raises :class:`EngineBusyError`.
+* Each plan is one batched call per storage pair: a copy engine call between memory layouts
+  (:mod:`~kvstrata.physical.copy`), coalesced ``preadv``/``pwritev`` for disk.
+* Every plan completes with a :class:`TransferResult` — set on the returned
+  ``concurrent.futures.Future`` *and* put on :attr:`TransferEngine.completions`, a queue the
+  pool owner drains (:meth:`drain_completions`). Failed blocks are reported per block, never
+  raised through the future, so the owner handles every outcome in one place.
+* Integrity: blocks written into G2/G3 are checksummed (xxh3-64) and their slot records the
+  sequence hash only after the write succeeded; reads from G3 always verify, reads from G2
+  check the sequence hash and verify bytes when the host storage has ``verify_reads``. A block
+  that fails is reported in ``failures``/``failed_sequence_hashes`` and its bytes are not used.
+* No lock is held across I/O or copies; nothing busy-waits.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from typing import Callable, Mapping
+
+from .buffers import AlignedBuffer
+from .copy import OFFLOAD, ONBOARD, CopyEngine, default_copy_engine
+from .errors import (BlockFailure, BlockIOError, EngineBusyError, EngineClosedError,
+                     FailureKind, StorageConfigError, TransferPlanError)
+from .layout import FullyContiguousLayout
+from .plan import PATHS, TIERS, TransferPlan, TransferResult
+from .storage.base import BlockMemory, MemoryStorage, Storage
+from .storage.disk import DIRECT_ALIGNMENT, DiskStorage
+from .storage.host import HostStorage
+
+__all__ = ["TransferEngine", "TransferPlan", "TransferResult", "PATHS", "TIERS"]
+
+_STOP = object()
+_Handler = Callable[[TransferPlan, dict[int, BlockFailure], list], int]
+
+
+class TransferEngine:
+    """Moves blocks between ``storages`` (keys ``"G1"``, ``"G2"``, ``"G3"``; any subset with
+    G2 present for the paths that need it). ``copy_engine`` defaults to
+    :func:`~kvstrata.physical.copy.default_copy_engine`; ``staging_bytes`` bounds the
+    per-worker bounce buffer of the G3->G1 path; ``hash_slice_bytes`` is how much of a G1->G2
+    batch is copied before its checksums are computed (cache-sized)."""
+
+    def __init__(self, storages: Mapping[str, Storage], *, copy_engine: CopyEngine | None = None,
+                 workers_per_path: int = 1, queue_depth: int = 64,
+                 staging_bytes: int = 32 << 20, hash_slice_bytes: int = 8 << 20) -> None:
+        self._storages = dict(storages)
+        self.hash_slice_bytes = hash_slice_bytes
+        self._check_storages()
+        self._owns_copy_engine = copy_engine is None
+        self.copy_engine = copy_engine or default_copy_engine()
+        self.staging_bytes = staging_bytes
+        self.completions: queue.SimpleQueue[TransferResult] = queue.SimpleQueue()
+        self._handlers: dict[str, _Handler] = {
+            "G1->G2": self._g1_to_g2, "G2->G1": self._g2_to_g1, "G2->G3": self._g2_to_g3,
+            "G3->G2": self._g3_to_g2, "G3->G1": self._g3_to_g1}
+        self.paths = tuple(p for p in PATHS
+                           if all(t in self._storages for t in p.split("->")))
+        self._queues = {p: queue.Queue(maxsize=max(1, queue_depth)) for p in self.paths}
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._threads = [threading.Thread(target=self._worker, args=(p,), daemon=True,
+                                          name=f"kvstrata-{p}-{i}")
+                         for p in self.paths for i in range(max(1, workers_per_path))]
+        for t in self._threads:
+            t.start()
+
+    # ------------------------------------------------------------------ public API
+    def submit(self, plan: TransferPlan, timeout: float | None = None) -> "Future[TransferResult]":
+        """Queue ``plan``; returns a future resolved with its :class:`TransferResult`.
+
+        Raises :class:`TransferPlanError` (unknown path for these storages, ids out of range),
+        :class:`EngineClosedError`, or :class:`EngineBusyError` if the path's queue stayed full
+        for ``timeout`` seconds (``None`` waits as long as needed, ``0`` does not wait).
+        """
+        if not isinstance(plan, TransferPlan):
+            raise TransferPlanError(f"expected a TransferPlan, got {type(plan).__name__}")
+        if self._closed:
+            raise EngineClosedError("transfer engine is closed")
+        if plan.path not in self._queues:
+            raise TransferPlanError(f"path {plan.path} needs storages {plan.path.split('->')}; "
+                                    f"this engine has {sorted(self._storages)}")
+        for tier, ids in ((plan.src_tier, plan.src_block_ids), (plan.dst_tier, plan.dst_block_ids)):
+            limit = self._storages[tier].num_blocks
+            if max(ids) >= limit:
+                raise TransferPlanError(f"{plan.path}: {tier} block id {max(ids)} out of range "
+                                        f"[0, {limit})")
+        future: Future[TransferResult] = Future()
+        try:
+            self._queues[plan.path].put((plan, future), block=timeout != 0,
+                                        timeout=timeout or None)
+        except queue.Full:
+            raise EngineBusyError(f"{plan.path} queue full ({self._queues[plan.path].maxsize} "
+                                  f"plans) for {timeout}s") from None
+        if self._closed:          # raced with close(): do not leave the future unresolved
+            self._cancel_queued()
+        return future
+
+    def drain_completions(self) -> list[TransferResult]:
+        """All results posted so far (non-blocking)."""
+        out = []
+        while True:
+            try:
+                out.append(self.completions.get_nowait())
+            except queue.Empty:
+                return out
+
+    def storage(self, tier: str) -> Storage:
+        """The storage of ``tier``."""
+        return self._storages[tier]
+
+    def close(self, *, cancel_pending: bool = False) -> None:
+        """Stop the workers after the queued plans ran (or cancel them first). Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if cancel_pending:
+            self._cancel_queued()
+        for p in self.paths:
+            for t in self._threads:
+                if t.name.startswith(f"kvstrata-{p}-"):
+                    self._queues[p].put(_STOP)
+        for t in self._threads:
+            t.join()
+        self._cancel_queued()   # plans that raced with close
+        if self._owns_copy_engine:
+            self.copy_engine.close()
+
+    def __enter__(self) -> "TransferEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ workers
+    def _worker(self, path: str) -> None:
+        q = self._queues[path]
+        while True:
+            item = q.get()
+            if item is _STOP:
+                return
+            plan, future = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            result = self._execute(plan)
+            self.completions.put(result)
+            future.set_result(result)
+
+    def _cancel_queued(self) -> None:
+        for q in self._queues.values():
+            while True:
+                try:
+                    item = q.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not _STOP:
+                    item[1].cancel()
+
+    def _execute(self, plan: TransferPlan) -> TransferResult:
+        start = time.perf_counter()
+        failures: dict[int, BlockFailure] = {}
+        checksums: list[int | None] = [None] * len(plan)
+        error = None
+        try:
+            self._handlers[plan.path](plan, failures, checksums)
+        except Exception as exc:   # a bug or a dead storage: the whole batch failed
+            error = f"{type(exc).__name__}: {exc}"
+            for pos, block_id in enumerate(plan.dst_block_ids):
+                failures.setdefault(pos, BlockFailure(pos, block_id, FailureKind.INTERNAL, error))
+        ok = tuple(pos not in failures for pos in range(len(plan)))
+        block_bytes = next(iter(self._storages.values())).config.block_bytes
+        return TransferResult(
+            plan=plan, ok=ok,
+            checksums=tuple(c if good else None for c, good in zip(checksums, ok)),
+            bytes_moved=sum(ok) * block_bytes, seconds=time.perf_counter() - start,
+            failures=tuple(sorted(failures.values(), key=lambda f: f.position)), error=error)
+
+    # ------------------------------------------------------------------ path handlers
+    @property
+    def _host(self) -> HostStorage:
+        return self._storages["G2"]   # type: ignore[return-value]
+
+    @property
+    def _disk(self) -> DiskStorage:
+        return self._storages["G3"]   # type: ignore[return-value]
+
+    @property
+    def _device(self) -> MemoryStorage:
+        return self._storages["G1"]   # type: ignore[return-value]
+
+    def _g1_to_g2(self, plan, failures, checksums) -> None:
+        # Copy in slices of ~``hash_slice_bytes`` and hash each slice right after its copy,
+        # while its bytes are still in cache (hashing a cold batch costs ~half a memcpy).
+        host = self._host
+        host.begin_write(plan.dst_block_ids)
+        step = max(1, self.hash_slice_bytes // host.config.block_bytes)
+        for first in range(0, len(plan), step):
+            part = slice(first, first + step)
+            self.copy_engine.copy(self._device.memory, plan.src_block_ids[part], host.memory,
+                                  plan.dst_block_ids[part], direction=OFFLOAD)
+            checksums[part] = host.seal(plan.dst_block_ids[part], plan.sequence_hashes[part])
+
+    def _g2_to_g1(self, plan, failures, checksums) -> None:
+        good = self._check_host_source(plan, failures)
+        if good:
+            self.copy_engine.copy(self._host.memory, [plan.src_block_ids[p] for p in good],
+                                  self._device.memory, [plan.dst_block_ids[p] for p in good],
+                                  direction=ONBOARD)
+
+    def _g2_to_g3(self, plan, failures, checksums) -> None:
+        good = self._check_host_source(plan, failures)
+        if not good:
+            return
+        try:
+            sums = self._disk.write_blocks(
+                [plan.dst_block_ids[p] for p in good],
+                [self._host.block_array(plan.src_block_ids[p]) for p in good],
+                [plan.sequence_hashes[p] for p in good])
+        except BlockIOError as exc:
+            _remap(exc.failures, good, failures)
+            sums = exc.checksums or [None] * len(good)
+        for p, value in zip(good, sums):
+            checksums[p] = value
+
+    def _g3_to_g2(self, plan, failures, checksums) -> None:
+        host, disk = self._host, self._disk
+        host.begin_write(plan.dst_block_ids)
+        try:
+            disk.read_blocks(plan.src_block_ids,
+                             [host.block_array(b) for b in plan.dst_block_ids],
+                             plan.sequence_hashes)
+        except BlockIOError as exc:
+            _remap(exc.failures, range(len(plan)), failures)
+        good = [p for p in range(len(plan)) if p not in failures]
+        verified = [disk.checksums.get(plan.src_block_ids[p])[0] for p in good]
+        sums = host.seal([plan.dst_block_ids[p] for p in good],
+                         [plan.sequence_hashes[p] for p in good], verified)
+        for p, value in zip(good, sums):
+            checksums[p] = value
+
+    def _g3_to_g1(self, plan, failures, checksums) -> None:
+        disk, device = self._disk, self._device
+        staging, memory = self._staging()
+        per_round = memory.layout.config.num_blocks
+        for first in range(0, len(plan), per_round):
+            positions = list(range(first, min(first + per_round, len(plan))))
+            stride = memory.layout.block_stride
+            local_failures: dict[int, BlockFailure] = {}
+            try:
+                disk.read_blocks([plan.src_block_ids[p] for p in positions],
+                                 [staging.array[i * stride:(i + 1) * stride]
+                                  for i in range(len(positions))],
+                                 [plan.sequence_hashes[p] for p in positions])
+            except BlockIOError as exc:
+                _remap(exc.failures, positions, local_failures)
+            failures.update(local_failures)
+            good = [i for i, p in enumerate(positions) if p not in local_failures]
+            if good:
+                self.copy_engine.copy(memory, good, device.memory,
+                                      [plan.dst_block_ids[positions[i]] for i in good],
+                                      direction=ONBOARD)
+
+    def _check_host_source(self, plan, failures) -> list[int]:
+        for f in self._host.check_readable(plan.src_block_ids, plan.sequence_hashes):
+            failures[f.position] = f
+        return [p for p in range(len(plan)) if p not in failures]
+
+    def _staging(self) -> tuple[AlignedBuffer, BlockMemory]:
+        """This worker's aligned bounce buffer for G3->G1, as a FullyContiguous memory."""
+        if getattr(self._local, "staging", None) is None:
+            config = self._disk.config
+            layout = FullyContiguousLayout(config.with_alignment(
+                max(config.alignment, DIRECT_ALIGNMENT)))
+            blocks = max(1, self.staging_bytes // layout.block_stride)
+            layout = FullyContiguousLayout(layout.config.with_blocks(blocks))
+            buffer = AlignedBuffer(layout.region_bytes(0))
+            self._local.staging = (buffer, BlockMemory(layout, (buffer.tensor,)))
+        return self._local.staging
+
+    # ------------------------------------------------------------------ validation
+    def _check_storages(self) -> None:
+        unknown = set(self._storages) - set(TIERS)
+        if unknown:
+            raise StorageConfigError(f"unknown tiers {sorted(unknown)}; expected {TIERS}")
+        expected = {"G1": MemoryStorage, "G2": HostStorage, "G3": DiskStorage}
+        for tier, storage in self._storages.items():
+            if not isinstance(storage, expected[tier]):
+                raise StorageConfigError(f"{tier} must be a {expected[tier].__name__}, got "
+                                         f"{type(storage).__name__}")
+        layouts = [s.layout for s in self._storages.values()]
+        for layout in layouts[1:]:
+            layouts[0].require_compatible(layout)
+
+
+def _remap(sub_failures, positions, failures: dict[int, BlockFailure]) -> None:
+    """Record failures of a sub-batch (positions relative to it) at their plan positions."""
+    positions = list(positions)
+    for f in sub_failures:
+        pos = positions[f.position]
+        failures[pos] = BlockFailure(pos, f.block_id, f.kind, f.detail)
