@@ -1,0 +1,430 @@
+"""``kvstrata indexer``: the storage-provider side of the event plane.
+
+It follows one or more workers' event streams (NATS, a JSON-lines file, or in-process) and keeps
+a prefix tree of which blocks are live in which tier of which worker. Nodes are keyed by
+sequence hash and linked to their parent; each node's children are keyed by local (tokens)
+hash, so a prefix can be walked from the root either way. A node lists its holders, the
+(worker, tier) pairs it is live in; it disappears when it has neither holders nor children.
+
+Queries answer "for these hashes, how long a prefix is cached, and where":
+``match(hashes)`` -> per worker, per tier, the number of leading hashes held there.
+
+HTTP (stdlib ``http.server``, JSON):
+
+* ``POST /match`` ``{"hashes": [SEQ, ...]}`` or ``{"local_hashes": [LOCAL, ...]}`` ->
+  ``{"length": N, "matches": [{"worker_id": W, "tier": "G2", "prefix": K}, ...], "best": {...}}``
+* ``GET /stats`` -> node, worker, tier counts and stream follower counters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Iterable, Sequence
+
+from kvstrata.events.model import (
+    ClearedEvent,
+    Event,
+    RemovedEvent,
+    StoredEvent,
+)
+from kvstrata.events.subscriber import StreamFollower
+from kvstrata.logical.registry import TIER_NAMES
+
+log = logging.getLogger(__name__)
+
+Holder = tuple[int, str]  # (worker_id, tier)
+
+
+class _Node:
+    __slots__ = ("seq_hash", "local_hash", "parent", "children", "holders")
+
+    def __init__(self, seq_hash: int | None, local_hash: int | None, parent: "_Node | None") -> None:
+        self.seq_hash = seq_hash
+        self.local_hash = local_hash
+        self.parent = parent
+        self.children: dict[int, _Node] = {}
+        self.holders: set[Holder] = set()
+
+
+class PrefixIndex:
+    """Which blocks each (worker, tier) holds, as a tree of chained block hashes.
+
+    Thread-safe: updates (from a follower) and queries (from HTTP threads) take one lock.
+    Implements the follower target interface (``apply_event``, ``reset_worker``).
+    """
+
+    def __init__(self) -> None:
+        self._root = _Node(None, None, None)
+        self._nodes: dict[int, _Node] = {}
+        self._held: dict[Holder, set[int]] = {}
+        self._lock = threading.RLock()
+        self.events_applied = 0
+
+    # -- updates -----------------------------------------------------------------------------
+    def apply_event(self, worker_id: int, event: Event) -> None:
+        with self._lock:
+            self.events_applied += 1
+            key = (worker_id, event.tier)
+            if isinstance(event, StoredEvent):
+                held = self._held.setdefault(key, set())
+                parent_hash = event.parent_hash
+                for block in event.blocks:
+                    node = self._node_for(block.block_hash, block.tokens_hash, parent_hash)
+                    node.holders.add(key)
+                    held.add(block.block_hash)
+                    parent_hash = block.block_hash
+            elif isinstance(event, RemovedEvent):
+                held = self._held.get(key)
+                for h in event.block_hashes:
+                    self._drop(key, h)
+                    if held is not None:
+                        held.discard(h)
+            elif isinstance(event, ClearedEvent):
+                for h in self._held.pop(key, set()):
+                    self._drop(key, h)
+
+    def _node_for(self, seq_hash: int, local_hash: int, parent_hash: int | None) -> _Node:
+        node = self._nodes.get(seq_hash)
+        if node is None:
+            node = self._nodes[seq_hash] = _Node(seq_hash, None, None)
+        if node.parent is None:  # new, or a placeholder created for an orphan child
+            if parent_hash is None:
+                parent = self._root
+            else:
+                parent = self._nodes.get(parent_hash)
+                if parent is None:  # child arrived before (or without) its parent: placeholder
+                    parent = self._nodes[parent_hash] = _Node(parent_hash, None, None)
+            node.parent = parent
+            node.local_hash = local_hash
+            parent.children[local_hash] = node
+        return node
+
+    def _drop(self, key: Holder, seq_hash: int) -> None:
+        node = self._nodes.get(seq_hash)
+        if node is None:
+            return
+        node.holders.discard(key)
+        while node is not None and node is not self._root and not node.holders and not node.children:
+            del self._nodes[node.seq_hash]
+            parent = node.parent
+            if parent is not None:
+                if parent.children.get(node.local_hash) is node:
+                    del parent.children[node.local_hash]
+            node = parent
+
+    def reset_worker(self, worker_id: int) -> None:
+        with self._lock:
+            for key in [k for k in self._held if k[0] == worker_id]:
+                for h in self._held.pop(key):
+                    self._drop(key, h)
+
+    def apply_events(self, worker_id: int, events: Iterable[Event]) -> "PrefixIndex":
+        for event in events:
+            self.apply_event(worker_id, event)
+        return self
+
+    # -- queries -----------------------------------------------------------------------------
+    def match(self, hashes: Sequence[int]) -> dict[int, dict[str, int]]:
+        """worker -> tier -> number of leading ``hashes`` (sequence hashes) held there."""
+        with self._lock:
+            runs: dict[Holder, int] = {}
+            for i, h in enumerate(hashes):
+                node = self._nodes.get(h)
+                if node is None:
+                    break
+                alive = False
+                if i == 0:
+                    for key in node.holders:
+                        runs[key] = 1
+                        alive = True
+                else:
+                    for key in node.holders:
+                        if runs.get(key) == i:
+                            runs[key] = i + 1
+                            alive = True
+                if not alive:
+                    break
+            return _by_worker(runs)
+
+    def match_local(self, local_hashes: Sequence[int]) -> dict[int, dict[str, int]]:
+        """Like :meth:`match` but walking from the root by local (tokens) hashes."""
+        with self._lock:
+            runs: dict[Holder, int] = {}
+            node = self._root
+            for i, lh in enumerate(local_hashes):
+                node = node.children.get(lh)
+                if node is None:
+                    break
+                alive = False
+                for key in node.holders:
+                    if runs.get(key, 0) == i:
+                        runs[key] = i + 1
+                        alive = True
+                if not alive:
+                    break
+            return _by_worker(runs)
+
+    def hashes_in(self, worker_id: int, tier: str) -> set[int]:
+        with self._lock:
+            return set(self._held.get((worker_id, tier), ()))
+
+    def workers(self) -> list[int]:
+        with self._lock:
+            return sorted({w for (w, _t), hs in self._held.items() if hs})
+
+    def stats(self) -> dict:
+        with self._lock:
+            tiers: dict[str, dict[str, int]] = {}
+            for (w, t), hs in sorted(self._held.items()):
+                if hs:
+                    tiers.setdefault(str(w), {})[t] = len(hs)
+            return {
+                "nodes": len(self._nodes),
+                "workers": len({w for w in tiers}),
+                "blocks": tiers,
+                "events_applied": self.events_applied,
+            }
+
+    def compare_with_registry(self, registry, worker_id: int, tiers: Sequence[str] = TIER_NAMES) -> dict[str, dict]:
+        """Per tier, differences between this index (for ``worker_id``) and a
+        :class:`~kvstrata.logical.registry.BlockRegistry`; empty dict means identical."""
+        diffs = {}
+        for tier in tiers:
+            ours = self.hashes_in(worker_id, tier)
+            theirs = registry.hashes_in(tier)
+            if ours != theirs:
+                diffs[tier] = {
+                    "missing": len(theirs - ours),
+                    "extra": len(ours - theirs),
+                    "index": len(ours),
+                    "registry": len(theirs),
+                }
+        return diffs
+
+
+def _by_worker(runs: dict[Holder, int]) -> dict[int, dict[str, int]]:
+    out: dict[int, dict[str, int]] = {}
+    for (w, t), n in runs.items():
+        if n:
+            out.setdefault(w, {})[t] = n
+    return out
+
+
+def build_index(events: Iterable[Event], worker_id: int = 0) -> PrefixIndex:
+    """An index from one worker's events (applied in order, as given)."""
+    return PrefixIndex().apply_events(worker_id, events)
+
+
+def match_response(index: PrefixIndex, hashes: Sequence[int], local: bool = False) -> dict:
+    """The JSON answer of ``/match`` and ``--query``."""
+    result = index.match_local(hashes) if local else index.match(hashes)
+    matches = [
+        {"worker_id": w, "tier": t, "prefix": n}
+        for w, tiers in sorted(result.items())
+        for t, n in sorted(tiers.items())
+    ]
+    best = max(matches, key=lambda m: (m["prefix"], -TIER_NAMES.index(m["tier"])), default=None)
+    per_worker = {str(w): max(tiers.values()) for w, tiers in result.items()}
+    return {"length": len(hashes), "matches": matches, "best": best, "per_worker": per_worker}
+
+
+# --------------------------------------------------------------------------------------------
+# HTTP
+# --------------------------------------------------------------------------------------------
+
+
+def _parse_hash_list(value, name: str) -> list[int]:
+    if isinstance(value, str):
+        value = [v for v in value.replace(",", " ").split()]
+    if not isinstance(value, list):
+        raise ValueError(f"{name!r} must be a list of integers")
+    out = []
+    for v in value:
+        try:
+            h = int(v, 0) if isinstance(v, str) else v
+        except ValueError:
+            raise ValueError(f"{name!r}: {v!r} is not an integer") from None
+        if type(h) is not int or not 0 <= h < 2**64:
+            raise ValueError(f"{name!r}: {v!r} is not an unsigned 64-bit integer")
+        out.append(h)
+    return out
+
+
+class IndexServer:
+    """A small HTTP server over a :class:`PrefixIndex` (POST /match, GET /stats)."""
+
+    def __init__(self, index: PrefixIndex, host: str = "127.0.0.1", port: int = 0, follower: StreamFollower | None = None) -> None:
+        self.index = index
+        self.follower = follower
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, fmt, *args):  # quiet
+                log.debug("http: " + fmt, *args)
+
+            def _reply(self, code: int, obj) -> None:
+                body = json.dumps(obj).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                if self.path.rstrip("/") == "/stats":
+                    stats = outer.index.stats()
+                    if outer.follower is not None:
+                        stats["stream"] = outer.follower.stats()
+                    self._reply(200, stats)
+                elif self.path.rstrip("/") in ("", "/healthz"):
+                    self._reply(200, {"ok": True})
+                else:
+                    self._reply(404, {"error": f"no such path {self.path}; use POST /match or GET /stats"})
+
+            def do_POST(self):
+                if self.path.rstrip("/") != "/match":
+                    self._reply(404, {"error": f"no such path {self.path}; use POST /match"})
+                    return
+                try:
+                    length = int(self.headers.get("Content-Length") or 0)
+                    if length > 64 << 20:
+                        raise ValueError("request too large")
+                    body = json.loads(self.rfile.read(length) or b"{}")
+                    if not isinstance(body, dict):
+                        raise ValueError("body must be a JSON object")
+                    if "hashes" in body:
+                        hashes, local = _parse_hash_list(body["hashes"], "hashes"), False
+                    elif "local_hashes" in body:
+                        hashes, local = _parse_hash_list(body["local_hashes"], "local_hashes"), True
+                    else:
+                        raise ValueError('body needs "hashes" (sequence hashes) or "local_hashes"')
+                except ValueError as exc:
+                    self._reply(400, {"error": str(exc)})
+                    return
+                self._reply(200, match_response(outer.index, hashes, local))
+
+        self.httpd = ThreadingHTTPServer((host, port), Handler)
+        self.httpd.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.httpd.server_address[:2]
+
+    def start(self) -> "IndexServer":
+        self._thread = threading.Thread(target=self.httpd.serve_forever, name="kvstrata-indexer-http", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------
+
+
+def _host_port(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {value!r}")
+    return host or "127.0.0.1", int(port)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvstrata indexer",
+        description="Follow kvstrata/Dynamo KV event streams and answer prefix-cache queries.",
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--nats", metavar="URL", help="follow a NATS server, e.g. nats://127.0.0.1:4222")
+    src.add_argument("--file", metavar="PATH", action="append", help="read a JSON-lines event file (repeatable)")
+    p.add_argument("--subject", default="kvstrata.events", help="NATS subject (default: %(default)s)")
+    p.add_argument("--format", choices=("auto", "kvstrata", "dynamo"), default="auto", help="event format (default: auto)")
+    p.add_argument("--jetstream", action="store_true", help="replay the JetStream stream from its start")
+    p.add_argument("--http", metavar="HOST:PORT", type=_host_port, help="serve POST /match and GET /stats")
+    p.add_argument("--query", metavar="H1,H2,...", help="print the prefix match for these sequence hashes and exit")
+    p.add_argument("--local", action="store_true", help="--query hashes are local (tokens) hashes")
+    p.add_argument("--worker-id", type=int, default=None, help="with --file: override the worker id of every event")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``kvstrata indexer``; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    index = PrefixIndex()
+    if args.query is not None:
+        try:
+            query = _parse_hash_list(args.query, "--query")
+        except ValueError as exc:
+            print(f"kvstrata indexer: {exc}", file=sys.stderr)
+            return 2
+    if args.file:
+        from kvstrata.events.model import EventFormatError
+        from kvstrata.events.subscriber import read_events_file
+
+        follower = StreamFollower(index, snapshots=False)
+        try:
+            for path in args.file:
+                for wid, pid, event in read_events_file(path, args.format):
+                    if args.worker_id is not None:
+                        wid = args.worker_id
+                    follower.feed(wid, pid, [event])
+        except (OSError, EventFormatError) as exc:
+            print(f"kvstrata indexer: {exc}", file=sys.stderr)
+            return 1
+        if args.query is not None:
+            print(json.dumps(match_response(index, query, args.local)))
+            if not args.http:
+                return 0
+        if not args.http:
+            print(json.dumps({**index.stats(), "stream": follower.stats()}))
+            return 0
+        server = IndexServer(index, *args.http, follower=follower).start()
+        print(f"kvstrata indexer: serving http://{server.address[0]}:{server.address[1]}", file=sys.stderr, flush=True)
+        try:
+            threading.Event().wait()
+        except KeyboardInterrupt:
+            pass
+        server.close()
+        return 0
+
+    from kvstrata.events.subscriber import NatsFollower
+
+    fmt = "kvstrata" if args.format == "auto" else args.format
+    nf = NatsFollower(args.nats, args.subject, index, format=fmt, jetstream=args.jetstream)
+    try:
+        nf.start()
+    except (TimeoutError, OSError) as exc:
+        print(f"kvstrata indexer: cannot reach {args.nats}: {exc}", file=sys.stderr)
+        return 1
+    if fmt == "kvstrata" and not args.jetstream:
+        nf.discover(0.5)
+    if args.query is not None:
+        print(json.dumps(match_response(index, query, args.local)))
+        nf.close()
+        return 0
+    server = None
+    if args.http:
+        server = IndexServer(index, *args.http, follower=nf.follower).start()
+        print(f"kvstrata indexer: serving http://{server.address[0]}:{server.address[1]}", file=sys.stderr, flush=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if server is not None:
+            server.close()
+        nf.close()
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

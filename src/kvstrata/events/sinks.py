@@ -1,0 +1,391 @@
+"""Event sinks: in-process callback, JSON-lines files, ZMQ PUB (vLLM format), NATS.
+
+Each sink's ``send`` runs on the publisher thread only. Transport trouble that is worth a
+retry (server down, not yet connected, buffer full) raises
+:class:`~kvstrata.events.publisher.SinkUnavailableError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import threading
+import time
+from typing import Callable
+
+from kvstrata.events import formats
+from kvstrata.events.model import EventBatch
+from kvstrata.events.publisher import EventPublisher, Sink, SinkUnavailableError
+
+log = logging.getLogger(__name__)
+
+EVENT_FORMATS = ("kvstrata", "dynamo")
+
+
+class NullSink(Sink):
+    """Discards every batch (events are still numbered, counted and snapshot-able)."""
+
+    kind = "none"
+
+    def send(self, batch: EventBatch) -> None:
+        return None
+
+
+class CallbackSink(Sink):
+    """Calls ``callback(batch)`` on the publisher thread (in-process consumers)."""
+
+    kind = "callback"
+
+    def __init__(self, callback: Callable[[EventBatch], None]) -> None:
+        self.callback = callback
+
+    def send(self, batch: EventBatch) -> None:
+        self.callback(batch)
+
+
+class MemorySink(Sink):
+    """Keeps every batch in memory (``batches``/``events``); the default ``callback`` sink."""
+
+    kind = "callback"
+
+    def __init__(self) -> None:
+        self.batches: list[EventBatch] = []
+        self._lock = threading.Lock()
+
+    def send(self, batch: EventBatch) -> None:
+        with self._lock:
+            self.batches.append(batch)
+
+    @property
+    def events(self) -> list:
+        with self._lock:
+            return [e for b in self.batches for e in b.events]
+
+
+class JsonlFileSink(Sink):
+    """Appends JSON lines to ``path``: kvstrata events (``format="kvstrata"``) or Dynamo
+    RouterEvents (``format="dynamo"``). Flushed to the OS after each batch."""
+
+    def __init__(self, path: str, format: str = "kvstrata", dp_rank: int = 0, fsync: bool = False) -> None:
+        if format not in EVENT_FORMATS:
+            raise ValueError(f"file format must be one of {EVENT_FORMATS}, got {format!r}")
+        self.path = path
+        self.format = format
+        self.dp_rank = dp_rank
+        self.fsync = fsync
+        self.kind = "jsonl" if format == "kvstrata" else "dynamo-json"
+        self._file = None
+        self._lock = threading.Lock()
+
+    def open(self, publisher: EventPublisher) -> None:
+        parent = os.path.dirname(os.path.abspath(self.path))
+        if not os.path.isdir(parent):
+            raise FileNotFoundError(f"event file directory does not exist: {parent}")
+        self._file = open(self.path, "a", encoding="utf-8")
+
+    def send(self, batch: EventBatch) -> None:
+        if self.format == "kvstrata":
+            text = formats.encode_jsonl(batch)
+        else:
+            text = formats.encode_dynamo_jsonl(batch, self.dp_rank)
+        with self._lock:
+            assert self._file is not None, "sink not opened"
+            self._file.write(text)
+            self._file.flush()
+
+    def flush(self, timeout: float) -> bool:
+        with self._lock:
+            if self._file is not None and not self._file.closed:
+                self._file.flush()
+                if self.fsync:
+                    os.fsync(self._file.fileno())
+        return True
+
+    def close(self, timeout: float) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+
+    def describe(self) -> str:
+        return f"{self.kind}:{self.path}"
+
+
+class ZmqSink(Sink):
+    """ZMQ PUB socket speaking vLLM's KV-event protocol: frames ``(topic, seq, payload)``,
+    ``seq`` an 8-byte big-endian batch counter from 0, ``payload`` a msgpack KVEventBatch.
+
+    Binds ``endpoint`` by default (like a vLLM engine); ``connect=True`` connects instead.
+    Sends never block: a PUB socket drops messages for slow subscribers at its HWM.
+    """
+
+    kind = "zmq"
+
+    def __init__(
+        self,
+        endpoint: str,
+        topic: str = "",
+        layout: str = "map",
+        connect: bool = False,
+        hwm: int = 100_000,
+        dp_rank: int = 0,
+    ) -> None:
+        if layout not in formats.VLLM_LAYOUTS:
+            raise ValueError(f"vLLM layout must be one of {formats.VLLM_LAYOUTS}, got {layout!r}")
+        self.endpoint = endpoint
+        self.topic = topic.encode()
+        self.layout = layout
+        self.connect = connect
+        self.hwm = hwm
+        self.dp_rank = dp_rank
+        self._seq = 0
+        self._sock = None
+
+    def open(self, publisher: EventPublisher) -> None:
+        import zmq
+
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.PUB)
+        sock.set_hwm(self.hwm)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            if self.connect:
+                sock.connect(self.endpoint)
+            else:
+                sock.bind(self.endpoint)
+        except zmq.ZMQError as exc:
+            sock.close(0)
+            raise OSError(f"cannot {'connect' if self.connect else 'bind'} ZMQ PUB to {self.endpoint}: {exc}") from None
+        self._sock = sock
+
+    def send(self, batch: EventBatch) -> None:
+        import zmq
+
+        payload = formats.encode_vllm_batch(batch.events, time.time(), self.dp_rank, self.layout)
+        try:
+            self._sock.send_multipart((self.topic, self._seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            raise SinkUnavailableError("ZMQ PUB would block") from None
+        self._seq += 1
+
+    def close(self, timeout: float) -> None:
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+
+    def describe(self) -> str:
+        return f"zmq:{self.endpoint}"
+
+
+_SUBJECT_RE = re.compile(r"^[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*$")
+
+
+def check_subject(subject: str) -> str:
+    if not _SUBJECT_RE.match(subject):
+        raise ValueError(
+            f"invalid NATS subject {subject!r}: use dot-separated tokens of letters, digits, '_' or '-' (no wildcards)"
+        )
+    return subject
+
+
+def stream_name_for(subject: str) -> str:
+    """Default JetStream stream name for ``subject`` (stream names cannot contain dots)."""
+    return "KVSTRATA_" + re.sub(r"[^A-Za-z0-9_\-]", "_", subject).upper()
+
+
+def snapshot_subject(subject: str, worker_id: int | None = None) -> str:
+    """Request subject of the snapshot service: ``SUBJECT.snapshot[.WORKER_ID]``."""
+    base = f"{subject}.snapshot"
+    return base if worker_id is None else f"{base}.{worker_id}"
+
+
+async def nats_connect(url: str, name: str, *, max_reconnect_attempts: int = -1):
+    """nats-py connect that retries forever (cancel the task to give up), quietly."""
+    import nats
+
+    async def _quiet(exc: Exception) -> None:
+        log.debug("nats %s: %s", url, exc)
+
+    return await nats.connect(
+        servers=[url],
+        name=name,
+        allow_reconnect=True,
+        max_reconnect_attempts=max_reconnect_attempts,
+        reconnect_time_wait=0.1,
+        connect_timeout=1.0,
+        error_cb=_quiet,
+        disconnected_cb=_noop,
+        reconnected_cb=_noop,
+    )
+
+
+async def _noop() -> None:
+    return None
+
+
+def _split_encode(batch: EventBatch, limit: int) -> tuple[list[bytes], list[int]]:
+    """Encode ``batch`` as kvstrata JSON messages no larger than ``limit`` (halving as needed)."""
+    payload = formats.encode_batch(batch)
+    if len(payload) <= limit or len(batch.events) == 1:
+        return [payload], [batch.events[0].event_id]
+    mid = len(batch.events) // 2
+    p1, i1 = _split_encode(EventBatch(batch.identity, batch.events[:mid]), limit)
+    p2, i2 = _split_encode(EventBatch(batch.identity, batch.events[mid:]), limit)
+    return p1 + p2, i1 + i2
+
+
+class NatsSink(Sink):
+    """Publishes on a NATS subject; serves snapshots on ``SUBJECT.snapshot[.WORKER_ID]``.
+
+    ``format="kvstrata"``: one JSON message per batch. ``format="dynamo"``: one Dynamo
+    RouterEvent JSON per event. ``jetstream=True`` makes sure a file-backed stream holds the
+    subject and waits for the server's ack of every message (with a ``Nats-Msg-Id`` so a retried
+    batch is stored once). Connection happens in the background and never blocks the caller;
+    until it succeeds ``send`` raises :class:`SinkUnavailableError` (the publisher retries).
+    """
+
+    kind = "nats"
+
+    def __init__(
+        self,
+        url: str,
+        subject: str,
+        *,
+        format: str = "kvstrata",
+        jetstream: bool = False,
+        stream: str | None = None,
+        serve_snapshots: bool = True,
+        send_timeout: float = 2.0,
+        dp_rank: int = 0,
+    ) -> None:
+        if format not in EVENT_FORMATS:
+            raise ValueError(f"NATS event format must be one of {EVENT_FORMATS}, got {format!r}")
+        self.url = url
+        self.subject = check_subject(subject)
+        self.format = format
+        self.jetstream = jetstream
+        self.stream = stream or stream_name_for(subject)
+        self.serve_snapshots = serve_snapshots
+        self.send_timeout = send_timeout
+        self.dp_rank = dp_rank
+        self._publisher: EventPublisher | None = None
+        self._aio = None
+        self._nc = None
+        self._js = None
+        self._ready = threading.Event()
+        self._connect_task = None
+        self.connect_error: BaseException | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def open(self, publisher: EventPublisher) -> None:
+        from kvstrata.events._aio import LoopThread
+
+        self._publisher = publisher
+        self._aio = LoopThread(f"kvstrata-nats-{self.subject}")
+        self._connect_task = self._aio.submit(self._connect())
+
+    async def _connect(self) -> None:
+        try:
+            nc = await nats_connect(self.url, f"kvstrata-publisher-{self._publisher.identity.worker_id}")
+            if self.jetstream:
+                js = nc.jetstream()
+                await self._ensure_stream(js)
+                self._js = js
+            if self.serve_snapshots:
+                wid = self._publisher.identity.worker_id
+                await nc.subscribe(snapshot_subject(self.subject), cb=self._on_snapshot_request)
+                await nc.subscribe(snapshot_subject(self.subject, wid), cb=self._on_snapshot_request)
+                await nc.flush(timeout=2)
+            self._nc = nc
+            self._ready.set()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # a config error (e.g. stream clash): report, stay unavailable
+            self.connect_error = exc
+            log.error("NATS sink %s: %s", self.describe(), exc)
+
+    async def _ensure_stream(self, js) -> None:
+        from nats.js.api import StorageType, StreamConfig
+        from nats.js.errors import NotFoundError
+
+        try:
+            info = await js.stream_info(self.stream)
+            if self.subject not in (info.config.subjects or []):
+                raise ValueError(f"JetStream stream {self.stream!r} exists but does not hold subject {self.subject!r}")
+        except NotFoundError:
+            await js.add_stream(
+                StreamConfig(name=self.stream, subjects=[self.subject], storage=StorageType.FILE)
+            )
+
+    def flush(self, timeout: float) -> bool:
+        if not self._ready.is_set() or self._nc is None or not self._nc.is_connected:
+            return False
+        try:
+            self._aio.run(self._nc.flush(timeout=max(timeout, 0.01)), timeout + 0.5)
+            return True
+        except Exception:
+            return False
+
+    def close(self, timeout: float) -> None:
+        if self._aio is None:
+            return
+        if self._connect_task is not None and not self._connect_task.done():
+            self._connect_task.cancel()
+        if self._nc is not None:
+            try:
+                self._aio.run(self._nc.close(), max(timeout, 0.2))
+            except Exception:
+                pass
+        self._aio.stop()
+
+    @property
+    def connected(self) -> bool:
+        return self._ready.is_set() and self._nc is not None and self._nc.is_connected
+
+    def describe(self) -> str:
+        return f"nats:{self.url}/{self.subject}"
+
+    # -- data path ---------------------------------------------------------------------------
+    def send(self, batch: EventBatch) -> None:
+        if not self._ready.is_set():
+            raise SinkUnavailableError(f"not connected to {self.url}" + (f": {self.connect_error}" if self.connect_error else ""))
+        if self.format == "kvstrata":
+            limit = getattr(self._nc, "max_payload", 1 << 20) or (1 << 20)
+            payloads, ids = _split_encode(batch, limit)
+        else:
+            payloads = formats.encode_dynamo_messages(batch, self.dp_rank)
+            ids = [e.event_id for e in batch.events]
+        try:
+            self._aio.run(self._publish(payloads, ids, batch.identity.publisher_id), self.send_timeout + 1.0)
+        except SinkUnavailableError:
+            raise
+        except Exception as exc:
+            from nats import errors as nerr
+
+            if isinstance(exc, (TimeoutError, asyncio.TimeoutError, nerr.Error, OSError)):
+                raise SinkUnavailableError(f"NATS publish failed: {type(exc).__name__}: {exc}") from None
+            raise
+
+    async def _publish(self, payloads: list[bytes], ids: list[int], publisher_id: int) -> None:
+        nc = self._nc
+        if self._js is None:
+            for p in payloads:
+                await nc.publish(self.subject, p)
+            return
+        if not nc.is_connected:
+            raise SinkUnavailableError("JetStream publish while disconnected")
+        acks = [
+            self._js.publish(
+                self.subject, p, timeout=self.send_timeout, headers={"Nats-Msg-Id": f"{publisher_id:016x}-{i}"}
+            )
+            for p, i in zip(payloads, ids)
+        ]
+        await asyncio.gather(*acks)
+
+    async def _on_snapshot_request(self, msg) -> None:
+        if not msg.reply:
+            return
+        snap = self._publisher.snapshot()
+        for chunk in formats.encode_snapshot(snap):
+            await self._nc.publish(msg.reply, chunk)

@@ -1,0 +1,170 @@
+"""Sink spec strings (``kvstrata replay --events SPEC``) and :func:`make_publisher`.
+
+=====================================================  ==========================================
+spec                                                   sink
+=====================================================  ==========================================
+``none``                                               discard (events still numbered/snapshots)
+``callback``                                           in-process: ``callback=fn`` option, else
+                                                       an in-memory list (``publisher.sink``)
+``jsonl:PATH``                                         kvstrata JSON lines appended to PATH
+``dynamo-json:PATH``                                   Dynamo RouterEvent JSON lines to PATH
+``nats://HOST:PORT[/SUBJECT][?format=kvstrata|dynamo   NATS (default subject ``kvstrata.events``)
+&jetstream=1&stream=NAME]``
+``zmq://tcp://HOST:PORT[?topic=T&layout=map|array      ZMQ PUB, vLLM KVEventBatch msgpack
+&connect=1]``  (also ``zmq://ipc://...``)
+=====================================================  ==========================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+from urllib.parse import parse_qsl, urlsplit
+
+from kvstrata.events.publisher import EventPublisher, Sink
+
+DEFAULT_SUBJECT = "kvstrata.events"
+
+_PARAMS = {
+    "nats": {"format", "jetstream", "stream", "snapshots"},
+    "zmq": {"topic", "layout", "connect", "hwm"},
+}
+
+
+class SinkSpecError(ValueError):
+    """A sink spec string is malformed; the message names the problem and the accepted forms."""
+
+
+@dataclass(frozen=True)
+class SinkSpec:
+    kind: str  # none | callback | jsonl | dynamo-json | nats | zmq
+    target: str = ""  # path, nats server URL or zmq endpoint
+    subject: str = ""  # nats only
+    params: dict[str, str] = field(default_factory=dict)
+
+
+_FORMS = "none, callback, jsonl:PATH, dynamo-json:PATH, nats://HOST:PORT/SUBJECT[?format=kvstrata|dynamo&jetstream=1], zmq://tcp://HOST:PORT[?topic=T&layout=map|array]"
+
+
+def _flag(spec: str, params: dict[str, str], name: str) -> bool:
+    value = params.get(name, "0").lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise SinkSpecError(f"sink spec {spec!r}: {name}={value!r} is not a boolean (use 1 or 0)")
+
+
+def _query(spec: str, kind: str, query: str) -> dict[str, str]:
+    try:
+        pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
+    except ValueError:
+        raise SinkSpecError(f"sink spec {spec!r}: malformed query string {query!r}") from None
+    params = dict(pairs)
+    unknown = set(params) - _PARAMS[kind]
+    if unknown:
+        raise SinkSpecError(
+            f"sink spec {spec!r}: unknown option(s) {', '.join(sorted(unknown))} for {kind} "
+            f"(accepted: {', '.join(sorted(_PARAMS[kind]))})"
+        )
+    return params
+
+
+def parse_sink_spec(spec: str) -> SinkSpec:
+    """Parse a sink spec string; raises :class:`SinkSpecError` naming what is wrong."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise SinkSpecError(f"empty sink spec (expected one of: {_FORMS})")
+    spec = spec.strip()
+    if spec in ("none", "callback"):
+        return SinkSpec(spec)
+    for prefix in ("jsonl:", "dynamo-json:"):
+        if spec.startswith(prefix):
+            path = spec[len(prefix) :]
+            if not path:
+                raise SinkSpecError(f"sink spec {spec!r}: missing file path after {prefix!r}")
+            return SinkSpec(prefix[:-1], path)
+    if spec.startswith("nats://"):
+        parts = urlsplit(spec)
+        try:
+            port = parts.port
+        except ValueError:
+            raise SinkSpecError(f"sink spec {spec!r}: port is not a number") from None
+        if not parts.hostname:
+            raise SinkSpecError(f"sink spec {spec!r}: missing host (nats://HOST:PORT/SUBJECT)")
+        subject = parts.path.lstrip("/") or DEFAULT_SUBJECT
+        from kvstrata.events.sinks import check_subject
+
+        try:
+            check_subject(subject)
+        except ValueError as exc:
+            raise SinkSpecError(f"sink spec {spec!r}: {exc}") from None
+        params = _query(spec, "nats", parts.query)
+        if params.get("format", "kvstrata") not in ("kvstrata", "dynamo"):
+            raise SinkSpecError(f"sink spec {spec!r}: format must be kvstrata or dynamo, got {params['format']!r}")
+        _flag(spec, params, "jetstream")
+        _flag(spec, params, "snapshots")
+        auth = f"{parts.username}:{parts.password}@" if parts.username else ""
+        url = f"nats://{auth}{parts.hostname}:{port or 4222}"
+        return SinkSpec("nats", url, subject, params)
+    if spec.startswith("zmq://"):
+        rest = spec[len("zmq://") :]
+        endpoint, _, query = rest.partition("?")
+        scheme, sep, addr = endpoint.partition("://")
+        if not sep or scheme not in ("tcp", "ipc", "inproc") or not addr:
+            raise SinkSpecError(f"sink spec {spec!r}: expected zmq://tcp://HOST:PORT, zmq://ipc://PATH or zmq://inproc://NAME")
+        if scheme == "tcp":
+            host, _, port = addr.rpartition(":")
+            if not host or not port.isdigit():
+                raise SinkSpecError(f"sink spec {spec!r}: tcp endpoint needs HOST:PORT with a numeric port")
+        params = _query(spec, "zmq", query)
+        if params.get("layout", "map") not in ("map", "array"):
+            raise SinkSpecError(f"sink spec {spec!r}: layout must be map or array, got {params['layout']!r}")
+        _flag(spec, params, "connect")
+        if "hwm" in params and not params["hwm"].isdigit():
+            raise SinkSpecError(f"sink spec {spec!r}: hwm must be an integer")
+        return SinkSpec("zmq", endpoint, "", params)
+    raise SinkSpecError(f"unknown sink spec {spec!r} (expected one of: {_FORMS})")
+
+
+def make_sink(spec: str | SinkSpec, callback: Callable | None = None) -> Sink:
+    """Build (not open) the sink a spec describes."""
+    from kvstrata.events import sinks
+
+    s = parse_sink_spec(spec) if isinstance(spec, str) else spec
+    if s.kind == "none":
+        return sinks.NullSink()
+    if s.kind == "callback":
+        return sinks.CallbackSink(callback) if callback is not None else sinks.MemorySink()
+    if s.kind == "jsonl":
+        return sinks.JsonlFileSink(s.target, "kvstrata")
+    if s.kind == "dynamo-json":
+        return sinks.JsonlFileSink(s.target, "dynamo")
+    if s.kind == "nats":
+        return sinks.NatsSink(
+            s.target,
+            s.subject,
+            format=s.params.get("format", "kvstrata"),
+            jetstream=_flag("", s.params, "jetstream"),
+            stream=s.params.get("stream"),
+            serve_snapshots=_flag("", {"snapshots": s.params.get("snapshots", "1")}, "snapshots"),
+        )
+    if s.kind == "zmq":
+        return sinks.ZmqSink(
+            s.target,
+            topic=s.params.get("topic", ""),
+            layout=s.params.get("layout", "map"),
+            connect=_flag("", s.params, "connect"),
+            hwm=int(s.params.get("hwm", 100_000)),
+        )
+    raise SinkSpecError(f"unknown sink kind {s.kind!r}")
+
+
+def make_publisher(spec: str, *, start: bool = True, callback: Callable | None = None, **options: Any) -> EventPublisher:
+    """An :class:`EventPublisher` for a sink spec, started unless ``start=False``.
+
+    ``options`` go to :class:`EventPublisher` (``max_batch``, ``max_delay``, ``buffer_events``,
+    ``worker_id``, ``keep_tokens``). Wire it with ``registry.add_observer(publisher)`` and call
+    ``publisher.close()`` at the end.
+    """
+    publisher = EventPublisher(make_sink(spec, callback=callback), **options)
+    return publisher.start() if start else publisher

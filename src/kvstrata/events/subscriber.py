@@ -1,0 +1,481 @@
+"""Following event streams: ordering, de-duplication, gaps, restarts and late joins.
+
+:class:`StreamFollower` is transport-agnostic. It tracks, per worker, the publisher identity and
+the last applied event id, and applies events to a *target* (anything with
+``apply_event(worker_id, event)`` and ``reset_worker(worker_id)``, e.g. the indexer's
+:class:`~kvstrata.events.indexer.PrefixIndex` or :class:`WorkerStates`).
+
+Late-join protocol (no gap, no duplicate): subscribe to the live stream first, buffering;
+fetch the worker's snapshot (``last_event_id = N``); reset the worker, apply the snapshot,
+drop buffered events ``<= N``, apply the rest. A gap in event ids (events dropped by the
+publisher or missed) triggers the same re-sync; a new ``publisher_id`` for a known worker
+(restart) drops that worker's state first.
+
+:class:`NatsFollower` runs the protocol over NATS (request/reply on ``SUBJECT.snapshot.W``);
+:func:`read_events_file` reads kvstrata or Dynamo JSON lines.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator, Protocol
+
+from kvstrata.events import formats
+from kvstrata.events.model import (
+    Event,
+    EventBatch,
+    EventFormatError,
+    PublisherIdentity,
+    Snapshot,
+    TierState,
+)
+
+log = logging.getLogger(__name__)
+
+
+class EventTarget(Protocol):
+    def apply_event(self, worker_id: int, event: Event) -> None: ...
+
+    def reset_worker(self, worker_id: int) -> None: ...
+
+
+class WorkerStates:
+    """A simple target: worker id -> :class:`TierState`."""
+
+    def __init__(self) -> None:
+        self.workers: dict[int, TierState] = {}
+
+    def apply_event(self, worker_id: int, event: Event) -> None:
+        self.workers.setdefault(worker_id, TierState()).apply(event)
+
+    def reset_worker(self, worker_id: int) -> None:
+        self.workers[worker_id] = TierState()
+
+    def hashes(self, worker_id: int) -> dict[str, set[int]]:
+        state = self.workers.get(worker_id)
+        return state.hashes() if state else TierState().hashes()
+
+
+@dataclass
+class _Worker:
+    publisher_id: int | None
+    last_id: int = 0
+    syncing: bool = False
+    buffer: list[Event] = field(default_factory=list)
+
+
+class StreamFollower:
+    """Applies per-worker event streams to ``target`` in order, exactly once.
+
+    ``snapshots=True``: when a worker is first seen mid-stream (first id > 1) or a gap appears,
+    the worker goes into *syncing* (events buffered) and is listed by :meth:`pending_snapshots`
+    until :meth:`apply_snapshot` (or :meth:`give_up_sync`) is called. ``snapshots=False``:
+    gaps are counted and events applied anyway (best effort, e.g. reading a file).
+    """
+
+    def __init__(self, target: EventTarget, *, snapshots: bool = True, max_buffer: int = 1_000_000) -> None:
+        self.target = target
+        self.snapshots = snapshots
+        self.max_buffer = max_buffer
+        self.workers: dict[int, _Worker] = {}
+        self.lock = threading.RLock()
+        self.applied = 0
+        self.duplicates = 0
+        self.gaps = 0
+        self.restarts = 0
+        self.snapshots_applied = 0
+
+    # -- input -------------------------------------------------------------------------------
+    def feed_batch(self, batch: EventBatch) -> None:
+        self.feed(batch.identity.worker_id, batch.identity.publisher_id, batch.events)
+
+    def feed(self, worker_id: int, publisher_id: int | None, events: Iterable[Event]) -> None:
+        events = list(events)
+        if not events:
+            return
+        with self.lock:
+            st = self.workers.get(worker_id)
+            restarted = st is not None and (
+                (publisher_id is not None and st.publisher_id is not None and publisher_id != st.publisher_id)
+                or (publisher_id is None and events[0].event_id == 1 and st.last_id > 0)
+            )
+            if st is None or restarted:
+                if restarted:
+                    self.restarts += 1
+                    self.target.reset_worker(worker_id)
+                st = self.workers[worker_id] = _Worker(publisher_id)
+                if events[0].event_id != 1 and self.snapshots:
+                    st.syncing = True
+            if st.publisher_id is None:
+                st.publisher_id = publisher_id
+            if st.syncing:
+                self._buffer(st, events)
+                return
+            self._apply(worker_id, st, events)
+
+    def _buffer(self, st: _Worker, events: list[Event]) -> None:
+        st.buffer.extend(events)
+        if len(st.buffer) > self.max_buffer:
+            del st.buffer[: len(st.buffer) - self.max_buffer]
+
+    def _apply(self, worker_id: int, st: _Worker, events: list[Event]) -> None:
+        for i, event in enumerate(events):
+            eid = event.event_id
+            if eid <= st.last_id:
+                self.duplicates += 1
+                continue
+            if eid != st.last_id + 1:
+                self.gaps += 1
+                if self.snapshots:
+                    st.syncing = True
+                    self._buffer(st, events[i:])
+                    return
+            self.target.apply_event(worker_id, event)
+            st.last_id = eid
+            self.applied += 1
+
+    # -- snapshots ---------------------------------------------------------------------------
+    def pending_snapshots(self) -> list[int]:
+        """Workers waiting for a snapshot."""
+        with self.lock:
+            return [w for w, st in self.workers.items() if st.syncing]
+
+    def expect_snapshot(self, worker_id: int) -> None:
+        """Mark ``worker_id`` as syncing (buffer its live events until its snapshot arrives)."""
+        with self.lock:
+            st = self.workers.setdefault(worker_id, _Worker(None))
+            st.syncing = True
+
+    def apply_snapshot(self, snapshot: Snapshot) -> None:
+        """Replace the worker's state by ``snapshot`` then apply buffered events after it."""
+        wid = snapshot.identity.worker_id
+        with self.lock:
+            st = self.workers.get(wid) or _Worker(None)
+            if (
+                not st.syncing
+                and st.publisher_id == snapshot.identity.publisher_id
+                and st.last_id >= snapshot.last_event_id
+            ):
+                return  # already past this snapshot (e.g. a late reply to a broadcast request)
+            buffered = [e for e in st.buffer] if st.publisher_id in (None, snapshot.identity.publisher_id) else []
+            self.target.reset_worker(wid)
+            for event in snapshot.events:
+                self.target.apply_event(wid, event)
+            st = self.workers[wid] = _Worker(snapshot.identity.publisher_id, snapshot.last_event_id)
+            self.snapshots_applied += 1
+            if buffered:
+                self._apply(wid, st, buffered)
+
+    def give_up_sync(self, worker_id: int) -> None:
+        """No snapshot available: apply what was buffered, best effort (gaps stay counted)."""
+        with self.lock:
+            st = self.workers.get(worker_id)
+            if st is None or not st.syncing:
+                return
+            buffered, st.buffer, st.syncing = st.buffer, [], False
+            if buffered and st.last_id == 0:
+                st.last_id = buffered[0].event_id - 1
+            snapshots, self.snapshots = self.snapshots, False
+            try:
+                self._apply(worker_id, st, buffered)
+            finally:
+                self.snapshots = snapshots
+
+    def last_event_id(self, worker_id: int) -> int:
+        with self.lock:
+            st = self.workers.get(worker_id)
+            return st.last_id if st else 0
+
+    def stats(self) -> dict[str, int]:
+        with self.lock:
+            return {
+                "workers": len(self.workers),
+                "applied": self.applied,
+                "duplicates": self.duplicates,
+                "gaps": self.gaps,
+                "restarts": self.restarts,
+                "snapshots_applied": self.snapshots_applied,
+                "syncing": sum(1 for st in self.workers.values() if st.syncing),
+            }
+
+
+def follow_in_process(publisher, target: EventTarget) -> tuple[StreamFollower, Callable[[EventBatch], None]]:
+    """Late-join an in-process publisher: returns the follower and the batch callback to feed.
+
+    Register the callback with the publisher's :class:`~kvstrata.events.sinks.CallbackSink`
+    *before* calling this, or call ``follower.feed_batch`` yourself; the snapshot is taken now.
+    """
+    follower = StreamFollower(target)
+    follower.expect_snapshot(publisher.identity.worker_id)
+    follower.apply_snapshot(publisher.snapshot())
+    return follower, follower.feed_batch
+
+
+# --------------------------------------------------------------------------------------------
+# Files
+# --------------------------------------------------------------------------------------------
+
+
+def decode_line(line: str, fmt: str = "auto") -> tuple[int, int | None, Event]:
+    """One JSON line -> (worker_id, publisher_id or None, event); kvstrata or Dynamo format."""
+    try:
+        obj = json.loads(line)
+    except ValueError as exc:
+        raise EventFormatError(f"not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise EventFormatError("line must be a JSON object")
+    if fmt == "dynamo" or (fmt == "auto" and "event" in obj and "storage_tier" in obj):
+        wid, event = formats.decode_dynamo(obj)
+        return wid, None, event
+    batch = formats.decode_kvstrata(obj)
+    if not isinstance(batch, EventBatch) or len(batch.events) != 1:
+        raise EventFormatError("expected one event per line")
+    return batch.identity.worker_id, batch.identity.publisher_id, batch.events[0]
+
+
+def read_events_file(path: str, fmt: str = "auto") -> Iterator[tuple[int, int | None, Event]]:
+    """Yield (worker_id, publisher_id, event) from a JSON-lines file; errors name the line."""
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield decode_line(line, fmt)
+            except EventFormatError as exc:
+                raise EventFormatError(f"{path}:{n}: {exc}") from None
+
+
+def follow_file(path: str, follower: StreamFollower, fmt: str = "auto") -> int:
+    """Feed every event of a file into ``follower``; returns the number of lines read."""
+    n = 0
+    for wid, pid, event in read_events_file(path, fmt):
+        follower.feed(wid, pid, [event])
+        n += 1
+    return n
+
+
+# --------------------------------------------------------------------------------------------
+# NATS
+# --------------------------------------------------------------------------------------------
+
+
+class NatsFollower:
+    """Subscribes to a NATS subject and feeds a :class:`StreamFollower`.
+
+    ``jetstream=True`` reads the stream from its first message (an ordered consumer), so a
+    late subscriber replays history; otherwise core NATS plus snapshots (late join protocol).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        subject: str,
+        target: EventTarget,
+        *,
+        format: str = "kvstrata",
+        jetstream: bool = False,
+        snapshots: bool = True,
+        snapshot_timeout: float = 2.0,
+        on_batch: Callable[[int], None] | None = None,
+    ) -> None:
+        from kvstrata.events.sinks import EVENT_FORMATS, check_subject
+
+        if format not in EVENT_FORMATS:
+            raise ValueError(f"format must be one of {EVENT_FORMATS}, got {format!r}")
+        self.url = url
+        self.subject = check_subject(subject)
+        self.format = format
+        self.jetstream = jetstream
+        self.snapshot_timeout = snapshot_timeout
+        self.follower = StreamFollower(target, snapshots=snapshots and format == "kvstrata")
+        self.on_batch = on_batch
+        self.decode_errors = 0
+        self.messages = 0
+        self._aio = None
+        self._nc = None
+        self._sync_wakeup = None
+        self._tasks: list = []
+
+    def start(self, timeout: float = 5.0) -> "NatsFollower":
+        """Connect and subscribe (raises TimeoutError if the server cannot be reached)."""
+        from kvstrata.events._aio import LoopThread
+
+        self._aio = LoopThread(f"kvstrata-follow-{self.subject}")
+        try:
+            self._aio.run(self._start(), timeout)
+        except BaseException:
+            self._aio.stop()
+            raise
+        return self
+
+    async def _start(self) -> None:
+        import asyncio
+
+        from kvstrata.events.sinks import nats_connect
+
+        self._nc = await nats_connect(self.url, "kvstrata-follower")
+        self._sync_wakeup = asyncio.Event()
+        if self.jetstream:
+            from nats.js.api import DeliverPolicy
+
+            js = self._nc.jetstream()
+            await js.subscribe(self.subject, cb=self._on_msg, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
+        else:
+            await self._nc.subscribe(self.subject, cb=self._on_msg)
+        await self._nc.flush(timeout=2)
+        self._tasks.append(asyncio.get_running_loop().create_task(self._sync_loop()))
+
+    async def _on_msg(self, msg) -> None:
+        self.messages += 1
+        try:
+            if self.format == "kvstrata":
+                batch = formats.decode_kvstrata(msg.data)
+                if not isinstance(batch, EventBatch):
+                    return
+                self.follower.feed_batch(batch)
+                n = len(batch.events)
+            else:
+                wid, event = formats.decode_dynamo(msg.data)
+                self.follower.feed(wid, None, [event])
+                n = 1
+        except EventFormatError as exc:
+            self.decode_errors += 1
+            log.warning("bad event message on %s: %s", msg.subject, exc)
+            return
+        if self.on_batch is not None:
+            self.on_batch(n)
+        if self.follower.pending_snapshots():
+            self._sync_wakeup.set()
+
+    async def _sync_loop(self) -> None:
+        while True:
+            await self._sync_wakeup.wait()
+            self._sync_wakeup.clear()
+            for wid in self.follower.pending_snapshots():
+                snap = await self._request_snapshot(wid)
+                if snap is None:
+                    log.warning("no snapshot from worker %s; following best effort", wid)
+                    self.follower.give_up_sync(wid)
+                else:
+                    self.follower.apply_snapshot(snap)
+
+    async def _request_snapshot(self, worker_id: int) -> Snapshot | None:
+        import asyncio
+
+        from kvstrata.events.sinks import snapshot_subject
+
+        nc = self._nc
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        try:
+            await nc.publish(snapshot_subject(self.subject, worker_id), b"", reply=inbox)
+            events = []
+            snap = None
+            deadline = time.monotonic() + self.snapshot_timeout
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                try:
+                    msg = await sub.next_msg(timeout=remaining)
+                except (asyncio.TimeoutError, Exception):
+                    return None
+                part = formats.decode_kvstrata(msg.data)
+                if not isinstance(part, Snapshot):
+                    return None
+                events.extend(part.events)
+                snap = part
+                if json.loads(msg.data).get("last", True):
+                    break
+            return Snapshot(snap.identity, snap.last_event_id, events)
+        finally:
+            await sub.unsubscribe()
+
+    async def _discover(self, window: float) -> int:
+        from kvstrata.events.sinks import snapshot_subject
+
+        nc = self._nc
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        parts: dict[int, list[Snapshot]] = {}
+        done = 0
+        try:
+            await nc.publish(snapshot_subject(self.subject), b"", reply=inbox)
+            deadline = time.monotonic() + window
+            while (remaining := deadline - time.monotonic()) > 0:
+                try:
+                    msg = await sub.next_msg(timeout=remaining)
+                except Exception:
+                    break
+                try:
+                    part = formats.decode_kvstrata(msg.data)
+                except EventFormatError:
+                    continue
+                if not isinstance(part, Snapshot):
+                    continue
+                pid = part.identity.publisher_id
+                parts.setdefault(pid, []).append(part)
+                if json.loads(msg.data).get("last", True):
+                    chunks = parts.pop(pid)
+                    events = [e for c in chunks for e in c.events]
+                    self.follower.apply_snapshot(Snapshot(part.identity, part.last_event_id, events))
+                    done += 1
+        finally:
+            await sub.unsubscribe()
+        return done
+
+    def discover(self, window: float = 0.5) -> int:
+        """Ask every publisher on the subject for its snapshot (``SUBJECT.snapshot``), apply
+        the replies that arrive within ``window`` seconds; returns how many were applied."""
+        return self._aio.run(self._discover(window), window + 5.0)
+
+    def request_snapshot(self, worker_id: int, timeout: float = 5.0) -> Snapshot | None:
+        """Fetch one worker's snapshot now (from any thread)."""
+        return self._aio.run(self._request_snapshot(worker_id), timeout)
+
+    def wait_for(self, predicate: Callable[[], bool], timeout: float) -> bool:
+        """Wait (sleeping, not spinning hot) until ``predicate()`` is true."""
+        deadline = time.monotonic() + timeout
+        delay = 0.002
+        while not predicate():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+        return True
+
+    def close(self) -> None:
+        if self._aio is None:
+            return
+        for t in self._tasks:
+            self._aio.loop.call_soon_threadsafe(t.cancel)
+        if self._nc is not None:
+            try:
+                self._aio.run(self._nc.close(), 2.0)
+            except Exception:
+                pass
+        self._aio.stop()
+        self._aio = None
+
+    def __enter__(self) -> "NatsFollower":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+__all__ = [
+    "EventTarget",
+    "NatsFollower",
+    "PublisherIdentity",
+    "StreamFollower",
+    "WorkerStates",
+    "decode_line",
+    "follow_file",
+    "follow_in_process",
+    "read_events_file",
+]

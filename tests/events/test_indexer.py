@@ -1,0 +1,117 @@
+import json
+import urllib.request
+
+import pytest
+
+from kvstrata.events import EventPublisher, make_publisher
+from kvstrata.events.indexer import IndexServer, PrefixIndex, build_index, main, match_response
+from kvstrata.events.model import ClearedEvent, RemovedEvent, stored_event
+from kvstrata.events.sinks import MemorySink
+from kvstrata.logical.registry import BlockRegistry
+
+from .helpers import chain
+
+
+def seqs(c):
+    return [r.sequence_hash for r in c]
+
+
+def test_match_prefix_per_worker_and_tier():
+    c = chain(1, 6)
+    idx = PrefixIndex()
+    idx.apply_event(1, stored_event(1, "G1", c[:3], 0))
+    idx.apply_event(1, stored_event(2, "G2", c[:5], 0))
+    idx.apply_event(2, stored_event(1, "G3", c[:6], 0))
+    idx.apply_event(2, RemovedEvent(2, "G3", (c[3].sequence_hash,)))
+    assert idx.match(seqs(c)) == {1: {"G1": 3, "G2": 5}, 2: {"G3": 3}}
+    assert idx.match(seqs(c)[1:]) == {1: {"G1": 2, "G2": 4}, 2: {"G3": 2}}  # counts leading hashes given
+    assert idx.match([]) == {}
+    assert idx.match_local([r.local_hash for r in c]) == {1: {"G1": 3, "G2": 5}, 2: {"G3": 3}}
+    resp = match_response(idx, seqs(c))
+    assert resp["best"] == {"worker_id": 1, "tier": "G2", "prefix": 5} and resp["per_worker"] == {"1": 5, "2": 3}
+
+
+def test_orphans_pruning_and_reset():
+    c = chain(2, 4)
+    idx = PrefixIndex()
+    idx.apply_event(1, stored_event(1, "G2", c[2:], 0))  # children first, parent unknown
+    assert idx.match(seqs(c)) == {}
+    idx.apply_event(1, stored_event(2, "G2", c[:2], 0))
+    assert idx.match(seqs(c)) == {1: {"G2": 4}}
+    idx.apply_event(1, RemovedEvent(3, "G2", tuple(seqs(c))))
+    assert idx.stats()["nodes"] == 0  # nothing held, nothing left
+    idx.apply_event(1, stored_event(4, "G1", c, 0))
+    idx.apply_event(3, stored_event(1, "G1", c[:2], 0))
+    idx.reset_worker(1)
+    assert idx.match(seqs(c)) == {3: {"G1": 2}} and idx.stats()["nodes"] == 2
+    idx.apply_event(3, ClearedEvent(2, "G1"))
+    assert idx.stats()["nodes"] == 0
+
+
+def test_build_index_and_compare_with_registry():
+    reg = BlockRegistry()
+    pub = EventPublisher(MemorySink(), max_delay=0).start()
+    reg.add_observer(pub)
+    c = chain(3, 8)
+    reg.record_stored("G1", c)
+    reg.record_stored("G2", c[:4])
+    reg.record_removed("G1", seqs(c[6:]))
+    pub.flush(2)
+    idx = build_index(pub.sink.events, worker_id=9)
+    assert idx.compare_with_registry(reg, 9) == {}
+    reg.record_stored("G3", c[:1])
+    assert idx.compare_with_registry(reg, 9) == {"G3": {"missing": 1, "extra": 0, "index": 0, "registry": 1}}
+    pub.close()
+
+
+def test_http_match_and_stats():
+    c = chain(4, 5)
+    idx = PrefixIndex()
+    idx.apply_event(7, stored_event(1, "G2", c[:4], 0))
+    server = IndexServer(idx).start()
+    host, port = server.address
+    try:
+        body = json.dumps({"hashes": [str(h) for h in seqs(c)]}).encode()
+        with urllib.request.urlopen(urllib.request.Request(f"http://{host}:{port}/match", body, method="POST")) as r:
+            resp = json.load(r)
+        assert resp["matches"] == [{"worker_id": 7, "tier": "G2", "prefix": 4}] and resp["length"] == 5
+        with urllib.request.urlopen(f"http://{host}:{port}/stats") as r:
+            stats = json.load(r)
+        assert stats["blocks"] == {"7": {"G2": 4}} and stats["nodes"] == 4
+        bad = urllib.request.Request(f"http://{host}:{port}/match", b'{"hashes": [-1]}', method="POST")
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(bad)
+        assert err.value.code == 400 and "unsigned 64-bit" in json.load(err.value)["error"]
+    finally:
+        server.close()
+
+
+def test_cli_query_from_files(tmp_path, capsys):
+    reg = BlockRegistry()
+    kv = make_publisher(f"jsonl:{tmp_path}/a.jsonl", worker_id=1)
+    dyn = make_publisher(f"dynamo-json:{tmp_path}/b.jsonl", worker_id=2)
+    c = chain(5, 6)
+    reg.add_observer(kv)
+    reg.record_stored("G1", c[:2])
+    reg.add_observer(dyn)
+    reg.record_stored("G1", c[2:])  # worker 2 sees only these, worker 1 all
+    reg.record_stored("G2", c)
+    kv.close()
+    dyn.close()
+    q = ",".join(str(h) for h in seqs(c))
+    assert main(["--file", f"{tmp_path}/a.jsonl", "--file", f"{tmp_path}/b.jsonl", "--query", q]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {(m["worker_id"], m["tier"]): m["prefix"] for m in out["matches"]} == {(1, "G1"): 6, (1, "G2"): 6, (2, "G2"): 6}
+    assert main(["--file", f"{tmp_path}/a.jsonl"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["blocks"] == {"1": {"G1": 6, "G2": 6}} and stats["stream"]["gaps"] == 0
+
+
+def test_cli_errors(tmp_path, capsys):
+    (tmp_path / "bad.jsonl").write_text('{"nope": 1}\n')
+    assert main(["--file", str(tmp_path / "bad.jsonl")]) == 1
+    assert "bad.jsonl:1" in capsys.readouterr().err
+    assert main(["--file", str(tmp_path / "missing.jsonl")]) == 1
+    assert main(["--file", str(tmp_path / "bad.jsonl"), "--query", "x,y"]) == 2
+    with pytest.raises(SystemExit):
+        main([])

@@ -1,0 +1,83 @@
+import pytest
+
+from kvstrata.events import SinkSpecError, make_publisher, parse_sink_spec
+from kvstrata.events.sinks import JsonlFileSink, MemorySink, NatsSink, NullSink, ZmqSink
+from kvstrata.events.spec import make_sink
+
+
+@pytest.mark.parametrize(
+    "spec,kind,target,subject,params",
+    [
+        ("none", "none", "", "", {}),
+        ("callback", "callback", "", "", {}),
+        ("jsonl:/tmp/x.jsonl", "jsonl", "/tmp/x.jsonl", "", {}),
+        ("dynamo-json:rel/path.jsonl", "dynamo-json", "rel/path.jsonl", "", {}),
+        ("nats://127.0.0.1:4222/kv.events", "nats", "nats://127.0.0.1:4222", "kv.events", {}),
+        ("nats://host", "nats", "nats://host:4222", "kvstrata.events", {}),
+        (
+            "nats://127.0.0.1:5000/a.b?format=dynamo&jetstream=1",
+            "nats",
+            "nats://127.0.0.1:5000",
+            "a.b",
+            {"format": "dynamo", "jetstream": "1"},
+        ),
+        ("zmq://tcp://127.0.0.1:5557", "zmq", "tcp://127.0.0.1:5557", "", {}),
+        ("zmq://tcp://*:5557?topic=kv-events&layout=array", "zmq", "tcp://*:5557", "", {"topic": "kv-events", "layout": "array"}),
+        ("zmq://ipc:///tmp/kv.sock", "zmq", "ipc:///tmp/kv.sock", "", {}),
+    ],
+)
+def test_parse_good_specs(spec, kind, target, subject, params):
+    s = parse_sink_spec(spec)
+    assert (s.kind, s.target, s.subject, s.params) == (kind, target, subject, params)
+
+
+@pytest.mark.parametrize(
+    "spec,needle",
+    [
+        ("", "empty"),
+        ("   ", "empty"),
+        ("kafka://x", "unknown sink spec"),
+        ("jsonl:", "missing file path"),
+        ("nats://:4222/x", "missing host"),
+        ("nats://h:abc/x", "port is not a number"),
+        ("nats://h:4222/a.*", "invalid NATS subject"),
+        ("nats://h:4222/a..b", "invalid NATS subject"),
+        ("nats://h:4222/x?format=avro", "format must be"),
+        ("nats://h:4222/x?jetstream=maybe", "not a boolean"),
+        ("nats://h:4222/x?colour=red", "unknown option"),
+        ("zmq://127.0.0.1:5557", "expected zmq://tcp"),
+        ("zmq://tcp://127.0.0.1", "numeric port"),
+        ("zmq://tcp://h:1?layout=columns", "layout must be"),
+        ("zmq://tcp://h:1?hwm=x", "hwm must be"),
+    ],
+)
+def test_parse_bad_specs_name_the_problem(spec, needle):
+    with pytest.raises(SinkSpecError, match=needle.replace("*", r"\*")):
+        parse_sink_spec(spec)
+
+
+def test_spec_error_is_a_value_error():
+    assert issubclass(SinkSpecError, ValueError)
+
+
+def test_make_sink_kinds(tmp_path):
+    assert isinstance(make_sink("none"), NullSink)
+    assert isinstance(make_sink("callback"), MemorySink)
+    assert isinstance(make_sink(f"jsonl:{tmp_path}/a.jsonl"), JsonlFileSink)
+    assert make_sink(f"dynamo-json:{tmp_path}/a.jsonl").format == "dynamo"
+    nats = make_sink("nats://127.0.0.1:1/x.y?jetstream=1&format=dynamo")
+    assert isinstance(nats, NatsSink) and nats.jetstream and nats.format == "dynamo" and nats.stream == "KVSTRATA_X_Y"
+    z = make_sink("zmq://tcp://127.0.0.1:1?layout=array&connect=1")
+    assert isinstance(z, ZmqSink) and z.layout == "array" and z.connect
+
+
+def test_make_publisher_file_directory_missing(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        make_publisher(f"jsonl:{tmp_path}/nope/a.jsonl")
+
+
+def test_make_publisher_callback_function():
+    got = []
+    pub = make_publisher("callback", callback=got.append, worker_id=3)
+    assert pub.identity.worker_id == 3
+    pub.close()
