@@ -288,8 +288,9 @@ def _from_env(env: Mapping[str, str], problems: list[str]) -> tuple[dict[str, An
         match = _ENV_TIER_SIZE.match(var)
         if match:
             tiers.setdefault(match.group(1), {})[match.group(2).lower()] = value
-        elif var in _DYNAMO_TIER_GB:
-            tiers.setdefault(_DYNAMO_TIER_GB[var], {}).setdefault("gb", value)
+    for var, tier in _DYNAMO_TIER_GB.items():
+        if var in env and tier not in tiers:  # a KVSTRATA_G*_ size wins over the Dynamo alias
+            tiers[tier] = {"gb": env[var]}
     return scalars, tiers
 
 

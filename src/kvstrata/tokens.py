@@ -15,6 +15,8 @@ never share a block.
 from __future__ import annotations
 
 import struct
+import sys
+from array import array
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -53,15 +55,32 @@ def _as_uint32(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
     if isinstance(tokens, np.ndarray):
         if tokens.dtype == np.dtype("<u4"):
             return np.ascontiguousarray(tokens)
-        if tokens.size and (tokens.min() < 0 or tokens.max() > 0xFFFFFFFF):
-            raise TokenError("token ids must be in [0, 2**32-1]")
         if tokens.dtype.kind not in "iu":
             raise TokenError(f"token ids must be integers, got dtype {tokens.dtype}")
+        if tokens.size and (tokens.min() < 0 or tokens.max() > 0xFFFFFFFF):
+            raise TokenError("token ids must be in [0, 2**32-1]")
         return np.ascontiguousarray(tokens, dtype="<u4")
+    return np.frombuffer(_list_to_le_bytes(tokens), dtype="<u4")
+
+
+_UINT32_CODE = "I" if array("I").itemsize == 4 else "L"
+
+
+def _list_to_le_bytes(tokens: Sequence[int]) -> bytes:
+    """Little-endian uint32 bytes of a list of ints (array.array is ~3x faster than numpy here)."""
     try:
-        return np.fromiter(tokens, dtype="<u4", count=len(tokens))
-    except (OverflowError, ValueError, TypeError) as exc:
+        packed = array(_UINT32_CODE, tokens)
+    except (OverflowError, TypeError) as exc:
         raise TokenError(f"token ids must be integers in [0, 2**32-1]: {exc}") from None
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
+    if isinstance(tokens, np.ndarray):
+        return _as_uint32(tokens).tobytes()
+    return _list_to_le_bytes(tokens)
 
 
 def _check_block_size(block_size: int) -> None:
@@ -93,11 +112,10 @@ def hash_blocks(
     ``tokens[0]``). Returns ``(local_hashes, sequence_hashes)``.
     """
     _check_block_size(block_size)
-    array = _as_uint32(tokens)
-    n_blocks = len(array) // block_size
-    view = memoryview(array[: n_blocks * block_size]).cast("B")
+    data = _token_bytes(tokens)
     step = block_size * 4
-    local_hashes = [_xxh3(view[i * step : (i + 1) * step], seed=seed) for i in range(n_blocks)]
+    end = len(data) // step * step
+    local_hashes = [_xxh3(data[i : i + step], seed) for i in range(0, end, step)]
     sequence_hashes = chain_hashes(local_hashes, seed, parent_sequence_hash)
     return local_hashes, sequence_hashes
 
@@ -107,10 +125,17 @@ def chain_hashes(
 ) -> list[int]:
     """Sequence hashes for a run of local hashes continuing ``parent_sequence_hash``."""
     out: list[int] = []
+    locals_ = iter(local_hashes)
     parent = parent_sequence_hash
-    for local in local_hashes:
-        parent = local if parent is None else _xxh3(_pack_pair(parent, local), seed=seed)
+    if parent is None:
+        parent = next(locals_, None)
+        if parent is None:
+            return out
         out.append(parent)
+    append = out.append
+    for local in locals_:
+        parent = _xxh3(_pack_pair(parent, local), seed)
+        append(parent)
     return out
 
 
@@ -169,19 +194,19 @@ class TokenSequence:
 
     def extend(self, tokens: Sequence[int] | np.ndarray) -> list[int]:
         """Add many tokens; returns the sequence hashes of the blocks they completed."""
-        array = _as_uint32(tokens)
-        if not len(array):
+        ids = _as_uint32(tokens)
+        if not len(ids):
             return []
         start = 0
         new_hashes: list[int] = []
         if self._tail:
             need = self.block_size - len(self._tail)
-            self._tail.extend(array[:need].tolist())
-            self._n_tokens += min(need, len(array))
+            self._tail.extend(ids[:need].tolist())
+            self._n_tokens += min(need, len(ids))
             start = need
             if len(self._tail) == self.block_size:
                 new_hashes.append(self._seal_tail())
-        rest = array[start:]
+        rest = ids[start:]
         if len(rest):
             parent = self.sequence_hashes[-1] if self.sequence_hashes else None
             local, seqs = hash_blocks(rest, self.block_size, self.seed, parent)

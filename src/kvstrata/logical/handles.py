@@ -1,8 +1,8 @@
 """Handles on blocks handed out by a pool.
 
 A handle covers a batch of blocks from one pool. It is released explicitly (``release()``) or by
-leaving a ``with`` block. If a handle is garbage-collected unreleased, a finalizer posts its
-blocks to the pool's return queue; the pool takes them back on its next call, on its owner
+leaving a ``with`` block. If a handle is garbage-collected unreleased, its finalizer
+(``__del__``) posts its blocks to the pool's return queue; the pool takes them back on its next call, on its owner
 thread (the garbage collector never mutates a pool).
 
 * :class:`MutableBlocks` come from ``allocate``: exclusively owned, in any state but
@@ -13,7 +13,6 @@ thread (the garbage collector never mutates a pool).
 
 from __future__ import annotations
 
-import weakref
 from typing import TYPE_CHECKING, Iterator, Sequence
 
 from .block import Block, BlockState
@@ -28,16 +27,20 @@ class HandleReleasedError(RuntimeError):
 
 
 class _Blocks:
-    __slots__ = ("_pool", "_blocks", "_finalizer", "__weakref__")
+    __slots__ = ("_pool", "_blocks")
 
     def __init__(self, pool: "BlockPool", blocks: list[Block]) -> None:
         self._pool = pool
         self._blocks: list[Block] | None = blocks
-        self._finalizer = (
-            weakref.finalize(self, pool._post_orphans, [b.block_id for b in blocks], self._mutable)
-            if blocks
-            else None
-        )
+
+    def __del__(self) -> None:
+        # Safety net only: queue the blocks for the pool's owner; never touch the pool here.
+        blocks = getattr(self, "_blocks", None)
+        if blocks:
+            try:
+                self._pool._post_orphans([b.block_id for b in blocks], self._mutable)
+            except Exception:  # interpreter shutdown: nothing left to return blocks to
+                pass
 
     _mutable = False
 
@@ -88,8 +91,6 @@ class _Blocks:
         """Detach the blocks from this handle (the pool calls this when it takes them back)."""
         blocks = self.blocks
         self._blocks = None
-        if self._finalizer is not None:
-            self._finalizer.detach()
         return blocks
 
 

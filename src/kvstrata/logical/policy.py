@@ -55,6 +55,26 @@ class EvictionPolicy:
         """Remove and return the next block to evict, or None if nothing is evictable."""
         raise NotImplementedError
 
+    # Batch forms: the pool calls these on its hot paths; override them when a policy can do
+    # a batch faster than one call per block.
+    def insert_many(self, blocks: list[Block]) -> None:
+        for block in blocks:
+            self.insert(block)
+
+    def remove_many(self, blocks: list[Block]) -> None:
+        for block in blocks:
+            self.remove(block)
+
+    def victims(self, count: int) -> list[Block]:
+        """Up to ``count`` victims in order (fewer if the order runs dry)."""
+        out: list[Block] = []
+        for _ in range(count):
+            block = self.victim()
+            if block is None:
+                break
+            out.append(block)
+        return out
+
     def __len__(self) -> int:
         raise NotImplementedError
 
@@ -84,6 +104,20 @@ class LruEviction(EvictionPolicy):
             return None
         return self._order.popitem(last=False)[1]
 
+    def insert_many(self, blocks: list[Block]) -> None:
+        order = self._order
+        for block in blocks:
+            order[block.block_id] = block
+
+    def remove_many(self, blocks: list[Block]) -> None:
+        pop = self._order.pop
+        for block in blocks:
+            pop(block.block_id, None)
+
+    def victims(self, count: int) -> list[Block]:
+        popitem = self._order.popitem
+        return [popitem(False)[1] for _ in range(min(count, len(self._order)))]
+
     def __len__(self) -> int:
         return len(self._order)
 
@@ -111,8 +145,23 @@ class _HeapEviction(EvictionPolicy):
             self._heap = [e for e in self._heap if live.get(e[2]) is e]
             heapq.heapify(self._heap)
 
+    def insert_many(self, blocks: list[Block]) -> None:
+        live, heap, key, push = self._live, self._heap, self.key, heapq.heappush
+        for block in blocks:
+            entry = (key(block), block.release_tick, block.block_id, block)
+            live[block.block_id] = entry
+            push(heap, entry)
+        if len(heap) > 4 * len(live) + 64:
+            self._heap = [e for e in heap if live.get(e[2]) is e]
+            heapq.heapify(self._heap)
+
     def remove(self, block: Block) -> None:
         self._live.pop(block.block_id, None)
+
+    def remove_many(self, blocks: list[Block]) -> None:
+        pop = self._live.pop
+        for block in blocks:
+            pop(block.block_id, None)
 
     def victim(self) -> Block | None:
         heap, live = self._heap, self._live

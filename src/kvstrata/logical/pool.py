@@ -88,6 +88,10 @@ class BlockPool:
         self._orphans: SimpleQueue[tuple[list[int], bool]] = SimpleQueue()
         self.evictions = 0
         self._leaf_first = self.eviction.leaf_first
+        policy_type = type(self.eviction)
+        # Skip per-block hook calls the policy does not use (the base versions do nothing).
+        self._counts_hits = policy_type.record_hit is not EvictionPolicy.record_hit
+        self._tracks_registration = policy_type.registered is not EvictionPolicy.registered
         # Registered blocks in use; leaf-first pools need them to count what eviction can reach.
         self._active_registered: set[int] = set()
 
@@ -155,16 +159,22 @@ class BlockPool:
         removed: list[int] = []
         eviction = self.eviction
         by_hash = self._by_hash
+        leaf_first = self._leaf_first
         while len(victims) < count:
-            block = eviction.victim()
-            if block is None:  # cannot happen: allocate checked the evictable total
+            # Leaf-first: one at a time, since each eviction may make its parent evictable,
+            # and that parent must compete for the next slot in its rightful place.
+            batch = eviction.victims(1 if leaf_first else count - len(victims))
+            if not batch:  # cannot happen: allocate checked the evictable total
                 raise AssertionError(f"pool {self.tier}: eviction order ran dry")
-            removed.append(block.sequence_hash)  # type: ignore[arg-type]
-            del by_hash[block.sequence_hash]
-            self._inactive -= 1
-            self._unlink_parent(block)
-            block.reset()
-            victims.append(block)
+            for block in batch:
+                h = block.sequence_hash
+                removed.append(h)  # type: ignore[arg-type]
+                del by_hash[h]
+                if leaf_first:
+                    self._unlink_parent(block)  # may make the parent evictable
+                block.reset()
+            victims.extend(batch)
+        self._inactive -= len(victims)
         self.evictions += len(victims)
         self.registry.record_removed(self.tier, removed)
         return victims
@@ -203,13 +213,16 @@ class BlockPool:
                 raise BlockStateError(block.block_id, block.state, "register", "must be Complete")
         handle._take()
         by_hash = self._by_hash
+        get = by_hash.get
         out: list[Block] = []
         stored: list[BlockRecord] = []
         keep_tokens = self.keep_tokens
         leaf_first = self._leaf_first
-        registered = self.eviction.registered
+        registered = self.eviction.registered if self._tracks_registration else None
+        state_registered = BlockState.REGISTERED
         for block in blocks:
-            existing = by_hash.get(block.sequence_hash)  # type: ignore[arg-type]
+            h = block.sequence_hash
+            existing = get(h)  # type: ignore[arg-type]
             if existing is not None:
                 self._acquire(existing)
                 block.reset()
@@ -217,15 +230,18 @@ class BlockPool:
                 self._free.append(block.block_id)
                 out.append(existing)
                 continue
-            block.state = BlockState.REGISTERED
+            block.state = state_registered
             block.priority = priority
-            by_hash[block.sequence_hash] = block  # type: ignore[index]
+            by_hash[h] = block  # type: ignore[index]
             if leaf_first:
                 self._link_parent(block)
                 self._active_registered.add(block.block_id)
-            registered(block)
+            if registered is not None:
+                registered(block)
             record = block.cached_record
-            stored.append(record if record is not None and not keep_tokens else block.record(keep_tokens))
+            if record is None or keep_tokens:
+                record = block.record(keep_tokens)
+            stored.append(record)
             out.append(block)
         self.registry.record_stored(self.tier, stored)
         return ImmutableBlocks(self, out)
@@ -253,14 +269,16 @@ class BlockPool:
         self._drain_orphans()
         by_hash = self._by_hash
         found: list[Block] = []
-        record_hit = self.eviction.record_hit
         for h in sequence_hashes:
             block = by_hash.get(h)
             if block is None:
                 break
-            self._acquire(block)
-            record_hit(block)
             found.append(block)
+        self._acquire_many(found)
+        if self._counts_hits:
+            record_hit = self.eviction.record_hit
+            for block in found:
+                record_hit(block)
         return ImmutableBlocks(self, found)
 
     def touch(self, sequence_hashes: Iterable[int]) -> int:
@@ -283,15 +301,24 @@ class BlockPool:
         return touched
 
     def _acquire(self, block: Block) -> None:
-        if block.ref_count == 0:
-            self._inactive -= 1
-            if self._leaf_first:
-                self._active_registered.add(block.block_id)
-                if not block.children:
-                    self.eviction.remove(block)
-            else:
-                self.eviction.remove(block)
-        block.ref_count += 1
+        self._acquire_many([block])
+
+    def _acquire_many(self, blocks: list[Block]) -> None:
+        """Take a reference on registered blocks; idle ones leave the eviction order."""
+        leaving: list[Block] = []
+        leaf_first = self._leaf_first
+        for block in blocks:
+            if block.ref_count == 0:
+                self._inactive -= 1
+                if leaf_first:
+                    self._active_registered.add(block.block_id)
+                    if not block.children:
+                        leaving.append(block)
+                else:
+                    leaving.append(block)
+            block.ref_count += 1
+        if leaving:
+            self.eviction.remove_many(leaving)
 
     # -- release ---------------------------------------------------------------------------
     def release(self, handle: _Blocks) -> None:
@@ -301,26 +328,32 @@ class BlockPool:
         self._release_blocks(handle._take(), isinstance(handle, MutableBlocks))
 
     def _release_blocks(self, blocks: list[Block], mutable: bool) -> None:
-        eviction = self.eviction
-        leaf_first = self._leaf_first
-        free = self._free
-        for block in blocks:
-            if mutable:
+        if mutable:
+            free = self._free
+            for block in blocks:
                 block.reset()
                 block.ref_count = 0
                 free.append(block.block_id)
-                continue
+            return
+        idle: list[Block] = []
+        leaf_first = self._leaf_first
+        tick = self._tick
+        for block in blocks:
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {block.block_id} released more than acquired"
             if block.ref_count == 0:
-                self._tick += 1
-                block.release_tick = self._tick
-                self._inactive += 1
+                tick += 1
+                block.release_tick = tick
                 if leaf_first:
                     self._active_registered.discard(block.block_id)
                     if block.children:
+                        self._inactive += 1
                         continue
-                eviction.insert(block)
+                idle.append(block)
+        self._tick = tick
+        self._inactive += len(idle)
+        if idle:
+            self.eviction.insert_many(idle)
 
     def _post_orphans(self, block_ids: list[int], mutable: bool) -> None:
         """Finalizer target: queue a dropped handle's blocks for the owner thread."""
