@@ -96,7 +96,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             publisher.close()
     doc = result.as_dict()
     if publisher is not None:
-        doc["events"] = publisher.stats() if hasattr(publisher, "stats") else {}
+        doc["events"] = {"sink": args.events, **publisher.metrics()}
     if args.plot:
         write_plot(result, args.plot)
         doc["plot"] = args.plot
@@ -134,8 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p_replay.add_argument("trace", nargs="?", help="trace file (.jsonl or .jsonl.gz)")
     p_replay.add_argument("--config", help="TOML config file (see docs/configuration.md)")
-    p_replay.add_argument("--granularity", choices=("trace", "engine"), default="engine",
-                          help="one block per trace id, or engine-size blocks (default)")
+    p_replay.add_argument("--granularity", choices=("trace", "engine"), default="trace",
+                          help="one block per 512-token trace id (default), or engine-size "
+                          "blocks of --block-size tokens (32x more blocks, slower)")
     p_replay.add_argument("--block-size", type=int, help="engine block size in tokens (default 16)")
     p_replay.add_argument("--tiers", help="e.g. G1=2000,G2=8000,G3=32000 (blocks) or G2=4GiB")
     p_replay.add_argument("--policy", help=f"eviction policy: {', '.join(sorted(EVICTION_POLICIES))}")

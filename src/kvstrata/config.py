@@ -86,10 +86,11 @@ class TierConfig:
 
 
 DEFAULT_TIERS: dict[str, TierConfig] = {
-    "G1": TierConfig(blocks=2_000),
-    "G2": TierConfig(blocks=8_000),
-    "G3": TierConfig(blocks=32_000),
+    "G1": TierConfig(blocks=1_000),
+    "G2": TierConfig(blocks=4_000),
+    "G3": TierConfig(blocks=16_000),
 }
+"""Small on purpose: at the default geometry (128 KiB blocks) this is 128 MiB / 512 MiB / 2 GiB."""
 
 
 @dataclass(frozen=True)

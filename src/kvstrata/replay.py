@@ -317,6 +317,7 @@ def _replay_request(
 ) -> None:
     hashes = [r.sequence_hash for r in records]
     where = hierarchy.locate_prefix(hashes)
+    hierarchy.observe_request(hashes)
     n = len(records)
     total_tokens = sum(token_counts)
     result.blocks += n

@@ -45,7 +45,9 @@ class TierHierarchy:
                 registry=self.registry,
                 keep_tokens=config.keep_tokens,
             )
-            self.admission[name] = make_admission(config.tier_admission(name), capacity)
+            self.admission[name] = make_admission(
+                config.tier_admission(name), capacity, config.tier_eviction(name)
+            )
         self.moves: Counter[str] = Counter()
         """Blocks moved per path, e.g. ``moves["G2->G1"]``; ``rejected:G3`` counts refusals."""
 
@@ -68,6 +70,13 @@ class TierHierarchy:
             else:
                 break
         return where
+
+    def observe_request(self, sequence_hashes: Sequence[int]) -> None:
+        """Show a request's block hashes to admission filters that learn from requests."""
+        for admission in self.admission.values():
+            observe = getattr(admission, "observe_request", None)
+            if observe is not None:
+                observe(sequence_hashes)
 
     def register_in(self, tier: str, records: Sequence[BlockRecord]) -> list[BlockRecord]:
         """Register ``records`` in ``tier`` (allocating, evicting as needed) and release them.
