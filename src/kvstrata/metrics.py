@@ -1,0 +1,162 @@
+"""Prometheus metrics of a :class:`~kvstrata.manager.KvBlockManager`.
+
+Each manager owns a :class:`ManagerMetrics` with its own ``CollectorRegistry`` by default (not
+the process-global one), so several managers, and tests, never collide. Values are updated
+by the manager's owner thread; scraping reads them from any thread (prometheus_client is
+thread-safe). Names (all prefixed ``kvstrata_``; see docs/manager.md):
+
+========================================  =========  ===================  =====================
+name                                      type       labels               meaning
+========================================  =========  ===================  =====================
+``kvstrata_tier_capacity_blocks``         gauge      tier                 slots of the tier
+``kvstrata_tier_capacity_bytes``          gauge      tier                 bytes of its storage
+``kvstrata_tier_blocks``                  gauge      tier, state          slots by state:
+                                                                          active / inactive /
+                                                                          reset
+``kvstrata_tier_evictions_total``         counter    tier                 blocks evicted
+``kvstrata_offload_blocks_total``         counter    path                 blocks offloaded
+``kvstrata_offload_bytes_total``          counter    path                 bytes offloaded
+``kvstrata_onboard_blocks_total``         counter    path                 blocks onboarded
+``kvstrata_onboard_bytes_total``          counter    path                 bytes onboarded
+``kvstrata_offload_skipped_blocks_total`` counter    tier, reason         not copied:
+                                                                          ``admission`` /
+                                                                          ``evicted`` (left
+                                                                          the source while
+                                                                          deferred)
+``kvstrata_lookup_blocks_total``          counter    (none)               blocks asked for by
+                                                                          ``onboard``
+``kvstrata_hit_blocks_total``             counter    tier                 blocks of onboarded
+                                                                          prefixes, by the
+                                                                          tier that served them
+``kvstrata_transfer_seconds``             histogram  path                 submit -> completion
+``kvstrata_transfer_failed_blocks_total`` counter    path, kind           failed blocks
+``kvstrata_checksum_failures_total``      counter    tier                 checksum mismatches
+``kvstrata_transfers_in_flight``          gauge      (none)               plans submitted,
+                                                                          queued or deferred
+========================================  =========  ===================  =====================
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+PREFIX = "kvstrata_"
+ONBOARD_PATHS = ("G2->G1", "G3->G1", "G3->G2")
+"""Paths that count as onboard (towards G1); the others are offload."""
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                    2.5, 5.0, 10.0)
+
+
+class ManagerMetrics:
+    """The Prometheus collectors of one manager, registered in :attr:`registry`.
+
+    ``registry`` defaults to a fresh ``CollectorRegistry``; pass
+    ``prometheus_client.REGISTRY`` to publish through the global one.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.capacity_blocks = Gauge(f"{PREFIX}tier_capacity_blocks", "Slots of a tier",
+                                     ["tier"], registry=r)
+        self.capacity_bytes = Gauge(f"{PREFIX}tier_capacity_bytes",
+                                    "Bytes allocated for a tier's storage", ["tier"], registry=r)
+        self.tier_blocks = Gauge(f"{PREFIX}tier_blocks", "Slots of a tier by state",
+                                 ["tier", "state"], registry=r)
+        self.evictions = Counter(f"{PREFIX}tier_evictions", "Blocks evicted from a tier",
+                                 ["tier"], registry=r)
+        self.offload_blocks = Counter(f"{PREFIX}offload_blocks", "Blocks offloaded",
+                                      ["path"], registry=r)
+        self.offload_bytes = Counter(f"{PREFIX}offload_bytes", "Bytes offloaded", ["path"],
+                                     registry=r)
+        self.onboard_blocks = Counter(f"{PREFIX}onboard_blocks", "Blocks onboarded", ["path"],
+                                      registry=r)
+        self.onboard_bytes = Counter(f"{PREFIX}onboard_bytes", "Bytes onboarded", ["path"],
+                                     registry=r)
+        self.skipped = Counter(f"{PREFIX}offload_skipped_blocks",
+                               "Blocks not copied to a tier (admission refused, source evicted while deferred)",
+                               ["tier", "reason"], registry=r)
+        self.lookups = Counter(f"{PREFIX}lookup_blocks", "Blocks asked for by onboard",
+                               registry=r)
+        self.hits = Counter(f"{PREFIX}hit_blocks",
+                            "Blocks of onboarded prefixes, by the tier that served them",
+                            ["tier"], registry=r)
+        self.latency = Histogram(f"{PREFIX}transfer_seconds",
+                                 "Transfer latency from submit to completion", ["path"],
+                                 buckets=_LATENCY_BUCKETS, registry=r)
+        self.failed_blocks = Counter(f"{PREFIX}transfer_failed_blocks",
+                                     "Blocks whose transfer failed", ["path", "kind"], registry=r)
+        self.checksum_failures = Counter(f"{PREFIX}checksum_failures",
+                                         "Blocks whose bytes did not match their checksum",
+                                         ["tier"], registry=r)
+        self.in_flight = Gauge(f"{PREFIX}transfers_in_flight",
+                               "Transfer plans submitted, queued or deferred, not completed",
+                               registry=r)
+        self._evictions_seen: dict[str, int] = {}
+        self._server = None
+
+    # -- updates (owner thread) ----------------------------------------------------------
+    def set_capacity(self, tier: str, blocks: int, nbytes: int) -> None:
+        self.capacity_blocks.labels(tier).set(blocks)
+        self.capacity_bytes.labels(tier).set(nbytes)
+
+    def set_pool(self, tier: str, active: int, inactive: int, reset: int, evictions: int) -> None:
+        """Publish a pool's slot counts; ``evictions`` is the pool's running total."""
+        self.tier_blocks.labels(tier, "active").set(active)
+        self.tier_blocks.labels(tier, "inactive").set(inactive)
+        self.tier_blocks.labels(tier, "reset").set(reset)
+        seen = self._evictions_seen.get(tier, 0)
+        if evictions > seen:
+            self.evictions.labels(tier).inc(evictions - seen)
+            self._evictions_seen[tier] = evictions
+
+    def transfer_done(self, path: str, blocks: int, nbytes: int, seconds: float,
+                      failures: Iterable[tuple[str, int]] = ()) -> None:
+        """One plan completed: ``blocks``/``nbytes`` that succeeded, its latency, and
+        ``(kind, count)`` of the blocks that failed."""
+        if path in ONBOARD_PATHS:
+            self.onboard_blocks.labels(path).inc(blocks)
+            self.onboard_bytes.labels(path).inc(nbytes)
+        else:
+            self.offload_blocks.labels(path).inc(blocks)
+            self.offload_bytes.labels(path).inc(nbytes)
+        self.latency.labels(path).observe(seconds)
+        src = path.split("->")[0]
+        for kind, count in failures:
+            self.failed_blocks.labels(path, kind).inc(count)
+            if kind == "checksum_mismatch":
+                self.checksum_failures.labels(src).inc(count)
+
+    def lookup(self, requested: int, served_by: Iterable[str]) -> None:
+        """An onboard asked for ``requested`` blocks; ``served_by`` names each hit's tier."""
+        self.lookups.inc(requested)
+        for tier in served_by:
+            self.hits.labels(tier).inc()
+
+    def skip(self, tier: str, reason: str, count: int) -> None:
+        if count:
+            self.skipped.labels(tier, reason).inc(count)
+
+    # -- reading -------------------------------------------------------------------------
+    def value(self, name: str, **labels: str) -> float:
+        """Current value of a sample (``name`` as exposed, e.g. ``kvstrata_hit_blocks_total``);
+        0.0 if absent. Meant for tests and reports."""
+        got = self.registry.get_sample_value(name, labels or None)
+        return 0.0 if got is None else got
+
+    # -- HTTP endpoint -------------------------------------------------------------------
+    def serve(self, port: int, addr: str = "127.0.0.1") -> int:
+        """Expose ``/metrics`` on ``addr:port`` (0 picks a free port); returns the port."""
+        server, _thread = start_http_server(port, addr=addr, registry=self.registry)
+        self._server = server
+        return server.server_address[1]
+
+    def close(self) -> None:
+        """Stop the HTTP endpoint if one was started."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

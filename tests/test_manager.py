@@ -1,0 +1,230 @@
+"""KvBlockManager: construction, byte round-trips through the tiers, status, shutdown."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from kvstrata.config import KvConfig, ModelGeometry, TierConfig
+from kvstrata.logical.registry import BlockRecord
+from kvstrata.manager import KvBlockManager, ManagerClosedError, ManagerConfigError
+from kvstrata.tokens import hash_blocks
+
+BS = 4
+
+
+def make_config(g1=8, g2=8, g3=32, dtype="fp16", **kw) -> KvConfig:
+    tiers = {"G1": TierConfig(blocks=g1)}
+    if g2:
+        tiers["G2"] = TierConfig(blocks=g2, admission=kw.pop("g2_admission", None))
+    if g3:
+        tiers["G3"] = TierConfig(blocks=g3, admission=kw.pop("g3_admission", None))
+    return KvConfig(block_size=BS, tiers=tiers,
+                    model=ModelGeometry(num_layers=2, kv_heads=2, head_dim=8, dtype=dtype), **kw)
+
+
+def chain(n: int, start: int = 0) -> list[BlockRecord]:
+    """``n`` chained block records of distinct tokens starting at ``start``."""
+    tokens = list(range(start, start + n * BS))
+    local, seqs = hash_blocks(tokens, BS)
+    return [BlockRecord(s, l, p, BS) for s, l, p in zip(seqs, local, [None, *seqs[:-1]])]
+
+
+def payloads(mgr: KvBlockManager, records, seed: int = 0) -> dict[int, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    size = mgr.storage("G1").config.block_bytes
+    return {r.sequence_hash: rng.integers(0, 256, size, dtype=np.uint8) for r in records}
+
+
+def put(mgr: KvBlockManager, records, data: dict[int, np.ndarray]) -> None:
+    """What an engine does after computing KV: allocate, write, register, release."""
+    blocks = mgr.allocate(len(records)).result()
+    mgr.write_g1(blocks.block_ids, [data[r.sequence_hash] for r in records])
+    blocks.apply_token_blocks(records)
+    mgr.release(mgr.register(blocks).result()).result()
+
+
+def evict_g1(mgr: KvBlockManager) -> None:
+    """Push every idle block out of G1 by allocating all of it."""
+    mgr.wait_idle(10)
+    mgr.release(mgr.allocate(mgr.pools["G1"].capacity).result()).result()
+
+
+def hashes_of(records) -> list[int]:
+    return [r.sequence_hash for r in records]
+
+
+def assert_g1_bytes(mgr, result, data) -> None:
+    for got, h in zip(mgr.read_g1(result.block_ids), result.sequence_hashes):
+        assert np.array_equal(got, data[h]), f"wrong bytes for block {h}"
+
+
+def assert_baseline(mgr) -> None:
+    mgr.wait_idle(10)
+    for tier, info in mgr.status()["tiers"].items():
+        assert info["pool"]["active"] == 0, f"{tier} still has active blocks: {info['pool']}"
+    for pool in mgr.pools.values():
+        pool.check_invariants()
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("g1_layout", ["outer_contiguous", "block_contiguous"])
+def test_round_trip_g1_g2_g3_g1(tmp_path, dtype, g1_layout):
+    with KvBlockManager(make_config(dtype=dtype), g1_layout=g1_layout, disk_dir=tmp_path) as mgr:
+        records = chain(6)
+        data = payloads(mgr, records, seed=len(dtype) + len(g1_layout))
+        put(mgr, records, data)
+        mgr.wait_idle(10)
+        assert mgr.locate(hashes_of(records)).result() == ["G1"] * 6
+        g2, g3 = mgr.storage("G2"), mgr.storage("G3")
+        for r in records:   # the bytes landed in G2, unchanged
+            slot = mgr.pools["G2"].lookup(r.sequence_hash).block_id
+            assert np.array_equal(g2.payload(slot), data[r.sequence_hash])
+            assert r.sequence_hash in mgr.pools["G3"]
+
+        evict_g1(mgr)                                       # G2 -> G1
+        assert mgr.locate(hashes_of(records)).result() == ["G2"] * 6
+        with mgr.onboard(hashes_of(records)).result() as result:
+            assert result.sources == ("G2",) * 6 and result.failed == []
+            assert result.sequence_hashes == hashes_of(records)
+            assert_g1_bytes(mgr, result, data)
+
+        evict_g1(mgr)                                       # G3 -> G1 (straight)
+        assert mgr.evict("G2", hashes_of(reversed(records))).result()
+        assert mgr.locate(hashes_of(records)).result() == ["G3"] * 6
+        with mgr.onboard(hashes_of(records)).result() as result:
+            assert result.sources == ("G3",) * 6
+            assert_g1_bytes(mgr, result, data)
+        mgr.wait_idle(10)   # blocks onboarded from G3 are written through to G2 again
+        for r in records:
+            slot = mgr.pools["G2"].lookup(r.sequence_hash).block_id
+            assert np.array_equal(g2.payload(slot), data[r.sequence_hash])
+        assert g3.status().kind == "disk"
+        assert_baseline(mgr)
+
+
+def test_wraps_engine_kv_tensors_zero_copy(tmp_path):
+    """G1 over caller-provided [2, num_blocks, block_size, heads, dim] tensors (vLLM style)."""
+    cfg = make_config(g1=6)
+    layers = [torch.zeros(2, 6, BS, 2, 8, dtype=torch.float16) for _ in range(2)]
+    with KvBlockManager(cfg, kv_caches={f"layer{i}": t for i, t in enumerate(layers)},
+                        disk_dir=tmp_path) as mgr:
+        assert mgr.pools["G1"].capacity == 6
+        records = chain(3)
+        blocks = mgr.allocate(3).result()
+        expected = {}
+        for r, block_id in zip(records, blocks.block_ids):
+            parts = []
+            for layer in layers:        # the engine writes its own tensors
+                kv = torch.randn(2, BS, 2, 8).to(torch.float16)
+                layer[:, block_id] = kv
+                parts.extend(kv[o].contiguous().view(torch.uint8).reshape(-1) for o in range(2))
+            expected[r.sequence_hash] = torch.cat(parts).numpy()
+        blocks.apply_token_blocks(records)
+        mgr.release(mgr.register(blocks).result())
+        evict_g1(mgr)
+        for layer in layers:
+            layer.zero_()
+        with mgr.onboard(hashes_of(records)).result() as result:
+            assert result.sources == ("G2",) * 3
+            assert_g1_bytes(mgr, result, expected)
+            kv0 = layers[0][:, result.block_ids[0]].contiguous().view(torch.uint8).reshape(-1)
+            first = expected[records[0].sequence_hash]
+            assert np.array_equal(kv0.numpy(), np.concatenate([first[:128], first[128:256]]))
+
+
+def test_onboard_returns_longest_prefix_across_tiers(tmp_path):
+    with KvBlockManager(make_config(), disk_dir=tmp_path) as mgr:
+        records = chain(5)
+        data = payloads(mgr, records)
+        put(mgr, records[:4], {h: data[h] for h in hashes_of(records[:4])})
+        evict_g1(mgr)
+        with mgr.onboard(hashes_of(records)).result() as result:
+            assert len(result) == 4 and result.requested == 5 and result.failed == []
+            assert_g1_bytes(mgr, result, data)
+        with mgr.onboard(hashes_of(chain(2, start=1000))).result() as result:
+            assert len(result) == 0 and result.failed == []
+        assert_baseline(mgr)
+
+
+def test_register_deduplicates_and_copies_once(tmp_path):
+    with KvBlockManager(make_config(), disk_dir=tmp_path) as mgr:
+        records = chain(3)
+        data = payloads(mgr, records)
+        put(mgr, records, data)
+        put(mgr, records, data)          # same hashes again: deduplicated in G1, no new copy
+        mgr.wait_idle(10)
+        stats = mgr.transfer_stats()
+        assert stats["G1->G2"]["blocks"] == 3 and stats["G2->G3"]["blocks"] == 3
+        assert mgr.status()["tiers"]["G1"]["pool"]["inactive"] == 3
+        assert_baseline(mgr)
+
+
+def test_g1_only_and_g1_g2_configs(tmp_path):
+    with KvBlockManager(make_config(g2=0, g3=0)) as mgr:
+        records = chain(2)
+        put(mgr, records, payloads(mgr, records))
+        assert mgr.locate(hashes_of(records)).result() == ["G1", "G1"]
+        assert set(mgr.status()["tiers"]) == {"G1"}
+    with KvBlockManager(make_config(g3=0)) as mgr:
+        records = chain(2)
+        data = payloads(mgr, records)
+        put(mgr, records, data)
+        evict_g1(mgr)
+        with mgr.onboard(hashes_of(records)).result() as result:
+            assert result.sources == ("G2", "G2")
+            assert_g1_bytes(mgr, result, data)
+        assert mgr.status()["disk_dir"] is None
+
+
+def test_status_reports_stand_in_and_storages(tmp_path):
+    with KvBlockManager(make_config(), disk_dir=tmp_path) as mgr:
+        status = mgr.status()
+        assert status["stand_in"] is True
+        assert status["tiers"]["G1"]["storage"]["stand_in"] is True
+        assert status["tiers"]["G2"]["storage"]["kind"] == "host"
+        assert status["tiers"]["G3"]["storage"]["path"].startswith(str(tmp_path))
+        assert status["tiers"]["G3"]["pool"] == {"tier": "G3", "capacity": 32, "active": 0,
+                                                 "inactive": 0, "reset": 32, "evictions": 0}
+        assert status["transfers_pending"] == 0
+
+
+def test_close_is_idempotent_removes_temp_dir_and_refuses_calls():
+    mgr = KvBlockManager(make_config())
+    disk_dir = mgr.status()["disk_dir"]
+    assert os.path.isdir(disk_dir)
+    records = chain(2)
+    put(mgr, records, payloads(mgr, records))
+    mgr.close()              # waits for the offloads first
+    mgr.close()
+    assert not os.path.exists(disk_dir)
+    with pytest.raises(ManagerClosedError):
+        mgr.allocate(1)
+    with pytest.raises(ManagerClosedError):
+        mgr.onboard([1])
+
+
+def test_config_errors_are_typed(tmp_path):
+    with pytest.raises(ManagerConfigError, match="G4"):
+        KvBlockManager(KvConfig(tiers={"G1": TierConfig(blocks=4), "G2": TierConfig(blocks=4),
+                                       "G4": TierConfig(blocks=4)}))
+    with pytest.raises(ManagerConfigError, match="needs tier G2"):
+        KvBlockManager(KvConfig(tiers={"G1": TierConfig(blocks=4), "G3": TierConfig(blocks=4)}))
+    with pytest.raises(ManagerConfigError, match="over the limit"):
+        KvBlockManager(make_config(g2=1000), max_host_bytes=1 << 20)
+    wrong_page = [torch.zeros(2, 4, 8, 2, 8, dtype=torch.float16)]
+    with pytest.raises(ManagerConfigError, match="8-token blocks"):
+        KvBlockManager(make_config(), kv_caches=wrong_page)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_release_after_close_does_not_hang(tmp_path):
+    mgr = KvBlockManager(make_config(), disk_dir=tmp_path)
+    records = chain(2)
+    put(mgr, records, payloads(mgr, records))
+    result = mgr.onboard(hashes_of(records)).result()
+    mgr.close()
+    assert result.release().result(1) is None
