@@ -21,7 +21,8 @@ POLICIES = [
     ("lfu", "always"),
     ("lru", "second-offer"),
     ("lfu", "second-offer"),
-    ("lfu", "adaptive"),
+    ("adaptive", "always"),
+    ("adaptive", "adaptive"),
 ]
 
 

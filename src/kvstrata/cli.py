@@ -9,7 +9,7 @@ from dataclasses import replace
 from typing import Sequence
 
 from .config import ConfigError, load_config, parse_tiers_flag
-from .logical.policy import ADMISSION_POLICIES, EVICTION_POLICIES
+from .logical.policy import ADMISSION_NAMES, EVICTION_NAMES
 from .tokens import TokenError, hash_blocks, isolation_seed
 
 
@@ -64,14 +64,24 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"kvstrata replay: cannot read trace {trace}: {exc.strerror}", file=sys.stderr)
         return 2
-    if args.limit:
-        requests = requests[: args.limit]
+    if args.granularity is None:
+        args.granularity = "engine" if args.data else "trace"
+    limit = args.limit or (DATA_DEFAULT_LIMIT if args.data else None)
+    if limit:
+        requests = requests[:limit]
 
     bar = None
     if not args.no_progress and sys.stderr.isatty():
         from tqdm import tqdm
 
         bar = tqdm(total=len(requests), unit="req", file=sys.stderr, leave=False)
+    if args.data:
+        try:
+            return _run_data(args, config, requests, trace,
+                             (lambda n: bar.update(1)) if bar is not None else None)
+        finally:
+            if bar is not None:
+                bar.close()
     observers = []
     publisher = None
     if args.events:
@@ -109,6 +119,26 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+DATA_DEFAULT_LIMIT = 100
+"""Requests a ``--data`` replay takes unless ``--limit`` says otherwise (it moves real bytes)."""
+
+
+def _run_data(args: argparse.Namespace, config, requests, trace: str, progress) -> int:
+    from .data_replay import DataReplayError, run_data_replay
+    from .report import format_data_table
+
+    try:
+        doc = run_data_replay(
+            requests, config, granularity=args.granularity, disk_dir=args.disk_dir, progress=progress
+        )
+    except DataReplayError as exc:
+        print(f"kvstrata replay --data: {exc}", file=sys.stderr)
+        return 2
+    doc["trace"] = trace
+    print(json.dumps(doc, indent=2) if args.json else format_data_table(doc))
+    return 0
+
+
 def _cmd_indexer(argv: Sequence[str]) -> int:
     from .events.indexer import main as indexer_main
 
@@ -134,20 +164,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p_replay.add_argument("trace", nargs="?", help="trace file (.jsonl or .jsonl.gz)")
     p_replay.add_argument("--config", help="TOML config file (see docs/configuration.md)")
-    p_replay.add_argument("--granularity", choices=("trace", "engine"), default="trace",
+    p_replay.add_argument("--granularity", choices=("trace", "engine"),
                           help="one block per 512-token trace id (default), or engine-size "
-                          "blocks of --block-size tokens (32x more blocks, slower)")
+                          "blocks of --block-size tokens (32x more blocks; the default with --data)")
     p_replay.add_argument("--block-size", type=int, help="engine block size in tokens (default 16)")
     p_replay.add_argument("--tiers", help="e.g. G1=2000,G2=8000,G3=32000 (blocks) or G2=4GiB")
-    p_replay.add_argument("--policy", help=f"eviction policy: {', '.join(sorted(EVICTION_POLICIES))}")
+    p_replay.add_argument("--policy", help=f"eviction policy: {', '.join(sorted(EVICTION_NAMES))}")
     p_replay.add_argument("--admission",
-                          help=f"lower-tier admission: {', '.join(sorted(ADMISSION_POLICIES))}")
+                          help=f"lower-tier admission: {', '.join(sorted(ADMISSION_NAMES))}")
     p_replay.add_argument("--limit", type=int, help="replay only the first N requests")
     p_replay.add_argument("--json", action="store_true", help="print the report as JSON")
     p_replay.add_argument("--plot", metavar="PNG", help="write a hit-rate-along-the-trace plot")
     p_replay.add_argument("--events", metavar="SINK",
                           help="publish block events, e.g. jsonl:PATH, dynamo-json:PATH, "
                           "nats://127.0.0.1:4222/SUBJECT")
+    p_replay.add_argument("--data", action="store_true",
+                          help="move real KV bytes through G1 (CPU stand-in), G2 and a disk G3 "
+                          f"and report bandwidth per path (first {DATA_DEFAULT_LIMIT} requests "
+                          "unless --limit)")
+    p_replay.add_argument("--disk-dir", help="--data: directory for the G3 slab (default: a temp dir)")
     p_replay.add_argument("--no-progress", action="store_true", help="no progress bar")
     p_replay.set_defaults(func=_cmd_replay)
 

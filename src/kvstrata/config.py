@@ -13,7 +13,7 @@ import tomllib
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
-from .logical.policy import ADMISSION_POLICIES, EVICTION_POLICIES
+from .logical.policy import ADMISSION_NAMES, EVICTION_NAMES
 from .logical.registry import TIER_NAMES
 
 _DTYPE_BYTES = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "bf16": 2, "bfloat16": 2,
@@ -151,19 +151,19 @@ class KvConfig:
                 problems.append(
                     f"tier {name}: {tier.bytes} bytes hold no block of {self.bytes_per_block} bytes"
                 )
-            if tier.eviction and tier.eviction not in EVICTION_POLICIES:
+            if tier.eviction and tier.eviction not in EVICTION_NAMES:
                 problems.append(
-                    f"tier {name}: unknown eviction {tier.eviction!r}; one of {sorted(EVICTION_POLICIES)}"
+                    f"tier {name}: unknown eviction {tier.eviction!r}; one of {sorted(EVICTION_NAMES)}"
                 )
-            if tier.admission and tier.admission not in ADMISSION_POLICIES:
+            if tier.admission and tier.admission not in ADMISSION_NAMES:
                 problems.append(
-                    f"tier {name}: unknown admission {tier.admission!r}; one of {sorted(ADMISSION_POLICIES)}"
+                    f"tier {name}: unknown admission {tier.admission!r}; one of {sorted(ADMISSION_NAMES)}"
                 )
-        if self.eviction not in EVICTION_POLICIES:
-            problems.append(f"unknown eviction {self.eviction!r}; one of {sorted(EVICTION_POLICIES)}")
-        if self.admission not in ADMISSION_POLICIES:
+        if self.eviction not in EVICTION_NAMES:
+            problems.append(f"unknown eviction {self.eviction!r}; one of {sorted(EVICTION_NAMES)}")
+        if self.admission not in ADMISSION_NAMES:
             problems.append(
-                f"unknown admission {self.admission!r}; one of {sorted(ADMISSION_POLICIES)}"
+                f"unknown admission {self.admission!r}; one of {sorted(ADMISSION_NAMES)}"
             )
         m = self.model
         for key in ("num_layers", "kv_heads", "head_dim"):

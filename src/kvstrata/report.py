@@ -37,6 +37,29 @@ def format_table(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def format_data_table(doc: dict) -> str:
+    """The ``replay --data`` report: the tier table, then bytes and bandwidth per path."""
+    head = dict(doc)
+    head.setdefault("moves", {p: v["blocks"] for p, v in doc.get("paths", {}).items()})
+    head.setdefault("promotions", sum(v for p, v in head["moves"].items() if p.endswith("->G1")))
+    head.setdefault("demotions", sum(v for p, v in head["moves"].items() if not p.endswith("->G1")))
+    head.setdefault("block_accesses_per_s",
+                    round(doc["blocks"] / doc["wall_seconds"]) if doc.get("wall_seconds") else 0)
+    lines = [format_table(head), ""]
+    g1 = "G1 is a CPU stand-in (no GPU)" if doc.get("stand_in") else "G1 on the device"
+    lines.append(f"real bytes   {doc['block_bytes']:,} bytes per block; {g1}; "
+                 f"G3 O_DIRECT {'on' if doc.get('o_direct') else 'off'}")
+    lines.append(f"{'path':<8}{'plans':>8}{'blocks':>10}{'bytes':>16}{'GB/s':>8}{'failed':>8}")
+    for path, p in doc.get("paths", {}).items():
+        lines.append(f"{path:<8}{p['plans']:>8,}{p['blocks']:>10,}{p['bytes']:>16,}"
+                     f"{p['gb_per_s']:>8.2f}{p['failed_blocks']:>8,}")
+    lines.append(
+        f"moved {doc['bytes_moved']:,} bytes; verified {doc['verified_blocks']:,} blocks, "
+        f"{doc['mismatches']} wrong, {doc['checksum_failures']} checksum failures"
+    )
+    return "\n".join(lines)
+
+
 def write_plot(result: "ReplayResult", path: str) -> None:
     """Cumulative hit rate (all tiers and each tier) along the trace, as a PNG."""
     import matplotlib

@@ -2,7 +2,6 @@ import pytest
 
 from kvstrata.logical.block import Block
 from kvstrata.logical.policy import (
-    AdaptiveAdmission,
     PolicyError,
     SecondOfferAdmission,
     make_admission,
@@ -78,32 +77,86 @@ def test_lru_policy_counts_no_hits_and_evicts_oldest():
     assert 1 in pool and 2 not in pool
 
 
-def _serve(adm, pool, hashes):
-    adm.observe_request(hashes)
+def _tier(capacity, eviction="adaptive", admission="adaptive", sample=1):
+    """A pool and admission filter sharing one duel that samples every request."""
+    from kvstrata.logical.adaptive import DuelingAdmission, DuelingEviction, PolicyDuel
+
+    evictions = ("lru", "lfu") if eviction == "adaptive" else (eviction,)
+    admissions = ("always", "second-offer") if admission == "adaptive" else (admission,)
+    duel = PolicyDuel(capacity, evictions, admissions, sample=sample)
+    policy = DuelingEviction(capacity, duel) if eviction == "adaptive" else make_eviction(eviction, capacity)
+    adm = DuelingAdmission(capacity, duel) if admission == "adaptive" else make_admission(admission, capacity)
+    return BlockPool("G1", capacity, 1, eviction=policy), adm, duel
+
+
+def _serve(tier, hashes):
+    pool, adm, duel = tier
+    duel.observe_request(hashes)
     for h in hashes:
         if h in pool:
             pool.touch([h])
         elif adm.admit(h):
             store(pool, h)
+    pool.check_invariants()
 
 
-def test_adaptive_turns_second_offer_on_when_one_hit_blocks_flood():
-    adm = AdaptiveAdmission(capacity=40, sample=1)
-    pool = BlockPool("G1", 40, 1, eviction=make_eviction("lfu", 40))
+def test_duel_turns_second_offer_on_when_one_hit_blocks_flood():
+    tier = _tier(40, eviction="lru")
     hot = list(range(1, 31))
     fresh = 10_000
     for _ in range(60):  # a hot set slightly smaller than the tier, between floods of one-offs
-        _serve(adm, pool, hot)
-        _serve(adm, pool, list(range(fresh, fresh + 30)))
+        _serve(tier, hot)
+        _serve(tier, list(range(fresh, fresh + 30)))
         fresh += 30
-    assert adm.second_offer
+    assert tier[2].admission == "second-offer"
 
 
-def test_adaptive_stays_off_when_everything_fits():
-    adm = AdaptiveAdmission(capacity=100, sample=1)
-    pool = BlockPool("G1", 100, 1, eviction=make_eviction("lfu", 100))
+def test_duel_keeps_admitting_all_when_everything_fits():
+    tier = _tier(100, eviction="lru")
     for turn in range(30):  # growing conversations that fit: every first reuse matters
         for conv in range(3):
             base = conv * 1000
-            _serve(adm, pool, list(range(base, base + turn + 1)))
-    assert not adm.second_offer
+            _serve(tier, list(range(base, base + turn + 1)))
+    assert tier[2].admission == "always"
+
+
+def test_duel_picks_frequency_when_a_hot_set_competes_with_a_scan():
+    tier = _tier(20, admission="always")
+    hot = list(range(1, 11))
+    fresh = 10_000
+    for _ in range(40):
+        _serve(tier, hot)
+        for _ in range(2):  # scans of 15 one-off blocks push LRU to drop the hot set
+            _serve(tier, list(range(fresh, fresh + 15)))
+            fresh += 15
+    assert tier[2].eviction == "lfu"
+
+
+def test_duel_picks_recency_when_old_favourites_go_cold():
+    tier = _tier(20, admission="always")
+    # Phase 1: a set used many times; phase 2: short sessions re-used once, soon after.
+    for _ in range(30):
+        _serve(tier, list(range(1, 16)))
+    fresh = 10_000
+    for _ in range(200):
+        session = list(range(fresh, fresh + 6))
+        _serve(tier, session)
+        _serve(tier, list(range(fresh + 1000, fresh + 1006)))
+        _serve(tier, session)
+        fresh += 6
+    assert tier[2].eviction == "lru"
+
+
+def test_adaptive_by_name_builds_working_policies():
+    from kvstrata.logical.policy import make_tier_policies
+
+    policies = make_tier_policies("adaptive", "adaptive", 8)
+    assert policies.observe_request is not None
+    pool = BlockPool("G1", 8, 1, eviction=policies.eviction)
+    for h in range(1, 30):
+        policies.observe_request([h, h + 1])
+        if policies.admission.admit(h):
+            store(pool, h)
+    pool.check_invariants()
+    assert make_eviction("adaptive", 4).name == "adaptive"
+    assert make_admission("adaptive", 4).name == "adaptive"

@@ -231,7 +231,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.universe = chain(12) + chain(6, start=50)
 
     @precondition(lambda self: self.pool is None)
-    @rule(capacity=st.integers(1, 10), policy=st.sampled_from(["default", "lru", "lfu"]))
+    @rule(capacity=st.integers(1, 10), policy=st.sampled_from(["default", "lru", "lfu", "adaptive"]))
     def create(self, capacity, policy):
         self.pool = BlockPool("G1", capacity, 4, eviction=make_eviction(policy, capacity))
 

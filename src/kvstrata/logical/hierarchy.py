@@ -20,7 +20,7 @@ from collections import Counter
 from typing import Sequence
 
 from ..config import KvConfig
-from .policy import AdmissionPolicy, make_admission, make_eviction
+from .policy import AdmissionPolicy, make_tier_policies
 from .pool import BlockPool
 from .registry import TIER_NAMES, BlockRecord, BlockRegistry
 
@@ -35,19 +35,23 @@ class TierHierarchy:
         self.tier_names = [t for t in TIER_NAMES if t in config.tiers]
         self.pools: dict[str, BlockPool] = {}
         self.admission: dict[str, AdmissionPolicy] = {}
+        self._request_observers = []
         for name in self.tier_names:
             capacity = config.tier_blocks(name)
+            policies = make_tier_policies(
+                config.tier_eviction(name), config.tier_admission(name), capacity
+            )
             self.pools[name] = BlockPool(
                 name,
                 capacity,
                 config.block_size,
-                eviction=make_eviction(config.tier_eviction(name), capacity),
+                eviction=policies.eviction,
                 registry=self.registry,
                 keep_tokens=config.keep_tokens,
             )
-            self.admission[name] = make_admission(
-                config.tier_admission(name), capacity, config.tier_eviction(name)
-            )
+            self.admission[name] = policies.admission
+            if policies.observe_request is not None:
+                self._request_observers.append(policies.observe_request)
         self.moves: Counter[str] = Counter()
         """Blocks moved per path, e.g. ``moves["G2->G1"]``; ``rejected:G3`` counts refusals."""
 
@@ -72,11 +76,9 @@ class TierHierarchy:
         return where
 
     def observe_request(self, sequence_hashes: Sequence[int]) -> None:
-        """Show a request's block hashes to admission filters that learn from requests."""
-        for admission in self.admission.values():
-            observe = getattr(admission, "observe_request", None)
-            if observe is not None:
-                observe(sequence_hashes)
+        """Show a request's block hashes to the tiers' policies that learn from requests."""
+        for observe in self._request_observers:
+            observe(sequence_hashes)
 
     def register_in(self, tier: str, records: Sequence[BlockRecord]) -> list[BlockRecord]:
         """Register ``records`` in ``tier`` (allocating, evicting as needed) and release them.

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from .block import Block
@@ -229,7 +230,10 @@ class AgedFrequencyEviction(_HeapEviction):
 
     def evicted(self, entry: tuple[int, int, int, Block]) -> None:
         self._age = entry[0]
-        block = entry[3]
+        self.remember(entry[3])
+
+    def remember(self, block: Block) -> None:
+        """Keep an evicted block's count in the ghost (also used when another order evicted it)."""
         ghost = self._ghost
         ghost[block.sequence_hash] = block.policy_state  # type: ignore[index]
         ghost.move_to_end(block.sequence_hash)  # type: ignore[arg-type]
@@ -274,81 +278,6 @@ class SecondOfferAdmission(AdmissionPolicy):
         return False
 
 
-class AdaptiveAdmission(AdmissionPolicy):
-    """Second-offer admission switched on or off by set dueling ("adaptive").
-
-    Second-offer wins when the tier is small against the working set (one-hit blocks would
-    flush it) and loses when the tier is large (it gives up every block's first reuse). Which
-    case holds depends on the workload and the capacity, so this policy measures it online:
-    two small shadow caches of ``capacity / sample`` blocks, one admitting everything, one
-    admitting on second offer, both under the tier's eviction policy, replay the requests of
-    a ``1 / sample`` spatial sample (chosen by the hash of a request's second block, so a
-    conversation is in or out as a whole). Each keeps an exponentially decayed count of its
-    prefix hits; the real tier filters on second offer while that shadow is ahead. The
-    second-offer history is kept up to date in both modes, so switching takes effect at once.
-
-    It needs to see requests: the hierarchy calls :meth:`observe_request` with each request's
-    block hashes before serving it.
-    """
-
-    name = "adaptive"
-
-    def __init__(
-        self, capacity: int, eviction: str = "lfu", sample: int = 4, decay: float = 0.999
-    ) -> None:
-        self._filter = SecondOfferAdmission(capacity)
-        self._sample = sample
-        self._decay = decay
-        shadow_capacity = max(1, capacity // sample)
-        self._shadows = [
-            _ShadowCache(shadow_capacity, eviction, AdmissionPolicy()),
-            _ShadowCache(shadow_capacity, eviction, SecondOfferAdmission(shadow_capacity)),
-        ]
-        self._scores = [0.0, 0.0]
-        self.second_offer = False
-
-    def admit(self, sequence_hash: int) -> bool:
-        offered_before = self._filter.admit(sequence_hash)  # always keep the history current
-        return offered_before or not self.second_offer
-
-    def observe_request(self, sequence_hashes: Sequence[int]) -> None:
-        if not sequence_hashes:
-            return
-        tag = sequence_hashes[1] if len(sequence_hashes) > 1 else sequence_hashes[0]
-        if tag % self._sample:
-            return
-        for i, shadow in enumerate(self._shadows):
-            self._scores[i] = self._scores[i] * self._decay + shadow.serve(sequence_hashes)
-        self.second_offer = self._scores[1] > self._scores[0]
-
-
-class _ShadowCache:
-    """A metadata-only one-tier cache used by :class:`AdaptiveAdmission` to score a mode."""
-
-    def __init__(self, capacity: int, eviction: str, admission: AdmissionPolicy) -> None:
-        from .pool import BlockPool  # the pool imports this module
-
-        self._pool = BlockPool("G1", capacity, 1, eviction=make_eviction(eviction, capacity))
-        self._admission = admission
-
-    def serve(self, sequence_hashes: Sequence[int]) -> int:
-        """Prefix hits of one request; then touch what is held and admit the rest."""
-        from .registry import BlockRecord
-
-        pool = self._pool
-        hits = pool.match_length(sequence_hashes)
-        parent = None
-        for h in sequence_hashes:
-            if h in pool:
-                pool.touch((h,))
-            elif self._admission.admit(h):
-                handle = pool.allocate(1)
-                handle.apply_token_blocks([BlockRecord(h, h, parent, 1)])
-                pool.release(pool.register(handle))
-            parent = h
-        return hits
-
-
 EVICTION_POLICIES: dict[str, Callable[[int], EvictionPolicy]] = {
     "lru": LruEviction,
     "default": PriorityLruEviction,
@@ -357,32 +286,64 @@ EVICTION_POLICIES: dict[str, Callable[[int], EvictionPolicy]] = {
 ADMISSION_POLICIES: dict[str, Callable[[int], AdmissionPolicy]] = {
     "always": lambda capacity: AdmissionPolicy(),
     "second-offer": SecondOfferAdmission,
-    "adaptive": AdaptiveAdmission,
 }
 
 
+ADAPTIVE = "adaptive"
+"""Policy name (eviction or admission) whose choice is made online by set dueling
+(:mod:`kvstrata.logical.adaptive`)."""
+
+EVICTION_NAMES = (*EVICTION_POLICIES, ADAPTIVE)
+ADMISSION_NAMES = (*ADMISSION_POLICIES, ADAPTIVE)
+
+
 def make_eviction(name: str, capacity: int) -> EvictionPolicy:
-    """Build the eviction policy called ``name`` for a pool of ``capacity`` blocks."""
+    """Build the eviction policy called ``name`` for a pool of ``capacity`` blocks.
+
+    ``adaptive`` builds one with its own duel; use :func:`make_tier_policies` to share the
+    duel with the tier's admission filter and feed it requests.
+    """
+    if name == ADAPTIVE:
+        return make_tier_policies(name, "always", capacity).eviction
     try:
         factory = EVICTION_POLICIES[name]
     except KeyError:
         raise PolicyError(
-            f"unknown eviction policy {name!r}; choose one of {sorted(EVICTION_POLICIES)}"
+            f"unknown eviction policy {name!r}; choose one of {sorted(EVICTION_NAMES)}"
         ) from None
     return factory(capacity)
 
 
-def make_admission(name: str, capacity: int, eviction: str = "lfu") -> AdmissionPolicy:
-    """Build the admission policy called ``name`` for a tier of ``capacity`` blocks.
-
-    ``eviction`` is the tier's eviction policy (the adaptive filter's shadows use it).
-    """
+def make_admission(name: str, capacity: int) -> AdmissionPolicy:
+    """Build the admission policy called ``name`` for a tier of ``capacity`` blocks."""
+    if name == ADAPTIVE:
+        return make_tier_policies("lru", name, capacity).admission
     try:
         factory = ADMISSION_POLICIES[name]
     except KeyError:
         raise PolicyError(
-            f"unknown admission policy {name!r}; choose one of {sorted(ADMISSION_POLICIES)}"
+            f"unknown admission policy {name!r}; choose one of {sorted(ADMISSION_NAMES)}"
         ) from None
-    if factory is AdaptiveAdmission:
-        return AdaptiveAdmission(capacity, eviction=eviction)
     return factory(capacity)
+
+
+@dataclass
+class TierPolicies:
+    """A tier's eviction order and admission filter, and the duel choosing them if adaptive.
+
+    ``observe_request`` is None unless a policy learns from requests; the hierarchy calls it
+    with each request's block hashes before serving the request.
+    """
+
+    eviction: EvictionPolicy
+    admission: AdmissionPolicy
+    observe_request: Callable[[Sequence[int]], None] | None = None
+
+
+def make_tier_policies(eviction: str, admission: str, capacity: int) -> TierPolicies:
+    """Both policies of a tier; ``adaptive`` in either place makes them share one duel."""
+    if ADAPTIVE not in (eviction, admission):
+        return TierPolicies(make_eviction(eviction, capacity), make_admission(admission, capacity))
+    from .adaptive import build_adaptive
+
+    return build_adaptive(eviction, admission, capacity)

@@ -1,0 +1,197 @@
+"""Policies chosen online by set dueling: the ``adaptive`` eviction and admission.
+
+No fixed policy wins everywhere. On the Mooncake conversation trace frequency (``lfu``) beats
+recency (``lru``) and admitting only on second offer wins while the tier is small; on a
+workload of fast agent loops recency wins, and second-offer loses badly once the tier is
+large, since it gives up every block's first reuse (docs/policies.md has the numbers). Which
+case holds depends on the workload and on the capacity, so the tier measures it:
+
+* a :class:`PolicyDuel` keeps small *shadow* caches, one per candidate (eviction, admission)
+  pair, each of ``capacity / sample`` blocks (metadata only, real :class:`BlockPool` objects);
+* they replay a ``1 / sample`` spatial sample of the requests, chosen by the hash of a
+  request's second block (so a conversation is sampled whole, while a system prompt shared
+  by everyone does not decide the sample);
+* each shadow keeps an exponentially decayed count of its prefix hits; the real tier follows
+  the candidate that is ahead.
+
+The real tier keeps every candidate's state current (both eviction orders track the same
+blocks, the second-offer history records every offer), so a switch takes effect at once.
+Cost: the shadows add about one extra pool operation per block of a sampled request.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from .block import Block
+from .policy import (
+    ADAPTIVE,
+    AdmissionPolicy,
+    AgedFrequencyEviction,
+    EvictionPolicy,
+    LruEviction,
+    SecondOfferAdmission,
+    TierPolicies,
+    make_admission,
+    make_eviction,
+)
+from .registry import BlockRecord
+
+EVICTION_CANDIDATES = ("lru", "lfu")
+ADMISSION_CANDIDATES = ("always", "second-offer")
+
+
+class _ShadowCache:
+    """A metadata-only one-tier cache scoring one (eviction, admission) candidate."""
+
+    def __init__(self, capacity: int, eviction: str, admission: str) -> None:
+        from .pool import BlockPool  # the pool imports the policy module
+
+        self.pool = BlockPool("G1", capacity, 1, eviction=make_eviction(eviction, capacity))
+        self.admission = make_admission(admission, capacity)
+
+    def serve(self, sequence_hashes: Sequence[int]) -> int:
+        """Prefix hits of one request; then touch what is held and offer the rest."""
+        pool, admit = self.pool, self.admission.admit
+        hits = pool.match_length(sequence_hashes)
+        parent = None
+        for h in sequence_hashes:
+            if h in pool:
+                pool.touch((h,))
+            elif admit(h):
+                handle = pool.allocate(1)
+                handle.apply_token_blocks([BlockRecord(h, h, parent, 1)])
+                pool.release(pool.register(handle))
+            parent = h
+        return hits
+
+
+class PolicyDuel:
+    """Scores candidate (eviction, admission) pairs on shadow caches; the best one leads."""
+
+    def __init__(
+        self,
+        capacity: int,
+        evictions: Sequence[str],
+        admissions: Sequence[str],
+        sample: int = 4,
+        decay: float = 0.999,
+    ) -> None:
+        self.candidates = [(e, a) for e in evictions for a in admissions]
+        shadow_capacity = max(1, capacity // sample)
+        self._shadows = [_ShadowCache(shadow_capacity, e, a) for e, a in self.candidates]
+        self._scores = [0.0] * len(self.candidates)
+        self._sample = sample
+        self._decay = decay
+        self.leader = 0
+        """Index of the leading candidate (the first one until the shadows say otherwise)."""
+
+    @property
+    def eviction(self) -> str:
+        return self.candidates[self.leader][0]
+
+    @property
+    def admission(self) -> str:
+        return self.candidates[self.leader][1]
+
+    @property
+    def scores(self) -> dict[tuple[str, str], float]:
+        return dict(zip(self.candidates, self._scores))
+
+    def observe_request(self, sequence_hashes: Sequence[int]) -> None:
+        """Let the shadows serve this request if it belongs to the sample."""
+        if not sequence_hashes:
+            return
+        tag = sequence_hashes[1] if len(sequence_hashes) > 1 else sequence_hashes[0]
+        if tag % self._sample:
+            return
+        scores, decay = self._scores, self._decay
+        for i, shadow in enumerate(self._shadows):
+            scores[i] = scores[i] * decay + shadow.serve(sequence_hashes)
+        best = self.leader
+        for i, score in enumerate(scores):
+            if score > scores[best]:
+                best = i
+        self.leader = best
+
+
+class DuelingEviction(EvictionPolicy):
+    """LRU and aged-LFU orders over the same blocks; victims come from the duel's leader."""
+
+    name = ADAPTIVE
+
+    def __init__(self, capacity: int, duel: PolicyDuel) -> None:
+        self._duel = duel
+        self._lru = LruEviction(capacity)
+        self._lfu = AgedFrequencyEviction(capacity)
+        self._orders: tuple[EvictionPolicy, EvictionPolicy] = (self._lru, self._lfu)
+
+    def registered(self, block: Block) -> None:
+        self._lfu.registered(block)
+
+    def record_hit(self, block: Block) -> None:
+        self._lfu.record_hit(block)
+
+    def insert(self, block: Block) -> None:
+        for order in self._orders:
+            order.insert(block)
+
+    def insert_many(self, blocks: list[Block]) -> None:
+        for order in self._orders:
+            order.insert_many(blocks)
+
+    def remove(self, block: Block) -> None:
+        for order in self._orders:
+            order.remove(block)
+
+    def remove_many(self, blocks: list[Block]) -> None:
+        for order in self._orders:
+            order.remove_many(blocks)
+
+    def touch(self, block: Block) -> None:
+        for order in self._orders:
+            order.touch(block)
+
+    def victim(self) -> Block | None:
+        if self._duel.eviction == "lfu":
+            block = self._lfu.victim()
+            if block is not None:
+                self._lru.remove(block)
+        else:
+            block = self._lru.victim()
+            if block is not None:
+                self._lfu.remove(block)
+                self._lfu.remember(block)
+        return block
+
+    def victims(self, count: int) -> list[Block]:
+        return EvictionPolicy.victims(self, count)
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+
+class DuelingAdmission(AdmissionPolicy):
+    """Second-offer admission while the duel's leader uses it, admit-all otherwise."""
+
+    name = ADAPTIVE
+
+    def __init__(self, capacity: int, duel: PolicyDuel) -> None:
+        self._duel = duel
+        self._history = SecondOfferAdmission(capacity)
+
+    def admit(self, sequence_hash: int) -> bool:
+        offered_before = self._history.admit(sequence_hash)  # keep the history current
+        return offered_before or self._duel.admission == "always"
+
+
+def build_adaptive(eviction: str, admission: str, capacity: int) -> TierPolicies:
+    """A tier's policies when ``eviction`` and/or ``admission`` is ``adaptive``."""
+    evictions = EVICTION_CANDIDATES if eviction == ADAPTIVE else (eviction,)
+    admissions = ADMISSION_CANDIDATES if admission == ADAPTIVE else (admission,)
+    duel = PolicyDuel(capacity, evictions, admissions)
+    return TierPolicies(
+        eviction=DuelingEviction(capacity, duel) if eviction == ADAPTIVE else make_eviction(eviction, capacity),
+        admission=DuelingAdmission(capacity, duel) if admission == ADAPTIVE else make_admission(admission, capacity),
+        observe_request=duel.observe_request,
+    )
