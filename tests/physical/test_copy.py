@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import xxhash
 
 from kvstrata.physical import (DeviceStorage, HostStorage, LayoutMismatchError,
                                MemmoveCopyEngine, StagedCopyEngine, TorchCopyEngine)
@@ -15,6 +16,16 @@ from .conftest import block_bytes_of, fill_random, small_config
 ENGINES = {
     "memmove": lambda: MemmoveCopyEngine(),
     "memmove_threads": lambda: MemmoveCopyEngine(threads=2, parallel_piece=1, parallel_bytes=1),
+    # each host kernel forced on, alone and split over threads
+    "rows_gather": lambda: MemmoveCopyEngine(direct_block_bytes=1, scatter_block_bytes=1 << 40,
+                                             parallel_bytes=1),
+    "rows_scatter": lambda: MemmoveCopyEngine(direct_block_bytes=1 << 40, scatter_block_bytes=1,
+                                              parallel_bytes=1),
+    "rows_tile": lambda: MemmoveCopyEngine(direct_block_bytes=1 << 40,
+                                           scatter_block_bytes=1 << 40, tile_bytes=1,
+                                           parallel_bytes=1),
+    "memmove_fallback": lambda: MemmoveCopyEngine(min_row_bytes=1 << 30, parallel_piece=1,
+                                                  parallel_bytes=1),
     "torch": lambda: TorchCopyEngine(),
     "staged": lambda: StagedCopyEngine(stage_all=True),
 }
@@ -88,3 +99,38 @@ def test_coalesce_merges_runs_only_when_both_sides_continue():
     dst = np.array([100, 110, 120, 130, 140], dtype=np.int64)
     s, d, n = _coalesce(src, dst, 10)
     assert s.tolist() == [0, 40] and d.tolist() == [100, 130] and n.tolist() == [30, 20]
+
+
+@pytest.mark.parametrize("engine_name", list(ENGINES))
+@pytest.mark.parametrize("src_kind", KINDS)
+def test_copy_hashed_returns_xxh3_of_destination_blocks(engine_name, src_kind):
+    engine = ENGINES[engine_name]()
+    if isinstance(engine, MemmoveCopyEngine):
+        engine.hash_window_bytes = 128      # exercise segment-by-segment hashing of big blocks
+    cfg = small_config(num_blocks=9, alignment=64)
+    src = DeviceStorage.allocate(cfg, kv_layout=src_kind, device="cpu")
+    fill_random(src.memory.regions, seed=5)
+    host = HostStorage(cfg.with_blocks(7))
+    src_ids, dst_ids = [8, 0, 3, 4, 5], [2, 6, 3, 4, 0]
+    sums = engine.copy_hashed(src.memory, src_ids, host.memory, dst_ids)
+    assert sums == [xxhash.xxh3_64_intdigest(host.payload(d)) for d in dst_ids]
+    for s, d in zip(src_ids, dst_ids):
+        assert torch.equal(block_bytes_of(src, s), block_bytes_of(host, d))
+    if src_kind != "fully_contiguous":
+        with pytest.raises(ValueError, match="FullyContiguous"):
+            engine.copy_hashed(host.memory, [0], src.memory, [1])
+    engine.close()
+
+
+def test_layouts_without_coarse_rows_fall_back_to_memmove():
+    """A chunk of 12 bytes (fp8, 3 x 4 elements) allows only 4-byte rows: still exact."""
+    cfg = small_config(num_blocks=6, dtype="float8_e4m3fn", inner_dim=3)
+    src = DeviceStorage.allocate(cfg, kv_layout="outer_contiguous", device="cpu")
+    fill_random(src.memory.regions, seed=9)
+    host = HostStorage(cfg)
+    engine = MemmoveCopyEngine()
+    engine.copy(src.memory, [5, 1, 2], host.memory, [0, 4, 2])
+    back = DeviceStorage.allocate(cfg, kv_layout="block_contiguous", device="cpu")
+    engine.copy(host.memory, [0, 4, 2], back.memory, [3, 0, 1])
+    for s, d in zip([5, 1, 2], [3, 0, 1]):
+        assert torch.equal(block_bytes_of(src, s), block_bytes_of(back, d))

@@ -7,6 +7,7 @@ import os
 
 import numpy as np
 import pytest
+import xxhash
 
 from kvstrata.physical import (BlockIntegrityError, ChecksumMismatchError, DiskFullError,
                                DiskStorage, FailureKind, StorageConfigError, StorageIOError)
@@ -165,3 +166,40 @@ def test_bad_batches_rejected(tmp_path):
         disk.write_blocks([0], blocks, [1, 2])
     with pytest.raises(ValueError, match="uint8"):
         disk.write_blocks([0], [np.zeros(8, dtype=np.uint8)], [1])
+
+
+def test_given_checksums_are_recorded_without_rehashing(tmp_path):
+    disk = DiskStorage(small_config(), tmp_path, o_direct=True)
+    _, blocks = _aligned_blocks(disk, 3)
+    nbytes = disk.config.block_bytes
+    real = [xxhash.xxh3_64_intdigest(b[:nbytes]) for b in blocks]
+    sums = disk.write_blocks([1, 2, 3], blocks, [1, 2, 3], checksums=[real[0], None, 42])
+    assert sums == [real[0], real[1], 42]                 # None entries hashed, others kept
+    _, out = _aligned_blocks(disk, 3, seed=4)
+    disk.read_blocks([1, 2], out[:2], [1, 2])
+    with pytest.raises(ChecksumMismatchError):            # recorded value wins on read
+        disk.read_blocks([3], out[2:], [3])
+    with pytest.raises(ValueError, match="checksums"):
+        disk.write_blocks([1], blocks[:1], [1], checksums=[1, 2])
+
+
+@pytest.mark.parametrize("o_direct", O_DIRECT_MODES)
+def test_overlapped_hashing_paths(tmp_path, o_direct):
+    """Batches above ``overlap_bytes`` hash and verify on the helper thread."""
+    disk = DiskStorage(small_config(num_blocks=12), tmp_path, o_direct=o_direct, overlap_bytes=1)
+    _, blocks = _aligned_blocks(disk, 6)
+    slots = [0, 1, 2, 7, 9, 10]
+    disk.write_blocks(slots, blocks, list(range(6)))
+    with open(disk.path, "r+b") as f:                      # corrupt slot 9
+        f.seek(9 * 4096 + 5)
+        value = f.read(1)[0]
+        f.seek(9 * 4096 + 5)
+        f.write(bytes([value ^ 1]))
+    _, out = _aligned_blocks(disk, 6, seed=2)
+    with pytest.raises(ChecksumMismatchError) as info:
+        disk.read_blocks(slots, out, list(range(6)))
+    assert info.value.failed_block_ids == (9,)
+    nbytes = disk.config.block_bytes
+    for i in (0, 1, 2, 3, 5):
+        assert np.array_equal(blocks[i][:nbytes], out[i][:nbytes])
+    disk.close()

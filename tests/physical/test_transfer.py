@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+import xxhash
 
 from kvstrata.physical import (CopyEngine, DeviceStorage, DiskStorage, EngineBusyError,
                                EngineClosedError, FailureKind, HostStorage, LayoutMismatchError,
@@ -20,11 +21,12 @@ G1_KINDS = ["outer_contiguous", "block_contiguous", "fully_contiguous"]
 
 
 def make_tiers(tmp_path, *, g1_kind="outer_contiguous", dtype="bfloat16", o_direct=None,
-               file_ops=None, verify_host=False, blocks=(16, 12, 20)):
+               file_ops=None, verify_host=False, blocks=(16, 12, 20), host_checksums="auto"):
     cfg = small_config(dtype=dtype)
     g1 = DeviceStorage.allocate(cfg.with_blocks(blocks[0]), kv_layout=g1_kind, device="cpu")
     fill_random(g1.memory.regions, seed=7)
-    g2 = HostStorage(cfg.with_blocks(blocks[1]).with_alignment(512), verify_reads=verify_host)
+    g2 = HostStorage(cfg.with_blocks(blocks[1]).with_alignment(512), verify_reads=verify_host,
+                     checksums=host_checksums)
     g3 = DiskStorage(cfg.with_blocks(blocks[2]), tmp_path, o_direct=o_direct, file_ops=file_ops)
     return {"G1": g1, "G2": g2, "G3": g3}
 
@@ -40,19 +42,25 @@ def assert_same(a, a_ids, b, b_ids):
 
 @pytest.mark.parametrize("g1_kind", G1_KINDS)
 @pytest.mark.parametrize("o_direct", [True, False], ids=["o_direct", "buffered"])
-def test_every_path_round_trips_exact_bytes(tmp_path, g1_kind, o_direct, dtype):
-    tiers = make_tiers(tmp_path, g1_kind=g1_kind, dtype=dtype, o_direct=o_direct)
+@pytest.mark.parametrize("host_checksums", ["eager", "deferred"])
+def test_every_path_round_trips_exact_bytes(tmp_path, g1_kind, o_direct, dtype, host_checksums):
+    tiers = make_tiers(tmp_path, g1_kind=g1_kind, dtype=dtype, o_direct=o_direct,
+                       host_checksums=host_checksums)
     g1, g2, g3 = tiers["G1"], tiers["G2"], tiers["G3"]
     assert g3.status().o_direct is o_direct
     seq = [101, 102, 103, 104, 105]
+    expected = tuple(xxhash.xxh3_64_intdigest(block_bytes_of(g1, b).numpy())
+                     for b in [0, 3, 4, 5, 15])
     with TransferEngine(tiers) as engine:
         r1 = run(engine, "G1->G2", [0, 3, 4, 5, 15], [7, 1, 2, 3, 0], seq)
         assert r1.all_ok and r1.bytes_moved == 5 * g1.config.block_bytes
+        assert r1.checksums == (expected if host_checksums == "eager" else (None,) * 5)
         assert_same(g1, [0, 3, 4, 5, 15], g2, [7, 1, 2, 3, 0])
         r2 = run(engine, "G2->G3", [7, 1, 2, 3, 0], [19, 4, 5, 6, 0], seq)
-        assert r2.all_ok and r2.checksums == r1.checksums   # same bytes, same xxh3
+        assert r2.all_ok and r2.checksums == expected        # same bytes, same xxh3
+        assert g2.checksums.checksums_of([7, 1, 2, 3, 0]) == list(expected)  # filled in G2
         r3 = run(engine, "G3->G2", [19, 4, 5, 6, 0], [11, 10, 9, 8, 4], seq)
-        assert r3.all_ok and r3.checksums == r1.checksums
+        assert r3.all_ok and r3.checksums == expected
         assert_same(g1, [0, 3, 4, 5, 15], g2, [11, 10, 9, 8, 4])
         r4 = run(engine, "G2->G1", [11, 10, 9, 8, 4], [1, 2, 6, 7, 8], seq)
         assert r4.all_ok
@@ -274,3 +282,35 @@ def test_concurrent_stress_all_bytes_right(tmp_path):
             for f in [pool.submit(lane, k) for k in range(4)]:
                 f.result(timeout=60)
         assert len(engine.drain_completions()) == 4 * 4 * 5
+
+
+def test_eager_checksum_travels_end_to_end_to_disk(tmp_path):
+    """An eager G2 checksum is what G3 records: bytes corrupted in G2 after they were hashed
+    (host verification off) are written to disk but never served from it."""
+    tiers = make_tiers(tmp_path, host_checksums="eager")
+    g1 = tiers["G1"]
+    before = block_bytes_of(g1, 9)
+    with TransferEngine(tiers) as engine:
+        r1 = run(engine, "G1->G2", [0, 1], [0, 1], [1, 2])
+        tiers["G2"].payload(1)[3] ^= 0x40                 # silent corruption in host RAM
+        r2 = run(engine, "G2->G3", [0, 1], [0, 1], [1, 2])
+        assert r2.all_ok and r2.checksums == r1.checksums
+        back = run(engine, "G3->G1", [0, 1], [8, 9], [1, 2])
+        assert back.ok == (True, False)
+        assert back.failures[0].kind is FailureKind.CHECKSUM_MISMATCH
+    assert torch.equal(block_bytes_of(g1, 9), before)
+
+
+def test_deferred_checksum_is_computed_by_the_disk_write(tmp_path):
+    tiers = make_tiers(tmp_path)                          # auto, verify off -> deferred
+    g2, g3 = tiers["G2"], tiers["G3"]
+    assert not g2.eager_checksums
+    with TransferEngine(tiers) as engine:
+        assert run(engine, "G1->G2", [2, 3], [4, 5], [7, 8]).checksums == (None, None)
+        r2 = run(engine, "G2->G3", [4, 5], [10, 11], [7, 8])
+        expected = [xxhash.xxh3_64_intdigest(g2.payload(b)) for b in (4, 5)]
+        assert list(r2.checksums) == expected
+        assert g2.checksums.checksums_of([4, 5]) == expected    # recorded in G2 as well
+        assert [g3.checksums.get(s)[0] for s in (10, 11)] == expected
+        assert run(engine, "G3->G1", [10, 11], [12, 13], [7, 8]).all_ok
+    assert_same(tiers["G1"], [2, 3], tiers["G1"], [12, 13])

@@ -6,6 +6,11 @@ written there. The integrity rule: a slot is *invalidated before* bytes are writ
 *recorded only after* the write completed; a read is served only if the slot is valid, holds
 the requested sequence hash and (when verifying) the bytes hash to the recorded value.
 
+A valid slot's checksum may be *unknown* (``None``): a host storage with deferred checksums
+records a block as soon as its bytes are in place and hashes it on first need (see
+:class:`~kvstrata.physical.storage.host.HostStorage`); :meth:`ChecksumTable.fill` records the
+hash later.
+
 Entries are plain numpy scalars; distinct slots may be updated from different threads (the
 logical layer never schedules two transfers on one slot at a time).
 """
@@ -34,6 +39,7 @@ class ChecksumTable:
         self._valid = np.zeros(num_blocks, dtype=bool)
         self._checksum = np.zeros(num_blocks, dtype=np.uint64)
         self._seq = np.zeros(num_blocks, dtype=np.uint64)
+        self._known = np.zeros(num_blocks, dtype=bool)   # checksum computed
 
     def __len__(self) -> int:
         return len(self._valid)
@@ -42,19 +48,49 @@ class ChecksumTable:
         """Mark slots empty (call before writing new bytes into them)."""
         self._valid[np.asarray(slots, dtype=np.int64)] = False
 
-    def record(self, slot: int, checksum: int, sequence_hash: int) -> None:
-        """Mark ``slot`` valid, holding ``sequence_hash`` with payload hash ``checksum``."""
-        self._checksum[slot] = checksum
+    def record(self, slot: int, checksum: int | None, sequence_hash: int) -> None:
+        """Mark ``slot`` valid, holding ``sequence_hash`` with payload hash ``checksum``
+        (``None``: not computed yet)."""
+        self._checksum[slot] = 0 if checksum is None else checksum
+        self._known[slot] = checksum is not None
         self._seq[slot] = sequence_hash
         self._valid[slot] = True
 
-    def record_many(self, slots: Sequence[int], checksums: Sequence[int],
+    def record_many(self, slots: Sequence[int], checksums: Sequence[int | None] | None,
                     sequence_hashes: Sequence[int]) -> None:
-        """:meth:`record` for a batch (vectorized)."""
+        """:meth:`record` for a batch (vectorized); ``checksums=None``: none computed yet."""
         idx = np.asarray(slots, dtype=np.int64)
-        self._checksum[idx] = np.asarray(checksums, dtype=np.uint64)
+        if checksums is None:
+            self._known[idx] = False
+        elif any(c is None for c in checksums):
+            for slot, value in zip(idx.tolist(), checksums):
+                self._checksum[slot] = 0 if value is None else value
+                self._known[slot] = value is not None
+        else:
+            self._checksum[idx] = np.asarray(checksums, dtype=np.uint64)
+            self._known[idx] = True
         self._seq[idx] = np.asarray(sequence_hashes, dtype=np.uint64)
         self._valid[idx] = True
+
+    def fill(self, slots: Sequence[int], checksums: Sequence[int | None],
+             sequence_hashes: Sequence[int]) -> None:
+        """Record late-computed checksums for slots that are still valid, still hold
+        ``sequence_hashes`` and have none yet (others are left alone)."""
+        for slot, value, seq in zip(slots, checksums, sequence_hashes):
+            if (value is not None and self._valid[slot] and not self._known[slot]
+                    and int(self._seq[slot]) == seq):
+                self._checksum[slot] = value
+                self._known[slot] = True
+
+    def checksums_of(self, slots: Sequence[int]) -> list[int | None]:
+        """Recorded checksums of ``slots`` (``None`` where not computed yet; meaningful for
+        valid slots only)."""
+        idx = np.asarray(slots, dtype=np.int64)
+        values = self._checksum[idx].tolist()
+        known = self._known[idx]
+        if known.all():
+            return values
+        return [v if k else None for v, k in zip(values, known.tolist())]
 
     def check_identities(self, slots: Sequence[int],
                          sequence_hashes: Sequence[int]) -> list[BlockFailure]:
@@ -64,11 +100,12 @@ class ChecksumTable:
         return [self.check_identity(int(p), int(idx[p]), sequence_hashes[p])
                 for p in np.flatnonzero(bad)]
 
-    def get(self, slot: int) -> tuple[int, int] | None:
-        """``(checksum, sequence_hash)`` of a valid slot, else ``None``."""
+    def get(self, slot: int) -> tuple[int | None, int] | None:
+        """``(checksum, sequence_hash)`` of a valid slot (checksum ``None`` if not computed
+        yet), else ``None``."""
         if not self._valid[slot]:
             return None
-        return int(self._checksum[slot]), int(self._seq[slot])
+        return (int(self._checksum[slot]) if self._known[slot] else None), int(self._seq[slot])
 
     def check_identity(self, position: int, slot: int, sequence_hash: int) -> BlockFailure | None:
         """Failure record if ``slot`` is empty or holds another sequence hash, else ``None``."""
@@ -88,6 +125,11 @@ class ChecksumTable:
             return BlockFailure(position, slot, FailureKind.NOT_WRITTEN,
                                 "slot holds no valid block")
         actual = block_checksum(data)
+        if entry[0] is None:
+            # Deferred checksum never computed: nothing to compare against. Record it now so
+            # later reads are verified against these bytes (trust on first use).
+            self.fill([slot], [actual], [entry[1]])
+            return None
         if actual != entry[0]:
             return BlockFailure(position, slot, FailureKind.CHECKSUM_MISMATCH,
                                 f"xxh3-64 {actual:#018x} != recorded {entry[0]:#018x}")

@@ -7,9 +7,11 @@ The unit moved is the coarsest piece both layouts keep contiguous (:func:`plan_p
 whole block between two FullyContiguous layouts, a layer or a K/V chunk otherwise.
 
 * :class:`MemmoveCopyEngine` — host memory on both sides (the CPU path that runs here).
-  Piece addresses are computed with numpy from the layouts, adjacent pieces are merged, and
-  each remaining piece is one ``memmove`` with the GIL released; big pieces are split over a
-  few threads. (On CPU, torch's ``index_copy_`` into strided rows measured 5-15x slower.)
+  Each memory is viewed as rows of one 2-D array spanning all its regions; a batch becomes
+  arrays of row numbers moved by ``torch.index_select`` (gather) and numpy fancy assignment
+  (scatter), C loops with a few Python calls per batch, GIL released; odd geometries fall
+  back to one ``memmove`` per piece. (Torch's CPU ``index_copy_`` is elementwise and
+  measured 5-15x slower, so it is not used.)
 * :class:`TorchCopyEngine` — ``index_select`` / ``index_copy_`` per layer on any single device
   (the device-side half of the CUDA path; also runs, slowly, on CPU tensors for tests).
 * :class:`StagedCopyEngine` — device <-> host: gathers blocks into a packed buffer on the
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import math
 import threading
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +37,7 @@ from typing import Sequence
 
 import numpy as np
 import torch
+import xxhash
 
 from .layout import FullyContiguousLayout, Granularity, Layout
 from .storage.base import BlockMemory
@@ -90,11 +94,31 @@ class CopyEngine(ABC):
              dst_ids: Sequence[int], *, direction: str = OFFLOAD) -> int:
         """Copy the batch; returns payload bytes moved. Blocks until the bytes are in place."""
 
+    def copy_hashed(self, src: BlockMemory, src_ids: Sequence[int], dst: BlockMemory,
+                    dst_ids: Sequence[int], *, direction: str = OFFLOAD,
+                    slice_bytes: int = 8 << 20) -> list[int]:
+        """:meth:`copy`, plus the xxh3-64 of each destination block's payload (``dst`` must be
+        a host FullyContiguous memory, e.g. G2). This default copies in slices of about
+        ``slice_bytes`` and hashes each slice right after; engines override it to hash while
+        the bytes are still in cache."""
+        if not isinstance(dst.layout, FullyContiguousLayout):
+            raise ValueError("copy_hashed needs a FullyContiguous destination")
+        region = dst.regions[0].numpy()
+        stride, nbytes = dst.layout.block_stride, dst.layout.config.block_bytes
+        step = max(1, slice_bytes // max(1, nbytes))
+        sums: list[int] = []
+        for first in range(0, len(src_ids), step):
+            part = list(dst_ids[first:first + step])
+            self.copy(src, src_ids[first:first + step], dst, part, direction=direction)
+            sums.extend(xxhash.xxh3_64_intdigest(region[b * stride:b * stride + nbytes])
+                        for b in part)
+        return sums
+
     def close(self) -> None:
         """Release threads and buffers."""
 
 
-# ----------------------------------------------------------------------------- memmove
+# ----------------------------------------------------------------------------- host
 _memmove = ctypes.memmove   # a ctypes foreign function: releases the GIL while copying
 
 
@@ -103,49 +127,200 @@ def _run_memmoves(dst: list[int], src: list[int], lengths: list[int]) -> None:
         _memmove(d, s, n)
 
 
-class MemmoveCopyEngine(CopyEngine):
-    """Host <-> host copies as address lists executed with ``memmove``.
+class _Span:
+    """All regions of a host :class:`BlockMemory` seen as rows of one 2-D ``uint8`` array.
 
-    ``threads`` helper threads split the work when pieces are at least ``parallel_piece``
-    bytes and the batch moves at least ``parallel_bytes`` (small pieces do not gain: the GIL
-    hand-off costs more than the copy).
+    The array covers the address range from the lowest region start to the highest region
+    end, cut into rows of ``row`` bytes, where ``row`` divides every piece offset, stride and
+    length of the layout. Any piece of any block is then a run of row numbers, so a whole
+    batch — across all layers' regions — is gathered by one ``torch.index_select`` (a C loop
+    of ``memcpy`` over rows, on torch's intra-op threads, GIL released) or scattered by one
+    numpy fancy assignment (a C loop, GIL released). Only rows that belong to the regions
+    are ever touched; the view itself owns nothing (the ``BlockMemory`` keeps the memory
+    alive, and caches its span).
+    """
+
+    __slots__ = ("base", "row", "array", "tensor", "bases")
+
+    def __init__(self, mem: BlockMemory, row: int) -> None:
+        bases = mem.base_addresses()
+        ends = [int(b) + mem.layout.region_bytes(i) for i, b in enumerate(bases)]
+        self.base = int(bases.min())
+        self.row = row
+        self.bases = bases - self.base
+        rows = (max(ends) - self.base) // row
+        raw = (ctypes.c_uint8 * (rows * row)).from_address(self.base)
+        self.array = np.ctypeslib.as_array(raw).reshape(rows, row)
+        self.tensor = torch.from_numpy(self.array)
+
+    @staticmethod
+    def row_bytes(mem: BlockMemory) -> int:
+        """Largest row size that divides every piece address offset of ``mem``."""
+        layout, cfg = mem.layout, mem.layout.config
+        g = math.gcd(cfg.chunk_bytes, layout.block_stride)
+        if not isinstance(layout, FullyContiguousLayout):
+            g = math.gcd(g, layout.outer_stride)
+        bases = mem.base_addresses()
+        for b in (bases - bases.min()).tolist():
+            g = math.gcd(g, b)
+        return g
+
+    @classmethod
+    def of(cls, mem: BlockMemory, row: int) -> "_Span":
+        cache = mem.__dict__.setdefault("_spans", {})   # BlockMemory is frozen: a cache
+        span = cache.get(row)
+        if span is None:
+            span = cache[row] = cls(mem, row)
+        return span
+
+    def rows(self, layout: Layout, ids: np.ndarray, gran: Granularity) -> np.ndarray:
+        """Row numbers ``[len(ids), block_bytes // row]`` of blocks ``ids``, in payload order."""
+        region, offset = layout.pieces(ids, gran)
+        start = (self.bases[region] + offset) // self.row
+        per_piece = layout.piece_bytes(gran) // self.row
+        if per_piece == 1:
+            return start
+        return (start[:, :, None] + np.arange(per_piece)).reshape(len(ids), -1)
+
+
+class MemmoveCopyEngine(CopyEngine):
+    """Host <-> host copies, the CPU data path (the name is historical).
+
+    Both memories are viewed as *rows* (:class:`_Span`): the largest unit that divides every
+    piece of both layouts (typically 4 KiB, or a whole K/V chunk). A batch becomes two arrays
+    of row numbers, and the copy runs in C with a handful of Python calls per batch:
+
+    * destination FullyContiguous and blocks of at least ``direct_block_bytes``: one
+      ``torch.index_select(src_rows, out=dst_block)`` per block, straight into the block;
+    * source FullyContiguous and blocks of at least ``scatter_block_bytes``: one numpy
+      assignment ``dst_rows[idx] = block`` per block, straight from the block;
+    * FullyContiguous on both sides and blocks of at least ``parallel_piece``: one
+      ``memmove`` per block (per run of adjacent blocks);
+    * otherwise (small blocks, e.g. 64 KiB vLLM blocks): per tile of ``tile_bytes``
+      (cache-sized) one ``index_select`` gathers the rows into a private buffer and one numpy
+      assignment scatters them (two passes, the second from cache).
+
+    ``threads`` Python threads (this one plus helpers) split a batch of at least
+    ``parallel_bytes``; every kernel call releases the GIL. If a layout pair only allows rows
+    smaller than ``min_row_bytes``, pieces are copied with one ``memmove`` each instead.
+    :meth:`copy_hashed` also returns the xxh3-64 of every destination block, hashed right
+    after each block/tile is written, while its bytes are still in cache, in cache-sized
+    segments of ``hash_window_bytes`` for big blocks (xxh3 streaming = one-shot digest).
+    ``parallel_piece`` is also the memmove kernel's threshold for using the helper threads.
     """
 
     name = "memmove"
 
     def __init__(self, threads: int = 2, parallel_piece: int = 32 << 10,
-                 parallel_bytes: int = 1 << 20) -> None:
+                 parallel_bytes: int = 1 << 20, *, direct_block_bytes: int = 256 << 10,
+                 scatter_block_bytes: int = 64 << 10, tile_bytes: int = 2 << 20,
+                 hash_window_bytes: int = 256 << 10,
+                 min_row_bytes: int = 64, pipeline_hash: bool = True) -> None:
+        self.pipeline_hash = pipeline_hash
         self.threads = max(1, threads)
         self.parallel_piece = parallel_piece
         self.parallel_bytes = parallel_bytes
+        self.direct_block_bytes = direct_block_bytes
+        self.scatter_block_bytes = scatter_block_bytes
+        self.tile_bytes = tile_bytes
+        self.hash_window_bytes = hash_window_bytes
+        self.min_row_bytes = min_row_bytes
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
+        self._local = threading.local()
 
     def copy(self, src, src_ids, dst, dst_ids, *, direction=OFFLOAD) -> int:
+        return self._copy(src, src_ids, dst, dst_ids, None)
+
+    def copy_hashed(self, src, src_ids, dst, dst_ids, *, direction=OFFLOAD,
+                    slice_bytes: int = 8 << 20) -> list[int]:
+        if not isinstance(dst.layout, FullyContiguousLayout):
+            raise ValueError("copy_hashed needs a FullyContiguous destination")
+        sums: list[int] = [0] * len(dst_ids)
+        self._copy(src, src_ids, dst, dst_ids, sums)
+        return sums
+
+    # ------------------------------------------------------------------ internals
+    def _copy(self, src: BlockMemory, src_ids, dst: BlockMemory, dst_ids,
+              sums: list[int] | None) -> int:
         for mem in (src, dst):
             if mem.device.type != "cpu":
                 raise ValueError(f"{self.name} engine copies host memory only, got {mem.device}")
-        plan = plan_pieces(src.layout, src_ids, dst.layout, dst_ids)
-        if plan.src_offset.size == 0:
+        src.layout.require_compatible(dst.layout)
+        n = len(src_ids)
+        if n != len(dst_ids):
+            raise ValueError(f"{n} source ids but {len(dst_ids)} destination ids")
+        if n == 0:
             return 0
-        s_addr = src.base_addresses()[plan.src_region] + plan.src_offset
-        d_addr = dst.base_addresses()[plan.dst_region] + plan.dst_offset
-        s_addr, d_addr, lengths = _coalesce(s_addr, d_addr, plan.length)
-        total = int(lengths.sum())
-        d_list, s_list, n_list = d_addr.tolist(), s_addr.tolist(), lengths.tolist()
-        parts = self.threads if (total >= self.parallel_bytes and
-                                 total // len(n_list) >= self.parallel_piece) else 1
-        if parts == 1 or len(n_list) < parts:
-            _run_memmoves(d_list, s_list, n_list)
+        s_idx = _checked_ids(src_ids, src.layout.config.num_blocks)
+        d_idx = _checked_ids(dst_ids, dst.layout.config.num_blocks)
+        cfg = src.layout.config
+        nbytes = cfg.block_bytes
+        total = n * nbytes
+        gran = max(src.layout.contiguous_granularity, dst.layout.contiguous_granularity)
+        row = math.gcd(_row_bytes(src), _row_bytes(dst))
+        hasher = None
+        if sums is not None:
+            host = dst.regions[0].numpy()
+            hasher = (memoryview(host), dst.layout.block_stride, nbytes, d_idx, sums,
+                      self.hash_window_bytes)
+        both_fc = (isinstance(src.layout, FullyContiguousLayout)
+                   and isinstance(dst.layout, FullyContiguousLayout))
+        if row < self.min_row_bytes or (both_fc and nbytes >= self.parallel_piece):
+            # whole blocks on both sides: one memmove per block (per run of adjacent blocks)
+            job = self._memmove_job(src, s_idx, dst, d_idx, gran)
+            window = max(1, self.hash_window_bytes // nbytes)
+            parallel = src.layout.piece_bytes(gran) >= self.parallel_piece
         else:
+            s_span, d_span = _Span.of(src, row), _Span.of(dst, row)
+            s_rows = s_span.rows(src.layout, s_idx, gran)
+            src_fc = isinstance(src.layout, FullyContiguousLayout)
+            dst_fc = isinstance(dst.layout, FullyContiguousLayout)
+            if dst_fc and nbytes >= self.direct_block_bytes:
+                kind, d_rows = "gather", None
+            elif src_fc and nbytes >= self.scatter_block_bytes:
+                kind, d_rows = "scatter", d_span.rows(dst.layout, d_idx, gran)
+            else:
+                kind, d_rows = "tile", d_span.rows(dst.layout, d_idx, gran)
+            job = (kind, self._local, s_span, torch.from_numpy(s_rows), d_span, d_rows,
+                   src, s_idx, dst, d_idx, row)
+            window = 1 if kind != "tile" else max(1, self.tile_bytes // nbytes)
+            parallel = True
+        parts = self.threads if parallel and total >= self.parallel_bytes else 1
+        parts = min(parts, -(-n // window))
+        if (hasher is not None and parts > 1 and job[0] == "gather"
+                and self.pipeline_hash):   # eager G2 checksums of big blocks
+            # Big blocks into G2: this thread copies block i+1 while a helper hashes block i.
             pool = self._get_pool()
-            step = -(-len(n_list) // parts)
-            futures = [pool.submit(_run_memmoves, d_list[i:i + step], s_list[i:i + step],
-                                   n_list[i:i + step]) for i in range(step, len(n_list), step)]
-            _run_memmoves(d_list[:step], s_list[:step], n_list[:step])  # this thread helps
+            view, stride_, nb_, _, _, _ = hasher
+            futures = []
+            for i in range(n):
+                _run_part(job, i, i + 1, 1, None)
+                off = int(d_idx[i]) * stride_
+                futures.append(pool.submit(xxhash.xxh3_64_intdigest, view[off:off + nb_]))
+            for i, f in enumerate(futures):
+                sums[i] = f.result()
+            return total
+        if parts <= 1:
+            _run_part(job, 0, n, window, hasher)
+            return total
+        pool = self._get_pool()
+        bounds = [n * i // parts for i in range(parts + 1)]
+        futures = [pool.submit(_run_part, job, bounds[i], bounds[i + 1], window, hasher)
+                   for i in range(1, parts)]
+        try:
+            _run_part(job, bounds[0], bounds[1], window, hasher)   # this thread helps
+        finally:
             for f in futures:
                 f.result()
         return total
+
+    def _memmove_job(self, src, s_idx, dst, d_idx, gran):
+        sr, so = src.layout.pieces(s_idx, gran)
+        dr, do = dst.layout.pieces(d_idx, gran)
+        s_addr = src.base_addresses()[sr] + so
+        d_addr = dst.base_addresses()[dr] + do
+        return ("memmove", s_addr, d_addr, src.layout.piece_bytes(gran))
 
     def _get_pool(self) -> ThreadPoolExecutor:
         with self._pool_lock:
@@ -159,6 +334,94 @@ class MemmoveCopyEngine(CopyEngine):
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
+
+
+def _row_bytes(mem: BlockMemory) -> int:
+    cached = mem.__dict__.get("_row_bytes")
+    if cached is None:
+        cached = _Span.row_bytes(mem)
+        object.__setattr__(mem, "_row_bytes", cached)
+    return cached
+
+
+def _checked_ids(ids, num_blocks: int) -> np.ndarray:
+    idx = np.asarray(ids, dtype=np.int64).reshape(-1)
+    if idx.size and (idx.min() < 0 or idx.max() >= num_blocks):
+        raise IndexError(f"block id out of range [0, {num_blocks})")
+    return idx
+
+
+def _block_rows(mem: BlockMemory, block: int, row: int) -> np.ndarray:
+    """Payload of FullyContiguous block ``block`` as ``[block_bytes // row, row]``."""
+    layout = mem.layout
+    start = block * layout.block_stride
+    region = mem.regions[0].numpy()
+    return region[start:start + layout.config.block_bytes].reshape(-1, row)
+
+
+def _run_part(job, lo: int, hi: int, window: int, hasher) -> None:
+    """Copy blocks ``[lo, hi)`` of a batch, ``window`` blocks per step; with ``hasher``
+    (memoryview, stride, payload bytes, dst ids, out list, segment bytes) hash each
+    destination block right after it is written."""
+    if hasher is not None:
+        view, stride, nbytes, h_idx, sums, segment = hasher
+        digest = xxhash.xxh3_64_intdigest
+    kind = job[0]
+    if kind == "memmove":
+        _, s_addr, d_addr, length = job
+        for w in range(lo, hi, window):
+            e = min(w + window, hi)
+            s, d, lengths = _coalesce(s_addr[w:e].reshape(-1), d_addr[w:e].reshape(-1), length)
+            _run_memmoves(d.tolist(), s.tolist(), lengths.tolist())
+            if hasher is not None:
+                for i, off in zip(range(w, e), (h_idx[w:e] * stride).tolist()):
+                    sums[i] = digest(view[off:off + nbytes])
+        return
+    _, local, s_span, s_rows, d_span, d_rows, src, s_idx, dst, d_idx, row = job
+    if kind == "gather":
+        region = dst.regions[0].numpy()
+        d_stride, nbytes_ = dst.layout.block_stride, dst.layout.config.block_bytes
+        per_seg = max(1, (hasher[5] if hasher is not None else nbytes_) // row)
+        for i in range(lo, hi):
+            off = int(d_idx[i]) * d_stride
+            out = torch.from_numpy(region[off:off + nbytes_].reshape(-1, row))
+            rows = s_rows[i]
+            if hasher is None or nbytes_ <= segment:
+                torch.index_select(s_span.tensor, 0, rows, out=out)
+                if hasher is not None:
+                    sums[i] = digest(view[off:off + nbytes_])
+                continue
+            state = xxhash.xxh3_64()   # big block: copy and hash segment by segment
+            for k in range(0, rows.numel(), per_seg):
+                torch.index_select(s_span.tensor, 0, rows[k:k + per_seg],
+                                   out=out[k:k + per_seg])
+                state.update(view[off + k * row:off + min(k + per_seg, rows.numel()) * row])
+            sums[i] = state.intdigest()
+        return
+    if kind == "scatter":
+        target = d_span.array
+        for i in range(lo, hi):
+            target[d_rows[i]] = _block_rows(src, int(s_idx[i]), row)
+            if hasher is not None:
+                off = int(h_idx[i]) * stride
+                sums[i] = digest(view[off:off + nbytes])
+        return
+    # tile: gather a cache-sized tile of blocks into a private buffer, then scatter it
+    per_block = s_rows.shape[1]
+    need = window * per_block * row
+    buf = getattr(local, "buf", None)
+    if buf is None or buf.numel() < need:
+        buf = local.buf = torch.empty(need, dtype=torch.uint8)
+    target = d_span.array
+    for w in range(lo, hi, window):
+        e = min(w + window, hi)
+        count = (e - w) * per_block
+        tile = buf[:count * row].view(count, row)
+        torch.index_select(s_span.tensor, 0, s_rows[w:e].reshape(-1), out=tile)
+        target[d_rows[w:e].reshape(-1)] = tile.numpy()
+        if hasher is not None:
+            for i, off in zip(range(w, e), (h_idx[w:e] * stride).tolist()):
+                sums[i] = digest(view[off:off + nbytes])
 
 
 def _coalesce(src: np.ndarray, dst: np.ndarray, length: int):

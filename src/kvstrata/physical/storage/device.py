@@ -24,6 +24,7 @@ from typing import Mapping, Sequence
 
 import torch
 
+from ..buffers import AlignedBuffer
 from ..dtypes import dtype_name
 from ..errors import LayoutError
 from ..layout import (FullyContiguousLayout, LayerOrder, LayerSeparateLayout, Layout,
@@ -90,8 +91,14 @@ class DeviceStorage(MemoryStorage):
         else:
             raise LayoutError(f"kv_layout must be outer_contiguous, block_contiguous or "
                               f"fully_contiguous, got {kv_layout!r}")
-        tensors = [torch.zeros(layout.region_bytes(i), dtype=torch.uint8, device=device)
-                   for i in range(layout.num_regions)]
+        if torch.device(device).type == "cpu":
+            # Stand-in memory: page-aligned, zeroed, pre-touched, transparent huge pages
+            # (see buffers.AlignedBuffer); the tensor keeps its mmap alive.
+            tensors = [AlignedBuffer(layout.region_bytes(i)).tensor
+                       for i in range(layout.num_regions)]
+        else:
+            tensors = [torch.zeros(layout.region_bytes(i), dtype=torch.uint8, device=device)
+                       for i in range(layout.num_regions)]
         return cls(layout, tensors)
 
     # ------------------------------------------------------------------ access

@@ -30,6 +30,7 @@ import os
 import queue
 import secrets
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
@@ -64,7 +65,8 @@ class DiskStorage(Storage):
     def __init__(self, config: LayoutConfig, directory: str | os.PathLike, *,
                  name: str = "g3", o_direct: bool | None = None,
                  file_ops: FileOps | None = None, max_io_bytes: int = 16 << 20,
-                 staging_buffers: int = 2, keep_file: bool = False) -> None:
+                 staging_buffers: int = 2, keep_file: bool = False,
+                 overlap_bytes: int = 256 << 10) -> None:
         layout = FullyContiguousLayout(
             config.with_alignment(max(config.alignment, DIRECT_ALIGNMENT)))
         super().__init__(layout)
@@ -77,6 +79,8 @@ class DiskStorage(Storage):
         self._staging: queue.SimpleQueue[AlignedBuffer] = queue.SimpleQueue()
         self._staging_left = max(1, staging_buffers)
         self._staging_lock = threading.Lock()
+        self._hash_pool: ThreadPoolExecutor | None = None
+        self._overlap_bytes = overlap_bytes
 
         directory = Path(directory)
         try:
@@ -145,47 +149,84 @@ class DiskStorage(Storage):
 
     # ------------------------------------------------------------------ data path
     def write_blocks(self, block_ids: Sequence[int], sources: Sequence[np.ndarray],
-                     sequence_hashes: Sequence[int]) -> list[int]:
+                     sequence_hashes: Sequence[int], *,
+                     checksums: Sequence[int] | None = None) -> list[int]:
         """Write ``sources[i]`` (``uint8`` arrays of at least ``block_bytes``) to slot
-        ``block_ids[i]``. Returns the xxh3-64 of each block; raises a :class:`BlockIOError`
-        subclass naming failed positions (``.checksums`` then has ``None`` for those)."""
+        ``block_ids[i]``. Returns the xxh3-64 recorded for each block; raises a
+        :class:`BlockIOError` subclass naming failed positions (``.checksums`` then has
+        ``None`` for those).
+
+        ``checksums``, when given, are the blocks' known xxh3-64 (e.g. recorded when they
+        entered G2) and are recorded as they are, without hashing the sources again: a source
+        whose bytes no longer match is then caught when the block is read back. Sources
+        without one (``checksums`` omitted, or ``None`` entries) are hashed on a helper
+        thread while the writes run."""
         self._check_batch(block_ids, sources, sequence_hashes)
+        if checksums is not None and len(checksums) != len(block_ids):
+            raise ValueError(f"{len(checksums)} checksums for {len(block_ids)} blocks")
         self.checksums.invalidate(block_ids)
         block_bytes = self.config.block_bytes
-        sums: list[int | None] = [block_checksum(src[:block_bytes]) for src in sources]
+        hashing = None
+        known = [None] * len(block_ids) if checksums is None else list(checksums)
+        missing = [p for p, value in enumerate(known) if value is None]
+        if missing:
+            views = [sources[p][:block_bytes] for p in missing]
+            if len(views) * block_bytes >= self._overlap_bytes:
+                hashing = self._helper().submit(_hash_all, views)
+            else:
+                for p, value in zip(missing, _hash_all(views)):
+                    known[p] = value
         failures: list[BlockFailure] = []
-        for run in self._runs(block_ids):
-            for part in self._isolating(run, lambda r: self._write_run(
-                    block_ids[r[0]], [sources[p] for p in r])):
-                positions, exc = part
-                failures.extend(BlockFailure(p, block_ids[p], _failure_kind(exc),
-                                             f"write failed: {exc}") for p in positions)
-                for p in positions:
-                    sums[p] = None
-        good = [p for p in range(len(block_ids)) if sums[p] is not None]
-        self.checksums.record_many([block_ids[p] for p in good], [sums[p] for p in good],
-                                   [sequence_hashes[p] for p in good])
+        failed: set[int] = set()
+        try:
+            for run in self._runs(block_ids):
+                for positions, exc in self._isolating(run, lambda r: self._write_run(
+                        block_ids[r[0]], [sources[p] for p in r])):
+                    failures.extend(BlockFailure(p, block_ids[p], _failure_kind(exc),
+                                                 f"write failed: {exc}") for p in positions)
+                    failed.update(positions)
+        finally:
+            if hashing is not None:
+                for p, value in zip(missing, hashing.result()):
+                    known[p] = value
+        sums: list[int | None] = known
+        if failed:
+            for p in failed:
+                sums[p] = None
+            good = [p for p in range(len(block_ids)) if p not in failed]
+            self.checksums.record_many([block_ids[p] for p in good], [sums[p] for p in good],
+                                       [sequence_hashes[p] for p in good])
+        else:
+            self.checksums.record_many(block_ids, sums, sequence_hashes)
         raise_for_failures(f"write to {self.path.name}", failures, len(block_ids), sums)
         return sums  # type: ignore[return-value]
 
     def read_blocks(self, block_ids: Sequence[int], destinations: Sequence[np.ndarray],
                     sequence_hashes: Sequence[int]) -> None:
         """Read slot ``block_ids[i]`` into ``destinations[i]`` (``uint8`` arrays of at least
-        ``block_bytes``), verifying sequence hash and checksum. Raises a
+        ``block_bytes``), verifying sequence hash and checksum (the checksum of one run of
+        slots is verified on a helper thread while the next run is read). Raises a
         :class:`BlockIOError` subclass naming failed positions; a failed destination may hold
         garbage and must not be used."""
         self._check_batch(block_ids, destinations, sequence_hashes)
         failures = self.checksums.check_identities(block_ids, sequence_hashes)
-        refused = {f.position for f in failures}
-        wanted = [p for p in range(len(block_ids)) if p not in refused]
-        sub_ids = [block_ids[p] for p in wanted]
-        for run in self._runs(sub_ids):
-            for positions, exc in self._isolating(
-                    [wanted[i] for i in run],
-                    lambda r: self._read_run(block_ids[r[0]], [destinations[p] for p in r],
-                                             r, block_ids, failures)):
-                failures.extend(BlockFailure(p, block_ids[p], FailureKind.IO_ERROR,
-                                             f"read failed: {exc}") for p in positions)
+        if failures:
+            refused = {f.position for f in failures}
+            wanted = [p for p in range(len(block_ids)) if p not in refused]
+        else:
+            wanted = list(range(len(block_ids)))
+        pending: list = []
+        try:
+            for run in self._runs([block_ids[p] for p in wanted]):
+                for positions, exc in self._isolating(
+                        [wanted[i] for i in run],
+                        lambda r: self._read_run(block_ids[r[0]], [destinations[p] for p in r],
+                                                 r, block_ids, failures, pending)):
+                    failures.extend(BlockFailure(p, block_ids[p], FailureKind.IO_ERROR,
+                                                 f"read failed: {exc}") for p in positions)
+        finally:
+            for item in pending:
+                failures.extend(item.result() if hasattr(item, "result") else item)
         raise_for_failures(f"read from {self.path.name}", failures, len(block_ids))
 
     # ------------------------------------------------------------------ helpers
@@ -252,15 +293,18 @@ class DiskStorage(Storage):
             self._staging.put(staging)
 
     def _read_run(self, first_slot: int, dests: list[np.ndarray], positions: list[int],
-                  block_ids: Sequence[int], failures: list[BlockFailure]) -> None:
+                  block_ids: Sequence[int], failures: list[BlockFailure],
+                  pending: list) -> None:
         offset = first_slot * self._stride
         block_bytes = self.config.block_bytes
         if all(self._direct_ok(d) for d in dests):
             self._pread_all([d[:self._stride] for d in dests], offset)
-            for pos, dest in zip(positions, dests):
-                failure = self.checksums.check_bytes(pos, block_ids[pos], dest[:block_bytes])
-                if failure is not None:
-                    failures.append(failure)
+            work = (self.checksums, positions, [block_ids[p] for p in positions],
+                    [d[:block_bytes] for d in dests])
+            if len(dests) * block_bytes >= self._overlap_bytes:
+                pending.append(self._helper().submit(_verify, *work))   # overlaps next read
+            else:
+                pending.append(_verify(*work))
             return
         staging = self._acquire_staging(len(dests))
         try:
@@ -275,6 +319,13 @@ class DiskStorage(Storage):
                     failures.append(failure)
         finally:
             self._staging.put(staging)
+
+    def _helper(self) -> ThreadPoolExecutor:
+        """One helper thread that hashes while this thread does I/O (created on first use)."""
+        with self._staging_lock:
+            if self._hash_pool is None:
+                self._hash_pool = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-disk-hash")
+            return self._hash_pool
 
     def _pwrite_all(self, buffers: list[np.ndarray], offset: int) -> None:
         total = len(buffers) * self._stride
@@ -326,6 +377,10 @@ class DiskStorage(Storage):
         if self.closed:
             return
         super().close()
+        with self._staging_lock:
+            pool, self._hash_pool = self._hash_pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
         try:
             self._ops.close(self._fd)
         finally:
@@ -337,6 +392,21 @@ class DiskStorage(Storage):
             self._ops.unlink(str(self.path))
         except FileNotFoundError:
             pass
+
+
+def _hash_all(views: Sequence[np.ndarray]) -> list[int]:
+    return [block_checksum(v) for v in views]
+
+
+def _verify(table: ChecksumTable, positions: list[int], slots: list[int],
+            views: list[np.ndarray]) -> list[BlockFailure]:
+    """Failures of blocks whose bytes do not hash to their slot's recorded checksum."""
+    out = []
+    for pos, slot, view in zip(positions, slots, views):
+        failure = table.check_bytes(pos, slot, view)
+        if failure is not None:
+            out.append(failure)
+    return out
 
 
 def _tail(buffers: list[np.ndarray], done: int, stride: int) -> list[np.ndarray]:

@@ -10,6 +10,19 @@ Integrity: the storage keeps a :class:`~kvstrata.physical.checksum.ChecksumTable
 slot; readers call :meth:`HostStorage.check_readable`, which checks the slot holds the
 requested sequence hash and, when ``verify_reads`` is on, that its bytes still hash to the
 recorded xxh3-64.
+
+When checksums are computed (``checksums=``):
+
+* ``"eager"`` — every block is hashed as it is written into G2 (the G1->G2 copy hashes each
+  block right behind the copy, while it is in cache). Needed to detect corruption *in G2*.
+* ``"deferred"`` — a G1->G2 block is sealed without a checksum; it is hashed on first need:
+  when it is written to G3 (the disk hashes it while the write runs, and the value is recorded
+  here too), or by :meth:`HostStorage.ensure_checksums`. G3->G2 blocks carry the disk's
+  verified checksum. Saves a hash pass over every offloaded byte.
+* ``"auto"`` (default) — ``"eager"`` when ``verify_reads`` is on (verification needs the
+  write-time checksum), else ``"deferred"``: with ``verify_reads`` off, a host read never
+  compares bytes, so a write-time hash of G2 would protect nothing that is checked; the G3
+  copy is protected from the moment it is written either way.
 """
 
 from __future__ import annotations
@@ -21,7 +34,7 @@ import torch
 
 from ..buffers import AlignedBuffer
 from ..checksum import ChecksumTable, block_checksum
-from ..errors import BlockFailure
+from ..errors import BlockFailure, StorageConfigError
 from ..layout import FullyContiguousLayout, LayoutConfig
 from ..layout_codec import StorageDescriptor
 from .base import BlockMemory, MemoryStorage, StorageStatus
@@ -35,7 +48,10 @@ class HostStorage(MemoryStorage):
     kind = "host"
 
     def __init__(self, config: LayoutConfig, *, pin: bool | None = None,
-                 verify_reads: bool = False) -> None:
+                 verify_reads: bool = False, checksums: str = "auto") -> None:
+        if checksums not in ("auto", "eager", "deferred"):
+            raise StorageConfigError(f"checksums must be 'auto', 'eager' or 'deferred', "
+                                     f"got {checksums!r}")
         layout = FullyContiguousLayout(config)
         size = layout.region_bytes(0)
         self.pinned = torch.cuda.is_available() if pin is None else bool(pin)
@@ -49,7 +65,15 @@ class HostStorage(MemoryStorage):
         super().__init__(BlockMemory(layout, (region,)))
         self._array = region.numpy()
         self.verify_reads = verify_reads
+        self.checksum_mode = checksums
         self.checksums = ChecksumTable(config.num_blocks)
+
+    @property
+    def eager_checksums(self) -> bool:
+        """Whether blocks written into this storage are hashed at write time."""
+        if self.checksum_mode == "auto":
+            return bool(self.verify_reads)
+        return self.checksum_mode == "eager"
 
     @property
     def block_stride(self) -> int:
@@ -79,10 +103,16 @@ class HostStorage(MemoryStorage):
         self.checksums.invalidate(block_ids)
 
     def seal(self, block_ids: Sequence[int], sequence_hashes: Sequence[int],
-             checksums: Sequence[int | None] | None = None) -> list[int]:
+             checksums: Sequence[int | None] | None = None, *,
+             defer: bool = False) -> list[int | None]:
         """Record slots as holding ``sequence_hashes``; hashes the bytes unless ``checksums``
-        (already verified values) are given. Returns the checksums."""
+        (already verified values) are given, or ``defer`` (leave missing checksums to be
+        computed on first need). Returns the checksums (``None`` where deferred)."""
         self._check_open()
+        if defer:
+            values = None if checksums is None else list(checksums)
+            self.checksums.record_many(block_ids, values, sequence_hashes)
+            return values if values is not None else [None] * len(block_ids)
         if checksums is None or any(c is None for c in checksums):
             array, stride, nbytes = self._array, self.layout.block_stride, self.config.block_bytes
             checksums = [block_checksum(array[b * stride:b * stride + nbytes])
@@ -91,6 +121,19 @@ class HostStorage(MemoryStorage):
         checksums = list(checksums)
         self.checksums.record_many(block_ids, checksums, sequence_hashes)
         return checksums
+
+    def ensure_checksums(self, block_ids: Sequence[int]) -> list[int]:
+        """Checksums of valid slots, hashing (and recording) those not computed yet."""
+        self._check_open()
+        values = self.checksums.checksums_of(block_ids)
+        missing = [i for i, v in enumerate(values) if v is None]
+        if missing:
+            for i in missing:
+                values[i] = block_checksum(self.payload(block_ids[i]))
+            entries = [self.checksums.get(block_ids[i]) for i in missing]
+            self.checksums.fill([block_ids[i] for i in missing], [values[i] for i in missing],
+                                [e[1] if e else 0 for e in entries])
+        return values  # type: ignore[return-value]
 
     def check_readable(self, block_ids: Sequence[int], sequence_hashes: Sequence[int],
                        *, verify: bool | None = None) -> list[BlockFailure]:
