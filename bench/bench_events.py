@@ -99,19 +99,21 @@ def run_ours(url: str, subject: str, chains, max_batch: int) -> tuple[float, lis
     while not sink.connected and time.monotonic() < deadline:
         time.sleep(0.01)
     sub = start_subscriber(url, subject, n_events)
+    cpu0 = time.process_time()
     t0 = time.time()
     for c in chains:
         pub.on_tier_stored("G1", c)
         pub.on_tier_removed("G1", (c[-1].sequence_hash,))
     produced = time.time()
     pub.flush(60)
+    cpu = time.process_time() - cpu0  # every thread of this process: hooks, encoding, nats-py
     res = finish_subscriber(sub)
     metrics = pub.metrics()
     pub.close()
     if res["count"] < n_events:
         raise RuntimeError(f"subscriber got {res['count']} of {n_events} events; metrics {metrics}")
     rate = n_events / (res["last"] - t0)
-    return rate, sink.payloads, {**metrics, "produce_s": produced - t0, "e2e_s": res["last"] - t0}
+    return rate, sink.payloads, {**metrics, "produce_s": produced - t0, "e2e_s": res["last"] - t0, "cpu_s": cpu}
 
 
 def run_raw(url: str, subject: str, payloads: list[bytes], n_events: int) -> float:
@@ -155,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             raw = run_raw(server.url, f"bench.raw.{i}", payloads, n_events)
             print(
                 f"run {i}: ours {rate:,.0f} ev/s (produce {info['produce_s']:.3f}s, e2e {info['e2e_s']:.3f}s, "
+                f"producer cpu {info['cpu_s']:.3f}s, "
                 f"{len(payloads)} msgs, {sum(map(len, payloads)) / len(payloads) / 1024:.1f} KiB avg); raw {raw:,.0f} ev/s",
                 flush=True,
             )

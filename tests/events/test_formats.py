@@ -89,6 +89,12 @@ def test_snapshot_chunks_reassemble():
         (b'{"publisher_id":1,"worker_id":1,"type":"removed","event_id":1,"tier":"G1","block_hashes":["x"]}', "block_hashes"),
         (b'{"publisher_id":1,"worker_id":1,"type":"stored","event_id":1,"tier":"G1","block_size":4,"block_hashes":[],"tokens_hashes":[]}', "non-empty"),
         (b'{"worker_id":1,"type":"cleared","event_id":1,"tier":"G1"}', "publisher_id"),
+        (b'{"publisher_id":1,"worker_id":1,"type":"removed","event_id":1,"tier":[1],"block_hashes":[]}', "tier"),
+        (b'{"publisher_id":1,"worker_id":1,"type":"removed","event_id":1,"tier":"G1","ts":"x","block_hashes":[]}', "'ts'"),
+        (b'{"publisher_id":1,"worker_id":1,"type":"removed","event_id":1,"tier":"G1","block_hashes":[true]}', "block_hashes"),
+        (b'{"publisher_id":1,"worker_id":1,"type":"stored","event_id":1,"tier":"G1","block_size":-1,"block_hashes":[1],"tokens_hashes":[1]}', "block_size"),
+        (b'{"publisher_id":1,"worker_id":1,"type":"stored","event_id":1,"tier":"G1","block_size":4,"parent_hash":"p","block_hashes":[1],"tokens_hashes":[1]}', "parent_hash"),
+        (b'{"publisher_id":1,"worker_id":1,"type":"stored","event_id":1,"tier":"G1","block_size":4,"block_hashes":[1],"tokens_hashes":[1],"token_ids":[[1.5]]}', "token_ids"),
     ],
 )
 def test_kvstrata_decode_errors(bad, needle):

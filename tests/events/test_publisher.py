@@ -245,3 +245,158 @@ def test_make_publisher_none_still_snapshots():
     snap = pub.snapshot()
     assert snap.last_event_id == 1 and TierState().apply_all(snap.events).hashes()["G3"] == reg.hashes_in("G3")
     pub.close()
+
+
+# -- seeding a publisher attached late ----------------------------------------------------------
+def _tier_records(pool_like: dict[str, list]) -> dict[str, set[int]]:
+    return {t: {r.sequence_hash for r in recs} for t, recs in pool_like.items()}
+
+
+def test_seed_publishes_what_pools_already_hold():
+    reg = BlockRegistry()
+    a, b = chain(1, 5, tokens=True), chain(2, 3, parent=None)
+    fork = chain(3, 2, parent=a[1].sequence_hash)  # shares a's first two blocks
+    held = {"G1": a + fork, "G2": b + a[:2]}
+    for tier, recs in held.items():
+        reg.record_stored(tier, recs)  # before the publisher exists: it sees none of this
+    sink = MemorySink()
+    pub = EventPublisher(sink, max_delay=0).start()
+    reg.add_observer(pub)
+    assert pub.state()["G1"] == set()
+    # children first and shuffled: seed groups them back into parent-linked runs
+    shuffled = list(reversed(held["G1"]))
+    n1 = pub.seed("G1", shuffled)
+    n2 = pub.seed("G2", held["G2"])
+    assert n1 == 2 and n2 == 2  # a (5) + fork (2); b (3) + a[:2] (2)
+    assert pub.seed("G1", held["G1"]) == 0  # idempotent
+    reg.record_stored("G1", chain(4, 2))  # live changes continue the id sequence
+    reg.record_removed("G2", [b[2].sequence_hash])
+    assert pub.flush(2)
+    events = sink.events
+    assert [e.event_id for e in events] == list(range(1, len(events) + 1))
+    assert TierState().apply_all(events).hashes() == registry_state(reg)
+    assert pub.state() == registry_state(reg)
+    first, second = events[0], events[1]
+    assert isinstance(first, StoredEvent) and first.parent_hash is None
+    assert first.block_hashes[:2] == [r.sequence_hash for r in a[:2]]  # the root run comes first
+    assert second.parent_hash == a[1].sequence_hash  # the other branch, after its parent
+    assert set(first.block_hashes + second.block_hashes) == {r.sequence_hash for r in a + fork}
+    assert first.blocks[0].token_ids == a[0].token_ids  # tokens kept
+    snap = pub.snapshot()
+    assert TierState().apply_all(snap.events).hashes() == registry_state(reg)
+    pub.close()
+
+
+def test_seed_rejects_unknown_tier_and_accepts_empty():
+    pub = EventPublisher(MemorySink())
+    with pytest.raises(ValueError, match="unknown tier"):
+        pub.seed("G9", chain(1, 1))
+    assert pub.seed("G1", []) == 0 and pub.last_event_id == 0
+
+
+def test_seed_larger_than_the_buffer_drops_events_but_the_snapshot_heals():
+    release = threading.Event()
+    pub = EventPublisher(CallbackSink(lambda b: release.wait()), max_batch=4, buffer_events=8).start()
+    records = [r for s in range(40) for r in chain(s, 3)]
+    assert pub.seed("G3", records) == 40
+    m = pub.metrics()
+    assert m["dropped"] > 0 and m["lag"] <= 8 and pub.last_event_id == 40
+    snap = pub.snapshot()
+    assert snap.last_event_id == 40
+    assert TierState().apply_all(snap.events).hashes()["G3"] == {r.sequence_hash for r in records}
+    release.set()
+    pub.close()
+
+
+# -- shadow log compaction and timestamps -------------------------------------------------------
+@pytest.mark.parametrize("where", ["background", "inline"])
+def test_shadow_log_compaction_keeps_snapshots_exact(where, monkeypatch):
+    from kvstrata.events import publisher as publisher_mod
+
+    if where == "background":
+        monkeypatch.setattr(publisher_mod, "COMPACT_SLACK", 8)
+        monkeypatch.setattr(publisher_mod, "COMPACT_STEP", 3)
+        reg, pub = _setup(max_delay=0)
+    else:
+        monkeypatch.setattr(publisher_mod, "HARD_SLACK", 8)
+        reg = BlockRegistry()
+        pub = EventPublisher(MemorySink())  # never started: only the hooks can compact
+        reg.add_observer(pub)
+    rng = random.Random(11)
+    pool = [chain(s, 6) for s in range(30)]
+
+    def churn(steps):  # stores and removals, no clears (a clear empties the log by itself)
+        for _ in range(steps):
+            tier = rng.choice(("G1", "G2"))
+            if rng.random() < 0.5:
+                c = rng.choice(pool)
+                start = rng.randrange(len(c))
+                reg.record_stored(tier, c[start : start + rng.randrange(1, 4)])
+            else:
+                held = sorted(reg.hashes_in(tier))
+                if held:
+                    reg.record_removed(tier, rng.sample(held, min(rng.randrange(1, 4), len(held))))
+
+    for step in range(40):
+        churn(25)
+        if where == "background":
+            assert pub.flush(5)
+        snap = pub.snapshot()
+        assert TierState().apply_all(snap.events).hashes() == registry_state(reg), step
+        for sh in pub._tiers.values():  # the log never loses a held hash
+            logged = {h for item in sh.log for h in item[7 : 7 + ((len(item) - 7) >> 1)]}
+            assert sh.held <= logged
+    assert pub.compactions > 0
+    if where == "background":
+        assert TierState().apply_all(pub.sink.events).hashes() == registry_state(reg)
+    pub.close()
+
+
+def test_events_of_one_millisecond_share_one_timestamp(monkeypatch):
+    import kvstrata.events.publisher as publisher_module
+
+    clock = iter(1_000_000.0 + 0.0004 * i for i in range(10_000))  # 0.4 ms per call
+    monkeypatch.setattr(publisher_module.time, "time", lambda: next(clock))
+    reg, pub = _setup()
+    for s in range(20):
+        reg.record_stored("G1", chain(s, 1))
+    assert pub.flush(2)
+    stamps = [e.ts for e in pub.sink.events]
+    assert stamps == sorted(stamps) and abs(stamps[-1] - 1_000_000.0) < 1
+    # Stamps less than 1 ms apart are shared: fewer distinct values than events, but the
+    # clock still advances (not one value for all 20 events, 8 ms apart end to end).
+    assert 1 < len(set(stamps)) < len(stamps)
+    pub.close()
+
+
+def test_seed_from_real_pools_then_live_changes():
+    from kvstrata.logical.pool import BlockPool
+
+    reg = BlockRegistry()
+    pools = {t: BlockPool(t, n, 16, registry=reg, keep_tokens=True) for t, n in (("G1", 8), ("G2", 32))}
+
+    def put(tier, records):
+        pool = pools[tier]
+        new = [r for r in records if r.sequence_hash not in pool]
+        handle = pool.allocate(len(new))
+        handle.apply_token_blocks(new)
+        pool.release(pool.register(handle))
+
+    a, b = chain(1, 6, tokens=True), chain(2, 5, tokens=True)
+    put("G2", a + b)
+    put("G1", a[:4])
+    sink = MemorySink()
+    pub = EventPublisher(sink, max_delay=0).start()
+    reg.add_observer(pub)
+    for tier, pool in pools.items():
+        # the pool's registered blocks, through public calls only
+        records = [pool.lookup(h).record(pool.keep_tokens) for h in reg.hashes_in(tier)]
+        pub.seed(tier, records)
+    put("G1", b)  # evicts from G1 (8 slots): live removed + stored events follow the seed
+    assert pub.flush(2)
+    events = sink.events
+    assert [e.event_id for e in events] == list(range(1, len(events) + 1))
+    assert TierState().apply_all(events).hashes() == registry_state(reg)
+    assert sum(len(e.blocks) for e in events[:3] if isinstance(e, StoredEvent)) == 4 + 11  # seeded
+    assert events[0].blocks[0].token_ids is not None
+    pub.close()

@@ -3,11 +3,19 @@
 Every encoder here is a pure function of events; every decoder raises
 :class:`~kvstrata.events.model.EventFormatError` naming what is wrong. See docs/events.md for
 a literal example of each format.
+
+The encoders work on the publisher's compact items (``EventBatch.items``, see
+:mod:`kvstrata.events.model`) and write JSON text with pre-built ``%``-format strings (one
+format operation per event, integers rendered by ``%d``), which is several times cheaper than
+building dicts for :func:`json.dumps`. The output is byte-identical to
+``json.dumps(..., separators=(",", ":"))`` of the dict forms (:func:`event_to_dict`,
+:func:`dynamo_router_event`), which stay as the reference (tests compare the two).
 """
 
 from __future__ import annotations
 
 import json
+from itertools import chain as _chain
 from typing import Any, Iterable, Sequence
 
 from kvstrata.events.model import (
@@ -25,7 +33,14 @@ from kvstrata.events.model import (
     StoredBlock,
     StoredEvent,
     check_tier,
+    event_to_item,
+    item_blocks,
+    item_parent,
 )
+from kvstrata.logical.registry import TIER_NAMES
+
+_TIERS = frozenset(TIER_NAMES)
+_new_block = tuple.__new__  # StoredBlock without the NamedTuple __new__ frame
 
 FORMAT_VERSION = 1
 
@@ -79,19 +94,114 @@ def _identity_fields(identity: PublisherIdentity) -> dict[str, Any]:
     }
 
 
+# -- fast JSON text from items ------------------------------------------------------------------
+_FMT_CACHE_MAX_N = 256  # cache format strings for hash lists up to this long
+
+
+def _ints(n: int) -> str:
+    return ",".join(("%d",) * n)
+
+
+# Formats applied to a whole item (``fmt % item``): ``%.0s`` swallows the fields JSON does not
+# show at that place (the kind, and tokens, appended separately when present).
+_STORED_HEAD = '{"type":"stored","event_id":%d%.0s,"tier":"%s","ts":%s,"parent_hash":%s,"block_size":%d%.0s,"block_hashes":['
+_stored_fmts: dict[int, str] = {}
+_removed_fmts: dict[int, str] = {}
+
+
+def _stored_fmt(n: int) -> str:
+    ints = _ints(n)
+    fmt = _STORED_HEAD + ints + '],"tokens_hashes":[' + ints + "]}"
+    if n <= _FMT_CACHE_MAX_N:
+        _stored_fmts[n] = fmt
+    return fmt
+
+
+def _removed_fmt(n: int) -> str:
+    fmt = '{"type":"removed","event_id":%d%.0s,"tier":"%s","ts":%s,"block_hashes":[' + _ints(n) + "]}"
+    if n <= _FMT_CACHE_MAX_N:
+        _removed_fmts[n] = fmt
+    return fmt
+
+
+def _token_ids_json(tokens: Sequence[Any]) -> str:
+    """``,"token_ids":[[...],...]`` (one list, or null, per block)."""
+    return (
+        ',"token_ids":['
+        + ",".join(["[" + ",".join(map(str, t)) + "]" if t is not None else "null" for t in tokens])
+        + "]"
+    )
+
+
+def json_event_texts(items: Sequence[tuple]) -> list[str]:
+    """Each item as its kvstrata JSON object text (the elements of a batch's ``events``)."""
+    out: list[str] = []
+    append = out.append
+    stored_fmts = _stored_fmts
+    removed_fmts = _removed_fmts
+    for item in items:
+        kind = item[1]
+        if kind == 0:
+            n = (len(item) - 7) >> 1
+            text = (stored_fmts.get(n) or _stored_fmt(n)) % item
+            if item[6] is not None:
+                text = text[:-1] + _token_ids_json(item[6]) + "}"
+            append(text)
+        elif kind == 1:
+            n = len(item) - 4
+            append((removed_fmts.get(n) or _removed_fmt(n)) % item)
+        else:
+            append(
+                '{"type":"cleared","event_id":%d,"tier":"%s","ts":%s,"block_hashes":[%s]}'
+                % (item[0], item[2], item[3], ",".join(map(str, item[4:])))
+            )
+    return out
+
+
+def _batch_head(identity: PublisherIdentity) -> str:
+    return '{"v":%d,"publisher_id":%d,"worker_id":%d,"started_at":%r,"events":[' % (
+        FORMAT_VERSION,
+        identity.publisher_id,
+        identity.worker_id,
+        identity.started_at,
+    )
+
+
 def encode_batch(batch: EventBatch) -> bytes:
     """A batch as one kvstrata JSON message (the NATS payload in ``format=kvstrata``)."""
-    obj = _identity_fields(batch.identity)
-    obj["events"] = [event_to_dict(e) for e in batch.events]
-    return json.dumps(obj, separators=(",", ":")).encode()
+    return (_batch_head(batch.identity) + ",".join(json_event_texts(batch.items)) + "]}").encode()
+
+
+def encode_batch_messages(batch: EventBatch, max_bytes: int) -> tuple[list[bytes], list[int]]:
+    """A batch as kvstrata JSON messages of at most ``max_bytes`` each (one unless it is too
+    big; a single event larger than ``max_bytes`` still gets its own message). Returns the
+    payloads and the first event id of each."""
+    items = batch.items
+    texts = json_event_texts(items)
+    head = _batch_head(batch.identity)
+    fixed = len(head) + 2
+    if fixed + sum(map(len, texts)) + len(texts) - 1 <= max_bytes:
+        return [(head + ",".join(texts) + "]}").encode()], [items[0][0]]
+    payloads: list[bytes] = []
+    first_ids: list[int] = []
+    start = 0
+    size = fixed - 1
+    for i, text in enumerate(texts):
+        if i > start and size + len(text) + 1 > max_bytes:
+            payloads.append((head + ",".join(texts[start:i]) + "]}").encode())
+            first_ids.append(items[start][0])
+            start, size = i, fixed - 1
+        size += len(text) + 1
+    payloads.append((head + ",".join(texts[start:]) + "]}").encode())
+    first_ids.append(items[start][0])
+    return payloads, first_ids
 
 
 def encode_jsonl(batch: EventBatch) -> str:
     """A batch as kvstrata JSON lines: one self-contained line per event."""
     ident = batch.identity
-    head = {"publisher_id": ident.publisher_id, "worker_id": ident.worker_id}
-    dumps = json.JSONEncoder(separators=(",", ":")).encode
-    return "".join(dumps({**head, **event_to_dict(e)}) + "\n" for e in batch.events)
+    head = '{"publisher_id":%d,"worker_id":%d,' % (ident.publisher_id, ident.worker_id)
+    return "".join([head + text[1:] + "\n" for text in json_event_texts(batch.items)])
 
 
 def encode_snapshot(snapshot: Snapshot, max_bytes: int = 512 * 1024) -> list[bytes]:
@@ -102,8 +212,7 @@ def encode_snapshot(snapshot: Snapshot, max_bytes: int = 512 * 1024) -> list[byt
     dumps = json.JSONEncoder(separators=(",", ":")).encode
     groups: list[list[str]] = [[]]
     size = 0
-    for event in snapshot.events:
-        text = dumps(event_to_dict(event))
+    for text in json_event_texts([event_to_item(e) for e in snapshot.events]):
         if groups[-1] and size + len(text) > max_bytes:
             groups.append([])
             size = 0
@@ -131,56 +240,64 @@ def _opt_int(obj: dict, key: str, what: str) -> int | None:
     return _int(obj, key, what)
 
 
+_INT_ONLY = {int}
+
+
 def _hash_list(obj: dict, key: str, what: str) -> tuple[int, ...]:
     values = obj.get(key)
-    if not isinstance(values, list) or any(type(v) is not int or v < 0 for v in values):
+    # C-level checks (no per-element Python code): every element exactly an int, none negative
+    if type(values) is not list or (values and (not set(map(type, values)) <= _INT_ONLY or min(values) < 0)):
         raise EventFormatError(f"{what}: field {key!r} must be a list of non-negative integers")
     return tuple(values)
 
 
 def event_from_dict(obj: Any) -> Event:
     """Decode one kvstrata JSON event object."""
-    if not isinstance(obj, dict):
+    if type(obj) is not dict:
         raise EventFormatError(f"event must be a JSON object, got {type(obj).__name__}")
     kind = obj.get("type")
-    what = f"{kind!r} event"
-    event_id = _int(obj, "event_id", what)
+    event_id = obj.get("event_id")
     tier = obj.get("tier")
-    if not isinstance(tier, str):
-        raise EventFormatError(f"{what}: field 'tier' missing or not a string")
-    check_tier(tier)
     ts = obj.get("ts", 0.0)
-    if not isinstance(ts, (int, float)):
+    if type(event_id) is not int or event_id < 0 or type(tier) is not str or tier not in _TIERS or type(ts) not in (float, int):
+        what = f"{kind!r} event"
+        _int(obj, "event_id", what)
+        if not isinstance(tier, str):
+            raise EventFormatError(f"{what}: field 'tier' missing or not a string")
+        check_tier(tier)
         raise EventFormatError(f"{what}: field 'ts' must be a number")
     if kind == "stored":
+        what = "'stored' event"
         hashes = _hash_list(obj, "block_hashes", what)
         locals_ = _hash_list(obj, "tokens_hashes", what)
         if not hashes or len(locals_) != len(hashes):
             raise EventFormatError(f"{what}: 'block_hashes' must be non-empty and as long as 'tokens_hashes'")
         tokens = obj.get("token_ids")
         if tokens is None:
-            blocks = tuple(StoredBlock(h, lh) for h, lh in zip(hashes, locals_))
+            blocks = tuple([_new_block(StoredBlock, (h, lh, None)) for h, lh in zip(hashes, locals_)])
         else:
-            if not isinstance(tokens, list) or len(tokens) != len(hashes):
+            if type(tokens) is not list or len(tokens) != len(hashes):
                 raise EventFormatError(f"{what}: 'token_ids' must hold one list (or null) per block")
             for t in tokens:
-                if t is not None and (not isinstance(t, list) or any(type(x) is not int for x in t)):
+                if t is not None and (type(t) is not list or (t and not set(map(type, t)) <= _INT_ONLY)):
                     raise EventFormatError(f"{what}: 'token_ids' entries must be lists of integers")
             blocks = tuple(
-                StoredBlock(h, lh, tuple(t) if t is not None else None) for h, lh, t in zip(hashes, locals_, tokens)
+                [
+                    _new_block(StoredBlock, (h, lh, tuple(t) if t is not None else None))
+                    for h, lh, t in zip(hashes, locals_, tokens)
+                ]
             )
-        return StoredEvent(
-            event_id=event_id,
-            tier=tier,
-            parent_hash=_opt_int(obj, "parent_hash", what),
-            block_size=_int(obj, "block_size", what),
-            blocks=blocks,
-            ts=float(ts),
-        )
+        parent = obj.get("parent_hash")
+        if parent is not None and (type(parent) is not int or parent < 0):
+            _int(obj, "parent_hash", what)
+        size = obj.get("block_size")
+        if type(size) is not int or size < 0:
+            _int(obj, "block_size", what)
+        return StoredEvent(event_id, tier, parent, size, blocks, float(ts))
     if kind == "removed":
-        return RemovedEvent(event_id, tier, _hash_list(obj, "block_hashes", what), float(ts))
+        return RemovedEvent(event_id, tier, _hash_list(obj, "block_hashes", "'removed' event"), float(ts))
     if kind == "cleared":
-        hashes = _hash_list(obj, "block_hashes", what) if "block_hashes" in obj else ()
+        hashes = _hash_list(obj, "block_hashes", "'cleared' event") if "block_hashes" in obj else ()
         return ClearedEvent(event_id, tier, hashes, float(ts))
     raise EventFormatError(f"unknown event type {kind!r} (expected stored, removed or cleared)")
 
@@ -258,17 +375,64 @@ def dynamo_router_event(event: Event, worker_id: int, dp_rank: int = 0) -> dict[
     }
 
 
+_DYN_STORED_BLOCK = '{"block_hash":%d,"tokens_hash":%d}'
+_dyn_stored_fmts: dict[int, str] = {}
+
+
+def _dyn_stored_fmt(n: int) -> str:
+    fmt = (
+        '{"worker_id":%d,"storage_tier":"%s","event":{"event_id":%d,"data":{"stored":{"parent_hash":%s,"blocks":['
+        + ",".join((_DYN_STORED_BLOCK,) * n)
+        + ']}},"dp_rank":%d}}'
+    )
+    if n <= _FMT_CACHE_MAX_N:
+        _dyn_stored_fmts[n] = fmt
+    return fmt
+
+
+def dynamo_event_texts(items: Sequence[tuple], worker_id: int, dp_rank: int = 0) -> list[str]:
+    """Each item as one Dynamo RouterEvent JSON text (same bytes as :func:`dynamo_router_event`
+    through ``json.dumps(..., separators=(",", ":"))``)."""
+    out: list[str] = []
+    append = out.append
+    fmts = _dyn_stored_fmts
+    for item in items:
+        kind = item[1]
+        storage = STORAGE_TIER[item[2]]
+        if kind == 0:
+            hashes, locals_ = item_blocks(item)
+            n = len(hashes)
+            append(
+                (fmts.get(n) or _dyn_stored_fmt(n))
+                % (
+                    worker_id,
+                    storage,
+                    item[0],
+                    item[4],  # parent hash or "null"
+                    *_chain.from_iterable(zip(hashes, locals_)),
+                    dp_rank,
+                )
+            )
+        elif kind == 1:
+            append(
+                '{"worker_id":%d,"storage_tier":"%s","event":{"event_id":%d,"data":{"removed":{"block_hashes":[%s]}},"dp_rank":%d}}'
+                % (worker_id, storage, item[0], ",".join(map(str, item[4:])), dp_rank)
+            )
+        else:
+            append(
+                '{"worker_id":%d,"storage_tier":"%s","event":{"event_id":%d,"data":"cleared","dp_rank":%d}}'
+                % (worker_id, storage, item[0], dp_rank)
+            )
+    return out
+
+
 def encode_dynamo_messages(batch: EventBatch, dp_rank: int = 0) -> list[bytes]:
     """One JSON message per event (Dynamo's router consumes one RouterEvent per message)."""
-    wid = batch.identity.worker_id
-    return [
-        json.dumps(dynamo_router_event(e, wid, dp_rank), separators=(",", ":")).encode()
-        for e in batch.events
-    ]
+    return [t.encode() for t in dynamo_event_texts(batch.items, batch.identity.worker_id, dp_rank)]
 
 
 def encode_dynamo_jsonl(batch: EventBatch, dp_rank: int = 0) -> str:
-    return "".join(m.decode() + "\n" for m in encode_dynamo_messages(batch, dp_rank))
+    return "".join([t + "\n" for t in dynamo_event_texts(batch.items, batch.identity.worker_id, dp_rank)])
 
 
 def decode_dynamo(data: bytes | str | dict) -> tuple[int, Event]:
@@ -360,7 +524,53 @@ def encode_vllm_batch(
 
     if layout not in VLLM_LAYOUTS:
         raise ValueError(f"vLLM layout must be one of {VLLM_LAYOUTS}, got {layout!r}")
-    return msgpack.packb([ts, [vllm_event(e, layout) for e in events], dp_rank], use_bin_type=True)
+    return msgpack.packb([ts, vllm_items(map(event_to_item, events), layout), dp_rank], use_bin_type=True)
+
+
+def encode_vllm_items(items: Sequence[tuple], ts: float, dp_rank: int = 0, layout: str = "map") -> bytes:
+    """:func:`encode_vllm_batch` straight from the publisher's items."""
+    import msgpack
+
+    if layout not in VLLM_LAYOUTS:
+        raise ValueError(f"vLLM layout must be one of {VLLM_LAYOUTS}, got {layout!r}")
+    return msgpack.packb([ts, vllm_items(items, layout), dp_rank], use_bin_type=True)
+
+
+def vllm_items(items: Iterable[tuple], layout: str = "map") -> list[Any]:
+    """Items as vLLM event structures (same as :func:`vllm_event` of the event objects)."""
+    out: list[Any] = []
+    append = out.append
+    as_map = layout == "map"
+    for item in items:
+        kind, tier = item[1], item[2]
+        medium = VLLM_MEDIUM[tier]
+        if kind == 0:
+            tokens = [t for toks in item[6] if toks is not None for t in toks] if item[6] is not None else []
+            hashes = list(item_blocks(item)[0])
+            if as_map:
+                append(
+                    {
+                        "type": "BlockStored",
+                        "block_hashes": hashes,
+                        "parent_block_hash": item_parent(item),
+                        "token_ids": tokens,
+                        "block_size": item[5],
+                        "lora_id": None,
+                        "medium": medium,
+                        "lora_name": None,
+                    }
+                )
+            else:
+                append(["BlockStored", hashes, item_parent(item), tokens, item[5], None, medium, None])
+        elif kind == 1 or tier != "G1":
+            # vLLM's AllBlocksCleared has no medium: clearing one lower tier is said as a removal.
+            if as_map:
+                append({"type": "BlockRemoved", "block_hashes": list(item[4:]), "medium": medium})
+            else:
+                append(["BlockRemoved", list(item[4:]), medium])
+        else:
+            append({"type": "AllBlocksCleared"} if as_map else ["AllBlocksCleared"])
+    return out
 
 
 _VLLM_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name")

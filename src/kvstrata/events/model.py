@@ -114,12 +114,137 @@ class ClearedEvent:
 Event = StoredEvent | RemovedEvent | ClearedEvent
 
 
-@dataclass(slots=True)
-class EventBatch:
-    """Events of one publisher, in ``event_id`` order, as shipped in one message."""
+# Compact event items: what the publisher buffers and the encoders read (no per-event objects
+# on the hot path). One flat tuple per event holding only ints, strings, None (and tuples of
+# ints for tokens), so it is a single allocation and the garbage collector untracks it at its
+# first pass (a buffer of many thousand items costs the collector nothing later):
+#   (event_id, STORED,  tier, ts_text, parent, block_size, token_ids, h1..hn, l1..ln)
+#   (event_id, REMOVED, tier, ts_text, h1..hk)
+#   (event_id, CLEARED, tier, ts_text, h1..hk)
+# ``ts_text`` is ``repr(ts)`` (JSON-ready; ``float(ts_text) == ts``); ``parent`` is the parent
+# hash or the string "null" (:data:`NO_PARENT`), as JSON writes it; ``h`` are sequence hashes
+# in chain order, ``l`` the matching local (tokens) hashes; ``token_ids`` is None when the
+# chain's first block carries no tokens, else one tuple (or None) per block. This layout lets
+# the JSON encoder format an item with one ``fmt % item`` (see kvstrata.events.formats).
+STORED, REMOVED, CLEARED = 0, 1, 2
+ITEM_HEAD = 7
+"""Index of a stored item's first sequence hash (``ITEM_HEAD`` fields precede the hashes)."""
+NO_PARENT = "null"
+"""A stored item's ``parent`` when the first block has none."""
 
-    identity: PublisherIdentity
-    events: list[Event]
+
+def stored_item(event_id: int, tier: str, chain: Sequence[BlockRecord], ts: float) -> tuple:
+    """The item of a stored event for ``chain`` (records linked parent to child)."""
+    first = chain[0]
+    tokens = tuple([r.token_ids for r in chain]) if first.token_ids is not None else None
+    parent = first.parent_hash
+    return (
+        event_id,
+        STORED,
+        tier,
+        repr(ts),
+        NO_PARENT if parent is None else parent,
+        first.block_size,
+        tokens,
+        *[r.sequence_hash for r in chain],
+        *[r.local_hash for r in chain],
+    )
+
+
+def item_blocks(item: tuple) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A stored item's (sequence hashes, local hashes)."""
+    n = (len(item) - ITEM_HEAD) >> 1
+    return item[ITEM_HEAD : ITEM_HEAD + n], item[ITEM_HEAD + n :]
+
+
+def item_parent(item: tuple) -> int | None:
+    """A stored item's parent hash (None for a first block)."""
+    parent = item[4]
+    return None if parent is NO_PARENT or parent == NO_PARENT else parent
+
+
+def item_to_event(item: tuple) -> "Event":
+    """One buffered item as an event object."""
+    kind = item[1]
+    ts = float(item[3])
+    if kind == STORED:
+        hashes, locals_ = item_blocks(item)
+        tokens = item[6]
+        if tokens is None:
+            blocks = tuple([_new_block(StoredBlock, (h, lh, None)) for h, lh in zip(hashes, locals_)])
+        else:
+            blocks = tuple([_new_block(StoredBlock, b) for b in zip(hashes, locals_, tokens)])
+        return StoredEvent(item[0], item[2], item_parent(item), item[5], blocks, ts)
+    if kind == REMOVED:
+        return RemovedEvent(item[0], item[2], item[4:], ts)
+    return ClearedEvent(item[0], item[2], item[4:], ts)
+
+
+def event_to_item(event: "Event") -> tuple:
+    """One event object as a buffered item (the inverse of :func:`item_to_event`)."""
+    if type(event) is StoredEvent:
+        blocks = event.blocks
+        tokens = tuple([b[2] for b in blocks]) if blocks[0][2] is not None else None
+        parent = event.parent_hash
+        return (
+            event.event_id,
+            STORED,
+            event.tier,
+            repr(event.ts),
+            NO_PARENT if parent is None else parent,
+            event.block_size,
+            tokens,
+            *[b[0] for b in blocks],
+            *[b[1] for b in blocks],
+        )
+    if type(event) is RemovedEvent:
+        return (event.event_id, REMOVED, event.tier, repr(event.ts), *event.block_hashes)
+    if type(event) is ClearedEvent:
+        return (event.event_id, CLEARED, event.tier, repr(event.ts), *event.block_hashes)
+    raise TypeError(f"not an event: {event!r}")
+
+
+class EventBatch:
+    """Events of one publisher, in ``event_id`` order, as shipped in one message.
+
+    Built either from event objects (``EventBatch(identity, events)``) or, by the publisher,
+    from compact items (``EventBatch(identity, items=...)``); each view is derived lazily from
+    the other, so sinks that encode straight from ``items`` never build event objects.
+    """
+
+    __slots__ = ("identity", "_events", "_items")
+
+    def __init__(
+        self, identity: PublisherIdentity, events: list["Event"] | None = None, *, items: list[tuple] | None = None
+    ) -> None:
+        if events is None and items is None:
+            events = []
+        self.identity = identity
+        self._events = events
+        self._items = items
+
+    @property
+    def events(self) -> list["Event"]:
+        if self._events is None:
+            self._events = [item_to_event(i) for i in self._items]  # type: ignore[union-attr]
+        return self._events
+
+    @property
+    def items(self) -> list[tuple]:
+        if self._items is None:
+            self._items = [event_to_item(e) for e in self._events]  # type: ignore[union-attr]
+        return self._items
+
+    def __len__(self) -> int:
+        return len(self._items) if self._items is not None else len(self._events)  # type: ignore[arg-type]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, EventBatch):
+            return NotImplemented
+        return self.identity == other.identity and self.events == other.events
+
+    def __repr__(self) -> str:
+        return f"EventBatch(identity={self.identity!r}, events={self.events!r})"
 
 
 @dataclass(slots=True)

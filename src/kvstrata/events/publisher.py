@@ -1,10 +1,18 @@
 """The batching event publisher: a registry observer that never blocks its caller.
 
 The registry calls the observer hooks on the pool owner's thread. Each hook, under one short
-lock, filters no-op changes against a shadow copy of every tier, assigns strictly increasing
-event ids, updates the shadow and appends the events to a bounded buffer; nothing else. A
-background thread takes batches off the buffer (up to ``max_batch`` events, or whatever has
-waited ``max_delay`` seconds) and hands them to the sink.
+lock, filters no-op changes against a shadow of every tier, assigns strictly increasing event
+ids, updates the shadow and appends one compact tuple per event to a bounded buffer (no event
+objects; the common case, one parent-linked run of new blocks, is a few C-level list/set
+operations whatever its length). A background thread takes batches off the buffer (up to
+``max_batch`` events, or whatever has waited ``max_delay`` seconds) and hands them to the
+sink, which encodes straight from the tuples (``EventBatch.items``); event objects are only
+built for sinks that ask for ``EventBatch.events``.
+
+The shadow of a tier is the set of hashes it holds plus a log of the stored items (which carry
+each block's parent, local hash, size and tokens); snapshots read the log filtered by the set.
+The log keeps stale entries until it is compacted (by the background thread, in short locked
+steps, once it is twice the size of the set; by the hook itself only if that thread is stuck).
 
 When the buffer is full new events are dropped and counted (their ids are still consumed, so a
 consumer sees the gap and re-synchronises from a snapshot). A sink that fails with
@@ -19,25 +27,34 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from kvstrata.events.model import (
-    ClearedEvent,
-    Event,
+    CLEARED,
+    ITEM_HEAD,
+    NO_PARENT,
+    REMOVED,
+    STORED,
     EventBatch,
     PublisherIdentity,
-    RemovedEvent,
     Snapshot,
-    TierState,
-    stored_event,
+    item_to_event,
 )
-from kvstrata.logical.registry import BlockRecord, RegistryObserver
+from kvstrata.logical.registry import TIER_NAMES, BlockRecord, RegistryObserver
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BATCH = 1024
 DEFAULT_MAX_DELAY = 0.010
 DEFAULT_BUFFER_EVENTS = 65536
+TS_RESOLUTION = 0.001
+"""Events within this many seconds of the previous distinct ``ts`` reuse it (cheaper to encode)."""
+COMPACT_SLACK = 16384
+"""The background thread compacts a tier's log past ``2 * held + COMPACT_SLACK`` blocks."""
+HARD_SLACK = 262144
+"""A hook compacts inline past ``4 * held + HARD_SLACK`` blocks (background thread stuck)."""
+COMPACT_STEP = 256
+"""Log items compacted per lock hold."""
 
 
 class SinkUnavailableError(RuntimeError):
@@ -46,7 +63,11 @@ class SinkUnavailableError(RuntimeError):
 
 class Sink:
     """Where batches go. ``send`` runs on the publisher's thread only; ``flush``/``close`` may
-    be called from any thread and must not hang longer than their timeout."""
+    be called from any thread and must not hang longer than their timeout.
+
+    ``send`` gets an :class:`EventBatch` built from the publisher's compact items: the
+    encoders in :mod:`kvstrata.events.formats` read ``batch.items`` directly; reading
+    ``batch.events`` builds the event objects (once per batch)."""
 
     kind = "sink"
 
@@ -66,11 +87,62 @@ class Sink:
         return self.kind
 
 
+class _TierShadow:
+    """One tier as the published stream describes it (see the module docstring)."""
+
+    __slots__ = ("held", "log", "logged", "limit", "generation")
+
+    def __init__(self) -> None:
+        self.held: set[int] = set()
+        self.log: list[tuple] = []  # stored items, in event order (may hold stale entries)
+        self.logged = 0  # blocks in ``log``
+        self.limit = HARD_SLACK  # inline compaction is considered past this many blocks
+        self.generation = 0  # bumped when the log is replaced (aborts a running compaction)
+
+
+def live_items(items: Iterable[tuple], held: set[int], seen: set[int]) -> list[tuple]:
+    """The blocks of stored ``items`` that are in ``held`` and not yet in ``seen`` (which is
+    updated), as stored items of parent-linked runs (a run breaks where a block is skipped)."""
+    out: list[tuple] = []
+    append = out.append
+    for item in items:
+        n = (len(item) - ITEM_HEAD) >> 1
+        hashes = item[ITEM_HEAD : ITEM_HEAD + n]
+        if held.issuperset(hashes) and seen.isdisjoint(hashes):
+            seen.update(hashes)
+            append(item)
+            continue
+        start = -1
+        for i, h in enumerate(hashes):
+            if h in held and h not in seen:
+                seen.add(h)
+                if start < 0:
+                    start = i
+            elif start >= 0:
+                append(_sub_item(item, n, start, i))
+                start = -1
+        if start >= 0:
+            append(_sub_item(item, n, start, n))
+    return out
+
+
+def _sub_item(item: tuple, n: int, start: int, stop: int) -> tuple:
+    """Blocks ``start:stop`` of a stored item with ``n`` blocks, as a stored item."""
+    h0 = ITEM_HEAD
+    parent = item[4] if start == 0 else item[h0 + start - 1]
+    tokens = item[6][start:stop] if item[6] is not None else None
+    return (
+        item[:4] + (parent, item[5], tokens) + item[h0 + start : h0 + stop] + item[h0 + n + start : h0 + n + stop]
+    )
+
+
 class EventPublisher(RegistryObserver):
     """Registry observer that batches events off the caller's thread into one :class:`Sink`.
 
     Use ``registry.add_observer(publisher.start())``; ``flush()`` waits until everything
     produced so far reached the sink; ``close()`` flushes (bounded) and stops the thread.
+    A publisher attached to a registry that already holds blocks can be told about them
+    with :meth:`seed`.
     """
 
     def __init__(
@@ -100,8 +172,10 @@ class EventPublisher(RegistryObserver):
 
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self._buffer: deque = deque()  # Event, or (id, tier, chain, ts) for stored
-        self._shadow = TierState()
+        self._buffer: deque = deque()  # items, see kvstrata.events.model
+        self._tiers = {t: _TierShadow() for t in TIER_NAMES}
+        self._ts = 0.0  # last distinct event timestamp handed out
+        self._ts_text = "0.0"  # repr(self._ts): items carry the JSON-ready text
         self._last_id = 0  # last event id assigned
         self._done_id = 0  # every id <= this was delivered or dropped
         self._first_pending_at = 0.0
@@ -115,6 +189,7 @@ class EventPublisher(RegistryObserver):
         self.dropped = 0
         self.batches = 0
         self.sink_errors = 0
+        self.compactions = 0
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> "EventPublisher":
@@ -173,59 +248,206 @@ class EventPublisher(RegistryObserver):
         self.close()
 
     # -- observer hooks (pool owner thread; cheap) --------------------------------------------
-    def on_tier_stored(self, tier: str, records: Sequence[BlockRecord]) -> None:
-        # Only the shadow update, chain split and id assignment happen here; the events are
-        # materialised on the publisher thread (buffer items are (id, tier, chain, ts) tuples).
+    def _now(self) -> str:
+        """Event timestamp text (under the lock): ``repr(time.time())``, but events within
+        ``TS_RESOLUTION`` of the last distinct value share it (rendered once)."""
         now = time.time()
-        strip = not self.keep_tokens
+        if now - self._ts >= TS_RESOLUTION or now < self._ts:
+            self._ts = now
+            self._ts_text = repr(now)
+        return self._ts_text
+
+    def on_tier_stored(self, tier: str, records: Sequence[BlockRecord]) -> None:
+        n = len(records)
+        if not n:
+            return
+        first = records[0]
+        hashes = [r.sequence_hash for r in records]
+        size = first.block_size
+        # parents of the records of the first one's block size: equal to hashes[:-1] exactly
+        # when the records form one parent-linked run of one block size
+        parents = [r.parent_hash for r in records if r.block_size == size]
         with self._lock:
-            held = self._shadow.tiers[tier]
-            chains: list[list[BlockRecord]] = []
-            chain: list[BlockRecord] = []
-            prev_hash = prev_size = None
-            for record in records:
-                h = record.sequence_hash
-                if h in held:
-                    continue
-                if strip and record.token_ids is not None:
-                    record = BlockRecord(h, record.local_hash, record.parent_hash, record.block_size)
-                held[h] = record
-                if record.parent_hash == prev_hash and record.block_size == prev_size and chain:
-                    chain.append(record)
-                else:
-                    chain = [record]
-                    chains.append(chain)
-                prev_hash, prev_size = h, record.block_size
-            if not chains:
+            sh = self._tiers[tier]
+            held = sh.held
+            # Fast path: one linked run of hashes all new to the tier -> one stored event; the
+            # per-record work is C-level (comprehensions, set operations).
+            if parents[1:] == hashes[:-1] and held.isdisjoint(hashes):
+                held.update(hashes)
+                self._last_id = eid = self._last_id + 1
+                now = time.time()
+                if now - self._ts >= TS_RESOLUTION or now < self._ts:
+                    self._ts = now
+                    self._ts_text = repr(now)
+                parent = first.parent_hash
+                item = (
+                    eid,
+                    STORED,
+                    tier,
+                    self._ts_text,
+                    NO_PARENT if parent is None else parent,
+                    size,
+                    tuple([r.token_ids for r in records])
+                    if first.token_ids is not None and self.keep_tokens
+                    else None,
+                    *hashes,
+                    *[r.local_hash for r in records],
+                )
+                sh.log.append(item)
+                sh.logged += n
+                if sh.logged > sh.limit:
+                    self._maybe_compact_inline(sh)
+                # inline _enqueue1_locked (this is the hottest call)
+                self.enqueued += 1
+                buf = self._buffer
+                if self._closing or len(buf) >= self.buffer_events:
+                    self.dropped += 1
+                    if not buf:
+                        self._done_id = eid
+                    return
+                buf.append(item)
+                if len(buf) == 1:
+                    self._first_pending_at = time.monotonic()
+                    self._cond.notify()
+                elif len(buf) == self.max_batch:
+                    self._cond.notify()
                 return
-            items = []
-            for chain in chains:
-                self._last_id += 1
-                items.append((self._last_id, tier, chain, now))
-            self._enqueue_locked(items)
+            self._stored_slow_locked(tier, records)
+
+    def _stored_slow_locked(self, tier: str, records: Iterable[BlockRecord]) -> int:
+        """General case: skip held hashes, split into parent-linked runs of one block size."""
+        sh = self._tiers[tier]
+        held = sh.held
+        keep_tokens = self.keep_tokens
+        chains: list[list[BlockRecord]] = []
+        chain: list[BlockRecord] = []
+        prev_hash = prev_size = None
+        for record in records:
+            h = record.sequence_hash
+            if h in held:
+                continue
+            held.add(h)
+            if chain and record.parent_hash == prev_hash and record.block_size == prev_size:
+                chain.append(record)
+            else:
+                chain = [record]
+                chains.append(chain)
+            prev_hash, prev_size = h, record.block_size
+        if not chains:
+            return 0
+        now = self._now()
+        items = []
+        for chain in chains:
+            self._last_id += 1
+            first = chain[0]
+            items.append(
+                (
+                    self._last_id,
+                    STORED,
+                    tier,
+                    now,
+                    NO_PARENT if first.parent_hash is None else first.parent_hash,
+                    first.block_size,
+                    tuple([r.token_ids for r in chain]) if first.token_ids is not None and keep_tokens else None,
+                    *[r.sequence_hash for r in chain],
+                    *[r.local_hash for r in chain],
+                )
+            )
+            sh.logged += len(chain)
+        sh.log.extend(items)
+        if sh.logged > sh.limit:
+            self._maybe_compact_inline(sh)
+        self._enqueue_locked(items)
+        return len(items)
 
     def on_tier_removed(self, tier: str, sequence_hashes: Sequence[int]) -> None:
         with self._lock:
-            held = self._shadow.tiers[tier]
-            gone = []
-            for h in sequence_hashes:
-                if held.pop(h, None) is not None:
-                    gone.append(h)
-            if not gone:
+            held = self._tiers[tier].held
+            if len(sequence_hashes) == 1:
+                try:
+                    held.remove(sequence_hashes[0])
+                except KeyError:
+                    return
+                gone: Sequence[int] = sequence_hashes
+            else:
+                # ``discard`` returns None: each hash is removed as it is taken (repeats drop out)
+                gone = [h for h in sequence_hashes if h in held and not held.discard(h)]
+                if not gone:
+                    return
+            self._last_id = eid = self._last_id + 1
+            now = time.time()
+            if now - self._ts >= TS_RESOLUTION or now < self._ts:
+                self._ts = now
+                self._ts_text = repr(now)
+            item = (eid, REMOVED, tier, self._ts_text, *gone)
+            # inline _enqueue1_locked
+            self.enqueued += 1
+            buf = self._buffer
+            if self._closing or len(buf) >= self.buffer_events:
+                self.dropped += 1
+                if not buf:
+                    self._done_id = eid
                 return
-            self._last_id += 1
-            self._enqueue_locked([RemovedEvent(self._last_id, tier, tuple(gone), time.time())])
+            buf.append(item)
+            if len(buf) == 1:
+                self._first_pending_at = time.monotonic()
+                self._cond.notify()
+            elif len(buf) == self.max_batch:
+                self._cond.notify()
 
     def on_tier_cleared(self, tier: str) -> None:
         with self._lock:
-            held = self._shadow.tiers[tier]
-            hashes = tuple(held)
-            held.clear()
+            sh = self._tiers[tier]
             self._last_id += 1
-            self._enqueue_locked([ClearedEvent(self._last_id, tier, hashes, time.time())])
+            item = (self._last_id, CLEARED, tier, self._now(), *sh.held)
+            sh.held = set()
+            sh.log = []
+            sh.logged = 0
+            sh.limit = HARD_SLACK
+            sh.generation += 1
+            self._enqueue1_locked(item)
 
-    def _enqueue_locked(self, events: list) -> None:
-        n = len(events)
+    def seed(self, tier: str, records: Iterable[BlockRecord]) -> int:
+        """Publish ``records`` that ``tier`` already holds, as stored events; returns how many
+        events that made.
+
+        For a publisher attached to a registry whose pools already hold blocks (it only sees
+        changes from then on). Call it on the pool owner's thread right after
+        ``registry.add_observer(publisher)`` with the pool's current records, so no change
+        slips in between. Records in any order are grouped into parent-linked runs (parents
+        first), so a pool of long chains becomes few events; hashes the publisher already
+        shows in ``tier`` are skipped, so seeding twice (or seeding a record a hook already
+        reported) emits nothing. Events follow the bounded buffer's rules like any other: if a
+        large seed overflows it, the overflow is dropped and counted, the ids stay consumed
+        and the shadow (so the snapshot) is complete.
+        """
+        if tier not in self._tiers:
+            raise ValueError(f"unknown tier {tier!r} (expected one of {', '.join(TIER_NAMES)})")
+        ordered = chain_order(records)
+        if not ordered:
+            return 0
+        with self._lock:
+            return self._stored_slow_locked(tier, ordered)
+
+    def _enqueue1_locked(self, item: tuple) -> None:
+        """Append one item; ``_enqueue_locked`` for several."""
+        self.enqueued += 1
+        buf = self._buffer
+        if self._closing or len(buf) >= self.buffer_events:
+            self.dropped += 1
+            if not buf:
+                self._done_id = self._last_id
+            return
+        buf.append(item)
+        n = len(buf)
+        if n == 1:
+            self._first_pending_at = time.monotonic()
+            self._cond.notify()
+        elif n == self.max_batch:
+            self._cond.notify()
+
+    def _enqueue_locked(self, items: list) -> None:
+        n = len(items)
         self.enqueued += n
         buf = self._buffer
         if self._closing or len(buf) + n > self.buffer_events:
@@ -234,12 +456,54 @@ class EventPublisher(RegistryObserver):
                 self._done_id = self._last_id
             return
         was_empty = not buf
-        buf.extend(events)
+        buf.extend(items)
         if was_empty:
             self._first_pending_at = time.monotonic()
             self._cond.notify()
         elif len(buf) >= self.max_batch and len(buf) - n < self.max_batch:
             self._cond.notify()
+
+    # -- shadow log compaction ---------------------------------------------------------------
+    def _maybe_compact_inline(self, sh: _TierShadow) -> None:
+        """Under the lock, from a hook: compact only if the log is far past its soft limit
+        (the background thread, which normally does it, is stuck in a sink)."""
+        hard = 4 * len(sh.held) + HARD_SLACK
+        if sh.logged > hard:
+            sh.log = live_items(sh.log, sh.held, set())
+            sh.logged = sum((len(i) - ITEM_HEAD) >> 1 for i in sh.log)
+            sh.generation += 1  # a background compaction in progress must not write back
+            self.compactions += 1
+        sh.limit = max(hard, sh.logged + HARD_SLACK)
+
+    def _compact_step(self) -> None:
+        """Background thread: compact any tier whose log is past ``2 * held + COMPACT_SLACK``,
+        ``COMPACT_STEP`` items per lock hold (hooks interleave; see ``live_items``)."""
+        for sh in self._tiers.values():
+            with self._lock:
+                if sh.logged <= 2 * len(sh.held) + COMPACT_SLACK:
+                    continue
+                generation = sh.generation
+                old = sh.log[:]  # items are immutable; later appends stay in sh.log's tail
+                old_blocks = sh.logged
+            new: list[tuple] = []
+            seen: set[int] = set()
+            aborted = False
+            for start in range(0, len(old), COMPACT_STEP):
+                with self._lock:
+                    if sh.generation != generation:
+                        aborted = True
+                        break
+                    new.extend(live_items(old[start : start + COMPACT_STEP], sh.held, seen))
+            if aborted:
+                continue
+            with self._lock:
+                if sh.generation != generation:
+                    continue
+                new_blocks = sum((len(i) - ITEM_HEAD) >> 1 for i in new)
+                sh.log[: len(old)] = new
+                sh.logged = sh.logged - old_blocks + new_blocks
+                sh.limit = max(4 * len(sh.held) + HARD_SLACK, sh.logged + HARD_SLACK)
+                self.compactions += 1
 
     # -- state -------------------------------------------------------------------------------
     @property
@@ -248,15 +512,20 @@ class EventPublisher(RegistryObserver):
 
     def snapshot(self) -> Snapshot:
         """Every tier's content as stored events, consistent with ``last_event_id``."""
-        with self._lock:
+        with self._lock:  # copy the shadow (C-level), build the events outside the lock
             last = self._last_id
-            events = self._shadow.snapshot_events(last, time.time())
-        return Snapshot(self.identity, last, events)
+            copies = [(t, set(sh.held), sh.log[:]) for t, sh in self._tiers.items() if sh.held]
+        now = repr(time.time())
+        events = []
+        for tier, held, items in copies:
+            for item in live_items(items, held, set()):
+                events.append(item_to_event((last, STORED, tier, now) + item[4:]))
+        return Snapshot(self.identity, last, events)  # type: ignore[arg-type]
 
     def state(self) -> dict[str, set[int]]:
         """Tier -> hashes held, as the published stream describes it (the shadow)."""
         with self._lock:
-            return self._shadow.hashes()
+            return {t: set(sh.held) for t, sh in self._tiers.items()}
 
     def metrics(self) -> dict[str, float]:
         """Plain counters; names match the Prometheus metrics (see docs/events.md)."""
@@ -275,7 +544,7 @@ class EventPublisher(RegistryObserver):
             }
 
     # -- background thread -------------------------------------------------------------------
-    def _next_batch(self) -> list[Event] | None:
+    def _next_batch(self) -> list[tuple] | None:
         """Block (on the condition, no polling) until a batch is due; None when closing."""
         with self._cond:
             buf = self._buffer
@@ -298,7 +567,7 @@ class EventPublisher(RegistryObserver):
             else:
                 items = [buf.popleft() for _ in range(n)]
                 self._first_pending_at = time.monotonic()
-        return [stored_event(*item) if type(item) is tuple else item for item in items]
+        return items
 
     def _run(self) -> None:
         while True:
@@ -314,13 +583,14 @@ class EventPublisher(RegistryObserver):
                     self.batches += 1
                 else:
                     self.dropped += len(batch)
-                self._done_id = max(self._done_id, batch[-1].event_id)
+                self._done_id = max(self._done_id, batch[-1][0])
                 if not self._buffer:
                     self._done_id = self._last_id
                 self._cond.notify_all()
+            self._compact_step()
 
-    def _deliver(self, events: list[Event]) -> bool:
-        batch = EventBatch(self.identity, events)
+    def _deliver(self, items: list[tuple]) -> bool:
+        batch = EventBatch(self.identity, items=items)
         delay = self._backoff[0]
         while True:
             try:
@@ -337,7 +607,41 @@ class EventPublisher(RegistryObserver):
                         return False
                 delay = min(delay * 2, self._backoff[1])
             except Exception:
-                log.exception("event sink %s failed; dropping %d events", self.sink.describe(), len(events))
+                log.exception("event sink %s failed; dropping %d events", self.sink.describe(), len(items))
                 with self._cond:
                     self.sink_errors += 1
                 return False
+
+
+def chain_order(records: Iterable[BlockRecord]) -> list[BlockRecord]:
+    """``records`` reordered so each parent-linked run is contiguous, parents first (a depth-
+    first walk of the forest they form); records on no walk (cycles) keep their order at the
+    end, repeated hashes are dropped. Used by :meth:`EventPublisher.seed`."""
+    records = list(records)
+    present = {r.sequence_hash for r in records}
+    children: dict[int, list[BlockRecord]] = {}
+    roots: list[BlockRecord] = []
+    for r in records:
+        if r.parent_hash is not None and r.parent_hash in present and r.parent_hash != r.sequence_hash:
+            children.setdefault(r.parent_hash, []).append(r)
+        else:
+            roots.append(r)
+    out: list[BlockRecord] = []
+    seen: set[int] = set()
+    for root in roots:
+        stack = [root]
+        while stack:
+            r = stack.pop()
+            if r.sequence_hash in seen:
+                continue
+            seen.add(r.sequence_hash)
+            out.append(r)
+            kids = children.get(r.sequence_hash)
+            if kids:
+                stack.extend(reversed(kids))
+    if len(out) < len(present):
+        for r in records:
+            if r.sequence_hash not in seen:
+                seen.add(r.sequence_hash)
+                out.append(r)
+    return out

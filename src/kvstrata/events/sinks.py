@@ -162,7 +162,7 @@ class ZmqSink(Sink):
     def send(self, batch: EventBatch) -> None:
         import zmq
 
-        payload = formats.encode_vllm_batch(batch.events, time.time(), self.dp_rank, self.layout)
+        payload = formats.encode_vllm_items(batch.items, time.time(), self.dp_rank, self.layout)
         try:
             self._sock.send_multipart((self.topic, self._seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
         except zmq.Again:
@@ -222,17 +222,6 @@ async def nats_connect(url: str, name: str, *, max_reconnect_attempts: int = -1)
 
 async def _noop() -> None:
     return None
-
-
-def _split_encode(batch: EventBatch, limit: int) -> tuple[list[bytes], list[int]]:
-    """Encode ``batch`` as kvstrata JSON messages no larger than ``limit`` (halving as needed)."""
-    payload = formats.encode_batch(batch)
-    if len(payload) <= limit or len(batch.events) == 1:
-        return [payload], [batch.events[0].event_id]
-    mid = len(batch.events) // 2
-    p1, i1 = _split_encode(EventBatch(batch.identity, batch.events[:mid]), limit)
-    p2, i2 = _split_encode(EventBatch(batch.identity, batch.events[mid:]), limit)
-    return p1 + p2, i1 + i2
 
 
 class NatsSink(Sink):
@@ -352,10 +341,10 @@ class NatsSink(Sink):
             raise SinkUnavailableError(f"not connected to {self.url}" + (f": {self.connect_error}" if self.connect_error else ""))
         if self.format == "kvstrata":
             limit = getattr(self._nc, "max_payload", 1 << 20) or (1 << 20)
-            payloads, ids = _split_encode(batch, limit)
+            payloads, ids = formats.encode_batch_messages(batch, limit)
         else:
             payloads = formats.encode_dynamo_messages(batch, self.dp_rank)
-            ids = [e.event_id for e in batch.events]
+            ids = [item[0] for item in batch.items]
         try:
             self._aio.run(self._publish(payloads, ids, batch.identity.publisher_id), self.send_timeout + 1.0)
         except SinkUnavailableError:
