@@ -78,3 +78,45 @@ def test_console_script_entry_point():
     out = subprocess.run([sys.executable, "-m", "kvstrata.cli", "hash", "--block-size", "1", "5"],
                          capture_output=True, text=True, check=True).stdout
     assert json.loads(out)["block_size"] == 1
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--block-size", "32"], "--block-size applies"),
+        (["--limit", "0"], "--limit must be"),
+        (["--limit", "-5"], "--limit must be"),
+        (["--tiers", "G1=1MiB"], "hold no block"),
+    ],
+)
+def test_replay_flag_errors_exit_2(capsys, tmp_path, extra, message):
+    code, _, err = run(capsys, "replay", str(small_trace(tmp_path)), *extra)
+    assert code == 2 and message in err
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"\x89PNG\r\n\x1a\n\xff\xfe\x00binary", b'{"input_length": NaN, "hash_ids": [1]}\n',
+     b'{"input_length": Infinity, "hash_ids": [1]}\n'],
+)
+def test_replay_unreadable_traces_exit_2(capsys, tmp_path, content):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(content)
+    code, _, err = run(capsys, "replay", str(bad))
+    assert code == 2 and "bad.jsonl" in err
+
+
+def test_corrupt_gzip_trace_exit_2(capsys, tmp_path):
+    bad = tmp_path / "bad.jsonl.gz"
+    bad.write_bytes(b"not gzip at all")
+    code, _, err = run(capsys, "replay", str(bad))
+    assert code == 2 and "cannot read trace" in err
+
+
+def test_policy_flag_overrides_per_tier_policies_from_a_file(capsys, tmp_path):
+    cfg = tmp_path / "kv.toml"
+    cfg.write_text('[tiers.G1]\nblocks = 3\neviction = "lfu"\nadmission = "second-offer"\n')
+    code, out, _ = run(capsys, "replay", str(small_trace(tmp_path)), "--config", str(cfg),
+                       "--policy", "lru", "--admission", "always", "--json")
+    g1 = json.loads(out)["tiers"]["G1"]
+    assert code == 0 and (g1["eviction"], g1["admission"]) == ("lru", "always")

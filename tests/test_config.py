@@ -100,3 +100,41 @@ def test_tiers_flag():
     assert tiers["G3"].blocks == 1000
     with pytest.raises(ConfigError):
         parse_tiers_flag("G1")
+
+
+def test_env_beats_toml(tmp_path):
+    path = tmp_path / "kv.toml"
+    path.write_text('block_size = 32\n[tiers.G1]\nblocks = 10\n')
+    config = load_config(path, env={"KVSTRATA_BLOCK_SIZE": "64", "KVSTRATA_G1_BLOCKS": "20"})
+    assert config.block_size == 64 and config.tier_blocks("G1") == 20
+
+
+def test_native_disk_dir_beats_dynamo_alias():
+    env = {"DYN_KVBM_DISK_CACHE_DIR": "/dyn", "KVSTRATA_DISK_DIR": "/native"}
+    assert load_config(env=env).disk_dir == "/native"
+    assert load_config(env={"DYN_KVBM_DISK_CACHE_DIR": "/dyn"}).disk_dir == "/dyn"
+
+
+@pytest.mark.parametrize(
+    "env, text",
+    [
+        ({"KVSTRATA_G2_GB": "inf"}, ""),
+        ({}, "model = 5\n"),
+        ({}, "[tiers.G1]\nbytes = inf\n"),
+        ({}, 'policy = "lru"\neviction = "lfu"\n'),
+        ({"KVSTRATA_POLICY": "lru", "KVSTRATA_EVICTION": "lfu"}, ""),
+        ({}, "block_size = true\n"),
+    ],
+)
+def test_more_bad_input_is_a_config_error(tmp_path, env, text):
+    path = tmp_path / "kv.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError):
+        load_config(path, env=env)
+
+
+def test_toml_tier_size_string(tmp_path):
+    path = tmp_path / "kv.toml"
+    path.write_text('[tiers]\nG1 = 100\nG2 = "4MiB"\n')
+    config = load_config(path, env={})
+    assert config.tiers["G1"].blocks == 100 and config.tiers["G2"].bytes == 4 * 1024**2

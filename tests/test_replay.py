@@ -178,3 +178,27 @@ def test_packaged_trace_loads():
     requests = load_trace()
     assert len(requests) == 12_031
     assert sum(len(r.hash_ids) for r in requests) == 288_500
+
+
+def test_multi_tier_pins_the_located_prefix_while_bringing_blocks_up():
+    # G1 holds {2, 3}; the third request needs 1 (in G2) then 2 (in G1). Bringing 1 up must
+    # not evict 2, which was already counted as a G1 hit.
+    cfg = KvConfig(tiers={"G1": TierConfig(blocks=2), "G2": TierConfig(blocks=10)}, eviction="lru")
+    reqs = [TraceRequest(0, 1024, 1, (1, 2)), TraceRequest(1, 512, 1, (3,)),
+            TraceRequest(2, 1024, 1, (1, 2))]
+    result = replay(reqs, cfg, granularity="trace")
+    assert (result.tiers["G1"].blocks_hit, result.tiers["G2"].blocks_hit) == (1, 1)
+    assert result.moves == {"G1->G2": 3, "G2->G1": 1}  # block 2 was not recomputed
+
+
+def test_hits_count_only_blocks_actually_served():
+    # A request longer than G1 cannot pin its prefix in G1; a located block evicted before its
+    # turn is recomputed and ends the served prefix instead of counting as a hit.
+    cfg = KvConfig(tiers={"G1": TierConfig(blocks=2), "G2": TierConfig(blocks=20)}, eviction="lru")
+    reqs = [TraceRequest(0, 1536, 1, (1, 2, 3)), TraceRequest(1, 512, 1, (9,)),
+            TraceRequest(2, 1536, 1, (1, 2, 3))]
+    result = replay(reqs, cfg, granularity="trace")
+    served = result.moves.get("G2->G1", 0) + result.tiers["G1"].blocks_hit
+    assert result.blocks_hit == served
+    for pool in result.hierarchy.pools.values():
+        assert pool.status().active == 0

@@ -99,6 +99,20 @@ def test_isolation_seeds_are_distinct_and_stable():
     assert isolation_seed(cache_salt=b"adapter-a") == salt
 
 
+def test_isolation_seed_formulas():
+    import xxhash
+
+    lora = (DEFAULT_SEED + xxhash.xxh3_64_intdigest(b"my-adapter")) % 2**64  # Dynamo's LoRA rule
+    assert isolation_seed(lora_name="my-adapter") == lora
+    assert isolation_seed(cache_salt="t1") == xxhash.xxh3_64_intdigest(b"salt:t1", seed=DEFAULT_SEED)
+    assert isolation_seed("my-adapter", "t1") == xxhash.xxh3_64_intdigest(b"salt:t1", seed=lora)
+
+
+def test_lora_name_cannot_impersonate_a_salt():
+    assert isolation_seed(lora_name="salt:x") != isolation_seed(cache_salt="x")
+    assert isolation_seed(lora_name="x") != isolation_seed(cache_salt="x")
+
+
 def test_two_salts_never_share_a_block():
     tokens = list(range(256))
     chains = {

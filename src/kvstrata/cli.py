@@ -29,8 +29,21 @@ def _cmd_hash(args: argparse.Namespace) -> int:
 
 
 def _build_replay_config(args: argparse.Namespace):
+    """The replay's config: file and env vars, then the flags; validated at the block size
+    the replay will use (512 tokens at trace granularity)."""
+    problems = []
+    if args.granularity == "trace" and args.block_size is not None:
+        problems.append("--block-size applies to --granularity engine (trace blocks are 512 tokens)")
+    if args.limit is not None and args.limit < 1:
+        problems.append(f"--limit must be a positive number of requests, got {args.limit}")
+    if problems:
+        raise ConfigError(problems)
     overrides = {}
-    if args.block_size is not None:
+    if args.granularity == "trace":
+        from .replay import TRACE_BLOCK_TOKENS
+
+        overrides["block_size"] = TRACE_BLOCK_TOKENS
+    elif args.block_size is not None:
         overrides["block_size"] = args.block_size
     if args.tiers:
         overrides["tiers"] = parse_tiers_flag(args.tiers)
@@ -39,17 +52,29 @@ def _build_replay_config(args: argparse.Namespace):
     if args.admission:
         overrides["admission"] = args.admission
     config = load_config(args.config, **overrides)
-    if args.tiers:
-        # Per-tier policies from a config file would silently override --policy: drop them.
-        tiers = {n: replace(t, eviction=None) if args.policy else t for n, t in config.tiers.items()}
+    # A flag names the policy of every tier: per-tier choices from a file must not win.
+    if args.policy or args.admission:
+        tiers = {
+            name: replace(
+                tier,
+                eviction=None if args.policy else tier.eviction,
+                admission=None if args.admission else tier.admission,
+            )
+            for name, tier in config.tiers.items()
+        }
         config = replace(config, tiers=tiers)
     return config
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
+    import gzip
+    import zlib
+
     from .replay import TraceFormatError, default_trace_path, iter_trace, replay
     from .report import format_table, write_plot
 
+    if args.granularity is None:
+        args.granularity = "engine" if args.data else "trace"
     try:
         config = _build_replay_config(args)
     except ConfigError as exc:
@@ -62,10 +87,12 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         print(f"kvstrata replay: malformed trace: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
-        print(f"kvstrata replay: cannot read trace {trace}: {exc.strerror}", file=sys.stderr)
+        print(f"kvstrata replay: cannot read trace {trace}: {exc.strerror or exc}", file=sys.stderr)
         return 2
-    if args.granularity is None:
-        args.granularity = "engine" if args.data else "trace"
+    except (UnicodeDecodeError, EOFError, gzip.BadGzipFile, zlib.error) as exc:
+        print(f"kvstrata replay: cannot read trace {trace}: not a text or gzip trace ({exc})",
+              file=sys.stderr)
+        return 2
     limit = args.limit or (DATA_DEFAULT_LIMIT if args.data else None)
     if limit:
         requests = requests[:limit]

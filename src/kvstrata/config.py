@@ -7,6 +7,7 @@ problem at once in a single :class:`ConfigError`. docs/configuration.md lists ev
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import tomllib
@@ -40,8 +41,8 @@ def parse_size(value: str | int | float) -> int:
     if isinstance(value, bool):
         raise ValueError(f"not a size: {value!r}")
     if isinstance(value, (int, float)):
-        if value < 0:
-            raise ValueError(f"size must be >= 0, got {value}")
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"size must be a finite number >= 0, got {value}")
         return int(value)
     match = _SIZE_RE.match(str(value))
     if not match:
@@ -126,7 +127,7 @@ class KvConfig:
     def validate(self) -> "KvConfig":
         """Return self if valid, else raise one :class:`ConfigError` naming every problem."""
         problems: list[str] = []
-        if not isinstance(self.block_size, int) or self.block_size <= 0:
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size <= 0:
             problems.append(f"block_size must be a positive integer, got {self.block_size!r}")
         if not self.tiers:
             problems.append("at least one tier is required (e.g. G1)")
@@ -204,8 +205,11 @@ def _tier_from_mapping(name: str, raw: Mapping[str, Any], problems: list[str]) -
         if "bytes" in raw:
             size_bytes = parse_size(raw["bytes"])
         elif "gb" in raw:
-            size_bytes = int(float(raw["gb"]) * 1024**3)
-    except (ValueError, TypeError) as exc:
+            gib = float(raw["gb"])
+            if not math.isfinite(gib) or gib < 0:
+                raise ValueError(f"gb must be a finite number >= 0, got {raw['gb']!r}")
+            size_bytes = int(gib * 1024**3)
+    except (ValueError, TypeError, OverflowError) as exc:
         problems.append(f"tier {name}: {exc}")
     blocks = raw.get("blocks")
     if blocks is not None:
@@ -242,32 +246,35 @@ def _from_mapping(raw: Mapping[str, Any], problems: list[str], source: str) -> d
     for key in _TOP_KEYS & set(raw):
         out[key] = raw[key]
     if "policy" in raw:
+        if "eviction" in raw and raw["eviction"] != raw["policy"]:
+            problems.append(f"{source}: policy {raw['policy']!r} and eviction {raw['eviction']!r} disagree")
         out["eviction"] = raw["policy"]
     if "tiers" in raw:
         tiers = raw["tiers"]
         if not isinstance(tiers, Mapping):
             problems.append(f"{source}: [tiers] must be a table")
         else:
-            out["tiers"] = {
-                name: _tier_from_mapping(name, spec if isinstance(spec, Mapping) else {"blocks": spec}, problems)
-                for name, spec in tiers.items()
-            }
+            out["tiers"] = normalize_tiers(tiers, problems)
     if "model" in raw:
         model = raw["model"]
-        unknown = set(model) - _MODEL_KEYS
-        if unknown:
-            problems.append(f"{source}: model has unknown keys {sorted(unknown)}")
-        out["model"] = ModelGeometry(**{k: v for k, v in model.items() if k in _MODEL_KEYS})
+        if not isinstance(model, Mapping):
+            problems.append(f"{source}: [model] must be a table, got {model!r}")
+        else:
+            unknown = set(model) - _MODEL_KEYS
+            if unknown:
+                problems.append(f"{source}: model has unknown keys {sorted(unknown)}")
+            out["model"] = ModelGeometry(**{k: v for k, v in model.items() if k in _MODEL_KEYS})
     return out
 
 
+# Later entries win: a KVSTRATA_ variable overrides the Dynamo alias for the same key.
 _ENV_SCALARS = {
+    "DYN_KVBM_DISK_CACHE_DIR": "disk_dir",
     "KVSTRATA_BLOCK_SIZE": "block_size",
     "KVSTRATA_EVICTION": "eviction",
     "KVSTRATA_POLICY": "eviction",
     "KVSTRATA_ADMISSION": "admission",
     "KVSTRATA_DISK_DIR": "disk_dir",
-    "DYN_KVBM_DISK_CACHE_DIR": "disk_dir",
 }
 _ENV_TIER_SIZE = re.compile(r"^KVSTRATA_(G[1-4])_(BLOCKS|BYTES|GB)$")
 _DYNAMO_TIER_GB = {"DYN_KVBM_CPU_CACHE_GB": "G2", "DYN_KVBM_DISK_CACHE_GB": "G3"}
@@ -279,6 +286,9 @@ def _from_env(env: Mapping[str, str], problems: list[str]) -> tuple[dict[str, An
     for var, key in _ENV_SCALARS.items():
         if var in env:
             scalars[key] = env[var]
+    both = ("KVSTRATA_EVICTION", "KVSTRATA_POLICY")
+    if all(v in env for v in both) and env[both[0]] != env[both[1]]:
+        problems.append(f"KVSTRATA_EVICTION={env[both[0]]!r} and KVSTRATA_POLICY={env[both[1]]!r} disagree")
     if "block_size" in scalars:
         try:
             scalars["block_size"] = _to_int(scalars["block_size"])

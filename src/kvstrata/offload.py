@@ -192,21 +192,8 @@ class Completion:
 
 def split_blocks(handle: MutableBlocks, keep: Sequence[bool]
                  ) -> tuple[MutableBlocks | None, MutableBlocks | None]:
-    """Split a mutable handle into (kept, rest) handles; either may be None.
-
-    The logical layer has no public split, so this detaches the blocks with the handle's
-    ``_take`` (what the pool itself does when it takes blocks back) and wraps each part in a
-    new ``MutableBlocks`` of the same pool. Only the failure path of a transfer needs it.
-    """
-    if all(keep):
-        return handle, None
-    if not any(keep):
-        return None, handle
-    pool = handle.pool
-    blocks = handle._take()
-    kept = MutableBlocks(pool, [b for b, k in zip(blocks, keep) if k])
-    rest = MutableBlocks(pool, [b for b, k in zip(blocks, keep) if not k])
-    return kept, rest
+    """Split a mutable handle into (kept, rest) handles; either may be None."""
+    return handle.split(keep)
 
 
 class TransferCoordinator:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -95,7 +96,12 @@ def parse_request(line: str, where: str) -> TraceRequest:
     fields = {}
     for key in ("timestamp", "input_length", "output_length"):
         value = obj.get(key, 0)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+        if (
+            not isinstance(value, (int, float))
+            or isinstance(value, bool)
+            or not math.isfinite(value)
+            or value < 0
+        ):
             raise TraceFormatError(f"{where}: {key} must be a non-negative number, got {value!r}")
         fields[key] = int(value)
     return TraceRequest(fields["timestamp"], fields["input_length"], fields["output_length"], tuple(ids))
@@ -319,28 +325,13 @@ def _replay_request(
     where = hierarchy.locate_prefix(hashes)
     hierarchy.observe_request(hashes)
     n = len(records)
-    total_tokens = sum(token_counts)
-    result.blocks += n
-    result.tokens += total_tokens
-    result.blocks_hit += len(where)
-    result.tokens_hit += sum(token_counts[: len(where)])
-
-    # Per-tier look-ups and hits: a tier is asked about what no faster tier served.
-    looked_up, tokens_left = n, total_tokens
-    for name in hierarchy.tier_names:
-        stats = result.tiers[name]
-        stats.blocks_looked_up += looked_up
-        stats.tokens_looked_up += tokens_left
-        served = [i for i, t in enumerate(where) if t == name]
-        stats.blocks_hit += len(served)
-        served_tokens = sum(token_counts[i] for i in served)
-        stats.tokens_hit += served_tokens
-        looked_up -= len(served)
-        tokens_left -= served_tokens
+    holds = _PrefixHolds(hierarchy, hashes, where) if _needs_holds(hierarchy, where, n) else None
 
     top_name = hierarchy.tier_names[0]
     top = hierarchy.pools[top_name]
     pools = hierarchy.pools
+    served = 0  # leading prefix positions actually served (touched in G1 or onboarded)
+    broken = False  # a located block had to be recomputed: the served prefix ends there
     i = 0
     while i < n:
         h = hashes[i]
@@ -364,4 +355,75 @@ def _replay_request(
                 j += 1
             new = hierarchy.store_computed(records[i:j])
             hierarchy.offload(top_name, new)
+            broken = broken or i < len(where)
+        if not broken and served == i:
+            served = min(j, len(where))
+        if holds is not None:
+            holds.release_through(j)
         i = j
+    if holds is not None:
+        holds.release_through(n)
+    _count_hits(result, hierarchy.tier_names, where[:served], token_counts)
+
+
+def _needs_holds(hierarchy: TierHierarchy, where: list[str], n: int) -> bool:
+    """Whether to pin the located prefix while the request is served.
+
+    With one tier nothing is brought up, and pinning would change the exact LRU touch
+    order, so nothing is pinned. With lower tiers, bringing blocks up (and the write-through
+    behind it) could evict a later prefix block before its turn; an engine pins the prefix
+    it scheduled, and so does the replay. (Hits are counted as what was actually served
+    either way: a located block that had to be recomputed ends the served prefix.)
+    """
+    return len(hierarchy.tier_names) > 1 and bool(where)
+
+
+class _PrefixHolds:
+    """Handles pinning the located prefix, per tier, released as the replay passes them.
+
+    A tier smaller than the request is not pinned (the request could not fit beside its
+    pins); its blocks may then be evicted before their turn and are recomputed.
+    """
+
+    def __init__(self, hierarchy: TierHierarchy, hashes: list[int], where: list[str]) -> None:
+        self._runs: list[tuple[int, object]] = []  # (end position, handle), by position
+        n = len(hashes)
+        start = 0
+        while start < len(where):
+            end = start + 1
+            while end < len(where) and where[end] == where[start]:
+                end += 1
+            pool = hierarchy.pools[where[start]]
+            if n <= pool.capacity:
+                self._runs.append((end, pool.acquire(hashes[start:end])))
+            start = end
+        self._next = 0
+
+    def release_through(self, position: int) -> None:
+        """Release the holds of every run that ends at or before ``position``."""
+        runs = self._runs
+        while self._next < len(runs) and runs[self._next][0] <= position:
+            runs[self._next][1].release()  # type: ignore[attr-defined]
+            self._next += 1
+
+
+def _count_hits(result: ReplayResult, tier_names: list[str], served: list[str],
+                token_counts: list[int]) -> None:
+    """Add one request's look-ups and hits: per tier, what no faster tier served."""
+    n = len(token_counts)
+    total_tokens = sum(token_counts)
+    result.blocks += n
+    result.tokens += total_tokens
+    result.blocks_hit += len(served)
+    result.tokens_hit += sum(token_counts[: len(served)])
+    looked_up, tokens_left = n, total_tokens
+    for name in tier_names:
+        stats = result.tiers[name]
+        stats.blocks_looked_up += looked_up
+        stats.tokens_looked_up += tokens_left
+        mine = [i for i, t in enumerate(served) if t == name]
+        stats.blocks_hit += len(mine)
+        mine_tokens = sum(token_counts[i] for i in mine)
+        stats.tokens_hit += mine_tokens
+        looked_up -= len(mine)
+        tokens_left -= mine_tokens

@@ -8,8 +8,8 @@ The scheme (REFERENCE.md §1), fixed so that every process, run and machine agre
   ``xxh3_64(pack('<QQ', seq_hash[i-1], local_hash[i]), seed)``.
 
 The seed is 1337 unless the tokens belong to a LoRA adapter or carry a per-request cache salt
-(see :func:`isolation_seed`). Two different seeds never produce the same chain, so two tenants
-never share a block.
+(see :func:`isolation_seed`). Different seeds give unrelated chains (equal hashes would need a
+64-bit collision), so two tenants do not share blocks.
 """
 
 from __future__ import annotations
@@ -37,16 +37,17 @@ def isolation_seed(lora_name: str | None = None, cache_salt: str | bytes | None 
 
     * no LoRA, no salt: 1337 (the Dynamo default);
     * LoRA adapter: ``(1337 + xxh3_64(lora_name utf-8)) mod 2**64`` (Dynamo's rule);
-    * cache salt (vLLM's per-request ``cache_salt``): the seed so far plus
-      ``xxh3_64(b"salt:" + salt)`` mod 2**64. The ``salt:`` prefix keeps a salt from ever
-      colliding with a LoRA name of the same spelling.
+    * cache salt (vLLM's per-request ``cache_salt``): ``xxh3_64(b"salt:" + salt, seed=s)``
+      where ``s`` is the seed so far (1337 or the LoRA seed). The salt goes through a
+      different function than the LoRA name, so a salt and a LoRA name cannot produce the
+      same seed except by a 64-bit hash collision.
     """
     seed = DEFAULT_SEED
     if lora_name:
         seed = (seed + _xxh3(lora_name.encode("utf-8"))) & _MASK64
     if cache_salt:
         salt = cache_salt.encode("utf-8") if isinstance(cache_salt, str) else bytes(cache_salt)
-        seed = (seed + _xxh3(b"salt:" + salt)) & _MASK64
+        seed = _xxh3(b"salt:" + salt, seed=seed)
     return seed
 
 
@@ -184,7 +185,9 @@ class TokenSequence:
 
     def append(self, token: int) -> int | None:
         """Add one token; returns the new block's sequence hash if it completed a block."""
-        if not isinstance(token, (int, np.integer)) or not 0 <= token <= 0xFFFFFFFF:
+        if isinstance(token, bool) or not isinstance(token, (int, np.integer)) or not (
+            0 <= token <= 0xFFFFFFFF
+        ):
             raise TokenError(f"token id must be an int in [0, 2**32-1], got {token!r}")
         self._tail.append(int(token))
         self._n_tokens += 1

@@ -280,6 +280,14 @@ class PoolMachine(RuleBasedStateMachine):
         self.handles.pop(index % len(self.handles))
         gc.collect()
 
+    @precondition(lambda self: self.pool is not None and self.pool.eviction.name == "adaptive")
+    @rule(start=st.integers(0, 17), length=st.integers(1, 8))
+    def observe_request(self, start, length):
+        # Feed the adaptive policy's duel so its leader can switch to the LFU order.
+        self.pool.eviction._duel.observe_request(
+            [r.sequence_hash for r in self.universe[start : start + length]]
+        )
+
     @precondition(lambda self: self.pool is not None)
     @rule(start=st.integers(0, 17))
     def reset_blocks(self, start):
@@ -311,3 +319,84 @@ class PoolMachine(RuleBasedStateMachine):
 
 TestPoolMachine = PoolMachine.TestCase
 TestPoolMachine.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
+
+
+def test_leaf_in_use_pins_its_idle_prefix():
+    pool = BlockPool("G1", 4, 4)
+    hashes = store(pool, chain(3))
+    leaf = pool.acquire(hashes[2:])  # only the leaf is in use; its two ancestors are idle
+    assert pool.can_allocate(1) and not pool.can_allocate(2)
+    with pytest.raises(PoolExhaustedError):
+        pool.allocate(2)
+    got = pool.allocate(1)  # the free slot, not an ancestor of the leaf
+    assert all(h in pool for h in hashes)
+    got.release()
+    leaf.release()
+    pool.check_invariants()
+
+
+def test_default_order_is_least_recently_released_within_a_priority():
+    pool = BlockPool("G1", 3, 4)
+    a = store(pool, chain(1, start=10))
+    b = store(pool, chain(1, start=20))
+    c = store(pool, chain(1, start=30))
+    pool.touch(a)  # a becomes the most recent
+    held = pool.allocate(2)
+    assert a[0] in pool and b[0] not in pool and c[0] not in pool
+    held.release()
+
+
+def test_can_allocate_agrees_with_allocate_after_dropped_handles():
+    pool = BlockPool("G1", 4, 4)
+    dropped = pool.allocate(4)
+    del dropped  # the finalizer queues the slots; nothing has taken them back yet
+    assert pool.can_allocate(4)
+    pool.allocate(4).release()
+
+
+def test_same_hash_twice_in_one_register_batch():
+    pool = BlockPool("G1", 4, 4)
+    rec = chain(1)[0]
+    handle = pool.allocate(2)
+    handle.apply_token_blocks([rec, rec])
+    registered = pool.register(handle)
+    assert registered.block_ids[0] == registered.block_ids[1]
+    assert pool.status().reset == 3 and pool.lookup(rec.sequence_hash).ref_count == 2
+    registered.release()
+    pool.check_invariants()
+
+
+def test_failing_observer_does_not_corrupt_the_pool():
+    class Broken:
+        def __getattr__(self, name):
+            def hook(*args):
+                raise RuntimeError("sink down")
+            return hook
+
+    registry = BlockRegistry()
+    registry.add_observer(Broken())
+    pool = BlockPool("G1", 2, 4, registry=registry)
+    hashes = store(pool, chain(2))
+    pool.allocate(2).release()  # evicts both: record_removed raises inside the observer
+    assert registry.observer_errors >= 2
+    assert pool.status().reset == 2 and not any(h in pool for h in hashes)
+    pool.check_invariants()
+
+
+def test_reset_blocks_drops_a_chain_listed_children_first():
+    pool = BlockPool("G1", 4, 4)
+    hashes = store(pool, chain(3))
+    assert pool.reset_blocks(hashes) == [hashes[2]]  # root first: only the leaf can go
+    assert pool.reset_blocks(list(reversed(hashes[:2]))) == [hashes[1], hashes[0]]
+    assert pool.status().reset == 4
+
+
+def test_acquire_holds_without_counting_a_hit():
+    pool = BlockPool("G1", 2, 1, eviction=make_eviction("lfu", 2))
+    recs = [BlockRecord(7, 7, None, 1)]
+    handle = pool.allocate(1)
+    handle.apply_token_blocks(recs)
+    pool.register(handle).release()
+    held = pool.acquire([7, 99])
+    assert held.sequence_hashes == [7] and pool.lookup(7).policy_state == 1
+    held.release()

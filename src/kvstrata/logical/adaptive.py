@@ -170,6 +170,11 @@ class DuelingEviction(EvictionPolicy):
     def __len__(self) -> int:
         return len(self._lru)
 
+    def members(self) -> set[int]:
+        lru, lfu = self._lru.members(), self._lfu.members()
+        assert lru == lfu, f"adaptive orders drifted: {sorted(lru ^ lfu)[:8]}"
+        return lru
+
 
 class DuelingAdmission(AdmissionPolicy):
     """Second-offer admission while the duel's leader uses it, admit-all otherwise."""

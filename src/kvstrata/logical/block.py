@@ -17,6 +17,7 @@ from __future__ import annotations
 from enum import IntEnum
 from typing import Iterable
 
+import numpy as np
 import xxhash
 
 from ..tokens import DEFAULT_SEED, TokenError, chain_hash
@@ -104,9 +105,12 @@ class Block:
         """Append tokens while Partial; all or nothing if they would overflow the block."""
         self._require(BlockState.PARTIAL, "add_tokens")
         new = list(tokens)
-        for token in new:
-            if not isinstance(token, int) or not 0 <= token <= 0xFFFFFFFF:
+        for i, token in enumerate(new):
+            if isinstance(token, bool) or not isinstance(token, (int, np.integer)) or not (
+                0 <= token <= 0xFFFFFFFF
+            ):
                 raise TokenError(f"token id must be an int in [0, 2**32-1], got {token!r}")
+            new[i] = int(token)
         assert self.tokens is not None
         if len(self.tokens) + len(new) > self.block_size:
             raise BlockStateError(

@@ -84,7 +84,7 @@ class _Blocks:
             self.release()
 
     def release(self) -> None:
-        """Give the blocks back to the pool (idempotent errors: a second call raises)."""
+        """Give the blocks back to the pool; a second release raises HandleReleasedError."""
         self._pool.release(self)
 
     def _take(self) -> list[Block]:
@@ -125,7 +125,31 @@ class MutableBlocks(_Blocks):
                 block.tokens = list(record.token_ids)
 
 
+    def split(self, keep: Sequence[bool]) -> tuple["MutableBlocks | None", "MutableBlocks | None"]:
+        """Split into (kept, rest) handles of the same pool; either may be None.
+
+        This handle is consumed unless every block is kept (then it is returned as ``kept``)
+        or none is (then it is returned as ``rest``). Used when part of a batch failed, so
+        only the good blocks get registered.
+        """
+        blocks = self.blocks
+        if len(keep) != len(blocks):
+            raise ValueError(f"{len(keep)} flags for {len(blocks)} blocks")
+        if all(keep):
+            return self, None
+        if not any(keep):
+            return None, self
+        self._take()
+        kept = MutableBlocks(self._pool, [b for b, k in zip(blocks, keep) if k])
+        rest = MutableBlocks(self._pool, [b for b, k in zip(blocks, keep) if not k])
+        return kept, rest
+
+
 class ImmutableBlocks(_Blocks):
-    """Shared handles on registered blocks."""
+    """Shared handles on registered blocks.
+
+    The :class:`Block` objects are the pool's own: read them, never call their lifecycle
+    methods (``reset`` on a registered block would corrupt the pool's bookkeeping).
+    """
 
     __slots__ = ()

@@ -79,6 +79,10 @@ class EvictionPolicy:
     def __len__(self) -> int:
         raise NotImplementedError
 
+    def members(self) -> set[int]:
+        """Ids of the blocks currently in the order (for invariant checks; O(n))."""
+        raise NotImplementedError
+
 
 class LruEviction(EvictionPolicy):
     """Plain least-recently-released first, ignoring priority and the prefix tree.
@@ -93,6 +97,7 @@ class LruEviction(EvictionPolicy):
 
     def insert(self, block: Block) -> None:
         self._order[block.block_id] = block
+        self._order.move_to_end(block.block_id)  # a re-insert is the most recent use
 
     def remove(self, block: Block) -> None:
         self._order.pop(block.block_id, None)
@@ -107,8 +112,10 @@ class LruEviction(EvictionPolicy):
 
     def insert_many(self, blocks: list[Block]) -> None:
         order = self._order
+        move = order.move_to_end
         for block in blocks:
             order[block.block_id] = block
+            move(block.block_id)
 
     def remove_many(self, blocks: list[Block]) -> None:
         pop = self._order.pop
@@ -121,6 +128,9 @@ class LruEviction(EvictionPolicy):
 
     def __len__(self) -> int:
         return len(self._order)
+
+    def members(self) -> set[int]:
+        return set(self._order)
 
 
 class _HeapEviction(EvictionPolicy):
@@ -179,6 +189,9 @@ class _HeapEviction(EvictionPolicy):
 
     def __len__(self) -> int:
         return len(self._live)
+
+    def members(self) -> set[int]:
+        return set(self._live)
 
 
 class PriorityLruEviction(_HeapEviction):

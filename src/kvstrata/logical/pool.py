@@ -110,10 +110,16 @@ class BlockPool:
         return n
 
     def can_allocate(self, count: int) -> bool:
-        """Whether ``allocate(count)`` would succeed now (no side effect)."""
+        """Whether ``allocate(count)`` would succeed now.
+
+        Changes nothing visible; like every pool call it first takes back the blocks of
+        handles dropped without release, so it agrees with ``allocate``.
+        """
+        self._drain_orphans()
         return count <= len(self._free) + len(self.eviction) or count <= self._evictable_total()
 
     def status(self) -> PoolStatus:
+        """Counts of slots by place (after taking back dropped handles' blocks)."""
         self._drain_orphans()
         reset = len(self._free)
         return PoolStatus(
@@ -300,6 +306,18 @@ class BlockPool:
             touched += 1
         return touched
 
+    def acquire(self, sequence_hashes: Iterable[int]) -> ImmutableBlocks:
+        """Handles on every registered block among ``sequence_hashes`` (absent ones skipped).
+
+        Unlike :meth:`match` it does not stop at a miss and does not count as a use (no hit
+        is recorded): it is for holding blocks, e.g. the source of a copy in flight.
+        """
+        self._drain_orphans()
+        by_hash = self._by_hash
+        found = [b for b in (by_hash.get(h) for h in sequence_hashes) if b is not None]
+        self._acquire_many(found)
+        return ImmutableBlocks(self, found)
+
     def _acquire(self, block: Block) -> None:
         self._acquire_many([block])
 
@@ -372,11 +390,11 @@ class BlockPool:
 
     # -- explicit eviction -----------------------------------------------------------------
     def reset_blocks(self, sequence_hashes: Iterable[int]) -> list[int]:
-        """Drop the given hashes if they are inactive; returns the hashes actually dropped.
+        """Drop the given hashes if they are idle; returns the hashes actually dropped.
 
-        Blocks in use are left alone. With a leaf-first policy a block whose children are
-        still registered is dropped together with that subtree's inactive blocks only if
-        the whole subtree is inactive; otherwise it is left alone.
+        Blocks in use are left alone, and so (with a leaf-first policy) are blocks that still
+        have registered children in this pool: list children before their parents to drop
+        a whole idle chain.
         """
         self._drain_orphans()
         dropped: list[int] = []
@@ -453,13 +471,14 @@ class BlockPool:
                     1 for b in self._by_hash.values() if b.parent_id == block.block_id
                 )
                 assert kids == block.children, f"block {block.block_id} child count drifted"
-        expected_evictable = sum(
-            1
+        expected_evictable = {
+            b.block_id
             for b in self._by_hash.values()
             if b.ref_count == 0 and not (self._leaf_first and b.children)
-        )
-        assert len(self.eviction) == expected_evictable, (
-            f"policy holds {len(self.eviction)} evictable, expected {expected_evictable}"
+        }
+        members = self.eviction.members()
+        assert members == expected_evictable and len(self.eviction) == len(members), (
+            f"eviction order holds {sorted(members)[:8]}..., expected {sorted(expected_evictable)[:8]}..."
         )
 
 

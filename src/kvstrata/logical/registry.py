@@ -9,13 +9,18 @@ per hash, the set of tiers holding it, and tells observers:
 * ``on_stored`` / ``on_removed``: the hash entered its first tier / left its last tier.
 
 Observers run synchronously on the pool owner's thread, so they must be cheap (the event
-publisher only enqueues). The registry is metadata only: it never touches bytes.
+publisher only enqueues). An observer that raises is logged and counted
+(:attr:`BlockRegistry.observer_errors`) and the others still run: a failing sink must never
+leave a pool half-updated. The registry is metadata only: it never touches bytes.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
+
+_log = logging.getLogger(__name__)
 
 TIER_NAMES = ("G1", "G2", "G3", "G4")
 """Tier names, fastest first: device, host, local disk, remote."""
@@ -65,6 +70,8 @@ class BlockRegistry:
         # hash -> bit mask of the tiers holding it (bit i = TIER_NAMES[i]); cheaper than sets.
         self._tiers_by_hash: dict[int, int] = {}
         self._observers: list[RegistryObserver] = []
+        self.observer_errors = 0
+        """How many observer calls raised (each is logged; the registry carries on)."""
 
     # -- observers -------------------------------------------------------------------------
     def add_observer(self, observer: RegistryObserver) -> None:
@@ -111,9 +118,9 @@ class BlockRegistry:
             else:
                 tiers_by_hash[h] = mask | bit
         for observer in self._observers:
-            observer.on_tier_stored(tier, records)
+            self._notify(observer.on_tier_stored, tier, records)
             if first_seen:
-                observer.on_stored(first_seen)
+                self._notify(observer.on_stored, first_seen)
 
     def record_removed(self, tier: str, sequence_hashes: Sequence[int]) -> None:
         """Pools call this after ``sequence_hashes`` stopped being visible in ``tier``."""
@@ -121,9 +128,9 @@ class BlockRegistry:
             return
         gone = self._drop_tier(tier, sequence_hashes)
         for observer in self._observers:
-            observer.on_tier_removed(tier, sequence_hashes)
+            self._notify(observer.on_tier_removed, tier, sequence_hashes)
             if gone:
-                observer.on_removed(gone)
+                self._notify(observer.on_removed, gone)
 
     def _drop_tier(self, tier: str, sequence_hashes: Iterable[int]) -> list[int]:
         """Remove ``tier`` from each hash; returns the hashes now held by no tier."""
@@ -146,6 +153,13 @@ class BlockRegistry:
         """Pools call this after dropping every block of ``tier`` (``sequence_hashes`` held)."""
         gone = self._drop_tier(tier, sequence_hashes)
         for observer in self._observers:
-            observer.on_tier_cleared(tier)
+            self._notify(observer.on_tier_cleared, tier)
             if gone:
-                observer.on_removed(gone)
+                self._notify(observer.on_removed, gone)
+
+    def _notify(self, hook: Callable[..., None], *args: object) -> None:
+        try:
+            hook(*args)
+        except Exception:  # an observer's failure must not corrupt the pools
+            self.observer_errors += 1
+            _log.exception("registry observer %r failed", hook)
