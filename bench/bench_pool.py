@@ -101,6 +101,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     blocks = args.blocks // 8 if args.quick else args.blocks
+    if args.quick:
+        args.capacity //= 8  # keep the pool 8x smaller than the stream, so it evicts
     batches = make_batches(blocks // args.batch, args.batch)
     total = len(batches) * args.batch
     repeats = 3 if args.quick else 5
