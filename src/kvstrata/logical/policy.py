@@ -194,18 +194,107 @@ class _HeapEviction(EvictionPolicy):
         return set(self._live)
 
 
-class PriorityLruEviction(_HeapEviction):
+class _TickLevel:
+    """Blocks of one priority in release-tick order: an ordered dict for the common case
+    (a release is the newest tick; a parent freed by its last child's eviction is usually
+    the oldest) and a small lazy heap for the rest."""
+
+    __slots__ = ("ordered", "late", "late_live")
+
+    def __init__(self) -> None:
+        self.ordered: OrderedDict[int, Block] = OrderedDict()  # ascending release_tick
+        self.late: list[tuple[int, int, Block]] = []
+        self.late_live: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.ordered) + len(self.late_live)
+
+    def add(self, block: Block) -> None:
+        ordered, tick, block_id = self.ordered, block.release_tick, block.block_id
+        if not ordered or tick >= ordered[next(reversed(ordered))].release_tick:
+            ordered[block_id] = block
+        elif tick <= ordered[next(iter(ordered))].release_tick:
+            ordered[block_id] = block
+            ordered.move_to_end(block_id, last=False)
+        else:
+            self.late_live[block_id] = tick
+            heapq.heappush(self.late, (tick, block_id, block))
+            if len(self.late) > 4 * len(self.late_live) + 64:
+                live = self.late_live
+                self.late = [e for e in self.late if live.get(e[1]) == e[0]]
+                heapq.heapify(self.late)
+
+    def discard(self, block_id: int) -> None:
+        if self.ordered.pop(block_id, None) is None:
+            self.late_live.pop(block_id, None)
+
+    def pop_oldest(self) -> Block:
+        late, live = self.late, self.late_live
+        while late and live.get(late[0][1]) != late[0][0]:
+            heapq.heappop(late)
+        ordered = self.ordered
+        if late and (not ordered or late[0][0] < ordered[next(iter(ordered))].release_tick):
+            tick, block_id, block = heapq.heappop(late)
+            del live[block_id]
+            return block
+        return ordered.popitem(last=False)[1]
+
+
+class PriorityLruEviction(EvictionPolicy):
     """The default order (REFERENCE.md §2): lowest priority first, then least recently
-    released; leaves before their prefixes."""
+    released; leaves before their prefixes.
+
+    One :class:`_TickLevel` per priority in use. Releases append in tick order; a parent that
+    becomes evictable when its last child is evicted re-enters at its *old* release tick,
+    which is nearly always the oldest of its level (front of the ordered dict); anything else
+    goes to the level's small heap. So the common operations are O(1).
+    """
 
     name = "default"
     leaf_first = True
 
     def __init__(self, capacity: int = 0) -> None:
-        super().__init__()
+        self._levels: dict[int, _TickLevel] = {}
+        self._priority_of: dict[int, int] = {}
 
-    def key(self, block: Block) -> int:
-        return block.priority
+    def insert(self, block: Block) -> None:
+        priority = block.priority
+        level = self._levels.get(priority)
+        if level is None:
+            level = self._levels[priority] = _TickLevel()
+        block_id = block.block_id
+        old = self._priority_of.get(block_id)
+        if old is not None:  # a re-insert (touch): drop the old position
+            self._levels[old].discard(block_id)
+            if old != priority and not len(self._levels[old]):
+                del self._levels[old]
+        self._priority_of[block_id] = priority
+        level.add(block)
+
+    def remove(self, block: Block) -> None:
+        priority = self._priority_of.pop(block.block_id, None)
+        if priority is not None:
+            level = self._levels[priority]
+            level.discard(block.block_id)
+            if not len(level):
+                del self._levels[priority]
+
+    def victim(self) -> Block | None:
+        if not self._levels:
+            return None
+        priority = min(self._levels)
+        level = self._levels[priority]
+        block = level.pop_oldest()
+        del self._priority_of[block.block_id]
+        if not len(level):
+            del self._levels[priority]
+        return block
+
+    def __len__(self) -> int:
+        return len(self._priority_of)
+
+    def members(self) -> set[int]:
+        return set(self._priority_of)
 
 
 class AgedFrequencyEviction(_HeapEviction):

@@ -165,21 +165,33 @@ class BlockPool:
         removed: list[int] = []
         eviction = self.eviction
         by_hash = self._by_hash
-        leaf_first = self._leaf_first
-        while len(victims) < count:
-            # Leaf-first: one at a time, since each eviction may make its parent evictable,
-            # and that parent must compete for the next slot in its rightful place.
-            batch = eviction.victims(1 if leaf_first else count - len(victims))
-            if not batch:  # cannot happen: allocate checked the evictable total
-                raise AssertionError(f"pool {self.tier}: eviction order ran dry")
-            for block in batch:
+        if self._leaf_first:
+            # One at a time: each eviction may make its parent evictable, and that parent
+            # must compete for the next slot in its rightful place.
+            victim, insert, blocks = eviction.victim, eviction.insert, self._blocks
+            while len(victims) < count:
+                block = victim()
+                if block is None:  # cannot happen: allocate checked the evictable total
+                    raise AssertionError(f"pool {self.tier}: eviction order ran dry")
                 h = block.sequence_hash
                 removed.append(h)  # type: ignore[arg-type]
                 del by_hash[h]
-                if leaf_first:
-                    self._unlink_parent(block)  # may make the parent evictable
+                if block.parent_id >= 0:  # inlined _unlink_parent (hot path)
+                    parent = blocks[block.parent_id]
+                    parent.children -= 1
+                    if parent.children == 0 and parent.ref_count == 0:
+                        insert(parent)
                 block.reset()
-            victims.extend(batch)
+                victims.append(block)
+        else:
+            victims = eviction.victims(count)
+            if len(victims) < count:  # cannot happen: allocate checked the evictable total
+                raise AssertionError(f"pool {self.tier}: eviction order ran dry")
+            for block in victims:
+                h = block.sequence_hash
+                removed.append(h)  # type: ignore[arg-type]
+                del by_hash[h]
+                block.reset()
         self._inactive -= len(victims)
         self.evictions += len(victims)
         self.registry.record_removed(self.tier, removed)
