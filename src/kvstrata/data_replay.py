@@ -35,7 +35,7 @@ from .config import KvConfig
 from .logical.pool import PoolExhaustedError
 from .manager import KvBlockManager, ManagerConfigError, layout_config_for
 from .offload import TIER_ORDER
-from .replay import RequestHasher, TierStats, TraceRequest
+from .replay import RequestHasher, TierStats, TraceRequest, hit_summary
 
 __all__ = ["run_data_replay", "block_payload", "DataReplayError", "DEFAULT_MAX_HOST_BYTES",
            "DEFAULT_MAX_DISK_BYTES"]
@@ -253,13 +253,7 @@ class _DataRun:
             "block_size": self.hasher.block_size,
             "block_bytes": self.block_bytes,
             "model": asdict(self.config.model),
-            "requests": self.requests,
-            "blocks": self.blocks,
-            "tokens": self.tokens,
-            "blocks_hit": self.blocks_hit,
-            "tokens_hit": self.tokens_hit,
-            "hit_rate": self.blocks_hit / self.blocks if self.blocks else 0.0,
-            "token_hit_rate": self.tokens_hit / self.tokens if self.tokens else 0.0,
+            **hit_summary(self),
             "tiers": {name: stats.as_dict() for name, stats in self.tiers.items()},
             "paths": {p: {k: round(v, 6) if isinstance(v, float) else v for k, v in s.items()}
                       for p, s in paths.items()},

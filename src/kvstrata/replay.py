@@ -208,6 +208,20 @@ class TierStats:
         return d
 
 
+def hit_summary(totals) -> dict:
+    """The replay report's totals: ``requests``, ``blocks``, ``tokens``, hits and hit rates of
+    anything with those counters (the metadata and the data replay share the shape)."""
+    return {
+        "requests": totals.requests,
+        "blocks": totals.blocks,
+        "tokens": totals.tokens,
+        "blocks_hit": totals.blocks_hit,
+        "tokens_hit": totals.tokens_hit,
+        "hit_rate": totals.blocks_hit / totals.blocks if totals.blocks else 0.0,
+        "token_hit_rate": totals.tokens_hit / totals.tokens if totals.tokens else 0.0,
+    }
+
+
 @dataclass
 class ReplayResult:
     """What a replay measured; :meth:`as_dict` is the ``--json`` document."""
@@ -242,13 +256,7 @@ class ReplayResult:
             "trace": self.trace,
             "granularity": self.granularity,
             "block_size": self.block_size,
-            "requests": self.requests,
-            "blocks": self.blocks,
-            "tokens": self.tokens,
-            "blocks_hit": self.blocks_hit,
-            "tokens_hit": self.tokens_hit,
-            "hit_rate": self.blocks_hit / self.blocks if self.blocks else 0.0,
-            "token_hit_rate": self.tokens_hit / self.tokens if self.tokens else 0.0,
+            **hit_summary(self),
             "tiers": {name: t.as_dict() for name, t in self.tiers.items()},
             "moves": {k: v for k, v in sorted(self.moves.items()) if "->" in k},
             "rejected": {k.split(":", 1)[1]: v for k, v in sorted(self.moves.items())
