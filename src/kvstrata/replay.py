@@ -242,6 +242,13 @@ class ReplayResult:
     hierarchy: TierHierarchy | None = None
 
     @property
+    def block_ops(self) -> int:
+        """Block-level pool operations: one per block accessed (touched, or allocated and
+        registered), one per block moved between tiers, one per eviction."""
+        moved = sum(n for path, n in self.moves.items() if "->" in path)
+        return self.blocks + moved + sum(t.evictions for t in self.tiers.values())
+
+    @property
     def promotions(self) -> int:
         return sum(n for path, n in self.moves.items() if path.endswith("->G1"))
 
@@ -265,6 +272,8 @@ class ReplayResult:
             "demotions": self.demotions,
             "wall_seconds": round(self.wall_seconds, 4),
             "block_accesses_per_s": round(self.blocks / self.wall_seconds) if self.wall_seconds else 0,
+            "block_ops": self.block_ops,
+            "block_ops_per_s": round(self.block_ops / self.wall_seconds) if self.wall_seconds else 0,
         }
 
 

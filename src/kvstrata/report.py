@@ -31,8 +31,9 @@ def format_table(doc: dict) -> str:
     lines.append("")
     moves = ", ".join(f"{k} {v:,}" for k, v in doc["moves"].items()) or "none"
     lines.append(f"promotions   {doc['promotions']:,}   demotions {doc['demotions']:,}   ({moves})")
+    ops = f"   {doc['block_ops_per_s']:,} block-ops/s" if "block_ops_per_s" in doc else ""
     lines.append(
-        f"wall time    {doc['wall_seconds']:.2f} s   {doc['block_accesses_per_s']:,} block accesses/s"
+        f"wall time    {doc['wall_seconds']:.2f} s   {doc['block_accesses_per_s']:,} block accesses/s{ops}"
     )
     return "\n".join(lines)
 

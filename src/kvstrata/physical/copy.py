@@ -7,7 +7,11 @@ The unit moved is the coarsest piece both layouts keep contiguous (:func:`plan_p
 whole block between two FullyContiguous layouts, a layer or a K/V chunk otherwise.
 
 * :class:`MemmoveCopyEngine` — host memory on both sides (the CPU path that runs here).
-  Each memory is viewed as rows of one 2-D array spanning all its regions; a batch becomes
+  With the native kernel (``_copykernel``, a small C extension built by ``pip install -e .``)
+  a batch becomes arrays of piece addresses, adjacent pieces merged, copied by one C call
+  that releases the GIL and splits the bytes over ``threads`` pthreads (``memcpy``, or
+  non-temporal stores for batches much larger than the cache). Without it (it failed to
+  build, or ``KVSTRATA_NATIVE_COPY=0``) each memory is viewed as rows of one 2-D array spanning all its regions; a batch becomes
   arrays of row numbers moved by ``torch.index_select`` (gather) and numpy fancy assignment
   (scatter), C loops with a few Python calls per batch, GIL released; odd geometries fall
   back to one ``memmove`` per piece. (Torch's CPU ``index_copy_`` is elementwise and
@@ -21,7 +25,8 @@ whole block between two FullyContiguous layouts, a layer or a K/V chunk otherwis
   ``stage_all=True`` runs the same code on CPU tensors so tests cover the logic.
 
 :func:`default_copy_engine` picks ``StagedCopyEngine`` when CUDA is available, else
-``MemmoveCopyEngine``.
+``MemmoveCopyEngine``. :func:`native_kernel_status` says whether the native kernel loaded
+(and why not); ``engine.kernel`` says which kernel an engine uses (``"native"``/``"python"``).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import math
+import os
 import threading
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
@@ -43,9 +49,31 @@ from .layout import FullyContiguousLayout, Granularity, Layout
 from .storage.base import BlockMemory
 
 __all__ = ["PiecePlan", "plan_pieces", "CopyEngine", "MemmoveCopyEngine", "TorchCopyEngine",
-           "StagedCopyEngine", "default_copy_engine", "packed_memory"]
+           "StagedCopyEngine", "default_copy_engine", "packed_memory", "native_kernel_status"]
 
 OFFLOAD, ONBOARD = "offload", "onboard"
+
+
+def _load_native():
+    """The native batched-copy kernel, or ``(None, why not)``."""
+    if os.environ.get("KVSTRATA_NATIVE_COPY", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None, "disabled by KVSTRATA_NATIVE_COPY"
+    try:
+        from . import _copykernel
+    except ImportError as exc:   # not built (optional extension failed, or a source tree)
+        return None, f"not built: {exc}"
+    return _copykernel, None
+
+
+_native, NATIVE_KERNEL_ERROR = _load_native()
+NATIVE_KERNEL = _native is not None
+
+
+def native_kernel_status() -> dict:
+    """Whether the native copy kernel is available: ``{"available": bool, "reason": str|None,
+    "streaming_stores": bool}`` (``reason`` says why not, e.g. it failed to build)."""
+    return {"available": NATIVE_KERNEL, "reason": NATIVE_KERNEL_ERROR,
+            "streaming_stores": bool(_native is not None and _native.HAVE_STREAM)}
 
 
 @dataclass(frozen=True)
@@ -89,6 +117,12 @@ class CopyEngine(ABC):
 
     name = "abstract"
 
+    @property
+    def kernel(self) -> str:
+        """Which host copy kernel runs: ``"native"`` (C extension) or ``"python"`` (numpy /
+        torch / ctypes kernels); engines without a host kernel report their name."""
+        return self.name
+
     @abstractmethod
     def copy(self, src: BlockMemory, src_ids: Sequence[int], dst: BlockMemory,
              dst_ids: Sequence[int], *, direction: str = OFFLOAD) -> int:
@@ -122,9 +156,26 @@ class CopyEngine(ABC):
 _memmove = ctypes.memmove   # a ctypes foreign function: releases the GIL while copying
 
 
+_CPUS = max(1, os.cpu_count() or 1)
+
+
 def _run_memmoves(dst: list[int], src: list[int], lengths: list[int]) -> None:
     for d, s, n in zip(dst, src, lengths):
         _memmove(d, s, n)
+
+
+def _memmove_runner(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray) -> None:
+    _run_memmoves(dst.tolist(), src.tolist(), lengths.tolist())
+
+
+def _piece_addresses(src: BlockMemory, s_idx: np.ndarray, dst: BlockMemory, d_idx: np.ndarray,
+                     gran: Granularity) -> tuple[np.ndarray, np.ndarray, int]:
+    """Source and destination addresses ``[len(ids), pieces per block]`` (``int64``) of the
+    batch's ``gran`` pieces, and the piece length."""
+    sr, so = src.layout.pieces(s_idx, gran)
+    dr, do = dst.layout.pieces(d_idx, gran)
+    return (src.base_addresses()[sr] + so, dst.base_addresses()[dr] + do,
+            src.layout.piece_bytes(gran))
 
 
 class _Span:
@@ -186,7 +237,18 @@ class _Span:
 class MemmoveCopyEngine(CopyEngine):
     """Host <-> host copies, the CPU data path (the name is historical).
 
-    Both memories are viewed as *rows* (:class:`_Span`): the largest unit that divides every
+    **Native kernel** (``kernel == "native"``; the default when the ``_copykernel`` extension
+    loaded, ``native=False`` forces the Python kernels below, ``native=True`` requires it):
+    the batch's piece addresses are computed with numpy, pieces adjacent on both sides are
+    merged, and one C call copies them all with the GIL released, its bytes split evenly over
+    ``threads`` pthreads (capped at ``os.cpu_count()``) when the batch has at least
+    ``parallel_bytes``. Batches of at least ``stream_bytes`` (much larger than the cache) use
+    non-temporal stores (no read-for-ownership of the destination, no cache eviction);
+    ``prefetch`` warms each next piece while the current one is copied. :meth:`copy_hashed`
+    copies ``tile_bytes`` windows of blocks per call (cached stores) and hashes each block
+    right after, the batch split over ``threads`` Python threads.
+
+    **Python kernels** (``kernel == "python"``): both memories are viewed as *rows* (:class:`_Span`): the largest unit that divides every
     piece of both layouts (typically 4 KiB, or a whole K/V chunk). A batch becomes two arrays
     of row numbers, and the copy runs in C with a handful of Python calls per batch:
 
@@ -215,7 +277,14 @@ class MemmoveCopyEngine(CopyEngine):
                  parallel_bytes: int = 1 << 20, *, direct_block_bytes: int = 256 << 10,
                  scatter_block_bytes: int = 64 << 10, tile_bytes: int = 2 << 20,
                  hash_window_bytes: int = 256 << 10,
-                 min_row_bytes: int = 64, pipeline_hash: bool = True) -> None:
+                 min_row_bytes: int = 64, pipeline_hash: bool = True,
+                 native: bool | None = None, stream_bytes: int = 8 << 20,
+                 prefetch: bool = True) -> None:
+        if native and _native is None:
+            raise RuntimeError(f"native copy kernel unavailable ({NATIVE_KERNEL_ERROR})")
+        self._native = _native if native is not False else None
+        self.stream_bytes = stream_bytes
+        self.prefetch = prefetch
         self.pipeline_hash = pipeline_hash
         self.threads = max(1, threads)
         self.parallel_piece = parallel_piece
@@ -228,6 +297,10 @@ class MemmoveCopyEngine(CopyEngine):
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self._local = threading.local()
+
+    @property
+    def kernel(self) -> str:
+        return "native" if self._native is not None else "python"
 
     def copy(self, src, src_ids, dst, dst_ids, *, direction=OFFLOAD) -> int:
         return self._copy(src, src_ids, dst, dst_ids, None)
@@ -266,7 +339,22 @@ class MemmoveCopyEngine(CopyEngine):
                       self.hash_window_bytes)
         both_fc = (isinstance(src.layout, FullyContiguousLayout)
                    and isinstance(dst.layout, FullyContiguousLayout))
-        if row < self.min_row_bytes or (both_fc and nbytes >= self.parallel_piece):
+        if self._native is not None:
+            s_addr, d_addr, length = _piece_addresses(src, s_idx, dst, d_idx, gran)
+            if hasher is None:   # one C call for the whole batch
+                s, d, lengths = _coalesce(s_addr.reshape(-1), d_addr.reshape(-1), length)
+                threads = self.threads if total >= self.parallel_bytes else 1
+                self._native.copy_pieces(d, s, lengths, min(threads, _CPUS),
+                                         total >= self.stream_bytes, self.prefetch)
+                return total
+            # eager checksums: a window of blocks per call, hashed right behind (in cache)
+            run = self._native.copy_pieces
+            prefetch = self.prefetch
+            job = ("memmove", s_addr, d_addr, length,
+                   lambda d, s, n: run(d, s, n, 1, False, prefetch))
+            window = max(1, self.tile_bytes // nbytes)
+            parallel = True
+        elif row < self.min_row_bytes or (both_fc and nbytes >= self.parallel_piece):
             # whole blocks on both sides: one memmove per block (per run of adjacent blocks)
             job = self._memmove_job(src, s_idx, dst, d_idx, gran)
             window = max(1, self.hash_window_bytes // nbytes)
@@ -316,11 +404,7 @@ class MemmoveCopyEngine(CopyEngine):
         return total
 
     def _memmove_job(self, src, s_idx, dst, d_idx, gran):
-        sr, so = src.layout.pieces(s_idx, gran)
-        dr, do = dst.layout.pieces(d_idx, gran)
-        s_addr = src.base_addresses()[sr] + so
-        d_addr = dst.base_addresses()[dr] + do
-        return ("memmove", s_addr, d_addr, src.layout.piece_bytes(gran))
+        return ("memmove", *_piece_addresses(src, s_idx, dst, d_idx, gran), _memmove_runner)
 
     def _get_pool(self) -> ThreadPoolExecutor:
         with self._pool_lock:
@@ -367,12 +451,12 @@ def _run_part(job, lo: int, hi: int, window: int, hasher) -> None:
         view, stride, nbytes, h_idx, sums, segment = hasher
         digest = xxhash.xxh3_64_intdigest
     kind = job[0]
-    if kind == "memmove":
-        _, s_addr, d_addr, length = job
+    if kind == "memmove":   # piece addresses, copied by runner(dst, src, lengths)
+        _, s_addr, d_addr, length, runner = job
         for w in range(lo, hi, window):
             e = min(w + window, hi)
             s, d, lengths = _coalesce(s_addr[w:e].reshape(-1), d_addr[w:e].reshape(-1), length)
-            _run_memmoves(d.tolist(), s.tolist(), lengths.tolist())
+            runner(d, s, lengths)
             if hasher is not None:
                 for i, off in zip(range(w, e), (h_idx[w:e] * stride).tolist()):
                     sums[i] = digest(view[off:off + nbytes])
@@ -524,6 +608,10 @@ class StagedCopyEngine(CopyEngine):
                                               direction=direction)
             self._wait(device)
         return nbytes
+
+    @property
+    def kernel(self) -> str:
+        return self.host_engine.kernel
 
     def _engine_for(self, device: torch.device) -> CopyEngine:
         return self.host_engine if device.type == "cpu" else self.device_engine
