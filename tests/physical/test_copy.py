@@ -9,30 +9,45 @@ import xxhash
 
 from kvstrata.physical import (DeviceStorage, HostStorage, LayoutMismatchError,
                                MemmoveCopyEngine, StagedCopyEngine, TorchCopyEngine)
-from kvstrata.physical.copy import _coalesce, plan_pieces
+from kvstrata.physical.copy import NATIVE_KERNEL, NATIVE_KERNEL_ERROR, _coalesce, plan_pieces
 
 from .conftest import block_bytes_of, fill_random, small_config
 
+needs_native = pytest.mark.skipif(not NATIVE_KERNEL, reason=f"native kernel: {NATIVE_KERNEL_ERROR}")
+
 ENGINES = {
-    "memmove": lambda: MemmoveCopyEngine(),
-    "memmove_threads": lambda: MemmoveCopyEngine(threads=2, parallel_piece=1, parallel_bytes=1),
-    # each host kernel forced on, alone and split over threads
+    "memmove": lambda: MemmoveCopyEngine(),   # native when built, else the Python kernels
+    # the native kernel: one call, split over pthreads, streaming stores, tiny hash windows
+    "native": lambda: MemmoveCopyEngine(native=True),
+    "native_threads_stream": lambda: MemmoveCopyEngine(native=True, threads=2, parallel_bytes=1,
+                                                       stream_bytes=1),
+    "native_no_prefetch_tiles": lambda: MemmoveCopyEngine(native=True, threads=3,
+                                                          parallel_bytes=1, prefetch=False,
+                                                          tile_bytes=1),
+    # the pure-Python fallback kernels (used when the extension is missing), each forced on,
+    # alone and split over threads
+    "memmove_threads": lambda: MemmoveCopyEngine(threads=2, parallel_piece=1, parallel_bytes=1,
+                                                 native=False),
     "rows_gather": lambda: MemmoveCopyEngine(direct_block_bytes=1, scatter_block_bytes=1 << 40,
-                                             parallel_bytes=1),
+                                             parallel_bytes=1, native=False),
     "rows_scatter": lambda: MemmoveCopyEngine(direct_block_bytes=1 << 40, scatter_block_bytes=1,
-                                              parallel_bytes=1),
+                                              parallel_bytes=1, native=False),
     "rows_tile": lambda: MemmoveCopyEngine(direct_block_bytes=1 << 40,
                                            scatter_block_bytes=1 << 40, tile_bytes=1,
-                                           parallel_bytes=1),
+                                           parallel_bytes=1, native=False),
     "memmove_fallback": lambda: MemmoveCopyEngine(min_row_bytes=1 << 30, parallel_piece=1,
-                                                  parallel_bytes=1),
+                                                  parallel_bytes=1, native=False),
     "torch": lambda: TorchCopyEngine(),
     "staged": lambda: StagedCopyEngine(stage_all=True),
+    "staged_python": lambda: StagedCopyEngine(stage_all=True,
+                                              host_engine=MemmoveCopyEngine(native=False)),
 }
+ENGINE_PARAMS = [pytest.param(name, marks=needs_native) if name.startswith("native") else name
+                 for name in ENGINES]
 KINDS = ["outer_contiguous", "block_contiguous", "fully_contiguous"]
 
 
-@pytest.mark.parametrize("engine_name", list(ENGINES))
+@pytest.mark.parametrize("engine_name", ENGINE_PARAMS)
 @pytest.mark.parametrize("src_kind", KINDS)
 @pytest.mark.parametrize("dst_kind", KINDS + ["host"])
 def test_every_layout_pair_round_trips(engine_name, src_kind, dst_kind):
@@ -53,7 +68,7 @@ def test_every_layout_pair_round_trips(engine_name, src_kind, dst_kind):
     engine.close()
 
 
-@pytest.mark.parametrize("engine_name", list(ENGINES))
+@pytest.mark.parametrize("engine_name", ENGINE_PARAMS)
 def test_dtypes_exact(engine_name, dtype):
     engine = ENGINES[engine_name]()
     cfg = small_config(dtype=dtype)
@@ -101,7 +116,7 @@ def test_coalesce_merges_runs_only_when_both_sides_continue():
     assert s.tolist() == [0, 40] and d.tolist() == [100, 130] and n.tolist() == [30, 20]
 
 
-@pytest.mark.parametrize("engine_name", list(ENGINES))
+@pytest.mark.parametrize("engine_name", ENGINE_PARAMS)
 @pytest.mark.parametrize("src_kind", KINDS)
 def test_copy_hashed_returns_xxh3_of_destination_blocks(engine_name, src_kind):
     engine = ENGINES[engine_name]()
@@ -128,7 +143,7 @@ def test_layouts_without_coarse_rows_fall_back_to_memmove():
     src = DeviceStorage.allocate(cfg, kv_layout="outer_contiguous", device="cpu")
     fill_random(src.memory.regions, seed=9)
     host = HostStorage(cfg)
-    engine = MemmoveCopyEngine()
+    engine = MemmoveCopyEngine(native=False)
     engine.copy(src.memory, [5, 1, 2], host.memory, [0, 4, 2])
     back = DeviceStorage.allocate(cfg, kv_layout="block_contiguous", device="cpu")
     engine.copy(host.memory, [0, 4, 2], back.memory, [3, 0, 1])

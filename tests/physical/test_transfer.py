@@ -73,6 +73,9 @@ def test_every_path_round_trips_exact_bytes(tmp_path, g1_kind, o_direct, dtype, 
 
 @pytest.mark.parametrize("copy_engine", [TorchCopyEngine, lambda: StagedCopyEngine(stage_all=True),
                                          lambda: MemmoveCopyEngine(parallel_bytes=1,
+                                                                   parallel_piece=1),
+                                         lambda: MemmoveCopyEngine(native=False,
+                                                                   parallel_bytes=1,
                                                                    parallel_piece=1)])
 def test_other_copy_engines_drive_the_same_paths(tmp_path, copy_engine):
     tiers = make_tiers(tmp_path, g1_kind="block_contiguous")

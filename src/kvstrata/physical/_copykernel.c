@@ -164,7 +164,19 @@ static PyObject *copy_pieces(PyObject *self, PyObject *args, PyObject *kwargs)
     } else {
         if (get_u64_buffer(len_obj, &lv, "lengths") < 0)
             goto done;
-        have_len = 1;
+        if (lv.ndim == 0) {   /* a numpy integer scalar: one length for every piece */
+            int64_t v = *(const int64_t *)lv.buf;
+            PyBuffer_Release(&lv);
+            if (v < 0) {
+                PyErr_SetString(PyExc_ValueError, "lengths must be >= 0");
+                goto done;
+            }
+            uniform = (uint64_t)v;
+        } else {
+            have_len = 1;
+        }
+    }
+    if (have_len) {
         if (lv.len / 8 != n) {
             PyErr_Format(PyExc_ValueError, "%zd addresses but %zd lengths", n, lv.len / 8);
             goto done;

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib.util
 import math
 import os
 import threading
@@ -58,10 +59,13 @@ def _load_native():
     """The native batched-copy kernel, or ``(None, why not)``."""
     if os.environ.get("KVSTRATA_NATIVE_COPY", "1").strip().lower() in ("0", "false", "no", "off"):
         return None, "disabled by KVSTRATA_NATIVE_COPY"
+    if importlib.util.find_spec(f"{__package__}._copykernel") is None:
+        return None, ("not built (an optional extension: `pip install -e .` compiles it with "
+                      "gcc and the Python headers, and installs without it if that fails)")
     try:
         from . import _copykernel
-    except ImportError as exc:   # not built (optional extension failed, or a source tree)
-        return None, f"not built: {exc}"
+    except ImportError as exc:   # built for another interpreter, missing symbols, ...
+        return None, f"failed to load: {exc}"
     return _copykernel, None
 
 
@@ -278,7 +282,7 @@ class MemmoveCopyEngine(CopyEngine):
                  scatter_block_bytes: int = 64 << 10, tile_bytes: int = 2 << 20,
                  hash_window_bytes: int = 256 << 10,
                  min_row_bytes: int = 64, pipeline_hash: bool = True,
-                 native: bool | None = None, stream_bytes: int = 8 << 20,
+                 native: bool | None = None, stream_bytes: int = 4 << 20,
                  prefetch: bool = True) -> None:
         if native and _native is None:
             raise RuntimeError(f"native copy kernel unavailable ({NATIVE_KERNEL_ERROR})")

@@ -122,6 +122,13 @@ class TransferEngine:
             except queue.Empty:
                 return out
 
+    @property
+    def copy_kernel(self) -> str:
+        """The host copy kernel in use: ``"native"`` (the C extension) or ``"python"`` (its
+        pure-Python fallback, e.g. when the extension failed to build); see
+        :func:`~kvstrata.physical.copy.native_kernel_status`."""
+        return self.copy_engine.kernel
+
     def storage(self, tier: str) -> Storage:
         """The storage of ``tier``."""
         return self._storages[tier]
