@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from typing import Callable
 
 
@@ -29,3 +30,22 @@ def result_line(name: str, ours: float, baseline: float, unit: str, goal: str = 
         f"RESULT name={name} ours={ours:,.0f}{unit} baseline={baseline:,.0f}{unit} "
         f"ratio={ratio:.2f}{extra}"
     )
+
+
+def bare_lru_hits(requests, capacity: int) -> int:
+    """Prefix hits of the plain LRU of REFERENCE.md §6, as a bare OrderedDict (a baseline)."""
+    cache: OrderedDict[int, None] = OrderedDict()
+    hits = 0
+    for req in requests:
+        for h in req.hash_ids:
+            if h not in cache:
+                break
+            hits += 1
+        for h in req.hash_ids:
+            if h in cache:
+                cache.move_to_end(h)
+            else:
+                cache[h] = None
+                if len(cache) > capacity:
+                    cache.popitem(last=False)
+    return hits

@@ -10,30 +10,11 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections import OrderedDict
 
-from _common import best_of, result_line
+from _common import bare_lru_hits, best_of, result_line
 
 from kvstrata.config import KvConfig, TierConfig, load_config
 from kvstrata.replay import load_trace, replay
-
-
-def bare_lru(requests, capacity: int) -> int:
-    cache: OrderedDict[int, None] = OrderedDict()
-    hits = 0
-    for req in requests:
-        for h in req.hash_ids:
-            if h not in cache:
-                break
-            hits += 1
-        for h in req.hash_ids:
-            if h in cache:
-                cache.move_to_end(h)
-            else:
-                cache[h] = None
-                if len(cache) > capacity:
-                    cache.popitem(last=False)
-    return hits
 
 
 def main() -> None:
@@ -50,7 +31,7 @@ def main() -> None:
     repeats = 1 if args.quick else 3
     holder = {}
     t_ours = best_of(repeats, lambda: holder.__setitem__("r", replay(requests, config, granularity="trace")))
-    t_bare = best_of(repeats, lambda: holder.__setitem__("b", bare_lru(requests, args.capacity)))
+    t_bare = best_of(repeats, lambda: holder.__setitem__("b", bare_lru_hits(requests, args.capacity)))
     assert holder["r"].blocks_hit == holder["b"], "replay and bare LRU disagree"
     print(f"{len(requests):,} requests, {blocks:,} block accesses, one LRU tier of {args.capacity:,}")
     print(f"  kvstrata replay (hash + pools)    {blocks / t_ours:>12,.0f} block accesses/s")
