@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from kvstrata.config import KvConfig, ModelGeometry, TierConfig
-from kvstrata.data_replay import DataReplayError, block_payload, run_data_replay
-from kvstrata.replay import TraceRequest, iter_trace, replay
+from kvstrata.data_replay import DataReplayError, _DataRun, block_payload, run_data_replay
+from kvstrata.manager import KvBlockManager
+from kvstrata.replay import RequestHasher, TraceRequest, iter_trace, replay
 
 SMALL_MODEL = ModelGeometry(num_layers=2, kv_heads=2, head_dim=16, dtype="fp16")  # 4 KiB blocks
 
@@ -84,3 +85,39 @@ def test_refuses_tiers_too_big_for_the_limits(tmp_path):
         run_data_replay([], KvConfig(tiers={"G1": TierConfig(blocks=4), "G2": TierConfig(blocks=4),
                                             "G3": TierConfig(blocks=4),
                                             "G4": TierConfig(blocks=4)}, model=SMALL_MODEL))
+
+
+def test_verifier_catches_corrupted_blocks(tmp_path):
+    """The replay's checks must be able to fail: a block corrupted in G1 (no checksum there)
+    is caught by the byte comparison, one corrupted on disk by the G3 checksum."""
+    cfg = config(64, 64, 1024)
+    with KvBlockManager(cfg, disk_dir=str(tmp_path)) as mgr:
+        run = _DataRun(mgr, cfg, RequestHasher(cfg.block_size, "engine"), "all", True)
+        first, second = request(1), request(2)
+        run.request(first)
+        run.request(second)
+        assert run.report(0.0)["mismatches"] == 0
+        hashes = [r.sequence_hash for r in run.hasher.records(first)[0]]
+        hashes2 = [r.sequence_hash for r in run.hasher.records(second)[0]]
+        # Flip a byte of a G1 block of request 1: served from G1, compared, mismatch.
+        g1 = mgr.storage("G1")
+        region, offset, _ = g1.layout.region_of(mgr.pools["G1"].lookup(hashes[3]).block_id,
+                                                0, 0)
+        g1.memory.regions[region][offset] ^= 0xFF
+        run.request(first)
+        doc = run.report(0.0)
+        assert doc["mismatches"] == 1 and doc["checksum_failures"] == 0
+        # Flip a byte of request 2's copy on disk and serve it from there: checksum failure.
+        mgr.evict("G1", list(reversed(hashes2))).result(30)
+        mgr.evict("G2", list(reversed(hashes2))).result(30)
+        slot = mgr.pools["G3"].lookup(hashes2[5]).block_id
+        g3 = mgr.storage("G3")
+        with open(g3.path, "r+b") as f:
+            f.seek(slot * g3.layout.block_stride + 10)
+            byte = f.read(1)
+            f.seek(slot * g3.layout.block_stride + 10)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        run.request(second)
+        doc = run.report(0.0)
+        assert doc["checksum_failures"] == 1 and doc["load_failures"] == 1
+        assert doc["mismatches"] == 1          # the corrupt disk bytes were never served

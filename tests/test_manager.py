@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import glob
 import os
+import socket
+import tempfile
+import threading
 
 import numpy as np
 import pytest
@@ -10,7 +14,9 @@ import torch
 
 from kvstrata.config import KvConfig, ModelGeometry, TierConfig
 from kvstrata.logical.registry import BlockRecord
-from kvstrata.manager import KvBlockManager, ManagerClosedError, ManagerConfigError
+from kvstrata import manager as manager_module
+from kvstrata.manager import (InvalidBlockError, KvBlockManager, ManagerClosedError,
+                              ManagerConfigError, ManagerError)
 from kvstrata.tokens import hash_blocks
 
 BS = 4
@@ -39,12 +45,16 @@ def payloads(mgr: KvBlockManager, records, seed: int = 0) -> dict[int, np.ndarra
     return {r.sequence_hash: rng.integers(0, 256, size, dtype=np.uint8) for r in records}
 
 
+HANG_GUARD = 30
+"""Seconds a test waits on a future before calling it a hang (never a performance bound)."""
+
+
 def put(mgr: KvBlockManager, records, data: dict[int, np.ndarray]) -> None:
     """What an engine does after computing KV: allocate, write, register, release."""
-    blocks = mgr.allocate(len(records)).result()
+    blocks = mgr.allocate(len(records)).result(HANG_GUARD)
     mgr.write_g1(blocks.block_ids, [data[r.sequence_hash] for r in records])
     blocks.apply_token_blocks(records)
-    mgr.release(mgr.register(blocks).result()).result()
+    mgr.release(mgr.register(blocks).result(HANG_GUARD)).result(HANG_GUARD)
 
 
 def evict_g1(mgr: KvBlockManager) -> None:
@@ -228,3 +238,233 @@ def test_release_after_close_does_not_hang(tmp_path):
     result = mgr.onboard(hashes_of(records)).result()
     mgr.close()
     assert result.release().result(1) is None
+
+
+@pytest.mark.parametrize("bad", [2**64 + 5, -1])
+def test_register_refuses_a_bad_hash_and_changes_nothing(tmp_path, bad):
+    with KvBlockManager(make_config(), disk_dir=tmp_path) as mgr:
+        blocks = mgr.allocate(1).result(HANG_GUARD)
+        size = mgr.storage("G1").config.block_bytes
+        mgr.write_g1(blocks.block_ids, [np.zeros(size, np.uint8)])
+        blocks.apply_token_blocks([BlockRecord(bad, 1, None, BS)])
+        with pytest.raises(InvalidBlockError, match="sequence_hash"):
+            mgr.register(blocks).result(HANG_GUARD)
+        assert bad not in mgr.pools["G1"]
+        status = mgr.status()
+        assert status["transfers_pending"] == 0
+        assert status["tiers"]["G2"]["pool"]["active"] == 0
+        mgr.flush().result(HANG_GUARD)          # nothing left pending
+        mgr.release(blocks).result(HANG_GUARD)  # the handle was not consumed
+        records = chain(2)
+        data = payloads(mgr, records)
+        put(mgr, records, data)                 # the manager still works
+        mgr.wait_idle(HANG_GUARD)
+        assert all(r.sequence_hash in mgr.pools["G3"] for r in records)
+        assert_baseline(mgr)
+
+
+@pytest.mark.parametrize("g1_layout", ["outer_contiguous", "block_contiguous",
+                                       "fully_contiguous"])
+def test_write_g1_validates_everything_before_writing(g1_layout):
+    with KvBlockManager(make_config(g2=0, g3=0), g1_layout=g1_layout) as mgr:
+        n = mgr.pools["G1"].capacity
+        size = mgr.storage("G1").config.block_bytes
+        records = chain(n - 2)
+        data = payloads(mgr, records)
+        put(mgr, records, data)
+        registered = [mgr.pools["G1"].lookup(r.sequence_hash).block_id for r in records]
+        free = [i for i in range(n) if i not in registered]
+        junk = np.full(size, 0xAB, np.uint8)
+        for ids in ([-1], [n], [True], [1.0]):
+            with pytest.raises(InvalidBlockError, match="not a G1 block id"):
+                mgr.write_g1(ids, [junk])
+        with pytest.raises(InvalidBlockError, match="registered"):
+            mgr.write_g1([registered[-1]], [junk])
+        with pytest.raises(InvalidBlockError, match="not held"):
+            mgr.write_g1([free[0]], [junk])
+        held = mgr.allocate(2).result(HANG_GUARD)
+        first = np.arange(size, dtype=np.uint8)
+        mgr.write_g1(held.block_ids, [first, first])
+        with pytest.raises(InvalidBlockError, match="payload 1"):
+            mgr.write_g1(held.block_ids, [junk, junk[:-1]])    # the second is too short
+        with pytest.raises(InvalidBlockError, match="2 block ids but 1 payloads"):
+            mgr.write_g1(held.block_ids, [junk])
+        assert all(np.array_equal(got, first) for got in mgr.read_g1(held.block_ids))
+        for r, block_id in zip(records, registered):        # nothing was corrupted
+            assert np.array_equal(mgr.read_g1([block_id])[0], data[r.sequence_hash])
+        for ids in ([n], [-1]):
+            with pytest.raises(InvalidBlockError):
+                mgr.read_g1(ids)
+        mgr.release(held).result(HANG_GUARD)
+
+
+def test_calls_after_close_fail_fast_or_resolve(tmp_path):
+    mgr = KvBlockManager(make_config(), disk_dir=tmp_path)
+    mgr.close()
+    with pytest.raises(ManagerClosedError):
+        mgr.status()
+    with pytest.raises(ManagerClosedError):
+        mgr.transfer_stats()
+    assert mgr.flush().result(HANG_GUARD) is None
+    mgr.wait_idle(HANG_GUARD)
+
+
+def test_storage_of_unknown_tier_is_a_typed_error():
+    with KvBlockManager(make_config(g3=0)) as mgr:
+        with pytest.raises(ManagerError, match="G9"):
+            mgr.storage("G9")
+        with pytest.raises(ManagerError, match="G3"):
+            mgr.evict("G3", [1])
+
+
+class _SpyQueue:
+    """Wraps the owner's queue to tell when something (and the stop marker) is posted."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.posted = threading.Event()
+        self.stop_posted = threading.Event()
+
+    def put(self, item) -> None:
+        self.inner.put(item)
+        self.posted.set()
+        if item is manager_module._STOP:
+            self.stop_posted.set()
+
+    def get(self, *args, **kwargs):
+        return self.inner.get(*args, **kwargs)
+
+
+class _BlockingObserver:
+    """A registry observer that blocks the owner thread inside ``register`` while armed."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    def on_tier_stored(self, tier, records) -> None:
+        if self.armed:
+            self.armed = False
+            self.entered.set()
+            self.gate.wait(HANG_GUARD)
+
+    def on_tier_removed(self, tier, hashes) -> None: ...
+    def on_tier_cleared(self, tier) -> None: ...
+    def on_stored(self, records) -> None: ...
+    def on_removed(self, hashes) -> None: ...
+
+
+def test_release_racing_close_resolves():
+    """release() posted after close() queued the owner's stop marker, while the owner is
+    still alive, must still resolve (it used to be posted behind the marker, never run)."""
+    mgr = KvBlockManager(make_config(g2=0, g3=0))
+    records = chain(2)
+    put(mgr, records, payloads(mgr, records))
+    held = mgr.match(hashes_of(records)).result(HANG_GUARD)   # a handle the caller keeps
+    observer = _BlockingObserver()
+    mgr.add_observer(observer).result(HANG_GUARD)
+    blocks = mgr.allocate(1).result(HANG_GUARD)
+    blocks.apply_token_blocks(chain(1, start=900))
+    observer.armed = True
+    registered = mgr.register(blocks)
+    assert observer.entered.wait(HANG_GUARD)          # the owner is busy in register
+    spy = mgr._queue = _SpyQueue(mgr._queue)
+    closer = threading.Thread(target=mgr.close)
+    closer.start()
+    assert spy.posted.wait(HANG_GUARD)                # close() posted its flush
+    owner_busy, unblock = threading.Event(), threading.Event()
+    late = mgr.flush()                                # queued behind close()'s flush
+    late.add_done_callback(lambda _: (owner_busy.set(), unblock.wait(HANG_GUARD)))
+    observer.gate.set()
+    assert spy.stop_posted.wait(HANG_GUARD) and owner_busy.wait(HANG_GUARD)
+    assert mgr._owner.is_alive()                      # stop marker queued, owner alive
+    released = mgr.release(held)
+    try:
+        assert released.result(5) is None
+    finally:
+        unblock.set()
+        closer.join(HANG_GUARD)
+    assert not closer.is_alive()
+    assert registered.done()
+
+
+def test_concurrent_close_waits_for_the_first(tmp_path):
+    gate = threading.Event()
+
+    class GatedWrites(manager_module.FileOps):
+        def pwritev(self, fd, buffers, offset):
+            gate.wait(HANG_GUARD)
+            return super().pwritev(fd, buffers, offset)
+
+    mgr = KvBlockManager(make_config(), disk_dir=tmp_path, file_ops=GatedWrites(),
+                         o_direct=False)
+    records = chain(2)
+    put(mgr, records, payloads(mgr, records))         # G2->G3 now waits at the gate
+    seen = {}
+
+    def second_close() -> None:
+        mgr.close()
+        seen["owner_alive"] = mgr._owner.is_alive()
+
+    first = threading.Thread(target=mgr.close)
+    first.start()
+    with pytest.raises(ManagerClosedError):            # the first close() has begun
+        while True:
+            mgr.allocate(1).result(HANG_GUARD).release()
+    second = threading.Thread(target=second_close)
+    second.start()
+    second.join(0.3)
+    assert second.is_alive(), "a second close() returned while the first was still closing"
+    gate.set()
+    first.join(HANG_GUARD)
+    second.join(HANG_GUARD)
+    assert seen == {"owner_alive": False}
+
+
+def test_wait_idle_timeout_withdraws_its_waiter(tmp_path):
+    gate = threading.Event()
+
+    class GatedWrites(manager_module.FileOps):
+        def pwritev(self, fd, buffers, offset):
+            gate.wait(HANG_GUARD)
+            return super().pwritev(fd, buffers, offset)
+
+    with KvBlockManager(make_config(), disk_dir=tmp_path, file_ops=GatedWrites(),
+                        o_direct=False) as mgr:
+        records = chain(2)
+        put(mgr, records, payloads(mgr, records))
+        for _ in range(3):
+            with pytest.raises(TimeoutError):
+                mgr.wait_idle(0.01)
+        mgr.status()                                  # the owner has handled the withdrawals
+        assert mgr._idle_waiters == []
+        gate.set()
+        mgr.wait_idle(HANG_GUARD)
+
+
+def test_busy_metrics_port_is_a_config_error_and_leaks_nothing():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        threads = set(threading.enumerate())
+        dirs = set(glob.glob(os.path.join(tempfile.gettempdir(), "kvstrata-g3-*")))
+        with pytest.raises(ManagerConfigError, match=str(port)):
+            KvBlockManager(make_config(), metrics_port=port)
+    assert [t.name for t in set(threading.enumerate()) - threads] == []
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "kvstrata-g3-*"))) == dirs
+
+
+@pytest.mark.parametrize("shape, dtype, kv_layout, problem", [
+    ((3, 2, 6, BS, 2, 8), torch.float16, "auto", "3 layers"),
+    ((2, 2, 6, BS, 4, 8), torch.float16, "auto", "2 x 8 = 16"),
+    ((2, 2, 6, BS, 2, 8), torch.float32, "auto", "dtype float32"),
+    ((2, 6, BS, 1, 16), torch.float16, "mla", "outer dim 1"),
+])
+def test_kv_caches_must_match_the_model_geometry(tmp_path, shape, dtype, kv_layout, problem):
+    tensors = [torch.zeros(shape[1:], dtype=dtype) for _ in range(shape[0])]
+    with pytest.raises(ManagerConfigError, match=problem):
+        KvBlockManager(make_config(g1=6), kv_caches=tensors, kv_layout=kv_layout,
+                       disk_dir=tmp_path)
+    assert list(tmp_path.iterdir()) == []

@@ -68,7 +68,13 @@ def test_http_endpoint_serves_metrics_and_stops_on_close():
         url = f"http://127.0.0.1:{mgr.metrics_port}/metrics"
         body = urllib.request.urlopen(url, timeout=5).read().decode()
         assert 'kvstrata_tier_capacity_blocks{tier="G1"} 8.0' in body
-        assert "kvstrata_transfer_seconds_bucket" in body or "kvstrata_transfers_in_flight" in body
+        assert "kvstrata_transfers_in_flight 0.0" in body
+        records = chain(2)
+        put(mgr, records, payloads(mgr, records))
+        mgr.wait_idle(10)
+        body = urllib.request.urlopen(url, timeout=5).read().decode()
+        assert 'kvstrata_offload_blocks_total{path="G1->G2"} 2.0' in body
+        assert 'kvstrata_transfer_seconds_count{path="G1->G2"} 1.0' in body
     finally:
         mgr.close()
     try:
@@ -82,3 +88,27 @@ def test_endpoint_is_off_by_default():
     metrics = ManagerMetrics()
     assert metrics._server is None
     metrics.close()
+
+
+def test_close_unregisters_so_a_shared_registry_can_be_reused():
+    registry = CollectorRegistry()
+    with KvBlockManager(make_config(g3=0), metrics_registry=registry) as first:
+        records = chain(2)
+        put(first, records, payloads(first, records))
+        first.wait_idle(10)
+    assert registry.get_sample_value("kvstrata_tier_capacity_blocks", {"tier": "G1"}) is None
+    assert first.metrics.value("kvstrata_offload_blocks_total", path="G1->G2") == 2
+    with KvBlockManager(make_config(g1=4, g3=0), metrics_registry=registry):
+        assert registry.get_sample_value("kvstrata_tier_capacity_blocks", {"tier": "G1"}) == 4
+
+
+def test_a_clash_in_a_shared_registry_leaves_nothing_registered():
+    registry = CollectorRegistry()
+    with KvBlockManager(make_config(g3=0), metrics_registry=registry):
+        names = set(registry._names_to_collectors)
+        try:
+            ManagerMetrics(registry)
+            raise AssertionError("a second set of the same collectors was accepted")
+        except ValueError:
+            pass
+        assert set(registry._names_to_collectors) == names

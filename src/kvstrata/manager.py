@@ -33,6 +33,7 @@ Typical use::
 from __future__ import annotations
 
 import logging
+import numbers
 import queue
 import shutil
 import tempfile
@@ -45,6 +46,7 @@ import numpy as np
 import torch
 
 from .config import KvConfig
+from .logical.block import BlockState
 from .logical.handles import ImmutableBlocks, MutableBlocks, _Blocks
 from .logical.hierarchy import TierHierarchy
 from .logical.registry import BlockRegistry, RegistryObserver
@@ -54,7 +56,7 @@ from .physical import (DeviceStorage, DiskStorage, FileOps, HostStorage, LayoutC
                        PhysicalError, Storage, TransferEngine)
 
 __all__ = ["KvBlockManager", "OnboardResult", "ManagerError", "ManagerClosedError",
-           "ManagerConfigError", "layout_config_for"]
+           "ManagerConfigError", "InvalidBlockError", "layout_config_for"]
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +74,29 @@ class ManagerClosedError(ManagerError):
 
 class ManagerConfigError(ManagerError, ValueError):
     """The configuration cannot be turned into tiers (unsupported tier, size over a limit,
-    KV tensors that do not match the config)."""
+    KV tensors that do not match the config, a metrics port that cannot be bound)."""
+
+
+class InvalidBlockError(ManagerError, ValueError):
+    """A call named blocks it may not use: a block id out of range, a block not held or
+    already registered, a payload of the wrong size, a block identity (hash, block size) that
+    cannot be stored. Raised before anything changed."""
+
+
+_U64 = 1 << 64
+
+
+def _is_u64(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < _U64
+
+
+def _resolved(value: object = None, error: BaseException | None = None) -> Future:
+    future: Future = Future()
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)
+    return future
 
 
 def layout_config_for(config: KvConfig, num_blocks: int, alignment: int = 1) -> LayoutConfig:
@@ -85,6 +109,30 @@ def layout_config_for(config: KvConfig, num_blocks: int, alignment: int = 1) -> 
                             alignment=alignment)
     except PhysicalError as exc:
         raise ManagerConfigError(f"model geometry: {exc}") from exc
+
+
+def _check_kv_caches(got: LayoutConfig, config: KvConfig) -> None:
+    """The engine's KV tensors must have the geometry ``config.model`` describes."""
+    m = config.model
+    want = layout_config_for(config, got.num_blocks)
+    problems = []
+    if got.page_size != config.block_size:
+        problems.append(f"they hold {got.page_size}-token blocks but config.block_size is "
+                        f"{config.block_size}")
+    if got.num_layers != want.num_layers:
+        problems.append(f"{got.num_layers} layers, config.model.num_layers is "
+                        f"{want.num_layers}")
+    if got.outer_dim != want.outer_dim:
+        problems.append(f"outer dim {got.outer_dim}, config.model.outer_dim is "
+                        f"{want.outer_dim}")
+    if got.inner_dim != want.inner_dim:
+        problems.append(f"{got.inner_dim} elements per token (heads x head dim), "
+                        f"config.model has kv_heads x head_dim = {m.kv_heads} x "
+                        f"{m.head_dim} = {want.inner_dim}")
+    if got.dtype != want.dtype:
+        problems.append(f"dtype {got.dtype}, config.model.dtype is {want.dtype}")
+    if problems:
+        raise ManagerConfigError("KV tensors do not match the config: " + "; ".join(problems))
 
 
 class _Command:
@@ -152,12 +200,25 @@ class KvBlockManager:
         self._storages: dict[str, Storage] = {}
         self._temp_dir: str | None = None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._closed = False
+        self._closed = False          # close() started: public calls are refused
         self._close_lock = threading.Lock()
+        self._close_done = threading.Event()
+        # Guards _stopped/_broken together with posting to the queue, so nothing is posted
+        # after the owner's stop marker (it would never run).
+        self._state_lock = threading.Lock()
+        self._stopped = False         # the owner thread was told to stop
+        self._broken: ManagerError | None = None   # the owner thread hit a bug
         self._idle_waiters: list[Future] = []
         self.metrics = ManagerMetrics(metrics_registry)
         self.metrics_port: int | None = None
+        self.engine: TransferEngine | None = None
         try:
+            if metrics_port is not None:   # first: a busy port must not leak threads or dirs
+                try:
+                    self.metrics_port = self.metrics.serve(metrics_port)
+                except OSError as exc:
+                    raise ManagerConfigError(
+                        f"cannot serve metrics on 127.0.0.1:{metrics_port}: {exc}") from exc
             g1 = self._build_g1(config, kv_caches, kv_layout, g1_layout, device)
             if g1.num_blocks != config.tier_blocks("G1"):
                 tiers = dict(config.tiers)
@@ -168,19 +229,21 @@ class KvBlockManager:
                                     max_host_bytes, o_direct, file_ops)
             self.hierarchy = TierHierarchy(config)
             self.engine = TransferEngine(self._storages, workers_per_path=workers_per_path)
+            self.pools = self.hierarchy.pools
+            self.coordinator = TransferCoordinator(self.pools, self.hierarchy.admission,
+                                                   self.engine, self._queue.put, self.metrics,
+                                                   self.release)
+            for tier, storage in self._storages.items():
+                self.metrics.set_capacity(tier, storage.num_blocks, storage.status().bytes)
+            self._owner = threading.Thread(target=self._run, name="kvstrata-manager-owner",
+                                           daemon=True)
+            self._owner.start()
         except BaseException:
+            if self.engine is not None:
+                self.engine.close()
+            self.metrics.close()
             self._close_storages()
             raise
-        self.pools = self.hierarchy.pools
-        self.coordinator = TransferCoordinator(self.pools, self.hierarchy.admission, self.engine,
-                                               self._queue.put, self.metrics, self.release)
-        for tier, storage in self._storages.items():
-            self.metrics.set_capacity(tier, storage.num_blocks, storage.status().bytes)
-        self._owner = threading.Thread(target=self._run, name="kvstrata-manager-owner",
-                                       daemon=True)
-        self._owner.start()
-        if metrics_port is not None:
-            self.metrics_port = self.metrics.serve(metrics_port)
 
     # ------------------------------------------------------------------ construction
     def _build_g1(self, config: KvConfig, kv_caches, kv_layout: str, g1_layout: str,
@@ -188,10 +251,7 @@ class KvBlockManager:
         try:
             if kv_caches is not None:
                 g1 = DeviceStorage.wrap(kv_caches, kv_layout=kv_layout)
-                if g1.config.page_size != config.block_size:
-                    raise ManagerConfigError(
-                        f"KV tensors hold {g1.config.page_size}-token blocks but "
-                        f"config.block_size is {config.block_size}")
+                _check_kv_caches(g1.config, config)
             else:
                 g1 = DeviceStorage.allocate(layout_config_for(config, config.tier_blocks("G1")),
                                             device=device, kv_layout=g1_layout)
@@ -230,19 +290,45 @@ class KvBlockManager:
             item = get()
             if item is _STOP:
                 return
+            if self._broken is not None:
+                self._refuse(item)
+                continue
             try:
                 if isinstance(item, Completion):
-                    coordinator.complete(item)
+                    coordinator.complete(item)    # settles its handles even when it fails
                 else:
-                    item.run()
+                    item.run()                    # errors go to the caller's future
                 self.engine.drain_completions()   # results arrive via futures; keep it empty
                 if coordinator.idle and self._idle_waiters:
                     waiters, self._idle_waiters = self._idle_waiters, []
                     for waiter in waiters:
-                        waiter.set_result(None)
+                        if not waiter.done():
+                            waiter.set_result(None)
                 self._publish_pool_metrics()
-            except Exception:  # a bug: keep the owner alive, say what happened
+            except Exception as exc:   # a bug outside any one request: the state is suspect
                 log.exception("kvstrata manager owner thread failed handling %r", item)
+                self._break(exc)
+
+    def _break(self, cause: Exception) -> None:
+        """Mark the manager broken and fail everything still waiting (owner thread)."""
+        error = ManagerError(f"kvstrata manager failed on its owner thread ({cause!r}); it "
+                             f"accepts no more calls, close it")
+        error.__cause__ = cause
+        with self._state_lock:
+            self._broken = error
+        waiters, self._idle_waiters = self._idle_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_exception(error)
+        try:
+            self.coordinator.fail_all(error)
+        except Exception:
+            log.exception("kvstrata manager: failing outstanding onboards failed")
+
+    def _refuse(self, item: object) -> None:
+        """A broken owner fails queued commands and drops completions."""
+        if isinstance(item, _Command) and item.future.set_running_or_notify_cancel():
+            item.future.set_exception(self._broken)
 
     def _publish_pool_metrics(self) -> None:
         for tier, pool in self.pools.items():
@@ -250,10 +336,16 @@ class KvBlockManager:
             self.metrics.set_pool(tier, s.active, s.inactive, s.reset, s.evictions)
 
     def _call(self, fn: Callable, deferred: bool = False, *, internal: bool = False) -> Future:
-        if self._closed and not internal:
-            raise ManagerClosedError("block manager is closed")
+        """Post ``fn`` to the owner. ``internal`` calls (release, flush, status) are still
+        accepted while :meth:`close` waits for pending transfers; none after the owner
+        stopped (``ManagerClosedError``) or broke (``ManagerError``)."""
         command = _Command(fn, deferred)
-        self._queue.put(command)
+        with self._state_lock:
+            if self._stopped or (self._closed and not internal):
+                raise ManagerClosedError("block manager is closed")
+            if self._broken is not None:
+                raise ManagerError(str(self._broken)) from self._broken.__cause__
+            self._queue.put(command)
         return command.future
 
     # ------------------------------------------------------------------ G1 blocks
@@ -268,13 +360,44 @@ class KvBlockManager:
         registered blocks (a hash already held is deduplicated to the existing block)."""
         def run() -> ImmutableBlocks:
             g1 = self.pools["G1"]
+            self._check_registrable(blocks)
             before = blocks.block_ids
             registered = g1.register(blocks, priority)
             new = [b.record() for b, slot in zip(registered.blocks, before)
                    if b.block_id == slot]
-            self.coordinator.offload("G1", new)
+            try:
+                self.coordinator.offload("G1", new)
+            except BaseException:
+                g1.release(registered)
+                raise
             return registered
         return self._call(run)
+
+    def _check_registrable(self, blocks: MutableBlocks) -> None:
+        """Refuse (``InvalidBlockError``, nothing changed) blocks whose identity cannot be
+        stored: hashes that are not unsigned 64-bit integers, a foreign block size."""
+        g1 = self.pools["G1"]
+        if not isinstance(blocks, MutableBlocks) or blocks.pool is not g1:
+            raise InvalidBlockError("register takes the MutableBlocks of the G1 pool that "
+                                    "allocate() returned")
+        if blocks.released:
+            raise InvalidBlockError("register: handle already released or registered")
+        block_size = self.config.block_size
+        for i, block in enumerate(blocks.blocks):
+            if block.state is not BlockState.COMPLETE:
+                continue                  # the pool refuses it with BlockStateError
+            where = f"register: block {i} (G1 slot {block.block_id})"
+            for name in ("sequence_hash", "local_hash", "parent_hash"):
+                value = getattr(block, name)
+                if not (_is_u64(value) or (name == "parent_hash" and value is None)):
+                    raise InvalidBlockError(f"{where}: {name} {value!r} is not an unsigned "
+                                            f"64-bit integer")
+            record = block.cached_record
+            if block.block_size != block_size or (record is not None
+                                                  and record.block_size != block_size):
+                size = record.block_size if record is not None else block.block_size
+                raise InvalidBlockError(f"{where}: a {size}-token block, config.block_size "
+                                        f"is {block_size}")
 
     def match(self, sequence_hashes: Sequence[int]) -> "Future[ImmutableBlocks]":
         """Handles on the longest prefix of ``sequence_hashes`` already in G1."""
@@ -305,20 +428,21 @@ class KvBlockManager:
         return self._call(run, deferred=True)
 
     def release(self, handle: _Blocks) -> "Future[None]":
-        """Give a handle of the G1 pool back (on the owner thread)."""
+        """Give a handle of the G1 pool back (on the owner thread). After :meth:`close` (or
+        once the manager broke) there is nothing to give back to: resolved at once."""
         if handle.pool is not self.pools["G1"]:
             raise ManagerError(f"handle of pool {handle.pool.tier} is not a G1 handle")
-        if not self._owner.is_alive():   # closed: the pools are gone, nothing to give back
-            done: Future = Future()
-            done.set_result(None)
-            return done
-        return self._call(lambda: None if handle.released else handle.release(), internal=True)
+        try:
+            return self._call(lambda: None if handle.released else handle.release(),
+                              internal=True)
+        except ManagerError:
+            return _resolved(None)
 
     def evict(self, tier: str, sequence_hashes: Sequence[int]) -> "Future[list[int]]":
         """Drop idle blocks from ``tier`` (invalidation); returns the hashes dropped. Blocks
         in use, or (leaf-first policies) with registered children, are left alone."""
         if tier not in self.pools:
-            raise ManagerError(f"no tier {tier!r}; tiers are {sorted(self.pools)}")
+            raise InvalidBlockError(f"no tier {tier!r}; tiers are {sorted(self.pools)}")
         hashes = list(sequence_hashes)
         return self._call(lambda: self.pools[tier].reset_blocks(hashes))
 
@@ -330,35 +454,79 @@ class KvBlockManager:
     def write_g1(self, block_ids: Sequence[int], payloads: Sequence[np.ndarray]) -> None:
         """Write each payload (``block_bytes`` of uint8, layer-major: layer, K/V, tokens,
         elements) into a G1 block the caller holds as ``MutableBlocks`` -- what an engine's
-        forward pass does. Runs on the caller's thread (bytes, not pool state)."""
+        forward pass does. Runs on the caller's thread (bytes, not pool state).
+
+        Every id, block and payload is checked before anything is written
+        (``InvalidBlockError``): ids in range, blocks held (allocated) and not registered
+        (a registered block's bytes are shared and may be copied right now), sizes right."""
+        ids = self._check_g1_ids(block_ids, "write_g1")
+        payloads = list(payloads)
+        if len(payloads) != len(ids):
+            raise InvalidBlockError(f"write_g1: {len(ids)} block ids but {len(payloads)} "
+                                    f"payloads")
+        g1 = self.pools["G1"]
+        for block_id in ids:
+            block = g1.block(block_id)
+            if block.ref_count <= 0 or block.state is BlockState.REGISTERED:
+                why = "registered" if block.state is BlockState.REGISTERED else "not held"
+                raise InvalidBlockError(
+                    f"write_g1: G1 block {block_id} is {why}; write only blocks you hold from "
+                    f"allocate(), before register()")
         regions, chunk, spans = self._g1_chunks()
-        for block_id, payload in zip(block_ids, payloads):
-            data = np.asarray(payload).reshape(-1).view(np.uint8)
-            if data.size != len(spans) * chunk:
-                raise ValueError(f"payload has {data.size} bytes, a block has "
-                                 f"{len(spans) * chunk}")
+        size = len(spans) * chunk
+        data = []
+        for i, payload in enumerate(payloads):
+            flat = np.asarray(payload).reshape(-1).view(np.uint8)
+            if flat.size != size:
+                raise InvalidBlockError(f"write_g1: payload {i} (block {ids[i]}) has "
+                                        f"{flat.size} bytes, a block has {size}")
+            data.append(flat)
+        for block_id, flat in zip(ids, data):
             for i, (region, offset_of) in enumerate(spans):
                 start = offset_of(block_id)
-                regions[region][start:start + chunk] = data[i * chunk:(i + 1) * chunk]
+                part = flat[i * chunk:(i + 1) * chunk]
+                dst = regions[region]
+                if isinstance(dst, np.ndarray):
+                    dst[start:start + chunk] = part
+                else:   # device memory: one host-to-device copy
+                    dst[start:start + chunk].copy_(torch.from_numpy(np.array(part)))
 
     def read_g1(self, block_ids: Sequence[int]) -> list[np.ndarray]:
-        """Copies of G1 blocks' payloads (same byte order as :meth:`write_g1`)."""
+        """Copies of G1 blocks' payloads (same byte order as :meth:`write_g1`); ids out of
+        range raise ``InvalidBlockError``."""
+        ids = self._check_g1_ids(block_ids, "read_g1")
         regions, chunk, spans = self._g1_chunks()
         out = []
-        for block_id in block_ids:
+        for block_id in ids:
             data = np.empty(len(spans) * chunk, dtype=np.uint8)
             for i, (region, offset_of) in enumerate(spans):
                 start = offset_of(block_id)
-                data[i * chunk:(i + 1) * chunk] = regions[region][start:start + chunk]
+                src = regions[region]
+                part = src[start:start + chunk]
+                data[i * chunk:(i + 1) * chunk] = (part if isinstance(src, np.ndarray)
+                                                   else part.cpu().numpy())
             out.append(data)
         return out
 
+    def _check_g1_ids(self, block_ids: Sequence[int], what: str) -> list[int]:
+        capacity = self._storages["G1"].config.num_blocks
+        ids = list(block_ids)
+        for i, block_id in enumerate(ids):
+            if isinstance(block_id, bool) or not isinstance(block_id, numbers.Integral) \
+                    or not 0 <= block_id < capacity:
+                raise InvalidBlockError(f"{what}: block_ids[{i}] = {block_id!r} is not a G1 "
+                                        f"block id (0 <= id < {capacity})")
+        return [int(b) for b in ids]
+
     def _g1_chunks(self):
+        """(regions, chunk bytes, per layer and K/V: (region, block id -> offset)). CPU
+        regions are numpy views (no copy); device regions stay tensors (copied through the
+        host by write_g1/read_g1)."""
         cached = getattr(self, "_g1_chunk_cache", None)
         if cached is None:
             g1 = self._storages["G1"]
             layout, cfg = g1.layout, g1.config
-            regions = [r.numpy() for r in g1.memory.regions]
+            regions = [r.numpy() if r.device.type == "cpu" else r for r in g1.memory.regions]
             spans = []
             for layer in range(cfg.num_layers):
                 for outer in range(cfg.outer_dim):
@@ -371,17 +539,36 @@ class KvBlockManager:
 
     # ------------------------------------------------------------------ waiting, status
     def flush(self) -> "Future[None]":
-        """A future resolved once no transfer is pending (offloads included)."""
+        """A future resolved once no transfer is pending (offloads included); resolved at
+        once after :meth:`close`, failed with ``ManagerError`` if the manager broke."""
         def run(future: Future) -> None:
             if self.coordinator.idle:
                 future.set_result(None)
             else:
                 self._idle_waiters.append(future)
-        return self._call(run, deferred=True, internal=True)
+        try:
+            return self._call(run, deferred=True, internal=True)
+        except ManagerClosedError:
+            return _resolved(None)
+        except ManagerError as exc:
+            return _resolved(error=exc)
 
     def wait_idle(self, timeout: float | None = None) -> None:
-        """Block until no transfer is pending (``flush().result(timeout)``)."""
-        self.flush().result(timeout)
+        """Block until no transfer is pending (``flush().result(timeout)``); on timeout
+        (``TimeoutError``) the wait is withdrawn."""
+        future = self.flush()
+        try:
+            future.result(timeout)
+        except TimeoutError:
+            try:
+                self._call(lambda: self._forget_waiter(future), internal=True)
+            except ManagerError:
+                pass
+            raise
+
+    def _forget_waiter(self, future: Future) -> None:
+        if future in self._idle_waiters:
+            self._idle_waiters.remove(future)
 
     def status(self) -> dict[str, Any]:
         """Per tier: pool counts (capacity, active, inactive, reset, evictions), storage
@@ -413,24 +600,38 @@ class KvBlockManager:
 
     def storage(self, tier: str) -> Storage:
         """The storage of ``tier`` (tests and byte-level tools)."""
+        if tier not in self._storages:
+            raise InvalidBlockError(f"no tier {tier!r}; tiers are {sorted(self._storages)}")
         return self._storages[tier]
 
     # ------------------------------------------------------------------ shutdown
     def close(self) -> None:
         """Wait for pending transfers, stop the owner thread and the transfer engine, free
-        storages (the G3 slab file is deleted) and stop the metrics endpoint. Idempotent."""
+        storages (the G3 slab file is deleted) and stop the metrics endpoint. Idempotent; a
+        concurrent second call returns once the first finished. Do not call it from a callback
+        running on the owner thread."""
         with self._close_lock:
-            if self._closed:
-                return
+            first = not self._closed
             self._closed = True
+        if not first:
+            self._close_done.wait()
+            return
         try:
-            self.flush().result()
+            if self._broken is None:
+                self.flush().result()
+        except ManagerError:
+            pass            # broke while waiting: stop anyway
         finally:
-            self._queue.put(_STOP)
-            self._owner.join()
-            self.engine.close()
-            self.metrics.close()
-            self._close_storages()
+            try:
+                with self._state_lock:   # nothing can be posted behind the stop marker
+                    self._stopped = True
+                    self._queue.put(_STOP)
+                self._owner.join()
+                self.engine.close()
+                self.metrics.close()
+                self._close_storages()
+            finally:
+                self._close_done.set()
 
     def _close_storages(self) -> None:
         for storage in self._storages.values():

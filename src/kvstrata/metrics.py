@@ -41,6 +41,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.metrics import MetricWrapperBase
 
 PREFIX = "kvstrata_"
 ONBOARD_PATHS = ("G2->G1", "G3->G1", "G3->G2")
@@ -59,7 +60,7 @@ class ManagerMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
-        r = self.registry
+        r = None   # created unregistered, registered together below
         self.capacity_blocks = Gauge(f"{PREFIX}tier_capacity_blocks", "Slots of a tier",
                                      ["tier"], registry=r)
         self.capacity_bytes = Gauge(f"{PREFIX}tier_capacity_bytes",
@@ -95,6 +96,15 @@ class ManagerMetrics:
         self.in_flight = Gauge(f"{PREFIX}transfers_in_flight",
                                "Transfer plans submitted, queued or deferred, not completed",
                                registry=r)
+        self._collectors = [v for v in vars(self).values() if isinstance(v, MetricWrapperBase)]
+        self._registered: list[MetricWrapperBase] = []
+        try:
+            for collector in self._collectors:
+                self.registry.register(collector)
+                self._registered.append(collector)
+        except BaseException:
+            self._unregister()   # a clash in a shared registry leaves nothing behind
+            raise
         self._evictions_seen: dict[str, int] = {}
         self._server = None
 
@@ -143,9 +153,13 @@ class ManagerMetrics:
     # -- reading -------------------------------------------------------------------------
     def value(self, name: str, **labels: str) -> float:
         """Current value of a sample (``name`` as exposed, e.g. ``kvstrata_hit_blocks_total``);
-        0.0 if absent. Meant for tests and reports."""
-        got = self.registry.get_sample_value(name, labels or None)
-        return 0.0 if got is None else got
+        0.0 if absent. Meant for tests and reports; works after :meth:`close` too."""
+        for collector in self._collectors:
+            for metric in collector.collect():
+                for sample in metric.samples:
+                    if sample.name == name and sample.labels == labels:
+                        return sample.value
+        return 0.0
 
     # -- HTTP endpoint -------------------------------------------------------------------
     def serve(self, port: int, addr: str = "127.0.0.1") -> int:
@@ -155,8 +169,14 @@ class ManagerMetrics:
         return server.server_address[1]
 
     def close(self) -> None:
-        """Stop the HTTP endpoint if one was started."""
+        """Stop the HTTP endpoint if one was started and unregister the collectors (so a
+        shared registry can take the next manager's). Idempotent."""
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+        self._unregister()
+
+    def _unregister(self) -> None:
+        while self._registered:
+            self.registry.unregister(self._registered.pop())

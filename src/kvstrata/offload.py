@@ -45,8 +45,7 @@ from .logical.policy import AdmissionPolicy
 from .logical.pool import BlockPool, PoolExhaustedError
 from .logical.registry import BlockRecord
 from .metrics import ManagerMetrics
-from .physical import (EngineBusyError, TransferEngine, TransferError, TransferPlan,
-                       TransferResult)
+from .physical import EngineBusyError, TransferEngine, TransferPlan, TransferResult
 
 __all__ = ["TransferCoordinator", "OnboardResult", "LoadFailure", "PathStats", "Completion",
            "TIER_ORDER"]
@@ -157,6 +156,7 @@ class _Copy:
     target: MutableBlocks
     onboard: "_Onboard | None" = None
     submitted: float = 0.0
+    settled: bool = False   # the onboard request has counted this copy as done
 
     @property
     def src_tier(self) -> str:
@@ -221,13 +221,24 @@ class TransferCoordinator:
             t: deque() for t in self.tiers}
         self._quarantine: dict[str, set[int]] = {t: set() for t in self.tiers}
         self._plan_ids = itertools.count()
-        self.pending = 0
-        """Copies submitted, backlogged or deferred, and not completed."""
+        self._ops: set[_Onboard] = set()   # onboard requests not yet resolved
+        self._pending = 0
         self.stats: dict[str, PathStats] = {}
 
     @property
+    def pending(self) -> int:
+        """Copies submitted, backlogged or deferred, and not completed."""
+        return self._pending
+
+    @pending.setter
+    def pending(self, value: int) -> None:
+        # Every change goes through here, so the in-flight gauge never goes stale.
+        self._pending = value
+        self.metrics.in_flight.set(value)
+
+    @property
     def idle(self) -> bool:
-        return self.pending == 0
+        return self._pending == 0
 
     # -- queries ---------------------------------------------------------------------------
     def locate(self, hashes: Iterable[int]) -> list[str]:
@@ -255,11 +266,15 @@ class TransferCoordinator:
         target = self.tiers[index + 1]
         pool, receiving = self.pools[target], self._receiving[target]
         bad_source = self._quarantine[source_tier]
+        bad_target = self._quarantine[target]
         seen: set[int] = set()
         offered: list[BlockRecord] = []
         for record in records:
             h = record.sequence_hash
-            if h in pool or h in receiving or h in seen or h in bad_source:
+            # A quarantined target block counts as absent: it is dropped once idle, and a
+            # good copy offered meanwhile dedups onto it harmlessly when registered.
+            if (h in pool and h not in bad_target) or h in receiving or h in seen \
+                    or h in bad_source:
                 continue
             seen.add(h)
             offered.append(record)
@@ -327,6 +342,15 @@ class TransferCoordinator:
         self._receiving[copy.dst_tier].difference_update(r.sequence_hash for r in copy.records)
         if bad is not None:
             target.release(bad)
+        tainted_sources = self._quarantine[copy.src_tier]
+        if good is not None and tainted_sources:
+            # The source was found bad (quarantined) while this copy ran: its bytes may be
+            # wrong, so the copy is not registered. Checked before the source hold is
+            # released, which may drop the quarantined block.
+            good, tainted = split_blocks(good, [b.sequence_hash not in tainted_sources
+                                                for b in good.blocks])
+            if tainted is not None:
+                target.release(tainted)
         source.release(copy.source)
         if result is not None and copy.src_tier != "G1":
             # A source that failed its read check is bad where it lives: drop it there.
@@ -363,6 +387,7 @@ class TransferCoordinator:
             plan.append((h, tier, None))
             copies += 1
         op = _Onboard(future, len(hashes), plan)
+        self._ops.add(op)
         if resident:
             hold = g1.match(resident)
             assert len(hold) == len(resident), "G1 lost resident blocks"
@@ -417,41 +442,72 @@ class TransferCoordinator:
             op.holds.append(registered)
             new = [b.record() for b, slot in zip(registered.blocks, before) if b.block_id == slot]
             self.offload("G1", new)   # blocks straight from G3 also go to G2
+        copy.settled = True
         op.pending -= 1
         if op.pending == 0:
             self._finalize(op)
 
     def _finalize(self, op: _Onboard) -> None:
+        """Resolve ``op`` (every copy and awaited request done), then its waiters. Whatever
+        goes wrong, the future is resolved, the holds released and the waiters settled."""
         g1 = self.pools["G1"]
+        self._ops.discard(op)
         for h in op.copying:
             if self._onboarding.get(h, (None,))[0] is op:
                 del self._onboarding[h]
-        prefix: list[int] = []
-        sources: list[str] = []
-        failures: list[LoadFailure] = list(op.failures.values())
-        for h, tier, other in op.plan:
-            if other is not None and h in other.failures:
-                failures.append(other.failures[h])
-            if h not in g1 or h in op.failures or (other is not None and h in other.failures):
-                break
-            prefix.append(h)
-            sources.append(tier)
-        handle = g1.match(prefix)
-        del sources[len(handle):]
-        self.metrics.lookup(op.requested, sources)
-        op.future.set_result(OnboardResult(handle, sources, failures, op.requested,
-                                           self._release_handle))
-        for waiter in op.waiters:
-            # Hold what this op loaded for the waiter until the waiter finishes too.
+        try:
+            prefix: list[int] = []
+            sources: list[str] = []
+            failures: list[LoadFailure] = list(op.failures.values())
+            for h, tier, other in op.plan:
+                if other is not None and h in other.failures:
+                    failures.append(other.failures[h])
+                if h not in g1 or h in op.failures or (other is not None
+                                                       and h in other.failures):
+                    break
+                prefix.append(h)
+                sources.append(tier)
+            handle = g1.match(prefix)
+            del sources[len(handle):]
+            result = OnboardResult(handle, sources, failures, op.requested,
+                                   self._release_handle)
+            if op.future.done():   # already failed (e.g. the request raised): give it back
+                g1.release(handle)
+            else:
+                op.future.set_result(result)
+            self.metrics.lookup(op.requested, sources)
+        except Exception as exc:
+            log.exception("kvstrata onboard could not be finalized")
+            if not op.future.done():
+                op.future.set_exception(exc)
+        finally:
+            for waiter in op.waiters:
+                self._settle_waiter(waiter, op)
+            for hold in op.holds:
+                _release_quietly(g1, hold)
+            op.holds.clear()
+
+    def _settle_waiter(self, waiter: _Onboard, op: _Onboard) -> None:
+        """``op``, which ``waiter`` waited for, is done: hold what it loaded for the waiter
+        until the waiter finishes too, and finalize the waiter if that was its last wait."""
+        g1 = self.pools["G1"]
+        try:
             mine = [h for h, _, other in waiter.plan if other is op and h in op.loaded
                     and h in g1]
             if mine:
                 waiter.holds.append(g1.match(mine))
-            waiter.pending -= 1
-            if waiter.pending == 0:
-                self._finalize(waiter)
-        for hold in op.holds:
-            g1.release(hold)
+        except Exception:
+            log.exception("kvstrata onboard: could not hold blocks for a waiting request")
+        waiter.pending -= 1
+        if waiter.pending == 0:
+            self._finalize(waiter)
+
+    def fail_all(self, error: BaseException) -> None:
+        """The owner cannot go on (a bug): fail every onboard request still outstanding."""
+        for op in list(self._ops):
+            if not op.future.done():
+                op.future.set_exception(error)
+        self._ops.clear()
 
     # -- failures --------------------------------------------------------------------------
     def _drop(self, tier: str, hashes: Sequence[int]) -> None:
@@ -495,20 +551,23 @@ class TransferCoordinator:
     # -- transfers -------------------------------------------------------------------------
     def _submit(self, copy: _Copy) -> None:
         self.pending += 1
-        self.metrics.in_flight.set(self.pending)
         backlog = self._backlog.setdefault(copy.path, deque())
         if backlog or not self._try_submit(copy):
             backlog.append(copy)
 
     def _try_submit(self, copy: _Copy) -> bool:
-        plan = TransferPlan(copy.path, copy.source.block_ids, copy.target.block_ids,
-                            [r.sequence_hash for r in copy.records], next(self._plan_ids))
+        """Hand ``copy`` to the engine; False if its path is busy (the caller backlogs it).
+        Any other failure (engine closed, a plan the engine refuses, a bug) becomes a failed
+        transfer future, so its :class:`Completion` still settles ``pending`` and releases
+        the handles."""
         copy.submitted = time.perf_counter()
         try:
+            plan = TransferPlan(copy.path, copy.source.block_ids, copy.target.block_ids,
+                                [r.sequence_hash for r in copy.records], next(self._plan_ids))
             future = self.engine.submit(plan, timeout=0)
         except EngineBusyError:
             return False
-        except TransferError as exc:   # engine closed: the copy fails as a whole
+        except Exception as exc:   # the copy fails as a whole
             log.warning("transfer %s not submitted: %s", copy.path, exc)
             future = Future()
             future.set_exception(exc)
@@ -516,29 +575,60 @@ class TransferCoordinator:
         return True
 
     def complete(self, completion: Completion) -> None:
-        """Handle a finished transfer (owner thread)."""
+        """Handle a finished transfer (owner thread).
+
+        Whatever fails in here (a bug), the copy's handles are released, its onboard request
+        is settled (the blocks not yet accounted for fail with kind ``"internal"``) and the
+        backlog and deferred blocks move on; the error is logged, not raised."""
         copy, future = completion.copy, completion.future
         self.pending -= 1
-        self.metrics.in_flight.set(self.pending)
-        result: TransferResult | None = None
-        if not future.cancelled() and future.exception() is None:
-            result = future.result()
-        ok = result.ok if result is not None else (False,) * len(copy.records)
-        good, bad = split_blocks(copy.target, ok)
-        self._account(copy, result, sum(ok))
-        if copy.onboard is not None:
-            self._finish_onboard_copy(copy, good, bad, result)
-        else:
-            self._finish_offload(copy, good, bad, result)
-        backlog = self._backlog.get(copy.path)
-        while backlog and self._try_submit(backlog[0]):
-            backlog.popleft()
-        if any(self._deferred.values()):
-            self._retry_deferred()
-        if any(self._quarantine.values()):
-            for tier, hashes in self._quarantine.items():
-                if hashes:
-                    self._drop(tier, [])
+        handles: list = [copy.source, copy.target]
+        try:
+            result: TransferResult | None = None
+            if not future.cancelled() and future.exception() is None:
+                result = future.result()
+            ok = result.ok if result is not None else (False,) * len(copy.records)
+            good, bad = split_blocks(copy.target, ok)
+            handles += [good, bad]
+            self._account(copy, result, sum(ok))
+            if copy.onboard is not None:
+                self._finish_onboard_copy(copy, good, bad, result)
+            else:
+                self._finish_offload(copy, good, bad, result)
+        except Exception as exc:
+            log.exception("kvstrata: handling the completion of a %s transfer failed",
+                          copy.path)
+            self._abandon(copy, handles, exc)
+        finally:
+            backlog = self._backlog.get(copy.path)
+            while backlog and self._try_submit(backlog[0]):
+                backlog.popleft()
+            if any(self._deferred.values()):
+                self._retry_deferred()
+            if any(self._quarantine.values()):
+                for tier, hashes in self._quarantine.items():
+                    if hashes:
+                        self._drop(tier, [])
+
+    def _abandon(self, copy: _Copy, handles: list, exc: Exception) -> None:
+        """Clean up after a completion whose handling failed part-way."""
+        pools = {h.pool.tier: h.pool for h in handles if h is not None}
+        for handle in handles:
+            if handle is not None and not handle.released:
+                _release_quietly(pools[handle.pool.tier], handle)
+        self._receiving[copy.dst_tier].difference_update(r.sequence_hash for r in copy.records)
+        op = copy.onboard
+        if op is None or copy.settled:
+            return
+        copy.settled = True
+        for record in copy.records:
+            h = record.sequence_hash
+            if h not in op.loaded and h not in op.failures:
+                op.failures[h] = LoadFailure(h, copy.src_tier, "internal",
+                                             f"completion handling failed: {exc!r}")
+        op.pending -= 1
+        if op.pending == 0:
+            self._finalize(op)
 
     def _account(self, copy: _Copy, result: TransferResult | None, ok_blocks: int) -> None:
         stats = self.stats.setdefault(copy.path, PathStats())
@@ -557,6 +647,15 @@ class TransferCoordinator:
                 kinds[f.kind.value] = kinds.get(f.kind.value, 0) + 1
         self.metrics.transfer_done(copy.path, ok_blocks, result.bytes_moved if result else 0,
                                    latency, kinds.items())
+
+
+def _release_quietly(pool: BlockPool, handle) -> None:
+    """Release ``handle`` on cleanup paths: a failure here is logged, never raised."""
+    try:
+        if not handle.released:
+            pool.release(handle)
+    except Exception:
+        log.exception("kvstrata: could not release a %s handle", pool.tier)
 
 
 def _failures_by_position(copy: _Copy, result: TransferResult | None) -> dict[int, LoadFailure]:
