@@ -199,20 +199,21 @@ class _TickLevel:
     (a release is the newest tick; a parent freed by its last child's eviction is usually
     the oldest) and a small lazy heap for the rest."""
 
-    __slots__ = ("ordered", "late", "late_live")
+    __slots__ = ("ordered", "late", "late_live", "size", "last_tick")
 
     def __init__(self) -> None:
         self.ordered: OrderedDict[int, Block] = OrderedDict()  # ascending release_tick
         self.late: list[tuple[int, int, Block]] = []
         self.late_live: dict[int, int] = {}
-
-    def __len__(self) -> int:
-        return len(self.ordered) + len(self.late_live)
+        self.size = 0
+        self.last_tick = -1  # tick of the ordered dict's newest entry (-1: empty)
 
     def add(self, block: Block) -> None:
         ordered, tick, block_id = self.ordered, block.release_tick, block.block_id
-        if not ordered or tick >= ordered[next(reversed(ordered))].release_tick:
+        self.size += 1
+        if tick >= self.last_tick or not ordered:
             ordered[block_id] = block
+            self.last_tick = tick
         elif tick <= ordered[next(iter(ordered))].release_tick:
             ordered[block_id] = block
             ordered.move_to_end(block_id, last=False)
@@ -225,19 +226,29 @@ class _TickLevel:
                 heapq.heapify(self.late)
 
     def discard(self, block_id: int) -> None:
-        if self.ordered.pop(block_id, None) is None:
-            self.late_live.pop(block_id, None)
+        ordered = self.ordered
+        if ordered.pop(block_id, None) is None:
+            del self.late_live[block_id]
+        elif not ordered:
+            self.last_tick = -1
+        self.size -= 1
 
     def pop_oldest(self) -> Block:
-        late, live = self.late, self.late_live
-        while late and live.get(late[0][1]) != late[0][0]:
-            heapq.heappop(late)
-        ordered = self.ordered
-        if late and (not ordered or late[0][0] < ordered[next(iter(ordered))].release_tick):
-            tick, block_id, block = heapq.heappop(late)
-            del live[block_id]
-            return block
-        return ordered.popitem(last=False)[1]
+        self.size -= 1
+        late = self.late
+        if late:
+            live = self.late_live
+            while late and live.get(late[0][1]) != late[0][0]:
+                heapq.heappop(late)
+            ordered = self.ordered
+            if late and (not ordered or late[0][0] < ordered[next(iter(ordered))].release_tick):
+                tick, block_id, block = heapq.heappop(late)
+                del live[block_id]
+                return block
+        block = self.ordered.popitem(last=False)[1]
+        if not self.ordered:
+            self.last_tick = -1
+        return block
 
 
 class PriorityLruEviction(EvictionPolicy):
@@ -259,35 +270,38 @@ class PriorityLruEviction(EvictionPolicy):
 
     def insert(self, block: Block) -> None:
         priority = block.priority
+        block_id = block.block_id
+        priority_of = self._priority_of
+        old = priority_of.get(block_id)
+        if old is not None:  # a re-insert (touch): drop the old position
+            self._discard(block_id, old)
         level = self._levels.get(priority)
         if level is None:
             level = self._levels[priority] = _TickLevel()
-        block_id = block.block_id
-        old = self._priority_of.get(block_id)
-        if old is not None:  # a re-insert (touch): drop the old position
-            self._levels[old].discard(block_id)
-            if old != priority and not len(self._levels[old]):
-                del self._levels[old]
-        self._priority_of[block_id] = priority
+        priority_of[block_id] = priority
         level.add(block)
 
     def remove(self, block: Block) -> None:
         priority = self._priority_of.pop(block.block_id, None)
         if priority is not None:
-            level = self._levels[priority]
-            level.discard(block.block_id)
-            if not len(level):
-                del self._levels[priority]
+            self._discard(block.block_id, priority)
+
+    def _discard(self, block_id: int, priority: int) -> None:
+        level = self._levels[priority]
+        level.discard(block_id)
+        if not level.size:
+            del self._levels[priority]
 
     def victim(self) -> Block | None:
-        if not self._levels:
+        levels = self._levels
+        if not levels:
             return None
-        priority = min(self._levels)
-        level = self._levels[priority]
+        priority = next(iter(levels)) if len(levels) == 1 else min(levels)
+        level = levels[priority]
         block = level.pop_oldest()
         del self._priority_of[block.block_id]
-        if not len(level):
-            del self._levels[priority]
+        if not level.size:
+            del levels[priority]
         return block
 
     def __len__(self) -> int:
