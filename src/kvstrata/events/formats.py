@@ -14,6 +14,8 @@ building dicts for :func:`json.dumps`. The output is byte-identical to
 
 from __future__ import annotations
 
+import functools
+
 import json
 from itertools import chain as _chain
 from typing import Any, Iterable, Sequence
@@ -302,6 +304,25 @@ def event_from_dict(obj: Any) -> Event:
     raise EventFormatError(f"unknown event type {kind!r} (expected stored, removed or cleared)")
 
 
+def _typed_decode_errors(decode):
+    """Decoders promise :class:`EventFormatError` for any malformed input: turn the stray
+    ``TypeError`` / ``KeyError`` / ``AttributeError`` / ``RecursionError`` ... of a message
+    of the wrong shape into one, naming what was being decoded."""
+
+    @functools.wraps(decode)
+    def wrapper(*args, **kwargs):
+        try:
+            return decode(*args, **kwargs)
+        except EventFormatError:
+            raise
+        except Exception as exc:  # a malformed message, whatever its shape
+            raise EventFormatError(
+                f"{decode.__name__}: malformed message ({type(exc).__name__}: {exc})"
+            ) from None
+
+    return wrapper
+
+
 def _identity_from(obj: dict) -> PublisherIdentity:
     return PublisherIdentity(
         publisher_id=_int(obj, "publisher_id", "message"),
@@ -310,6 +331,7 @@ def _identity_from(obj: dict) -> PublisherIdentity:
     )
 
 
+@_typed_decode_errors
 def decode_kvstrata(data: bytes | str | dict) -> EventBatch | Snapshot:
     """Decode a kvstrata message: a batch, a snapshot chunk, or one JSON line."""
     obj = _load_json(data)
@@ -435,6 +457,7 @@ def encode_dynamo_jsonl(batch: EventBatch, dp_rank: int = 0) -> str:
     return "".join([t + "\n" for t in dynamo_event_texts(batch.items, batch.identity.worker_id, dp_rank)])
 
 
+@_typed_decode_errors
 def decode_dynamo(data: bytes | str | dict) -> tuple[int, Event]:
     """Decode one Dynamo RouterEvent -> (worker_id, event)."""
     obj = _load_json(data)
@@ -489,8 +512,8 @@ def vllm_event(event: Event, layout: str = "map") -> Any:
     medium = VLLM_MEDIUM[event.tier]
     if type(event) is StoredEvent:
         tokens: list[int] = []
-        for b in event.blocks:
-            if b.token_ids is not None:
+        if all(b.token_ids is not None for b in event.blocks):  # all or nothing (see above)
+            for b in event.blocks:
                 tokens.extend(b.token_ids)
         hashes = [b.block_hash for b in event.blocks]
         if layout == "map":
@@ -545,7 +568,14 @@ def vllm_items(items: Iterable[tuple], layout: str = "map") -> list[Any]:
         kind, tier = item[1], item[2]
         medium = VLLM_MEDIUM[tier]
         if kind == 0:
-            tokens = [t for toks in item[6] if toks is not None for t in toks] if item[6] is not None else []
+            # vLLM carries one flat token list for the event: only whole or nothing, else the
+            # tokens would shift onto the wrong blocks.
+            toks_per_block = item[6]
+            tokens = (
+                [t for toks in toks_per_block for t in toks]
+                if toks_per_block is not None and None not in toks_per_block
+                else []
+            )
             hashes = list(item_blocks(item)[0])
             if as_map:
                 append(
@@ -577,6 +607,7 @@ _VLLM_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_
 _VLLM_REMOVED_FIELDS = ("block_hashes", "medium")
 
 
+@_typed_decode_errors
 def decode_vllm_batch(payload: bytes) -> tuple[float, list[dict[str, Any]], int | None]:
     """Hand-written decoder of the documented vLLM field order (both layouts).
 
@@ -607,6 +638,7 @@ def decode_vllm_batch(payload: bytes) -> tuple[float, list[dict[str, Any]], int 
     return ts, out, dp_rank
 
 
+@_typed_decode_errors
 def events_from_vllm(events: Iterable[dict[str, Any]], first_event_id: int = 1) -> list[Event]:
     """vLLM event dicts (from :func:`decode_vllm_batch`) -> kvstrata events (ids assigned)."""
     out: list[Event] = []

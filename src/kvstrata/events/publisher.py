@@ -239,6 +239,11 @@ class EventPublisher(RegistryObserver):
                 self._buffer.clear()
             self._done_id = self._last_id
             self._cond.notify_all()
+        if self._thread is not None and self._thread.is_alive():
+            # The sender is stuck inside sink.send: closing the sink under it is not safe for
+            # the NATS / ZMQ / file sinks. Leave it to the daemon thread and say so.
+            log.warning("event sink still sending after close timeout; not closing it under the sender")
+            return
         self.sink.close(max(0.1, deadline - time.monotonic()))
 
     def __enter__(self) -> "EventPublisher":
@@ -272,7 +277,7 @@ class EventPublisher(RegistryObserver):
             held = sh.held
             # Fast path: one linked run of hashes all new to the tier -> one stored event; the
             # per-record work is C-level (comprehensions, set operations).
-            if parents[1:] == hashes[:-1] and held.isdisjoint(hashes):
+            if parents[1:] == hashes[:-1] and held.isdisjoint(hashes) and len(set(hashes)) == len(hashes):
                 held.update(hashes)
                 self._last_id = eid = self._last_id + 1
                 now = time.time()
@@ -398,6 +403,8 @@ class EventPublisher(RegistryObserver):
     def on_tier_cleared(self, tier: str) -> None:
         with self._lock:
             sh = self._tiers[tier]
+            if not sh.held and not sh.log:
+                return  # nothing held: a no-op change makes no event
             self._last_id += 1
             item = (self._last_id, CLEARED, tier, self._now(), *sh.held)
             sh.held = set()

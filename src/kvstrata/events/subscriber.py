@@ -224,7 +224,7 @@ def decode_line(line: str, fmt: str = "auto") -> tuple[int, int | None, Event]:
     """One JSON line -> (worker_id, publisher_id or None, event); kvstrata or Dynamo format."""
     try:
         obj = json.loads(line)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise EventFormatError(f"not valid JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise EventFormatError("line must be a JSON object")
@@ -346,6 +346,10 @@ class NatsFollower:
             self.decode_errors += 1
             log.warning("bad event message on %s: %s", msg.subject, exc)
             return
+        except Exception:  # backstop: one bad message must never stop the follower
+            self.decode_errors += 1
+            log.exception("could not apply event message on %s", msg.subject)
+            return
         if self.on_batch is not None:
             self.on_batch(n)
         if self.follower.pending_snapshots():
@@ -356,7 +360,11 @@ class NatsFollower:
             await self._sync_wakeup.wait()
             self._sync_wakeup.clear()
             for wid in self.follower.pending_snapshots():
-                snap = await self._request_snapshot(wid)
+                try:
+                    snap = await self._request_snapshot(wid)
+                except Exception:  # the loop must survive a bad reply: it serves every worker
+                    log.exception("snapshot request for worker %s failed", wid)
+                    snap = None
                 if snap is None:
                     log.warning("no snapshot from worker %s; following best effort", wid)
                     self.follower.give_up_sync(wid)
@@ -384,8 +392,12 @@ class NatsFollower:
                     msg = await sub.next_msg(timeout=remaining)
                 except (asyncio.TimeoutError, Exception):
                     return None
-                part = formats.decode_kvstrata(msg.data)
-                if not isinstance(part, Snapshot):
+                try:
+                    part = formats.decode_kvstrata(msg.data)
+                except EventFormatError as exc:
+                    log.warning("bad snapshot reply from worker %s: %s", worker_id, exc)
+                    return None
+                if not isinstance(part, Snapshot) or part.identity.worker_id != worker_id:
                     return None
                 events.extend(part.events)
                 snap = part

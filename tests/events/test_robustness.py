@@ -1,0 +1,105 @@
+"""Malformed input never escapes as anything but EventFormatError, and edge cases of the stream."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgpack
+import pytest
+
+from kvstrata.events import formats, make_publisher
+from kvstrata.events.model import EventFormatError
+from kvstrata.events.subscriber import NatsFollower, WorkerStates, decode_line
+from kvstrata.logical.registry import BlockRecord, BlockRegistry
+
+BAD_MESSAGES = [
+    (formats.decode_dynamo, '{"worker_id":1,"storage_tier":"device","event":{"event_id":1,'
+                            '"data":{"stored":{"parent_hash":null,"blocks":[1]}}}}'),
+    (formats.decode_dynamo, '{"worker_id":1,"storage_tier":[1],"event":{"event_id":1,"data":"cleared"}}'),
+    (formats.decode_kvstrata, '{"publisher_id":1,"worker_id":1,"started_at":"x","events":[]}'),
+    (formats.decode_kvstrata, '{"publisher_id":1,"worker_id":1,"started_at":[1],"events":[]}'),
+    (formats.decode_vllm_batch, msgpack.packb([1.0, 5, 0])),
+    (formats.events_from_vllm, [{"type": "BlockStored", "block_hashes": [1]}]),
+    (decode_line, "[" * 100_000),
+]
+
+
+@pytest.mark.parametrize("decode, message", BAD_MESSAGES)
+def test_malformed_messages_raise_event_format_error(decode, message):
+    with pytest.raises(EventFormatError):
+        decode(message)
+
+
+class _Msg:
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.subject = "kv.events"
+
+
+def test_follower_survives_a_malformed_message():
+    follower = NatsFollower("nats://127.0.0.1:1", "kv.events", WorkerStates())
+    asyncio.run(follower._on_msg(_Msg(b'{"publisher_id":1,"worker_id":1,"started_at":"x","events":[]}')))
+    asyncio.run(follower._on_msg(_Msg(b"[" * 50_000)))
+    assert follower.decode_errors == 2
+
+
+def test_a_bad_snapshot_reply_is_no_snapshot():
+    # Fault injection: a NATS connection whose snapshot reply is garbage.
+    class Sub:
+        async def next_msg(self, timeout):
+            return _Msg(b'{"garbage": 1}')
+
+        async def unsubscribe(self):
+            pass
+
+    class Conn:
+        def new_inbox(self):
+            return "_INBOX.x"
+
+        async def subscribe(self, subject):
+            return Sub()
+
+        async def publish(self, *args, **kwargs):
+            pass
+
+    follower = NatsFollower("nats://127.0.0.1:1", "kv.events", WorkerStates())
+    follower._nc = Conn()
+    assert asyncio.run(follower._request_snapshot(1)) is None
+
+
+def _publish(records_by_call):
+    pub = make_publisher("callback", worker_id=1)
+    reg = BlockRegistry()
+    reg.add_observer(pub)
+    for records in records_by_call:
+        reg.record_stored("G1", records)
+    assert pub.flush(5)
+    return pub
+
+
+def test_vllm_tokens_are_all_or_nothing_per_event():
+    pub = _publish([[BlockRecord(1, 1, None, 2, (5, 6)), BlockRecord(2, 2, 1, 2, None),
+                     BlockRecord(3, 3, 2, 2, (9, 9))]])
+    items = pub.sink.batches[0].items
+    decoded = msgpack.unpackb(formats.encode_vllm_items(items, 0.0))
+    assert decoded[1][0]["token_ids"] == []  # not [5, 6, 9, 9] shifted onto blocks 1 and 2
+    pub.close()
+
+
+def test_a_hash_cycle_never_repeats_a_hash_in_one_event():
+    pub = _publish([[BlockRecord(1, 1, 2, 4), BlockRecord(2, 2, 1, 4), BlockRecord(1, 1, 2, 4)]])
+    hashes = [h for e in pub.sink.events for h in getattr(e, "block_hashes", ())]
+    assert sorted(hashes) == [1, 2]
+    pub.close()
+
+
+def test_clearing_an_empty_tier_makes_no_event():
+    pub = make_publisher("callback", worker_id=1)
+    reg = BlockRegistry()
+    reg.add_observer(pub)
+    reg.record_cleared("G2", [])
+    assert pub.flush(5) and pub.last_event_id == 0
+    reg.record_stored("G2", [BlockRecord(7, 7, None, 4)])
+    reg.record_cleared("G2", [7])
+    assert pub.flush(5) and pub.last_event_id == 2
+    pub.close()
