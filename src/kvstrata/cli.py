@@ -195,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
                           help="one block per 512-token trace id (default), or engine-size "
                           "blocks of --block-size tokens (32x more blocks; the default with --data)")
     p_replay.add_argument("--block-size", type=int, help="engine block size in tokens (default 16)")
-    p_replay.add_argument("--tiers", help="e.g. G1=2000,G2=8000,G3=32000 (blocks) or G2=4GiB")
+    p_replay.add_argument("--tiers", help="e.g. G1=1000,G2=4000,G3=16000 (the default, in blocks) or G2=4GiB")
     p_replay.add_argument("--policy", help=f"eviction policy: {', '.join(sorted(EVICTION_NAMES))}")
     p_replay.add_argument("--admission",
                           help=f"lower-tier admission: {', '.join(sorted(ADMISSION_NAMES))}")
