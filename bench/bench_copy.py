@@ -55,10 +55,10 @@ def bench(name: str, kv_layout: str, batch_bytes: int, pool_bytes: int, reps: in
             seq = [1000 + b for b in src]
 
             def offload():
-                assert engine.submit(TransferPlan("G1->G2", src, mid, seq)).result().all_ok
+                assert engine.submit(TransferPlan.for_path("G1->G2", src, mid, seq, job_id=0)).result().all_ok
 
             def onboard():
-                assert engine.submit(TransferPlan("G2->G1", mid, back, seq)).result().all_ok
+                assert engine.submit(TransferPlan.for_path("G2->G1", mid, back, seq, job_id=0)).result().all_ok
 
             for key, fn in (("base", lambda: dst_t.copy_(src_t)), ("offload", offload),
                             ("onboard", onboard)):

@@ -76,10 +76,10 @@ def main() -> None:
                 for key, fn in (
                         ("raw_w", lambda: raw(True, src, slots)),
                         ("ours_w", lambda: engine.submit(
-                            TransferPlan("G2->G3", src, slots, src)).result()),
+                            TransferPlan.for_path("G2->G3", src, slots, src, job_id=0)).result()),
                         ("raw_r", lambda: raw(False, back, slots)),
                         ("ours_r", lambda: engine.submit(
-                            TransferPlan("G3->G2", slots, back, src)).result())):
+                            TransferPlan.for_path("G3->G2", slots, back, src, job_id=0)).result())):
                     start = time.perf_counter()
                     out = fn()
                     elapsed = time.perf_counter() - start

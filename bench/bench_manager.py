@@ -61,11 +61,11 @@ def bare_engine(cfg: KvConfig, n: int, reps: int) -> tuple[float, float]:
             for rep in range(reps):
                 seq = [(1 << 40 | rep << 20) + i for i in ids]
                 start = time.perf_counter()
-                engine.submit(TransferPlan("G1->G2", ids, ids, seq)).result()
-                engine.submit(TransferPlan("G2->G3", ids, ids, seq)).result()
+                engine.submit(TransferPlan.for_path("G1->G2", ids, ids, seq, job_id=0)).result()
+                engine.submit(TransferPlan.for_path("G2->G3", ids, ids, seq, job_id=0)).result()
                 best_off = min(best_off, time.perf_counter() - start)
                 start = time.perf_counter()
-                engine.submit(TransferPlan("G2->G1", ids, ids, seq)).result()
+                engine.submit(TransferPlan.for_path("G2->G1", ids, ids, seq, job_id=0)).result()
                 best_on = min(best_on, time.perf_counter() - start)
         for s in (g1, g2, g3):
             s.close()

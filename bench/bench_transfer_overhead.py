@@ -54,9 +54,9 @@ def main() -> None:
                 seq = list(range(n))
                 for key, fn in (("raw", lambda: raw_dst.copy_(raw_src)),
                                 ("G1->G2", lambda: engine.submit(
-                                    TransferPlan("G1->G2", src, mid, seq)).result()),
+                                    TransferPlan.for_path("G1->G2", src, mid, seq, job_id=0)).result()),
                                 ("G2->G1", lambda: engine.submit(
-                                    TransferPlan("G2->G1", mid, src, seq)).result())):
+                                    TransferPlan.for_path("G2->G1", mid, src, seq, job_id=0)).result())):
                     start = time.perf_counter()
                     fn()
                     if rep:

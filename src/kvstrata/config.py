@@ -14,11 +14,10 @@ import tomllib
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
+from .dtypes import ALIASES, DTYPE_NAMES, DtypeError, canonical_dtype, itemsize
 from .logical.policy import ADMISSION_NAMES, EVICTION_NAMES
-from .logical.registry import TIER_NAMES
+from .tiers import TIER_NAMES, TIERS, TOP_TIER, TierKind, first_of_kind
 
-_DTYPE_BYTES = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "bf16": 2, "bfloat16": 2,
-                "fp8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "ki": 1024, "kib": 1024,
                "m": 1000**2, "mb": 1000**2, "mi": 1024**2, "mib": 1024**2,
@@ -64,8 +63,16 @@ class ModelGeometry:
     def bytes_per_block(self, block_size: int) -> int:
         return (
             self.num_layers * self.outer_dim * block_size * self.kv_heads * self.head_dim
-            * _DTYPE_BYTES.get(self.dtype, 2)
+            * _itemsize_or_2(self.dtype)
         )
+
+
+def _itemsize_or_2(dtype: str) -> int:
+    """Bytes per element, 2 for a name validation will refuse (sizes stay computable)."""
+    try:
+        return itemsize(dtype)
+    except DtypeError:
+        return 2
 
 
 @dataclass(frozen=True)
@@ -87,11 +94,10 @@ class TierConfig:
 
 
 DEFAULT_TIERS: dict[str, TierConfig] = {
-    "G1": TierConfig(blocks=1_000),
-    "G2": TierConfig(blocks=4_000),
-    "G3": TierConfig(blocks=16_000),
+    s.name: TierConfig(blocks=s.default_blocks) for s in TIERS if s.default_blocks is not None
 }
-"""Small on purpose: at the default geometry (128 KiB blocks) this is 128 MiB / 512 MiB / 2 GiB."""
+"""The tiers and sizes of the default configuration (see ``default_blocks`` in
+:mod:`kvstrata.tiers`): 128 MiB / 512 MiB / 2 GiB at the default geometry, small on purpose."""
 
 
 @dataclass(frozen=True)
@@ -130,13 +136,13 @@ class KvConfig:
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size <= 0:
             problems.append(f"block_size must be a positive integer, got {self.block_size!r}")
         if not self.tiers:
-            problems.append("at least one tier is required (e.g. G1)")
+            problems.append(f"at least one tier is required (e.g. {TOP_TIER})")
         for name in self.tiers:
             if name not in TIER_NAMES:
                 problems.append(f"unknown tier {name!r}; tiers are {', '.join(TIER_NAMES)}")
         present = [t for t in TIER_NAMES if t in self.tiers]
-        if present and present[0] != "G1":
-            problems.append("tier G1 is required when lower tiers are configured")
+        if present and present[0] != TOP_TIER:
+            problems.append(f"tier {TOP_TIER} is required when lower tiers are configured")
         for name, tier in self.tiers.items():
             if tier.blocks is None and tier.bytes is None:
                 problems.append(f"tier {name}: give a size in blocks or bytes")
@@ -173,8 +179,11 @@ class KvConfig:
                 problems.append(f"model.{key} must be a positive integer, got {value!r}")
         if m.outer_dim not in (1, 2):
             problems.append(f"model.outer_dim must be 1 (MLA) or 2 (K and V), got {m.outer_dim!r}")
-        if m.dtype not in _DTYPE_BYTES:
-            problems.append(f"model.dtype {m.dtype!r} unknown; one of {sorted(_DTYPE_BYTES)}")
+        try:
+            canonical_dtype(m.dtype)
+        except DtypeError:
+            problems.append(f"model.dtype {m.dtype!r} unknown; one of {sorted(DTYPE_NAMES)} "
+                            f"or an alias ({', '.join(sorted(ALIASES))})")
         if problems:
             raise ConfigError(problems)
         return self
@@ -276,8 +285,9 @@ _ENV_SCALARS = {
     "KVSTRATA_ADMISSION": "admission",
     "KVSTRATA_DISK_DIR": "disk_dir",
 }
-_ENV_TIER_SIZE = re.compile(r"^KVSTRATA_(G[1-4])_(BLOCKS|BYTES|GB)$")
-_DYNAMO_TIER_GB = {"DYN_KVBM_CPU_CACHE_GB": "G2", "DYN_KVBM_DISK_CACHE_GB": "G3"}
+_ENV_TIER_SIZE = re.compile(rf"^KVSTRATA_({'|'.join(TIER_NAMES)})_(BLOCKS|BYTES|GB)$")
+_DYNAMO_TIER_GB = {"DYN_KVBM_CPU_CACHE_GB": first_of_kind(TierKind.HOST),
+                   "DYN_KVBM_DISK_CACHE_GB": first_of_kind(TierKind.DISK)}
 
 
 def _from_env(env: Mapping[str, str], problems: list[str]) -> tuple[dict[str, Any], dict[str, dict]]:

@@ -562,8 +562,9 @@ class TransferCoordinator:
         the handles."""
         copy.submitted = time.perf_counter()
         try:
-            plan = TransferPlan(copy.path, copy.source.block_ids, copy.target.block_ids,
-                                [r.sequence_hash for r in copy.records], next(self._plan_ids))
+            plan = TransferPlan.for_path(copy.path, copy.source.block_ids, copy.target.block_ids,
+                                         [r.sequence_hash for r in copy.records],
+                                         job_id=next(self._plan_ids))
             future = self.engine.submit(plan, timeout=0)
         except EngineBusyError:
             return False

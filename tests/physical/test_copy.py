@@ -7,6 +7,7 @@ import pytest
 import torch
 import xxhash
 
+from kvstrata.physical.dtypes import torch_dtype
 from kvstrata.physical import (DeviceStorage, HostStorage, LayoutMismatchError,
                                MemmoveCopyEngine, StagedCopyEngine, TorchCopyEngine)
 from kvstrata.physical.copy import NATIVE_KERNEL, NATIVE_KERNEL_ERROR, _coalesce, plan_pieces
@@ -72,7 +73,7 @@ def test_every_layout_pair_round_trips(engine_name, src_kind, dst_kind):
 def test_dtypes_exact(engine_name, dtype):
     engine = ENGINES[engine_name]()
     cfg = small_config(dtype=dtype)
-    src = DeviceStorage.wrap([torch.zeros(2, 16, 4, 8, dtype=cfg.torch_dtype) for _ in range(3)])
+    src = DeviceStorage.wrap([torch.zeros(2, 16, 4, 8, dtype=torch_dtype(cfg.dtype)) for _ in range(3)])
     fill_random(src.tensors, seed=3)
     host = HostStorage(cfg)
     engine.copy(src.memory, [1, 2, 15], host.memory, [0, 1, 2])

@@ -145,8 +145,8 @@ def test_env_var_forces_the_python_fallback_end_to_end():
         "[r.random_(0, 256) for r in g1.memory.regions]\n"
         "with TransferEngine({'G1': g1, 'G2': HostStorage(cfg)}) as e:\n"
         "    assert e.copy_kernel == 'python', e.copy_kernel\n"
-        "    assert e.submit(TransferPlan('G1->G2', [1, 5], [0, 1], [7, 8])).result().all_ok\n"
-        "    assert e.submit(TransferPlan('G2->G1', [0, 1], [2, 3], [7, 8])).result().all_ok\n"
+        "    assert e.submit(TransferPlan.for_path('G1->G2', [1, 5], [0, 1], [7, 8], job_id=0)).result().all_ok\n"
+        "    assert e.submit(TransferPlan.for_path('G2->G1', [0, 1], [2, 3], [7, 8], job_id=0)).result().all_ok\n"
         "for s, d in ((1, 2), (5, 3)):\n"
         "    a, b = (g1.block_view(x).contiguous().view(torch.uint8) for x in (s, d))\n"
         "    assert torch.equal(a, b)\n"
@@ -170,10 +170,10 @@ def test_transfer_engine_on_each_kernel(tmp_path, native):
         g2 = HostStorage(cfg, checksums="eager" if eager else "deferred")
         with TransferEngine({"G1": g1, "G2": g2}, copy_engine=engine_) as engine:
             assert engine.copy_kernel == ("native" if native else "python")
-            r = engine.submit(TransferPlan("G1->G2", [3, 7, 0], [0, 1, 2], [1, 2, 3])).result()
+            r = engine.submit(TransferPlan.for_path("G1->G2", [3, 7, 0], [0, 1, 2], [1, 2, 3], job_id=0)).result()
             assert r.all_ok
-            assert engine.submit(TransferPlan("G2->G1", [0, 1, 2], [9, 10, 11],
-                                              [1, 2, 3])).result().all_ok
+            assert engine.submit(TransferPlan.for_path("G2->G1", [0, 1, 2], [9, 10, 11],
+                                              [1, 2, 3], job_id=0)).result().all_ok
         for s, d in ((3, 9), (7, 10), (0, 11)):
             assert torch.equal(block_bytes_of(g1, s), block_bytes_of(g1, d))
     engine_.close()

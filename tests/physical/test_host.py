@@ -6,6 +6,7 @@ import pytest
 import torch
 import xxhash
 
+from kvstrata.physical.dtypes import torch_dtype
 from kvstrata.physical import FailureKind, HostStorage, StorageClosedError, StorageConfigError
 from kvstrata.physical.buffers import PAGE_SIZE
 
@@ -24,7 +25,7 @@ def test_status_and_alignment():
 def test_block_view_typed(dtype):
     host = HostStorage(small_config(dtype=dtype))
     view = host.block_view(2)
-    assert view.dtype == host.config.torch_dtype and tuple(view.shape) == (3, 2, 4, 8)
+    assert view.dtype == torch_dtype(host.config.dtype) and tuple(view.shape) == (3, 2, 4, 8)
     fill_random([view])
     assert bytes(host.payload(2)) == view.contiguous().view(torch.uint8).numpy().tobytes()
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from kvstrata.physical import (FullyContiguousLayout, Granularity, LayerOrder,
                                LayerSeparateLayout, LayoutConfig, LayoutConfigError,
                                LayoutMismatchError)
-from kvstrata.physical.layout import align_up
+from kvstrata.protocol.layout import align_up
 
 from .conftest import DTYPES, small_config
 

@@ -10,7 +10,7 @@ import pytest
 from kvstrata.physical import (DiskStorage, FullyContiguousLayout, HostStorage,
                                LayerSeparateLayout, LayoutFormatError, LayoutMismatchError,
                                LayoutVersionError, StorageDescriptor)
-from kvstrata.physical import layout_codec as codec
+from kvstrata.protocol import layout_codec as codec
 
 from .conftest import small_config
 

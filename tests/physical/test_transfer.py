@@ -32,7 +32,7 @@ def make_tiers(tmp_path, *, g1_kind="outer_contiguous", dtype="bfloat16", o_dire
 
 
 def run(engine, path, src, dst, seq):
-    return engine.submit(TransferPlan(path, src, dst, seq)).result(timeout=30)
+    return engine.submit(TransferPlan.for_path(path, src, dst, seq, job_id=0)).result(timeout=30)
 
 
 def assert_same(a, a_ids, b, b_ids):
@@ -168,13 +168,13 @@ def test_host_verification_catches_corruption(tmp_path):
 def test_completions_queue_and_future_carry_the_same_result(tmp_path):
     tiers = make_tiers(tmp_path)
     with TransferEngine(tiers) as engine:
-        futures = [engine.submit(TransferPlan("G1->G2", [i], [i], [i], plan_id=i))
+        futures = [engine.submit(TransferPlan.for_path("G1->G2", [i], [i], [i], job_id=i))
                    for i in range(5)]
         results = [f.result(timeout=30) for f in futures]
         drained = []
         while len(drained) < 5:
             drained.append(engine.completions.get(timeout=30))
-        assert sorted(r.plan.plan_id for r in drained) == list(range(5))
+        assert sorted(r.job_id for r in drained) == list(range(5))
         assert {id(r) for r in drained} == {id(r) for r in results}
         assert engine.drain_completions() == []
 
@@ -183,20 +183,22 @@ def test_submit_validation(tmp_path):
     tiers = make_tiers(tmp_path)
     with TransferEngine({"G1": tiers["G1"], "G2": tiers["G2"]}) as engine:
         assert engine.paths == ("G1->G2", "G2->G1")
-        with pytest.raises(TransferPlanError, match="needs storages"):
-            engine.submit(TransferPlan("G2->G3", [0], [0], [0]))
+        with pytest.raises(TransferPlanError, match="no handler for path G2->G3"):
+            engine.submit(TransferPlan.for_path("G2->G3", [0], [0], [0], job_id=0))
         with pytest.raises(TransferPlanError, match="G2 block id 12 out of range"):
-            engine.submit(TransferPlan("G1->G2", [0], [12], [0]))
+            engine.submit(TransferPlan.for_path("G1->G2", [0], [12], [0], job_id=0))
         with pytest.raises(TransferPlanError):
             engine.submit({"path": "G1->G2"})
 
 
 def test_storage_validation(tmp_path):
     tiers = make_tiers(tmp_path)
-    with pytest.raises(StorageConfigError, match="G2 must be a HostStorage"):
+    with pytest.raises(StorageConfigError, match=r"G2 \(host\) must be a HostStorage"):
         TransferEngine({"G1": tiers["G1"], "G2": tiers["G1"]})
-    with pytest.raises(StorageConfigError, match="unknown tiers"):
+    with pytest.raises(StorageConfigError, match="unknown tier 'G9'"):
         TransferEngine({"G9": tiers["G1"]})
+    with pytest.raises(StorageConfigError, match=r"G4 \(object\): no storage backend"):
+        TransferEngine({"G1": tiers["G1"], "G4": tiers["G2"]})
     other = HostStorage(small_config(page_size=8))
     with pytest.raises(LayoutMismatchError, match="page_size"):
         TransferEngine({"G1": tiers["G1"], "G2": other})
@@ -218,16 +220,16 @@ def test_bounded_queue_and_close(tmp_path):
     tiers = make_tiers(tmp_path)
     gate = _GateCopyEngine()
     engine = TransferEngine(tiers, copy_engine=gate, queue_depth=1)
-    running = engine.submit(TransferPlan("G1->G2", [0], [0], [1]))
+    running = engine.submit(TransferPlan.for_path("G1->G2", [0], [0], [1], job_id=0))
     while not running.running():
         threading.Event().wait(0.001)
-    queued = engine.submit(TransferPlan("G1->G2", [1], [1], [2]))
+    queued = engine.submit(TransferPlan.for_path("G1->G2", [1], [1], [2], job_id=0))
     with pytest.raises(EngineBusyError, match="queue full"):
-        engine.submit(TransferPlan("G1->G2", [2], [2], [3]), timeout=0)
+        engine.submit(TransferPlan.for_path("G1->G2", [2], [2], [3], job_id=0), timeout=0)
     with pytest.raises(EngineBusyError):
-        engine.submit(TransferPlan("G1->G2", [2], [2], [3]), timeout=0.05)
+        engine.submit(TransferPlan.for_path("G1->G2", [2], [2], [3], job_id=0), timeout=0.05)
     # other paths are not blocked by a full G1->G2 queue
-    other = engine.submit(TransferPlan("G2->G3", [5], [5], [5]))
+    other = engine.submit(TransferPlan.for_path("G2->G3", [5], [5], [5], job_id=0))
     assert other.result(timeout=30).failures[0].kind is FailureKind.NOT_WRITTEN
     closer = threading.Thread(target=engine.close, kwargs={"cancel_pending": True})
     closer.start()
@@ -236,7 +238,7 @@ def test_bounded_queue_and_close(tmp_path):
     assert running.result(timeout=1).all_ok
     assert queued.cancelled() or queued.result(timeout=1).all_ok
     with pytest.raises(EngineClosedError):
-        engine.submit(TransferPlan("G1->G2", [3], [3], [4]))
+        engine.submit(TransferPlan.for_path("G1->G2", [3], [3], [4], job_id=0))
     engine.close()
 
 
@@ -269,8 +271,8 @@ def test_concurrent_stress_all_bytes_right(tmp_path):
             disk = [base + 4 + i for i in range(4)]
             back = [32 + base + i for i in range(4)]
             assert run(engine, "G1->G2", src, host, seq).all_ok
-            futs = [engine.submit(TransferPlan("G2->G3", host, disk, seq)),
-                    engine.submit(TransferPlan("G2->G1", host, back, seq))]
+            futs = [engine.submit(TransferPlan.for_path("G2->G3", host, disk, seq, job_id=0)),
+                    engine.submit(TransferPlan.for_path("G2->G1", host, back, seq, job_id=0))]
             assert all(f.result(timeout=30).all_ok for f in futs)
             for s, b in zip(src, back):
                 assert torch.equal(block_bytes_of(g1, b), expected[s])

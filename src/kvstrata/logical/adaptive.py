@@ -21,21 +21,17 @@ Cost: the shadows add about one extra pool operation per block of a sampled requ
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
+from ..types import BlockRecord
+from .admission import ADMISSION_FILTERS, AdmissionPolicy, SecondOfferAdmission
 from .block import Block
-from .policy import (
-    ADAPTIVE,
-    AdmissionPolicy,
-    AgedFrequencyEviction,
-    EvictionPolicy,
-    LruEviction,
-    SecondOfferAdmission,
-    TierPolicies,
-    make_admission,
-    make_eviction,
-)
-from .registry import BlockRecord
+from .eviction import EVICTION_ORDERS, AgedFrequencyEviction, EvictionPolicy, LruEviction
+from .pool import BlockPool
+from .registry import UNOBSERVED
+
+ADAPTIVE = "adaptive"
+"""Policy name (eviction or admission) whose choice is made online by set dueling."""
 
 EVICTION_CANDIDATES = ("lru", "lfu")
 ADMISSION_CANDIDATES = ("always", "second-offer")
@@ -45,10 +41,9 @@ class _ShadowCache:
     """A metadata-only one-tier cache scoring one (eviction, admission) candidate."""
 
     def __init__(self, capacity: int, eviction: str, admission: str) -> None:
-        from .pool import BlockPool  # the pool imports the policy module
-
-        self.pool = BlockPool("G1", capacity, 1, eviction=make_eviction(eviction, capacity))
-        self.admission = make_admission(admission, capacity)
+        self.pool = BlockPool("shadow", capacity, 1, eviction=EVICTION_ORDERS[eviction](capacity),
+                              registry=UNOBSERVED)
+        self.admission = ADMISSION_FILTERS[admission](capacity)
 
     def serve(self, sequence_hashes: Sequence[int]) -> int:
         """Prefix hits of one request; then touch what is held and offer the rest."""
@@ -190,13 +185,15 @@ class DuelingAdmission(AdmissionPolicy):
         return offered_before or self._duel.admission == "always"
 
 
-def build_adaptive(eviction: str, admission: str, capacity: int) -> TierPolicies:
-    """A tier's policies when ``eviction`` and/or ``admission`` is ``adaptive``."""
+def build_adaptive(eviction: str, admission: str, capacity: int
+                   ) -> tuple[EvictionPolicy, AdmissionPolicy, Callable[[Sequence[int]], None]]:
+    """A tier's (eviction, admission, observe_request) when either policy is ``adaptive``;
+    the other one is the fixed policy named."""
     evictions = EVICTION_CANDIDATES if eviction == ADAPTIVE else (eviction,)
     admissions = ADMISSION_CANDIDATES if admission == ADAPTIVE else (admission,)
     duel = PolicyDuel(capacity, evictions, admissions)
-    return TierPolicies(
-        eviction=DuelingEviction(capacity, duel) if eviction == ADAPTIVE else make_eviction(eviction, capacity),
-        admission=DuelingAdmission(capacity, duel) if admission == ADAPTIVE else make_admission(admission, capacity),
-        observe_request=duel.observe_request,
-    )
+    order = (DuelingEviction(capacity, duel) if eviction == ADAPTIVE
+             else EVICTION_ORDERS[eviction](capacity))
+    admit = (DuelingAdmission(capacity, duel) if admission == ADAPTIVE
+             else ADMISSION_FILTERS[admission](capacity))
+    return order, admit, duel.observe_request

@@ -1,4 +1,4 @@
-"""One KV block's identity and lifecycle (REFERENCE.md §2, Dynamo KVBM semantics).
+"""One KV block's identity and lifecycle (Dynamo KVBM semantics).
 
 States and the calls that move between them::
 
@@ -18,12 +18,9 @@ from enum import IntEnum
 from typing import Iterable
 
 import numpy as np
-import xxhash
 
-from ..tokens import DEFAULT_SEED, TokenError, chain_hash
-from .registry import BlockRecord
-
-_xxh3 = xxhash.xxh3_64_intdigest
+from ..tokens import DEFAULT_SEED, TokenError, chain_hash, local_block_hash
+from ..types import BlockRecord
 
 
 class BlockState(IntEnum):
@@ -147,8 +144,6 @@ class Block:
                 self.block_id, self.state, "commit",
                 f"holds {len(self.tokens)} of {self.block_size} tokens",
             )
-        from ..tokens import local_block_hash  # local import keeps the hot path lean
-
         self.local_hash = local_block_hash(self.tokens, self.seed)
         self.sequence_hash = chain_hash(self.parent_hash, self.local_hash, self.seed)
         self.state = BlockState.COMPLETE

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterator, Sequence
 
 from .block import Block, BlockState
-from .registry import BlockRecord
+from ..types import BlockRecord
 
 if TYPE_CHECKING:
     from .pool import BlockPool

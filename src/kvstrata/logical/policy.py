@@ -1,453 +1,36 @@
-"""Pluggable eviction and admission policies for block pools.
+"""Eviction and admission policies by name: what config strings turn into.
 
-An *eviction policy* orders a pool's evictable blocks (registered, no users, and, when the
-policy asks for ``leaf_first``, no registered children in the pool). The pool tells it when a
-block becomes evictable (``insert``), stops being evictable (``remove``), is touched while idle
-(``touch``) or is used (``record_hit``), and asks it for the next ``victim``. Policies see
-:class:`~kvstrata.logical.block.Block` objects and keep their own structures keyed by block id.
+* eviction: ``lru``, ``default`` (Dynamo's order, leaves first), ``lfu`` (aged LFU with a
+  ghost history) -- :mod:`kvstrata.logical.eviction`;
+* admission: ``always``, ``second-offer`` -- :mod:`kvstrata.logical.admission`;
+* ``adaptive`` in either place: chosen online by set dueling -- :mod:`kvstrata.logical.adaptive`.
 
-An *admission policy* decides whether a block offered to a lower tier is worth a slot there.
-
-Policies are chosen by name (:data:`EVICTION_POLICIES`, :data:`ADMISSION_POLICIES`); see
-docs/configuration.md for what each does and docs/policies.md for how they compare.
+docs/configuration.md says what each does and docs/policies.md how they compare.
 """
 
 from __future__ import annotations
 
-import heapq
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from .block import Block
-
-
-class PolicyError(ValueError):
-    """An unknown policy name or bad policy parameter."""
-
-
-class EvictionPolicy:
-    """Interface of an eviction order over a pool's evictable blocks."""
-
-    name = "base"
-    leaf_first = False
-    """If True the pool only offers blocks with no registered children (leaves go first)."""
-
-    def registered(self, block: Block) -> None:
-        """``block`` was newly registered in the pool (not a dedup hit)."""
-
-    def insert(self, block: Block) -> None:
-        """``block`` became evictable (its ``release_tick`` is already stamped)."""
-        raise NotImplementedError
-
-    def remove(self, block: Block) -> None:
-        """``block`` is no longer evictable (acquired again, reset, or gained a child)."""
-        raise NotImplementedError
-
-    def touch(self, block: Block) -> None:
-        """An evictable ``block`` was used without being acquired; default: re-insert."""
-        self.remove(block)
-        self.insert(block)
-
-    def record_hit(self, block: Block) -> None:
-        """``block`` served a look-up (matched or touched); frequency policies count it."""
-
-    def victim(self) -> Block | None:
-        """Remove and return the next block to evict, or None if nothing is evictable."""
-        raise NotImplementedError
-
-    # Batch forms: the pool calls these on its hot paths; override them when a policy can do
-    # a batch faster than one call per block.
-    def insert_many(self, blocks: list[Block]) -> None:
-        for block in blocks:
-            self.insert(block)
-
-    def remove_many(self, blocks: list[Block]) -> None:
-        for block in blocks:
-            self.remove(block)
-
-    def victims(self, count: int) -> list[Block]:
-        """Up to ``count`` victims in order (fewer if the order runs dry)."""
-        out: list[Block] = []
-        for _ in range(count):
-            block = self.victim()
-            if block is None:
-                break
-            out.append(block)
-        return out
-
-    def __len__(self) -> int:
-        raise NotImplementedError
-
-    def members(self) -> set[int]:
-        """Ids of the blocks currently in the order (for invariant checks; O(n))."""
-        raise NotImplementedError
-
-
-class LruEviction(EvictionPolicy):
-    """Plain least-recently-released first, ignoring priority and the prefix tree.
-
-    This is the exact LRU of REFERENCE.md §6, used to check the replay against known counts.
-    """
-
-    name = "lru"
-
-    def __init__(self, capacity: int = 0) -> None:
-        self._order: OrderedDict[int, Block] = OrderedDict()
-
-    def insert(self, block: Block) -> None:
-        self._order[block.block_id] = block
-        self._order.move_to_end(block.block_id)  # a re-insert is the most recent use
-
-    def remove(self, block: Block) -> None:
-        self._order.pop(block.block_id, None)
-
-    def touch(self, block: Block) -> None:
-        self._order.move_to_end(block.block_id)
-
-    def victim(self) -> Block | None:
-        if not self._order:
-            return None
-        return self._order.popitem(last=False)[1]
-
-    def insert_many(self, blocks: list[Block]) -> None:
-        order = self._order
-        move = order.move_to_end
-        for block in blocks:
-            order[block.block_id] = block
-            move(block.block_id)
-
-    def remove_many(self, blocks: list[Block]) -> None:
-        pop = self._order.pop
-        for block in blocks:
-            pop(block.block_id, None)
-
-    def victims(self, count: int) -> list[Block]:
-        popitem = self._order.popitem
-        return [popitem(False)[1] for _ in range(min(count, len(self._order)))]
-
-    def __len__(self) -> int:
-        return len(self._order)
-
-    def members(self) -> set[int]:
-        return set(self._order)
-
-
-class _HeapEviction(EvictionPolicy):
-    """An eviction order kept in a heap of ``(key, release_tick, block_id, block)`` entries.
-
-    Deletion is lazy: an entry is live only while ``_live[block_id]`` is that very entry, so
-    ``remove`` is O(1) and stale entries are skipped (and compacted away when they pile up).
-    """
-
-    def __init__(self) -> None:
-        self._heap: list[tuple[int, int, int, Block]] = []
-        self._live: dict[int, tuple[int, int, int, Block]] = {}
-
-    def key(self, block: Block) -> int:
-        raise NotImplementedError
-
-    def insert(self, block: Block) -> None:
-        entry = (self.key(block), block.release_tick, block.block_id, block)
-        self._live[block.block_id] = entry
-        heapq.heappush(self._heap, entry)
-        if len(self._heap) > 4 * len(self._live) + 64:
-            live = self._live
-            self._heap = [e for e in self._heap if live.get(e[2]) is e]
-            heapq.heapify(self._heap)
-
-    def insert_many(self, blocks: list[Block]) -> None:
-        live, heap, key, push = self._live, self._heap, self.key, heapq.heappush
-        for block in blocks:
-            entry = (key(block), block.release_tick, block.block_id, block)
-            live[block.block_id] = entry
-            push(heap, entry)
-        if len(heap) > 4 * len(live) + 64:
-            self._heap = [e for e in heap if live.get(e[2]) is e]
-            heapq.heapify(self._heap)
-
-    def remove(self, block: Block) -> None:
-        self._live.pop(block.block_id, None)
-
-    def remove_many(self, blocks: list[Block]) -> None:
-        pop = self._live.pop
-        for block in blocks:
-            pop(block.block_id, None)
-
-    def victim(self) -> Block | None:
-        heap, live = self._heap, self._live
-        while heap:
-            entry = heapq.heappop(heap)
-            if live.get(entry[2]) is entry:
-                del live[entry[2]]
-                self.evicted(entry)
-                return entry[3]
-        return None
-
-    def evicted(self, entry: tuple[int, int, int, Block]) -> None:
-        """Hook: ``entry`` was just chosen as a victim."""
-
-    def __len__(self) -> int:
-        return len(self._live)
-
-    def members(self) -> set[int]:
-        return set(self._live)
-
-
-class _TickLevel:
-    """Blocks of one priority in release-tick order: an ordered dict for the common case
-    (a release is the newest tick; a parent freed by its last child's eviction is usually
-    the oldest) and a small lazy heap for the rest."""
-
-    __slots__ = ("ordered", "late", "late_live", "size", "last_tick")
-
-    def __init__(self) -> None:
-        self.ordered: OrderedDict[int, Block] = OrderedDict()  # ascending release_tick
-        self.late: list[tuple[int, int, Block]] = []
-        self.late_live: dict[int, int] = {}
-        self.size = 0
-        self.last_tick = -1  # tick of the ordered dict's newest entry (-1: empty)
-
-    def add(self, block: Block) -> None:
-        ordered, tick, block_id = self.ordered, block.release_tick, block.block_id
-        self.size += 1
-        if tick >= self.last_tick or not ordered:
-            ordered[block_id] = block
-            self.last_tick = tick
-        elif tick <= ordered[next(iter(ordered))].release_tick:
-            ordered[block_id] = block
-            ordered.move_to_end(block_id, last=False)
-        else:
-            self.late_live[block_id] = tick
-            heapq.heappush(self.late, (tick, block_id, block))
-            if len(self.late) > 4 * len(self.late_live) + 64:
-                live = self.late_live
-                self.late = [e for e in self.late if live.get(e[1]) == e[0]]
-                heapq.heapify(self.late)
-
-    def discard(self, block_id: int) -> None:
-        ordered = self.ordered
-        if ordered.pop(block_id, None) is None:
-            del self.late_live[block_id]
-        elif not ordered:
-            self.last_tick = -1
-        self.size -= 1
-
-    def pop_oldest(self) -> Block:
-        self.size -= 1
-        late = self.late
-        if late:
-            live = self.late_live
-            while late and live.get(late[0][1]) != late[0][0]:
-                heapq.heappop(late)
-            ordered = self.ordered
-            if late and (not ordered or late[0][0] < ordered[next(iter(ordered))].release_tick):
-                tick, block_id, block = heapq.heappop(late)
-                del live[block_id]
-                return block
-        block = self.ordered.popitem(last=False)[1]
-        if not self.ordered:
-            self.last_tick = -1
-        return block
-
-
-class PriorityLruEviction(EvictionPolicy):
-    """The default order (REFERENCE.md §2): lowest priority first, then least recently
-    released; leaves before their prefixes.
-
-    One :class:`_TickLevel` per priority in use. Releases append in tick order; a parent that
-    becomes evictable when its last child is evicted re-enters at its *old* release tick,
-    which is nearly always the oldest of its level (front of the ordered dict); anything else
-    goes to the level's small heap. So the common operations are O(1).
-    """
-
-    name = "default"
-    leaf_first = True
-
-    def __init__(self, capacity: int = 0) -> None:
-        self._levels: dict[int, _TickLevel] = {}
-        self._priority_of: dict[int, int] = {}
-
-    def insert(self, block: Block) -> None:
-        priority = block.priority
-        block_id = block.block_id
-        priority_of = self._priority_of
-        old = priority_of.get(block_id)
-        if old is not None:  # a re-insert (touch): drop the old position
-            self._discard(block_id, old)
-        level = self._levels.get(priority)
-        if level is None:
-            level = self._levels[priority] = _TickLevel()
-        priority_of[block_id] = priority
-        level.add(block)
-
-    def remove(self, block: Block) -> None:
-        priority = self._priority_of.pop(block.block_id, None)
-        if priority is not None:
-            self._discard(block.block_id, priority)
-
-    def _discard(self, block_id: int, priority: int) -> None:
-        level = self._levels[priority]
-        level.discard(block_id)
-        if not level.size:
-            del self._levels[priority]
-
-    def victim(self) -> Block | None:
-        levels = self._levels
-        if not levels:
-            return None
-        priority = next(iter(levels)) if len(levels) == 1 else min(levels)
-        level = levels[priority]
-        block = level.pop_oldest()
-        del self._priority_of[block.block_id]
-        if not level.size:
-            del levels[priority]
-        return block
-
-    def __len__(self) -> int:
-        return len(self._priority_of)
-
-    def members(self) -> set[int]:
-        return set(self._priority_of)
-
-
-class AgedFrequencyEviction(_HeapEviction):
-    """Least-frequently-used with dynamic aging and a ghost history ("lfu").
-
-    Each block's use count ``f`` lives in ``block.policy_state``: 1 when registered (plus
-    what the ghost remembers of it), +1 per hit. An evictable block's key is ``L + f``, where
-    ``L`` is the key of the last victim; the lowest key goes first, ties by least recently
-    used. Aging through ``L`` lets yesterday's popular blocks give way to today's. Evicted
-    blocks leave their count in a FIFO ghost of ``ghost_factor x capacity`` hashes, so a block
-    that comes back soon resumes its count instead of starting cold.
-
-    Why: on multi-turn traces most blocks are used once, while a block used twice is likely
-    to be used again; LRU cannot tell them apart, frequency can (docs/policies.md).
-    """
-
-    name = "lfu"
-
-    def __init__(self, capacity: int = 0, ghost_factor: int = 4, max_count: int | None = None) -> None:
-        super().__init__()
-        self._max_count = max_count
-        self._age = 0
-        self._ghost: OrderedDict[int, int] = OrderedDict()
-        self._ghost_size = max(1, ghost_factor * capacity)
-
-    def registered(self, block: Block) -> None:
-        block.policy_state = self._ghost.pop(block.sequence_hash, 0) + 1  # type: ignore[arg-type]
-
-    def record_hit(self, block: Block) -> None:
-        if self._max_count is None or block.policy_state < self._max_count:
-            block.policy_state += 1
-
-    def key(self, block: Block) -> int:
-        return self._age + block.policy_state
-
-    def evicted(self, entry: tuple[int, int, int, Block]) -> None:
-        self._age = entry[0]
-        self.remember(entry[3])
-
-    def remember(self, block: Block) -> None:
-        """Keep an evicted block's count in the ghost (also used when another order evicted it)."""
-        ghost = self._ghost
-        ghost[block.sequence_hash] = block.policy_state  # type: ignore[index]
-        ghost.move_to_end(block.sequence_hash)  # type: ignore[arg-type]
-        if len(ghost) > self._ghost_size:
-            ghost.popitem(last=False)
-
-
-class AdmissionPolicy:
-    """Decides whether a block offered to a tier is admitted there."""
-
-    name = "always"
-
-    def admit(self, sequence_hash: int) -> bool:
-        return True
-
-
-class SecondOfferAdmission(AdmissionPolicy):
-    """Admit a block only the second time it is offered (Dynamo's disk filter).
-
-    The first offer is remembered in a bounded FIFO history of ``history`` hashes (default:
-    four times the tier's capacity), so a block offered once long ago is forgotten.
-    One-hit blocks thus never displace blocks that were needed twice.
-    """
-
-    name = "second-offer"
-
-    def __init__(self, capacity: int, history: int | None = None) -> None:
-        size = history if history is not None else 4 * capacity
-        if size <= 0:
-            raise PolicyError(f"second-offer history must be positive, got {size}")
-        self._size = size
-        self._seen: OrderedDict[int, None] = OrderedDict()
-
-    def admit(self, sequence_hash: int) -> bool:
-        seen = self._seen
-        if sequence_hash in seen:
-            del seen[sequence_hash]
-            return True
-        seen[sequence_hash] = None
-        if len(seen) > self._size:
-            seen.popitem(last=False)
-        return False
-
-
-EVICTION_POLICIES: dict[str, Callable[[int], EvictionPolicy]] = {
-    "lru": LruEviction,
-    "default": PriorityLruEviction,
-    "lfu": AgedFrequencyEviction,
-}
-ADMISSION_POLICIES: dict[str, Callable[[int], AdmissionPolicy]] = {
-    "always": lambda capacity: AdmissionPolicy(),
-    "second-offer": SecondOfferAdmission,
-}
-
-
-ADAPTIVE = "adaptive"
-"""Policy name (eviction or admission) whose choice is made online by set dueling
-(:mod:`kvstrata.logical.adaptive`)."""
-
-EVICTION_NAMES = (*EVICTION_POLICIES, ADAPTIVE)
-ADMISSION_NAMES = (*ADMISSION_POLICIES, ADAPTIVE)
-
-
-def make_eviction(name: str, capacity: int) -> EvictionPolicy:
-    """Build the eviction policy called ``name`` for a pool of ``capacity`` blocks.
-
-    ``adaptive`` builds one with its own duel; use :func:`make_tier_policies` to share the
-    duel with the tier's admission filter and feed it requests.
-    """
-    if name == ADAPTIVE:
-        return make_tier_policies(name, "always", capacity).eviction
-    try:
-        factory = EVICTION_POLICIES[name]
-    except KeyError:
-        raise PolicyError(
-            f"unknown eviction policy {name!r}; choose one of {sorted(EVICTION_NAMES)}"
-        ) from None
-    return factory(capacity)
-
-
-def make_admission(name: str, capacity: int) -> AdmissionPolicy:
-    """Build the admission policy called ``name`` for a tier of ``capacity`` blocks."""
-    if name == ADAPTIVE:
-        return make_tier_policies("lru", name, capacity).admission
-    try:
-        factory = ADMISSION_POLICIES[name]
-    except KeyError:
-        raise PolicyError(
-            f"unknown admission policy {name!r}; choose one of {sorted(ADMISSION_NAMES)}"
-        ) from None
-    return factory(capacity)
+from .adaptive import ADAPTIVE, build_adaptive
+from .admission import ADMISSION_FILTERS, AdmissionPolicy, PolicyError, SecondOfferAdmission
+from .eviction import EVICTION_ORDERS, EvictionPolicy
+
+__all__ = ["PolicyError", "ADAPTIVE", "EVICTION_NAMES", "ADMISSION_NAMES", "TierPolicies",
+           "make_eviction", "make_admission", "make_tier_policies", "SecondOfferAdmission"]
+
+EVICTION_NAMES = (*EVICTION_ORDERS, ADAPTIVE)
+"""Every eviction policy name a config may use."""
+ADMISSION_NAMES = (*ADMISSION_FILTERS, ADAPTIVE)
+"""Every admission policy name a config may use."""
 
 
 @dataclass
 class TierPolicies:
     """A tier's eviction order and admission filter, and the duel choosing them if adaptive.
 
-    ``observe_request`` is None unless a policy learns from requests; the hierarchy calls it
+    ``observe_request`` is None unless a policy learns from requests; the planner calls it
     with each request's block hashes before serving the request.
     """
 
@@ -456,10 +39,30 @@ class TierPolicies:
     observe_request: Callable[[Sequence[int]], None] | None = None
 
 
+def make_eviction(name: str, capacity: int) -> EvictionPolicy:
+    """Build the eviction policy called ``name`` for a pool of ``capacity`` blocks.
+
+    ``adaptive`` builds one with its own duel; use :func:`make_tier_policies` to share the
+    duel with the tier's admission filter and feed it requests.
+    """
+    return make_tier_policies(name, "always", capacity).eviction
+
+
+def make_admission(name: str, capacity: int) -> AdmissionPolicy:
+    """Build the admission policy called ``name`` for a tier of ``capacity`` blocks."""
+    return make_tier_policies("lru", name, capacity).admission
+
+
 def make_tier_policies(eviction: str, admission: str, capacity: int) -> TierPolicies:
     """Both policies of a tier; ``adaptive`` in either place makes them share one duel."""
+    if eviction not in EVICTION_NAMES:
+        raise PolicyError(f"unknown eviction policy {eviction!r}; choose one of "
+                          f"{sorted(EVICTION_NAMES)}")
+    if admission not in ADMISSION_NAMES:
+        raise PolicyError(f"unknown admission policy {admission!r}; choose one of "
+                          f"{sorted(ADMISSION_NAMES)}")
     if ADAPTIVE not in (eviction, admission):
-        return TierPolicies(make_eviction(eviction, capacity), make_admission(admission, capacity))
-    from .adaptive import build_adaptive
-
-    return build_adaptive(eviction, admission, capacity)
+        return TierPolicies(EVICTION_ORDERS[eviction](capacity),
+                            ADMISSION_FILTERS[admission](capacity))
+    eviction_order, admission_filter, observe = build_adaptive(eviction, admission, capacity)
+    return TierPolicies(eviction_order, admission_filter, observe)

@@ -1,5 +1,8 @@
 """A fixed-size pool of blocks for one tier: allocate, register (dedup), match, touch, release.
 
+(About 500 lines on purpose: one concern, a tier's slots, with its hot paths inlined; the
+consistency checks live in :mod:`kvstrata.logical.pool_checks`.)
+
 Block slots are ``0 .. num_blocks-1`` (the physical layer's storage for the tier has the same
 slots). Every slot is in exactly one place:
 
@@ -9,7 +12,7 @@ slots). Every slot is in exactly one place:
   may be evicted now.
 
 ``allocate`` takes reset slots first, then evicts inactive blocks in the policy's order.
-A pool is mutated only by its owner thread (DESIGN.md "one owner per pool"); handles dropped
+A pool is mutated only by its owner thread (one owner per pool: no locks); handles dropped
 without ``release`` are returned through a queue that the owner drains on its next call.
 """
 
@@ -21,8 +24,10 @@ from typing import Iterable, Sequence
 
 from .block import Block, BlockState, BlockStateError
 from .handles import HandleReleasedError, ImmutableBlocks, MutableBlocks, _Blocks
-from .policy import EvictionPolicy, LruEviction, PriorityLruEviction
-from .registry import BlockRecord, BlockRegistry
+from ..types import BlockRecord
+from .eviction import EvictionPolicy, LruEviction, PriorityLruEviction
+from .pool_checks import check_pool_invariants
+from .registry import BlockRegistry
 
 
 class PoolError(RuntimeError):
@@ -448,6 +453,37 @@ class BlockPool:
         self.registry.record_cleared(self.tier, held)
         return len(held)
 
+    def drop_with_descendants(self, roots: Iterable[int]) -> list[int]:
+        """Drop the idle blocks ``roots`` together with their idle descendants in this pool;
+        returns the hashes dropped.
+
+        For blocks found bad: a leaf-first pool keeps a block while children are registered,
+        and those children are unreachable once their prefix is gone (matching needs the whole
+        prefix). Blocks in use, and ancestors of blocks in use, stay. O(blocks held) when a
+        root has children; failure paths only.
+        """
+        roots = list(roots)
+        dropped = self.reset_blocks(roots)
+        gone = set(dropped)
+        left = [h for h in roots if h not in gone and h in self._by_hash]
+        if not left or not self._leaf_first:
+            return dropped
+        children: dict[int, list[int]] = {}
+        for block in self._by_hash.values():
+            if block.parent_id >= 0:
+                children.setdefault(block.parent_id, []).append(block.sequence_hash)  # type: ignore[arg-type]
+        order: list[int] = []
+        for root in left:
+            if self._by_hash[root].ref_count:
+                continue
+            stack, subtree = [root], []
+            while stack:
+                h = stack.pop()
+                subtree.append(h)
+                stack.extend(children.get(self._by_hash[h].block_id, ()))
+            order.extend(reversed(subtree))   # descendants before their ancestors
+        return dropped + self.reset_blocks(order)
+
     # -- helpers ---------------------------------------------------------------------------
     def _check_owner(self, handle: _Blocks) -> None:
         if handle.pool is not self:
@@ -456,43 +492,9 @@ class BlockPool:
             raise HandleReleasedError("handle already released")
 
     def check_invariants(self) -> None:
-        """Assert the pool's bookkeeping is consistent (tests and debugging; O(capacity))."""
-        free = set(self._free)
-        assert len(free) == len(self._free), "a slot is on the free list twice"
-        inactive = 0
-        for block in self._blocks:
-            assert block.ref_count >= 0, f"block {block.block_id} has negative refs"
-            if block.block_id in free:
-                assert block.state is BlockState.RESET and block.ref_count == 0, (
-                    f"free block {block.block_id} is {block.state.name} with {block.ref_count} refs"
-                )
-            elif block.state is BlockState.REGISTERED:
-                assert self._by_hash.get(block.sequence_hash) is block, (  # type: ignore[arg-type]
-                    f"registered block {block.block_id} not indexed by its hash"
-                )
-                inactive += block.ref_count == 0
-            else:
-                assert block.ref_count > 0, f"unregistered block {block.block_id} leaked"
-        assert inactive == self._inactive, f"inactive count {self._inactive} != {inactive}"
-        assert len(self._by_hash) <= self.capacity
-        for h, block in self._by_hash.items():
-            assert block.sequence_hash == h and block.state is BlockState.REGISTERED
-        if self._leaf_first:
-            for block in self._by_hash.values():
-                kids = sum(
-                    1 for b in self._by_hash.values() if b.parent_id == block.block_id
-                )
-                assert kids == block.children, f"block {block.block_id} child count drifted"
-        expected_evictable = {
-            b.block_id
-            for b in self._by_hash.values()
-            if b.ref_count == 0 and not (self._leaf_first and b.children)
-        }
-        members = self.eviction.members()
-        assert members == expected_evictable and len(self.eviction) == len(members), (
-            f"eviction order holds {sorted(members)[:8]}..., expected {sorted(expected_evictable)[:8]}..."
-        )
-
+        """Assert the pool's bookkeeping is consistent (tests and debugging; O(capacity)).
+        The checks live in :mod:`kvstrata.logical.pool_checks`."""
+        check_pool_invariants(self)
 
 __all__ = [
     "BlockPool",

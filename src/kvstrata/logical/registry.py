@@ -17,31 +17,16 @@ leave a pool half-updated. The registry is metadata only: it never touches bytes
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
+
+from ..tiers import TIER_NAMES, spec
+from ..types import BlockRecord
+
+__all__ = ["BlockRegistry", "RegistryObserver", "UNOBSERVED", "BlockRecord"]
 
 _log = logging.getLogger(__name__)
 
-TIER_NAMES = ("G1", "G2", "G3", "G4")
-"""Tier names, fastest first: device, host, local disk, remote."""
-
-_TIER_BIT = {name: 1 << i for i, name in enumerate(TIER_NAMES)}
-
-
-@dataclass(frozen=True, slots=True)
-class BlockRecord:
-    """What the outside world needs to know about one registered block.
-
-    ``parent_hash`` is the sequence hash of the previous block in the chain (None for the
-    first block); ``token_ids`` is optional and only filled when the pool was asked to keep
-    tokens (it costs memory).
-    """
-
-    sequence_hash: int
-    local_hash: int
-    parent_hash: int | None
-    block_size: int
-    token_ids: tuple[int, ...] | None = None
+_TIER_BIT = {name: 1 << spec(name).order for name in TIER_NAMES}
 
 
 class RegistryObserver:
@@ -67,7 +52,7 @@ class BlockRegistry:
     """Maps each sequence hash to the tiers that hold it, and fans changes out to observers."""
 
     def __init__(self) -> None:
-        # hash -> bit mask of the tiers holding it (bit i = TIER_NAMES[i]); cheaper than sets.
+        # hash -> bit mask of the tiers holding it (bit i = the tier of order i); cheaper than sets.
         self._tiers_by_hash: dict[int, int] = {}
         self._observers: list[RegistryObserver] = []
         self.observer_errors = 0
@@ -163,3 +148,24 @@ class BlockRegistry:
         except Exception:  # an observer's failure must not corrupt the pools
             self.observer_errors += 1
             _log.exception("registry observer %r failed", hook)
+
+
+class _UnobservedRegistry(BlockRegistry):
+    """A registry that records nothing, for pools nobody observes (the shadow caches of the
+    adaptive policies): it saves the bookkeeping and accepts any pool name."""
+
+    def record_stored(self, tier: str, records: Sequence[BlockRecord]) -> None:
+        pass
+
+    def record_removed(self, tier: str, sequence_hashes: Sequence[int]) -> None:
+        pass
+
+    def record_cleared(self, tier: str, sequence_hashes: Iterable[int]) -> None:
+        pass
+
+    def add_observer(self, observer: RegistryObserver) -> None:
+        raise TypeError("UNOBSERVED records nothing; give the pool a BlockRegistry to observe it")
+
+
+UNOBSERVED: BlockRegistry = _UnobservedRegistry()
+"""Pass as a pool's ``registry`` when nothing needs to know what the pool holds."""

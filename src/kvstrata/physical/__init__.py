@@ -11,12 +11,14 @@ Entry points::
     g2 = HostStorage(cfg.with_blocks(4096))          # pinned when CUDA is present
     g3 = DiskStorage(cfg.with_blocks(65536), "/nvme/kvstrata")
     engine = TransferEngine({"G1": g1, "G2": g2, "G3": g3})
-    fut = engine.submit(TransferPlan("G1->G2", [3, 7], [0, 1], [h3, h7]))
+    plan = TransferPlan(1, Endpoint("G1"), Endpoint("G2"), [h3, h7],
+                        src_block_ids=[3, 7], dst_block_ids=[0, 1])
+    result = engine.submit(plan).result()
 
-Modules: :mod:`.layout` (geometry and addressing), :mod:`.layout_codec` (sharing layouts
-between processes), :mod:`.storage` (backends), :mod:`.checksum` (xxh3-64 integrity),
-:mod:`.copy` (copy engines), :mod:`.plan` and :mod:`.transfer` (plans, results, engine),
-:mod:`.errors` (typed errors). See docs/physical.md.
+Modules: :mod:`.storage` (backends), :mod:`.checksum` (xxh3-64 integrity), :mod:`.copy` (copy
+engines), :mod:`.transfer` (the engine), :mod:`.dtypes` (names to torch dtypes),
+:mod:`.errors` (typed errors). Layouts, plans and results are the torch-free
+:mod:`kvstrata.protocol`, re-exported here. See docs/physical.md.
 """
 
 from .checksum import ChecksumTable, block_checksum
@@ -28,10 +30,9 @@ from .errors import (BlockFailure, BlockIntegrityError, BlockIOError, ChecksumMi
                      LayoutConfigError, LayoutError, LayoutFormatError, LayoutMismatchError,
                      LayoutVersionError, PhysicalError, StorageClosedError, StorageConfigError,
                      StorageError, StorageIOError, TransferError, TransferPlanError)
-from .layout import (FullyContiguousLayout, Granularity, LayerOrder, LayerSeparateLayout, Layout,
-                     LayoutConfig, Region)
-from .layout_codec import SharedLayout, StorageDescriptor
-from .plan import PATHS, TIERS, TransferPlan, TransferResult
+from ..protocol import (Endpoint, FullyContiguousLayout, Granularity, LayerOrder,
+                        LayerSeparateLayout, Layout, LayoutConfig, Region, SharedLayout,
+                        StorageDescriptor, TransferPlan, TransferResult)
 from .storage import (BlockMemory, DeviceStorage, DiskStorage, FileOps, HostStorage,
                       MemoryStorage, Storage, StorageStatus)
 from .transfer import TransferEngine
@@ -44,7 +45,7 @@ __all__ = ["ChecksumTable", "block_checksum", "CopyEngine", "MemmoveCopyEngine",
            "LayoutVersionError", "PhysicalError", "StorageClosedError", "StorageConfigError",
            "StorageError", "StorageIOError", "TransferError", "TransferPlanError",
            "FullyContiguousLayout", "Granularity", "LayerOrder", "LayerSeparateLayout",
-           "Layout", "LayoutConfig", "Region", "SharedLayout", "StorageDescriptor", "PATHS",
-           "TIERS", "TransferPlan", "TransferResult", "BlockMemory", "DeviceStorage",
+           "Layout", "LayoutConfig", "Region", "SharedLayout", "StorageDescriptor", "Endpoint",
+           "TransferPlan", "TransferResult", "BlockMemory", "DeviceStorage",
            "DiskStorage", "FileOps", "HostStorage", "MemoryStorage", "Storage",
            "StorageStatus", "TransferEngine"]

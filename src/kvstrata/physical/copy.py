@@ -46,7 +46,7 @@ import numpy as np
 import torch
 import xxhash
 
-from .layout import FullyContiguousLayout, Granularity, Layout
+from ..protocol.layout import FullyContiguousLayout, Granularity, Layout
 from .storage.base import BlockMemory
 
 __all__ = ["PiecePlan", "plan_pieces", "CopyEngine", "MemmoveCopyEngine", "TorchCopyEngine",

@@ -1,54 +1,33 @@
-"""Typed errors of the physical layer, and the per-block failure record.
+"""Typed errors of the storage backends (the layout and transfer errors live in
+:mod:`kvstrata.protocol.errors` and are re-exported here).
 
-Every error a caller can act on has its own class, all rooted at :class:`PhysicalError`:
-
-* :class:`LayoutError` — a geometry problem: :class:`LayoutConfigError` (invalid numbers),
-  :class:`LayoutMismatchError` (two layouts that cannot exchange blocks),
-  :class:`LayoutFormatError` (malformed serialized layout), :class:`LayoutVersionError`
-  (a serialized layout from an unsupported format version).
-* :class:`StorageError` — a backend problem: :class:`StorageConfigError`,
+* :class:`StorageError` -- a backend problem: :class:`StorageConfigError`,
   :class:`StorageClosedError` and :class:`BlockIOError`, which says *which blocks of a batch*
   failed (``failures``). Its subclasses name the cause: :class:`DiskFullError` (ENOSPC),
   :class:`StorageIOError` (EIO and other OS errors, short reads),
   :class:`BlockIntegrityError` (slot empty or holding another block) and its subclass
   :class:`ChecksumMismatchError` (bytes differ from their recorded xxh3-64).
-* :class:`TransferError` — :class:`TransferPlanError` (malformed or out-of-range plan),
-  :class:`EngineClosedError`, :class:`EngineBusyError` (bounded queue full).
 
-A :class:`BlockFailure` is a plain, serializable record (position in the batch, block id,
-kind, detail) so a worker process can report failures back to a scheduler process.
+Failed blocks are described by :class:`~kvstrata.protocol.results.BlockFailure` records, which
+a worker process can send back to a scheduler process.
 """
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Iterable, Sequence
 
+from ..protocol.errors import (EngineBusyError, EngineClosedError, LayoutConfigError,
+                               LayoutError, LayoutFormatError, LayoutMismatchError,
+                               LayoutVersionError, PhysicalError, TransferError,
+                               TransferPlanError)
+from ..protocol.results import BlockFailure, FailureKind
 
-class PhysicalError(Exception):
-    """Root of every error raised by ``kvstrata.physical``."""
-
-
-# --------------------------------------------------------------------------- layouts
-class LayoutError(PhysicalError, ValueError):
-    """A layout is invalid, incompatible or cannot be decoded."""
-
-
-class LayoutConfigError(LayoutError):
-    """A :class:`~kvstrata.physical.layout.LayoutConfig` field is out of range."""
-
-
-class LayoutMismatchError(LayoutError):
-    """Two layouts differ in geometry or dtype, so blocks cannot be copied between them."""
-
-
-class LayoutFormatError(LayoutError):
-    """A serialized layout is malformed (missing/unknown keys, wrong types, bad sizes)."""
-
-
-class LayoutVersionError(LayoutFormatError):
-    """A serialized layout uses a format version this code does not understand."""
+__all__ = ["PhysicalError", "LayoutError", "LayoutConfigError", "LayoutMismatchError",
+           "LayoutFormatError", "LayoutVersionError", "TransferError", "TransferPlanError",
+           "EngineClosedError", "EngineBusyError", "StorageError", "StorageConfigError",
+           "StorageClosedError", "BlockIOError", "DiskFullError", "StorageIOError",
+           "BlockIntegrityError", "ChecksumMismatchError", "BlockFailure", "FailureKind",
+           "raise_for_failures"]
 
 
 # --------------------------------------------------------------------------- storage
@@ -62,42 +41,6 @@ class StorageConfigError(StorageError, ValueError):
 
 class StorageClosedError(StorageError):
     """The storage was closed; its memory or file is gone."""
-
-
-class FailureKind(str, enum.Enum):
-    """Why one block of a batch failed."""
-
-    DISK_FULL = "disk_full"
-    IO_ERROR = "io_error"
-    CHECKSUM_MISMATCH = "checksum_mismatch"
-    NOT_WRITTEN = "not_written"
-    HASH_MISMATCH = "hash_mismatch"
-    INTERNAL = "internal"
-
-
-@dataclass(frozen=True)
-class BlockFailure:
-    """One failed block: its ``position`` in the batch, its ``block_id`` in the storage that
-    failed, the ``kind`` of failure and a human-readable ``detail``."""
-
-    position: int
-    block_id: int
-    kind: FailureKind
-    detail: str
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain-JSON form."""
-        return {"position": self.position, "block_id": self.block_id,
-                "kind": self.kind.value, "detail": self.detail}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "BlockFailure":
-        """Inverse of :meth:`to_dict`; raises ``ValueError`` on bad input."""
-        try:
-            return cls(int(data["position"]), int(data["block_id"]),
-                       FailureKind(data["kind"]), str(data["detail"]))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"malformed block failure {data!r}: {exc}") from None
 
 
 class BlockIOError(StorageError):
@@ -165,20 +108,3 @@ def raise_for_failures(operation: str, failures: Iterable[BlockFailure], batch_s
     raise cls(f"{operation}: {len(failures)} of {batch_size} blocks failed; first: block "
               f"{failures[0].block_id} ({failures[0].kind.value}: {failures[0].detail})",
               failures, checksums)
-
-
-# --------------------------------------------------------------------------- transfers
-class TransferError(PhysicalError):
-    """A transfer could not be submitted."""
-
-
-class TransferPlanError(TransferError, ValueError):
-    """A :class:`~kvstrata.physical.transfer.TransferPlan` is malformed or out of range."""
-
-
-class EngineClosedError(TransferError):
-    """The transfer engine was closed."""
-
-
-class EngineBusyError(TransferError):
-    """The path's bounded queue stayed full for the whole submit timeout."""

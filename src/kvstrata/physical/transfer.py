@@ -3,10 +3,15 @@
 Usage::
 
     engine = TransferEngine({"G1": device, "G2": host, "G3": disk})
-    future = engine.submit(TransferPlan("G1->G2", src_ids, dst_ids, seq_hashes))
+    future = engine.submit(TransferPlan(job_id, Endpoint("G1"), Endpoint("G2"), seq_hashes,
+                                        src_block_ids=src_ids, dst_block_ids=dst_ids))
     result = future.result()            # or drain engine.completions in the pool owner
     engine.close()
 
+* Storages are keyed by tier name; each tier's kind (:mod:`kvstrata.tiers`) says which
+  storage class it must be, and a plan's pair of kinds picks its handler (device -> host,
+  host -> device, host -> disk, disk -> host, disk -> device). A new kind of tier is a new
+  storage class plus its handlers here. The engine serves the endpoints of its own worker.
 * One bounded queue and ``workers_per_path`` worker threads per path, so offload and onboard
   never wait behind each other; at most ``queue_depth + workers_per_path`` plans per path are
   in flight. :meth:`TransferEngine.submit` waits (sleeping) for room up to ``timeout`` and then
@@ -32,33 +37,44 @@ import time
 from concurrent.futures import Future
 from typing import Callable, Mapping
 
+from ..protocol.layout import FullyContiguousLayout
+from ..protocol.plans import TransferPlan
+from ..protocol.results import TransferResult
+from ..tiers import TierKind, UnknownTierError, ordered, path_name, spec
 from .buffers import AlignedBuffer
 from .copy import OFFLOAD, ONBOARD, CopyEngine, default_copy_engine
 from .errors import (BlockFailure, BlockIOError, EngineBusyError, EngineClosedError,
                      FailureKind, StorageConfigError, TransferPlanError)
-from .layout import FullyContiguousLayout
-from .plan import PATHS, TIERS, TransferPlan, TransferResult
 from .storage.base import BlockMemory, MemoryStorage, Storage
 from .storage.disk import DIRECT_ALIGNMENT, DiskStorage
 from .storage.host import HostStorage
 
-__all__ = ["TransferEngine", "TransferPlan", "TransferResult", "PATHS", "TIERS"]
+__all__ = ["TransferEngine", "STORAGE_CLASS"]
 
 _STOP = object()
-_Handler = Callable[[TransferPlan, dict[int, BlockFailure], list], int]
+_Handler = Callable[[TransferPlan, Storage, Storage, dict[int, BlockFailure], list], None]
+
+STORAGE_CLASS: dict[TierKind, type[Storage]] = {
+    TierKind.DEVICE: MemoryStorage,
+    TierKind.HOST: HostStorage,
+    TierKind.DISK: DiskStorage,
+}
+"""The storage class each kind of tier needs; kinds missing here have no backend yet."""
 
 
 class TransferEngine:
-    """Moves blocks between ``storages`` (keys ``"G1"``, ``"G2"``, ``"G3"``; any subset with
-    G2 present for the paths that need it). ``copy_engine`` defaults to
+    """Moves blocks between ``storages`` (keyed by tier name; see :data:`STORAGE_CLASS` for
+    what each kind of tier needs), for the endpoints of ``worker``. ``copy_engine`` defaults to
     :func:`~kvstrata.physical.copy.default_copy_engine`; ``staging_bytes`` bounds the
     per-worker bounce buffer of the G3->G1 path; ``hash_slice_bytes`` is how much of a G1->G2
     batch is copied before its checksums are computed (cache-sized)."""
 
     def __init__(self, storages: Mapping[str, Storage], *, copy_engine: CopyEngine | None = None,
                  workers_per_path: int = 1, queue_depth: int = 64,
-                 staging_bytes: int = 32 << 20, hash_slice_bytes: int = 8 << 20) -> None:
+                 staging_bytes: int = 32 << 20, hash_slice_bytes: int = 8 << 20,
+                 worker: int = 0) -> None:
         self._storages = dict(storages)
+        self.worker = worker
         self.hash_slice_bytes = hash_slice_bytes
         self._check_storages()
         first = next(iter(self._storages.values()), None)
@@ -67,11 +83,17 @@ class TransferEngine:
         self.copy_engine = copy_engine or default_copy_engine()
         self.staging_bytes = staging_bytes
         self.completions: queue.SimpleQueue[TransferResult] = queue.SimpleQueue()
+        by_kinds: dict[tuple[TierKind, TierKind], _Handler] = {
+            (TierKind.DEVICE, TierKind.HOST): self._device_to_host,
+            (TierKind.HOST, TierKind.DEVICE): self._host_to_device,
+            (TierKind.HOST, TierKind.DISK): self._host_to_disk,
+            (TierKind.DISK, TierKind.HOST): self._disk_to_host,
+            (TierKind.DISK, TierKind.DEVICE): self._disk_to_device}
+        tiers = ordered(self._storages)
         self._handlers: dict[str, _Handler] = {
-            "G1->G2": self._g1_to_g2, "G2->G1": self._g2_to_g1, "G2->G3": self._g2_to_g3,
-            "G3->G2": self._g3_to_g2, "G3->G1": self._g3_to_g1}
-        self.paths = tuple(p for p in PATHS
-                           if all(t in self._storages for t in p.split("->")))
+            path_name(a, b): by_kinds[spec(a).kind, spec(b).kind]
+            for a in tiers for b in tiers if (spec(a).kind, spec(b).kind) in by_kinds}
+        self.paths = tuple(self._handlers)
         self._queues = {p: queue.Queue(maxsize=max(1, queue_depth)) for p in self.paths}
         self._local = threading.local()
         self._lock = threading.Lock()
@@ -94,9 +116,13 @@ class TransferEngine:
             raise TransferPlanError(f"expected a TransferPlan, got {type(plan).__name__}")
         if self._closed:
             raise EngineClosedError("transfer engine is closed")
+        for endpoint in (plan.source, plan.target):
+            if endpoint.worker != self.worker:
+                raise TransferPlanError(f"{plan.path}: endpoint {endpoint} is not on worker "
+                                        f"{self.worker}, the one this engine serves")
         if plan.path not in self._queues:
-            raise TransferPlanError(f"path {plan.path} needs storages {plan.path.split('->')}; "
-                                    f"this engine has {sorted(self._storages)}")
+            raise TransferPlanError(f"no handler for path {plan.path} in an engine over "
+                                    f"{sorted(self._storages)} (paths: {', '.join(self.paths)})")
         for tier, ids in ((plan.src_tier, plan.src_block_ids), (plan.dst_tier, plan.dst_block_ids)):
             limit = self._storages[tier].num_blocks
             if max(ids) >= limit:
@@ -187,7 +213,8 @@ class TransferEngine:
         checksums: list[int | None] = [None] * len(plan)
         error = None
         try:
-            self._handlers[plan.path](plan, failures, checksums)
+            self._handlers[plan.path](plan, self._storages[plan.src_tier],
+                                      self._storages[plan.dst_tier], failures, checksums)
         except Exception as exc:   # a bug or a dead storage: the whole batch failed
             error = f"{type(exc).__name__}: {exc}"
             for pos, block_id in enumerate(plan.dst_block_ids):
@@ -206,53 +233,39 @@ class TransferEngine:
             failures=tuple(sorted(failures.values(), key=lambda f: f.position)), error=error)
 
     # ------------------------------------------------------------------ path handlers
-    @property
-    def _host(self) -> HostStorage:
-        return self._storages["G2"]   # type: ignore[return-value]
-
-    @property
-    def _disk(self) -> DiskStorage:
-        return self._storages["G3"]   # type: ignore[return-value]
-
-    @property
-    def _device(self) -> MemoryStorage:
-        return self._storages["G1"]   # type: ignore[return-value]
-
-    def _g1_to_g2(self, plan, failures, checksums) -> None:
-        host = self._host
+    def _device_to_host(self, plan, device, host, failures, checksums) -> None:
         host.begin_write(plan.dst_block_ids)
         if not host.eager_checksums:   # deferred: hashed on first need (see HostStorage)
-            self.copy_engine.copy(self._device.memory, plan.src_block_ids, host.memory,
+            self.copy_engine.copy(device.memory, plan.src_block_ids, host.memory,
                                   plan.dst_block_ids, direction=OFFLOAD)
             host.seal(plan.dst_block_ids, plan.sequence_hashes, defer=True)
             return
         # The copy engine hashes each destination block right behind the copy, while its
         # bytes are still in cache (a separate pass over a cold batch costs ~30 % of a copy).
-        sums = self.copy_engine.copy_hashed(self._device.memory, plan.src_block_ids,
+        sums = self.copy_engine.copy_hashed(device.memory, plan.src_block_ids,
                                             host.memory, plan.dst_block_ids, direction=OFFLOAD,
                                             slice_bytes=self.hash_slice_bytes)
         checksums[:] = host.seal(plan.dst_block_ids, plan.sequence_hashes, sums)
 
-    def _g2_to_g1(self, plan, failures, checksums) -> None:
-        good = self._check_host_source(plan, failures)
+    def _host_to_device(self, plan, host, device, failures, checksums) -> None:
+        good = _check_host_source(host, plan, failures)
         if good:
-            self.copy_engine.copy(self._host.memory, [plan.src_block_ids[p] for p in good],
-                                  self._device.memory, [plan.dst_block_ids[p] for p in good],
+            self.copy_engine.copy(host.memory, [plan.src_block_ids[p] for p in good],
+                                  device.memory, [plan.dst_block_ids[p] for p in good],
                                   direction=ONBOARD)
 
-    def _g2_to_g3(self, plan, failures, checksums) -> None:
-        good = self._check_host_source(plan, failures)
+    def _host_to_disk(self, plan, host, disk, failures, checksums) -> None:
+        good = _check_host_source(host, plan, failures)
         if not good:
             return
-        host = self._host
         src_ids = [plan.src_block_ids[p] for p in good]
         seqs = [plan.sequence_hashes[p] for p in good]
         known = host.checksums.checksums_of(src_ids)
         try:
             # Known checksums travel end to end: the disk records the xxh3 the block got
-            # when it entered G2 (no second hash pass; bytes corrupted in G2 since then fail
-            # the G3 read). Deferred ones are hashed by the disk while the write runs.
-            sums = self._disk.write_blocks(
+            # when it entered host memory (no second hash pass; bytes corrupted there since
+            # then fail the disk read). Deferred ones are hashed by the disk while the write runs.
+            sums = disk.write_blocks(
                 [plan.dst_block_ids[p] for p in good], [host.block_array(b) for b in src_ids],
                 seqs, checksums=known)
         except BlockIOError as exc:
@@ -263,8 +276,7 @@ class TransferEngine:
         for p, value in zip(good, sums):
             checksums[p] = value
 
-    def _g3_to_g2(self, plan, failures, checksums) -> None:
-        host, disk = self._host, self._disk
+    def _disk_to_host(self, plan, disk, host, failures, checksums) -> None:
         host.begin_write(plan.dst_block_ids)
         try:
             disk.read_blocks(plan.src_block_ids,
@@ -279,9 +291,8 @@ class TransferEngine:
         for p, value in zip(good, sums):
             checksums[p] = value
 
-    def _g3_to_g1(self, plan, failures, checksums) -> None:
-        disk, device = self._disk, self._device
-        staging, memory = self._staging()
+    def _disk_to_device(self, plan, disk, device, failures, checksums) -> None:
+        staging, memory = self._staging(disk)
         per_round = memory.layout.config.num_blocks
         for first in range(0, len(plan), per_round):
             positions = list(range(first, min(first + per_round, len(plan))))
@@ -301,15 +312,11 @@ class TransferEngine:
                                       [plan.dst_block_ids[positions[i]] for i in good],
                                       direction=ONBOARD)
 
-    def _check_host_source(self, plan, failures) -> list[int]:
-        for f in self._host.check_readable(plan.src_block_ids, plan.sequence_hashes):
-            failures[f.position] = f
-        return [p for p in range(len(plan)) if p not in failures]
-
-    def _staging(self) -> tuple[AlignedBuffer, BlockMemory]:
-        """This worker's aligned bounce buffer for G3->G1, as a FullyContiguous memory."""
+    def _staging(self, disk: DiskStorage) -> tuple[AlignedBuffer, BlockMemory]:
+        """This worker thread's aligned bounce buffer for disk -> device, as a
+        FullyContiguous memory of ``disk``'s geometry."""
         if getattr(self._local, "staging", None) is None:
-            config = self._disk.config
+            config = disk.config
             layout = FullyContiguousLayout(config.with_alignment(
                 max(config.alignment, DIRECT_ALIGNMENT)))
             blocks = max(1, self.staging_bytes // layout.block_stride)
@@ -320,17 +327,29 @@ class TransferEngine:
 
     # ------------------------------------------------------------------ validation
     def _check_storages(self) -> None:
-        unknown = set(self._storages) - set(TIERS)
-        if unknown:
-            raise StorageConfigError(f"unknown tiers {sorted(unknown)}; expected {TIERS}")
-        expected = {"G1": MemoryStorage, "G2": HostStorage, "G3": DiskStorage}
         for tier, storage in self._storages.items():
-            if not isinstance(storage, expected[tier]):
-                raise StorageConfigError(f"{tier} must be a {expected[tier].__name__}, got "
-                                         f"{type(storage).__name__}")
+            try:
+                kind = spec(tier).kind
+            except UnknownTierError as exc:
+                raise StorageConfigError(str(exc)) from None
+            expected = STORAGE_CLASS.get(kind)
+            if expected is None:
+                raise StorageConfigError(f"{tier} ({kind.value}): no storage backend for this "
+                                         f"kind of tier yet")
+            if not isinstance(storage, expected):
+                raise StorageConfigError(f"{tier} ({kind.value}) must be a {expected.__name__}, "
+                                         f"got {type(storage).__name__}")
         layouts = [s.layout for s in self._storages.values()]
         for layout in layouts[1:]:
             layouts[0].require_compatible(layout)
+
+
+def _check_host_source(host: HostStorage, plan: TransferPlan,
+                       failures: dict[int, BlockFailure]) -> list[int]:
+    """Record the blocks of ``host`` that fail their read check; the positions still good."""
+    for f in host.check_readable(plan.src_block_ids, plan.sequence_hashes):
+        failures[f.position] = f
+    return [p for p in range(len(plan)) if p not in failures]
 
 
 def _remap(sub_failures, positions, failures: dict[int, BlockFailure]) -> None:

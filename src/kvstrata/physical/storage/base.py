@@ -22,8 +22,8 @@ import torch
 
 from ..checksum import ChecksumTable
 from ..errors import StorageClosedError, StorageConfigError
-from ..layout import Layout, LayoutConfig
-from ..layout_codec import StorageDescriptor, encode
+from ...protocol.layout import Layout, LayoutConfig
+from ...protocol.layout_codec import StorageDescriptor, encode
 
 __all__ = ["BlockMemory", "Storage", "MemoryStorage", "StorageStatus", "byte_alias"]
 

@@ -25,11 +25,11 @@ from typing import Mapping, Sequence
 import torch
 
 from ..buffers import AlignedBuffer
-from ..dtypes import dtype_name
+from ..dtypes import dtype_name, torch_dtype
 from ..errors import LayoutError
-from ..layout import (FullyContiguousLayout, LayerOrder, LayerSeparateLayout, Layout,
+from ...protocol.layout import (FullyContiguousLayout, LayerOrder, LayerSeparateLayout, Layout,
                       LayoutConfig)
-from ..layout_codec import StorageDescriptor
+from ...protocol.layout_codec import StorageDescriptor
 from .base import BlockMemory, MemoryStorage, StorageStatus, byte_alias
 
 __all__ = ["DeviceStorage"]
@@ -122,7 +122,7 @@ class DeviceStorage(MemoryStorage):
             for outer in range(cfg.outer_dim):
                 region, offset, length = self.layout.region_of(block_id, layer, outer)
                 out[layer, outer] = self.memory.regions[region][offset:offset + length]
-        return out.view(cfg.torch_dtype).view(cfg.num_layers, cfg.outer_dim, cfg.page_size,
+        return out.view(torch_dtype(cfg.dtype)).view(cfg.num_layers, cfg.outer_dim, cfg.page_size,
                                               cfg.inner_dim)
 
     def status(self) -> StorageStatus:

@@ -40,8 +40,8 @@ from ..buffers import AlignedBuffer, address_of
 from ..checksum import ChecksumTable, block_checksum
 from ..errors import (BlockFailure, DiskFullError, FailureKind, StorageConfigError,
                       StorageIOError, raise_for_failures)
-from ..layout import FullyContiguousLayout, LayoutConfig
-from ..layout_codec import StorageDescriptor
+from ...protocol.layout import FullyContiguousLayout, LayoutConfig
+from ...protocol.layout_codec import StorageDescriptor
 from .base import Storage, StorageStatus
 from .fileio import FileOps
 

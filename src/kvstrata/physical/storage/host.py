@@ -34,9 +34,10 @@ import torch
 
 from ..buffers import AlignedBuffer
 from ..checksum import ChecksumTable, block_checksum
+from ..dtypes import torch_dtype
 from ..errors import BlockFailure, StorageConfigError
-from ..layout import FullyContiguousLayout, LayoutConfig
-from ..layout_codec import StorageDescriptor
+from ...protocol.layout import FullyContiguousLayout, LayoutConfig
+from ...protocol.layout_codec import StorageDescriptor
 from .base import BlockMemory, MemoryStorage, StorageStatus
 
 __all__ = ["HostStorage"]
@@ -94,7 +95,7 @@ class HostStorage(MemoryStorage):
         """Slot ``block_id`` as a typed tensor ``[num_layers, outer_dim, page_size, inner_dim]``."""
         cfg = self.config
         data = torch.from_numpy(self.payload(block_id))
-        return data.view(cfg.torch_dtype).view(cfg.num_layers, cfg.outer_dim, cfg.page_size,
+        return data.view(torch_dtype(cfg.dtype)).view(cfg.num_layers, cfg.outer_dim, cfg.page_size,
                                                cfg.inner_dim)
 
     # -- integrity protocol

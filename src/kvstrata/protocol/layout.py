@@ -29,9 +29,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
-import torch
 
-from .dtypes import canonical_dtype_name, itemsize, torch_dtype
+from ..dtypes import DtypeError, canonical_dtype, itemsize
 from .errors import LayoutConfigError, LayoutMismatchError
 
 __all__ = ["LayoutConfig", "Region", "Granularity", "LayerOrder", "Layout",
@@ -46,7 +45,7 @@ def align_up(value: int, alignment: int) -> int:
 @dataclass(frozen=True)
 class LayoutConfig:
     """Geometry of one pool's blocks. ``alignment`` (a power of two, bytes) pads the
-    per-block stride; ``dtype`` is a name (see :mod:`kvstrata.physical.dtypes`)."""
+    per-block stride; ``dtype`` is a name (see :mod:`kvstrata.dtypes`)."""
 
     num_blocks: int
     num_layers: int
@@ -66,7 +65,10 @@ class LayoutConfig:
                 f"outer_dim must be 2 (K,V) or 1 (MLA), got {self.outer_dim!r}")
         if self.alignment & (self.alignment - 1):
             raise LayoutConfigError(f"alignment must be a power of two, got {self.alignment}")
-        object.__setattr__(self, "dtype", canonical_dtype_name(self.dtype))
+        try:
+            object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
+        except DtypeError as exc:
+            raise LayoutConfigError(str(exc)) from None
         chunk = self.page_size * self.inner_dim * itemsize(self.dtype)
         object.__setattr__(self, "_chunk_bytes", chunk)   # hot on the data path: cache
 
@@ -74,11 +76,6 @@ class LayoutConfig:
     def itemsize(self) -> int:
         """Bytes per element."""
         return itemsize(self.dtype)
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        """The element type as a ``torch.dtype``."""
-        return torch_dtype(self.dtype)
 
     @property
     def chunk_bytes(self) -> int:

@@ -1,0 +1,61 @@
+"""Admission filters: whether a block offered to a tier is worth a slot there.
+
+:data:`ADMISSION_FILTERS` names the fixed filters; :mod:`kvstrata.logical.policy` builds them
+(and the ``adaptive`` one) by name.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable
+
+__all__ = ["AdmissionPolicy", "SecondOfferAdmission", "ADMISSION_FILTERS", "PolicyError"]
+
+
+class PolicyError(ValueError):
+    """An unknown policy name or a bad policy parameter (raised here and by
+    :mod:`kvstrata.logical.policy`)."""
+
+
+class AdmissionPolicy:
+    """Decides whether a block offered to a tier is admitted there."""
+
+    name = "always"
+
+    def admit(self, sequence_hash: int) -> bool:
+        return True
+
+
+class SecondOfferAdmission(AdmissionPolicy):
+    """Admit a block only the second time it is offered (Dynamo's disk filter).
+
+    The first offer is remembered in a bounded FIFO history of ``history`` hashes (default:
+    four times the tier's capacity), so a block offered once long ago is forgotten.
+    One-hit blocks thus never displace blocks that were needed twice.
+    """
+
+    name = "second-offer"
+
+    def __init__(self, capacity: int, history: int | None = None) -> None:
+        size = history if history is not None else 4 * capacity
+        if size <= 0:
+            raise PolicyError(f"second-offer history must be positive, got {size}")
+        self._size = size
+        self._seen: OrderedDict[int, None] = OrderedDict()
+
+    def admit(self, sequence_hash: int) -> bool:
+        seen = self._seen
+        if sequence_hash in seen:
+            del seen[sequence_hash]
+            return True
+        seen[sequence_hash] = None
+        if len(seen) > self._size:
+            seen.popitem(last=False)
+        return False
+
+
+ADMISSION_FILTERS: dict[str, Callable[[int], AdmissionPolicy]] = {
+    "always": lambda capacity: AdmissionPolicy(),
+    "second-offer": SecondOfferAdmission,
+}
+"""The fixed admission filters by name; each is built from the tier's capacity."""

@@ -1,0 +1,168 @@
+"""The write-through cascade: blocks newly registered in a tier are offered to the next one down.
+
+:meth:`Cascade.offer` takes the blocks a tier just registered (or, with an engine-owned top
+tier, the engine's block ids holding freshly computed blocks) and plans their copy into the
+next configured tier:
+
+* blocks the target holds, or is already receiving, are skipped (dedup), and so are blocks
+  quarantined at either end;
+* the target's admission filter decides the rest (refusals are counted as ``admission``);
+* target slots are allocated as unregistered :class:`~kvstrata.logical.handles.MutableBlocks`
+  (a full target evicts by its own policy) and the source blocks are held, so neither can be
+  reused mid-copy;
+* if the target's slots are all taken by copies in flight, the surplus waits (deferred) and is
+  offered again as results free slots -- nobody blocks. An engine's block cannot wait (the
+  engine may reuse it), so its surplus is skipped (``no_slot``).
+
+:meth:`Cascade.finish` handles a copy's result: blocks that arrived are registered in the
+target and offered further down; failed ones go back to the free list; a source found bad is
+dropped; a copy made from a block quarantined meanwhile is not registered.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Sequence
+
+from ..logical.handles import MutableBlocks
+from ..logical.pool import BlockPool, PoolExhaustedError
+from ..protocol.results import TransferResult
+from ..types import BlockRecord
+from .state import Job, PlacementState
+
+__all__ = ["Cascade", "allocate_up_to"]
+
+
+def allocate_up_to(pool: BlockPool, count: int) -> MutableBlocks | None:
+    """Up to ``count`` blocks of ``pool`` (fewer if it cannot free more); None if none."""
+    try:
+        return pool.allocate(count)
+    except PoolExhaustedError as exc:
+        if exc.available <= 0:
+            return None
+        return pool.allocate(min(count, exc.available))
+
+
+class Cascade:
+    """The offload half of the planner (see the module docstring)."""
+
+    def __init__(self, state: PlacementState) -> None:
+        self.s = state
+        self._deferred: dict[str, deque[tuple[str, list[BlockRecord]]]] = {
+            t: deque() for t in state.tiers}
+
+    def offer(self, source_tier: str, records: Sequence[BlockRecord],
+              engine_ids: Sequence[int] | None = None) -> None:
+        """Offer blocks newly registered in ``source_tier`` (held by the engine's blocks
+        ``engine_ids`` when the engine owns that tier) to the next tier down."""
+        s = self.s
+        target = s.below(source_tier)
+        if target is None or not records:
+            return
+        pool, receiving = s.pools[target], s.receiving[target]
+        bad_source, bad_target = s.quarantine[source_tier], s.quarantine[target]
+        seen: set[int] = set()
+        offered: list[int] = []
+        for i, record in enumerate(records):
+            h = record.sequence_hash
+            # A quarantined target block counts as absent: it is dropped once idle, and a
+            # good copy offered meanwhile dedups onto it harmlessly when registered.
+            if (h in pool and h not in bad_target) or h in receiving or h in seen \
+                    or h in bad_source:
+                continue
+            seen.add(h)
+            offered.append(i)
+        admit = s.admission[target].admit
+        admitted = [i for i in offered if admit(records[i].sequence_hash)]
+        s.skipped(target, "admission", len(offered) - len(admitted))
+        if not admitted:
+            return
+        chosen = [records[i] for i in admitted]
+        receiving.update(r.sequence_hash for r in chosen)
+        ids = None if engine_ids is None else [engine_ids[i] for i in admitted]
+        self._copy(source_tier, target, chosen, ids)
+
+    def _copy(self, source_tier: str, target: str, records: list[BlockRecord],
+              engine_ids: list[int] | None) -> None:
+        """Plan the copy of ``records`` (already marked as receiving) as far as target slots
+        can be had now; defer or skip the rest."""
+        s = self.s
+        slots = allocate_up_to(s.pools[target], len(records))
+        got = len(slots) if slots is not None else 0
+        if got < len(records):
+            rest = records[got:]
+            if engine_ids is None and (got or s.jobs):
+                # Copies in flight (this one included) hold the slots; retried as they finish.
+                self._deferred[target].append((source_tier, rest))
+                s.waiting += 1
+                s.announce_pending()
+            else:
+                s.receiving[target].difference_update(r.sequence_hash for r in rest)
+                s.skipped(target, "no_slot", len(rest))
+        if slots is None:
+            return
+        records = records[:got]
+        slots.apply_token_blocks(records)
+        if engine_ids is None:
+            source = s.pools[source_tier].acquire([r.sequence_hash for r in records])
+            assert len(source) == len(records), f"offload source {source_tier} lost blocks"
+            s.new_job(source_tier, target, records, source=source, target=slots)
+        else:
+            s.new_job(source_tier, target, records, engine_src=engine_ids[:got], target=slots)
+
+    def finish(self, job: Job, good: MutableBlocks | None, bad: MutableBlocks | None,
+               result: TransferResult) -> None:
+        """Settle an offload copy: register what arrived (and offer it further down), give
+        back what failed, drop sources found bad."""
+        s = self.s
+        target = s.pools[job.dst_tier]
+        s.receiving[job.dst_tier].difference_update(r.sequence_hash for r in job.records)
+        if bad is not None:
+            target.release(bad)
+        tainted_sources = s.quarantine[job.src_tier]
+        if good is not None and tainted_sources:
+            # The source was found bad (quarantined) while this copy ran: its bytes may be
+            # wrong, so the copy is not registered. Checked before the source hold is
+            # released, which may drop the quarantined block.
+            good, tainted = good.split([b.sequence_hash not in tainted_sources
+                                        for b in good.blocks])
+            if tainted is not None:
+                target.release(tainted)
+        if job.source is not None:
+            job.source.pool.release(job.source)
+            broken = [job.records[f.position].sequence_hash for f in result.failures
+                      if f.kind.bad_source]
+            if broken:   # the source's bytes failed their check: drop them where they live
+                s.drop(job.src_tier, broken)
+        if good is not None:
+            before = good.block_ids
+            registered = target.register(good)
+            new = [b.record() for b, slot in zip(registered.blocks, before) if b.block_id == slot]
+            try:
+                self.offer(job.dst_tier, new)
+            finally:
+                target.release(registered)
+
+    def retry_deferred(self) -> None:
+        """Offer deferred blocks again, oldest first, while their target has free slots."""
+        s = self.s
+        for target, deferred in self._deferred.items():
+            while deferred:
+                source_tier, records = deferred[0]
+                source, bad = s.pools[source_tier], s.quarantine[source_tier]
+                live = [r for r in records if r.sequence_hash in source
+                        and r.sequence_hash not in bad]
+                stuck = bool(live) and not s.pools[target].can_allocate(1)
+                if stuck and s.jobs:
+                    break                      # a copy in flight will free a slot
+                deferred.popleft()
+                s.waiting -= 1
+                kept = set() if stuck else {r.sequence_hash for r in live}
+                s.receiving[target].difference_update(
+                    r.sequence_hash for r in records if r.sequence_hash not in kept)
+                s.skipped(target, "evicted", len(records) - len(live))
+                if stuck:                      # nothing in flight can free one: give up
+                    s.skipped(target, "no_slot", len(live))
+                elif live:
+                    self._copy(source_tier, target, live, None)
+        s.announce_pending()

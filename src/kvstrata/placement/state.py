@@ -1,0 +1,220 @@
+"""The planner's shared bookkeeping: tiers and pools, jobs in flight, what each tier is
+receiving, quarantined blocks, and the listeners that hear about it.
+
+:class:`PlacementState` is owned by one :class:`~kvstrata.placement.planner.Planner` and read
+and written by its two halves, :mod:`.cascade` (offload) and :mod:`.onboard`. A :class:`Job` is
+one transfer plan handed to an executor plus what it keeps alive until its result comes back:
+the held source blocks (so they are not evicted mid-copy) and the target slots (allocated,
+not yet registered). Blocks in an engine-owned top tier are neither: the job only remembers
+their ids so the engine can be told they are in use.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+
+from ..logical.admission import AdmissionPolicy
+from ..logical.handles import ImmutableBlocks, MutableBlocks
+from ..logical.pool import BlockPool
+from ..protocol.plans import Endpoint, TransferPlan
+from ..tiers import Addressing, spec
+from ..types import BlockRecord
+from .telemetry import PlacementListener, PlacementStats
+
+if TYPE_CHECKING:
+    from .onboard import Ticket
+
+__all__ = ["Job", "PlacementState", "default_key"]
+
+log = logging.getLogger(__name__)
+
+
+def default_key(sequence_hash: int) -> str:
+    """The key of a block in a key-addressed tier: its sequence hash as 16 hex digits."""
+    return f"{sequence_hash:016x}"
+
+
+@dataclass(eq=False)
+class Job:
+    """One plan and what it keeps alive until its result is taken."""
+
+    plan: TransferPlan
+    records: list[BlockRecord]
+    source: ImmutableBlocks | None
+    """Source blocks held for the copy; None when the source is an engine-owned block."""
+    target: MutableBlocks | None
+    """Target slots, Complete and unregistered; None when the target is an engine's block."""
+    ticket: "Ticket | None" = None
+    """The onboard this copy serves; None for an offload."""
+    engine_blocks: tuple[int, ...] = ()
+    """Engine-owned top-tier block ids this job reads or writes."""
+    taken_at: float = 0.0
+    settled: bool = False
+    """Its onboard has counted it as done."""
+
+    @property
+    def path(self) -> str:
+        return self.plan.path
+
+    @property
+    def src_tier(self) -> str:
+        return self.plan.source.tier
+
+    @property
+    def dst_tier(self) -> str:
+        return self.plan.target.tier
+
+
+class PlacementState:
+    """Everything the planner's halves share; owner-thread only, like the pools."""
+
+    def __init__(self, tier_names: Sequence[str], pools: dict[str, BlockPool],
+                 admission: dict[str, AdmissionPolicy], *, engine_owns_top: bool,
+                 worker: int, key_of: Callable[[int], str],
+                 listeners: Iterable[PlacementListener]) -> None:
+        self.tiers = tuple(tier_names)
+        """Configured tiers, fastest first."""
+        self.pools = pools
+        """The pools kvstrata owns: every configured tier but an engine-owned top one."""
+        self.admission = admission
+        self.engine_owns_top = engine_owns_top
+        self.worker = worker
+        self.key_of = key_of
+        self.stats = PlacementStats()
+        self.listeners: tuple[PlacementListener, ...] = (self.stats, *listeners)
+        self.receiving: dict[str, set[int]] = {t: set() for t in self.tiers}
+        """Hashes on their way into each tier (copies in flight or waiting for a slot)."""
+        self.quarantine: dict[str, set[int]] = {t: set() for t in self.tiers}
+        """Blocks found bad while in use: never served, dropped once idle."""
+        self.jobs: dict[int, Job] = {}
+        self.outbox: list[Job] = []
+        self.engine_blocks: Counter[int] = Counter()
+        """Engine-owned block ids that jobs in flight read or write, with counts."""
+        self.waiting = 0
+        """Batches waiting for a slot in their target tier (see :mod:`.cascade`)."""
+        self._next_job = 1
+        self._endpoints = {t: Endpoint(t, worker) for t in self.tiers}
+
+    # -- tiers -----------------------------------------------------------------------------
+    @property
+    def top(self) -> str:
+        return self.tiers[0]
+
+    def below(self, tier: str) -> str | None:
+        """The next configured tier under ``tier`` (None at the bottom)."""
+        index = self.tiers.index(tier) + 1
+        return self.tiers[index] if index < len(self.tiers) else None
+
+    def holder(self, sequence_hash: int, tiers: Sequence[str]) -> str | None:
+        """The first of ``tiers`` holding ``sequence_hash`` outside quarantine."""
+        for tier in tiers:
+            if sequence_hash in self.pools[tier] and sequence_hash not in self.quarantine[tier]:
+                return tier
+        return None
+
+    # -- jobs ------------------------------------------------------------------------------
+    @property
+    def pending(self) -> int:
+        """Jobs not completed plus batches waiting for a slot."""
+        return len(self.jobs) + self.waiting
+
+    def new_job(self, source_tier: str, target_tier: str, records: list[BlockRecord], *,
+                source: ImmutableBlocks | None = None, target: MutableBlocks | None = None,
+                engine_src: Sequence[int] = (), engine_dst: Sequence[int] = (),
+                ticket: "Ticket | None" = None) -> Job:
+        """Plan copying ``records`` from ``source_tier`` to ``target_tier`` and queue the plan
+        for the next :meth:`take_plans`. Each side is a held pool handle or engine block ids."""
+        hashes = tuple(r.sequence_hash for r in records)
+        src_ids, src_keys = self._address(source_tier, hashes,
+                                          source.block_ids if source is not None else engine_src)
+        dst_ids, dst_keys = self._address(target_tier, hashes,
+                                          target.block_ids if target is not None else engine_dst)
+        job_id = self._next_job
+        self._next_job += 1
+        plan = TransferPlan.trusted(job_id, self._endpoints[source_tier],
+                                    self._endpoints[target_tier], hashes, src_ids, dst_ids,
+                                    src_keys, dst_keys)
+        engine = (*engine_src, *engine_dst)
+        job = Job(plan, records, source, target, ticket, engine)
+        self.jobs[job_id] = job
+        self.outbox.append(job)
+        if engine:
+            self.engine_blocks.update(engine)
+        self.announce_pending()
+        return job
+
+    def _address(self, tier: str, hashes: tuple[int, ...], ids: Sequence[int]
+                 ) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        if spec(tier).addressing is Addressing.KEYS:
+            return (), tuple(self.key_of(h) for h in hashes)
+        return tuple(ids), ()
+
+    def take_plans(self) -> list[TransferPlan]:
+        """The plans made since the last call, stamped as handed out now."""
+        if not self.outbox:
+            return []
+        now = time.perf_counter()
+        jobs, self.outbox = self.outbox, []
+        for job in jobs:
+            job.taken_at = now
+        return [job.plan for job in jobs]
+
+    def close_job(self, job: Job) -> None:
+        """``job``'s result was taken: it no longer counts as in flight."""
+        self.jobs.pop(job.plan.job_id, None)
+        if job.engine_blocks:
+            self.engine_blocks.subtract(job.engine_blocks)
+            for block_id in job.engine_blocks:
+                if self.engine_blocks[block_id] <= 0:
+                    del self.engine_blocks[block_id]
+        self.announce_pending()
+
+    def announce_pending(self) -> None:
+        pending = self.pending
+        for listener in self.listeners:
+            listener.in_flight(pending)
+
+    # -- reporting -------------------------------------------------------------------------
+    def skipped(self, tier: str, reason: str, count: int) -> None:
+        if count:
+            for listener in self.listeners:
+                listener.skipped(tier, reason, count)
+
+    def transfer_done(self, job: Job, ok_blocks: int, nbytes: int, busy: float,
+                      failures: Iterable[tuple[str, int]]) -> None:
+        latency = time.perf_counter() - job.taken_at if job.taken_at else 0.0
+        failures = list(failures)
+        for listener in self.listeners:
+            listener.transfer_done(job.path, ok_blocks, nbytes, busy, latency, failures)
+
+    # -- bad blocks ------------------------------------------------------------------------
+    def drop(self, tier: str, hashes: Iterable[int]) -> None:
+        """Drop bad blocks from ``tier`` (with their descendants, unreachable without them);
+        those still in use are quarantined (never served, dropped as soon as they are
+        free). Also retries the blocks already quarantined there."""
+        quarantine = self.quarantine[tier]
+        pool = self.pools[tier]
+        wanted = [h for h in (*hashes, *quarantine) if h in pool]
+        if not wanted and not quarantine:
+            return
+        pool.drop_with_descendants(wanted)
+        quarantine.clear()
+        quarantine.update(h for h in wanted if h in pool)
+
+    def retry_quarantine(self) -> None:
+        for tier, hashes in self.quarantine.items():
+            if hashes:
+                self.drop(tier, ())
+
+    @staticmethod
+    def release_quietly(handle) -> None:
+        """Release ``handle`` on a cleanup path: a failure is logged, never raised."""
+        try:
+            if handle is not None and not handle.released:
+                handle.pool.release(handle)
+        except Exception:
+            log.exception("kvstrata: could not release a %s handle", handle.pool.tier)
