@@ -14,7 +14,8 @@ import torch
 
 from kvstrata.config import KvConfig, ModelGeometry, TierConfig
 from kvstrata.logical.registry import BlockRecord
-from kvstrata import manager as manager_module
+from kvstrata.manager import owner as owner_module
+from kvstrata.physical import FileOps
 from kvstrata.manager import (InvalidBlockError, KvBlockManager, ManagerClosedError,
                               ManagerConfigError, ManagerError)
 from kvstrata.tokens import hash_blocks
@@ -328,7 +329,7 @@ class _SpyQueue:
     def put(self, item) -> None:
         self.inner.put(item)
         self.posted.set()
-        if item is manager_module._STOP:
+        if item is owner_module.STOP:
             self.stop_posted.set()
 
     def get(self, *args, **kwargs):
@@ -369,7 +370,7 @@ def test_release_racing_close_resolves():
     observer.armed = True
     registered = mgr.register(blocks)
     assert observer.entered.wait(HANG_GUARD)          # the owner is busy in register
-    spy = mgr._queue = _SpyQueue(mgr._queue)
+    spy = mgr._owner.queue = _SpyQueue(mgr._owner.queue)
     closer = threading.Thread(target=mgr.close)
     closer.start()
     assert spy.posted.wait(HANG_GUARD)                # close() posted its flush
@@ -378,7 +379,7 @@ def test_release_racing_close_resolves():
     late.add_done_callback(lambda _: (owner_busy.set(), unblock.wait(HANG_GUARD)))
     observer.gate.set()
     assert spy.stop_posted.wait(HANG_GUARD) and owner_busy.wait(HANG_GUARD)
-    assert mgr._owner.is_alive()                      # stop marker queued, owner alive
+    assert mgr._owner.thread.is_alive()                      # stop marker queued, owner alive
     released = mgr.release(held)
     try:
         assert released.result(5) is None
@@ -392,7 +393,7 @@ def test_release_racing_close_resolves():
 def test_concurrent_close_waits_for_the_first(tmp_path):
     gate = threading.Event()
 
-    class GatedWrites(manager_module.FileOps):
+    class GatedWrites(FileOps):
         def pwritev(self, fd, buffers, offset):
             gate.wait(HANG_GUARD)
             return super().pwritev(fd, buffers, offset)
@@ -405,7 +406,7 @@ def test_concurrent_close_waits_for_the_first(tmp_path):
 
     def second_close() -> None:
         mgr.close()
-        seen["owner_alive"] = mgr._owner.is_alive()
+        seen["owner_alive"] = mgr._owner.thread.is_alive()
 
     first = threading.Thread(target=mgr.close)
     first.start()
@@ -425,7 +426,7 @@ def test_concurrent_close_waits_for_the_first(tmp_path):
 def test_wait_idle_timeout_withdraws_its_waiter(tmp_path):
     gate = threading.Event()
 
-    class GatedWrites(manager_module.FileOps):
+    class GatedWrites(FileOps):
         def pwritev(self, fd, buffers, offset):
             gate.wait(HANG_GUARD)
             return super().pwritev(fd, buffers, offset)
@@ -438,7 +439,7 @@ def test_wait_idle_timeout_withdraws_its_waiter(tmp_path):
             with pytest.raises(TimeoutError):
                 mgr.wait_idle(0.01)
         mgr.status()                                  # the owner has handled the withdrawals
-        assert mgr._idle_waiters == []
+        assert mgr._owner.idle_waiters == []
         gate.set()
         mgr.wait_idle(HANG_GUARD)
 

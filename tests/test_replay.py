@@ -120,7 +120,7 @@ def test_multi_tier_accounting_is_consistent():
     # Lower tiers add hits beyond what G1 alone gets.
     alone = replay(requests, KvConfig(tiers={"G1": TierConfig(blocks=20)}), granularity="trace")
     assert result.blocks_hit > alone.blocks_hit
-    for pool in result.hierarchy.pools.values():
+    for pool in result.planner.pools.values():
         assert pool.status().active == 0
         pool.check_invariants()
 
@@ -154,7 +154,7 @@ def test_observers_see_registry_changes():
             Count.removed += len(hashes)
 
     result = replay(random_trace(8, n=200), three_tiers(), granularity="trace", observers=[Count()])
-    held = sum(p.status().inactive for p in result.hierarchy.pools.values())
+    held = sum(p.status().inactive for p in result.planner.pools.values())
     assert Count.stored - Count.removed == held > 0
 
 
@@ -200,5 +200,5 @@ def test_hits_count_only_blocks_actually_served():
     result = replay(reqs, cfg, granularity="trace")
     served = result.moves.get("G2->G1", 0) + result.tiers["G1"].blocks_hit
     assert result.blocks_hit == served
-    for pool in result.hierarchy.pools.values():
+    for pool in result.planner.pools.values():
         assert pool.status().active == 0

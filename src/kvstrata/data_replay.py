@@ -34,8 +34,10 @@ import numpy as np
 from .config import KvConfig
 from .logical.pool import PoolExhaustedError
 from .manager import KvBlockManager, ManagerConfigError, layout_config_for
-from .offload import TIER_ORDER
-from .replay import RequestHasher, TierStats, TraceRequest, hit_summary
+from .manager.storages import HOST_ALIGNMENT, MANAGED_KINDS
+from .replay import TierStats, count_hits, hit_summary
+from .tiers import TierKind, ordered, spec
+from .trace import RequestHasher, TraceRequest
 
 __all__ = ["run_data_replay", "block_payload", "DataReplayError", "DEFAULT_MAX_HOST_BYTES",
            "DEFAULT_MAX_DISK_BYTES"]
@@ -114,13 +116,14 @@ def run_data_replay(
     if granularity == "trace":
         config = replace(config, block_size=hasher.block_size)
     config = config.validate()
-    unsupported = [t for t in config.tiers if t not in TIER_ORDER]
+    unsupported = [t for t in ordered(config.tiers) if spec(t).kind not in MANAGED_KINDS]
     if unsupported:
-        raise DataReplayError(f"data replay moves bytes through {', '.join(TIER_ORDER)} only; "
+        raise DataReplayError(f"data replay moves bytes through "
+                              f"{', '.join(k.value for k in MANAGED_KINDS)} tiers only; "
                               f"remove tiers {unsupported}")
     _check_sizes(config, disk_dir, max_host_bytes, max_disk_bytes)
     temp_dir = None
-    if disk_dir is None and "G3" in config.tiers:
+    if disk_dir is None and any(spec(t).kind is TierKind.DISK for t in config.tiers):
         disk_dir = temp_dir = tempfile.mkdtemp(prefix="kvstrata-data-replay-")
     try:
         with KvBlockManager(config, disk_dir=disk_dir, max_host_bytes=max_host_bytes) as mgr:
@@ -139,25 +142,31 @@ def run_data_replay(
 
 
 def _check_sizes(config: KvConfig, disk_dir: str | None, max_host: int, max_disk: int) -> None:
+    """Refuse tiers whose bytes would not fit: device and host tiers in RAM (the device tier
+    is a CPU stand-in here), disk tiers on the disk holding ``disk_dir``."""
     stride = layout_config_for(config, 1).block_bytes
-    host_stride = -(-stride // 4096) * 4096
-    ram = config.tier_blocks("G1") * stride + (
-        config.tier_blocks("G2") * host_stride if "G2" in config.tiers else 0)
+    aligned = -(-stride // HOST_ALIGNMENT) * HOST_ALIGNMENT
+    ram_tiers = [t for t in ordered(config.tiers)
+                 if spec(t).kind in (TierKind.DEVICE, TierKind.HOST)]
+    ram = sum(config.tier_blocks(t) * (stride if spec(t).kind is TierKind.DEVICE else aligned)
+              for t in ram_tiers)
     if ram > max_host:
+        sizes = " + ".join(f"{t} ({config.tier_blocks(t)} blocks)" for t in ram_tiers)
         raise DataReplayError(
-            f"G1 ({config.tier_blocks('G1')} blocks) + G2 "
-            f"({config.tier_blocks('G2') if 'G2' in config.tiers else 0} blocks) of "
-            f"{stride} bytes need {ram / 2**30:.2f} GiB of RAM, over the data replay limit of "
-            f"{max_host / 2**30:.2f} GiB; give smaller tiers (e.g. --tiers G1=1000,G2=4000)")
-    if "G3" in config.tiers:
-        disk = config.tier_blocks("G3") * host_stride
+            f"{sizes} of {stride} bytes need {ram / 2**30:.2f} GiB of RAM, over the data "
+            f"replay limit of {max_host / 2**30:.2f} GiB; give smaller tiers (e.g. "
+            f"--tiers G1=1000,G2=4000)")
+    for tier in ordered(config.tiers):
+        if spec(tier).kind is not TierKind.DISK:
+            continue
+        disk = config.tier_blocks(tier) * aligned
         where = disk_dir or tempfile.gettempdir()
         free = shutil.disk_usage(where if _exists(where) else tempfile.gettempdir()).free
         limit = min(max_disk, int(free * 0.9))
         if disk > limit:
             raise DataReplayError(
-                f"G3 of {config.tier_blocks('G3')} blocks needs {disk / 2**30:.2f} GiB of disk "
-                f"in {where}, over the limit of {limit / 2**30:.2f} GiB "
+                f"{tier} of {config.tier_blocks(tier)} blocks needs {disk / 2**30:.2f} GiB of "
+                f"disk in {where}, over the limit of {limit / 2**30:.2f} GiB "
                 f"(data replay cap {max_disk / 2**30:.0f} GiB, 90% of free space)")
 
 
@@ -175,7 +184,8 @@ class _DataRun:
         self.block_bytes = mgr.status()["block_bytes"]
         self.tiers = {name: TierStats(mgr.pools[name].capacity, config.tier_eviction(name),
                                       config.tier_admission(name)) for name in mgr.pools}
-        self.g1_capacity = mgr.pools["G1"].capacity
+        self.top = mgr.planner.top
+        self.g1_capacity = mgr.pools[self.top].capacity
         self.requests = self.blocks = self.tokens = self.blocks_hit = self.tokens_hit = 0
         self.computed = self.verified = self.mismatches = self.load_failures = 0
 
@@ -184,7 +194,7 @@ class _DataRun:
         hashes = [r.sequence_hash for r in records]
         result = self.mgr.onboard(hashes).result()
         try:
-            self._count(result.sources, token_counts)
+            count_hits(self, result.sources, token_counts)
             self.load_failures += len(result.failures)
             self._verify(result)
         finally:
@@ -196,28 +206,11 @@ class _DataRun:
             self.mgr.wait_idle()
         self.requests += 1
 
-    def _count(self, sources, token_counts) -> None:
-        n, total = len(token_counts), sum(token_counts)
-        self.blocks += n
-        self.tokens += total
-        self.blocks_hit += len(sources)
-        self.tokens_hit += sum(token_counts[:len(sources)])
-        left, tokens_left = n, total
-        for name, stats in self.tiers.items():
-            stats.blocks_looked_up += left
-            stats.tokens_looked_up += tokens_left
-            served = [i for i, t in enumerate(sources) if t == name]
-            served_tokens = sum(token_counts[i] for i in served)
-            stats.blocks_hit += len(served)
-            stats.tokens_hit += served_tokens
-            left -= len(served)
-            tokens_left -= served_tokens
-
     def _verify(self, result) -> None:
         if self.verify == "none" or not len(result):
             return
         picks = [i for i, src in enumerate(result.sources)
-                 if self.verify == "all" or src != "G1"]
+                 if self.verify == "all" or src != self.top]
         ids, hashes = result.block_ids, result.sequence_hashes
         got = self.mgr.read_g1([ids[i] for i in picks])
         for i, data in zip(picks, got):
@@ -246,7 +239,8 @@ class _DataRun:
             stats.evictions = status["tiers"][name]["pool"]["evictions"]
         checksum_failures = sum(
             mgr.metrics.value("kvstrata_checksum_failures_total", tier=t) for t in mgr.pools)
-        g3 = status["tiers"].get("G3")
+        disks = [t["storage"] for t in status["tiers"].values()
+                 if t["storage"].get("path") is not None]
         return {
             "mode": "data",
             "granularity": self.hasher.granularity,
@@ -266,6 +260,6 @@ class _DataRun:
             "checksum_failures": int(checksum_failures),
             "wall_seconds": round(wall, 4),
             "stand_in": status["stand_in"],
-            "o_direct": bool(g3 and g3["storage"]["o_direct"]),
+            "o_direct": any(d.get("o_direct") for d in disks),
             "storage_bytes": {t: s["storage"]["bytes"] for t, s in status["tiers"].items()},
         }

@@ -22,7 +22,8 @@ name                                      type       labels               meanin
                                                                           ``admission`` /
                                                                           ``evicted`` (left
                                                                           the source while
-                                                                          deferred)
+                                                                          deferred) /
+                                                                          ``no_slot``
 ``kvstrata_lookup_blocks_total``          counter    (none)               blocks asked for by
                                                                           ``onboard``
 ``kvstrata_hit_blocks_total``             counter    tier                 blocks of onboarded
@@ -38,21 +39,26 @@ name                                      type       labels               meanin
 
 from __future__ import annotations
 
-from typing import Iterable
+import collections
+from typing import Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.metrics import MetricWrapperBase
 
+from .placement.telemetry import PlacementListener
+from .protocol.results import FailureKind
+from .tiers import is_onboard, split_path
+
 PREFIX = "kvstrata_"
-ONBOARD_PATHS = ("G2->G1", "G3->G1", "G3->G2")
-"""Paths that count as onboard (towards G1); the others are offload."""
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                     2.5, 5.0, 10.0)
 
 
-class ManagerMetrics:
-    """The Prometheus collectors of one manager, registered in :attr:`registry`.
+class ManagerMetrics(PlacementListener):
+    """The Prometheus collectors of one manager, registered in :attr:`registry`; a
+    :class:`~kvstrata.placement.PlacementListener` of its planner. Paths towards a faster
+    tier count as onboard, the others as offload.
 
     ``registry`` defaults to a fresh ``CollectorRegistry``; pass
     ``prometheus_client.REGISTRY`` to publish through the global one.
@@ -77,9 +83,10 @@ class ManagerMetrics:
                                       registry=r)
         self.onboard_bytes = Counter(f"{PREFIX}onboard_bytes", "Bytes onboarded", ["path"],
                                      registry=r)
-        self.skipped = Counter(f"{PREFIX}offload_skipped_blocks",
-                               "Blocks not copied to a tier (admission refused, source evicted while deferred)",
-                               ["tier", "reason"], registry=r)
+        self.skipped_blocks = Counter(
+            f"{PREFIX}offload_skipped_blocks",
+            "Blocks not copied to a tier (admission refused, source evicted while deferred, "
+            "no slot)", ["tier", "reason"], registry=r)
         self.lookups = Counter(f"{PREFIX}lookup_blocks", "Blocks asked for by onboard",
                                registry=r)
         self.hits = Counter(f"{PREFIX}hit_blocks",
@@ -93,7 +100,7 @@ class ManagerMetrics:
         self.checksum_failures = Counter(f"{PREFIX}checksum_failures",
                                          "Blocks whose bytes did not match their checksum",
                                          ["tier"], registry=r)
-        self.in_flight = Gauge(f"{PREFIX}transfers_in_flight",
+        self.transfers_in_flight = Gauge(f"{PREFIX}transfers_in_flight",
                                "Transfer plans submitted, queued or deferred, not completed",
                                registry=r)
         self._collectors = [v for v in vars(self).values() if isinstance(v, MetricWrapperBase)]
@@ -123,32 +130,37 @@ class ManagerMetrics:
             self.evictions.labels(tier).inc(evictions - seen)
             self._evictions_seen[tier] = evictions
 
-    def transfer_done(self, path: str, blocks: int, nbytes: int, seconds: float,
-                      failures: Iterable[tuple[str, int]] = ()) -> None:
-        """One plan completed: ``blocks``/``nbytes`` that succeeded, its latency, and
-        ``(kind, count)`` of the blocks that failed."""
-        if path in ONBOARD_PATHS:
+    # -- what the planner reports (PlacementListener, owner thread) ----------------------
+    def transfer_done(self, path: str, blocks: int, nbytes: int, busy_seconds: float,
+                      latency_seconds: float, failures: Iterable[tuple[str, int]]) -> None:
+        """One plan completed: ``blocks``/``nbytes`` that arrived, its latency (hand-out to
+        result), and ``(kind, count)`` of the blocks that failed."""
+        source, target = split_path(path)
+        if is_onboard(source, target):
             self.onboard_blocks.labels(path).inc(blocks)
             self.onboard_bytes.labels(path).inc(nbytes)
         else:
             self.offload_blocks.labels(path).inc(blocks)
             self.offload_bytes.labels(path).inc(nbytes)
-        self.latency.labels(path).observe(seconds)
-        src = path.split("->")[0]
+        self.latency.labels(path).observe(latency_seconds)
         for kind, count in failures:
             self.failed_blocks.labels(path, kind).inc(count)
-            if kind == "checksum_mismatch":
-                self.checksum_failures.labels(src).inc(count)
+            if kind == FailureKind.CHECKSUM_MISMATCH.value:
+                self.checksum_failures.labels(source).inc(count)
 
-    def lookup(self, requested: int, served_by: Iterable[str]) -> None:
-        """An onboard asked for ``requested`` blocks; ``served_by`` names each hit's tier."""
-        self.lookups.inc(requested)
-        for tier in served_by:
-            self.hits.labels(tier).inc()
-
-    def skip(self, tier: str, reason: str, count: int) -> None:
+    def skipped(self, tier: str, reason: str, count: int) -> None:
+        """``count`` blocks offered to ``tier`` were not copied, for ``reason``."""
         if count:
-            self.skipped.labels(tier, reason).inc(count)
+            self.skipped_blocks.labels(tier, reason).inc(count)
+
+    def onboarded(self, requested: int, sources: Sequence[str]) -> None:
+        """An onboard asked for ``requested`` blocks; ``sources`` names each hit's tier."""
+        self.lookups.inc(requested)
+        for tier, count in collections.Counter(sources).items():
+            self.hits.labels(tier).inc(count)
+
+    def in_flight(self, pending: int) -> None:
+        self.transfers_in_flight.set(pending)
 
     # -- reading -------------------------------------------------------------------------
     def value(self, name: str, **labels: str) -> float:

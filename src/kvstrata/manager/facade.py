@@ -1,0 +1,391 @@
+"""``KvBlockManager``: kvstrata in one process -- pools, storages and transfers behind futures.
+
+It wires four things together and adds nothing to their decisions:
+
+* a :class:`~kvstrata.placement.Planner` (owned top tier) that decides every placement;
+* one storage per tier (:mod:`.storages`) and a :class:`~kvstrata.physical.TransferEngine`
+  that copies bytes between them;
+* an :class:`~kvstrata.placement.EngineExecutor` that runs the planner's plans on the engine
+  and posts each result back;
+* an :class:`~.owner.OwnerThread`, the one thread that touches the planner and its pools.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future
+from dataclasses import asdict
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from ..config import KvConfig
+from ..logical.block import BlockState
+from ..logical.handles import ImmutableBlocks, MutableBlocks, _Blocks
+from ..logical.registry import BlockRegistry, RegistryObserver
+from ..metrics import ManagerMetrics
+from ..physical import FileOps, Storage, TransferEngine
+from ..placement import EngineExecutor, OnboardResult, Planner
+from ..protocol.results import TransferResult
+from ..types import is_u64
+from .errors import InvalidBlockError, ManagerClosedError, ManagerConfigError, ManagerError
+from .g1_bytes import G1Bytes
+from .owner import OwnerThread, resolved
+from .storages import StorageOptions, build_storages
+
+__all__ = ["KvBlockManager"]
+
+log = logging.getLogger(__name__)
+
+
+class KvBlockManager:
+    """A tiered KV block manager for one process: G1 device memory (or a CPU stand-in), G2
+    host RAM, G3 a slab file on local disk.
+
+    Blocks the engine computes into G1 are registered by their sequence hashes and copied
+    down the tiers in the background (write-through); a returning prefix is brought back
+    into G1 with :meth:`onboard`, its bytes verified. Every method is thread-safe and
+    returns a ``concurrent.futures.Future`` (except the byte and status helpers)::
+
+        from kvstrata import KvBlockManager, KvConfig
+
+        with KvBlockManager(KvConfig()) as mgr:
+            blocks = mgr.allocate(len(records)).result()
+            mgr.write_g1(blocks.block_ids, payloads)      # the engine computes the KV
+            blocks.apply_token_blocks(records)            # their hashes (kvstrata.tokens)
+            mgr.release(mgr.register(blocks).result())    # copied to G2, G3 in background
+            mgr.flush().result()
+            with mgr.onboard([r.sequence_hash for r in records]).result() as loaded:
+                ...                                       # loaded.block_ids: verified bytes
+
+    **Threading.** One owner thread mutates the pools; calls post to it, transfer workers
+    post their results to it. No lock is held across I/O. Callbacks attached to returned
+    futures may run on the owner thread: they must not block on another future of the same
+    manager.
+
+    **Handles.** Handles handed out (``allocate``, ``register``, ``match``, ``onboard``)
+    belong to the G1 pool; give them back with :meth:`release` (or
+    :meth:`OnboardResult.release`), which runs on the owner thread. Do not call
+    ``handle.release()`` from your own thread; a dropped handle is returned safely by its
+    finalizer.
+
+    Parameters (all keyword-only except ``config``):
+
+    * ``kv_caches`` -- the engine's per-layer KV tensors to wrap as G1 (zero-copy); their
+      block count becomes G1's size, their page size must equal ``config.block_size``.
+      Without it G1 is allocated (``g1_layout``: ``outer_contiguous``, ``block_contiguous``
+      or ``fully_contiguous``) on ``device`` (CUDA if available, else a CPU stand-in).
+    * ``disk_dir`` -- directory of the G3 slab file; default ``config.disk_dir``, then
+      ``tiers["G3"].path``, else a temporary directory removed on :meth:`close`.
+    * ``verify_host_reads`` -- re-hash G2 bytes on every read from G2 (G3 reads always verify).
+    * ``max_host_bytes`` -- refuse (``ManagerConfigError``) a G2 bigger than this.
+    * ``o_direct`` / ``file_ops`` -- passed to :class:`~kvstrata.physical.DiskStorage`
+      (``file_ops`` is the fault-injection seam).
+    * ``metrics_registry`` -- a ``prometheus_client.CollectorRegistry`` (default: a private
+      one); ``metrics_port`` -- serve ``/metrics`` on 127.0.0.1:port (0 = any free port; off
+      by default), the bound port is :attr:`metrics_port`.
+    * ``workers_per_path`` -- transfer worker threads per path.
+    """
+
+    def __init__(self, config: KvConfig | None = None, *,
+                 kv_caches: Mapping[str, torch.Tensor] | Sequence[torch.Tensor] | None = None,
+                 kv_layout: str = "auto", g1_layout: str = "outer_contiguous",
+                 device: str | torch.device | None = None, disk_dir: str | None = None,
+                 verify_host_reads: bool = False, max_host_bytes: int | None = None,
+                 o_direct: bool | None = None, file_ops: FileOps | None = None,
+                 metrics_registry=None, metrics_port: int | None = None,
+                 workers_per_path: int = 1) -> None:
+        config = (config or KvConfig()).validate()
+        self._owner = OwnerThread("kvstrata-manager-owner", self._handle_result,
+                                  self._after_step, self._fail_onboards)
+        self._onboards: dict[int, Future] = {}
+        """Onboard tickets of the planner -> the futures their callers wait on."""
+        self._close_lock = threading.Lock()
+        self._close_done = threading.Event()
+        self.metrics = ManagerMetrics(metrics_registry)
+        self.metrics_port: int | None = None
+        self.engine: TransferEngine | None = None
+        self._storages = None
+        try:
+            if metrics_port is not None:   # first: a busy port must not leak threads or dirs
+                try:
+                    self.metrics_port = self.metrics.serve(metrics_port)
+                except OSError as exc:
+                    raise ManagerConfigError(
+                        f"cannot serve metrics on 127.0.0.1:{metrics_port}: {exc}") from exc
+            self._storages = build_storages(config, StorageOptions(
+                kv_caches, kv_layout, g1_layout, device, disk_dir, verify_host_reads,
+                max_host_bytes, o_direct, file_ops))
+            self.config = self._storages.config
+            self.planner = Planner(self.config, listeners=[self.metrics], release=self.release)
+            self.pools = self.planner.pools
+            self._top = self.planner.top
+            self._g1 = G1Bytes(self._storages.by_tier[self._top])
+            self.engine = TransferEngine(self._storages.by_tier,
+                                         workers_per_path=workers_per_path)
+            self._executor = EngineExecutor(self.engine, self._owner.post)
+            for tier, storage in self._storages.by_tier.items():
+                self.metrics.set_capacity(tier, storage.num_blocks, storage.status().bytes)
+            self._owner.start()
+        except BaseException:
+            if self.engine is not None:
+                self.engine.close()
+            self.metrics.close()
+            if self._storages is not None:
+                self._storages.close()
+            raise
+
+    # ------------------------------------------------------------------ owner thread steps
+    def _handle_result(self, result: TransferResult) -> None:
+        self.planner.complete([result])
+        self._executor.settled(result)
+
+    def _after_step(self) -> None:
+        """After every item: submit new plans, deliver finished onboards, wake idle waiters,
+        publish pool gauges."""
+        planner = self.planner
+        plans = planner.take_plans()
+        if plans:
+            self._executor.submit(plans)
+        for result in planner.take_finished():
+            future = self._onboards.pop(result.ticket, None)
+            if future is None or future.done():
+                if result.blocks is not None and not result.blocks.released:
+                    result.blocks.pool.release(result.blocks)
+            else:
+                future.set_result(result)
+        self.engine.drain_completions()   # results arrive via futures; keep it empty
+        if planner.idle and self._owner.idle_waiters:
+            self._owner.wake_idle()
+        for tier, pool in self.pools.items():
+            s = pool.status()
+            self.metrics.set_pool(tier, s.active, s.inactive, s.reset, s.evictions)
+
+    def _fail_onboards(self, error: ManagerError) -> None:
+        onboards, self._onboards = self._onboards, {}
+        for future in onboards.values():
+            if not future.done():
+                future.set_exception(error)
+
+    def _call(self, fn, deferred: bool = False, *, internal: bool = False) -> Future:
+        return self._owner.call(fn, deferred, internal=internal)
+
+    # ------------------------------------------------------------------ G1 blocks
+    def allocate(self, count: int) -> "Future[MutableBlocks]":
+        """``count`` G1 blocks (Reset) for KV the engine is about to compute; evicts inactive
+        G1 blocks by policy. Fails with ``PoolExhaustedError`` if too many are in use."""
+        return self._call(lambda: self.pools[self._top].allocate(count))
+
+    def register(self, blocks: MutableBlocks, priority: int = 0) -> "Future[ImmutableBlocks]":
+        """Register Complete G1 blocks (their bytes are written) and start offloading the new
+        ones down the tiers. ``blocks`` is consumed; the future holds handles on the
+        registered blocks (a hash already held is deduplicated to the existing block)."""
+        def run() -> ImmutableBlocks:
+            self._check_registrable(blocks)
+            return self.planner.register(blocks, priority)
+        return self._call(run)
+
+    def _check_registrable(self, blocks: MutableBlocks) -> None:
+        """Refuse (``InvalidBlockError``, nothing changed) blocks whose identity cannot be
+        stored: hashes that are not unsigned 64-bit integers, a foreign block size."""
+        if not isinstance(blocks, MutableBlocks) or blocks.pool is not self.pools[self._top]:
+            raise InvalidBlockError("register takes the MutableBlocks of the G1 pool that "
+                                    "allocate() returned")
+        if blocks.released:
+            raise InvalidBlockError("register: handle already released or registered")
+        block_size = self.config.block_size
+        for i, block in enumerate(blocks.blocks):
+            if block.state is not BlockState.COMPLETE:
+                continue                  # the pool refuses it with BlockStateError
+            where = f"register: block {i} (G1 slot {block.block_id})"
+            for name in ("sequence_hash", "local_hash", "parent_hash"):
+                value = getattr(block, name)
+                if not (is_u64(value) or (name == "parent_hash" and value is None)):
+                    raise InvalidBlockError(f"{where}: {name} {value!r} is not an unsigned "
+                                            f"64-bit integer")
+            record = block.cached_record
+            if block.block_size != block_size or (record is not None
+                                                  and record.block_size != block_size):
+                size = record.block_size if record is not None else block.block_size
+                raise InvalidBlockError(f"{where}: a {size}-token block, config.block_size "
+                                        f"is {block_size}")
+
+    def match(self, sequence_hashes: Sequence[int]) -> "Future[ImmutableBlocks]":
+        """Handles on the longest prefix of ``sequence_hashes`` already in G1."""
+        hashes = list(sequence_hashes)
+        return self._call(lambda: self.pools[self._top].match(hashes))
+
+    def locate(self, sequence_hashes: Sequence[int]) -> "Future[list[str]]":
+        """For the longest prefix held in any tier, the fastest tier holding each block
+        (no side effect)."""
+        hashes = list(sequence_hashes)
+        return self._call(lambda: self.planner.lookup(hashes))
+
+    def onboard(self, sequence_hashes: Sequence[int]) -> "Future[OnboardResult]":
+        """Bring the longest prefix of ``sequence_hashes`` held in any tier into G1.
+
+        The future resolves when every needed copy completed, with an
+        :class:`~kvstrata.placement.OnboardResult`: G1 handles on the verified prefix, the
+        tier each block came from, and the blocks whose load failed (dropped from their
+        tier). Admission policies that learn from requests see the hashes.
+        """
+        hashes = list(sequence_hashes)
+
+        def run(future: Future) -> None:
+            self._onboards[self.planner.prepare_onboard(hashes)] = future
+        return self._call(run, deferred=True)
+
+    def release(self, handle: _Blocks) -> "Future[None]":
+        """Give a handle of the G1 pool back (on the owner thread). After :meth:`close` (or
+        once the manager broke) there is nothing to give back to: resolved at once."""
+        if handle.pool is not self.pools[self._top]:
+            raise ManagerError(f"handle of pool {handle.pool.tier} is not a G1 handle")
+        try:
+            return self._call(lambda: None if handle.released else handle.release(),
+                              internal=True)
+        except ManagerError:
+            return resolved(None)
+
+    def evict(self, tier: str, sequence_hashes: Sequence[int]) -> "Future[list[int]]":
+        """Drop idle blocks from ``tier`` (invalidation); returns the hashes dropped. Blocks
+        in use, or (leaf-first policies) with registered children, are left alone."""
+        if tier not in self.pools:
+            raise InvalidBlockError(f"no tier {tier!r}; tiers are {sorted(self.pools)}")
+        hashes = list(sequence_hashes)
+        return self._call(lambda: self.pools[tier].reset_blocks(hashes))
+
+    def add_observer(self, observer: RegistryObserver) -> "Future[None]":
+        """Attach a registry observer (it runs on the owner thread; keep it cheap)."""
+        return self._call(lambda: self.registry.add_observer(observer))
+
+    # ------------------------------------------------------------------ bytes of G1
+    def write_g1(self, block_ids: Sequence[int], payloads: Sequence[np.ndarray]) -> None:
+        """Write each payload (``block_bytes`` of uint8, layer-major: layer, K/V, tokens,
+        elements) into a G1 block the caller holds as ``MutableBlocks`` -- what an engine's
+        forward pass does. Runs on the caller's thread (bytes, not pool state).
+
+        Every id, block and payload is checked before anything is written
+        (``InvalidBlockError``): ids in range, blocks held (allocated) and not registered
+        (a registered block's bytes are shared and may be copied right now), sizes right."""
+        ids = self._g1.check_ids(block_ids, "write_g1")
+        flat = self._g1.check_payloads(ids, payloads, "write_g1")
+        pool = self.pools[self._top]
+        for block_id in ids:
+            block = pool.block(block_id)
+            if block.ref_count <= 0 or block.state is BlockState.REGISTERED:
+                why = "registered" if block.state is BlockState.REGISTERED else "not held"
+                raise InvalidBlockError(
+                    f"write_g1: G1 block {block_id} is {why}; write only blocks you hold from "
+                    f"allocate(), before register()")
+        self._g1.write(ids, flat)
+
+    def read_g1(self, block_ids: Sequence[int]) -> list[np.ndarray]:
+        """Copies of G1 blocks' payloads (same byte order as :meth:`write_g1`); ids out of
+        range raise ``InvalidBlockError``."""
+        return self._g1.read(self._g1.check_ids(block_ids, "read_g1"))
+
+    # ------------------------------------------------------------------ waiting, status
+    def flush(self) -> "Future[None]":
+        """A future resolved once no transfer is pending (offloads included); resolved at
+        once after :meth:`close`, failed with ``ManagerError`` if the manager broke."""
+        def run(future: Future) -> None:
+            if self.planner.idle:
+                future.set_result(None)
+            else:
+                self._owner.idle_waiters.append(future)
+        try:
+            return self._call(run, deferred=True, internal=True)
+        except ManagerClosedError:
+            return resolved(None)
+        except ManagerError as exc:
+            return resolved(error=exc)
+
+    def wait_idle(self, timeout: float | None = None) -> None:
+        """Block until no transfer is pending (``flush().result(timeout)``); on timeout
+        (``TimeoutError``) the wait is withdrawn."""
+        future = self.flush()
+        try:
+            future.result(timeout)
+        except TimeoutError:
+            try:
+                self._call(lambda: self._forget_waiter(future), internal=True)
+            except ManagerError:
+                pass
+            raise
+
+    def _forget_waiter(self, future: Future) -> None:
+        if future in self._owner.idle_waiters:
+            self._owner.idle_waiters.remove(future)
+
+    def status(self) -> dict[str, Any]:
+        """Per tier: pool counts (capacity, active, inactive, reset, evictions), storage
+        status (kind, bytes, stand_in, o_direct, path, ...), quarantined blocks; plus
+        ``stand_in`` (G1 is a CPU tensor), ``transfers_pending``, ``block_bytes`` and
+        ``disk_dir``."""
+        def run() -> dict[str, Any]:
+            storages = self._storages.by_tier
+            tiers = {tier: {"pool": asdict(pool.status()),
+                            "storage": storages[tier].status().to_dict(),
+                            "quarantined": self.planner.quarantined(tier)}
+                     for tier, pool in self.pools.items()}
+            g1 = storages[self._top].status()
+            disk = next((s for s in storages.values() if hasattr(s, "path")), None)
+            return {"tiers": tiers, "stand_in": g1.stand_in,
+                    "transfers_pending": self.planner.pending,
+                    "block_bytes": g1.block_bytes,
+                    "disk_dir": str(disk.path.parent) if disk is not None else None}
+        return self._call(run, internal=True).result()
+
+    def transfer_stats(self) -> dict[str, dict[str, float]]:
+        """Per path: plans, blocks, bytes, failed blocks, busy seconds, latency seconds,
+        GB/s."""
+        return self._call(lambda: {p: s.as_dict() for p, s in
+                                   sorted(self.planner.stats.paths.items())},
+                          internal=True).result()
+
+    @property
+    def registry(self) -> BlockRegistry:
+        return self.planner.registry
+
+    def storage(self, tier: str) -> Storage:
+        """The storage of ``tier`` (tests and byte-level tools)."""
+        storages = self._storages.by_tier
+        if tier not in storages:
+            raise InvalidBlockError(f"no tier {tier!r}; tiers are {sorted(storages)}")
+        return storages[tier]
+
+    # ------------------------------------------------------------------ shutdown
+    def close(self) -> None:
+        """Wait for pending transfers, stop the owner thread and the transfer engine, free
+        storages (the G3 slab file is deleted) and stop the metrics endpoint. Idempotent; a
+        concurrent second call returns once the first finished. Do not call it from a callback
+        running on the owner thread."""
+        owner = self._owner
+        with self._close_lock:
+            first = not owner.closed
+            owner.closed = True
+        if not first:
+            self._close_done.wait()
+            return
+        try:
+            if owner.broken is None:
+                self.flush().result()
+        except ManagerError:
+            pass            # broke while waiting: stop anyway
+        finally:
+            try:
+                owner.stop()
+                self.engine.close()
+                self.metrics.close()
+                self._storages.close()
+            finally:
+                self._close_done.set()
+
+    def __enter__(self) -> "KvBlockManager":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+

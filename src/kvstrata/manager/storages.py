@@ -1,0 +1,181 @@
+"""The storage behind each configured tier of a ``KvBlockManager``, chosen by the tier's kind.
+
+* **device** (G1): the engine's KV tensors wrapped zero-copy, or a freshly allocated region
+  (a CPU tensor stands in without a GPU). Its block count is G1's size.
+* **host** (G2): host RAM, each block's stride aligned to 4 KiB so the disk tier can read and
+  write host slots in place with O_DIRECT.
+* **disk** (G3): one slab file in a directory (a temporary one, removed on close, unless the
+  config or the caller names one). Disk blocks move through host RAM, so a disk tier needs a
+  host tier.
+
+A tier kind with no backend here (object store, remote memory) is refused with
+:class:`~kvstrata.manager.errors.ManagerConfigError`: adding one is a storage class plus a case
+in :func:`build_storages` (and its copy handlers in the transfer engine).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from dataclasses import dataclass, field, replace
+from typing import Mapping, Sequence
+
+from ..config import KvConfig
+from ..physical import (DeviceStorage, DiskStorage, FileOps, HostStorage, LayoutConfig,
+                        PhysicalError, Storage)
+from ..tiers import TierKind, first_of_kind, ordered, spec
+from .errors import ManagerConfigError
+
+__all__ = ["HOST_ALIGNMENT", "MANAGED_KINDS", "StorageOptions", "Storages", "build_storages",
+           "layout_config_for"]
+
+HOST_ALIGNMENT = 4096
+"""Host block stride alignment: lets the disk read and write host slots in place (O_DIRECT)."""
+
+
+def layout_config_for(config: KvConfig, num_blocks: int, alignment: int = 1) -> LayoutConfig:
+    """The physical geometry of ``num_blocks`` blocks of ``config.model``."""
+    m = config.model
+    try:
+        return LayoutConfig(num_blocks=num_blocks, num_layers=m.num_layers,
+                            outer_dim=m.outer_dim, page_size=config.block_size,
+                            inner_dim=m.kv_heads * m.head_dim, dtype=m.dtype,
+                            alignment=alignment)
+    except PhysicalError as exc:
+        raise ManagerConfigError(f"model geometry: {exc}") from exc
+
+
+@dataclass
+class StorageOptions:
+    """How to build the storages (``KvBlockManager``'s keyword arguments)."""
+
+    kv_caches: Mapping | Sequence | None = None
+    kv_layout: str = "auto"
+    g1_layout: str = "outer_contiguous"
+    device: object = None
+    disk_dir: str | None = None
+    verify_host_reads: bool = False
+    max_host_bytes: int | None = None
+    o_direct: bool | None = None
+    file_ops: FileOps | None = None
+
+
+@dataclass
+class Storages:
+    """The storages built, the config with G1 sized to its storage, and a temporary
+    directory to remove on close (None if the caller's directory is used)."""
+
+    config: KvConfig
+    by_tier: dict[str, Storage] = field(default_factory=dict)
+    temp_dir: str | None = None
+
+    def close(self) -> None:
+        """Free every storage (the slab file is deleted) and the temporary directory."""
+        for storage in self.by_tier.values():
+            storage.close()
+        if self.temp_dir is not None:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+            self.temp_dir = None
+
+
+def build_storages(config: KvConfig, options: StorageOptions) -> Storages:
+    """One storage per configured tier, fastest first; on error nothing is left behind."""
+    tiers = ordered(config.tiers)
+    unsupported = [t for t in tiers if spec(t).kind not in _BUILDERS]
+    if unsupported:
+        raise ManagerConfigError(
+            f"KvBlockManager has no storage for tier(s) {', '.join(unsupported)} "
+            f"({', '.join(spec(t).kind.value for t in unsupported)}) yet; it manages "
+            f"{', '.join(k.value for k in _BUILDERS)} tiers")
+    if spec(tiers[0]).kind is not TierKind.DEVICE:
+        raise ManagerConfigError(f"the fastest tier must be device memory, got {tiers[0]}")
+    kinds = {spec(t).kind for t in tiers}
+    if TierKind.DISK in kinds and TierKind.HOST not in kinds:
+        disk, host = (first_of_kind(k) for k in (TierKind.DISK, TierKind.HOST))
+        raise ManagerConfigError(f"tier {disk} (disk) needs tier {host} (host): disk blocks "
+                                 f"move through host RAM")
+    built = Storages(config)
+    try:
+        geometry: LayoutConfig | None = None
+        for tier in tiers:
+            storage = _BUILDERS[spec(tier).kind](built, tier, geometry, options)
+            built.by_tier[tier] = storage
+            if geometry is None:
+                geometry = storage.config
+                if geometry.num_blocks != config.tier_blocks(tier):
+                    sized = dict(config.tiers)
+                    sized[tier] = replace(sized[tier], blocks=geometry.num_blocks, bytes=None)
+                    built.config = replace(config, tiers=sized)
+    except BaseException:
+        built.close()
+        raise
+    return built
+
+
+def _device(built: Storages, tier: str, _geometry, options: StorageOptions) -> Storage:
+    config = built.config
+    try:
+        if options.kv_caches is not None:
+            storage = DeviceStorage.wrap(options.kv_caches, kv_layout=options.kv_layout)
+            _check_kv_caches(storage.config, config)
+            return storage
+        return DeviceStorage.allocate(layout_config_for(config, config.tier_blocks(tier)),
+                                      device=options.device, kv_layout=options.g1_layout)
+    except PhysicalError as exc:
+        raise ManagerConfigError(f"{tier}: {exc}") from exc
+
+
+def _host(built: Storages, tier: str, geometry: LayoutConfig, options: StorageOptions
+          ) -> Storage:
+    cfg = geometry.with_blocks(built.config.tier_blocks(tier)).with_alignment(HOST_ALIGNMENT)
+    need = cfg.num_blocks * -(-cfg.block_bytes // HOST_ALIGNMENT) * HOST_ALIGNMENT
+    limit = options.max_host_bytes
+    if limit is not None and need > limit:
+        raise ManagerConfigError(
+            f"{tier} of {cfg.num_blocks} blocks needs {need / 2**30:.2f} GiB of host RAM, "
+            f"over the limit of {limit / 2**30:.2f} GiB; shrink tier {tier}")
+    return HostStorage(cfg, verify_reads=options.verify_host_reads)
+
+
+def _disk(built: Storages, tier: str, geometry: LayoutConfig, options: StorageOptions
+          ) -> Storage:
+    config = built.config
+    directory = options.disk_dir or config.disk_dir or config.tiers[tier].path
+    if directory is None:
+        directory = built.temp_dir = tempfile.mkdtemp(prefix=f"kvstrata-{tier.lower()}-")
+    try:
+        return DiskStorage(geometry.with_blocks(config.tier_blocks(tier)), directory,
+                           o_direct=options.o_direct, file_ops=options.file_ops)
+    except PhysicalError as exc:
+        raise ManagerConfigError(f"{tier} in {directory}: {exc}") from exc
+
+
+_BUILDERS = {TierKind.DEVICE: _device, TierKind.HOST: _host, TierKind.DISK: _disk}
+"""A storage builder per tier kind the manager has a backend for."""
+
+MANAGED_KINDS: frozenset[TierKind] = frozenset(_BUILDERS)
+"""The tier kinds ``KvBlockManager`` can hold bytes in."""
+
+
+def _check_kv_caches(got: LayoutConfig, config: KvConfig) -> None:
+    """The engine's KV tensors must have the geometry ``config.model`` describes."""
+    m = config.model
+    want = layout_config_for(config, got.num_blocks)
+    problems = []
+    if got.page_size != config.block_size:
+        problems.append(f"they hold {got.page_size}-token blocks but config.block_size is "
+                        f"{config.block_size}")
+    if got.num_layers != want.num_layers:
+        problems.append(f"{got.num_layers} layers, config.model.num_layers is "
+                        f"{want.num_layers}")
+    if got.outer_dim != want.outer_dim:
+        problems.append(f"outer dim {got.outer_dim}, config.model.outer_dim is "
+                        f"{want.outer_dim}")
+    if got.inner_dim != want.inner_dim:
+        problems.append(f"{got.inner_dim} elements per token (heads x head dim), "
+                        f"config.model has kv_heads x head_dim = {m.kv_heads} x "
+                        f"{m.head_dim} = {want.inner_dim}")
+    if got.dtype != want.dtype:
+        problems.append(f"dtype {got.dtype}, config.model.dtype is {want.dtype}")
+    if problems:
+        raise ManagerConfigError("KV tensors do not match the config: " + "; ".join(problems))

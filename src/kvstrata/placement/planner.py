@@ -1,0 +1,358 @@
+"""The placement planner: every decision about where KV blocks go, in one step-driven object.
+
+:class:`Planner` owns the pools of the configured tiers and decides
+
+* where the longest cached prefix of a request lives (:meth:`Planner.lookup`);
+* which copies an onboard needs (:meth:`Planner.prepare_onboard`) -- into kvstrata's own
+  top-tier slots, or into device block ids an engine supplies;
+* which copies the write-through cascade needs (:meth:`Planner.register`,
+  :meth:`Planner.prepare_offload`), with admission, dedup and deferral;
+* what a copy's result changes (:meth:`Planner.complete`): register what arrived, drop and
+  quarantine what failed, release holds, offer further down, finish onboards.
+
+It has no threads, no futures and no I/O: calls return plans (:meth:`Planner.take_plans`), an
+*executor* runs them (:mod:`kvstrata.placement.executors`) and hands the results back, and
+finished onboards are collected with :meth:`Planner.take_finished`. The metadata replay drives
+it with an executor that completes every plan at once; ``KvBlockManager`` from its owner
+thread over the in-process transfer engine; an engine connector from its scheduler step over
+its workers. Every method must be called from one thread (the pools' owner).
+
+**Two top-tier modes.** *Owned* (``engine_owns_top=False``): the top tier (G1) is a kvstrata
+pool like the others; onboards allocate its slots, :meth:`register` adds computed blocks.
+*External* (``engine_owns_top=True``): an engine allocates G1 and runs its own prefix cache;
+the planner keeps pools for the lower tiers only, reads the engine's block ids it is given for
+an offload and fills those it is given for an onboard, and never allocates, evicts or reuses
+an engine block. :meth:`engine_blocks_in_use` names the engine blocks copies in flight still
+read or write.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Iterable, Sequence
+
+from ..config import KvConfig
+from ..logical.admission import AdmissionPolicy
+from ..logical.handles import ImmutableBlocks, MutableBlocks
+from ..logical.policy import make_tier_policies
+from ..logical.pool import BlockPool
+from ..logical.registry import BlockRegistry
+from ..protocol.plans import TransferPlan
+from ..protocol.results import TransferResult
+from ..tiers import ordered
+from ..types import BlockRecord
+from .cascade import Cascade
+from .onboard import OnboardResult, Onboarding
+from .state import Job, PlacementState, default_key
+from .telemetry import PlacementListener, PlacementStats
+
+__all__ = ["Planner", "PlacementError"]
+
+log = logging.getLogger(__name__)
+
+
+class PlacementError(ValueError):
+    """A call the planner refuses, before anything changed: a result for a job it did not
+    hand out (or for a different plan), engine block ids that do not fit the request, a tier
+    it does not manage."""
+
+
+def _release_handle(handle: ImmutableBlocks) -> None:
+    if not handle.released:
+        handle.pool.release(handle)
+
+
+class Planner:
+    """Placement decisions for one worker's tiers (see the module docstring).
+
+    ``config`` gives the tiers, capacities and policies. ``registry`` is shared by the pools
+    (a fresh one by default). ``worker`` names this worker in plan endpoints; ``key_of``
+    turns a sequence hash into the key of a key-addressed tier. ``listeners`` hear about
+    completed copies, skipped blocks and finished onboards (:class:`PlacementListener`);
+    :attr:`stats` is always one of them. ``release`` is what :meth:`OnboardResult.release`
+    calls with the result's top-tier handle (default: release it here, on the caller's
+    thread; a threaded owner passes a function that posts it to itself).
+    """
+
+    def __init__(self, config: KvConfig, *, registry: BlockRegistry | None = None,
+                 engine_owns_top: bool = False, worker: int = 0,
+                 key_of: Callable[[int], str] = default_key,
+                 listeners: Iterable[PlacementListener] = (),
+                 release: Callable[[ImmutableBlocks], object] | None = None) -> None:
+        config.validate()
+        self.config = config
+        self.registry = registry if registry is not None else BlockRegistry()
+        tiers = ordered(config.tiers)
+        pools: dict[str, BlockPool] = {}
+        admission: dict[str, AdmissionPolicy] = {}
+        self._request_observers: list[Callable[[Sequence[int]], None]] = []
+        for index, name in enumerate(tiers):
+            capacity = config.tier_blocks(name)
+            policies = make_tier_policies(config.tier_eviction(name),
+                                          config.tier_admission(name), capacity)
+            admission[name] = policies.admission
+            if policies.observe_request is not None:
+                self._request_observers.append(policies.observe_request)
+            if index == 0 and engine_owns_top:
+                continue                      # the engine's blocks: no pool of ours
+            pools[name] = BlockPool(name, capacity, config.block_size,
+                                    eviction=policies.eviction, registry=self.registry,
+                                    keep_tokens=config.keep_tokens)
+        self._state = PlacementState(tiers, pools, admission, engine_owns_top=engine_owns_top,
+                                     worker=worker, key_of=key_of, listeners=listeners)
+        self._cascade = Cascade(self._state)
+        self._onboarding = Onboarding(self._state, self._cascade,
+                                      release if release is not None else _release_handle)
+
+    # -- what it manages -------------------------------------------------------------------
+    @property
+    def tiers(self) -> tuple[str, ...]:
+        """The configured tiers, fastest first."""
+        return self._state.tiers
+
+    @property
+    def top(self) -> str:
+        return self._state.top
+
+    @property
+    def pools(self) -> dict[str, BlockPool]:
+        """The pools kvstrata owns: every tier, but the top one when the engine owns it."""
+        return self._state.pools
+
+    @property
+    def engine_owns_top(self) -> bool:
+        return self._state.engine_owns_top
+
+    @property
+    def stats(self) -> PlacementStats:
+        return self._state.stats
+
+    def quarantined(self, tier: str) -> int:
+        """Blocks of ``tier`` found bad while in use, waiting to be dropped."""
+        return len(self._state.quarantine[self._tier(tier)])
+
+    def engine_blocks_in_use(self) -> frozenset[int]:
+        """Engine-owned top-tier block ids that copies in flight still read or write: the
+        engine must not reuse them until they leave this set."""
+        return frozenset(self._state.engine_blocks)
+
+    @property
+    def pending(self) -> int:
+        """Plans handed out (or not yet taken) and not completed, plus deferred batches."""
+        return self._state.pending
+
+    @property
+    def idle(self) -> bool:
+        return self._state.pending == 0
+
+    # -- lookups ---------------------------------------------------------------------------
+    def lookup(self, sequence_hashes: Iterable[int]) -> list[str]:
+        """The fastest tier holding each block of the longest prefix held (side-effect free).
+
+        With an engine-owned top tier only the lower tiers are searched: the engine knows
+        what its own cache holds."""
+        s = self._state
+        searched = tuple(s.pools) if not s.engine_owns_top else s.tiers[1:]
+        out: list[str] = []
+        for h in sequence_hashes:
+            tier = s.holder(h, searched)
+            if tier is None:
+                break
+            out.append(tier)
+        return out
+
+    def observe_request(self, sequence_hashes: Sequence[int]) -> None:
+        """Show a request's block hashes to the admission policies that learn from requests
+        (:meth:`prepare_onboard` does it too)."""
+        for observe in self._request_observers:
+            observe(sequence_hashes)
+
+    # -- onboard ---------------------------------------------------------------------------
+    def prepare_onboard(self, sequence_hashes: Sequence[int],
+                        engine_block_ids: Sequence[int] | None = None) -> int:
+        """Start bringing the longest held prefix of a request into the top tier; returns
+        the onboard's ticket number. Its :class:`OnboardResult` appears in
+        :meth:`take_finished` once the copies it needs completed (at once if it needs none).
+
+        Owned top tier: leave ``engine_block_ids`` out. External: give one engine block id
+        to fill per hash (``PlacementError`` otherwise); blocks past the held prefix are
+        not touched."""
+        hashes = list(sequence_hashes)
+        if self._state.engine_owns_top:
+            ids = self._engine_ids(engine_block_ids, len(hashes), "prepare_onboard")
+            self.observe_request(hashes)
+            return self._onboarding.prepare_external(hashes, ids)
+        if engine_block_ids is not None:
+            raise PlacementError("prepare_onboard: kvstrata owns the top tier here; "
+                                 "engine_block_ids must be left out")
+        self.observe_request(hashes)
+        return self._onboarding.prepare_owned(hashes)
+
+    def take_finished(self) -> list[OnboardResult]:
+        """Onboards finished since the last call, in the order they finished."""
+        done = self._onboarding.finished
+        if not done:
+            return []
+        self._onboarding.finished = []
+        return done
+
+    # -- offload ---------------------------------------------------------------------------
+    def register(self, blocks: MutableBlocks, priority: int = 0) -> ImmutableBlocks:
+        """Owned top tier: register computed blocks (consumed) and offer the newly stored
+        ones down the tiers. Returns handles on the registered blocks (a hash already held
+        dedups onto the existing block); on error nothing stays held."""
+        pool = self._owned_top("register")
+        before = blocks.block_ids
+        registered = pool.register(blocks, priority)
+        new = [b.record() for b, slot in zip(registered.blocks, before) if b.block_id == slot]
+        try:
+            self._cascade.offer(self._state.top, new)
+        except BaseException:
+            pool.release(registered)
+            raise
+        return registered
+
+    def prepare_offload(self, tier: str, records: Sequence[BlockRecord],
+                        engine_block_ids: Sequence[int] | None = None) -> None:
+        """Offer blocks newly stored in ``tier`` to the next tier down (write-through).
+
+        For an engine-owned top tier, ``engine_block_ids`` names the engine block holding
+        each record (read by the copy; see :meth:`engine_blocks_in_use`). For a kvstrata
+        tier the records must be registered there."""
+        tier = self._tier(tier)
+        s = self._state
+        records = list(records)
+        if tier == s.top and s.engine_owns_top:
+            ids = self._engine_ids(engine_block_ids, len(records), "prepare_offload")
+            self._cascade.offer(tier, records, ids)
+            return
+        if engine_block_ids is not None:
+            raise PlacementError(f"prepare_offload: {tier} is kvstrata's; engine_block_ids "
+                                 f"must be left out")
+        pool = s.pools[tier]
+        missing = [r.sequence_hash for r in records if r.sequence_hash not in pool]
+        if missing:
+            raise PlacementError(f"prepare_offload: {len(missing)} block(s) are not "
+                                 f"registered in {tier}, e.g. {missing[0]:#x}")
+        self._cascade.offer(tier, records)
+
+    def admit(self, tier: str, records: Sequence[BlockRecord]) -> list[BlockRecord]:
+        """The records ``tier``'s admission filter accepts (refusals are counted as skipped
+        for ``admission``); for blocks an engine computed before storing them."""
+        tier = self._tier(tier)
+        admit = self._state.admission[tier].admit
+        admitted = [r for r in records if admit(r.sequence_hash)]
+        self._state.skipped(tier, "admission", len(records) - len(admitted))
+        return admitted
+
+    # -- executing -------------------------------------------------------------------------
+    def take_plans(self) -> list[TransferPlan]:
+        """Plans made since the last call; hand each to an executor and its result to
+        :meth:`complete`."""
+        return self._state.take_plans()
+
+    def complete(self, results: Iterable[TransferResult]) -> None:
+        """Apply the results of plans handed out by :meth:`take_plans`.
+
+        Every result is checked first (``PlacementError``, nothing applied, if one answers no
+        job in flight, answers a different plan, or is malformed). Then, per result: blocks
+        that arrived are registered (and offered further down) or delivered to their
+        onboard; failed ones are given back, and a source found bad is dropped (quarantined
+        while in use). If applying one result fails (a bug), its holds are released, its
+        onboard's blocks fail with kind ``internal``, and the error is logged, not raised."""
+        checked = self._check_results(list(results))
+        s = self._state
+        for job, result in checked:
+            s.close_job(job)
+            good = bad = None
+            try:
+                ok = result.ok
+                if job.target is not None:
+                    good, bad = job.target.split(ok)
+                kinds: dict[str, int] = {}
+                for failure in result.failures:
+                    kinds[failure.kind.value] = kinds.get(failure.kind.value, 0) + 1
+                unexplained = ok.count(False) - len(result.failures)
+                if unexplained > 0:
+                    kinds["internal"] = kinds.get("internal", 0) + unexplained
+                s.transfer_done(job, ok.count(True), result.bytes_moved, result.seconds,
+                                kinds.items())
+                if job.ticket is not None:
+                    self._onboarding.finish(job, good, bad, result)
+                else:
+                    self._cascade.finish(job, good, bad, result)
+            except Exception as exc:
+                log.exception("kvstrata: applying the result of a %s copy failed", job.path)
+                self._abandon(job, (job.source, job.target, good, bad), exc)
+        self._cascade.retry_deferred()
+        s.retry_quarantine()
+
+    def _check_results(self, results: list) -> list[tuple[Job, TransferResult]]:
+        jobs = self._state.jobs
+        checked: list[tuple[Job, TransferResult]] = []
+        seen: set[int] = set()
+        for result in results:
+            if not isinstance(result, TransferResult):
+                raise PlacementError(f"complete: expected TransferResult, got "
+                                     f"{type(result).__name__}")
+            job = jobs.get(result.plan.job_id) if isinstance(result.plan, TransferPlan) \
+                else None
+            if job is None or result.plan.job_id in seen:
+                raise PlacementError(f"complete: no plan {getattr(result.plan, 'job_id', '?')!r}"
+                                     f" is in flight (unknown, already completed, or twice in "
+                                     f"one call)")
+            if result.plan != job.plan:
+                raise PlacementError(f"complete: the result of job {job.plan.job_id} answers a "
+                                     f"different plan than the one handed out")
+            n = len(job.plan)
+            ok = result.ok
+            if not isinstance(ok, tuple) or len(ok) != n \
+                    or any(v is not True and v is not False for v in ok):
+                raise PlacementError(f"complete: job {job.plan.job_id}: ok must be {n} bools")
+            for failure in result.failures:
+                position = getattr(failure, "position", None)
+                if not isinstance(position, int) or not 0 <= position < n or ok[position]:
+                    raise PlacementError(f"complete: job {job.plan.job_id}: a failure names "
+                                         f"position {position!r}, not a failed block")
+            seen.add(job.plan.job_id)
+            checked.append((job, result))
+        return checked
+
+    def _abandon(self, job: Job, handles: Iterable, exc: BaseException) -> None:
+        """Clean up after a result whose handling failed part-way."""
+        s = self._state
+        for handle in handles:
+            s.release_quietly(handle)
+        s.receiving[job.dst_tier].difference_update(r.sequence_hash for r in job.records)
+        try:
+            self._onboarding.abandon(job, exc)
+        except Exception:
+            log.exception("kvstrata: settling the onboard of an abandoned copy failed")
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _tier(self, tier: str) -> str:
+        if tier not in self._state.receiving:
+            raise PlacementError(f"no tier {tier!r}; tiers are {', '.join(self.tiers)}")
+        return tier
+
+    def _owned_top(self, what: str) -> BlockPool:
+        s = self._state
+        if s.engine_owns_top:
+            raise PlacementError(f"{what}: the engine owns {s.top}; use prepare_offload with "
+                                 f"its block ids")
+        return s.pools[s.top]
+
+    @staticmethod
+    def _engine_ids(ids: Sequence[int] | None, count: int, what: str) -> list[int]:
+        if ids is None:
+            raise PlacementError(f"{what}: the engine owns the top tier; give engine_block_ids")
+        ids = list(ids)
+        if len(ids) != count:
+            raise PlacementError(f"{what}: {count} blocks but {len(ids)} engine block ids")
+        for i, block_id in enumerate(ids):
+            if isinstance(block_id, bool) or not isinstance(block_id, int) or block_id < 0:
+                raise PlacementError(f"{what}: engine_block_ids[{i}] = {block_id!r} is not a "
+                                     f"block id")
+        if len(set(ids)) != len(ids):
+            raise PlacementError(f"{what}: engine_block_ids contains duplicates")
+        return ids

@@ -1,0 +1,176 @@
+"""Mooncake-format traces: parsing, and the block records an engine would compute for them.
+
+Trace format: one JSON object per line with ``timestamp`` (ms), ``input_length``,
+``output_length`` (tokens) and ``hash_ids`` (one id per 512-token block; requests that share
+leading ids share that prefix). Blank lines are skipped; a malformed line raises
+:class:`TraceFormatError` naming the file and line.
+
+**Synthetic tokens.** Each trace id ``h`` stands for 512 tokens; token ``j`` (0..511) of id
+``h`` is ``(h * 512 + j) mod 2**32``. A request's tokens are the concatenation of its ids'
+tokens, hashed with :mod:`kvstrata.tokens` exactly as an engine's prompt would be, so a replay
+exercises the same hashing and matching path as real traffic.
+
+**Granularity.** ``trace``: one block per id (block size 512); every id is a block, including
+the request's last, partially filled one, whose token count is what ``input_length`` leaves.
+``engine``: blocks of ``block_size`` tokens (e.g. 16, 32 per id); only the prompt's full
+blocks count (``min(input_length, 512 * ids) // block_size``), as an engine would hash them.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import os
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from .tokens import DEFAULT_SEED, hash_blocks
+from .types import BlockRecord
+
+__all__ = ["TRACE_BLOCK_TOKENS", "TraceFormatError", "TraceRequest", "default_trace_path",
+           "parse_request", "iter_trace", "load_trace", "synthetic_tokens", "RequestHasher"]
+
+TRACE_BLOCK_TOKENS = 512
+"""Tokens behind one Mooncake trace id."""
+
+
+class TraceFormatError(ValueError):
+    """A malformed trace line; the message names the file and line."""
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    timestamp: int
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+def default_trace_path() -> Path:
+    """The Mooncake conversation trace shipped inside the package."""
+    return Path(str(resources.files("kvstrata") / "data" / "conversation_trace.jsonl.gz"))
+
+
+def _open_text(path: Path):
+    if path.suffix == ".gz":
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, "r", encoding="utf-8")
+
+
+def parse_request(line: str, where: str) -> TraceRequest:
+    """One trace line -> :class:`TraceRequest`; ``where`` ("file:line") names it in errors."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise TraceFormatError(f"{where}: not valid JSON ({exc.msg})") from None
+    if not isinstance(obj, dict):
+        raise TraceFormatError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    missing = [k for k in ("input_length", "hash_ids") if k not in obj]
+    if missing:
+        raise TraceFormatError(f"{where}: missing field(s) {', '.join(missing)}")
+    ids = obj["hash_ids"]
+    if not isinstance(ids, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**32 // TRACE_BLOCK_TOKENS
+        for i in ids
+    ):
+        raise TraceFormatError(
+            f"{where}: hash_ids must be a list of integers in [0, {2**32 // TRACE_BLOCK_TOKENS})"
+        )
+    fields = {}
+    for key in ("timestamp", "input_length", "output_length"):
+        value = obj.get(key, 0)
+        if (
+            not isinstance(value, (int, float))
+            or isinstance(value, bool)
+            or not math.isfinite(value)
+            or value < 0
+        ):
+            raise TraceFormatError(f"{where}: {key} must be a non-negative number, got {value!r}")
+        fields[key] = int(value)
+    return TraceRequest(fields["timestamp"], fields["input_length"], fields["output_length"], tuple(ids))
+
+
+def iter_trace(path: str | os.PathLike[str] | None = None) -> Iterator[TraceRequest]:
+    """Requests of a trace file (plain or .gz); the packaged trace when ``path`` is None."""
+    path = Path(path) if path is not None else default_trace_path()
+    with _open_text(path) as fh:
+        for number, line in enumerate(fh, start=1):
+            if line.strip():
+                yield parse_request(line, f"{path}:{number}")
+
+
+def load_trace(path: str | os.PathLike[str] | None = None) -> list[TraceRequest]:
+    """All requests of a trace (see :func:`iter_trace`)."""
+    return list(iter_trace(path))
+
+
+# -- hashing a request -----------------------------------------------------------------------
+
+def synthetic_tokens(hash_id: int) -> np.ndarray:
+    """The 512 deterministic token ids standing for trace id ``hash_id``."""
+    base = hash_id * TRACE_BLOCK_TOKENS
+    return (np.arange(base, base + TRACE_BLOCK_TOKENS, dtype=np.uint64) & 0xFFFFFFFF).astype("<u4")
+
+
+class RequestHasher:
+    """Turns a trace request into the block records an engine would compute for its prompt.
+
+    Hashes of one id's blocks depend only on (parent hash, id), so they are memoised on that
+    pair when the block size divides 512 (always the case for engine block sizes 16..512).
+    """
+
+    def __init__(self, block_size: int, granularity: str, seed: int = DEFAULT_SEED) -> None:
+        if granularity not in ("trace", "engine"):
+            raise ValueError(f"granularity must be 'trace' or 'engine', got {granularity!r}")
+        if granularity == "trace":
+            block_size = TRACE_BLOCK_TOKENS
+        self.block_size = block_size
+        self.granularity = granularity
+        self.seed = seed
+        self._memo: dict[tuple[int | None, int], list[BlockRecord]] = {}
+        self._aligned = TRACE_BLOCK_TOKENS % block_size == 0
+
+    def records(self, request: TraceRequest) -> tuple[list[BlockRecord], list[int]]:
+        """The request's block records and the prompt tokens each block covers."""
+        ids = request.hash_ids
+        bs = self.block_size
+        if self.granularity == "trace":
+            n_blocks = len(ids)
+        else:
+            n_blocks = min(request.input_length, len(ids) * TRACE_BLOCK_TOKENS) // bs
+        if self._aligned:
+            records = self._aligned_records(ids, n_blocks)
+        else:
+            tokens = np.concatenate([synthetic_tokens(h) for h in ids]) if ids else np.zeros(0, "<u4")
+            local, seqs = hash_blocks(tokens[: n_blocks * bs], bs, self.seed)
+            parents = [None, *seqs[:-1]]
+            records = [BlockRecord(s, l, p, bs) for s, l, p in zip(seqs, local, parents)]
+        token_counts = [bs] * len(records)
+        if self.granularity == "trace" and records:
+            last = request.input_length - TRACE_BLOCK_TOKENS * (len(records) - 1)
+            token_counts[-1] = max(0, min(TRACE_BLOCK_TOKENS, last))
+        return records, token_counts
+
+    def _aligned_records(self, ids: Sequence[int], n_blocks: int) -> list[BlockRecord]:
+        per_id = TRACE_BLOCK_TOKENS // self.block_size
+        out: list[BlockRecord] = []
+        parent: int | None = None
+        memo = self._memo
+        for h in ids:
+            if len(out) >= n_blocks:
+                break
+            key = (parent, h)
+            recs = memo.get(key)
+            if recs is None:
+                local, seqs = hash_blocks(synthetic_tokens(h), self.block_size, self.seed, parent)
+                parents = [parent, *seqs[:-1]]
+                recs = [BlockRecord(s, l, p, self.block_size) for s, l, p in zip(seqs, local, parents)]
+                memo[key] = recs
+            out.extend(recs[: n_blocks - len(out)] if len(out) + per_id > n_blocks else recs)
+            parent = out[-1].sequence_hash
+        return out
