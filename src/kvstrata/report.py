@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .tiers import is_onboard, split_path
+
 if TYPE_CHECKING:
     from .replay import ReplayResult
 
@@ -42,8 +44,9 @@ def format_data_table(doc: dict) -> str:
     """The ``replay --data`` report: the tier table, then bytes and bandwidth per path."""
     head = dict(doc)
     head.setdefault("moves", {p: v["blocks"] for p, v in doc.get("paths", {}).items()})
-    head.setdefault("promotions", sum(v for p, v in head["moves"].items() if p.endswith("->G1")))
-    head.setdefault("demotions", sum(v for p, v in head["moves"].items() if not p.endswith("->G1")))
+    onboard = sum(v for p, v in head["moves"].items() if is_onboard(*split_path(p)))
+    head.setdefault("promotions", onboard)
+    head.setdefault("demotions", sum(head["moves"].values()) - onboard)
     head.setdefault("block_accesses_per_s",
                     round(doc["blocks"] / doc["wall_seconds"]) if doc.get("wall_seconds") else 0)
     lines = [format_table(head), ""]

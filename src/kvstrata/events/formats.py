@@ -39,7 +39,7 @@ from kvstrata.events.model import (
     item_blocks,
     item_parent,
 )
-from kvstrata.logical.registry import TIER_NAMES
+from kvstrata.tiers import TIER_NAMES, TOP_TIER
 
 _TIERS = frozenset(TIER_NAMES)
 _new_block = tuple.__new__  # StoredBlock without the NamedTuple __new__ frame
@@ -528,7 +528,7 @@ def vllm_event(event: Event, layout: str = "map") -> Any:
                 "lora_name": None,
             }
         return ["BlockStored", hashes, event.parent_hash, tokens, event.block_size, None, medium, None]
-    if type(event) is RemovedEvent or (type(event) is ClearedEvent and event.tier != "G1"):
+    if type(event) is RemovedEvent or (type(event) is ClearedEvent and event.tier != TOP_TIER):
         # vLLM's AllBlocksCleared has no medium: clearing one lower tier is said as a removal.
         hashes = list(event.block_hashes)
         if layout == "map":
@@ -592,7 +592,7 @@ def vllm_items(items: Iterable[tuple], layout: str = "map") -> list[Any]:
                 )
             else:
                 append(["BlockStored", hashes, item_parent(item), tokens, item[5], None, medium, None])
-        elif kind == 1 or tier != "G1":
+        elif kind == 1 or tier != TOP_TIER:
             # vLLM's AllBlocksCleared has no medium: clearing one lower tier is said as a removal.
             if as_map:
                 append({"type": "BlockRemoved", "block_hashes": list(item[4:]), "medium": medium})
@@ -644,7 +644,7 @@ def events_from_vllm(events: Iterable[dict[str, Any]], first_event_id: int = 1) 
     out: list[Event] = []
     eid = first_event_id
     for ev in events:
-        tier = TIER_OF_MEDIUM.get(ev.get("medium") or "GPU", "G1")
+        tier = TIER_OF_MEDIUM.get(ev.get("medium") or VLLM_MEDIUM[TOP_TIER], TOP_TIER)
         kind = ev.get("type")
         if kind == "BlockStored":
             size = ev["block_size"]

@@ -33,7 +33,7 @@ from kvstrata.events.model import (
     StoredEvent,
 )
 from kvstrata.events.subscriber import StreamFollower
-from kvstrata.logical.registry import TIER_NAMES
+from kvstrata.tiers import TIER_NAMES
 
 log = logging.getLogger(__name__)
 

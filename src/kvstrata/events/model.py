@@ -22,14 +22,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, NamedTuple, Sequence
 
-from kvstrata.logical.registry import TIER_NAMES, BlockRecord
+from ..tiers import TIER_NAMES, TIERS, TOP_TIER
+from ..types import BlockRecord
 
-STORAGE_TIER = {"G1": "device", "G2": "host_pinned", "G3": "disk", "G4": "external"}
-"""kvstrata tier -> Dynamo ``storage_tier`` name."""
+STORAGE_TIER = {s.name: s.router_name for s in TIERS}
+"""kvstrata tier -> Dynamo ``storage_tier`` name (from :mod:`kvstrata.tiers`)."""
 TIER_OF_STORAGE = {v: k for k, v in STORAGE_TIER.items()}
 
-VLLM_MEDIUM = {"G1": "GPU", "G2": "CPU", "G3": "DISK", "G4": "REMOTE"}
-"""kvstrata tier -> vLLM ``medium`` string."""
+VLLM_MEDIUM = {s.name: s.vllm_medium for s in TIERS}
+"""kvstrata tier -> vLLM ``medium`` string (from :mod:`kvstrata.tiers`)."""
 TIER_OF_MEDIUM = {v: k for k, v in VLLM_MEDIUM.items()}
 
 

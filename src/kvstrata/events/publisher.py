@@ -40,7 +40,9 @@ from kvstrata.events.model import (
     Snapshot,
     item_to_event,
 )
-from kvstrata.logical.registry import TIER_NAMES, BlockRecord, RegistryObserver
+from kvstrata.logical.registry import RegistryObserver
+from kvstrata.tiers import TIER_NAMES
+from kvstrata.types import BlockRecord
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import random
 
-from kvstrata.logical.registry import BlockRecord
+from kvstrata.tiers import TIER_NAMES
+from kvstrata.types import BlockRecord
 
 
 def chain(seed: int, n: int, block_size: int = 16, parent: int | None = None, tokens: bool = False) -> list[BlockRecord]:
@@ -20,7 +21,7 @@ def chain(seed: int, n: int, block_size: int = 16, parent: int | None = None, to
     return out
 
 
-def random_ops(registry, rng: random.Random, steps: int, tiers=("G1", "G2", "G3")) -> None:
+def random_ops(registry, rng: random.Random, steps: int, tiers=TIER_NAMES[:3]) -> None:
     """Drive ``registry`` with a random mix of stores, removes and clears per tier."""
     pool = [chain(s, 6) for s in range(20)]
     for _ in range(steps):
@@ -39,5 +40,5 @@ def random_ops(registry, rng: random.Random, steps: int, tiers=("G1", "G2", "G3"
             registry.record_cleared(tier, registry.hashes_in(tier))
 
 
-def registry_state(registry, tiers=("G1", "G2", "G3", "G4")) -> dict[str, set[int]]:
+def registry_state(registry, tiers=TIER_NAMES) -> dict[str, set[int]]:
     return {t: registry.hashes_in(t) for t in tiers}
