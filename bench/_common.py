@@ -33,7 +33,8 @@ def result_line(name: str, ours: float, baseline: float, unit: str, goal: str = 
 
 
 def bare_lru_hits(requests, capacity: int) -> int:
-    """Prefix hits of the plain LRU of REFERENCE.md §6, as a bare OrderedDict (a baseline)."""
+    """Prefix hits of a plain LRU over trace ids (hit the longest cached prefix, then use or
+    insert every id, evicting the least recently used), as a bare OrderedDict: a baseline."""
     cache: OrderedDict[int, None] = OrderedDict()
     hits = 0
     for req in requests:

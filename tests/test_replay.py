@@ -21,7 +21,9 @@ def one_tier(capacity, policy="lru", admission="always"):
 
 
 def reference_lru(requests, capacity):
-    """REFERENCE.md §6 plain LRU, written independently of the pools."""
+    """Plain LRU over trace ids, written independently of the pools: a request hits its
+    longest prefix of cached ids, then every id is used (moved to most recent) or inserted,
+    evicting the least recently used beyond ``capacity``."""
     cache, hits = OrderedDict(), 0
     for req in requests:
         for h in req.hash_ids:

@@ -11,7 +11,8 @@ from kvstrata.tokens import (
     local_block_hash,
 )
 
-# REFERENCE.md §1 test vector.
+# Test vector of the Dynamo-compatible scheme: tokens 1..10 in blocks of 4 (two full blocks,
+# the partial tail [9, 10] has no hash), seed 1337.
 VECTOR_LOCAL = [14643705804678351452, 16777012769546811212]
 VECTOR_SEQ = [14643705804678351452, 4945711292740353085]
 

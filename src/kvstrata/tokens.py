@@ -1,6 +1,6 @@
 """Token blocks and chained block hashes, compatible with the Dynamo KV router.
 
-The scheme (REFERENCE.md §1), fixed so that every process, run and machine agrees:
+The scheme, the Dynamo KV router's, fixed so that every process, run and machine agrees:
 
 * tokens are hashed per *full* block of ``block_size`` tokens; a partial tail has no hash;
 * local block hash = ``xxh3_64(tokens as little-endian uint32, seed)``;

@@ -1,5 +1,8 @@
 """Wire formats: kvstrata JSON, Dynamo KV-router JSON, vLLM ``KVEventBatch`` msgpack.
 
+(Over 600 lines on purpose: every encoder sits beside its decoder and its reference dict form,
+so a change to one wire format is made and reviewed in one place.)
+
 Every encoder here is a pure function of events; every decoder raises
 :class:`~kvstrata.events.model.EventFormatError` naming what is wrong. See docs/events.md for
 a literal example of each format.

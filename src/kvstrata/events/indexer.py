@@ -1,5 +1,8 @@
 """``kvstrata indexer``: the storage-provider side of the event plane.
 
+(Over 400 lines on purpose: the prefix index, its queries and the small HTTP server that
+serves them are one tool, ``kvstrata indexer``.)
+
 It follows one or more workers' event streams (NATS, a JSON-lines file, or in-process) and keeps
 a prefix tree of which blocks are live in which tier of which worker. Nodes are keyed by
 sequence hash and linked to their parent; each node's children are keyed by local (tokens)

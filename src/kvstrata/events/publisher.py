@@ -1,5 +1,8 @@
 """The batching event publisher: a registry observer that never blocks its caller.
 
+(Over 600 lines on purpose: one concern, publishing without blocking the owner thread; the
+shadow, the batching thread and the snapshot all share the one lock and must be read together.)
+
 The registry calls the observer hooks on the pool owner's thread. Each hook, under one short
 lock, filters no-op changes against a shadow of every tier, assigns strictly increasing event
 ids, updates the shadow and appends one compact tuple per event to a bounded buffer (no event

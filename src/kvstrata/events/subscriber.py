@@ -1,5 +1,8 @@
 """Following event streams: ordering, de-duplication, gaps, restarts and late joins.
 
+(Nearly 500 lines on purpose: one concern, following streams in order; the ordering and
+re-sync rules are shared by every transport and read best in one place.)
+
 :class:`StreamFollower` is transport-agnostic. It tracks, per worker, the publisher identity and
 the last applied event id, and applies events to a *target* (anything with
 ``apply_event(worker_id, event)`` and ``reset_worker(worker_id)``, e.g. the indexer's

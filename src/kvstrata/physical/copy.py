@@ -1,5 +1,8 @@
 """Copy engines: move a batch of blocks between two :class:`BlockMemory` of compatible layouts.
 
+(Over 600 lines on purpose: one concern, copying a batch between two layouts; the piece
+planner, the native and pure-Python kernels and the device path must agree byte for byte.)
+
 ``engine.copy(src, src_ids, dst, dst_ids, direction=...)`` copies block ``src_ids[i]`` of
 ``src`` to block ``dst_ids[i]`` of ``dst`` for the whole batch in one call, gathering or
 scattering between layouts (e.g. LayerSeparate device tensors <-> FullyContiguous host blocks).

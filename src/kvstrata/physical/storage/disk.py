@@ -1,5 +1,8 @@
 """G3 disk storage: one preallocated slab file per pool, a FullyContiguous block per slot.
 
+(Over 400 lines on purpose: one concern, a slab file's I/O -- O_DIRECT probing, run
+coalescing, bounce buffers and verified reads belong together.)
+
 ``DiskStorage(config, directory)`` creates ``kvstrata-<name>-<pid>-<random>.slab`` in
 ``directory`` and reserves ``num_blocks * block_stride`` bytes with ``os.posix_fallocate``
 (falling back to ``ftruncate`` plus writing zeros where the filesystem cannot fallocate).
