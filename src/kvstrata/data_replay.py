@@ -201,6 +201,10 @@ class _DataRun:
             result.release()
         missing = records[len(result):]
         for start in range(0, len(missing), self.g1_capacity):
+            if start and self.flush:
+                # Like the metadata replay: a batch's copies settle before the next batch
+                # allocates, so which G1 blocks are held (not evictable) never depends on timing.
+                self.mgr.wait_idle()
             self._compute(missing[start:start + self.g1_capacity])
         if self.flush:
             self.mgr.wait_idle()
