@@ -1,8 +1,8 @@
 """The storage interface shared by the device (G1), host (G2) and disk (G3) backends.
 
-* :class:`Storage` — ``num_blocks`` slots of one :class:`~kvstrata.physical.layout.Layout`;
+* :class:`Storage` — ``num_blocks`` slots of one :class:`~kvstrata.protocol.layout.Layout`;
   ``status()``, ``descriptors()`` / ``share()`` (layout + where it lives, see
-  :mod:`~kvstrata.physical.layout_codec`), ``close()``; a context manager.
+  :mod:`~kvstrata.protocol.layout_codec`), ``close()``; a context manager.
 * :class:`MemoryStorage` — a storage whose slots are addressable memory: ``memory`` is a
   :class:`BlockMemory` (the layout and one ``uint8`` tensor per region) that copy engines read
   and write directly.

@@ -2,7 +2,7 @@
 
 * ``DeviceStorage.wrap(kv_caches)`` takes the engine's per-layer tensors (vLLM passes
   ``dict[layer_name, Tensor]`` to ``register_kv_caches``) and builds a
-  :class:`~kvstrata.physical.layout.LayerSeparateLayout` over them without copying:
+  :class:`~kvstrata.protocol.layout.LayerSeparateLayout` over them without copying:
 
   - ``[2, num_blocks, ...]`` → ``OUTER_CONTIGUOUS`` (e.g. vLLM FlashAttention),
   - ``[num_blocks, 2, ...]`` → ``BLOCK_CONTIGUOUS`` (e.g. vLLM FlashInfer),
