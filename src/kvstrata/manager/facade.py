@@ -146,6 +146,7 @@ class KvBlockManager:
         """After every item: submit new plans, deliver finished onboards, wake idle waiters,
         publish pool gauges."""
         planner = self.planner
+        planner.settle()                  # handles released by the last command
         plans = planner.take_plans()
         if plans:
             self._executor.submit(plans)

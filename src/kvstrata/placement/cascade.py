@@ -146,6 +146,8 @@ class Cascade:
     def retry_deferred(self) -> None:
         """Offer deferred blocks again, oldest first, while their target has free slots."""
         s = self.s
+        if not s.waiting:
+            return
         for target, deferred in self._deferred.items():
             while deferred:
                 source_tier, records = deferred[0]

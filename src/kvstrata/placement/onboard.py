@@ -154,8 +154,11 @@ class Onboarding:
         plan: list[tuple[int, str, Ticket | None]] = []
         resident: list[int] = []
         copies = 0
+        bad = s.quarantine[top]
         for h in hashes:
             if h in g1:
+                if h in bad:     # found bad while in use: never served, and a good copy
+                    break        # would only dedup onto it until it is dropped
                 plan.append((h, top, None))
                 resident.append(h)
                 continue
@@ -318,8 +321,8 @@ class Onboarding:
         for h, tier, other in ticket.plan:
             if other is not None and h in other.failures:
                 failures.append(other.failures[h])
-            if h not in g1 or h in ticket.failures or (other is not None
-                                                       and h in other.failures):
+            if h not in g1 or h in self.s.quarantine[self.s.top] or h in ticket.failures \
+                    or (other is not None and h in other.failures):
                 break
             prefix.append(h)
             sources.append(tier)

@@ -284,8 +284,14 @@ class Planner:
             except Exception as exc:
                 log.exception("kvstrata: applying the result of a %s copy failed", job.path)
                 self._abandon(job, (job.source, job.target, good, bad), exc)
+        self.settle()
+
+    def settle(self) -> None:
+        """Offer deferred blocks whose target has free slots again, and drop quarantined
+        blocks that are idle now. :meth:`complete` does it; a driver that releases handles
+        outside the planner (an onboard's blocks) calls it afterwards too."""
         self._cascade.retry_deferred()
-        s.retry_quarantine()
+        self._state.retry_quarantine()
 
     def _check_results(self, results: list) -> list[tuple[Job, TransferResult]]:
         jobs = self._state.jobs
