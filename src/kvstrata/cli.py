@@ -187,7 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
         "replay",
         help="replay a Mooncake trace through the tiered pools and report hit rates",
         description="Replay a Mooncake-format trace (default: the packaged conversation "
-        "trace) through the real pools of a G1/G2/G3 hierarchy.",
+        "trace) through the placement planner and the pools of the configured tiers (default "
+        "G1/G2/G3), the same planner KvBlockManager drives.",
     )
     p_replay.add_argument("trace", nargs="?", help="trace file (.jsonl or .jsonl.gz)")
     p_replay.add_argument("--config", help="TOML config file (see docs/configuration.md)")
