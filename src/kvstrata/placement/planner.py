@@ -51,6 +51,9 @@ __all__ = ["Planner", "PlacementError"]
 log = logging.getLogger(__name__)
 
 
+_BOOL = {bool}
+
+
 class PlacementError(ValueError):
     """A call the planner refuses, before anything changed: a result for a job it did not
     hand out (or for a different plan), engine block ids that do not fit the request, a tier
@@ -307,13 +310,12 @@ class Planner:
                 raise PlacementError(f"complete: no plan {getattr(result.plan, 'job_id', '?')!r}"
                                      f" is in flight (unknown, already completed, or twice in "
                                      f"one call)")
-            if result.plan != job.plan:
+            if result.plan is not job.plan and result.plan != job.plan:
                 raise PlacementError(f"complete: the result of job {job.plan.job_id} answers a "
                                      f"different plan than the one handed out")
             n = len(job.plan)
             ok = result.ok
-            if not isinstance(ok, tuple) or len(ok) != n \
-                    or any(v is not True and v is not False for v in ok):
+            if not isinstance(ok, tuple) or len(ok) != n or not set(map(type, ok)) <= _BOOL:
                 raise PlacementError(f"complete: job {job.plan.job_id}: ok must be {n} bools")
             for failure in result.failures:
                 position = getattr(failure, "position", None)
