@@ -222,3 +222,20 @@ def test_random_stress_settles_to_a_consistent_state():
         assert p.registry.hashes_in(tier) == {h for h in p.registry.hashes_in(tier)
                                               if h in pool}
         assert p.quarantined(tier) == 0
+
+
+def test_deferred_blocks_are_copied_oldest_first():
+    p = planner(g1=16, g2=2, g3=0)
+    first, later = chain(6), chain(2, start=500)
+    compute(p, first)
+    copied = []
+    plans = p.take_plans()
+    compute(p, later)                          # deferred behind the rest of ``first``
+    plans += p.take_plans()
+    while plans:
+        plan, plans = plans[0], plans[1:]
+        copied += plan.sequence_hashes
+        p.complete([TransferResult.success(plan)])
+        plans += p.take_plans()
+    assert copied == [r.sequence_hash for r in first + later]
+    assert p.idle

@@ -83,9 +83,10 @@ class Cascade:
         self._copy(source_tier, target, chosen, ids)
 
     def _copy(self, source_tier: str, target: str, records: list[BlockRecord],
-              engine_ids: list[int] | None) -> None:
+              engine_ids: list[int] | None, *, oldest: bool = False) -> None:
         """Plan the copy of ``records`` (already marked as receiving) as far as target slots
-        can be had now; defer or skip the rest."""
+        can be had now; defer or skip the rest (at the front of the queue if ``records`` were
+        the oldest deferred batch, so deferred blocks keep their order)."""
         s = self.s
         slots = allocate_up_to(s.pools[target], len(records))
         got = len(slots) if slots is not None else 0
@@ -93,7 +94,8 @@ class Cascade:
             rest = records[got:]
             if engine_ids is None and (got or s.jobs):
                 # Copies in flight (this one included) hold the slots; retried as they finish.
-                self._deferred[target].append((source_tier, rest))
+                queue = self._deferred[target]
+                (queue.appendleft if oldest else queue.append)((source_tier, rest))
                 s.waiting += 1
                 s.announce_pending()
             else:
@@ -166,5 +168,5 @@ class Cascade:
                 if stuck:                      # nothing in flight can free one: give up
                     s.skipped(target, "no_slot", len(live))
                 elif live:
-                    self._copy(source_tier, target, live, None)
+                    self._copy(source_tier, target, live, None, oldest=True)
         s.announce_pending()

@@ -29,6 +29,7 @@ read or write.
 from __future__ import annotations
 
 import logging
+import numbers
 from typing import Callable, Iterable, Sequence
 
 from ..config import KvConfig
@@ -38,7 +39,7 @@ from ..logical.policy import make_tier_policies
 from ..logical.pool import BlockPool
 from ..logical.registry import BlockRegistry
 from ..protocol.plans import TransferPlan
-from ..protocol.results import TransferResult
+from ..protocol.results import BlockFailure, FailureKind, TransferResult
 from ..tiers import ordered
 from ..types import BlockRecord
 from .cascade import Cascade
@@ -178,11 +179,15 @@ class Planner:
         :meth:`take_finished` once the copies it needs completed (at once if it needs none).
 
         Owned top tier: leave ``engine_block_ids`` out. External: give one engine block id
-        to fill per hash (``PlacementError`` otherwise); blocks past the held prefix are
-        not touched."""
+        to fill per hash, none of them in :meth:`engine_blocks_in_use` (``PlacementError``
+        otherwise); blocks past the held prefix are not touched."""
         hashes = list(sequence_hashes)
         if self._state.engine_owns_top:
             ids = self._engine_ids(engine_block_ids, len(hashes), "prepare_onboard")
+            busy = [b for b in ids if b in self._state.engine_blocks]
+            if busy:
+                raise PlacementError(f"prepare_onboard: engine blocks {busy} are still read or "
+                                     f"written by copies in flight (engine_blocks_in_use)")
             self.observe_request(hashes)
             return self._onboarding.prepare_external(hashes, ids)
         if engine_block_ids is not None:
@@ -227,6 +232,10 @@ class Planner:
         records = list(records)
         if tier == s.top and s.engine_owns_top:
             ids = self._engine_ids(engine_block_ids, len(records), "prepare_offload")
+            busy = [b for b in ids if b in self._state.engine_writing]
+            if busy:
+                raise PlacementError(f"prepare_offload: engine blocks {busy} are still being "
+                                     f"filled by an onboard in flight")
             self._cascade.offer(tier, records, ids)
             return
         if engine_block_ids is not None:
@@ -306,10 +315,10 @@ class Planner:
                                      f"{type(result).__name__}")
             job = jobs.get(result.plan.job_id) if isinstance(result.plan, TransferPlan) \
                 else None
-            if job is None or result.plan.job_id in seen:
+            if job is None or job.taken_at == 0.0 or result.plan.job_id in seen:
                 raise PlacementError(f"complete: no plan {getattr(result.plan, 'job_id', '?')!r}"
-                                     f" is in flight (unknown, already completed, or twice in "
-                                     f"one call)")
+                                     f" is in flight (unknown, not handed out yet, already "
+                                     f"completed, or twice in one call)")
             if result.plan is not job.plan and result.plan != job.plan:
                 raise PlacementError(f"complete: the result of job {job.plan.job_id} answers a "
                                      f"different plan than the one handed out")
@@ -317,11 +326,20 @@ class Planner:
             ok = result.ok
             if not isinstance(ok, tuple) or len(ok) != n or not set(map(type, ok)) <= _BOOL:
                 raise PlacementError(f"complete: job {job.plan.job_id}: ok must be {n} bools")
-            for failure in result.failures:
+            failures = result.failures
+            if not isinstance(failures, tuple):
+                raise PlacementError(f"complete: job {job.plan.job_id}: failures must be a "
+                                     f"tuple of BlockFailure")
+            positions: set[int] = set()
+            for failure in failures:
                 position = getattr(failure, "position", None)
-                if not isinstance(position, int) or not 0 <= position < n or ok[position]:
-                    raise PlacementError(f"complete: job {job.plan.job_id}: a failure names "
-                                         f"position {position!r}, not a failed block")
+                if not isinstance(failure, BlockFailure) \
+                        or not isinstance(failure.kind, FailureKind) \
+                        or type(position) is not int or not 0 <= position < n \
+                        or ok[position] or position in positions:
+                    raise PlacementError(f"complete: job {job.plan.job_id}: failure {failure!r} "
+                                         f"does not name a failed block once, with a known kind")
+                positions.add(position)
             seen.add(job.plan.job_id)
             checked.append((job, result))
         return checked
@@ -354,7 +372,8 @@ class Planner:
     def _engine_ids(ids: Sequence[int] | None, count: int, what: str) -> list[int]:
         if ids is None:
             raise PlacementError(f"{what}: the engine owns the top tier; give engine_block_ids")
-        ids = list(ids)
+        ids = [int(b) if isinstance(b, numbers.Integral) and not isinstance(b, bool) else b
+               for b in ids]
         if len(ids) != count:
             raise PlacementError(f"{what}: {count} blocks but {len(ids)} engine block ids")
         for i, block_id in enumerate(ids):

@@ -52,6 +52,8 @@ class Job:
     """The onboard this copy serves; None for an offload."""
     engine_blocks: tuple[int, ...] = ()
     """Engine-owned top-tier block ids this job reads or writes."""
+    engine_written: tuple[int, ...] = ()
+    """Those of them it writes (an onboard's targets)."""
     taken_at: float = 0.0
     settled: bool = False
     """Its onboard has counted it as done."""
@@ -94,6 +96,8 @@ class PlacementState:
         self.outbox: list[Job] = []
         self.engine_blocks: Counter[int] = Counter()
         """Engine-owned block ids that jobs in flight read or write, with counts."""
+        self.engine_writing: Counter[int] = Counter()
+        """Those that onboards in flight write."""
         self.waiting = 0
         """Batches waiting for a slot in their target tier (see :mod:`.cascade`)."""
         self._next_job = 1
@@ -139,11 +143,12 @@ class PlacementState:
                                     self._endpoints[target_tier], hashes, src_ids, dst_ids,
                                     src_keys, dst_keys)
         engine = (*engine_src, *engine_dst)
-        job = Job(plan, records, source, target, ticket, engine)
+        job = Job(plan, records, source, target, ticket, engine, tuple(engine_dst))
         self.jobs[job_id] = job
         self.outbox.append(job)
         if engine:
             self.engine_blocks.update(engine)
+            self.engine_writing.update(engine_dst)
         self.announce_pending()
         return job
 
@@ -167,10 +172,8 @@ class PlacementState:
         """``job``'s result was taken: it no longer counts as in flight."""
         self.jobs.pop(job.plan.job_id, None)
         if job.engine_blocks:
-            self.engine_blocks.subtract(job.engine_blocks)
-            for block_id in job.engine_blocks:
-                if self.engine_blocks[block_id] <= 0:
-                    del self.engine_blocks[block_id]
+            _forget(self.engine_blocks, job.engine_blocks)
+            _forget(self.engine_writing, job.engine_written)
         self.announce_pending()
 
     def announce_pending(self) -> None:
@@ -218,3 +221,11 @@ class PlacementState:
                 handle.pool.release(handle)
         except Exception:
             log.exception("kvstrata: could not release a %s handle", handle.pool.tier)
+
+
+def _forget(counts: Counter, ids: Sequence[int]) -> None:
+    """Count ``ids`` out of ``counts``, removing those that reach zero."""
+    counts.subtract(ids)
+    for block_id in ids:
+        if counts[block_id] <= 0:
+            del counts[block_id]
