@@ -121,15 +121,7 @@ class Cascade:
         s.receiving[job.dst_tier].difference_update(r.sequence_hash for r in job.records)
         if bad is not None:
             target.release(bad)
-        tainted_sources = s.quarantine[job.src_tier]
-        if good is not None and tainted_sources:
-            # The source was found bad (quarantined) while this copy ran: its bytes may be
-            # wrong, so the copy is not registered. Checked before the source hold is
-            # released, which may drop the quarantined block.
-            good, tainted = good.split([b.sequence_hash not in tainted_sources
-                                        for b in good.blocks])
-            if tainted is not None:
-                target.release(tainted)
+        good = s.without_tainted(job, good)
         if job.source is not None:
             job.source.pool.release(job.source)
             broken = [job.records[f.position].sequence_hash for f in result.failures

@@ -245,20 +245,12 @@ class Onboarding:
         assert ticket is not None
         failed = _failures_by_position(job, result)
         tainted = s.quarantine[job.src_tier]
-        if tainted:
-            # A source found bad (quarantined) while this copy ran: its bytes may be wrong, so
-            # they are not delivered. Checked before the source hold is released, which may
-            # drop the quarantined block.
-            for pos, record in enumerate(job.records):
-                if pos not in failed and record.sequence_hash in tainted:
-                    failed[pos] = LoadFailure(record.sequence_hash, job.src_tier,
-                                              FailureKind.CHECKSUM_MISMATCH.value,
-                                              "source found bad while it was copied")
-            if good is not None:
-                good, spoiled = good.split([b.sequence_hash not in tainted
-                                            for b in good.blocks])
-                if spoiled is not None:
-                    spoiled.pool.release(spoiled)
+        for pos, record in enumerate(job.records) if tainted else ():
+            if pos not in failed and record.sequence_hash in tainted:   # not delivered
+                failed[pos] = LoadFailure(record.sequence_hash, job.src_tier,
+                                          FailureKind.CHECKSUM_MISMATCH.value,
+                                          "source found bad while it was copied")
+        good = s.without_tainted(job, good)
         if bad is not None:
             bad.pool.release(bad)
         if job.source is not None:

@@ -208,6 +208,18 @@ class PlacementState:
         quarantine.clear()
         quarantine.update(h for h in wanted if h in pool)
 
+    def without_tainted(self, job: Job, good: MutableBlocks | None) -> MutableBlocks | None:
+        """The copied target blocks of ``job`` minus those whose source was found bad
+        (quarantined) while the copy ran: their bytes may be wrong, so they are given back,
+        not registered. Call before the source hold is released (that may drop them)."""
+        tainted = self.quarantine[job.src_tier]
+        if good is None or not tainted:
+            return good
+        good, spoiled = good.split([b.sequence_hash not in tainted for b in good.blocks])
+        if spoiled is not None:
+            spoiled.pool.release(spoiled)
+        return good
+
     def retry_quarantine(self) -> None:
         for tier, hashes in self.quarantine.items():
             if hashes:
