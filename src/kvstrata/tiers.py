@@ -12,7 +12,7 @@ tier    kind    addressing  persistent  Dynamo tier        vLLM medium
 ======  ======  ==========  ==========  =================  ===========
 G1      device  slots       no          ``device``         ``GPU``
 G2      host    slots       no          ``host_pinned``    ``CPU``
-G3      disk    slots       no          ``disk``           ``DISK``
+G3      disk    slots       no          ``disk``           ``STORAGE``
 G4      object  keys        yes         ``external``       ``REMOTE``
 ======  ======  ==========  ==========  =================  ===========
 
@@ -75,7 +75,7 @@ TIERS: tuple[TierSpec, ...] = (
              "device memory: the engine's KV tensors", 1_000),
     TierSpec("G2", TierKind.HOST, Addressing.SLOTS, False, 1, "host_pinned", "CPU",
              "host RAM owned by kvstrata", 4_000),
-    TierSpec("G3", TierKind.DISK, Addressing.SLOTS, False, 2, "disk", "DISK",
+    TierSpec("G3", TierKind.DISK, Addressing.SLOTS, False, 2, "disk", "STORAGE",
              "a slab file on local disk", 16_000),
     TierSpec("G4", TierKind.OBJECT, Addressing.KEYS, True, 3, "external", "REMOTE",
              "a store shared by workers, addressed by keys"),

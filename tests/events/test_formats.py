@@ -177,7 +177,7 @@ def test_vllm_field_order_map_layout():
     ]
     assert removed == [("type", "BlockRemoved"), ("block_hashes", [4945711292740353085]), ("medium", "GPU")]
     # clearing a lower tier is said as a removal of what it held (AllBlocksCleared has no medium)
-    assert cleared == [("type", "BlockRemoved"), ("block_hashes", [1, 2]), ("medium", "DISK")]
+    assert cleared == [("type", "BlockRemoved"), ("block_hashes", [1, 2]), ("medium", "STORAGE")]
 
 
 def test_vllm_hand_decoder_both_layouts():

@@ -50,6 +50,9 @@ class StorageOptions:
     """How to build the storages (``KvBlockManager``'s keyword arguments)."""
 
     kv_caches: Mapping | Sequence | None = None
+    g1: DeviceStorage | None = None
+    """G1 already wrapped by the caller (an engine connector that picks the layout itself);
+    it must hold blocks of the config's size (checked)."""
     kv_layout: str = "auto"
     g1_layout: str = "outer_contiguous"
     device: object = None
@@ -114,6 +117,14 @@ def build_storages(config: KvConfig, options: StorageOptions) -> Storages:
 
 def _device(built: Storages, tier: str, _geometry, options: StorageOptions) -> Storage:
     config = built.config
+    if options.g1 is not None:
+        got = options.g1.config
+        if got.page_size != config.block_size or got.block_bytes != config.bytes_per_block:
+            raise ManagerConfigError(
+                f"{tier}: the engine's KV blocks hold {got.page_size} tokens in "
+                f"{got.block_bytes} bytes; the config says {config.block_size} tokens in "
+                f"{config.bytes_per_block} bytes")
+        return options.g1
     try:
         if options.kv_caches is not None:
             storage = DeviceStorage.wrap(options.kv_caches, kv_layout=options.kv_layout)

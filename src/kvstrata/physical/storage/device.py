@@ -6,7 +6,10 @@
 
   - ``[2, num_blocks, ...]`` → ``OUTER_CONTIGUOUS`` (e.g. vLLM FlashAttention),
   - ``[num_blocks, 2, ...]`` → ``BLOCK_CONTIGUOUS`` (e.g. vLLM FlashInfer),
-  - 3-D ``[num_blocks, block_size, head_size]`` → MLA (``outer_dim`` 1).
+  - 3-D ``[num_blocks, block_size, head_size]`` → MLA (``outer_dim`` 1);
+  - ``kv_layout="block_page"``: any ``[num_blocks, ...]`` tensor whose block is one dense
+    page per layer, moved as opaque bytes with ``outer_dim`` 1 (vLLM's CPU backend,
+    ``[num_blocks, kv_heads, block_size, 2 * head_size]``, K rows before V rows per head).
 
   The trailing dimensions may be in any dense stride order (HND/NHD): a chunk is moved as
   opaque bytes. ``kv_layout`` overrides the guess (needed when ``num_blocks == 2``);
@@ -34,7 +37,7 @@ from .base import BlockMemory, MemoryStorage, StorageStatus, byte_alias
 
 __all__ = ["DeviceStorage"]
 
-KV_LAYOUTS = ("auto", "outer_contiguous", "block_contiguous", "mla")
+KV_LAYOUTS = ("auto", "outer_contiguous", "block_contiguous", "mla", "block_page")
 
 
 class DeviceStorage(MemoryStorage):
@@ -163,7 +166,7 @@ def _infer_config(t: torch.Tensor, num_layers: int, kv_layout: str,
         else:
             raise LayoutError(f"cannot tell the KV layout of shape {shape}; pass kv_layout="
                               f"'outer_contiguous' | 'block_contiguous' | 'mla'")
-    if kv_layout == "mla":
+    if kv_layout in ("mla", "block_page"):
         block_dim, outer_dim_index, outer_dim = 0, None, 1
     elif kv_layout == "outer_contiguous":
         block_dim, outer_dim_index, outer_dim = 1, 0, 2
@@ -187,7 +190,7 @@ def _infer_config(t: torch.Tensor, num_layers: int, kv_layout: str,
         ok = t.stride(block_dim) == chunk_elems and t.stride(0) == num_blocks * chunk_elems
     elif kv_layout == "block_contiguous":
         ok = t.stride(1) == chunk_elems and t.stride(0) == 2 * chunk_elems
-    else:
+    else:                       # mla / block_page: one dense page per block
         ok = t.stride(0) == chunk_elems
     if not ok and num_blocks > 1:
         raise LayoutError(f"KV tensor {shape} with strides {t.stride()} is not a packed "

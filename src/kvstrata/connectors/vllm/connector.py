@@ -1,0 +1,199 @@
+"""``KvStrataConnector``: kvstrata as a vLLM v1 KV connector.
+
+Name it in vLLM's ``kv_transfer_config``::
+
+    {"kv_connector": "KvStrataConnector",
+     "kv_connector_module_path": "kvstrata.connectors.vllm",
+     "kv_role": "kv_both",
+     "kv_connector_extra_config": {"tiers": {"G2": {"bytes": "8GiB"},
+                                             "G3": {"bytes": "64GiB", "path": "/nvme/kv"}}}}
+
+vLLM makes one instance per role: in the engine-core process (scheduler role) it delegates to
+:class:`~kvstrata.connectors.vllm.scheduler.SchedulerHalf`, in each worker process (worker
+role) to :class:`~kvstrata.connectors.vllm.worker.WorkerHalf`. This class only translates
+vLLM's calls; the halves hold the logic.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Iterable
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
+                                                               KVConnectorMetadata,
+                                                               KVConnectorRole,
+                                                               KVConnectorWorkerMetadata)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from ...tiers import TierKind, spec
+from .metadata import StepOrders
+from .settings import KvGeometry, settings_from
+from .stats import KvStrataPromMetrics, KvStrataStats, delta
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["KvStrataConnector"]
+
+log = logging.getLogger(__name__)
+
+_HIT_SOURCE = {TierKind.HOST: CacheHitSource.HOST, TierKind.DISK: CacheHitSource.DISK}
+
+
+class KvStrataConnector(KVConnectorBase_V1):
+    """kvstrata's tiers (G2 host RAM, G3 disk) under vLLM's KV cache; see the module
+    docstring and docs/vllm.md."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: "KVCacheConfig") -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        settings = settings_from(extra, KvGeometry.from_vllm(kv_cache_config))
+        self.settings = settings
+        self.scheduler = None
+        self.worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            from .scheduler import SchedulerHalf
+
+            observers = _kvstrata_publishers(settings)
+            self.scheduler = SchedulerHalf(settings, vllm_config.parallel_config.world_size,
+                                           observers=observers)
+            self._publishers = observers
+            self._reported = self.scheduler.counters.as_dict()
+        else:
+            from .worker import WorkerHalf
+
+            self.worker = WorkerHalf(settings, _tensor_parallel_rank())
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False        # a cache: a store that does not happen is a future miss
+
+    # -- worker role -----------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self.worker.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker is not None and isinstance(connector_metadata, StepOrders):
+            self.worker.start(connector_metadata)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if isinstance(kv_connector_metadata, StepOrders) and kv_connector_metadata.flush:
+            self.worker.flush_g1_readers()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        return None         # loads started when the orders were bound
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None         # loads are asynchronous: vLLM waits for get_finished
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return None         # blocks are stored whole, after the forward (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        self.worker.save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
+                                                                 set[str] | None]:
+        sending, recving = self.worker.finished()
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self.worker.report()
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+        for publisher in getattr(self, "_publishers", ()):
+            publisher.close()
+
+    # -- scheduler role --------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: "Request",
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        if num_external_tokens > 0:
+            self.scheduler.update_state_after_alloc(request, blocks.get_block_ids()[0],
+                                                    num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request: "Request",
+                                       num_external_tokens: int) -> dict[CacheHitSource, int]:
+        tiers = self.scheduler.last_load_tiers(request.request_id)
+        out: dict[CacheHitSource, int] = {}
+        bs = self.settings.kv.block_size
+        for tier in tiers[:num_external_tokens // bs]:
+            source = _HIT_SOURCE.get(spec(tier).kind, CacheHitSource.EXTERNAL_UNSPECIFIED)
+            out[source] = out.get(source, 0) + bs
+        return out if sum(out.values()) == num_external_tokens else \
+            {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self.scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: "Request",
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request, block_ids), None
+
+    def take_events(self) -> Iterable[Any]:
+        return self.scheduler.take_events()
+
+    def has_pending_push_work(self) -> bool:
+        return self.scheduler is not None and self.scheduler.has_pending_work()
+
+    def reset_cache(self) -> bool | None:
+        return self.scheduler.reset_cache() if self.scheduler is not None else None
+
+    def get_kv_connector_stats(self) -> KvStrataStats | None:
+        if self.scheduler is None:
+            return None
+        now = self.scheduler.counters.as_dict()
+        stats = KvStrataStats(data=delta(now, self._reported))
+        self._reported = now
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvStrataStats:
+        return KvStrataStats(data=data if data is not None else {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict,
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KvStrataPromMetrics:
+        return KvStrataPromMetrics(vllm_config, metric_types, labelnames,
+                                   per_engine_labelvalues)
+
+
+def _tensor_parallel_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:           # not initialised (single worker, tests)
+        return 0
+
+
+def _kvstrata_publishers(settings) -> list:
+    """kvstrata's own event publishers (``events`` in the extra config), started: one per
+    sink spec, each an observer of the scheduler half's block registry."""
+    if not settings.events:
+        return []
+    from ...events.spec import make_publisher
+
+    return [make_publisher(s, worker_id=settings.worker_id) for s in settings.events]
+
+

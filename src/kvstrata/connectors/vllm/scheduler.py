@@ -1,0 +1,315 @@
+"""The connector's scheduler half: placement decisions in vLLM's engine-core process, no bytes.
+
+It runs kvstrata's :class:`~kvstrata.placement.Planner` with an engine-owned G1 (vLLM's KV
+cache) over the lower tiers, driven by vLLM's scheduler calls:
+
+* ``get_num_new_matched_tokens`` -- hash the prompt (kvstrata's router-compatible chain, seeded
+  per LoRA adapter and cache salt) and look up the longest prefix the lower tiers hold beyond
+  vLLM's own hit; answered as an asynchronous load, never the whole prompt.
+* ``update_state_after_alloc`` -- vLLM allocated the blocks: open an onboard into exactly those
+  engine block ids; its plans and the request's :class:`LoadOrder` go to the workers.
+* ``build_connector_meta`` -- offer every block that becomes full in this step to G2 (the
+  write-through cascade: dedup, admission, eviction, then G3), and ship the step's plans.
+* ``update_connector_output`` -- combine the workers' results (every rank's), apply them to the
+  planner, and release finished requests whose blocks no copy reads any more.
+* ``request_finished`` -- hold a finished request's blocks while a store still reads them.
+
+Everything happens on vLLM's scheduler thread; the planner needs no lock.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable
+
+from ...logical.registry import BlockRegistry
+from ...placement import PlacementError, Planner
+from ...placement.onboard import OnboardResult
+from ...protocol.plans import TransferPlan
+from ...tiers import TOP_TIER
+from ...tokens import chain_hashes, isolation_seed, local_block_hash
+from ...types import BlockRecord
+from .events import VllmEventCollector
+from .metadata import LoadOrder, RankResults, StepOrders, WorkerReport
+from .settings import ConnectorSettings
+
+__all__ = ["SchedulerHalf", "ConnectorCounters"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ConnectorCounters:
+    """What the scheduler half did, cumulative (reported to vLLM's stats and Prometheus)."""
+
+    lookups: int = 0
+    """Requests that were given a load."""
+    tokens_matched: dict[str, int] = field(default_factory=dict)
+    """Tokens answered as loadable, by the tier the blocks were found in."""
+    blocks_loaded: dict[str, int] = field(default_factory=dict)
+    blocks_load_failed: int = 0
+    blocks_offered: int = 0
+    requests_held: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"lookups": self.lookups, "tokens_matched": dict(self.tokens_matched),
+                "blocks_loaded": dict(self.blocks_loaded),
+                "blocks_load_failed": self.blocks_load_failed,
+                "blocks_offered": self.blocks_offered, "requests_held": self.requests_held}
+
+
+class _Tracked:
+    """One live request: its block hashes so far, the blocks offered, its engine blocks."""
+
+    __slots__ = ("request", "seed", "local", "seq", "offered", "load")
+
+    def __init__(self, request: Any, seed: int) -> None:
+        self.request = request
+        self.seed = seed
+        self.local: list[int] = []
+        self.seq: list[int] = []
+        self.offered = 0
+        self.load: tuple[int, list[str]] | None = None
+        """(first block, tier of each block) last answered to vLLM as loadable."""
+
+    def hash_upto(self, blocks: int, block_size: int) -> None:
+        """Hash the request's tokens up to ``blocks`` full blocks (incrementally)."""
+        have = len(self.seq)
+        if blocks <= have:
+            return
+        tokens = self.request.all_token_ids
+        new_local = [local_block_hash(tokens[i * block_size:(i + 1) * block_size], self.seed)
+                     for i in range(have, blocks)]
+        parent = self.seq[-1] if self.seq else None
+        self.local.extend(new_local)
+        self.seq.extend(chain_hashes(new_local, self.seed, parent))
+
+    def records(self, start: int, stop: int, block_size: int) -> list[BlockRecord]:
+        seq, local = self.seq, self.local
+        return [BlockRecord(seq[i], local[i], seq[i - 1] if i else None, block_size)
+                for i in range(start, stop)]
+
+
+class SchedulerHalf:
+    """See the module docstring. ``world_size`` is the number of workers (tensor-parallel
+    ranks) whose results make up one plan's result."""
+
+    def __init__(self, settings: ConnectorSettings, world_size: int = 1,
+                 observers: Iterable[Any] = ()) -> None:
+        self.settings = settings
+        self.block_size = settings.kv.block_size
+        self.registry = BlockRegistry()
+        self.events = VllmEventCollector()
+        self.registry.add_observer(self.events)
+        for observer in observers:
+            self.registry.add_observer(observer)
+        self.planner = Planner(settings.kv, registry=self.registry, engine_owns_top=True,
+                               worker=0)
+        self.counters = ConnectorCounters()
+        self._results = RankResults(world_size)
+        self._requests: dict[str, _Tracked] = {}
+        self._outbox: list[TransferPlan] = []
+        self._loads: dict[str, LoadOrder] = {}
+        self._loading: set[str] = set()
+        self._held: dict[str, frozenset[int]] = {}
+        self._tickets: dict[int, str] = {}
+        self._flush = False
+        self._load_tiers: dict[str, list[str]] = {}
+
+    # -- state -----------------------------------------------------------------------------
+    @property
+    def idle(self) -> bool:
+        """No copy in flight or waiting to be shipped, no request held or loading."""
+        return (self.planner.idle and not self._outbox and not self._held
+                and not self._loading and self._results.waiting == 0)
+
+    def status(self) -> dict[str, Any]:
+        """Counts for tests and operators: requests tracked, held, loading; plans in
+        flight; per kvstrata pool, its slots by place."""
+        pools = {t: asdict(p.status()) for t, p in self.planner.pools.items()}
+        return {"tracked": len(self._requests), "held": len(self._held),
+                "loading": len(self._loading), "pending_plans": self.planner.pending,
+                "unshipped_plans": len(self._outbox), "engine_blocks_in_use":
+                len(self.planner.engine_blocks_in_use()), "pools": pools,
+                "counters": self.counters.as_dict()}
+
+    # -- vLLM scheduler calls --------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any,
+                                   num_computed_tokens: int) -> tuple[int, bool]:
+        if not self.settings.load:
+            return 0, False
+        tracked = self._track(request)
+        if tracked is None:
+            return 0, False
+        bs = self.block_size
+        start = num_computed_tokens // bs
+        limit = (request.num_tokens - 1) // bs        # vLLM computes at least one token
+        if limit <= start:
+            return 0, False
+        tracked.hash_upto(limit, bs)
+        tiers = self.planner.lookup(tracked.seq[start:limit])
+        tracked.load = (start, tiers) if tiers else None
+        return len(tiers) * bs, bool(tiers)
+
+    def update_state_after_alloc(self, request: Any, block_ids: list[int],
+                                 num_external_tokens: int) -> None:
+        tracked = self._requests.get(request.request_id)
+        if tracked is None or num_external_tokens <= 0 or tracked.load is None:
+            return
+        start, tiers = tracked.load
+        tracked.load = None
+        count = num_external_tokens // self.block_size
+        if count > len(tiers):
+            log.warning("kvstrata: vLLM asked %d blocks of request %s, %d were offered",
+                        count, request.request_id, len(tiers))
+        count = min(count, len(tiers))
+        self.counters.lookups += 1
+        self._load_tiers[request.request_id] = tiers[:count]
+        matched = self.counters.tokens_matched
+        for tier in tiers[:count]:
+            matched[tier] = matched.get(tier, 0) + self.block_size
+        targets = list(block_ids[start:start + count])
+        hashes = tracked.seq[start:start + len(targets)]
+        self._loading.add(request.request_id)
+        try:
+            ticket = self.planner.prepare_onboard(hashes, engine_block_ids=targets)
+        except PlacementError as exc:
+            # e.g. a block vLLM reused while a copy still reads it: recompute instead
+            log.warning("kvstrata: load for request %s not planned: %s", request.request_id, exc)
+            self._loads[request.request_id] = LoadOrder((), tuple(targets))
+            self.counters.blocks_load_failed += len(targets)
+            return
+        plans = self.planner.take_plans()
+        self._outbox.extend(plans)
+        wanted = set(targets)
+        mine = [p for p in plans if p.dst_tier == TOP_TIER and wanted.issuperset(p.dst_block_ids)]
+        filled = {b for p in mine for b in p.dst_block_ids}
+        self._tickets[ticket] = request.request_id
+        self._loads[request.request_id] = LoadOrder(
+            tuple(p.job_id for p in mine), tuple(b for b in targets if b not in filled))
+        self._collect_finished()
+
+    def build_connector_meta(self, scheduler_output: Any) -> StepOrders:
+        preempted = getattr(scheduler_output, "preempted_req_ids", None) or ()
+        if preempted:
+            self._flush = True
+        if self.settings.store:
+            self._offer_new_blocks(scheduler_output)
+        self._outbox.extend(self.planner.take_plans())
+        orders = StepOrders(plans=self._outbox, loads=self._loads, flush=self._flush)
+        self._outbox, self._loads, self._flush = [], {}, False
+        return orders
+
+    def update_connector_output(self, output: Any) -> None:
+        for req_id in getattr(output, "finished_recving", None) or ():
+            self._loading.discard(req_id)
+        report = getattr(output, "kv_connector_worker_meta", None)
+        if isinstance(report, WorkerReport) and report.results:
+            combined = [c for rank, r in report.results
+                        if (c := self._results.add(rank, r)) is not None]
+            if combined:
+                try:
+                    self.planner.complete(combined)
+                except PlacementError:
+                    log.exception("kvstrata: workers reported results the planner refuses")
+                self._collect_finished()
+        if self._held:
+            in_use = self.planner.engine_blocks_in_use()
+            done = [r for r, ids in self._held.items() if not ids & in_use]
+            if done:
+                # vLLM frees a held request's blocks when its id is in finished_sending; the
+                # scheduler reads that set right after this call.
+                finished = set(output.finished_sending or ())
+                finished.update(done)
+                output.finished_sending = finished
+                for req_id in done:
+                    del self._held[req_id]
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> bool:
+        """True: vLLM must keep the blocks until they are released (stores read them)."""
+        req_id = request.request_id
+        self._requests.pop(req_id, None)
+        if req_id in self._loading:
+            return False            # vLLM already waits for the load before freeing
+        ids = frozenset(block_ids)
+        if ids & self.planner.engine_blocks_in_use():
+            self._held[req_id] = ids
+            self.counters.requests_held += 1
+            return True
+        return False
+
+    def last_load_tiers(self, req_id: str) -> list[str]:
+        """The tier of each block of the load last planned for ``req_id`` (taken once)."""
+        return self._load_tiers.pop(req_id, [])
+
+    def has_pending_work(self) -> bool:
+        """Copies in flight or not yet shipped: the engine must keep stepping."""
+        return not self.planner.idle or bool(self._outbox)
+
+    def take_events(self) -> list:
+        return self.events.take()
+
+    def reset_cache(self) -> bool:
+        """Drop every idle block of kvstrata's tiers (only when no copy is in flight)."""
+        if not self.idle:
+            return False
+        for tier, pool in self.planner.pools.items():
+            held = self.registry.hashes_in(tier)
+            pool.clear()
+            gone = held - self.registry.hashes_in(tier)
+            if gone:
+                self.events.removed(tier, sorted(gone))
+        return True
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _track(self, request: Any) -> _Tracked | None:
+        tracked = self._requests.get(request.request_id)
+        if tracked is not None:
+            return tracked
+        if getattr(request, "prompt_token_ids", None) is None or \
+                getattr(request, "mm_features", None):
+            # prompt embeddings or multimodal inputs: the token ids do not name the KV
+            return None
+        lora = getattr(request, "lora_request", None)
+        seed = isolation_seed(getattr(lora, "lora_name", None) if lora else None,
+                              getattr(request, "cache_salt", None))
+        tracked = self._requests[request.request_id] = _Tracked(request, seed)
+        return tracked
+
+    def _offer_new_blocks(self, scheduler_output: Any) -> None:
+        """Offer the blocks that this step's forward makes full to the tiers below G1."""
+        bs = self.block_size
+        state = getattr(scheduler_output, "kv_connector_block_state", None)
+        for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
+            tracked = self._requests.get(req_id)
+            if tracked is None or state is None:
+                continue
+            groups = state.get_block_ids(req_id)
+            if not groups:
+                continue
+            ids = groups[0]
+            full = min((tracked.request.num_computed_tokens + scheduled) // bs, len(ids))
+            if full <= tracked.offered:
+                continue
+            tracked.hash_upto(full, bs)
+            records = tracked.records(tracked.offered, full, bs)
+            try:
+                self.planner.prepare_offload(TOP_TIER, records,
+                                             engine_block_ids=ids[tracked.offered:full])
+            except PlacementError as exc:
+                log.debug("kvstrata: store of request %s deferred: %s", req_id, exc)
+                continue
+            self.counters.blocks_offered += full - tracked.offered
+            tracked.offered = full
+
+    def _collect_finished(self) -> None:
+        for result in self.planner.take_finished():
+            self._tickets.pop(result.ticket, None)
+            self._count_onboard(result)
+
+    def _count_onboard(self, result: OnboardResult) -> None:
+        loaded = self.counters.blocks_loaded
+        for tier in result.sources:
+            loaded[tier] = loaded.get(tier, 0) + 1
+        self.counters.blocks_load_failed += result.requested - len(result)

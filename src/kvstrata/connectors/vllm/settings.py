@@ -1,0 +1,216 @@
+"""The connector's settings: vLLM's ``kv_connector_extra_config`` plus kvstrata's own config.
+
+Both halves of the connector (scheduler and worker processes) build the same
+:class:`ConnectorSettings` from the same inputs, so they agree on every tier's size in blocks
+without talking to each other. Sources, lowest precedence first: kvstrata's defaults, its
+TOML file (``config`` key or ``$KVSTRATA_CONFIG``), ``KVSTRATA_*`` / ``DYN_KVBM_*``
+environment variables, then the keys of ``kv_connector_extra_config``:
+
+=====================  =========================================  ==========================
+key                    meaning                                     default
+=====================  =========================================  ==========================
+``tiers``              ``{"G2": {"bytes": "4GiB"}, "G3": {...}}``  G2 1 GiB, G3 4 GiB
+                       or ``"G2=4GiB,G3=16GiB"``; a tier missing
+                       is not used (``{"G2": ...}`` alone: no G3)
+``disk_dir``           directory of the G3 slab file               a temporary directory
+``eviction``           ``default``, ``lru``, ``lfu``, ``adaptive``  ``lru``
+``admission``          ``always``, ``second-offer``, ``adaptive``   ``always``
+``events``             kvstrata sink specs (list or one string)    none
+``verify_host_reads``  verify G2 bytes (xxh3) before a load        ``true``
+``o_direct``           G3 with O_DIRECT (``null`` = when possible)  ``null``
+``load`` / ``store``   turn loads / stores off                     ``true``
+``worker_id``          publisher id in kvstrata events             0
+``config``             a kvstrata TOML file                        ``$KVSTRATA_CONFIG``
+=====================  =========================================  ==========================
+
+G1 is vLLM's own KV cache (its size is vLLM's ``num_gpu_blocks``); the block size and the KV
+geometry are vLLM's. Unknown keys and bad values raise :class:`ConnectorConfigError` listing
+every problem, before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Any, Mapping
+
+from ...config import ConfigError, KvConfig, ModelGeometry, TierConfig, load_config
+from ...tiers import TIER_NAMES, TOP_TIER
+
+__all__ = ["ConnectorConfigError", "ConnectorSettings", "KvGeometry", "DEFAULT_TIERS",
+           "settings_from"]
+
+DEFAULT_TIERS: dict[str, TierConfig] = {"G2": TierConfig(bytes=1 << 30),
+                                        "G3": TierConfig(bytes=4 << 30)}
+"""Lower tiers used when nothing says otherwise: 1 GiB of host RAM, 4 GiB of disk."""
+
+_KNOWN = {"tiers", "disk_dir", "eviction", "admission", "events", "verify_host_reads",
+          "o_direct", "load", "store", "worker_id", "config"}
+
+
+class ConnectorConfigError(ValueError):
+    """The connector cannot start with this configuration; the message names every problem."""
+
+
+@dataclass(frozen=True)
+class KvGeometry:
+    """What the engine's KV cache looks like, as both halves read it from vLLM's config."""
+
+    block_size: int
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    num_gpu_blocks: int
+
+    @classmethod
+    def from_vllm(cls, kv_cache_config: Any) -> "KvGeometry":
+        """From vLLM's ``KVCacheConfig``: one KV cache group of attention layers."""
+        groups = list(getattr(kv_cache_config, "kv_cache_groups", ()) or ())
+        if len(groups) != 1:
+            raise ConnectorConfigError(
+                f"kvstrata's vLLM connector needs a model with one KV cache group (full "
+                f"attention in every layer); this one has {len(groups)}")
+        spec = groups[0].kv_cache_spec
+        missing = [k for k in ("block_size", "num_kv_heads", "head_size", "dtype")
+                   if not hasattr(spec, k)]
+        if missing:
+            raise ConnectorConfigError(f"KV cache spec {type(spec).__name__} has no "
+                                       f"{', '.join(missing)}: not an attention layer")
+        dtype = str(spec.dtype).removeprefix("torch.")
+        return cls(block_size=int(spec.block_size), num_layers=len(groups[0].layer_names),
+                   kv_heads=int(spec.num_kv_heads), head_dim=int(spec.head_size),
+                   dtype=dtype, num_gpu_blocks=int(kv_cache_config.num_blocks))
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """Everything both halves need: the kvstrata config (tiers sized in blocks, G1 being
+    vLLM's cache) and the connector's own switches."""
+
+    kv: KvConfig
+    events: tuple[str, ...] = ()
+    verify_host_reads: bool = True
+    o_direct: bool | None = None
+    load: bool = True
+    store: bool = True
+    worker_id: int = 0
+
+    @property
+    def lower_tiers(self) -> list[str]:
+        return [t for t in TIER_NAMES if t in self.kv.tiers and t != TOP_TIER]
+
+    def tier_blocks(self, tier: str) -> int:
+        return self.kv.tier_blocks(tier)
+
+
+def settings_from(extra: Mapping[str, Any] | None, geometry: KvGeometry,
+                  env: Mapping[str, str] | None = None) -> ConnectorSettings:
+    """Build the settings from ``kv_connector_extra_config`` and vLLM's geometry."""
+    extra = dict(extra or {})
+    env = os.environ if env is None else env
+    problems: list[str] = []
+    unknown = set(extra) - _KNOWN
+    if unknown:
+        problems.append(f"unknown kv_connector_extra_config keys {sorted(unknown)}; "
+                        f"known: {sorted(_KNOWN)}")
+    overrides: dict[str, Any] = {}
+    for key in ("eviction", "admission", "disk_dir"):
+        if key in extra:
+            if not isinstance(extra[key], str) or not extra[key]:
+                problems.append(f"{key} must be a non-empty string, got {extra[key]!r}")
+            else:
+                overrides[key] = extra[key]
+    tiers = _tiers(extra.get("tiers"), problems) if "tiers" in extra else None
+    flags = {}
+    for key, default in (("verify_host_reads", True), ("load", True), ("store", True)):
+        value = extra.get(key, default)
+        if not isinstance(value, bool):
+            problems.append(f"{key} must be true or false, got {value!r}")
+            value = default
+        flags[key] = value
+    o_direct = extra.get("o_direct")
+    if o_direct is not None and not isinstance(o_direct, bool):
+        problems.append(f"o_direct must be true, false or null, got {o_direct!r}")
+        o_direct = None
+    worker_id = extra.get("worker_id", 0)
+    if isinstance(worker_id, bool) or not isinstance(worker_id, int) or worker_id < 0:
+        problems.append(f"worker_id must be an integer >= 0, got {worker_id!r}")
+        worker_id = 0
+    events = extra.get("events", ())
+    if isinstance(events, str):
+        events = (events,) if events else ()
+    if not isinstance(events, (list, tuple)) or not all(isinstance(e, str) and e
+                                                        for e in events):
+        problems.append(f"events must be a sink spec or a list of them, got {events!r}")
+        events = ()
+    config_path = extra.get("config")
+    if config_path is not None and not isinstance(config_path, str):
+        problems.append(f"config must be a path, got {config_path!r}")
+        config_path = None
+    if problems:
+        raise ConnectorConfigError("kvstrata connector: " + "; ".join(problems))
+
+    model = ModelGeometry(num_layers=geometry.num_layers, kv_heads=geometry.kv_heads,
+                          head_dim=geometry.head_dim, dtype=geometry.dtype, outer_dim=2)
+    try:
+        base = load_config(config_path, env=env)
+    except ConfigError as exc:
+        raise ConnectorConfigError(f"kvstrata connector: {exc}") from None
+    chosen = tiers if tiers is not None else _lower_tiers_of(base, env, config_path)
+    all_tiers = {TOP_TIER: TierConfig(blocks=geometry.num_gpu_blocks), **chosen}
+    eviction = overrides.get("eviction", base.eviction if _set_elsewhere("eviction", env,
+                                                                           config_path)
+                             else "lru")
+    try:
+        kv = replace(base, block_size=geometry.block_size, model=model, tiers=all_tiers,
+                     eviction=eviction,
+                     admission=overrides.get("admission", base.admission),
+                     disk_dir=overrides.get("disk_dir", base.disk_dir)).validate()
+    except ConfigError as exc:
+        raise ConnectorConfigError(f"kvstrata connector: {exc}") from None
+    empty = [t for t in kv.tiers if kv.tier_blocks(t) < 1]
+    if empty:
+        raise ConnectorConfigError(f"kvstrata connector: tier(s) {', '.join(empty)} hold no "
+                                   f"block of {kv.bytes_per_block} bytes")
+    return ConnectorSettings(kv=kv, events=tuple(events), o_direct=o_direct,
+                             worker_id=worker_id, **flags)
+
+
+def _tiers(raw: Any, problems: list[str]) -> dict[str, TierConfig]:
+    from ...config import normalize_tiers, parse_tiers_flag
+
+    try:
+        if isinstance(raw, str):
+            tiers = dict(parse_tiers_flag(raw))
+        elif isinstance(raw, Mapping):
+            tiers = dict(normalize_tiers(raw, problems))
+        else:
+            problems.append(f"tiers must be a mapping or 'G2=4GiB,G3=16GiB', got {raw!r}")
+            return {}
+    except (ConfigError, ValueError) as exc:
+        problems.append(f"tiers: {exc}")
+        return {}
+    if TOP_TIER in tiers:
+        problems.append(f"tiers: {TOP_TIER} is vLLM's own KV cache; size it with vLLM's "
+                        f"options, not here")
+        tiers.pop(TOP_TIER)
+    if not tiers:
+        problems.append("tiers: name at least one lower tier (G2)")
+    return tiers
+
+
+def _lower_tiers_of(base: KvConfig, env: Mapping[str, str],
+                    config_path: str | None) -> dict[str, TierConfig]:
+    """The lower tiers of kvstrata's own config when a file or env var set them, else the
+    connector's defaults (kvstrata's built-in ones are sized for the trace replay)."""
+    if any(k.startswith(("KVSTRATA_G", "DYN_KVBM_")) and "CACHE_DIR" not in k for k in env) \
+            or config_path or env.get("KVSTRATA_CONFIG"):
+        return {t: c for t, c in base.tiers.items() if t != TOP_TIER}
+    return dict(DEFAULT_TIERS)
+
+
+def _set_elsewhere(key: str, env: Mapping[str, str], config_path: str | None) -> bool:
+    return bool(config_path or env.get("KVSTRATA_CONFIG")
+                or env.get(f"KVSTRATA_{key.upper()}") or env.get("KVSTRATA_POLICY"))
+

@@ -1,0 +1,106 @@
+"""The connector's counters in vLLM's stats logger and Prometheus endpoint.
+
+The scheduler half counts (:class:`~kvstrata.connectors.vllm.scheduler.ConnectorCounters`);
+each step it hands vLLM the increase since the last step as a :class:`KvStrataStats`, which
+vLLM aggregates, logs ("KV Transfer metrics") and passes to :class:`KvStrataPromMetrics`:
+
+* ``vllm:kvstrata_tokens_matched{tier}`` -- prompt tokens answered as loadable, by tier;
+* ``vllm:kvstrata_blocks_loaded{tier}`` -- blocks loaded into vLLM's KV cache, by source tier;
+* ``vllm:kvstrata_blocks_load_failed`` -- blocks promised but not loaded (recomputed);
+* ``vllm:kvstrata_blocks_offered`` -- full blocks offered to G2 (stored unless already held);
+* ``vllm:kvstrata_requests_held`` -- finished requests whose blocks a store still read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (KVConnectorPromMetrics,
+                                                                  KVConnectorStats)
+
+__all__ = ["KvStrataStats", "KvStrataPromMetrics", "delta"]
+
+_BY_TIER = ("tokens_matched", "blocks_loaded")
+_PLAIN = ("blocks_load_failed", "blocks_offered", "requests_held")
+
+
+def _empty() -> dict[str, Any]:
+    return {**{k: {} for k in _BY_TIER}, **{k: 0 for k in _PLAIN}}
+
+
+def delta(now: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    """``now - before`` for two counter snapshots (``ConnectorCounters.as_dict``)."""
+    out = _empty()
+    for key in _BY_TIER:
+        for tier, n in now.get(key, {}).items():
+            d = n - before.get(key, {}).get(tier, 0)
+            if d:
+                out[key][tier] = d
+    for key in _PLAIN:
+        out[key] = now.get(key, 0) - before.get(key, 0)
+    return out
+
+
+@dataclass
+class KvStrataStats(KVConnectorStats):
+    """Counter increases (see the module docstring)."""
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.reset()
+
+    def reset(self) -> None:
+        self.data = _empty()
+
+    def aggregate(self, other: KVConnectorStats) -> "KvStrataStats":
+        for key in _BY_TIER:
+            mine = self.data.setdefault(key, {})
+            for tier, n in other.data.get(key, {}).items():
+                mine[tier] = mine.get(tier, 0) + n
+        for key in _PLAIN:
+            self.data[key] = self.data.get(key, 0) + other.data.get(key, 0)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {}
+        for key in _BY_TIER:
+            for tier, n in sorted(self.data.get(key, {}).items()):
+                out[f"{key}_{tier}"] = n
+        for key in _PLAIN:
+            out[key] = self.data.get(key, 0)
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(k) for k in _BY_TIER) and \
+            not any(self.data.get(k) for k in _PLAIN)
+
+
+class KvStrataPromMetrics(KVConnectorPromMetrics):
+    """kvstrata's counters in vLLM's Prometheus registry."""
+
+    def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        counter = self._counter_cls
+        self._by_tier = {
+            key: counter(name=f"vllm:kvstrata_{key}", documentation=doc,
+                         labelnames=labelnames + ["tier"])
+            for key, doc in (("tokens_matched", "Prompt tokens kvstrata offered to load, by tier"),
+                             ("blocks_loaded", "Blocks kvstrata loaded into the KV cache, by tier"))}
+        self._plain = {
+            key: counter(name=f"vllm:kvstrata_{key}", documentation=doc, labelnames=labelnames)
+            for key, doc in (("blocks_load_failed", "Blocks kvstrata promised but did not load"),
+                             ("blocks_offered", "Full blocks kvstrata offered to its host tier"),
+                             ("requests_held", "Finished requests held while stores ran"))}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = self.per_engine_labelvalues[engine_idx]
+        for key, metric in self._by_tier.items():
+            for tier, n in transfer_stats_data.get(key, {}).items():
+                if n:
+                    metric.labels(*labels, tier).inc(n)
+        for key, metric in self._plain.items():
+            n = transfer_stats_data.get(key, 0)
+            if n:
+                metric.labels(*labels).inc(n)

@@ -1,0 +1,229 @@
+"""The connector's worker half: kvstrata's G2 / G3 bytes in each vLLM worker process.
+
+It wraps vLLM's KV tensors as G1 without copying (:func:`wrap_vllm_kv_caches`), owns the
+host (G2) and disk (G3) storages and a :class:`~kvstrata.physical.TransferEngine` over them,
+and runs the plans the scheduler half ships each step (:class:`StepOrders`):
+
+* plans that do not read vLLM's KV (loads into G1, the cascade G2 -> G3) start as soon as the
+  orders arrive; a request's load is reported finished (``get_finished``) when every plan
+  filling it completed, and its blocks that failed (or could not be planned) are reported by
+  ``get_block_ids_with_load_errors`` in the same step, so vLLM recomputes them;
+* plans reading vLLM's KV (the stores G1 -> G2) start in ``wait_for_save``, after the step's
+  forward wrote the KV; vLLM does not reuse those blocks until the scheduler half says the
+  copies are done (it holds finished requests; see ``request_finished``), and when requests
+  were preempted ``handle_preemptions`` waits for every copy reading vLLM's KV before the
+  forward can overwrite freed blocks;
+* every finished plan's :class:`~kvstrata.protocol.TransferResult` goes back to the scheduler
+  in the step's :class:`WorkerReport`.
+
+On a GPU build the only difference is the copy engine (device <-> pinned host copies on their
+own CUDA stream): this module is the same. Without a GPU the G1 "device" is vLLM's CPU KV
+cache, which is what vLLM's CPU build runs on.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from typing import Callable, Mapping
+
+import torch
+
+from ...manager.storages import StorageOptions, Storages, build_storages
+from ...physical import DeviceStorage, TransferEngine
+from ...physical.errors import LayoutError
+from ...placement import EngineExecutor
+from ...protocol.plans import TransferPlan
+from ...protocol.results import FailureKind, TransferResult
+from ...tiers import TOP_TIER
+from .metadata import StepOrders, WorkerReport
+from .settings import ConnectorSettings
+
+__all__ = ["WorkerHalf", "wrap_vllm_kv_caches"]
+
+log = logging.getLogger(__name__)
+
+FLUSH_TIMEOUT = 300.0
+"""Seconds ``handle_preemptions`` / ``shutdown`` wait for copies before giving up on them."""
+
+
+def wrap_vllm_kv_caches(kv_caches: Mapping[str, torch.Tensor], num_blocks: int,
+                        block_size: int) -> DeviceStorage:
+    """vLLM's per-layer KV tensors as kvstrata's G1, without copying.
+
+    Layers that alias another layer's memory (KV sharing) are kept once. The layout is read
+    from the shape: a leading ``2`` before ``num_blocks`` is K/V-major (FlashAttention:
+    ``[2, blocks, ...]``); a leading ``num_blocks`` whose block is one dense page per layer
+    (vLLM's CPU backend ``[blocks, heads, block_size, 2*head]``, FlashInfer ``[blocks, 2,
+    ...]``) is moved as one opaque page per block and layer."""
+    layers: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in kv_caches.items():
+        if tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        layers[name] = tensor
+    first = next(iter(layers.values()))
+    shape = tuple(first.shape)
+    if len(shape) >= 3 and shape[0] == 2 and shape[1] == num_blocks:
+        return DeviceStorage.wrap(layers, kv_layout="outer_contiguous", page_size=block_size)
+    if shape and shape[0] == num_blocks:
+        return DeviceStorage.wrap(layers, kv_layout="block_page", page_size=block_size)
+    raise LayoutError(f"vLLM KV cache of shape {shape} has no dimension of {num_blocks} "
+                      f"blocks first or second: layout not supported")
+
+
+class WorkerHalf:
+    """See the module docstring. ``rank`` is this worker's tensor-parallel rank."""
+
+    def __init__(self, settings: ConnectorSettings, rank: int = 0) -> None:
+        self.settings = settings
+        self.rank = rank
+        self.storages: Storages | None = None
+        self.engine: TransferEngine | None = None
+        self._executor: EngineExecutor | None = None
+        self._done: queue.SimpleQueue[TransferResult] = queue.SimpleQueue()
+        self._reported: list[tuple[int, TransferResult]] = []
+        self._outstanding: set[int] = set()
+        self._reading_g1: set[int] = set()
+        self._stores: list[TransferPlan] = []
+        self._job_request: dict[int, str] = {}
+        self._request_jobs: dict[str, set[int]] = {}
+        self._request_failed: dict[str, set[int]] = {}
+        self._finished_recving: set[str] = set()
+        self._load_errors: set[int] = set()
+
+    # -- set-up ----------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        kv = self.settings.kv
+        g1 = wrap_vllm_kv_caches(kv_caches, kv.tier_blocks(TOP_TIER), kv.block_size)
+        options = StorageOptions(g1=g1, verify_host_reads=self.settings.verify_host_reads,
+                                 o_direct=self.settings.o_direct)
+        self.storages = build_storages(kv, options)
+        self.engine = TransferEngine(self.storages.by_tier)
+        self._executor = EngineExecutor(self.engine, self._done.put)
+        log.info("kvstrata: worker %d holds %s", self.rank,
+                 ", ".join(f"{t}={s.config.num_blocks} blocks"
+                           for t, s in self.storages.by_tier.items()))
+
+    @property
+    def outstanding(self) -> int:
+        """Plans submitted whose result was not taken yet."""
+        return len(self._outstanding)
+
+    # -- per step --------------------------------------------------------------------------
+    def start(self, orders: StepOrders) -> None:
+        """Take a step's orders: start every plan that does not read vLLM's KV."""
+        for req_id, order in orders.loads.items():
+            self._request_jobs[req_id] = set(order.job_ids)
+            if order.unloadable:
+                self._request_failed.setdefault(req_id, set()).update(order.unloadable)
+            for job in order.job_ids:
+                self._job_request[job] = req_id
+            if not order.job_ids:
+                self._finish_load(req_id)
+        now = [p for p in orders.plans if p.src_tier != TOP_TIER]
+        self._stores.extend(p for p in orders.plans if p.src_tier == TOP_TIER)
+        self._submit(now)
+
+    def flush_g1_readers(self) -> None:
+        """Wait until no copy reads vLLM's KV (requests were preempted: their blocks may be
+        overwritten by this step's forward)."""
+        self._drain(until=lambda: not self._reading_g1)
+
+    def save(self) -> None:
+        """After the forward: start the stores (they read what the forward wrote)."""
+        stores, self._stores = self._stores, []
+        self._submit(stores)
+
+    def finished(self) -> tuple[set[str], set[str]]:
+        """(finished sending, finished receiving): loads whose plans all completed."""
+        self._drain()
+        done, self._finished_recving = self._finished_recving, set()
+        return set(), done
+
+    def load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def report(self) -> WorkerReport | None:
+        self._drain()
+        if not self._reported:
+            return None
+        report, self._reported = WorkerReport(self._reported), []
+        return report
+
+    def shutdown(self) -> None:
+        """Finish the copies in flight (bounded wait), then free the storages."""
+        self.save()
+        self._drain(until=lambda: not self._outstanding)
+        if self.engine is not None:
+            self.engine.close(cancel_pending=True)
+            self.engine = None
+        if self.storages is not None:
+            self.storages.close()
+            self.storages = None
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _submit(self, plans: list[TransferPlan]) -> None:
+        if not plans:
+            return
+        if self._executor is None:
+            for plan in plans:
+                self._done.put(TransferResult.failed(plan, FailureKind.INTERNAL,
+                                                     "the worker has no storages"))
+            return
+        for plan in plans:
+            self._outstanding.add(plan.job_id)
+            if plan.src_tier == TOP_TIER:
+                self._reading_g1.add(plan.job_id)
+        self._executor.submit(plans)
+
+    def _drain(self, until: Callable[[], bool] | None = None) -> None:
+        """Take finished copies: results for the scheduler, finished loads for vLLM. With
+        ``until``, block (sleeping on the result queue) until it holds or a timeout."""
+        deadline = time.monotonic() + FLUSH_TIMEOUT
+        while True:
+            if until is not None and not until():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    log.error("kvstrata: copies still running after %.0f s", FLUSH_TIMEOUT)
+                    return
+                try:
+                    result = self._done.get(timeout=remaining)
+                except queue.Empty:
+                    continue
+            else:
+                try:
+                    result = self._done.get_nowait()
+                except queue.Empty:
+                    return
+            self._take(result)
+
+    def _take(self, result: TransferResult) -> None:
+        job = result.plan.job_id
+        self._outstanding.discard(job)
+        self._reading_g1.discard(job)
+        if self._executor is not None:
+            self._executor.settled(result)
+        self._reported.append((self.rank, result))
+        req_id = self._job_request.pop(job, None)
+        if req_id is None:
+            return
+        if not result.all_ok:
+            ids = result.plan.dst_block_ids
+            self._request_failed.setdefault(req_id, set()).update(
+                ids[i] for i, ok in enumerate(result.ok) if not ok)
+        jobs = self._request_jobs.get(req_id)
+        if jobs is not None:
+            jobs.discard(job)
+            if not jobs:
+                self._finish_load(req_id)
+
+    def _finish_load(self, req_id: str) -> None:
+        self._request_jobs.pop(req_id, None)
+        failed = self._request_failed.pop(req_id, None)
+        if failed:
+            self._load_errors.update(failed)
+        self._finished_recving.add(req_id)
