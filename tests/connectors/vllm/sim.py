@@ -1,0 +1,265 @@
+"""vLLM's side of the connector contract, simulated in one process with real bytes.
+
+:class:`SimEngine` plays vLLM's scheduler and its workers around kvstrata's two connector
+halves: it allocates engine block ids, asks for matches, reports allocations, runs steps
+(orders to every worker, a "forward" that writes each full block's KV, stores after it),
+combines the workers' outputs across tensor-parallel ranks as vLLM's aggregator does, frees or
+holds finished requests, and can preempt. The KV tensors have vLLM's CPU layout
+(``[blocks, kv_heads, block_size, 2 * head_dim]`` per layer); the KV written for a block is a
+function of its sequence hash, the layer and the rank, so a loaded block can be checked byte
+for byte. The real engine is exercised by tests/integration/test_vllm_engine.py; this
+harness reaches corners a real engine reaches only by chance (preemption mid-store, several
+ranks, failed loads) and runs in milliseconds.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvstrata.connectors.vllm.metadata import WorkerReport
+from kvstrata.connectors.vllm.scheduler import SchedulerHalf
+from kvstrata.connectors.vllm.settings import KvGeometry, settings_from
+from kvstrata.connectors.vllm.worker import WorkerHalf
+
+LAYERS, HEADS, HEAD_DIM = 2, 2, 8
+
+
+def block_kv(sequence_hash: int, layer: int, rank: int, block_size: int) -> torch.Tensor:
+    """The KV the simulated forward writes for a full block."""
+    gen = torch.Generator().manual_seed((sequence_hash ^ (layer << 3) ^ (rank << 7)) % (1 << 62))
+    return torch.randn(HEADS, block_size, 2 * HEAD_DIM, generator=gen).to(torch.bfloat16)
+
+
+class FakeRequest:
+    """The attributes of ``vllm.v1.request.Request`` the connector reads."""
+
+    def __init__(self, request_id: str, prompt: list[int], max_new: int) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt)
+        self._tokens = list(prompt)
+        self.num_computed_tokens = 0
+        self.max_new = max_new
+        self.lora_request = None
+        self.cache_salt = None
+        self.mm_features: list = []
+        self.block_ids: list[int] = []
+        self.state = "waiting"
+        self.loaded = 0                       # blocks promised by the connector
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._tokens)
+
+    @property
+    def generated(self) -> int:
+        return len(self._tokens) - len(self.prompt_token_ids)
+
+
+@dataclass
+class _BlockState:
+    table: dict[str, list[int]]
+
+    def get_block_ids(self, req_id: str) -> tuple[list[int], ...]:
+        return (self.table[req_id],)
+
+
+@dataclass
+class _SchedulerOutput:
+    num_scheduled_tokens: dict[str, int]
+    preempted_req_ids: set[str]
+    kv_connector_block_state: _BlockState
+
+
+@dataclass
+class _ConnectorOutput:
+    finished_sending: set[str] | None = None
+    finished_recving: set[str] | None = None
+    kv_connector_worker_meta: WorkerReport | None = None
+    invalid_block_ids: set[int] = field(default_factory=set)
+
+
+class SimEngine:
+    """See the module docstring."""
+
+    def __init__(self, tmp_path, *, g1_blocks: int = 64, g2_blocks: int = 32,
+                 g3_blocks: int | None = 64, ranks: int = 1, block_size: int = 4,
+                 extra: dict | None = None) -> None:
+        self.block_size = block_size
+        geometry = KvGeometry(block_size, LAYERS, HEADS, HEAD_DIM, "bfloat16", g1_blocks)
+        tiers = {"G2": {"blocks": g2_blocks}}
+        if g3_blocks:
+            tiers["G3"] = {"blocks": g3_blocks}
+        config = {"tiers": tiers, "disk_dir": str(tmp_path), "o_direct": False,
+                  **(extra or {})}
+        self.settings = settings_from(config, geometry, env={})
+        self.scheduler = SchedulerHalf(self.settings, world_size=ranks)
+        self.workers = [WorkerHalf(self.settings, rank=r) for r in range(ranks)]
+        self.kv = [[torch.zeros(g1_blocks, HEADS, block_size, 2 * HEAD_DIM,
+                                dtype=torch.bfloat16) for _ in range(LAYERS)]
+                   for _ in range(ranks)]
+        for worker, layers in zip(self.workers, self.kv):
+            worker.register_kv_caches({f"model.layers.{i}.attn": t
+                                       for i, t in enumerate(layers)})
+        self.free = list(range(g1_blocks))
+        self.requests: dict[str, FakeRequest] = {}
+        self.held: dict[str, FakeRequest] = {}
+        self.finished: dict[str, FakeRequest] = {}
+        self._preempted: set[str] = set()
+        self.invalid_seen: set[int] = set()
+        self._recv_counts: dict[str, int] = {}
+        self.steps = 0
+
+    # -- the engine's API ------------------------------------------------------------------
+    def add(self, req_id: str, prompt: list[int], max_new: int = 2) -> FakeRequest:
+        request = self.requests[req_id] = FakeRequest(req_id, prompt, max_new)
+        return request
+
+    def preempt(self, req_id: str, overwrite: bool = True) -> None:
+        """Preempt a running request: its blocks are freed at once (and, with
+        ``overwrite``, scribbled over as the forward of another request would)."""
+        request = self.requests[req_id]
+        for block_id in request.block_ids:
+            for layers in self.kv:
+                for layer in layers:
+                    if overwrite:
+                        layer[block_id].fill_(-7.0)
+        self._free(request)
+        request.num_computed_tokens = 0
+        request.state = "waiting"
+        self._preempted.add(req_id)
+
+    def run(self, timeout: float = 30.0) -> None:
+        """Step until every request finished and the connector is idle."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.requests and not self.held and self.scheduler.idle \
+                    and not any(w.outstanding for w in self.workers):
+                return
+            self.step()
+            if not self._progressing:
+                time.sleep(0.001)       # copies run on the transfer threads
+        raise AssertionError(f"not idle after {timeout} s: {self.scheduler.status()}")
+
+    def step(self) -> None:
+        self.steps += 1
+        bs = self.block_size
+        scheduled: dict[str, int] = {}
+        for request in list(self.requests.values()):
+            if request.state == "waiting":
+                n, is_async = self.scheduler.get_num_new_matched_tokens(request, 0)
+                assert n % bs == 0 and n < request.num_tokens
+                request.block_ids = self._allocate(-(-request.num_tokens // bs))
+                self.scheduler.update_state_after_alloc(request, list(request.block_ids), n)
+                request.loaded = n // bs
+                if is_async:
+                    request.state = "loading"
+                    request.num_computed_tokens = n
+                    continue
+                request.state = "running"
+            if request.state == "running":
+                todo = request.num_tokens - request.num_computed_tokens
+                scheduled[request.request_id] = todo
+        table = {r: self.requests[r].block_ids for r in scheduled}
+        orders = self.scheduler.build_connector_meta(
+            _SchedulerOutput(scheduled, set(self._preempted), _BlockState(table)))
+        self._preempted.clear()
+        output = _ConnectorOutput()
+        recving: dict[str, int] = {}
+        reports = []
+        for rank, worker in enumerate(self.workers):
+            worker.start(orders)
+            if orders.flush:
+                worker.flush_g1_readers()
+            self._forward(rank, scheduled)
+            worker.save()
+            _, done = worker.finished()
+            for req_id in done:
+                recving[req_id] = recving.get(req_id, 0) + 1
+            output.invalid_block_ids |= worker.load_errors()
+            report = worker.report()
+            if report is not None:
+                reports.append(report)
+        if reports:
+            combined = reports[0]
+            for other in reports[1:]:
+                combined = combined.aggregate(other)
+            output.kv_connector_worker_meta = combined
+        # vLLM's aggregator passes a request on once every rank reported it
+        for r, n in recving.items():
+            self._recv_counts[r] = self._recv_counts.get(r, 0) + n
+        output.finished_recving = {r for r, n in self._recv_counts.items()
+                                   if n == len(self.workers)}
+        for r in output.finished_recving:
+            del self._recv_counts[r]
+        self.invalid_seen |= output.invalid_block_ids
+        self.scheduler.update_connector_output(output)
+        self._progressing = bool(scheduled) or bool(output.finished_recving)
+        self._after_step(scheduled, output)
+
+    # -- internals -------------------------------------------------------------------------
+    def _allocate(self, n: int) -> list[int]:
+        assert len(self.free) >= n, "simulated KV cache full"
+        ids, self.free = self.free[:n], self.free[n:]
+        return ids
+
+    def _free(self, request: FakeRequest) -> None:
+        self.free.extend(request.block_ids)
+        request.block_ids = []
+
+    def _forward(self, rank: int, scheduled: dict[str, int]) -> None:
+        """Write the KV of every block this step makes full."""
+        bs = self.block_size
+        for req_id, n in scheduled.items():
+            request = self.requests[req_id]
+            tracked = self.scheduler._requests.get(req_id)
+            first = request.num_computed_tokens // bs
+            last = (request.num_computed_tokens + n) // bs
+            if tracked is None or last <= first:
+                continue
+            tracked.hash_upto(last, bs)
+            for b in range(first, last):
+                for layer, tensor in enumerate(self.kv[rank]):
+                    tensor[request.block_ids[b]] = block_kv(tracked.seq[b], layer, rank, bs)
+
+    def _after_step(self, scheduled: dict[str, int], output: _ConnectorOutput) -> None:
+        bs = self.block_size
+        for req_id in output.finished_recving or ():
+            request = self.requests.get(req_id)
+            if request is None:            # aborted while loading: vLLM frees it now
+                continue
+            bad = [i for i, b in enumerate(request.block_ids[:request.loaded])
+                   if b in output.invalid_block_ids]
+            if bad:
+                request.num_computed_tokens = bad[0] * bs
+            request.state = "running"
+        for req_id in output.finished_sending or ():
+            self.finished[req_id] = request = self.held.pop(req_id)
+            self._free(request)
+        for req_id, n in scheduled.items():
+            request = self.requests[req_id]
+            request.num_computed_tokens += n
+            if request.generated >= request.max_new:
+                self._finish(request)
+                continue
+            request._tokens.append(1000 + request.num_tokens % 97)   # the sampled token
+            if -(-request.num_tokens // bs) > len(request.block_ids):
+                request.block_ids += self._allocate(1)
+
+    def _finish(self, request: FakeRequest) -> None:
+        del self.requests[request.request_id]
+        computed = request.block_ids[:-(-request.num_computed_tokens // bs)] \
+            if (bs := self.block_size) else []
+        if self.scheduler.request_finished(request, list(computed)):
+            self.held[request.request_id] = request
+        else:
+            self.finished[request.request_id] = request
+            self._free(request)
+
+    _progressing = True

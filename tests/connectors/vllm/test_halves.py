@@ -1,0 +1,313 @@
+"""The connector's two halves around a simulated vLLM (tests/connectors/vllm/sim.py), real
+bytes: stores after the forward, loads byte-exact from G2 and G3, failed loads reported for
+recompute, finished requests held while stores read their blocks, preemption flushes, several
+tensor-parallel ranks, and every pool back to idle at the end."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from .sim import LAYERS, SimEngine, block_kv  # noqa: E402
+
+BS = 4
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return [(seed * 7919 + i * 31) % 5000 + 3 for i in range(n)]
+
+
+def assert_idle(sim: SimEngine) -> None:
+    status = sim.scheduler.status()
+    assert sim.scheduler.idle, status
+    assert status["tracked"] == 0 and status["held"] == 0 and status["loading"] == 0
+    for tier, pool in status["pools"].items():
+        assert pool["active"] == 0, (tier, pool)
+    assert all(w.outstanding == 0 for w in sim.workers)
+    assert not sim.held and not sim.requests
+
+
+@pytest.fixture
+def make(tmp_path):
+    sims = []
+
+    def _make(**kw):
+        sim = SimEngine(tmp_path / f"sim{len(sims)}", block_size=BS, **kw)
+        sims.append(sim)
+        return sim
+
+    yield _make
+    for sim in sims:
+        for worker in sim.workers:
+            worker.shutdown()
+
+
+def run_and_check_load(sim: SimEngine, req_id: str, tokens: list[int], expect_blocks: int,
+                       max_new: int = 2) -> None:
+    """Add a request, step until its load finished, check the loaded bytes, run to idle."""
+    request = sim.add(req_id, tokens, max_new=max_new)
+    deadline = time.monotonic() + 30
+    while request.state != "running" and time.monotonic() < deadline:
+        sim.step()
+        time.sleep(0.001)                  # the copies run on the transfer threads
+    assert request.state == "running", "the load never finished"
+    assert request.loaded == expect_blocks
+    hashes = sim.scheduler._requests[req_id].seq
+    for rank, layers in enumerate(sim.kv):
+        for b in range(expect_blocks):
+            if request.block_ids[b] in sim.invalid_seen:
+                continue
+            for layer in range(LAYERS):
+                assert torch.equal(layers[layer][request.block_ids[b]],
+                                   block_kv(hashes[b], layer, rank, BS)), (rank, b, layer)
+    sim.run()
+
+
+def test_a_returning_prefix_is_loaded_from_g2_byte_exact(make):
+    sim = make()
+    tokens = prompt(1, 10 * BS + 2)
+    sim.add("a", tokens)
+    sim.run()
+    counters = sim.scheduler.counters
+    assert counters.blocks_offered >= 10
+    assert sim.scheduler.planner.pools["G2"].status().inactive >= 10
+    # vLLM's own cache is gone (the simulator keeps none): the prefix comes back from G2,
+    # all but the block holding the last prompt token
+    run_and_check_load(sim, "b", tokens + [7, 8, 9], expect_blocks=10)
+    assert counters.blocks_loaded == {"G2": 10}
+    assert_idle(sim)
+
+
+def test_never_the_whole_prompt(make):
+    sim = make()
+    tokens = prompt(2, 6 * BS)            # exactly six blocks
+    sim.add("a", tokens)
+    sim.run()
+    request = sim.add("b", tokens)
+    n, is_async = sim.scheduler.get_num_new_matched_tokens(request, 0)
+    assert (n, is_async) == (5 * BS, True)         # the last token is computed
+    n, is_async = sim.scheduler.get_num_new_matched_tokens(request, 5 * BS)
+    assert (n, is_async) == (0, False)            # vLLM had it all already
+    sim.requests.pop("b")
+    sim.scheduler.request_finished(request, [])
+    assert_idle(sim)
+
+
+def test_loads_from_g3_when_g2_evicted_them(make):
+    sim = make(g2_blocks=10, g3_blocks=64)          # G2 holds one request's blocks
+    first = prompt(3, 8 * BS + 1)
+    sim.add("a", first)
+    sim.run()
+    for i in range(3):                    # other conversations push "a" out of G2
+        sim.add(f"x{i}", prompt(10 + i, 8 * BS + 1))
+        sim.run()
+    run_and_check_load(sim, "b", first + [5], expect_blocks=8)
+    assert sim.scheduler.counters.blocks_loaded.get("G3", 0) >= 4
+    assert_idle(sim)
+
+
+def test_corrupt_g3_block_is_a_load_error_and_the_rest_recomputed(make):
+    sim = make(g2_blocks=8, g3_blocks=64, extra={"verify_host_reads": True})
+    first = prompt(4, 6 * BS + 1)
+    sim.add("a", first)
+    sim.run()
+    for i in range(2):
+        sim.add(f"x{i}", prompt(20 + i, 6 * BS + 1))
+        sim.run()
+    disk = sim.workers[0].storages.by_tier["G3"]
+    slab = disk.path
+    with open(slab, "r+b") as fh:            # flip bytes across the whole slab
+        data = bytearray(fh.read())
+        for i in range(0, len(data), 4096):
+            data[i] ^= 0xFF
+        fh.seek(0)
+        fh.write(data)
+    request = sim.add("b", first + [5])
+    sim.run()
+    assert request.loaded > 0
+    assert sim.invalid_seen, "corrupt blocks must be reported to vLLM"
+    assert sim.scheduler.counters.blocks_load_failed > 0
+    assert_idle(sim)
+
+
+def test_finished_request_is_held_while_its_stores_run(make, monkeypatch):
+    sim = make()
+    worker = sim.workers[0]
+    saves = []
+    real_save = worker.save
+    monkeypatch.setattr(worker, "save", lambda: saves.append(1))   # stores never start
+    tokens = prompt(5, 4 * BS + 1)
+    sim.add("a", tokens, max_new=1)
+    for _ in range(3):
+        sim.step()
+    assert "a" in sim.held and saves, "the finished request must wait for its stores"
+    blocks = set(sim.held["a"].block_ids)
+    assert blocks.isdisjoint(sim.free)
+    monkeypatch.setattr(worker, "save", real_save)
+    sim.run()
+    assert "a" in sim.finished and blocks <= set(sim.free)
+    assert_idle(sim)
+
+
+def test_preemption_flushes_stores_before_blocks_are_overwritten(make):
+    sim = make()
+    worker = sim.workers[0]
+    gate = __import__("threading").Event()
+    engine = worker.engine
+    real_submit = engine.submit
+
+    def slow_submit(plan, timeout=None):       # G1 reads wait until the gate opens
+        if plan.src_tier == "G1":
+            gate.wait(5)
+        return real_submit(plan, timeout=timeout)
+
+    tokens = prompt(6, 5 * BS + 1)
+    request = sim.add("a", tokens, max_new=6)
+    sim.step()                                    # prefill: stores planned, submitted
+    engine.submit = slow_submit
+    gate.set()
+    sim.preempt("a")                              # blocks scribbled at once...
+    sim.step()                                    # ...but the stores were flushed first
+    engine.submit = real_submit
+    sim.run()
+    run_and_check_load(sim, "b", tokens + [1, 2], expect_blocks=5)
+    assert request.request_id in sim.finished
+    assert_idle(sim)
+
+
+def test_two_tensor_parallel_ranks_combine_results(make):
+    sim = make(ranks=2)
+    tokens = prompt(7, 7 * BS + 3)
+    sim.add("a", tokens)
+    sim.run()
+    run_and_check_load(sim, "b", tokens, expect_blocks=7)      # both ranks' shards
+    assert sim.scheduler.counters.blocks_loaded == {"G2": 7}
+    assert_idle(sim)
+
+
+def test_a_failure_on_one_rank_fails_the_block(make):
+    sim = make(ranks=2, g2_blocks=7, g3_blocks=32)
+    tokens = prompt(8, 5 * BS + 1)
+    sim.add("a", tokens)
+    sim.run()
+    sim.add("x", prompt(30, 5 * BS + 1))
+    sim.run()
+    disk = sim.workers[1].storages.by_tier["G3"]            # only rank 1's copy is bad
+    with open(disk.path, "r+b") as fh:
+        data = bytearray(fh.read())
+        for i in range(0, len(data), 4096):
+            data[i] ^= 0x55
+        fh.seek(0)
+        fh.write(data)
+    request = sim.add("b", tokens)
+    sim.run()
+    assert request.loaded > 0 and sim.invalid_seen
+    assert sim.scheduler.counters.blocks_load_failed > 0
+    assert_idle(sim)
+
+
+def test_many_requests_small_g2_nothing_leaks(make):
+    sim = make(g1_blocks=256, g2_blocks=16, g3_blocks=48)
+    shared = prompt(9, 3 * BS)                       # a shared system prompt
+    for round_ in range(3):
+        for i in range(6):
+            sim.add(f"r{round_}.{i}", shared + prompt(100 + i, 2 * BS + i), max_new=3)
+        sim.run()
+    assert sim.scheduler.counters.blocks_loaded, "later rounds must load the shared prefix"
+    assert_idle(sim)
+
+
+def test_aborted_while_loading_is_not_held_twice(make):
+    sim = make()
+    tokens = prompt(11, 6 * BS + 1)
+    sim.add("a", tokens)
+    sim.run()
+    request = sim.add("b", tokens)
+    sim.step()                                     # load planned and shipped
+    assert request.state == "loading" or "b" not in sim.requests
+    # vLLM aborts it: request_finished says False (vLLM already waits for the load)
+    assert sim.scheduler.request_finished(request, list(request.block_ids)) is False
+    del sim.requests["b"]
+    deadline = time.monotonic() + 30
+    while not sim.scheduler.idle and time.monotonic() < deadline:   # the load still completes
+        sim.step()
+        time.sleep(0.001)
+    assert sim.scheduler.idle
+    assert_idle(sim)
+
+
+def test_requests_with_other_salts_never_share(make):
+    sim = make()
+    tokens = prompt(12, 5 * BS + 1)
+    request = sim.add("a", tokens)
+    request.cache_salt = "tenant-1"
+    sim.run()
+    other = sim.add("b", tokens)
+    other.cache_salt = "tenant-2"
+    assert sim.scheduler.get_num_new_matched_tokens(other, 0) == (0, False)
+    same = sim.add("c", tokens)
+    same.cache_salt = "tenant-1"
+    assert sim.scheduler.get_num_new_matched_tokens(same, 0)[0] == 5 * BS
+    for req_id in ("b", "c"):
+        sim.scheduler.request_finished(sim.requests.pop(req_id), [])
+    assert_idle(sim)
+
+
+def test_stores_off_and_loads_off(make):
+    sim = make(extra={"store": False})
+    sim.add("a", prompt(13, 4 * BS + 1))
+    sim.run()
+    assert sim.scheduler.planner.pools["G2"].status().inactive == 0
+    sim2 = make(extra={"load": False})
+    tokens = prompt(14, 4 * BS + 1)
+    sim2.add("a", tokens)
+    sim2.run()
+    request = sim2.add("b", tokens)
+    assert sim2.scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+    sim2.scheduler.request_finished(sim2.requests.pop("b"), [])
+
+
+def test_vllm_events_name_the_tier(make):
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    sim = make(g2_blocks=6, g3_blocks=16)
+    sim.add("a", prompt(15, 5 * BS + 1))
+    sim.run()
+    sim.add("x", prompt(25, 5 * BS + 1))
+    sim.run()
+    events = sim.scheduler.take_events()
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    removed = [e for e in events if isinstance(e, BlockRemoved)]
+    assert {e.medium for e in stored} == {"CPU", "STORAGE"}
+    assert {e.medium for e in removed} == {"CPU"}            # G2 of 6 blocks evicted
+    g3 = [h for e in stored if e.medium == "STORAGE" for h in e.block_hashes]
+    assert len(g3) == len(set(g3)) == 10
+    assert sim.scheduler.take_events() == []
+
+
+def test_reset_cache_drops_every_block_and_says_so(make):
+    from vllm.distributed.kv_events import BlockRemoved
+
+    sim = make()
+    sim.add("a", prompt(16, 4 * BS + 1))
+    sim.run()
+    sim.scheduler.take_events()
+    assert sim.scheduler.reset_cache() is True
+    assert all(p.status().inactive == 0 for p in sim.scheduler.planner.pools.values())
+    removed = [e for e in sim.scheduler.take_events() if isinstance(e, BlockRemoved)]
+    assert {e.medium for e in removed} == {"CPU", "STORAGE"}
+
+
+def test_worker_shutdown_frees_the_slab(make, tmp_path):
+    sim = make()
+    sim.add("a", prompt(17, 4 * BS + 1))
+    sim.run()
+    slab = sim.workers[0].storages.by_tier["G3"].path
+    assert os.path.exists(slab)
+    sim.workers[0].shutdown()
+    assert not os.path.exists(slab)
