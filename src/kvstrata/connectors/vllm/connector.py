@@ -59,6 +59,14 @@ class KvStrataConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             from .scheduler import SchedulerHalf
 
+            # A cache miss is never an error: a block that fails to load is recomputed.
+            # vLLM reads this policy right after building the scheduler's connector.
+            policy = "fail" if settings.fail_on_load_error else "recompute"
+            if self._kv_transfer_config.kv_load_failure_policy != policy:
+                log.info("kvstrata: kv_load_failure_policy=%s (a failed load is %s)", policy,
+                         "an error" if policy == "fail" else "recomputed")
+                self._kv_transfer_config.kv_load_failure_policy = policy
+
             observers = _kvstrata_publishers(settings)
             self.scheduler = SchedulerHalf(settings, vllm_config.parallel_config.world_size,
                                            observers=observers)

@@ -19,6 +19,8 @@ key                    meaning                                     default
 ``verify_host_reads``  verify G2 bytes (xxh3) before a load        ``true``
 ``o_direct``           G3 with O_DIRECT (``null`` = when possible)  ``null``
 ``load`` / ``store``   turn loads / stores off                     ``true``
+``fail_on_load_error`` a failed load fails the request (vLLM's     ``false``: recompute
+                       ``kv_load_failure_policy=fail``)
 ``worker_id``          publisher id in kvstrata events             0
 ``config``             a kvstrata TOML file                        ``$KVSTRATA_CONFIG``
 =====================  =========================================  ==========================
@@ -45,7 +47,7 @@ DEFAULT_TIERS: dict[str, TierConfig] = {"G2": TierConfig(bytes=1 << 30),
 """Lower tiers used when nothing says otherwise: 1 GiB of host RAM, 4 GiB of disk."""
 
 _KNOWN = {"tiers", "disk_dir", "eviction", "admission", "events", "verify_host_reads",
-          "o_direct", "load", "store", "worker_id", "config"}
+          "o_direct", "load", "store", "worker_id", "config", "fail_on_load_error"}
 
 
 class ConnectorConfigError(ValueError):
@@ -94,6 +96,7 @@ class ConnectorSettings:
     o_direct: bool | None = None
     load: bool = True
     store: bool = True
+    fail_on_load_error: bool = False
     worker_id: int = 0
 
     @property
@@ -123,7 +126,8 @@ def settings_from(extra: Mapping[str, Any] | None, geometry: KvGeometry,
                 overrides[key] = extra[key]
     tiers = _tiers(extra.get("tiers"), problems) if "tiers" in extra else None
     flags = {}
-    for key, default in (("verify_host_reads", True), ("load", True), ("store", True)):
+    for key, default in (("verify_host_reads", True), ("load", True), ("store", True),
+                         ("fail_on_load_error", False)):
         value = extra.get(key, default)
         if not isinstance(value, bool):
             problems.append(f"{key} must be true or false, got {value!r}")
