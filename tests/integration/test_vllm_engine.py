@@ -38,13 +38,13 @@ def model_dir(tmp_path_factory):
     return str(make_random_llama(tmp_path_factory.mktemp("model"), TINY))
 
 
-def _engine(model_dir: str, kv_transfer_config: dict | None):
+def _engine(model_dir: str, kv_transfer_config: dict | None, **kw):
     from vllm import LLM
 
     return LLM(model=model_dir, skip_tokenizer_init=True, enforce_eager=True,
                block_size=BLOCK, max_model_len=2048, dtype="bfloat16", max_num_seqs=16,
                num_gpu_blocks_override=G1_BLOCKS, kv_transfer_config=kv_transfer_config,
-               seed=0)
+               seed=0, **kw)
 
 
 def _shutdown(llm) -> None:
@@ -109,17 +109,34 @@ def _all_prompts() -> dict[str, list[int]]:
 
 @pytest.fixture(scope="module")
 def engine(env, model_dir, reference, tmp_path_factory):
+    from vllm.config import KVEventsConfig
+
     g3_dir = tmp_path_factory.mktemp("g3")
+    EVENTS["jsonl"] = str(tmp_path_factory.mktemp("events") / "kvstrata.jsonl")
+    EVENTS["port"] = port = _free_port()
     config = {"kv_connector": "KvStrataConnector",
               "kv_connector_module_path": "kvstrata.connectors.vllm",
               "kv_role": "kv_both",
               "kv_connector_extra_config": {
                   # G2 holds ~1.5 prompts of these sizes: older blocks live in G3 only
                   "tiers": {"G2": {"blocks": 16}, "G3": {"blocks": 512, "path": str(g3_dir)}},
+                  "events": [f"jsonl:{EVENTS['jsonl']}"],
               }}
-    llm = _engine(model_dir, config)
+    llm = _engine(model_dir, config, kv_events_config=KVEventsConfig(
+        enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://127.0.0.1:{port}"))
     yield llm, g3_dir
     _shutdown(llm)
+
+
+EVENTS: dict = {}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _half(llm):
@@ -270,3 +287,50 @@ def test_many_concurrent_requests_preempted_and_aborted_leave_nothing_behind(eng
     assert preempted, "the small KV cache was meant to force preemptions"
     assert half.counters.blocks_offered > 0
     _wait_idle(half, timeout=60)
+
+
+def test_tier_events_in_vllms_stream_and_kvstratas_sinks(engine):
+    """G2 / G3 changes reach vLLM's own KV event stream (ZMQ, decoded with vLLM's classes)
+    with media CPU and STORAGE, and kvstrata's own sink, under router-compatible hashes."""
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+
+    from kvstrata.events.formats import decode_kvstrata
+    from kvstrata.tokens import hash_blocks
+
+    llm, _ = engine
+    half = _half(llm)
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"tcp://127.0.0.1:{EVENTS['port']}")
+    time.sleep(0.5)                                   # the subscription reaches the publisher
+    prompt = _tokens(77, 5 * BLOCK + 3)
+    _generate(llm, prompt)
+    _generate(llm, _tokens(78, 8))                    # one more step publishes the last batch
+    _wait_idle(half)
+    _generate(llm, _tokens(79, 8))
+    decoder = msgspec.msgpack.Decoder(KVEventBatch)
+    stored: dict[str, set[int]] = {}
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if not sub.poll(500):
+            if stored.get("CPU") and stored.get("STORAGE"):
+                break
+            continue
+        _topic, _seq, payload = sub.recv_multipart()
+        for event in decoder.decode(payload).events:
+            if isinstance(event, BlockStored):
+                stored.setdefault(event.medium, set()).update(event.block_hashes)
+    sub.close()
+    _, expected = hash_blocks(prompt, BLOCK)
+    assert set(expected) <= stored.get("CPU", set()), "G2 stores in vLLM's stream"
+    assert set(expected) <= stored.get("STORAGE", set()), "G3 stores in vLLM's stream"
+    ours: dict[str, set[int]] = {}
+    with open(EVENTS["jsonl"]) as fh:
+        for line in fh:
+            for event in decode_kvstrata(line).events:
+                if hasattr(event, "blocks"):
+                    ours.setdefault(event.tier, set()).update(event.block_hashes)
+    assert set(expected) <= ours.get("G2", set()) and set(expected) <= ours.get("G3", set())

@@ -90,7 +90,7 @@ class SimEngine:
 
     def __init__(self, tmp_path, *, g1_blocks: int = 64, g2_blocks: int = 32,
                  g3_blocks: int | None = 64, ranks: int = 1, block_size: int = 4,
-                 extra: dict | None = None) -> None:
+                 extra: dict | None = None, copy_engine=None) -> None:
         self.block_size = block_size
         geometry = KvGeometry(block_size, LAYERS, HEADS, HEAD_DIM, "bfloat16", g1_blocks)
         tiers = {"G2": {"blocks": g2_blocks}}
@@ -100,7 +100,8 @@ class SimEngine:
                   **(extra or {})}
         self.settings = settings_from(config, geometry, env={})
         self.scheduler = SchedulerHalf(self.settings, world_size=ranks)
-        self.workers = [WorkerHalf(self.settings, rank=r) for r in range(ranks)]
+        self.workers = [WorkerHalf(self.settings, rank=r, copy_engine=copy_engine)
+                        for r in range(ranks)]
         self.kv = [[torch.zeros(g1_blocks, HEADS, block_size, 2 * HEAD_DIM,
                                 dtype=torch.bfloat16) for _ in range(LAYERS)]
                    for _ in range(ranks)]
@@ -114,6 +115,7 @@ class SimEngine:
         self._preempted: set[str] = set()
         self.invalid_seen: set[int] = set()
         self._recv_counts: dict[str, int] = {}
+        self._scribble: list[int] = []
         self.steps = 0
 
     # -- the engine's API ------------------------------------------------------------------
@@ -122,14 +124,11 @@ class SimEngine:
         return request
 
     def preempt(self, req_id: str, overwrite: bool = True) -> None:
-        """Preempt a running request: its blocks are freed at once (and, with
-        ``overwrite``, scribbled over as the forward of another request would)."""
+        """Preempt a running request: its blocks are freed at once and, with ``overwrite``,
+        scribbled over by the next step's forward (as another request reusing them would)."""
         request = self.requests[req_id]
-        for block_id in request.block_ids:
-            for layers in self.kv:
-                for layer in layers:
-                    if overwrite:
-                        layer[block_id].fill_(-7.0)
+        if overwrite:
+            self._scribble.extend(request.block_ids)
         self._free(request)
         request.num_computed_tokens = 0
         request.state = "waiting"
@@ -214,8 +213,14 @@ class SimEngine:
         request.block_ids = []
 
     def _forward(self, rank: int, scheduled: dict[str, int]) -> None:
-        """Write the KV of every block this step makes full."""
+        """Write the KV of every block this step makes full (and scribble over the blocks
+        of requests preempted since the last step)."""
         bs = self.block_size
+        for block_id in self._scribble:
+            for layer in self.kv[rank]:
+                layer[block_id].fill_(-7.0)
+        if rank == len(self.kv) - 1:
+            self._scribble = []
         for req_id, n in scheduled.items():
             request = self.requests[req_id]
             tracked = self.scheduler._requests.get(req_id)

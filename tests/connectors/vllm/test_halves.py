@@ -157,27 +157,49 @@ def test_finished_request_is_held_while_its_stores_run(make, monkeypatch):
 def test_preemption_flushes_stores_before_blocks_are_overwritten(make):
     sim = make()
     worker = sim.workers[0]
-    gate = __import__("threading").Event()
-    engine = worker.engine
-    real_submit = engine.submit
+    handlers = worker.engine._handlers
+    store = handlers["G1->G2"]
 
-    def slow_submit(plan, timeout=None):       # G1 reads wait until the gate opens
-        if plan.src_tier == "G1":
-            gate.wait(5)
-        return real_submit(plan, timeout=timeout)
+    def slow_store(*args):                     # a store still reading when vLLM preempts
+        time.sleep(0.3)
+        return store(*args)
 
+    handlers["G1->G2"] = slow_store
     tokens = prompt(6, 5 * BS + 1)
     request = sim.add("a", tokens, max_new=6)
-    sim.step()                                    # prefill: stores planned, submitted
-    engine.submit = slow_submit
-    gate.set()
-    sim.preempt("a")                              # blocks scribbled at once...
-    sim.step()                                    # ...but the stores were flushed first
-    engine.submit = real_submit
+    sim.step()                                  # prefill; its stores start after the forward
+    sim.preempt("a")                            # freed; the next forward scribbles over them
+    sim.step()                                  # handle_preemptions waits for the stores first
+    handlers["G1->G2"] = store
     sim.run()
-    run_and_check_load(sim, "b", tokens + [1, 2], expect_blocks=5)
+    run_and_check_load(sim, "b", tokens + [1, 2], expect_blocks=5)   # G2 holds the real KV
     assert request.request_id in sim.finished
     assert_idle(sim)
+
+
+def test_without_the_flush_the_scribble_would_be_stored(make, monkeypatch):
+    """The test above can fail: with handle_preemptions doing nothing, G2 gets the scribble
+    and the load hands back -7s (caught here by comparing bytes)."""
+    sim = make(extra={"verify_host_reads": False})
+    worker = sim.workers[0]
+    monkeypatch.setattr(worker, "flush_g1_readers", lambda: None)
+    handlers = worker.engine._handlers
+    store = handlers["G1->G2"]
+
+    def slow_store(*args):
+        time.sleep(0.3)
+        return store(*args)
+
+    handlers["G1->G2"] = slow_store
+    tokens = prompt(6, 5 * BS + 1)
+    sim.add("a", tokens, max_new=6)
+    sim.step()
+    sim.preempt("a")
+    sim.step()
+    handlers["G1->G2"] = store
+    sim.run()
+    with pytest.raises(AssertionError):
+        run_and_check_load(sim, "b", tokens + [1, 2], expect_blocks=5)
 
 
 def test_two_tensor_parallel_ranks_combine_results(make):
@@ -311,3 +333,32 @@ def test_worker_shutdown_frees_the_slab(make, tmp_path):
     assert os.path.exists(slab)
     sim.workers[0].shutdown()
     assert not os.path.exists(slab)
+
+
+def test_a_truncated_slab_is_a_load_error_not_a_crash(make):
+    sim = make(g2_blocks=8, g3_blocks=64)
+    first = prompt(18, 6 * BS + 1)
+    sim.add("a", first)
+    sim.run()
+    for i in range(2):
+        sim.add(f"x{i}", prompt(40 + i, 6 * BS + 1))
+        sim.run()
+    os.truncate(sim.workers[0].storages.by_tier["G3"].path, 0)     # the blocks are gone
+    request = sim.add("b", first + [5])
+    sim.run()
+    assert request.loaded > 0 and sim.invalid_seen
+    assert sim.scheduler.counters.blocks_load_failed > 0
+    assert_idle(sim)
+
+
+def test_the_gpu_builds_staged_copy_path_on_cpu(make):
+    """With CUDA the worker copies through a staging buffer (StagedCopyEngine); its logic
+    runs here on CPU tensors (stage_all), byte-exact both ways."""
+    from kvstrata.physical.copy import StagedCopyEngine
+
+    sim = make(copy_engine=StagedCopyEngine(stage_all=True))
+    tokens = prompt(19, 6 * BS + 2)
+    sim.add("a", tokens)
+    sim.run()
+    run_and_check_load(sim, "b", tokens, expect_blocks=6)
+    assert_idle(sim)

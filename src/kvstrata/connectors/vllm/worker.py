@@ -32,6 +32,7 @@ import torch
 
 from ...manager.storages import StorageOptions, Storages, build_storages
 from ...physical import DeviceStorage, TransferEngine
+from ...physical.copy import CopyEngine
 from ...physical.errors import LayoutError
 from ...placement import EngineExecutor
 from ...protocol.plans import TransferPlan
@@ -75,11 +76,15 @@ def wrap_vllm_kv_caches(kv_caches: Mapping[str, torch.Tensor], num_blocks: int,
 
 
 class WorkerHalf:
-    """See the module docstring. ``rank`` is this worker's tensor-parallel rank."""
+    """See the module docstring. ``rank`` is this worker's tensor-parallel rank;
+    ``copy_engine`` overrides the transfer engine's default (the CUDA staging engine when
+    CUDA is present, the host memmove engine otherwise)."""
 
-    def __init__(self, settings: ConnectorSettings, rank: int = 0) -> None:
+    def __init__(self, settings: ConnectorSettings, rank: int = 0,
+                 copy_engine: CopyEngine | None = None) -> None:
         self.settings = settings
         self.rank = rank
+        self._copy_engine = copy_engine
         self.storages: Storages | None = None
         self.engine: TransferEngine | None = None
         self._executor: EngineExecutor | None = None
@@ -101,7 +106,7 @@ class WorkerHalf:
         options = StorageOptions(g1=g1, verify_host_reads=self.settings.verify_host_reads,
                                  o_direct=self.settings.o_direct)
         self.storages = build_storages(kv, options)
-        self.engine = TransferEngine(self.storages.by_tier)
+        self.engine = TransferEngine(self.storages.by_tier, copy_engine=self._copy_engine)
         self._executor = EngineExecutor(self.engine, self._done.put)
         log.info("kvstrata: worker %d holds %s", self.rank,
                  ", ".join(f"{t}={s.config.num_blocks} blocks"
@@ -135,7 +140,19 @@ class WorkerHalf:
     def save(self) -> None:
         """After the forward: start the stores (they read what the forward wrote)."""
         stores, self._stores = self._stores, []
+        if stores:
+            self._forward_written()
         self._submit(stores)
+
+    def _forward_written(self) -> None:
+        """Return once the step's forward has written the KV the stores read. On a GPU the
+        forward is queued on the compute stream and may still run when vLLM calls
+        ``wait_for_save``: wait for it (the thread sleeps; vLLM synchronises right after
+        anyway, to sample). On a CPU the forward has already returned."""
+        g1 = self.storages.by_tier[TOP_TIER] if self.storages is not None else None
+        device = getattr(g1, "device", None)
+        if device is not None and device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
 
     def finished(self) -> tuple[set[str], set[str]]:
         """(finished sending, finished receiving): loads whose plans all completed."""
