@@ -47,6 +47,25 @@ def make(tmp_path):
             worker.shutdown()
 
 
+def store_then_push_out_of_g2(sim: SimEngine, tokens: list[int], others: int,
+                              seed: int) -> None:
+    """Run a request, then ``others`` of the same size so its blocks leave G2 (kept in G3)."""
+    sim.add("a", tokens)
+    sim.run()
+    for i in range(others):
+        sim.add(f"x{i}", prompt(seed + i, len(tokens)))
+        sim.run()
+
+
+def flip_bytes(path, step: int, mask: int) -> None:
+    with open(path, "r+b") as fh:
+        data = bytearray(fh.read())
+        for i in range(0, len(data), step):
+            data[i] ^= mask
+        fh.seek(0)
+        fh.write(data)
+
+
 def run_and_check_load(sim: SimEngine, req_id: str, tokens: list[int], expect_blocks: int,
                        max_new: int = 2) -> None:
     """Add a request, step until its load finished, check the loaded bytes, run to idle."""
@@ -101,11 +120,7 @@ def test_never_the_whole_prompt(make):
 def test_loads_from_g3_when_g2_evicted_them(make):
     sim = make(g2_blocks=10, g3_blocks=64)          # G2 holds one request's blocks
     first = prompt(3, 8 * BS + 1)
-    sim.add("a", first)
-    sim.run()
-    for i in range(3):                    # other conversations push "a" out of G2
-        sim.add(f"x{i}", prompt(10 + i, 8 * BS + 1))
-        sim.run()
+    store_then_push_out_of_g2(sim, first, 3, seed=10)
     run_and_check_load(sim, "b", first + [5], expect_blocks=8)
     assert sim.scheduler.counters.blocks_loaded.get("G3", 0) >= 4
     assert_idle(sim)
@@ -114,19 +129,8 @@ def test_loads_from_g3_when_g2_evicted_them(make):
 def test_corrupt_g3_block_is_a_load_error_and_the_rest_recomputed(make):
     sim = make(g2_blocks=8, g3_blocks=64, extra={"verify_host_reads": True})
     first = prompt(4, 6 * BS + 1)
-    sim.add("a", first)
-    sim.run()
-    for i in range(2):
-        sim.add(f"x{i}", prompt(20 + i, 6 * BS + 1))
-        sim.run()
-    disk = sim.workers[0].storages.by_tier["G3"]
-    slab = disk.path
-    with open(slab, "r+b") as fh:            # flip bytes across the whole slab
-        data = bytearray(fh.read())
-        for i in range(0, len(data), 4096):
-            data[i] ^= 0xFF
-        fh.seek(0)
-        fh.write(data)
+    store_then_push_out_of_g2(sim, first, 2, seed=20)
+    flip_bytes(sim.workers[0].storages.by_tier["G3"].path, 4096, 0xFF)   # the whole slab
     request = sim.add("b", first + [5])
     sim.run()
     assert request.loaded > 0
@@ -215,17 +219,8 @@ def test_two_tensor_parallel_ranks_combine_results(make):
 def test_a_failure_on_one_rank_fails_the_block(make):
     sim = make(ranks=2, g2_blocks=7, g3_blocks=32)
     tokens = prompt(8, 5 * BS + 1)
-    sim.add("a", tokens)
-    sim.run()
-    sim.add("x", prompt(30, 5 * BS + 1))
-    sim.run()
-    disk = sim.workers[1].storages.by_tier["G3"]            # only rank 1's copy is bad
-    with open(disk.path, "r+b") as fh:
-        data = bytearray(fh.read())
-        for i in range(0, len(data), 4096):
-            data[i] ^= 0x55
-        fh.seek(0)
-        fh.write(data)
+    store_then_push_out_of_g2(sim, tokens, 1, seed=30)
+    flip_bytes(sim.workers[1].storages.by_tier["G3"].path, 4096, 0x55)   # rank 1's copy only
     request = sim.add("b", tokens)
     sim.run()
     assert request.loaded > 0 and sim.invalid_seen
@@ -338,11 +333,7 @@ def test_worker_shutdown_frees_the_slab(make, tmp_path):
 def test_a_truncated_slab_is_a_load_error_not_a_crash(make):
     sim = make(g2_blocks=8, g3_blocks=64)
     first = prompt(18, 6 * BS + 1)
-    sim.add("a", first)
-    sim.run()
-    for i in range(2):
-        sim.add(f"x{i}", prompt(40 + i, 6 * BS + 1))
-        sim.run()
+    store_then_push_out_of_g2(sim, first, 2, seed=40)
     os.truncate(sim.workers[0].storages.by_tier["G3"].path, 0)     # the blocks are gone
     request = sim.add("b", first + [5])
     sim.run()
