@@ -50,9 +50,6 @@ class StorageOptions:
     """How to build the storages (``KvBlockManager``'s keyword arguments)."""
 
     kv_caches: Mapping | Sequence | None = None
-    g1: DeviceStorage | None = None
-    """G1 already wrapped by the caller (an engine connector that picks the layout itself);
-    it must hold blocks of the config's size (checked)."""
     kv_layout: str = "auto"
     g1_layout: str = "outer_contiguous"
     device: object = None
@@ -61,6 +58,9 @@ class StorageOptions:
     max_host_bytes: int | None = None
     o_direct: bool | None = None
     file_ops: FileOps | None = None
+    g1: DeviceStorage | None = None
+    """G1 already wrapped by the caller (an engine connector that picks the layout itself);
+    it must hold blocks of the config's size (checked)."""
 
 
 @dataclass

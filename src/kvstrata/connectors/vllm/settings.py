@@ -37,14 +37,14 @@ from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 from ...config import ConfigError, KvConfig, ModelGeometry, TierConfig, load_config
-from ...tiers import TIER_NAMES, TOP_TIER
+from ...tiers import TIER_NAMES, TOP_TIER, TierKind, first_of_kind
 
 __all__ = ["ConnectorConfigError", "ConnectorSettings", "KvGeometry", "DEFAULT_TIERS",
            "settings_from"]
 
-DEFAULT_TIERS: dict[str, TierConfig] = {"G2": TierConfig(bytes=1 << 30),
-                                        "G3": TierConfig(bytes=4 << 30)}
-"""Lower tiers used when nothing says otherwise: 1 GiB of host RAM, 4 GiB of disk."""
+DEFAULT_TIERS: dict[str, TierConfig] = {first_of_kind(TierKind.HOST): TierConfig(bytes=1 << 30),
+                                        first_of_kind(TierKind.DISK): TierConfig(bytes=4 << 30)}
+"""Lower tiers used when nothing says otherwise: 1 GiB of host RAM (G2), 4 GiB of disk (G3)."""
 
 _KNOWN = {"tiers", "disk_dir", "eviction", "admission", "events", "verify_host_reads",
           "o_direct", "load", "store", "worker_id", "config", "fail_on_load_error"}
