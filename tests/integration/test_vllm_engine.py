@@ -113,7 +113,7 @@ def engine(env, model_dir, reference, tmp_path_factory):
 
     g3_dir = tmp_path_factory.mktemp("g3")
     EVENTS["jsonl"] = str(tmp_path_factory.mktemp("events") / "kvstrata.jsonl")
-    EVENTS["port"] = port = _free_port()
+    EVENTS["endpoint"] = endpoint = f"ipc://{tmp_path_factory.mktemp('zmq')}/kv-events.sock"
     config = {"kv_connector": "KvStrataConnector",
               "kv_connector_module_path": "kvstrata.connectors.vllm",
               "kv_role": "kv_both",
@@ -123,20 +123,12 @@ def engine(env, model_dir, reference, tmp_path_factory):
                   "events": [f"jsonl:{EVENTS['jsonl']}"],
               }}
     llm = _engine(model_dir, config, kv_events_config=KVEventsConfig(
-        enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://127.0.0.1:{port}"))
+        enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint))
     yield llm, g3_dir
     _shutdown(llm)
 
 
 EVENTS: dict = {}
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _half(llm):
@@ -304,8 +296,8 @@ def test_tier_events_in_vllms_stream_and_kvstratas_sinks(engine):
     ctx = zmq.Context.instance()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(f"tcp://127.0.0.1:{EVENTS['port']}")
-    time.sleep(0.5)                                   # the subscription reaches the publisher
+    sub.connect(EVENTS["endpoint"])                 # vLLM's PUB binds an ipc:// endpoint
+    time.sleep(1.0)                                   # the subscription reaches it
     prompt = _tokens(77, 5 * BLOCK + 3)
     _generate(llm, prompt)
     _generate(llm, _tokens(78, 8))                    # one more step publishes the last batch

@@ -128,7 +128,7 @@ class SchedulerHalf:
         """Counts for tests and operators: requests tracked, held, loading; plans in
         flight; per kvstrata pool, its slots by place."""
         pools = {t: asdict(p.status()) for t, p in self.planner.pools.items()}
-        return {"tracked": len(self._requests), "held": len(self._held),
+        return {"tracked": len(self._requests) + len(self._load_tiers), "held": len(self._held),
                 "loading": len(self._loading), "pending_plans": self.planner.pending,
                 "unshipped_plans": len(self._outbox), "engine_blocks_in_use":
                 len(self.planner.engine_blocks_in_use()), "pools": pools,
@@ -230,6 +230,7 @@ class SchedulerHalf:
         """True: vLLM must keep the blocks until they are released (stores read them)."""
         req_id = request.request_id
         self._requests.pop(req_id, None)
+        self._load_tiers.pop(req_id, None)
         if req_id in self._loading:
             return False            # vLLM already waits for the load before freeing
         ids = frozenset(block_ids)
