@@ -31,9 +31,14 @@ Why the null connector is the baseline and not plain vLLM: on vLLM's CPU build c
 plain vLLM would flatter every connector. The null connector gets that same prefill and loads
 and stores nothing: the gap to it is what loading buys, the gap to ``floor`` what it costs.
 
+The machine may be shared: a configuration during which other processes used more than
+20 % of the CPU is run again (``--noise-retries``) and the quietest run kept.
+
 Goals: kvstrata's returning turns within 1.5x the floor from G2 and 2x from G3; its cold
 first turns (storing in the background) within 1.10x of the null connector's. Correctness:
-the greedy tokens of every turn must be identical across configurations, and kvstrata's
+the greedy tokens of every turn (first token and answer) are compared across configurations
+and grouped; floor and kvstrata attend to the same KV bytes and must agree bit for bit, while
+recomputing the prefix (null, example) may flip a near-tie token in bf16. kvstrata's
 ``num_cached_tokens`` (tokens it loaded, vLLM's own cache being empty) should cover every full
 block of the previous turn. Prints figures, never asserts timing. Usage:
 ``python bench/bench_vllm_connector.py [--quick] [--configs floor,null,...] [--json PATH]``.
@@ -65,6 +70,7 @@ GOAL_COLD = 1.10        # cold TTFT <= 1.10x the null connector's
 BLOCK_SIZE = 32         # CPU build: a multiple of 32
 VOCAB = 8192            # BENCH model; ids 0, 1, 2 (unk, bos, eos) avoided
 CHILD_TIMEOUT = 420     # s per configuration (engine start included)
+NOISY = 0.20            # share of all cores other processes used: a run is rerun above it
 
 
 def say(msg: str) -> None:
@@ -401,7 +407,12 @@ def report(results: dict[str, dict], wall_s: float) -> None:
                     f"{max(waits):.2f} s)" if waits else ""
             print(f"{name}: exit {r.get('rc')}, log {r.get('log')}: {issues}{extra}")
     busy = {n: r["other_cpu_share"] for n, r in results.items()
-            if r.get("other_cpu_share", 0) > 0.20}
+            if r.get("other_cpu_share", 0) > NOISY}
+    for name, r in results.items():
+        if r.get("noisy_runs"):
+            shares = ", ".join(f"{x.get('other_cpu_share', 0):.0%}" for x in r["noisy_runs"])
+            print(f"{name}: ran {len(r['noisy_runs']) + 1} times, other processes disturbed "
+                  f"{len(r['noisy_runs'])} ({shares} of the CPU); the quietest run is shown")
     if busy:
         print("other processes (or kernel threads) used the CPU meanwhile, share of all "
               "cores; the figures are noisy: " + ", ".join(f"{n} {v:.0%}"
@@ -460,6 +471,9 @@ def main() -> None:
     parser.add_argument("--g3", default="4GiB", help="G3 size of kvstrata-g3")
     parser.add_argument("--kv-cache-gib", type=int, default=2,
                         help="VLLM_CPU_KVCACHE_SPACE (vLLM's own KV cache, GiB)")
+    parser.add_argument("--noise-retries", type=int, default=1,
+                        help="run a configuration again (keeping the quieter run) when other "
+                             f"processes used more than {NOISY:.0%} of the CPU meanwhile")
     parser.add_argument("--_child", help=argparse.SUPPRESS)
     parser.add_argument("--_spec", help=argparse.SUPPRESS)
     parser.add_argument("--_out", help=argparse.SUPPRESS)
@@ -496,10 +510,24 @@ def main() -> None:
             "model": str(model), "answer": args.answer, "kv_cache_gib": args.kv_cache_gib,
             "kv_transfer_config": kv_transfer_config(name, work, args),
             "workload": workload}))
-        say(f"{name}: starting")
-        results[name] = spawn(name, spec_path, out_path, work / f"{name}.log")
-        for sub in ("g3", "example"):                 # slabs and files: one config's only
-            shutil.rmtree(work / sub, ignore_errors=True)
+        noisy: list[dict] = []
+        for attempt in range(args.noise_retries + 1):
+            say(f"{name}: starting" + (" again" if attempt else ""))
+            out_path.unlink(missing_ok=True)
+            result = spawn(name, spec_path, out_path,
+                           work / f"{name}{'.' + str(attempt) if attempt else ''}.log")
+            for sub in ("g3", "example"):             # slabs and files: one config's only
+                shutil.rmtree(work / sub, ignore_errors=True)
+            share = result.get("other_cpu_share", 0.0)
+            if share <= NOISY or not result.get("turns"):
+                break
+            noisy.append(result)
+            say(f"{name}: other processes used {share:.0%} of the CPU meanwhile" +
+                (": running it again" if attempt < args.noise_retries else ""))
+        if noisy:       # keep the quietest run; the others go to the JSON only
+            runs = sorted([result, *noisy], key=lambda r: r.get("other_cpu_share", 0.0))
+            result = dict(runs[0], noisy_runs=runs[1:])
+        results[name] = result
     wall = time.perf_counter() - started
     report(results, wall)
     if args.json:

@@ -353,3 +353,13 @@ def test_the_gpu_builds_staged_copy_path_on_cpu(make):
     sim.run()
     run_and_check_load(sim, "b", tokens, expect_blocks=6)
     assert_idle(sim)
+
+
+def test_a_g2_smaller_than_a_step_says_what_it_did_not_store(make, caplog):
+    sim = make(g2_blocks=3, g3_blocks=32)
+    with caplog.at_level("WARNING", logger="kvstrata.connectors.vllm.scheduler"):
+        sim.add("a", prompt(50, 8 * BS + 1))
+        sim.run()
+    assert sim.scheduler.counters.blocks_not_stored.get("G2:no_slot", 0) == 5
+    assert any("not stored in G2" in r.getMessage() for r in caplog.records)
+    assert_idle(sim)

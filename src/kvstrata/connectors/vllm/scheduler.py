@@ -20,6 +20,7 @@ Everything happens on vLLM's scheduler thread; the planner needs no lock.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
@@ -51,12 +52,16 @@ class ConnectorCounters:
     blocks_load_failed: int = 0
     blocks_offered: int = 0
     requests_held: int = 0
+    blocks_not_stored: dict[str, int] = field(default_factory=dict)
+    """Blocks offered to a tier and not copied there, by ``"tier:reason"`` (admission refused
+    them; ``no_slot``: every free slot was taken by copies in flight)."""
 
     def as_dict(self) -> dict[str, Any]:
         return {"lookups": self.lookups, "tokens_matched": dict(self.tokens_matched),
                 "blocks_loaded": dict(self.blocks_loaded),
                 "blocks_load_failed": self.blocks_load_failed,
-                "blocks_offered": self.blocks_offered, "requests_held": self.requests_held}
+                "blocks_offered": self.blocks_offered, "requests_held": self.requests_held,
+                "blocks_not_stored": dict(self.blocks_not_stored)}
 
 
 class _Tracked:
@@ -116,6 +121,7 @@ class SchedulerHalf:
         self._tickets: dict[int, str] = {}
         self._flush = False
         self._load_tiers: dict[str, list[str]] = {}
+        self._warned_no_slot = float("-inf")
 
     # -- state -----------------------------------------------------------------------------
     @property
@@ -197,6 +203,7 @@ class SchedulerHalf:
         if self.settings.store:
             self._offer_new_blocks(scheduler_output)
         self._outbox.extend(self.planner.take_plans())
+        self._count_not_stored()
         orders = StepOrders(plans=self._outbox, loads=self._loads, flush=self._flush)
         self._outbox, self._loads, self._flush = [], {}, False
         return orders
@@ -303,6 +310,21 @@ class SchedulerHalf:
                 continue
             self.counters.blocks_offered += full - tracked.offered
             tracked.offered = full
+
+    def _count_not_stored(self) -> None:
+        skipped = self.planner.stats.skipped_blocks
+        counts = self.counters.blocks_not_stored
+        for (tier, reason), n in skipped.items():
+            key = f"{tier}:{reason}"
+            before = counts.get(key, 0)
+            if n == before:
+                continue
+            counts[key] = n
+            if reason == "no_slot" and time.monotonic() - self._warned_no_slot > 60.0:
+                self._warned_no_slot = time.monotonic()
+                log.warning("kvstrata: %d block(s) not stored in %s: its free slots were all "
+                            "taken by copies in flight; grow %s to hold what a few engine "
+                            "steps store (docs/vllm.md)", n - before, tier, tier)
 
     def _collect_finished(self) -> None:
         for result in self.planner.take_finished():

@@ -8,7 +8,9 @@ vLLM aggregates, logs ("KV Transfer metrics") and passes to :class:`KvStrataProm
 * ``vllm:kvstrata_blocks_loaded{tier}`` -- blocks loaded into vLLM's KV cache, by source tier;
 * ``vllm:kvstrata_blocks_load_failed`` -- blocks promised but not loaded (recomputed);
 * ``vllm:kvstrata_blocks_offered`` -- full blocks offered to G2 (stored unless already held);
-* ``vllm:kvstrata_requests_held`` -- finished requests whose blocks a store still read.
+* ``vllm:kvstrata_requests_held`` -- finished requests whose blocks a store still read;
+* ``vllm:kvstrata_blocks_not_stored{tier, reason}`` -- blocks a tier did not take: its
+  admission filter refused them, or (``no_slot``) every free slot was in flight.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (KVConnectorPro
 
 __all__ = ["KvStrataStats", "KvStrataPromMetrics", "delta"]
 
-_BY_TIER = ("tokens_matched", "blocks_loaded")
+_BY_TIER = ("tokens_matched", "blocks_loaded", "blocks_not_stored")
 _PLAIN = ("blocks_load_failed", "blocks_offered", "requests_held")
 
 
@@ -88,6 +90,9 @@ class KvStrataPromMetrics(KVConnectorPromMetrics):
                          labelnames=labelnames + ["tier"])
             for key, doc in (("tokens_matched", "Prompt tokens kvstrata offered to load, by tier"),
                              ("blocks_loaded", "Blocks kvstrata loaded into the KV cache, by tier"))}
+        self._not_stored = counter(name="vllm:kvstrata_blocks_not_stored",
+                                   documentation="Blocks a kvstrata tier did not take, by reason",
+                                   labelnames=labelnames + ["tier", "reason"])
         self._plain = {
             key: counter(name=f"vllm:kvstrata_{key}", documentation=doc, labelnames=labelnames)
             for key, doc in (("blocks_load_failed", "Blocks kvstrata promised but did not load"),
@@ -100,6 +105,10 @@ class KvStrataPromMetrics(KVConnectorPromMetrics):
             for tier, n in transfer_stats_data.get(key, {}).items():
                 if n:
                     metric.labels(*labels, tier).inc(n)
+        for key, n in transfer_stats_data.get("blocks_not_stored", {}).items():
+            tier, _, reason = key.partition(":")
+            if n:
+                self._not_stored.labels(*labels, tier, reason).inc(n)
         for key, metric in self._plain.items():
             n = transfer_stats_data.get(key, 0)
             if n:

@@ -1,0 +1,54 @@
+"""The connector's counters as vLLM stats: increases per step, aggregation across reports,
+the flat form vLLM logs, and the Prometheus counters they feed."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: E402
+
+from kvstrata.connectors.vllm.stats import KvStrataPromMetrics, KvStrataStats, delta  # noqa: E402
+
+
+def snapshot(g2=0, g3=0, failed=0, offered=0, no_slot=0):
+    return {"tokens_matched": {"G2": g2 * 32}, "blocks_loaded": {"G2": g2, "G3": g3},
+            "blocks_load_failed": failed, "blocks_offered": offered, "requests_held": 0,
+            "blocks_not_stored": {"G2:no_slot": no_slot} if no_slot else {}}
+
+
+def test_delta_aggregate_reduce():
+    a = KvStrataStats(data=delta(snapshot(g2=5, offered=9), snapshot(g2=2, offered=4)))
+    assert a.data["blocks_loaded"] == {"G2": 3} and a.data["blocks_offered"] == 5
+    b = KvStrataStats(data=delta(snapshot(g2=5, g3=4, no_slot=2), snapshot(g2=5)))
+    a.aggregate(b)
+    flat = a.reduce()
+    assert flat["blocks_loaded_G2"] == 3 and flat["blocks_loaded_G3"] == 4
+    assert flat["blocks_not_stored_G2:no_slot"] == 2 and flat["blocks_offered"] == 5
+    assert not a.is_empty()
+    assert KvStrataStats().is_empty()
+    assert KvStrataStats(data=delta(snapshot(g2=1), snapshot(g2=1))).is_empty()
+
+
+def test_prometheus_counters_follow_the_stats():
+    registry = CollectorRegistry()
+
+    def bound(cls):
+        return lambda **kw: cls(registry=registry, **kw)
+
+    class Config:
+        kv_transfer_config = None
+
+    prom = KvStrataPromMetrics(Config(), {Counter: bound(Counter), Gauge: bound(Gauge),
+                                          Histogram: bound(Histogram)},
+                               ["engine"], {0: ["0"]})
+    prom.observe(delta(snapshot(g2=3, g3=1, failed=2, no_slot=4), snapshot()), 0)
+    prom.observe(delta(snapshot(g2=5, g3=1, failed=2, no_slot=4), snapshot(g2=3, g3=1,
+                                                                         failed=2, no_slot=4)))
+    value = registry.get_sample_value
+    assert value("vllm:kvstrata_blocks_loaded_total", {"engine": "0", "tier": "G2"}) == 5
+    assert value("vllm:kvstrata_blocks_loaded_total", {"engine": "0", "tier": "G3"}) == 1
+    assert value("vllm:kvstrata_blocks_load_failed_total", {"engine": "0"}) == 2
+    assert value("vllm:kvstrata_blocks_not_stored_total",
+                 {"engine": "0", "tier": "G2", "reason": "no_slot"}) == 4
