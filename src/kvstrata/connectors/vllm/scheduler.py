@@ -29,7 +29,7 @@ from ...placement import PlacementError, Planner
 from ...placement.onboard import OnboardResult
 from ...protocol.plans import TransferPlan
 from ...tiers import TOP_TIER
-from ...tokens import chain_hashes, isolation_seed, local_block_hash
+from ...tokens import hash_blocks, isolation_seed
 from ...types import BlockRecord
 from .events import VllmEventCollector
 from .metadata import LoadOrder, RankResults, StepOrders, WorkerReport
@@ -83,12 +83,11 @@ class _Tracked:
         have = len(self.seq)
         if blocks <= have:
             return
-        tokens = self.request.all_token_ids
-        new_local = [local_block_hash(tokens[i * block_size:(i + 1) * block_size], self.seed)
-                     for i in range(have, blocks)]
-        parent = self.seq[-1] if self.seq else None
-        self.local.extend(new_local)
-        self.seq.extend(chain_hashes(new_local, self.seed, parent))
+        tokens = self.request.all_token_ids[have * block_size:blocks * block_size]
+        local, seq = hash_blocks(tokens, block_size, self.seed,
+                                 self.seq[-1] if self.seq else None)
+        self.local.extend(local)
+        self.seq.extend(seq)
 
     def records(self, start: int, stop: int, block_size: int) -> list[BlockRecord]:
         seq, local = self.seq, self.local
