@@ -120,3 +120,90 @@ def test_policy_flag_overrides_per_tier_policies_from_a_file(capsys, tmp_path):
                        "--policy", "lru", "--admission", "always", "--json")
     g1 = json.loads(out)["tiers"]["G1"]
     assert code == 0 and (g1["eviction"], g1["admission"]) == ("lru", "always")
+
+
+# -- every input error: one line on stderr naming the input, exit 2, no traceback -----------
+
+def _cli(*argv, stdin=None, env=None):
+    """Run the real command in a subprocess (tracebacks and exit codes as a user sees them)."""
+    import os
+
+    proc = subprocess.run([sys.executable, "-m", "kvstrata.cli", *argv], capture_output=True,
+                          input=stdin, timeout=120, env={**os.environ, **(env or {})})
+    return proc.returncode, proc.stdout, proc.stderr.decode("utf-8", "replace")
+
+
+def assert_one_line_error(code, err, *words):
+    lines = [l for l in err.splitlines() if l.strip() and "Triton" not in l]
+    assert code == 2, err
+    assert len(lines) == 1 and "Traceback" not in err, err
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["replay", "--limit", "3", "--events", "bogus"], ["sink spec", "bogus"]),
+    (["replay", "--limit", "3", "--events", "jsonl:/missing/dir/x"], ["/missing/dir"]),
+    (["replay", "--limit", "3", "--events", "nats://127.0.0.1:abc/x"], ["port"]),
+    (["replay", "--limit", "3", "--plot", "/nonexistent-dir/x.png"], ["--plot", "/nonexistent-dir"]),
+    (["replay", "--limit", "3", "--plot", "/"], ["--plot", "directory"]),
+    (["replay", "--tiers", "G1=zz"], ["G1"]),
+    (["replay", "--no-such-flag"], ["--no-such-flag"]),
+    (["hash", "--block-size", "0", "1"], ["block"]),
+    (["indexer", "--file", "/nonexistent.jsonl"], ["--file", "/nonexistent.jsonl"]),
+    (["indexer", "--file", "/dev/null", "--http", "127.0.0.1:99999"], ["--http", "99999"]),
+])
+def test_input_errors_are_one_line_and_exit_2(argv, words):
+    code, _, err = _cli(*argv)
+    assert_one_line_error(code, err, *words)
+
+
+def test_binary_files_are_named_not_traced(tmp_path):
+    blob = tmp_path / "blob.bin"
+    blob.write_bytes(bytes(range(256)) * 8)
+    code, _, err = _cli("indexer", "--file", str(blob))
+    assert_one_line_error(code, err, str(blob))
+    code, _, err = _cli("replay", str(blob))
+    assert_one_line_error(code, err, str(blob))
+
+
+def test_non_utf8_salt_and_lora_are_refused(tmp_path):
+    import os
+
+    for flag in ("--lora", "--salt"):
+        proc = subprocess.run([sys.executable, "-m", "kvstrata.cli", "hash", "--block-size",
+                               "2", flag.encode(), b"a\xffb", b"1", b"2"],
+                              capture_output=True, timeout=60, env=dict(os.environ))
+        assert_one_line_error(proc.returncode, proc.stderr.decode(), flag, "UTF-8")
+
+
+def test_a_busy_port_is_one_line():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        code, _, err = _cli("indexer", "--file", "/dev/null", "--http", f"127.0.0.1:{port}")
+    assert_one_line_error(code, err, "--http", str(port))
+
+
+def test_a_closed_pipe_ends_quietly():
+    proc = subprocess.Popen([sys.executable, "-m", "kvstrata.cli", "hash", "--block-size", "1",
+                             *map(str, range(1, 30_000))],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.read(10)
+    proc.stdout.close()                       # the reader goes away, like `| head -c 10`
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 0
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_errors_that_need_no_work_come_before_the_work(tmp_path):
+    """A bad --plot path fails at once, not after replaying the whole trace."""
+    import time
+
+    start = time.monotonic()
+    code, out, err = _cli("replay", "--plot", "/nonexistent-dir/x.png")
+    assert code == 2 and not out
+    assert time.monotonic() - start < 60

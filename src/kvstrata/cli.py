@@ -1,19 +1,35 @@
-"""The ``kvstrata`` command: ``hash``, ``replay`` and ``indexer``."""
+"""The ``kvstrata`` command: ``hash``, ``replay`` and ``indexer``.
+
+Errors: anything wrong with what the user gave (a flag, a file, a spec, a config) ends the
+command with one line on stderr naming the input and exit status 2, never a traceback
+(:func:`main` is the one boundary that turns input errors into that line; set
+``KVSTRATA_DEBUG=1`` for the traceback). Inputs that need no work are checked before any work
+starts. Ctrl-C exits with 130 and a reader that closes the pipe early (``| head``) ends the
+command quietly.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import replace
 from typing import Sequence
 
+from .cliparse import OneLineParser
 from .config import ConfigError, load_config, parse_tiers_flag
 from .logical.policy import ADMISSION_NAMES, EVICTION_NAMES
 from .tokens import TokenError, hash_blocks, isolation_seed
 
 
 def _cmd_hash(args: argparse.Namespace) -> int:
+    for flag, value in (("--lora", args.lora), ("--salt", args.salt)):
+        if value is not None:
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise CliInputError(f"{flag} is not valid UTF-8 text") from None
     seed = isolation_seed(args.lora, args.salt)
     try:
         tokens = [int(t) for t in args.tokens]
@@ -67,19 +83,30 @@ def _build_replay_config(args: argparse.Namespace):
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
+    if args.granularity is None:
+        args.granularity = "engine" if args.data else "trace"
+    config = _build_replay_config(args)         # ConfigError: one line from main()
+    if args.plot:
+        _check_writable(args.plot, "--plot")
+    publisher = None
+    if args.events and not args.data:
+        from .events import make_publisher
+
+        publisher = make_publisher(args.events)      # a bad spec or path fails here, first
+    try:
+        return _replay_with(args, config, publisher)
+    finally:
+        if publisher is not None:
+            publisher.close()
+
+
+def _replay_with(args: argparse.Namespace, config, publisher) -> int:
     import gzip
     import zlib
 
     from .replay import TraceFormatError, default_trace_path, iter_trace, replay
     from .report import format_table, write_plot
 
-    if args.granularity is None:
-        args.granularity = "engine" if args.data else "trace"
-    try:
-        config = _build_replay_config(args)
-    except ConfigError as exc:
-        print(f"kvstrata replay: {exc}", file=sys.stderr)
-        return 2
     trace = args.trace or str(default_trace_path())
     try:
         requests = list(iter_trace(trace))
@@ -109,13 +136,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         finally:
             if bar is not None:
                 bar.close()
-    observers = []
-    publisher = None
-    if args.events:
-        from .events import make_publisher
-
-        publisher = make_publisher(args.events)
-        observers.append(publisher)
+    observers = [publisher] if publisher is not None else []
     try:
         result = replay(
             requests,
@@ -130,7 +151,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         if bar is not None:
             bar.close()
         if publisher is not None:
-            publisher.close()
+            publisher.flush()
     doc = result.as_dict()
     if publisher is not None:
         doc["events"] = {"sink": args.events, **publisher.metrics()}
@@ -173,7 +194,7 @@ def _cmd_indexer(argv: Sequence[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvstrata", description=__doc__)
+    parser = OneLineParser(prog="kvstrata", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     p_hash = sub.add_parser("hash", help="print the block hashes of a token sequence (JSON)")
@@ -221,12 +242,60 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class CliInputError(ValueError):
+    """Something the user gave cannot be used; the message names it."""
+
+
+INPUT_ERRORS = (ValueError, OSError, UnicodeError, EOFError, OverflowError, RecursionError)
+"""What a command raises for bad input (typed errors of kvstrata's parsers are ValueErrors;
+files the user named raise OSError): one line and exit 2. Anything else is a bug and keeps
+its traceback."""
+
+
+def _check_writable(path: str, flag: str) -> None:
+    """Fail now, not after the work, if ``path`` cannot be written."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise CliInputError(f"{flag} {path}: directory {directory} does not exist")
+    if os.path.isdir(path):
+        raise CliInputError(f"{flag} {path}: is a directory")
+    target = path if os.path.exists(path) else directory
+    if not os.access(target, os.W_OK):
+        raise CliInputError(f"{flag} {path}: not writable")
+
+
+def _one_line(exc: BaseException) -> str:
+    if isinstance(exc, ConfigError):
+        return "invalid config: " + "; ".join(exc.problems)
+    text = str(exc).strip() or type(exc).__name__
+    if isinstance(exc, OSError) and exc.strerror:
+        text = f"{exc.filename + ': ' if exc.filename else ''}{exc.strerror}"
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return "; ".join(lines)[:2000]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "indexer":
-        return _cmd_indexer(argv[1:])
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    command = argv[0] if argv else ""
+    try:
+        if command == "indexer":
+            return _cmd_indexer(argv[1:])
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("kvstrata: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # The reader went away (``kvstrata ... | head``): nothing more to say, and Python
+        # must not complain again when it flushes stdout at exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+    except INPUT_ERRORS as exc:
+        if os.environ.get("KVSTRATA_DEBUG"):
+            raise
+        print(f"kvstrata {command}: {_one_line(exc)}".rstrip(), file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

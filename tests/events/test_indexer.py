@@ -109,9 +109,9 @@ def test_cli_query_from_files(tmp_path, capsys):
 
 def test_cli_errors(tmp_path, capsys):
     (tmp_path / "bad.jsonl").write_text('{"nope": 1}\n')
-    assert main(["--file", str(tmp_path / "bad.jsonl")]) == 1
+    assert main(["--file", str(tmp_path / "bad.jsonl")]) == 2
     assert "bad.jsonl:1" in capsys.readouterr().err
-    assert main(["--file", str(tmp_path / "missing.jsonl")]) == 1
+    assert main(["--file", str(tmp_path / "missing.jsonl")]) == 2
     assert main(["--file", str(tmp_path / "bad.jsonl"), "--query", "x,y"]) == 2
     with pytest.raises(SystemExit):
         main([])

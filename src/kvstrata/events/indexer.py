@@ -338,11 +338,15 @@ def _host_port(value: str) -> tuple[str, int]:
     host, sep, port = value.rpartition(":")
     if not sep or not port.isdigit():
         raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {value!r}")
+    if not 0 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"port {port} is not in 0..65535")
     return host or "127.0.0.1", int(port)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    from kvstrata.cliparse import OneLineParser
+
+    p = OneLineParser(
         prog="kvstrata indexer",
         description="Follow kvstrata/Dynamo KV event streams and answer prefix-cache queries.",
     )
@@ -374,15 +378,22 @@ def main(argv: list[str] | None = None) -> int:
         from kvstrata.events.subscriber import read_events_file
 
         follower = StreamFollower(index, snapshots=False)
+        path = None
         try:
             for path in args.file:
                 for wid, pid, event in read_events_file(path, args.format):
                     if args.worker_id is not None:
                         wid = args.worker_id
                     follower.feed(wid, pid, [event])
-        except (OSError, EventFormatError) as exc:
-            print(f"kvstrata indexer: {exc}", file=sys.stderr)
-            return 1
+        except OSError as exc:
+            print(f"kvstrata indexer: --file {path}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
+        except UnicodeDecodeError:
+            print(f"kvstrata indexer: --file {path}: not a text event file", file=sys.stderr)
+            return 2
+        except EventFormatError as exc:
+            print(f"kvstrata indexer: --file {path}: {exc}", file=sys.stderr)
+            return 2
         if args.query is not None:
             print(json.dumps(match_response(index, query, args.local)))
             if not args.http:
@@ -390,7 +401,12 @@ def main(argv: list[str] | None = None) -> int:
         if not args.http:
             print(json.dumps({**index.stats(), "stream": follower.stats()}))
             return 0
-        server = IndexServer(index, *args.http, follower=follower).start()
+        try:
+            server = IndexServer(index, *args.http, follower=follower).start()
+        except OSError as exc:           # busy port, an address not on this machine
+            print(f"kvstrata indexer: --http {args.http[0]}:{args.http[1]}: "
+                  f"{exc.strerror or exc}", file=sys.stderr)
+            return 2
         print(f"kvstrata indexer: serving http://{server.address[0]}:{server.address[1]}", file=sys.stderr, flush=True)
         try:
             threading.Event().wait()
