@@ -116,7 +116,7 @@ def test_offload_reads_engine_blocks_and_onboard_fills_the_ids_given(engine):
         assert torch.equal(engine.block(b), before[b])
 
 
-def test_onboard_from_disk_writes_back_to_host_and_failures_stop_the_prefix(engine):
+def test_onboard_from_disk_reads_no_engine_block_after_and_failures_stop_the_prefix(engine):
     planner = engine.planner
     records = chain(4, start=100)
     hashes = [r.sequence_hash for r in records]
@@ -147,7 +147,12 @@ def test_onboard_from_disk_writes_back_to_host_and_failures_stop_the_prefix(engi
     for h, b in zip(result.sequence_hashes, result.block_ids):
         assert torch.equal(engine.block(b), expected[h])
     assert bad not in planner.pools["G3"]                          # dropped where it was bad
-    # The loaded blocks were written through to G2 again (read from the engine's blocks).
+    # No write-back to G2: the engine may reuse its blocks once the load is done, so nothing
+    # reads them unless the engine offers them again.
+    assert planner.take_plans() == [] and planner.engine_blocks_in_use() == frozenset()
+    assert planner.lookup(hashes) == ["G3", "G3"]
+    planner.prepare_offload("G1", records[:2], engine_block_ids=targets[:2])
+    engine.run()
     assert planner.lookup(hashes) == ["G2", "G2"]
     assert planner.idle and planner.engine_blocks_in_use() == frozenset()
     for pool in planner.pools.values():

@@ -16,8 +16,13 @@ it needs; the ticket finishes when every copy's result came back, and its
 
 Either way the source blocks are held until their copy's result, a block whose load failed is
 dropped from its tier (or quarantined while in use) and reported, and the delivered prefix
-stops before the first failed block, so wrong bytes are never handed back. Blocks loaded from
-a tier below the second are then offered to the second (write-through, through the cascade).
+stops before the first failed block, so wrong bytes are never handed back. With kvstrata's
+own top tier, blocks loaded from a tier below the second are then offered to the second
+(write-through, through the cascade). With the engine's, they are not: the engine may free
+or reuse its blocks as soon as the load is done (an aborted request, a load whose first block
+failed), so the planner never reads an engine block it was not handed for an offload; the
+driver offers the loaded blocks while it knows they are live (the vLLM connector offers every
+full block of a request it schedules).
 """
 
 from __future__ import annotations
@@ -271,9 +276,6 @@ class Onboarding:
             ticket.holds.append(registered)
             new = [b.record() for b, slot in zip(registered.blocks, before) if b.block_id == slot]
             self.cascade.offer(s.top, new)      # blocks from below the second tier go there too
-        elif job.target is None and loaded_positions:
-            self.cascade.offer(s.top, [job.records[p] for p in loaded_positions],
-                               [job.plan.dst_block_ids[p] for p in loaded_positions])
         job.settled = True
         self._count_down(ticket)
 

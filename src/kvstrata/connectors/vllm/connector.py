@@ -75,7 +75,7 @@ class KvStrataConnector(KVConnectorBase_V1):
         else:
             from .worker import WorkerHalf
 
-            self.worker = WorkerHalf(settings, _tensor_parallel_rank())
+            self.worker = WorkerHalf(settings, _worker_rank())
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -186,11 +186,12 @@ class KvStrataConnector(KVConnectorBase_V1):
                                    per_engine_labelvalues)
 
 
-def _tensor_parallel_rank() -> int:
+def _worker_rank() -> int:
+    """This worker's rank among all of the engine's workers (tensor x pipeline parallel)."""
     try:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        from vllm.distributed.parallel_state import get_world_group
 
-        return int(get_tensor_model_parallel_rank())
+        return int(get_world_group().rank_in_group)
     except Exception:           # not initialised (single worker, tests)
         return 0
 

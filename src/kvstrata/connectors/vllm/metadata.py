@@ -60,18 +60,20 @@ class WorkerReport(KVConnectorWorkerMetadata):
 
 
 class RankResults:
-    """Collects each plan's result from every tensor-parallel rank and combines them.
+    """Collects each plan's result from every worker and combines them.
 
-    Every rank moves its own shard of each block (its KV heads), so a block arrived only if
-    it arrived on every rank: the combined result is ok where all ranks are ok, carries the
-    first failure of each failed position, and sums the bytes moved. With one rank, results
-    pass straight through."""
+    Every worker (tensor-parallel rank, pipeline stage) moves its own share of each block (its
+    KV heads, its layers), so a block arrived only if it arrived on every worker: the combined
+    result is ok where all are ok, carries the first failure of each failed position, and sums
+    the bytes moved. Each worker reports each plan once, so results are counted, not keyed by
+    the rank they carry (which is only for diagnostics). With one worker, results pass
+    straight through."""
 
     def __init__(self, world_size: int) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
-        self._partial: dict[int, dict[int, TransferResult]] = {}
+        self._partial: dict[int, list[TransferResult]] = {}
 
     @property
     def waiting(self) -> int:
@@ -82,12 +84,12 @@ class RankResults:
         """Record ``rank``'s result; the combined result once every rank reported."""
         if self.world_size == 1:
             return result
-        got = self._partial.setdefault(result.plan.job_id, {})
-        got[rank] = result
+        got = self._partial.setdefault(result.plan.job_id, [])
+        got.append(result)
         if len(got) < self.world_size:
             return None
         del self._partial[result.plan.job_id]
-        return combine([got[r] for r in sorted(got)])
+        return combine(got)
 
 
 def combine(results: list[TransferResult]) -> TransferResult:

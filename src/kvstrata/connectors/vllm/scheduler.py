@@ -142,10 +142,8 @@ class SchedulerHalf:
     # -- vLLM scheduler calls --------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any,
                                    num_computed_tokens: int) -> tuple[int, bool]:
-        if not self.settings.load:
-            return 0, False
-        tracked = self._track(request)
-        if tracked is None:
+        tracked = self._track(request)          # tracked for its stores even with loads off
+        if tracked is None or not self.settings.load:
             return 0, False
         bs = self.block_size
         start = num_computed_tokens // bs
@@ -274,9 +272,11 @@ class SchedulerHalf:
         tracked = self._requests.get(request.request_id)
         if tracked is not None:
             return tracked
-        if getattr(request, "prompt_token_ids", None) is None or \
-                getattr(request, "mm_features", None):
-            # prompt embeddings or multimodal inputs: the token ids do not name the KV
+        if getattr(request, "prompt_token_ids", None) is None \
+                or getattr(request, "prompt_embeds", None) is not None \
+                or getattr(request, "mm_features", None):
+            # prompt embeddings (alone or mixed with token ids, whose embedded positions are
+            # zeros) or multimodal inputs: the token ids do not name the KV
             return None
         lora = getattr(request, "lora_request", None)
         seed = isolation_seed(getattr(lora, "lora_name", None) if lora else None,
@@ -296,7 +296,12 @@ class SchedulerHalf:
             if not groups:
                 continue
             ids = groups[0]
-            full = min((tracked.request.num_computed_tokens + scheduled) // bs, len(ids))
+            request = tracked.request
+            # Full after this step's forward, and named by token ids already sampled: draft
+            # tokens (speculative decoding) and async scheduling's placeholders are scheduled
+            # before their ids are known; their blocks are offered in a later step.
+            full = min((request.num_computed_tokens + scheduled) // bs,
+                       len(request.all_token_ids) // bs, len(ids))
             if full <= tracked.offered:
                 continue
             tracked.hash_upto(full, bs)

@@ -37,7 +37,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 from ...config import ConfigError, KvConfig, ModelGeometry, TierConfig, load_config
-from ...tiers import TIER_NAMES, TOP_TIER, TierKind, first_of_kind
+from ...events.spec import parse_sink_spec
+from ...tiers import TIER_NAMES, TOP_TIER, TierKind, first_of_kind, spec
 
 __all__ = ["ConnectorConfigError", "ConnectorSettings", "KvGeometry", "DEFAULT_TIERS",
            "settings_from"]
@@ -74,11 +75,15 @@ class KvGeometry:
                 f"kvstrata's vLLM connector needs a model with one KV cache group (full "
                 f"attention in every layer); this one has {len(groups)}")
         spec = groups[0].kv_cache_spec
-        missing = [k for k in ("block_size", "num_kv_heads", "head_size", "dtype")
-                   if not hasattr(spec, k)]
-        if missing:
-            raise ConnectorConfigError(f"KV cache spec {type(spec).__name__} has no "
-                                       f"{', '.join(missing)}: not an attention layer")
+        kind = type(spec).__name__
+        if kind != "FullAttentionSpec" or getattr(spec, "sliding_window", None) is not None \
+                or getattr(spec, "attention_chunk_size", None) is not None:
+            # Sliding-window or chunked-local layers: vLLM frees blocks that leave the window
+            # while the request runs (no request_finished), and puts its null block in their
+            # place in the block table the connector stores from and loads into.
+            raise ConnectorConfigError(
+                f"kvstrata's vLLM connector needs full attention in every layer; this model's "
+                f"KV cache is {kind}")
         dtype = str(spec.dtype).removeprefix("torch.")
         return cls(block_size=int(spec.block_size), num_layers=len(groups[0].layer_names),
                    kv_heads=int(spec.num_kv_heads), head_dim=int(spec.head_size),
@@ -152,6 +157,11 @@ def settings_from(extra: Mapping[str, Any] | None, geometry: KvGeometry,
     if config_path is not None and not isinstance(config_path, str):
         problems.append(f"config must be a path, got {config_path!r}")
         config_path = None
+    for spec_text in events:
+        try:
+            parse_sink_spec(spec_text)
+        except ValueError as exc:
+            problems.append(f"events: {exc}")
     if problems:
         raise ConnectorConfigError("kvstrata connector: " + "; ".join(problems))
 
@@ -162,6 +172,12 @@ def settings_from(extra: Mapping[str, Any] | None, geometry: KvGeometry,
     except ConfigError as exc:
         raise ConnectorConfigError(f"kvstrata connector: {exc}") from None
     chosen = tiers if tiers is not None else _lower_tiers_of(base, env, config_path)
+    disk_dir = overrides.get("disk_dir", base.disk_dir)
+    if tiers is not None:
+        # a tier's path in the extra config wins over kvstrata's own config and env
+        paths = [t.path for t in tiers.values() if t.path is not None]
+        if paths:
+            disk_dir = None
     all_tiers = {TOP_TIER: TierConfig(blocks=geometry.num_gpu_blocks), **chosen}
     eviction = overrides.get("eviction", base.eviction if _set_elsewhere("eviction", env,
                                                                            config_path)
@@ -170,15 +186,51 @@ def settings_from(extra: Mapping[str, Any] | None, geometry: KvGeometry,
         kv = replace(base, block_size=geometry.block_size, model=model, tiers=all_tiers,
                      eviction=eviction,
                      admission=overrides.get("admission", base.admission),
-                     disk_dir=overrides.get("disk_dir", base.disk_dir)).validate()
+                     disk_dir=disk_dir).validate()
     except ConfigError as exc:
         raise ConnectorConfigError(f"kvstrata connector: {exc}") from None
-    empty = [t for t in kv.tiers if kv.tier_blocks(t) < 1]
-    if empty:
-        raise ConnectorConfigError(f"kvstrata connector: tier(s) {', '.join(empty)} hold no "
-                                   f"block of {kv.bytes_per_block} bytes")
+    _check_runnable(kv)
     return ConnectorSettings(kv=kv, events=tuple(events), o_direct=o_direct,
                              worker_id=worker_id, **flags)
+
+
+def _check_runnable(kv: KvConfig) -> None:
+    """Refuse, before anything is allocated, what the worker half could not build: a tier
+    kind with no backend in a worker (G4), a disk tier without the host tier its blocks move
+    through, a tier of no block, host tiers larger than this machine's memory, a path that
+    is not a string."""
+    problems: list[str] = []
+    lower = [t for t in TIER_NAMES if t in kv.tiers and t != TOP_TIER]
+    kinds = {t: spec(t).kind for t in lower}
+    for tier, kind in kinds.items():
+        if kind not in (TierKind.HOST, TierKind.DISK):
+            problems.append(f"tier {tier} ({kind.value}) has no backend in the vLLM connector "
+                            f"yet; it holds host (G2) and disk (G3) tiers")
+    if TierKind.DISK in kinds.values() and TierKind.HOST not in kinds.values():
+        problems.append(f"a disk tier needs the host tier {first_of_kind(TierKind.HOST)}: "
+                        f"disk blocks move through host RAM")
+    for tier in lower:
+        config = kv.tiers[tier]
+        if config.path is not None and not isinstance(config.path, str):
+            problems.append(f"tier {tier}: path must be a string, got {config.path!r}")
+        if kv.tier_blocks(tier) < 1:
+            problems.append(f"tier {tier} holds no block of {kv.bytes_per_block} bytes")
+    host_bytes = sum(kv.tier_blocks(t) * kv.bytes_per_block for t, k in kinds.items()
+                     if k is TierKind.HOST)
+    ram = _physical_memory()
+    if ram and host_bytes > ram:
+        problems.append(f"host tiers need {host_bytes / 2**30:.1f} GiB of RAM "
+                        f"({kv.bytes_per_block} bytes a block); this machine has "
+                        f"{ram / 2**30:.1f} GiB")
+    if problems:
+        raise ConnectorConfigError("kvstrata connector: " + "; ".join(problems))
+
+
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 def _tiers(raw: Any, problems: list[str]) -> dict[str, TierConfig]:
