@@ -224,9 +224,10 @@ def check_load(sim: HostileSim, req_id: str, tokens: list[int], expect_blocks: i
 # -- requests aborted while their load runs ------------------------------------------------
 
 def test_aborted_while_loading_from_g3_no_copy_reads_the_freed_blocks(make):
-    """BUG. A load from G3 is followed by a G1 -> G2 copy of the loaded blocks (planned when
-    the load's result comes back, reading vLLM's blocks). vLLM frees an aborted request's
-    blocks in the very step its load is reported finished, so that copy reads freed blocks."""
+    """Was a bug, fixed in 8798475. A load from G3 is followed by a G1 -> G2 copy of the
+    loaded blocks (planned when the load's result comes back, reading vLLM's blocks).
+    vLLM frees an aborted request's blocks in the very step its load is reported
+    finished, so that copy reads freed blocks."""
     sim = make(g2_blocks=8, g3_blocks=64)
     tokens = prompt(60, 6 * BS + 1)
     push_out_of_g2(sim, tokens, 2, seed=70)
@@ -244,10 +245,11 @@ def test_aborted_while_loading_from_g3_no_copy_reads_the_freed_blocks(make):
 
 
 def test_aborted_while_loading_from_g3_g2_never_gets_another_requests_kv(make):
-    """BUG, the consequence of the test above: the freed blocks go to the next request, its
-    forward writes them, then the G1 -> G2 copy runs and G2 files that request's KV under the
-    aborted request's hashes; the next request with that prefix loads the wrong KV (no
-    checksum can notice: it is computed from the wrong bytes when they are stored)."""
+    """Was a bug, fixed in 8798475; the consequence of the test above: the freed blocks go
+    to the next request, its forward writes them, then the G1 -> G2 copy runs and G2
+    files that request's KV under the aborted request's hashes; the next request with
+    that prefix loads the wrong KV (no checksum can notice: it is computed from the wrong
+    bytes when they are stored)."""
     sim = make(g2_blocks=8, g3_blocks=64)
     tokens = prompt(61, 6 * BS + 1)
     push_out_of_g2(sim, tokens, 2, seed=80)
@@ -268,12 +270,12 @@ def test_aborted_while_loading_from_g3_g2_never_gets_another_requests_kv(make):
 
 @pytest.mark.parametrize("case", ["spec_decode", "async_scheduling"])
 def test_scheduled_tokens_past_the_known_tokens_do_not_crash_the_scheduler(make, case):
-    """BUG. vLLM schedules tokens whose ids the request does not have yet: draft tokens of
-    speculative decoding (num_scheduled_tokens = 1 + drafts; the drafts are in
-    spec_token_ids, not all_token_ids) and, with async scheduling (on by default on GPU), the
-    position of the token still being sampled (num_output_placeholders). When those
-    positions complete a block, build_connector_meta must not offer (or index) a block whose
-    hash it cannot compute."""
+    """Was a bug, fixed in 8798475. vLLM schedules tokens whose ids the request does not
+    have yet: draft tokens of speculative decoding (num_scheduled_tokens = 1 + drafts;
+    the drafts are in spec_token_ids, not all_token_ids) and, with async scheduling (on
+    by default on GPU), the position of the token still being sampled
+    (num_output_placeholders). When those positions complete a block,
+    build_connector_meta must not offer (or index) a block whose hash it cannot compute."""
     sim = make()
     request = sim.add("a", prompt(90, 2 * BS + 1), max_new=20)
     sim.step()                                   # prefill; one token sampled
@@ -302,9 +304,9 @@ def test_scheduled_tokens_past_the_known_tokens_do_not_crash_the_scheduler(make,
 # -- switches ----------------------------------------------------------------------------
 
 def test_load_off_still_stores(make):
-    """BUG. docs/vllm.md: "load, store: turn loading or storing off". With load: false the
-    scheduler half never tracks a request (it is tracked in get_num_new_matched_tokens, which
-    returns before that), so nothing is stored either."""
+    """Was a bug, fixed in 8798475. docs/vllm.md: "load, store: turn loading or storing
+    off". With load: false the scheduler half never tracks a request (it is tracked in
+    get_num_new_matched_tokens, which returns before that), so nothing is stored either."""
     sim = make(extra={"load": False})
     sim.add("a", prompt(100, 4 * BS + 1))
     sim.run()
@@ -374,20 +376,22 @@ def test_bad_extra_config_is_a_connector_config_error(extra):
                  id="G3-path-not-a-string"),
 ])
 def test_config_the_connector_cannot_run_is_refused_by_the_parser(extra, tmp_path):
-    """BUG. settings_from accepts these; the connector then fails later, with another
-    exception type: G4 and G3-without-G2 with ManagerConfigError in the worker's
-    register_kv_caches (after vLLM loaded the model), an unknown event sink with
-    SinkSpecError in the scheduler half, a G2 no machine holds with MemoryError when the
-    scheduler half builds its pool (or the OOM killer), a non-string G3 path with a TypeError.
-    Each must be a ConnectorConfigError from the parser, before anything is allocated."""
+    """Was a bug, fixed in 8798475. settings_from accepts these; the connector then fails
+    later, with another exception type: G4 and G3-without-G2 with ManagerConfigError in
+    the worker's register_kv_caches (after vLLM loaded the model), an unknown event sink
+    with SinkSpecError in the scheduler half, a G2 no machine holds with MemoryError when
+    the scheduler half builds its pool (or the OOM killer), a non-string G3 path with a
+    TypeError. Each must be a ConnectorConfigError from the parser, before anything is
+    allocated."""
     with pytest.raises(ConnectorConfigError):
         settings_from(extra, GEOMETRY, env={})
 
 
 def test_extra_config_g3_path_wins_over_the_environment(tmp_path):
-    """BUG (minor). docs/vllm.md: "the extra config wins over" kvstrata's environment
-    variables; a G3 ``path`` given in the extra config loses to KVSTRATA_DISK_DIR (the
-    storages take disk_dir first, and settings_from copies the env's disk_dir)."""
+    """Was a bug, fixed in 8798475 (minor). docs/vllm.md: "the extra config wins over"
+    kvstrata's environment variables; a G3 ``path`` given in the extra config loses to
+    KVSTRATA_DISK_DIR (the storages take disk_dir first, and settings_from copies the
+    env's disk_dir)."""
     mine, env_dir = str(tmp_path / "mine"), str(tmp_path / "env")
     settings = settings_from({"tiers": {"G2": {"blocks": 8}, "G3": {"blocks": 8, "path": mine}}},
                              GEOMETRY, env={"KVSTRATA_DISK_DIR": env_dir})
@@ -412,9 +416,10 @@ def fail_first_block_of(sim: HostileSim, path: str) -> None:
 
 
 def test_load_failing_at_its_first_block_no_copy_reads_the_blocks_vllm_frees(make):
-    """BUG, second path to the same root cause: when a load's first block fails and vLLM had
-    no local hit, vLLM frees all the request's blocks (_update_waiting_for_remote_kv) and
-    starts over; the blocks after it that did arrive from G3 are being copied G1 -> G2."""
+    """Was a bug, fixed in 8798475; second path to the same root cause: when a load's first
+    block fails and vLLM had no local hit, vLLM frees all the request's blocks
+    (_update_waiting_for_remote_kv) and starts over; the blocks after it that did arrive
+    from G3 are being copied G1 -> G2."""
     sim = make(g2_blocks=8, g3_blocks=64)
     tokens = prompt(63, 6 * BS + 1)
     push_out_of_g2(sim, tokens, 2, seed=90)
@@ -676,11 +681,12 @@ def test_two_ranks_abort_while_loading_and_a_failure_on_one_rank(make):
 # -- requests and models whose token ids do not name their KV --------------------------------
 
 def test_mixed_token_and_embedding_prompts_never_share_kv(make):
-    """BUG. vLLM's mixed-mode prompts (chat completions with prompt_embeds) have
-    prompt_token_ids *and* prompt_embeds; vLLM zeroes the embedded positions in all_token_ids
-    (vllm/v1/request.py) and folds the embeddings into its own block hashes. The connector
-    only skips requests whose prompt_token_ids is None, so two prompts that differ only in
-    their embeddings hash alike, and the second is handed the first one's KV."""
+    """Was a bug, fixed in 8798475. vLLM's mixed-mode prompts (chat completions with
+    prompt_embeds) have prompt_token_ids *and* prompt_embeds; vLLM zeroes the embedded
+    positions in all_token_ids (vllm/v1/request.py) and folds the embeddings into its own
+    block hashes. The connector only skips requests whose prompt_token_ids is None, so
+    two prompts that differ only in their embeddings hash alike, and the second is handed
+    the first one's KV."""
     sim = make()
     tokens = prompt(190, 5 * BS + 1)
     is_token = [not (BS <= i < 2 * BS) for i in range(len(tokens))]     # block 1 embedded
@@ -710,13 +716,13 @@ def _one_group_config(spec):
 
 @pytest.mark.parametrize("kind", ["sliding_window", "chunked_local"])
 def test_a_model_whose_only_kv_group_is_not_full_attention_is_refused(kind):
-    """BUG. The check says "one KV cache group (full attention in every layer)" but only
-    counts groups. A model whose layers all use sliding-window (e.g. Mistral-7B-v0.1) or
-    chunked-local attention has one group of that spec (vLLM promotes it to full attention
-    only when mixed with full layers): vLLM then frees blocks that leave the window while the
-    request runs (remove_skipped_blocks, no request_finished: a store may still read them)
-    and puts its null block in their place in the block table the connector stores from and
-    loads into."""
+    """Was a bug, fixed in 8798475. The check says "one KV cache group (full attention in
+    every layer)" but only counts groups. A model whose layers all use sliding-window
+    (e.g. Mistral-7B-v0.1) or chunked-local attention has one group of that spec (vLLM
+    promotes it to full attention only when mixed with full layers): vLLM then frees
+    blocks that leave the window while the request runs (remove_skipped_blocks, no
+    request_finished: a store may still read them) and puts its null block in their place
+    in the block table the connector stores from and loads into."""
     from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, SlidingWindowSpec
 
     common = dict(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
@@ -737,12 +743,13 @@ def test_full_attention_geometry_is_read_from_vllms_spec():
 # -- parallel layouts ----------------------------------------------------------------------
 
 def test_pipeline_stages_do_not_collide_on_one_rank_number(make):
-    """BUG. The scheduler half waits for ``parallel_config.world_size`` results per plan
-    (tensor x pipeline x prefill-context parallel), but each worker names itself by its
-    *tensor-parallel* rank (connector._tensor_parallel_rank). With two pipeline stages (TP=1)
-    both workers report rank 0: RankResults keeps one result per rank, never reaches two, and
-    no plan ever completes: held requests are never released, the engine never idles.
-    (Modelled with the simulator's two workers both numbered 0.)"""
+    """Was a bug, fixed in 8798475. The scheduler half waits for
+    ``parallel_config.world_size`` results per plan (tensor x pipeline x prefill-context
+    parallel), but each worker names itself by its *tensor-parallel* rank
+    (connector._tensor_parallel_rank). With two pipeline stages (TP=1) both workers
+    report rank 0: RankResults keeps one result per rank, never reaches two, and no plan
+    ever completes: held requests are never released, the engine never idles. (Modelled
+    with the simulator's two workers both numbered 0.)"""
     sim = make(ranks=2)
     sim.workers[1].rank = 0                     # pipeline stage 1, tensor-parallel rank 0
     sim.add("a", prompt(200, 3 * BS + 1), max_new=1)
@@ -763,3 +770,47 @@ def test_repeated_lookups_without_allocation_then_abort(make):
     sim.requests.pop("b")
     assert sim.scheduler.request_finished(request, []) is False
     assert_idle(sim)
+
+
+# -- found in the fixes (commit 8798475) -----------------------------------------------------
+
+def test_a_hybrid_model_vllm_promoted_to_full_attention_is_accepted():
+    """BUG (regression of the full-attention check). kvstrata's connector is not SupportsHMA,
+    so vLLM turns the hybrid KV cache manager off and promotes the sliding-window layers of a
+    hybrid model (Gemma 2/3, gpt-oss: sliding-window and full layers) to FullAttentionSpec,
+    keeping ``sliding_window`` on the spec; vLLM then manages them as full attention ("Promoted
+    specs allocate blocks for all tokens and never free below the window",
+    kv_cache_utils._promote_local_kv_cache_specs). The check refuses that spec because its
+    ``sliding_window`` is set, with a message that contradicts itself ("needs full
+    attention ...; this model's KV cache is FullAttentionSpec")."""
+    from vllm.v1.core.kv_cache_utils import unify_hybrid_kv_cache_specs
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    common = dict(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
+    specs = {"l0": SlidingWindowSpec(sliding_window=64, **common),
+             "l1": FullAttentionSpec(**common)}
+    unify_hybrid_kv_cache_specs(specs)                 # what vLLM does with HMA off
+    merged = FullAttentionSpec.merge(list(specs.values()))
+    assert type(merged) is FullAttentionSpec and merged.sliding_window == 64
+    assert KvGeometry.from_vllm(_one_group_config(merged)).num_layers == 2
+
+
+def test_a_path_on_the_host_tier_does_not_drop_disk_dir(tmp_path):
+    """BUG (minor, from the path-precedence fix): any tier's ``path`` in the extra config
+    now clears disk_dir, even a path on G2 (which has no directory): G3 then goes to a fresh
+    temporary directory instead of the disk_dir the same config names."""
+    settings = settings_from({"tiers": {"G2": {"blocks": 8, "path": str(tmp_path / "x")},
+                                        "G3": {"blocks": 8}},
+                              "disk_dir": str(tmp_path / "nvme")}, GEOMETRY, env={})
+    kv = settings.kv
+    assert (kv.disk_dir or kv.tiers["G3"].path) == str(tmp_path / "nvme")
+
+
+def test_a_disk_tier_larger_than_its_filesystem_is_a_config_error(tmp_path):
+    """BUG. G3 is not checked against the disk (only host tiers against RAM): a G3 of 900 TiB
+    passes the parser, then the scheduler half builds a pool of ~2e12 blocks (MemoryError,
+    or the OOM killer) and the worker's slab creation fails with ManagerConfigError after
+    vLLM loaded the model."""
+    with pytest.raises(ConnectorConfigError):
+        settings_from({"tiers": {"G2": {"blocks": 8}, "G3": {"bytes": "900TiB"}},
+                       "disk_dir": str(tmp_path)}, GEOMETRY, env={})
