@@ -3,6 +3,7 @@ import pytest
 from kvstrata.config import (
     ConfigError,
     KvConfig,
+    ModelGeometry,
     TierConfig,
     load_config,
     parse_size,
@@ -138,3 +139,24 @@ def test_toml_tier_size_string(tmp_path):
     path.write_text('[tiers]\nG1 = 100\nG2 = "4MiB"\n')
     config = load_config(path, env={})
     assert config.tiers["G1"].blocks == 100 and config.tiers["G2"].bytes == 4 * 1024**2
+
+
+@pytest.mark.parametrize("model", [{"num_layers": True}, {"kv_heads": False},
+                                   {"head_dim": True}, {"outer_dim": True}])
+def test_booleans_are_not_numbers(model):
+    with pytest.raises(ConfigError):
+        load_config(env={}, model=ModelGeometry(**model))
+
+
+def test_booleans_are_not_sizes():
+    with pytest.raises(ConfigError):
+        KvConfig(tiers={"G1": TierConfig(blocks=True)}).validate()
+    with pytest.raises(ConfigError):
+        KvConfig(tiers={"G1": TierConfig(bytes=True)}).validate()
+
+
+def test_a_tier_named_twice_in_the_flag_is_refused():
+    from kvstrata.config import parse_tiers_flag
+
+    with pytest.raises(ConfigError, match="twice"):
+        parse_tiers_flag("G1=1,G1=2")

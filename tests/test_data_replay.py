@@ -127,3 +127,63 @@ def test_verifier_catches_corrupted_blocks(tmp_path):
         doc = run.report(0.0)
         assert doc["checksum_failures"] == 1 and doc["load_failures"] == 1
         assert doc["mismatches"] == 1          # the corrupt disk bytes were never served
+
+
+# -- config read and used (the slab goes where the config says) -----------------------------
+
+def _slab_dirs_seen(monkeypatch):
+    """Record the directory every G3 slab is created in."""
+    from kvstrata.physical.storage import disk as disk_module
+
+    seen = []
+    real = disk_module.DiskStorage.__init__
+
+    def spy(self, config, directory, *a, **kw):
+        seen.append(str(directory))
+        return real(self, config, directory, *a, **kw)
+
+    monkeypatch.setattr(disk_module.DiskStorage, "__init__", spy)
+    return seen
+
+
+@pytest.mark.parametrize("how", ["disk_dir", "tier_path"])
+def test_the_configured_disk_dir_is_where_the_slab_goes(tmp_path, monkeypatch, how):
+    from dataclasses import replace
+
+    seen = _slab_dirs_seen(monkeypatch)
+    cfg = config(64, 64, 256)
+    if how == "disk_dir":
+        cfg = replace(cfg, disk_dir=str(tmp_path))
+    else:
+        tiers = dict(cfg.tiers)
+        tiers["G3"] = replace(tiers["G3"], path=str(tmp_path))
+        cfg = replace(cfg, tiers=tiers)
+    run_data_replay([request(1, 2), request(1, 2)], cfg)
+    assert seen == [str(tmp_path)]
+
+
+def test_a_disk_dir_that_is_a_file_or_missing_is_refused_before_anything(tmp_path):
+    from dataclasses import replace
+
+    afile = tmp_path / "file"
+    afile.write_text("x")
+    for bad in (str(afile), str(tmp_path / "missing")):
+        with pytest.raises(DataReplayError, match="not a directory|does not exist"):
+            run_data_replay([request(1)], replace(config(64, 64, 256), disk_dir=bad))
+
+
+def test_free_space_is_measured_where_the_slab_goes(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    measured = []
+    usage = namedtuple("usage", "total used free")
+
+    def fake_usage(path):
+        measured.append(str(path))
+        return usage(1 << 20, 0, 1 << 20)          # 1 MiB free there
+
+    monkeypatch.setattr(shutil, "disk_usage", fake_usage)
+    with pytest.raises(DataReplayError, match="disk"):
+        run_data_replay([request(1)], config(64, 64, 4096), disk_dir=str(tmp_path))
+    assert measured == [str(tmp_path)]

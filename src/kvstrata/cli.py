@@ -63,18 +63,18 @@ def _build_replay_config(args: argparse.Namespace):
         overrides["block_size"] = args.block_size
     if args.tiers:
         overrides["tiers"] = parse_tiers_flag(args.tiers)
-    if args.policy:
+    if args.policy is not None:            # "" is a bad policy, not "unset"
         overrides["eviction"] = args.policy
-    if args.admission:
+    if args.admission is not None:
         overrides["admission"] = args.admission
     config = load_config(args.config, **overrides)
     # A flag names the policy of every tier: per-tier choices from a file must not win.
-    if args.policy or args.admission:
+    if args.policy is not None or args.admission is not None:
         tiers = {
             name: replace(
                 tier,
-                eviction=None if args.policy else tier.eviction,
-                admission=None if args.admission else tier.admission,
+                eviction=None if args.policy is not None else tier.eviction,
+                admission=None if args.admission is not None else tier.admission,
             )
             for name, tier in config.tiers.items()
         }

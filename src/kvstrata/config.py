@@ -151,9 +151,11 @@ class KvConfig:
                 problems.append(f"tier {name}: give a size in blocks or bytes")
             if tier.blocks is not None and tier.bytes is not None:
                 problems.append(f"tier {name}: give blocks or bytes, not both")
-            if tier.blocks is not None and (not isinstance(tier.blocks, int) or tier.blocks < 1):
+            if tier.blocks is not None and (isinstance(tier.blocks, bool)
+                                            or not isinstance(tier.blocks, int) or tier.blocks < 1):
                 problems.append(f"tier {name}: blocks must be a positive integer, got {tier.blocks!r}")
-            if tier.bytes is not None and (not isinstance(tier.bytes, int) or tier.bytes < 1):
+            if tier.bytes is not None and (isinstance(tier.bytes, bool)
+                                           or not isinstance(tier.bytes, int) or tier.bytes < 1):
                 problems.append(f"tier {name}: bytes must be positive, got {tier.bytes!r}")
             elif tier.bytes is not None and self._geometry_ok() and (
                 tier.bytes < self.bytes_per_block
@@ -178,9 +180,9 @@ class KvConfig:
         m = self.model
         for key in ("num_layers", "kv_heads", "head_dim"):
             value = getattr(m, key)
-            if not isinstance(value, int) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 problems.append(f"model.{key} must be a positive integer, got {value!r}")
-        if m.outer_dim not in (1, 2):
+        if isinstance(m.outer_dim, bool) or m.outer_dim not in (1, 2):
             problems.append(f"model.outer_dim must be 1 (MLA) or 2 (K and V), got {m.outer_dim!r}")
         try:
             canonical_dtype(m.dtype)
@@ -403,7 +405,11 @@ def parse_tiers_flag(flag: str) -> dict[str, TierConfig]:
         if not sep or not size:
             problems.append(f"--tiers entry {part!r} must look like G1=1000 or G2=4GiB")
             continue
-        tiers[name.strip().upper()] = size.strip()
+        name = name.strip().upper()
+        if name in tiers:
+            problems.append(f"--tiers names {name} twice")
+            continue
+        tiers[name] = size.strip()
     out = normalize_tiers(tiers, problems)
     if problems:
         raise ConfigError(problems)

@@ -121,9 +121,17 @@ def run_data_replay(
         raise DataReplayError(f"data replay moves bytes through "
                               f"{', '.join(k.value for k in MANAGED_KINDS)} tiers only; "
                               f"remove tiers {unsupported}")
+    disk_tiers = [t for t in ordered(config.tiers) if spec(t).kind is TierKind.DISK]
+    if disk_dir is None and disk_tiers:
+        # the configured place (KVSTRATA_DISK_DIR, DYN_KVBM_DISK_CACHE_DIR, TOML disk_dir or
+        # the tier's path) before a temporary directory
+        disk_dir = config.disk_dir or config.tiers[disk_tiers[0]].path
+    if disk_dir is not None and disk_tiers and not os.path.isdir(disk_dir):
+        what = "is not a directory" if os.path.exists(disk_dir) else "does not exist"
+        raise DataReplayError(f"disk directory {disk_dir} {what}")
     _check_sizes(config, disk_dir, max_host_bytes, max_disk_bytes)
     temp_dir = None
-    if disk_dir is None and any(spec(t).kind is TierKind.DISK for t in config.tiers):
+    if disk_dir is None and disk_tiers:
         disk_dir = temp_dir = tempfile.mkdtemp(prefix="kvstrata-data-replay-")
     try:
         with KvBlockManager(config, disk_dir=disk_dir, max_host_bytes=max_host_bytes) as mgr:
@@ -160,8 +168,8 @@ def _check_sizes(config: KvConfig, disk_dir: str | None, max_host: int, max_disk
         if spec(tier).kind is not TierKind.DISK:
             continue
         disk = config.tier_blocks(tier) * aligned
-        where = disk_dir or tempfile.gettempdir()
-        free = shutil.disk_usage(where if _exists(where) else tempfile.gettempdir()).free
+        where = disk_dir or tempfile.gettempdir()       # the filesystem the slab goes to
+        free = shutil.disk_usage(where).free
         limit = min(max_disk, int(free * 0.9))
         if disk > limit:
             raise DataReplayError(
@@ -169,9 +177,6 @@ def _check_sizes(config: KvConfig, disk_dir: str | None, max_host: int, max_disk
                 f"disk in {where}, over the limit of {limit / 2**30:.2f} GiB "
                 f"(data replay cap {max_disk / 2**30:.0f} GiB, 90% of free space)")
 
-
-def _exists(path: str) -> bool:
-    return os.path.isdir(path)
 
 
 class _DataRun:

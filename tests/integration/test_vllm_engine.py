@@ -146,11 +146,14 @@ def _generate(llm, prompt: list[int], max_tokens: int = 16, reset: bool = True):
     return list(out.outputs[0].token_ids), out.num_cached_tokens
 
 
-def _wait_idle(half, timeout: float = 30.0) -> dict:
-    """The engine steps while copies are in flight (has_pending_push_work); wait for it."""
+def _wait_idle(half, timeout: float = 30.0, llm=None) -> dict:
+    """The engine steps while copies are in flight (has_pending_push_work). Here the engine
+    core runs in this process and nobody steps it between ``generate`` calls: step it."""
     deadline = time.monotonic() + timeout
     while not half.idle and time.monotonic() < deadline:
-        time.sleep(0.05)
+        if llm is not None:
+            llm.llm_engine.step()
+        time.sleep(0.01)
     status = half.status()
     assert half.idle, status
     for tier, pool in status["pools"].items():
@@ -174,7 +177,7 @@ def test_multi_turn_prefixes_come_back_from_g2_with_identical_outputs(engine, re
             assert loaded * BLOCK == cached
         else:
             assert cached == 0
-    _wait_idle(half)
+    _wait_idle(half, llm=llm)
 
 
 def test_returning_prompt_loads_the_same_bytes_from_g2(engine, reference):
@@ -188,7 +191,7 @@ def test_returning_prompt_loads_the_same_bytes_from_g2(engine, reference):
     assert warm == cold
     assert cached == (len(prompt) - 1) // BLOCK * BLOCK
     assert half.counters.blocks_loaded.get("G2", 0) - g2_before == cached // BLOCK
-    _wait_idle(half)
+    _wait_idle(half, llm=llm)
 
 
 def test_shared_system_prompt_served_to_other_users(engine, reference):
@@ -199,7 +202,7 @@ def test_shared_system_prompt_served_to_other_users(engine, reference):
         tokens, cached = _generate(llm, _all_prompts()[f"shared_user_{i}"])
         assert tokens == reference[f"shared_user_{i}"]
         assert cached >= system_blocks * BLOCK
-    _wait_idle(half)
+    _wait_idle(half, llm=llm)
 
 
 def test_with_g2_too_small_the_prefix_comes_from_g3(engine, reference):
@@ -209,13 +212,13 @@ def test_with_g2_too_small_the_prefix_comes_from_g3(engine, reference):
     first, _ = _generate(llm, prompts["filler_0"])
     for i in (1, 2, 3):                       # push filler_0 out of the 16-block G2
         _generate(llm, prompts[f"filler_{i}"])
-    _wait_idle(half)
+    _wait_idle(half, llm=llm)
     g3_before = half.counters.blocks_loaded.get("G3", 0)
     tokens, cached = _generate(llm, prompts["filler_0"])
     assert tokens == first == reference["filler_0"]
     assert cached == (len(prompts["filler_0"]) - 1) // BLOCK * BLOCK
     assert half.counters.blocks_loaded.get("G3", 0) > g3_before
-    _wait_idle(half)
+    _wait_idle(half, llm=llm)
 
 
 def test_a_corrupt_g3_is_a_load_error_and_vllm_recomputes(engine, reference):
@@ -225,7 +228,7 @@ def test_a_corrupt_g3_is_a_load_error_and_vllm_recomputes(engine, reference):
     _generate(llm, prompts["corrupt"])
     for i in (1, 2):
         _generate(llm, prompts[f"filler_{i}"])
-    _wait_idle(half)
+    _wait_idle(half, llm=llm)
     (slab,) = [p for p in g3_dir.iterdir() if p.suffix == ".slab"]
     data = bytearray(slab.read_bytes())
     for i in range(0, len(data), 512):
@@ -235,7 +238,7 @@ def test_a_corrupt_g3_is_a_load_error_and_vllm_recomputes(engine, reference):
     tokens, cached = _generate(llm, prompts["corrupt"])
     assert tokens == reference["corrupt"]            # recomputed, never wrong KV
     assert half.counters.blocks_load_failed > failed_before
-    status = _wait_idle(half)
+    status = _wait_idle(half, llm=llm)
     assert status["pools"]["G3"]["inactive"] < 512
 
 
@@ -278,7 +281,7 @@ def test_many_concurrent_requests_preempted_and_aborted_leave_nothing_behind(eng
     assert finished | aborted >= set(ids)
     assert preempted, "the small KV cache was meant to force preemptions"
     assert half.counters.blocks_offered > 0
-    _wait_idle(half, timeout=60)
+    _wait_idle(half, timeout=60, llm=llm)
 
 
 def test_tier_events_in_vllms_stream_and_kvstratas_sinks(engine):
@@ -301,7 +304,7 @@ def test_tier_events_in_vllms_stream_and_kvstratas_sinks(engine):
     prompt = _tokens(77, 5 * BLOCK + 3)
     _generate(llm, prompt)
     _generate(llm, _tokens(78, 8))                    # one more step publishes the last batch
-    _wait_idle(half)
+    _wait_idle(half, llm=llm)
     _generate(llm, _tokens(79, 8))
     decoder = msgspec.msgpack.Decoder(KVEventBatch)
     stored: dict[str, set[int]] = {}

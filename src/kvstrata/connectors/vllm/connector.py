@@ -52,7 +52,8 @@ class KvStrataConnector(KVConnectorBase_V1):
                  kv_cache_config: "KVCacheConfig") -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        settings = settings_from(extra, KvGeometry.from_vllm(kv_cache_config))
+        settings = settings_from(extra, KvGeometry.from_vllm(
+            kv_cache_config, vllm_config.parallel_config.world_size))
         self.settings = settings
         self.scheduler = None
         self.worker = None

@@ -33,6 +33,8 @@ every problem, before anything is allocated.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
@@ -65,9 +67,11 @@ class KvGeometry:
     head_dim: int
     dtype: str
     num_gpu_blocks: int
+    workers: int = 1
+    """Workers holding a share of each block (tier sizes are per worker)."""
 
     @classmethod
-    def from_vllm(cls, kv_cache_config: Any) -> "KvGeometry":
+    def from_vllm(cls, kv_cache_config: Any, workers: int = 1) -> "KvGeometry":
         """From vLLM's ``KVCacheConfig``: one KV cache group of attention layers."""
         groups = list(getattr(kv_cache_config, "kv_cache_groups", ()) or ())
         if len(groups) != 1:
@@ -75,19 +79,33 @@ class KvGeometry:
                 f"kvstrata's vLLM connector needs a model with one KV cache group (full "
                 f"attention in every layer); this one has {len(groups)}")
         spec = groups[0].kv_cache_spec
-        kind = type(spec).__name__
-        if kind != "FullAttentionSpec" or getattr(spec, "sliding_window", None) is not None \
-                or getattr(spec, "attention_chunk_size", None) is not None:
-            # Sliding-window or chunked-local layers: vLLM frees blocks that leave the window
-            # while the request runs (no request_finished), and puts its null block in their
-            # place in the block table the connector stores from and loads into.
-            raise ConnectorConfigError(
-                f"kvstrata's vLLM connector needs full attention in every layer; this model's "
-                f"KV cache is {kind}")
+        _require_full_attention(spec)
         dtype = str(spec.dtype).removeprefix("torch.")
         return cls(block_size=int(spec.block_size), num_layers=len(groups[0].layer_names),
                    kv_heads=int(spec.num_kv_heads), head_dim=int(spec.head_size),
-                   dtype=dtype, num_gpu_blocks=int(kv_cache_config.num_blocks))
+                   dtype=dtype, num_gpu_blocks=int(kv_cache_config.num_blocks),
+                   workers=workers)
+
+
+def _require_full_attention(spec: Any) -> None:
+    """Full attention with K and V per head: what the connector stores and loads whole.
+
+    Refused: sliding-window and chunked-local layers (vLLM frees blocks that leave the window
+    while the request runs, with no ``request_finished``, and puts its null block in their
+    place in the block table), MLA (one latent per token instead of K and V: a different
+    block size), and anything that is not attention. A ``FullAttentionSpec`` with a
+    ``sliding_window`` is accepted: vLLM made it from sliding-window layers of a hybrid model
+    when its hybrid cache manager is off (this connector does not enable it) and manages it
+    as full attention, never freeing a block mid-request."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    kind = type(spec).__name__
+    if isinstance(spec, MLAAttentionSpec):
+        raise ConnectorConfigError(f"kvstrata's vLLM connector does not hold MLA KV caches "
+                                   f"({kind}) yet")
+    if not isinstance(spec, FullAttentionSpec) or getattr(spec, "attention_chunk_size", None):
+        raise ConnectorConfigError(f"kvstrata's vLLM connector needs full attention in every "
+                                   f"layer; this model's KV cache is {kind}")
 
 
 @dataclass(frozen=True)
@@ -174,9 +192,9 @@ def settings_from(extra: Mapping[str, Any] | None, geometry: KvGeometry,
     chosen = tiers if tiers is not None else _lower_tiers_of(base, env, config_path)
     disk_dir = overrides.get("disk_dir", base.disk_dir)
     if tiers is not None:
-        # a tier's path in the extra config wins over kvstrata's own config and env
-        paths = [t.path for t in tiers.values() if t.path is not None]
-        if paths:
+        # a disk tier's path in the extra config wins over kvstrata's own config and env
+        if any(c.path is not None and t in TIER_NAMES and spec(t).kind is TierKind.DISK
+               for t, c in tiers.items()):
             disk_dir = None
     all_tiers = {TOP_TIER: TierConfig(blocks=geometry.num_gpu_blocks), **chosen}
     eviction = overrides.get("eviction", base.eviction if _set_elsewhere("eviction", env,
@@ -189,12 +207,23 @@ def settings_from(extra: Mapping[str, Any] | None, geometry: KvGeometry,
                      disk_dir=disk_dir).validate()
     except ConfigError as exc:
         raise ConnectorConfigError(f"kvstrata connector: {exc}") from None
-    _check_runnable(kv)
+    _check_runnable(kv, geometry.workers)
     return ConnectorSettings(kv=kv, events=tuple(events), o_direct=o_direct,
                              worker_id=worker_id, **flags)
 
 
-def _check_runnable(kv: KvConfig) -> None:
+def _free_bytes(directory: str) -> int | None:
+    """Free bytes of the filesystem ``directory`` is (or would be created) on."""
+    path = os.path.abspath(directory)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def _check_runnable(kv: KvConfig, workers: int = 1) -> None:
     """Refuse, before anything is allocated, what the worker half could not build: a tier
     kind with no backend in a worker (G4), a disk tier without the host tier its blocks move
     through, a tier of no block, host tiers larger than this machine's memory, a path that
@@ -215,13 +244,24 @@ def _check_runnable(kv: KvConfig) -> None:
             problems.append(f"tier {tier}: path must be a string, got {config.path!r}")
         if kv.tier_blocks(tier) < 1:
             problems.append(f"tier {tier} holds no block of {kv.bytes_per_block} bytes")
-    host_bytes = sum(kv.tier_blocks(t) * kv.bytes_per_block for t, k in kinds.items()
-                     if k is TierKind.HOST)
+    # Sizes are per worker (each tensor-parallel rank holds its own heads' share of a block).
+    host_bytes = workers * sum(kv.tier_blocks(t) * kv.bytes_per_block
+                               for t, k in kinds.items() if k is TierKind.HOST)
     ram = _physical_memory()
     if ram and host_bytes > ram:
         problems.append(f"host tiers need {host_bytes / 2**30:.1f} GiB of RAM "
-                        f"({kv.bytes_per_block} bytes a block); this machine has "
-                        f"{ram / 2**30:.1f} GiB")
+                        f"({kv.bytes_per_block} bytes a block, {workers} worker(s)); this "
+                        f"machine has {ram / 2**30:.1f} GiB")
+    for tier, kind in kinds.items():
+        if kind is not TierKind.DISK or not isinstance(kv.tiers[tier].path or "", str):
+            continue
+        directory = kv.disk_dir or kv.tiers[tier].path or tempfile.gettempdir()
+        need = workers * kv.tier_blocks(tier) * kv.bytes_per_block
+        free = _free_bytes(directory)
+        if free is not None and need > free:
+            problems.append(f"tier {tier} needs {need / 2**30:.1f} GiB of disk "
+                            f"({workers} worker(s)); {directory} has {free / 2**30:.1f} GiB "
+                            f"free")
     if problems:
         raise ConnectorConfigError("kvstrata connector: " + "; ".join(problems))
 
