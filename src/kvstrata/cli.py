@@ -274,14 +274,45 @@ def _one_line(exc: BaseException) -> str:
     return "; ".join(lines)[:2000]
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the main thread is, so it unwinds like Ctrl-C."""
+
+
+def _on_sigterm():
+    """Make SIGTERM unwind the command (every ``finally`` and ``with`` runs: slabs and
+    temporary directories are removed); returns a function restoring the old handler."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def stop(signum, frame):
+        raise _Terminated
+
+    old = signal.signal(signal.SIGTERM, stop)
+    return lambda: signal.signal(signal.SIGTERM, old)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv[0] if argv else ""
+    restore = _on_sigterm()
+    try:
+        return _main(argv, command)
+    finally:
+        restore()
+
+
+def _main(argv: list[str], command: str) -> int:
     try:
         if command == "indexer":
             return _cmd_indexer(argv[1:])
         args = build_parser().parse_args(argv)
         return args.func(args)
+    except _Terminated:
+        print("kvstrata: terminated", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print("kvstrata: interrupted", file=sys.stderr)
         return 130

@@ -31,6 +31,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
+from .physical.leftovers import owner_tag, reclaim
 from .config import KvConfig
 from .logical.pool import PoolExhaustedError
 from .manager import KvBlockManager, ManagerConfigError, layout_config_for
@@ -132,7 +133,8 @@ def run_data_replay(
     _check_sizes(config, disk_dir, max_host_bytes, max_disk_bytes)
     temp_dir = None
     if disk_dir is None and disk_tiers:
-        disk_dir = temp_dir = tempfile.mkdtemp(prefix="kvstrata-data-replay-")
+        reclaim(tempfile.gettempdir(), "kvstrata-data-replay-")   # left by killed replays
+        disk_dir = temp_dir = tempfile.mkdtemp(prefix=f"kvstrata-data-replay-{owner_tag()}-")
     try:
         with KvBlockManager(config, disk_dir=disk_dir, max_host_bytes=max_host_bytes) as mgr:
             run = _DataRun(mgr, config, hasher, verify, flush_each_request)

@@ -12,8 +12,10 @@ It wires four things together and adds nothing to their decisions:
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
+import weakref
 from concurrent.futures import Future
 from dataclasses import asdict
 from typing import Any, Mapping, Sequence
@@ -129,6 +131,7 @@ class KvBlockManager:
             for tier, storage in self._storages.by_tier.items():
                 self.metrics.set_capacity(tier, storage.num_blocks, storage.status().bytes)
             self._owner.start()
+            _track_for_exit(self)
         except BaseException:
             if self.engine is not None:
                 self.engine.close()
@@ -390,3 +393,26 @@ class KvBlockManager:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+
+_OPEN: "weakref.WeakSet[KvBlockManager]" = weakref.WeakSet()
+_exit_hook_lock = threading.Lock()
+_exit_hook = False
+
+
+def _track_for_exit(manager: KvBlockManager) -> None:
+    """A manager not closed by its user is closed at interpreter exit (its slab and
+    temporary directory deleted), not left on disk."""
+    global _exit_hook
+    _OPEN.add(manager)
+    with _exit_hook_lock:
+        if not _exit_hook:
+            atexit.register(_close_open_managers)
+            _exit_hook = True
+
+
+def _close_open_managers() -> None:
+    for manager in list(_OPEN):
+        try:
+            manager.close()
+        except Exception:
+            log.exception("kvstrata: closing a manager at exit failed")

@@ -23,6 +23,7 @@ from typing import Mapping, Sequence
 from ..config import KvConfig
 from ..physical import (DeviceStorage, DiskStorage, FileOps, HostStorage, LayoutConfig,
                         PhysicalError, Storage)
+from ..physical.leftovers import owner_tag, reclaim
 from ..tiers import TierKind, first_of_kind, ordered, spec
 from .errors import ManagerConfigError
 
@@ -153,7 +154,9 @@ def _disk(built: Storages, tier: str, geometry: LayoutConfig, options: StorageOp
     config = built.config
     directory = options.disk_dir or config.disk_dir or config.tiers[tier].path
     if directory is None:
-        directory = built.temp_dir = tempfile.mkdtemp(prefix=f"kvstrata-{tier.lower()}-")
+        prefix = f"kvstrata-{tier.lower()}-"
+        reclaim(tempfile.gettempdir(), prefix)            # left by killed processes
+        directory = built.temp_dir = tempfile.mkdtemp(prefix=f"{prefix}{owner_tag()}-")
     try:
         return DiskStorage(geometry.with_blocks(config.tier_blocks(tier)), directory,
                            o_direct=options.o_direct, file_ops=options.file_ops)

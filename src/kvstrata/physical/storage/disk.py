@@ -41,6 +41,7 @@ import numpy as np
 
 from ..buffers import AlignedBuffer, address_of
 from ..checksum import ChecksumTable, block_checksum
+from ..leftovers import owner_tag, reclaim
 from ..errors import (BlockFailure, DiskFullError, FailureKind, StorageConfigError,
                       StorageIOError, raise_for_failures)
 from ...protocol.layout import FullyContiguousLayout, LayoutConfig
@@ -90,7 +91,8 @@ class DiskStorage(Storage):
             directory.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise StorageConfigError(f"cannot create disk pool directory {directory}: {exc}") from exc
-        self.path = directory / f"kvstrata-{name}-{os.getpid()}-{secrets.token_hex(4)}.slab"
+        reclaim(directory, f"kvstrata-{name}-")       # slabs of killed processes
+        self.path = directory / f"kvstrata-{name}-{owner_tag()}-{secrets.token_hex(4)}.slab"
         self.size = layout.region_bytes(0)
         fd = self._ops.open(str(self.path), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC)
         try:

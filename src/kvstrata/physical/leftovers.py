@@ -1,0 +1,77 @@
+"""What a killed process leaves behind, reclaimed by the next start.
+
+Files and directories that kvstrata creates for the life of one process (a G3 slab, a
+temporary directory) carry their owner in their name: :func:`owner_tag` gives
+``h<hash of the host name>-<pid>``, e.g. ``kvstrata-g3-h1a2b3c4d-4242-9f3e.slab``. A process
+that exits or is stopped by a signal it can handle removes them itself; one killed by
+SIGKILL (or the OOM killer) cannot. :func:`reclaim` removes, in one directory, the entries of
+a given prefix whose owner ran on this host and is gone. Entries of another host (a shared
+network filesystem) and of a live process are left alone; a pid reused by another process
+makes a leftover look alive, which only delays its removal.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import socket
+from pathlib import Path
+
+import xxhash
+
+__all__ = ["owner_tag", "reclaim"]
+
+log = logging.getLogger(__name__)
+
+_HOST = "h" + xxhash.xxh32_hexdigest(socket.gethostname().encode("utf-8", "replace"))
+_TAG = re.compile(r"-h([0-9a-f]{8})-(\d+)-")
+
+
+def owner_tag(pid: int | None = None) -> str:
+    """``h<host hash>-<pid>``: put it in the name of anything that must not outlive ``pid``."""
+    return f"{_HOST}-{os.getpid() if pid is None else pid}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True                     # someone else's live process
+    return True
+
+
+def reclaim(directory: str | os.PathLike, prefix: str) -> list[str]:
+    """Remove the entries of ``directory`` named ``prefix...-<owner tag>-...`` whose owner
+    ran on this host and no longer exists; returns what was removed. Never raises: a
+    leftover that cannot be removed is logged and left."""
+    removed: list[str] = []
+    try:
+        entries = list(Path(directory).iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        name = entry.name
+        if not name.startswith(prefix):
+            continue
+        match = _TAG.search(name[len(prefix) - 1:])
+        if match is None or "h" + match.group(1) != _HOST:
+            continue
+        pid = int(match.group(2))
+        if pid == os.getpid() or _alive(pid):
+            continue
+        try:
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+            removed.append(str(entry))
+        except OSError as exc:
+            log.warning("kvstrata: cannot remove %s left by process %d: %s", entry, pid, exc)
+    if removed:
+        log.info("kvstrata: removed %d leftover(s) of killed processes in %s", len(removed),
+                 directory)
+    return removed

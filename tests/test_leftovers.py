@@ -1,0 +1,123 @@
+"""Nothing is left behind: SIGTERM and Ctrl-C unwind ``replay --data`` (its slab and temporary
+directory removed, one line, no traceback), what a SIGKILL leaves is reclaimed by the next
+start, and a KvBlockManager its user never closed is closed at interpreter exit."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvstrata.physical.leftovers import owner_tag, reclaim
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_reclaim_removes_only_dead_owners_of_this_host(tmp_path):
+    dead = _dead_pid()
+    stale_file = tmp_path / f"kvstrata-g3-{owner_tag(dead)}-abcd.slab"
+    stale_dir = tmp_path / f"kvstrata-data-replay-{owner_tag(dead)}-x1"
+    mine = tmp_path / f"kvstrata-g3-{owner_tag()}-beef.slab"
+    other_host = tmp_path / f"kvstrata-g3-h00000000-{dead}-cafe.slab"
+    unrelated = tmp_path / f"notes-{owner_tag(dead)}-1.txt"
+    stale_file.write_bytes(b"x")
+    stale_dir.mkdir()
+    (stale_dir / "inner").write_bytes(b"y")
+    for path in (mine, other_host, unrelated):
+        path.write_bytes(b"z")
+    removed = set(reclaim(tmp_path, "kvstrata-g3-")) | set(reclaim(tmp_path,
+                                                                  "kvstrata-data-replay-"))
+    assert removed == {str(stale_file), str(stale_dir)}
+    assert mine.exists() and other_host.exists() and unrelated.exists()
+
+
+def test_a_new_disk_tier_reclaims_slabs_of_killed_processes(tmp_path):
+    pytest.importorskip("torch")
+    from kvstrata.physical import DiskStorage
+    from kvstrata.protocol.layout import LayoutConfig
+
+    stale = tmp_path / f"kvstrata-g3-{owner_tag(_dead_pid())}-0001.slab"
+    stale.write_bytes(b"\0" * 8192)
+    disk = DiskStorage(LayoutConfig(num_blocks=4, num_layers=1, outer_dim=2, page_size=4,
+                                    inner_dim=8, dtype="float16"), tmp_path, o_direct=False)
+    try:
+        assert not stale.exists()
+        assert disk.path.exists() and owner_tag() in disk.path.name
+    finally:
+        disk.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def _replay_data(tmp_dir, *extra):
+    env = dict(os.environ, TMPDIR=str(tmp_dir), PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "-m", "kvstrata.cli", "replay", "--data",
+                             "--no-progress", "--limit", "100000", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+
+
+def _wait_for_slab(tmp_dir, proc, timeout=120.0):
+    """Wait until ``proc`` created its own slab (its owner tag names its pid)."""
+    tag = owner_tag(proc.pid)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        slabs = [p for p in tmp_dir.rglob("*.slab") if tag in p.name]
+        if slabs:
+            return slabs
+        assert proc.poll() is None, proc.stderr.read().decode()
+        time.sleep(0.1)
+    raise AssertionError("the replay never created its slab")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig, code, word", [(signal.SIGTERM, 143, "terminated"),
+                                             (signal.SIGINT, 130, "interrupted")])
+def test_sigterm_and_ctrl_c_remove_the_slab(tmp_path, sig, code, word):
+    proc = _replay_data(tmp_path)
+    _wait_for_slab(tmp_path, proc)
+    time.sleep(0.5)                                    # mid-replay
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    err = err.decode()
+    assert proc.returncode == code, err
+    assert "Traceback" not in err and word in err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_what_sigkill_leaves_the_next_start_reclaims(tmp_path):
+    proc = _replay_data(tmp_path)
+    _wait_for_slab(tmp_path, proc)
+    proc.kill()
+    proc.wait()
+    left = [p for p in tmp_path.iterdir() if p.name.startswith("kvstrata-")]
+    assert left, "a killed replay leaves its temporary directory"
+    second = _replay_data(tmp_path)
+    _wait_for_slab(tmp_path, second)
+    assert not any(p.exists() for p in left), "the next start reclaims it"
+    second.send_signal(signal.SIGTERM)
+    second.communicate(timeout=120)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unclosed_manager_is_closed_at_exit(tmp_path):
+    pytest.importorskip("torch")
+    code = (
+        "from kvstrata import KvBlockManager, KvConfig\n"
+        "from kvstrata.config import TierConfig, ModelGeometry\n"
+        f"m = KvBlockManager(KvConfig(tiers={{'G1': TierConfig(blocks=8), 'G2': "
+        f"TierConfig(blocks=8), 'G3': TierConfig(blocks=8)}}, model=ModelGeometry(num_layers=1,"
+        f" kv_heads=1, head_dim=8)), disk_dir={str(tmp_path)!r})\n"
+        "import os; assert os.listdir(" + repr(str(tmp_path)) + ")\n"
+        "print('exiting without close')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert b"exiting without close" in proc.stdout
+    assert list(tmp_path.iterdir()) == []
