@@ -268,3 +268,30 @@ class SimEngine:
             self._free(request)
 
     _progressing = True
+
+
+def assert_idle(sim: SimEngine) -> None:
+    """The engine and the connector are back where they started: no request, nothing held
+    or loading, no copy in flight, every kvstrata slot idle."""
+    status = sim.scheduler.status()
+    assert sim.scheduler.idle, status
+    assert status["tracked"] == 0 and status["held"] == 0 and status["loading"] == 0, status
+    for tier, pool in status["pools"].items():
+        assert pool["active"] == 0, (tier, pool)
+    assert all(w.outstanding == 0 for w in sim.workers)
+    assert not sim.held and not sim.requests
+
+
+def sim_factory(cls, tmp_path, block_size: int):
+    """A fixture body: yields ``make(**kw)`` building ``cls`` simulators, shuts them down."""
+    sims = []
+
+    def make(**kw):
+        sim = cls(tmp_path / f"sim{len(sims)}", block_size=block_size, **kw)
+        sims.append(sim)
+        return sim
+
+    yield make
+    for sim in sims:
+        for worker in sim.workers:
+            worker.shutdown()

@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from .sim import LAYERS, SimEngine, block_kv  # noqa: E402
+from .sim import LAYERS, SimEngine, assert_idle, block_kv, sim_factory  # noqa: E402
 
 BS = 4
 
@@ -22,29 +22,9 @@ def prompt(seed: int, n: int) -> list[int]:
     return [(seed * 7919 + i * 31) % 5000 + 3 for i in range(n)]
 
 
-def assert_idle(sim: SimEngine) -> None:
-    status = sim.scheduler.status()
-    assert sim.scheduler.idle, status
-    assert status["tracked"] == 0 and status["held"] == 0 and status["loading"] == 0
-    for tier, pool in status["pools"].items():
-        assert pool["active"] == 0, (tier, pool)
-    assert all(w.outstanding == 0 for w in sim.workers)
-    assert not sim.held and not sim.requests
-
-
 @pytest.fixture
 def make(tmp_path):
-    sims = []
-
-    def _make(**kw):
-        sim = SimEngine(tmp_path / f"sim{len(sims)}", block_size=BS, **kw)
-        sims.append(sim)
-        return sim
-
-    yield _make
-    for sim in sims:
-        for worker in sim.workers:
-            worker.shutdown()
+    yield from sim_factory(SimEngine, tmp_path, BS)
 
 
 def store_then_push_out_of_g2(sim: SimEngine, tokens: list[int], others: int,

@@ -26,7 +26,7 @@ from kvstrata.connectors.vllm.settings import (ConnectorConfigError, KvGeometry,
                                                settings_from)
 
 from .sim import (LAYERS, SimEngine, _BlockState, _ConnectorOutput,  # noqa: E402
-                  _SchedulerOutput, block_kv)
+                  _SchedulerOutput, assert_idle, block_kv, sim_factory)
 
 BS = 4
 
@@ -151,29 +151,9 @@ class HostileSim(SimEngine):
         super().run(timeout)
 
 
-def assert_idle(sim: SimEngine) -> None:
-    status = sim.scheduler.status()
-    assert sim.scheduler.idle, status
-    assert status["tracked"] == 0 and status["held"] == 0 and status["loading"] == 0, status
-    for tier, pool in status["pools"].items():
-        assert pool["active"] == 0, (tier, pool)
-    assert all(w.outstanding == 0 for w in sim.workers)
-    assert not sim.held and not sim.requests
-
-
 @pytest.fixture
 def make(tmp_path):
-    sims = []
-
-    def _make(**kw):
-        sim = HostileSim(tmp_path / f"sim{len(sims)}", block_size=BS, **kw)
-        sims.append(sim)
-        return sim
-
-    yield _make
-    for sim in sims:
-        for worker in sim.workers:
-            worker.shutdown()
+    yield from sim_factory(HostileSim, tmp_path, BS)
 
 
 def push_out_of_g2(sim: HostileSim, tokens: list[int], others: int, seed: int) -> None:
