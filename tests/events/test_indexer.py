@@ -115,3 +115,66 @@ def test_cli_errors(tmp_path, capsys):
     assert main(["--file", str(tmp_path / "bad.jsonl"), "--query", "x,y"]) == 2
     with pytest.raises(SystemExit):
         main([])
+
+
+# -- the HTTP endpoint cannot be stalled: bounded reads, timeouts, 400 for bad requests ---
+
+def _raw(server, payload: bytes, wait: float = 5.0) -> bytes:
+    import socket
+
+    host, port = server.address
+    with socket.create_connection((host, port), timeout=wait) as sock:
+        sock.sendall(payload)
+        chunks = []
+        try:
+            while True:
+                data = sock.recv(65536)
+                if not data:
+                    break
+                chunks.append(data)
+        except TimeoutError:
+            pass
+    return b"".join(chunks)
+
+
+def _post(length_header: str, body: bytes) -> bytes:
+    return (b"POST /match HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + length_header.encode() + body)
+
+
+@pytest.mark.parametrize("request_bytes", [
+    _post("Content-Length: -1\r\n\r\n", b""),
+    _post("Content-Length: abc\r\n\r\n", b"{}"),
+    _post("Content-Length: 999999999999\r\n\r\n", b"{}"),
+    _post("\r\n", b""),                                                    # no Content-Length
+    _post("Content-Length: 100000\r\n\r\n", b"[" * 100000),               # nests too deep
+    _post("Content-Length: 4\r\n\r\n", b"\xff\xfe\x00\x01"),               # not JSON
+    _post("Content-Length: 2\r\n\r\n", b"[]"),                             # not an object
+], ids=["negative", "not-a-number", "huge", "missing", "deep", "binary", "list"])
+def test_malformed_requests_are_answered_400(request_bytes):
+    from kvstrata.events.indexer import IndexServer, PrefixIndex
+
+    server = IndexServer(PrefixIndex(), read_timeout=1.0).start()
+    try:
+        reply = _raw(server, request_bytes)
+        assert reply.startswith(b"HTTP/1.0 400") or reply.startswith(b"HTTP/1.1 400"), reply[:200]
+        # and the server still answers others
+        ok = _raw(server, _post("Content-Length: 15\r\n\r\n", b'{"hashes": [1]}'))
+        assert b" 200 " in ok.split(b"\r\n", 1)[0]
+    finally:
+        server.close()
+
+
+def test_a_body_shorter_than_announced_times_out_with_400():
+    import time
+
+    from kvstrata.events.indexer import IndexServer, PrefixIndex
+
+    server = IndexServer(PrefixIndex(), read_timeout=1.0).start()
+    try:
+        start = time.monotonic()
+        reply = _raw(server, _post("Content-Length: 100\r\n\r\n", b'{"hashes"'), wait=10)
+        assert b" 400 " in reply.split(b"\r\n", 1)[0]
+        assert time.monotonic() - start < 8
+    finally:
+        server.close()

@@ -258,15 +258,61 @@ def _parse_hash_list(value, name: str) -> list[int]:
     return out
 
 
-class IndexServer:
-    """A small HTTP server over a :class:`PrefixIndex` (POST /match, GET /stats)."""
+MAX_BODY_BYTES = 16 << 20
+"""Largest /match body accepted (a million hashes in JSON is well under it)."""
 
-    def __init__(self, index: PrefixIndex, host: str = "127.0.0.1", port: int = 0, follower: StreamFollower | None = None) -> None:
+READ_TIMEOUT = 10.0
+"""Seconds a connection may take to send its request (headers and body): a client that
+sends less than it announced is answered 400 and dropped, never holds a thread for ever."""
+
+
+def _read_body(handler: BaseHTTPRequestHandler) -> bytes:
+    """The request body, bounded: a ``Content-Length`` that is missing, negative, not a
+    number or over :data:`MAX_BODY_BYTES`, or a body shorter than it, is a ``ValueError``."""
+    text = handler.headers.get("Content-Length")
+    if text is None:
+        raise ValueError("Content-Length is required")
+    try:
+        length = int(text)
+    except ValueError:
+        raise ValueError(f"Content-Length {text!r} is not a number") from None
+    if not 0 <= length <= MAX_BODY_BYTES:
+        raise ValueError(f"Content-Length {length} is outside 0..{MAX_BODY_BYTES}")
+    try:
+        body = handler.rfile.read(length)
+    except OSError:                                  # timeout: the client stalled
+        raise ValueError(f"body shorter than its Content-Length {length}") from None
+    if len(body) != length:
+        raise ValueError(f"body of {len(body)} bytes, Content-Length says {length}")
+    return body
+
+
+def _parse_body(body: bytes) -> dict:
+    try:
+        doc = json.loads(body or b"{}")
+    except RecursionError:
+        raise ValueError("body nests too deeply") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"body is not JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise ValueError("body must be a JSON object")
+    return doc
+
+
+class IndexServer:
+    """A small HTTP server over a :class:`PrefixIndex` (POST /match, GET /stats). Reads are
+    bounded in size and time; every malformed request is answered 400."""
+
+    def __init__(self, index: PrefixIndex, host: str = "127.0.0.1", port: int = 0,
+                 follower: StreamFollower | None = None,
+                 read_timeout: float = READ_TIMEOUT) -> None:
         self.index = index
         self.follower = follower
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = read_timeout               # socket timeout for every read
+
             def log_message(self, fmt, *args):  # quiet
                 log.debug("http: " + fmt, *args)
 
@@ -294,12 +340,7 @@ class IndexServer:
                     self._reply(404, {"error": f"no such path {self.path}; use POST /match"})
                     return
                 try:
-                    length = int(self.headers.get("Content-Length") or 0)
-                    if length > 64 << 20:
-                        raise ValueError("request too large")
-                    body = json.loads(self.rfile.read(length) or b"{}")
-                    if not isinstance(body, dict):
-                        raise ValueError("body must be a JSON object")
+                    body = _parse_body(_read_body(self))
                     if "hashes" in body:
                         hashes, local = _parse_hash_list(body["hashes"], "hashes"), False
                     elif "local_hashes" in body:
@@ -307,6 +348,7 @@ class IndexServer:
                     else:
                         raise ValueError('body needs "hashes" (sequence hashes) or "local_hashes"')
                 except ValueError as exc:
+                    self.close_connection = True
                     self._reply(400, {"error": str(exc)})
                     return
                 self._reply(200, match_response(outer.index, hashes, local))
