@@ -469,3 +469,44 @@ def test_kv_caches_must_match_the_model_geometry(tmp_path, shape, dtype, kv_layo
         KvBlockManager(make_config(g1=6), kv_caches=tensors, kv_layout=kv_layout,
                        disk_dir=tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+# -- API misuse: typed errors at once, nothing changed ---------------------------------------
+
+@pytest.mark.parametrize("count", [1.5, "x", None, True, -1, np.float64(2.0)])
+def test_allocate_refuses_what_is_not_a_count(tmp_path, count):
+    with KvBlockManager(make_config(), disk_dir=str(tmp_path)) as mgr:
+        with pytest.raises(InvalidBlockError, match="allocate"):
+            mgr.allocate(count)
+        assert mgr.pools["G1"].status().reset == 8             # nothing allocated
+
+
+def test_allocate_takes_numpy_integers(tmp_path):
+    with KvBlockManager(make_config(), disk_dir=str(tmp_path)) as mgr:
+        blocks = mgr.allocate(np.int64(2)).result(HANG_GUARD)
+        assert len(blocks.block_ids) == 2
+        mgr.release(blocks).result(HANG_GUARD)
+
+
+@pytest.mark.parametrize("bad", [[-1], [2 ** 64], [None], [1.0], ["7"], "abc", 5])
+def test_hash_arguments_must_be_u64(tmp_path, bad):
+    with KvBlockManager(make_config(), disk_dir=str(tmp_path)) as mgr:
+        for call in (mgr.onboard, mgr.match, mgr.locate, lambda h: mgr.evict("G2", h)):
+            with pytest.raises(InvalidBlockError):
+                call(bad)
+
+
+def test_bytes_of_g1_after_close_are_a_closed_error_and_released(tmp_path):
+    import gc
+    import weakref
+
+    mgr = KvBlockManager(make_config(), disk_dir=str(tmp_path))
+    regions = weakref.ref(mgr.storage("G1").memory.regions[0])
+    mgr.close()
+    with pytest.raises(ManagerClosedError):
+        mgr.read_g1([0])
+    with pytest.raises(ManagerClosedError):
+        mgr.write_g1([0], [np.zeros(mgr._g1.block_bytes, np.uint8)])
+    assert not mgr._g1._regions                          # no view keeps G1's memory alive
+    del regions
+    gc.collect()

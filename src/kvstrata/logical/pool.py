@@ -148,8 +148,8 @@ class BlockPool:
     def allocate(self, count: int) -> MutableBlocks:
         """``count`` Reset blocks, evicting in policy order if needed; all or nothing."""
         self._drain_orphans()
-        if count < 0:
-            raise ValueError(f"cannot allocate {count} blocks")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"cannot allocate {count!r} blocks: an integer >= 0 is needed")
         free = self._free
         if count > len(free) + len(self.eviction):
             available = self._evictable_total()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import numbers
 import threading
 import weakref
 from concurrent.futures import Future
@@ -179,7 +180,11 @@ class KvBlockManager:
     # ------------------------------------------------------------------ G1 blocks
     def allocate(self, count: int) -> "Future[MutableBlocks]":
         """``count`` G1 blocks (Reset) for KV the engine is about to compute; evicts inactive
-        G1 blocks by policy. Fails with ``PoolExhaustedError`` if too many are in use."""
+        G1 blocks by policy. Fails with ``PoolExhaustedError`` if too many are in use; a
+        count that is not an integer >= 0 is an ``InvalidBlockError`` at once."""
+        if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 0:
+            raise InvalidBlockError(f"allocate: count must be an integer >= 0, got {count!r}")
+        count = int(count)
         return self._call(lambda: self.pools[self._top].allocate(count))
 
     def register(self, blocks: MutableBlocks, priority: int = 0) -> "Future[ImmutableBlocks]":
@@ -218,13 +223,13 @@ class KvBlockManager:
 
     def match(self, sequence_hashes: Sequence[int]) -> "Future[ImmutableBlocks]":
         """Handles on the longest prefix of ``sequence_hashes`` already in G1."""
-        hashes = list(sequence_hashes)
+        hashes = _hashes(sequence_hashes, "match")
         return self._call(lambda: self.pools[self._top].match(hashes))
 
     def locate(self, sequence_hashes: Sequence[int]) -> "Future[list[str]]":
         """For the longest prefix held in any tier, the fastest tier holding each block
         (no side effect)."""
-        hashes = list(sequence_hashes)
+        hashes = _hashes(sequence_hashes, "locate")
         return self._call(lambda: self.planner.lookup(hashes))
 
     def onboard(self, sequence_hashes: Sequence[int]) -> "Future[OnboardResult]":
@@ -233,9 +238,10 @@ class KvBlockManager:
         The future resolves when every needed copy completed, with an
         :class:`~kvstrata.placement.OnboardResult`: G1 handles on the verified prefix, the
         tier each block came from, and the blocks whose load failed (dropped from their
-        tier). Admission policies that learn from requests see the hashes.
+        tier). Admission policies that learn from requests see the hashes. A hash that is
+        not an unsigned 64-bit integer is an ``InvalidBlockError`` at once.
         """
-        hashes = list(sequence_hashes)
+        hashes = _hashes(sequence_hashes, "onboard")
 
         def run(future: Future) -> None:
             self._onboards[self.planner.prepare_onboard(hashes)] = future
@@ -257,7 +263,7 @@ class KvBlockManager:
         in use, or (leaf-first policies) with registered children, are left alone."""
         if tier not in self.pools:
             raise InvalidBlockError(f"no tier {tier!r}; tiers are {sorted(self.pools)}")
-        hashes = list(sequence_hashes)
+        hashes = _hashes(sequence_hashes, "evict")
         return self._call(lambda: self.pools[tier].reset_blocks(hashes))
 
     def add_observer(self, observer: RegistryObserver) -> "Future[None]":
@@ -273,6 +279,7 @@ class KvBlockManager:
         Every id, block and payload is checked before anything is written
         (``InvalidBlockError``): ids in range, blocks held (allocated) and not registered
         (a registered block's bytes are shared and may be copied right now), sizes right."""
+        self._check_open("write_g1")
         ids = self._g1.check_ids(block_ids, "write_g1")
         flat = self._g1.check_payloads(ids, payloads, "write_g1")
         pool = self.pools[self._top]
@@ -287,8 +294,13 @@ class KvBlockManager:
 
     def read_g1(self, block_ids: Sequence[int]) -> list[np.ndarray]:
         """Copies of G1 blocks' payloads (same byte order as :meth:`write_g1`); ids out of
-        range raise ``InvalidBlockError``."""
+        range raise ``InvalidBlockError``; after :meth:`close`, ``ManagerClosedError``."""
+        self._check_open("read_g1")
         return self._g1.read(self._g1.check_ids(block_ids, "read_g1"))
+
+    def _check_open(self, what: str) -> None:
+        if self._owner.closed:
+            raise ManagerClosedError(f"{what}: the manager is closed")
 
     # ------------------------------------------------------------------ waiting, status
     def flush(self) -> "Future[None]":
@@ -383,6 +395,7 @@ class KvBlockManager:
                 owner.stop()
                 self.engine.close()
                 self.metrics.close()
+                self._g1.close()
                 self._storages.close()
             finally:
                 self._close_done.set()
@@ -392,6 +405,27 @@ class KvBlockManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _hashes(sequence_hashes: Sequence[int], what: str) -> list[int]:
+    """Sequence hashes as a list, each an unsigned 64-bit integer (``InvalidBlockError``)."""
+    if isinstance(sequence_hashes, (str, bytes)):
+        raise InvalidBlockError(f"{what}: expected a sequence of hashes, got "
+                                f"{type(sequence_hashes).__name__}")
+    try:
+        hashes = list(sequence_hashes)
+    except TypeError:
+        raise InvalidBlockError(f"{what}: expected a sequence of hashes, got "
+                                f"{type(sequence_hashes).__name__}") from None
+    for i, h in enumerate(hashes):
+        if not is_u64(h):
+            if isinstance(h, numbers.Integral) and not isinstance(h, bool) \
+                    and 0 <= int(h) < 1 << 64:
+                hashes[i] = int(h)            # numpy integers
+                continue
+            raise InvalidBlockError(f"{what}: sequence_hashes[{i}] = {h!r} is not an "
+                                    f"unsigned 64-bit integer")
+    return hashes
 
 
 _OPEN: "weakref.WeakSet[KvBlockManager]" = weakref.WeakSet()

@@ -41,6 +41,11 @@ class G1Bytes:
         self._spans = spans
         self.block_bytes = len(spans) * self._chunk
 
+    def close(self) -> None:
+        """Drop the views of G1's memory (they would keep it alive after the storage closed)."""
+        self._regions = []
+        self.num_blocks = 0
+
     def check_ids(self, block_ids: Sequence[int], what: str) -> list[int]:
         """``block_ids`` as ints, each a G1 block id (``InvalidBlockError`` otherwise)."""
         ids = list(block_ids)
