@@ -121,3 +121,50 @@ def test_an_unclosed_manager_is_closed_at_exit(tmp_path):
     assert proc.returncode == 0, proc.stderr.decode()
     assert b"exiting without close" in proc.stdout
     assert list(tmp_path.iterdir()) == []
+
+
+# -- sizes no machine can hold: refused before anything is allocated; empty slots cost nothing
+
+
+def test_a_huge_empty_pool_costs_next_to_nothing():
+    from kvstrata.logical.pool import BlockPool
+
+    pool = BlockPool("G1", 10 ** 23, 16)
+    assert pool.status().reset == 10 ** 23 and len(pool._blocks) == 0
+    blocks = pool.allocate(3)
+    assert blocks.block_ids == [0, 1, 2] and len(pool._blocks) == 3
+    pool.release(blocks)
+    again = pool.allocate(2)
+    assert sorted(again.block_ids) == [1, 2]          # slots that came back are reused first
+    pool.release(again)
+    pool.check_invariants()
+
+
+def test_replay_with_an_absurd_tier_runs_in_bounded_memory():
+    import resource
+
+    code = ("import resource, sys\n"
+            "from kvstrata.cli import main\n"
+            "rc = main(['replay', '--tiers', 'G1=99999999999999999999999', '--limit', '200',"
+            " '--json', '--no-progress'])\n"
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\n"
+            "sys.exit(rc)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+    peak_kib = int(proc.stderr.decode().strip().splitlines()[-1])
+    assert peak_kib < 2 * 1024 * 1024, f"peak RSS {peak_kib} KiB"
+
+
+def test_a_manager_no_machine_can_hold_is_a_config_error_naming_the_tier(tmp_path):
+    pytest.importorskip("torch")
+    from kvstrata.config import KvConfig, ModelGeometry, TierConfig
+    from kvstrata.manager import KvBlockManager, ManagerConfigError
+
+    model = ModelGeometry(num_layers=1, kv_heads=1, head_dim=8)
+    for tiers, tier in (({"G1": TierConfig(blocks=10 ** 12)}, "G1"),
+                        ({"G1": TierConfig(blocks=8), "G2": TierConfig(blocks=10 ** 12)}, "G2"),
+                        ({"G1": TierConfig(blocks=8), "G2": TierConfig(blocks=8),
+                          "G3": TierConfig(blocks=10 ** 15)}, "G3")):
+        with pytest.raises(ManagerConfigError, match=f"tier {tier} needs"):
+            KvBlockManager(KvConfig(tiers=tiers, model=model), disk_dir=str(tmp_path))
+    assert list(tmp_path.iterdir()) == []

@@ -84,9 +84,12 @@ class BlockPool:
         self.eviction = eviction if eviction is not None else PriorityLruEviction(num_blocks)
         self.registry = registry if registry is not None else BlockRegistry()
         self.keep_tokens = keep_tokens
-        self._blocks = [Block(i, block_size) for i in range(num_blocks)]
-        # Free list as a stack, lowest ids handed out first (deterministic allocation).
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        # Slots are made on first use: an empty pool of any capacity costs next to nothing.
+        # _blocks[i] is slot i for i < len(_blocks); slots from len(_blocks) on were never
+        # used. Reset slots are handed out from the free stack first (ids that came back,
+        # the last one first), then the lowest never-used id: deterministic allocation.
+        self._blocks: list[Block] = []
+        self._free: list[int] = []
         self._by_hash: dict[int, Block] = {}
         self._inactive = 0
         self._tick = 0
@@ -121,12 +124,17 @@ class BlockPool:
         handles dropped without release, so it agrees with ``allocate``.
         """
         self._drain_orphans()
-        return count <= len(self._free) + len(self.eviction) or count <= self._evictable_total()
+        return count <= self._reset_count() + len(self.eviction) \
+            or count <= self._evictable_total()
+
+    def _reset_count(self) -> int:
+        """Reset slots: those on the free stack plus those never used."""
+        return len(self._free) + self.capacity - len(self._blocks)
 
     def status(self) -> PoolStatus:
         """Counts of slots by place (after taking back dropped handles' blocks)."""
         self._drain_orphans()
-        reset = len(self._free)
+        reset = self._reset_count()
         return PoolStatus(
             self.tier,
             self.capacity,
@@ -138,6 +146,10 @@ class BlockPool:
 
     def block(self, block_id: int) -> Block:
         """The slot ``block_id`` (for the physical layer and tests; do not mutate)."""
+        if not 0 <= block_id < self.capacity:
+            raise IndexError(f"pool {self.tier}: no slot {block_id}")
+        if block_id >= len(self._blocks):
+            return Block(block_id, self.block_size)      # never used: Reset, not kept
         return self._blocks[block_id]
 
     def lookup(self, sequence_hash: int) -> Block | None:
@@ -151,14 +163,20 @@ class BlockPool:
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ValueError(f"cannot allocate {count!r} blocks: an integer >= 0 is needed")
         free = self._free
-        if count > len(free) + len(self.eviction):
+        blocks = self._blocks
+        if count > len(free) + self.capacity - len(blocks) + len(self.eviction):
             available = self._evictable_total()
             if count > available:
                 raise PoolExhaustedError(self.tier, count, available)
         taken: list[Block] = []
-        blocks = self._blocks
         while len(taken) < count and free:
             taken.append(blocks[free.pop()])
+        if len(taken) < count and len(blocks) < self.capacity:
+            first = len(blocks)
+            fresh = [Block(i, self.block_size)
+                     for i in range(first, min(first + count - len(taken), self.capacity))]
+            blocks.extend(fresh)
+            taken.extend(fresh)
         if len(taken) < count:
             taken.extend(self._evict(count - len(taken)))
         for block in taken:
@@ -209,7 +227,7 @@ class BlockPool:
         pool (leaf-first policies never evict a prefix of something in use).
         """
         if not self._leaf_first:
-            return len(self._free) + len(self.eviction)
+            return self._reset_count() + len(self.eviction)
         pinned: set[int] = set()
         blocks = self._blocks
         for block_id in self._active_registered:
@@ -218,7 +236,7 @@ class BlockPool:
                 pinned.add(parent)
                 parent = blocks[parent].parent_id
         pinned_inactive = sum(1 for i in pinned if blocks[i].ref_count == 0)
-        return len(self._free) + self._inactive - pinned_inactive
+        return self._reset_count() + self._inactive - pinned_inactive
 
     # -- registration ----------------------------------------------------------------------
     def register(self, handle: MutableBlocks, priority: int = 0) -> ImmutableBlocks:

@@ -19,6 +19,8 @@ def check_pool_invariants(pool: "BlockPool") -> None:
     first inconsistency."""
     free = set(pool._free)
     assert len(free) == len(pool._free), "a slot is on the free list twice"
+    assert len(pool._blocks) <= pool.capacity, "more slots made than the capacity"
+    assert all(b.block_id == i for i, b in enumerate(pool._blocks)), "slot ids out of place"
     inactive = 0
     for block in pool._blocks:
         assert block.ref_count >= 0, f"block {block.block_id} has negative refs"

@@ -23,6 +23,7 @@ from typing import Mapping, Sequence
 from ..config import KvConfig
 from ..physical import (DeviceStorage, DiskStorage, FileOps, HostStorage, LayoutConfig,
                         PhysicalError, Storage)
+from ..physical.capacity import free_disk_bytes, physical_memory
 from ..physical.leftovers import owner_tag, reclaim
 from ..tiers import TierKind, first_of_kind, ordered, spec
 from .errors import ManagerConfigError
@@ -131,8 +132,11 @@ def _device(built: Storages, tier: str, _geometry, options: StorageOptions) -> S
             storage = DeviceStorage.wrap(options.kv_caches, kv_layout=options.kv_layout)
             _check_kv_caches(storage.config, config)
             return storage
-        return DeviceStorage.allocate(layout_config_for(config, config.tier_blocks(tier)),
-                                      device=options.device, kv_layout=options.g1_layout)
+        geometry = layout_config_for(config, config.tier_blocks(tier))
+        if options.device is None or str(options.device).startswith("cpu"):
+            _fits_in_ram(tier, geometry.num_blocks * geometry.block_bytes)   # a CPU stand-in
+        return DeviceStorage.allocate(geometry, device=options.device,
+                                      kv_layout=options.g1_layout)
     except PhysicalError as exc:
         raise ManagerConfigError(f"{tier}: {exc}") from exc
 
@@ -146,6 +150,7 @@ def _host(built: Storages, tier: str, geometry: LayoutConfig, options: StorageOp
         raise ManagerConfigError(
             f"{tier} of {cfg.num_blocks} blocks needs {need / 2**30:.2f} GiB of host RAM, "
             f"over the limit of {limit / 2**30:.2f} GiB; shrink tier {tier}")
+    _fits_in_ram(tier, need)
     return HostStorage(cfg, verify_reads=options.verify_host_reads)
 
 
@@ -157,11 +162,23 @@ def _disk(built: Storages, tier: str, geometry: LayoutConfig, options: StorageOp
         prefix = f"kvstrata-{tier.lower()}-"
         reclaim(tempfile.gettempdir(), prefix)            # left by killed processes
         directory = built.temp_dir = tempfile.mkdtemp(prefix=f"{prefix}{owner_tag()}-")
+    need = config.tier_blocks(tier) * geometry.block_bytes
+    free = free_disk_bytes(directory)
+    if free is not None and need > free:
+        raise ManagerConfigError(f"tier {tier} needs {need} bytes of disk ({need / 2**30:.2f} "
+                                 f"GiB); {directory} has {free / 2**30:.2f} GiB free")
     try:
         return DiskStorage(geometry.with_blocks(config.tier_blocks(tier)), directory,
                            o_direct=options.o_direct, file_ops=options.file_ops)
     except PhysicalError as exc:
         raise ManagerConfigError(f"{tier} in {directory}: {exc}") from exc
+
+
+def _fits_in_ram(tier: str, need: int) -> None:
+    ram = physical_memory()
+    if ram and need > ram:
+        raise ManagerConfigError(f"tier {tier} needs {need} bytes of RAM ({need / 2**30:.2f} "
+                                 f"GiB); this machine has {ram / 2**30:.2f} GiB")
 
 
 _BUILDERS = {TierKind.DEVICE: _device, TierKind.HOST: _host, TierKind.DISK: _disk}

@@ -33,13 +33,13 @@ every problem, before anything is allocated.
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 from ...config import ConfigError, KvConfig, ModelGeometry, TierConfig, load_config
 from ...events.spec import parse_sink_spec
+from ...physical.capacity import free_disk_bytes, physical_memory
 from ...tiers import TIER_NAMES, TOP_TIER, TierKind, first_of_kind, spec
 
 __all__ = ["ConnectorConfigError", "ConnectorSettings", "KvGeometry", "DEFAULT_TIERS",
@@ -212,17 +212,6 @@ def settings_from(extra: Mapping[str, Any] | None, geometry: KvGeometry,
                              worker_id=worker_id, **flags)
 
 
-def _free_bytes(directory: str) -> int | None:
-    """Free bytes of the filesystem ``directory`` is (or would be created) on."""
-    path = os.path.abspath(directory)
-    while not os.path.exists(path) and os.path.dirname(path) != path:
-        path = os.path.dirname(path)
-    try:
-        return shutil.disk_usage(path).free
-    except OSError:
-        return None
-
-
 def _check_runnable(kv: KvConfig, workers: int = 1) -> None:
     """Refuse, before anything is allocated, what the worker half could not build: a tier
     kind with no backend in a worker (G4), a disk tier without the host tier its blocks move
@@ -247,7 +236,7 @@ def _check_runnable(kv: KvConfig, workers: int = 1) -> None:
     # Sizes are per worker (each tensor-parallel rank holds its own heads' share of a block).
     host_bytes = workers * sum(kv.tier_blocks(t) * kv.bytes_per_block
                                for t, k in kinds.items() if k is TierKind.HOST)
-    ram = _physical_memory()
+    ram = physical_memory()
     if ram and host_bytes > ram:
         problems.append(f"host tiers need {host_bytes / 2**30:.1f} GiB of RAM "
                         f"({kv.bytes_per_block} bytes a block, {workers} worker(s)); this "
@@ -257,20 +246,13 @@ def _check_runnable(kv: KvConfig, workers: int = 1) -> None:
             continue
         directory = kv.disk_dir or kv.tiers[tier].path or tempfile.gettempdir()
         need = workers * kv.tier_blocks(tier) * kv.bytes_per_block
-        free = _free_bytes(directory)
+        free = free_disk_bytes(directory)
         if free is not None and need > free:
             problems.append(f"tier {tier} needs {need / 2**30:.1f} GiB of disk "
                             f"({workers} worker(s)); {directory} has {free / 2**30:.1f} GiB "
                             f"free")
     if problems:
         raise ConnectorConfigError("kvstrata connector: " + "; ".join(problems))
-
-
-def _physical_memory() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
 
 
 def _tiers(raw: Any, problems: list[str]) -> dict[str, TierConfig]:
