@@ -103,3 +103,71 @@ def test_clearing_an_empty_tier_makes_no_event():
     reg.record_cleared("G2", [7])
     assert pub.flush(5) and pub.last_event_id == 2
     pub.close()
+
+
+# -- torn output: whole lines only, one warning with a count, readers skip a torn tail ------
+
+def _publish_some(publisher, n: int, start: int = 0) -> None:
+    from kvstrata.tokens import hash_blocks
+    from kvstrata.types import BlockRecord
+
+    for i in range(start, start + n):
+        local, seqs = hash_blocks(list(range(i * 8, i * 8 + 8)), 4)
+        records = [BlockRecord(s, l, p, 4) for s, l, p in zip(seqs, local, [None, seqs[0]])]
+        publisher.on_tier_stored("G2", records)
+        assert publisher.flush(5)
+
+
+def test_a_full_disk_leaves_whole_lines_and_one_warning(tmp_path, monkeypatch, caplog):
+    import errno
+    import os as os_module
+
+    from kvstrata.events.formats import decode_kvstrata
+    from kvstrata.events.spec import make_publisher
+
+    path = tmp_path / "events.jsonl"
+    publisher = make_publisher(f"jsonl:{path}", max_delay=0.0)
+    _publish_some(publisher, 3)
+    good = path.read_text().splitlines()
+    real_write = os_module.write
+
+    def half_then_full(fd, data):                  # the disk fills up mid-batch
+        if fd == publisher.sink._file:
+            real_write(fd, bytes(data[: max(1, len(data) // 2)]))
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os_module, "write", half_then_full)
+    with caplog.at_level("WARNING", logger="kvstrata.events.publisher"):
+        _publish_some(publisher, 5, start=10)
+    monkeypatch.setattr(os_module, "write", real_write)
+    text = path.read_text()
+    assert text.endswith("\n") and text.splitlines() == good    # nothing torn was left
+    for line in text.splitlines():
+        decode_kvstrata(line)
+    warnings = [r for r in caplog.records if "event sink" in r.getMessage()]
+    assert len(warnings) == 1 and "Traceback" not in caplog.text
+    assert "dropped" in warnings[0].getMessage()
+    assert publisher.sink_errors == 5
+    _publish_some(publisher, 1, start=30)         # space again: writing resumes
+    assert len(path.read_text().splitlines()) == len(good) + 1
+    publisher.close()
+
+
+def test_readers_skip_and_count_a_torn_tail(tmp_path):
+    from kvstrata.events.indexer import main
+    from kvstrata.events.spec import make_publisher
+    from kvstrata.events.subscriber import read_events_file
+
+    path = tmp_path / "events.jsonl"
+    publisher = make_publisher(f"jsonl:{path}", max_delay=0.0)
+    _publish_some(publisher, 4)
+    publisher.close()
+    whole = path.read_text()
+    path.write_text(whole + whole.splitlines()[0][:25])          # a writer died mid-line
+    torn: list[int] = []
+    events = list(read_events_file(str(path), torn=torn))
+    assert len(events) == len(whole.splitlines()) and torn == [len(whole.splitlines()) + 1]
+    assert main(["--file", str(path)]) == 0
+    path.write_text("{not json}\n" + whole)                        # a bad line inside: an error
+    assert main(["--file", str(path)]) == 2

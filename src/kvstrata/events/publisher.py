@@ -194,7 +194,9 @@ class EventPublisher(RegistryObserver):
         self.dropped = 0
         self.batches = 0
         self.sink_errors = 0
+        self.dropped_by_errors = 0
         self.compactions = 0
+        self._warned_at = float("-inf")
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> "EventPublisher":
@@ -618,11 +620,26 @@ class EventPublisher(RegistryObserver):
                     if self._closing:
                         return False
                 delay = min(delay * 2, self._backoff[1])
-            except Exception:
-                log.exception("event sink %s failed; dropping %d events", self.sink.describe(), len(items))
+            except Exception as exc:
                 with self._cond:
                     self.sink_errors += 1
+                    self.dropped_by_errors += len(items)
+                    errors, dropped = self.sink_errors, self.dropped_by_errors
+                now = time.monotonic()
+                if now - self._warned_at >= WARN_EVERY:   # one line now and then, not per batch
+                    self._warned_at = now
+                    log.warning("event sink %s failed: %s; %d events dropped in %d failed "
+                                "batches so far", self.sink.describe(), _one_line(exc), dropped,
+                                errors)
                 return False
+
+
+WARN_EVERY = 60.0
+"""Seconds between two warnings about a failing sink (the counts say how many failed)."""
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def chain_order(records: Iterable[BlockRecord]) -> list[BlockRecord]:

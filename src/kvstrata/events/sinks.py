@@ -66,7 +66,9 @@ class MemorySink(Sink):
 
 class JsonlFileSink(Sink):
     """Appends JSON lines to ``path``: kvstrata events (``format="kvstrata"``) or Dynamo
-    RouterEvents (``format="dynamo"``). Flushed to the OS after each batch."""
+    RouterEvents (``format="dynamo"``), one ``write`` per batch. Only whole lines land: a
+    batch that fails part-way (a full disk) is cut back off the file, so readers never meet a
+    torn line that this sink wrote."""
 
     def __init__(self, path: str, format: str = "kvstrata", dp_rank: int = 0, fsync: bool = False) -> None:
         if format not in EVENT_FORMATS:
@@ -83,30 +85,40 @@ class JsonlFileSink(Sink):
         parent = os.path.dirname(os.path.abspath(self.path))
         if not os.path.isdir(parent):
             raise FileNotFoundError(f"event file directory does not exist: {parent}")
-        self._file = open(self.path, "a", encoding="utf-8")
+        self._file = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC,
+                             0o644)
 
     def send(self, batch: EventBatch) -> None:
         if self.format == "kvstrata":
             text = formats.encode_jsonl(batch)
         else:
             text = formats.encode_dynamo_jsonl(batch, self.dp_rank)
+        data = text.encode("utf-8")
         with self._lock:
             assert self._file is not None, "sink not opened"
-            self._file.write(text)
-            self._file.flush()
+            start = os.fstat(self._file).st_size
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(self._file, view):]
+            except OSError:
+                try:
+                    os.ftruncate(self._file, start)      # whole lines only
+                except OSError:
+                    pass
+                raise
 
     def flush(self, timeout: float) -> bool:
         with self._lock:
-            if self._file is not None and not self._file.closed:
-                self._file.flush()
-                if self.fsync:
-                    os.fsync(self._file.fileno())
+            if self._file is not None and self.fsync:
+                os.fsync(self._file)
         return True
 
     def close(self, timeout: float) -> None:
         with self._lock:
             if self._file is not None:
-                self._file.close()
+                os.close(self._file)
+                self._file = None
 
     def describe(self) -> str:
         return f"{self.kind}:{self.path}"

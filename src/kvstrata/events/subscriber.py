@@ -240,8 +240,13 @@ def decode_line(line: str, fmt: str = "auto") -> tuple[int, int | None, Event]:
     return batch.identity.worker_id, batch.identity.publisher_id, batch.events[0]
 
 
-def read_events_file(path: str, fmt: str = "auto") -> Iterator[tuple[int, int | None, Event]]:
-    """Yield (worker_id, publisher_id, event) from a JSON-lines file; errors name the line."""
+def read_events_file(path: str, fmt: str = "auto",
+                     torn: list[int] | None = None) -> Iterator[tuple[int, int | None, Event]]:
+    """Yield (worker_id, publisher_id, event) from a JSON-lines file; errors name the line.
+
+    A last line without its newline that does not decode is a torn tail (a writer that
+    stopped mid-line: a crash, a full disk): it is skipped, and its line number appended to
+    ``torn`` when given. Any other bad line is an :class:`EventFormatError`."""
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -249,6 +254,11 @@ def read_events_file(path: str, fmt: str = "auto") -> Iterator[tuple[int, int | 
             try:
                 yield decode_line(line, fmt)
             except EventFormatError as exc:
+                if not line.endswith("\n") and not f.read(1):
+                    log.warning("%s:%d: torn last line skipped", path, n)
+                    if torn is not None:
+                        torn.append(n)
+                    return
                 raise EventFormatError(f"{path}:{n}: {exc}") from None
 
 
