@@ -171,3 +171,24 @@ def test_readers_skip_and_count_a_torn_tail(tmp_path):
     assert main(["--file", str(path)]) == 0
     path.write_text("{not json}\n" + whole)                        # a bad line inside: an error
     assert main(["--file", str(path)]) == 2
+
+
+@pytest.mark.parametrize("line", [
+    '{"event_id": 1, "data": {"stored": {"parent_hash": null, "blocks": [{"block_hash": 18446744073709551616, "tokens_hash": 1}]}}, "dp_rank": 0}',
+    '{"event_id": 1, "data": {"stored": {"parent_hash": 18446744073709551616, "blocks": [{"block_hash": 1, "tokens_hash": 1}]}}, "dp_rank": 0}',
+    '{"event_id": 1, "data": {"removed": {"block_hashes": [18446744073709551616]}}, "dp_rank": 0}',
+], ids=["block_hash", "parent_hash", "removed"])
+def test_hashes_beyond_u64_are_format_errors(line):
+    import json
+
+    wrapped = {"worker_id": 1, "storage_tier": "device", "event": json.loads(line)}
+    with pytest.raises(EventFormatError, match="64-bit"):
+        formats.decode_dynamo(wrapped)
+
+
+def test_vllm_events_with_hashes_beyond_u64_are_format_errors():
+    for event in ({"type": "BlockStored", "block_hashes": [1 << 64], "parent_block_hash": None,
+                   "token_ids": [], "block_size": 4, "medium": "CPU"},
+                  {"type": "BlockRemoved", "block_hashes": [-1], "medium": "CPU"}):
+        with pytest.raises(EventFormatError):
+            formats.events_from_vllm([event])

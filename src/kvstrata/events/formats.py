@@ -248,11 +248,25 @@ def _opt_int(obj: dict, key: str, what: str) -> int | None:
 _INT_ONLY = {int}
 
 
+_U64 = 1 << 64
+
+
+def _hash(obj: dict, key: str, what: str) -> int:
+    """A block hash: an unsigned 64-bit integer (what every tier and index stores)."""
+    value = obj.get(key)
+    if type(value) is not int or not 0 <= value < _U64:
+        raise EventFormatError(f"{what}: field {key!r} must be an unsigned 64-bit integer, "
+                               f"got {value!r}")
+    return value
+
+
 def _hash_list(obj: dict, key: str, what: str) -> tuple[int, ...]:
     values = obj.get(key)
-    # C-level checks (no per-element Python code): every element exactly an int, none negative
-    if type(values) is not list or (values and (not set(map(type, values)) <= _INT_ONLY or min(values) < 0)):
-        raise EventFormatError(f"{what}: field {key!r} must be a list of non-negative integers")
+    # C-level checks (no per-element Python code): every element exactly an int, all u64
+    if type(values) is not list or (values and (not set(map(type, values)) <= _INT_ONLY
+                                                or min(values) < 0 or max(values) >= _U64)):
+        raise EventFormatError(f"{what}: field {key!r} must be a list of unsigned 64-bit "
+                               f"integers")
     return tuple(values)
 
 
@@ -293,8 +307,8 @@ def event_from_dict(obj: Any) -> Event:
                 ]
             )
         parent = obj.get("parent_hash")
-        if parent is not None and (type(parent) is not int or parent < 0):
-            _int(obj, "parent_hash", what)
+        if parent is not None and (type(parent) is not int or not 0 <= parent < _U64):
+            _hash(obj, "parent_hash", what)
         size = obj.get("block_size")
         if type(size) is not int or size < 0:
             _int(obj, "block_size", what)
@@ -481,11 +495,12 @@ def decode_dynamo(data: bytes | str | dict) -> tuple[int, Event]:
         if not isinstance(st, dict) or not isinstance(st.get("blocks"), list) or not st["blocks"]:
             raise EventFormatError("router event: 'stored.blocks' must be a non-empty list")
         blocks = tuple(
-            StoredBlock(_int(b, "block_hash", "stored block"), _int(b, "tokens_hash", "stored block"))
+            StoredBlock(_hash(b, "block_hash", "stored block"), _hash(b, "tokens_hash", "stored block"))
             for b in st["blocks"]
         )
         # Dynamo events carry no block size; 0 means "unknown".
-        return worker_id, StoredEvent(event_id, tier, _opt_int(st, "parent_hash", "stored"), 0, blocks)
+        parent = None if st.get("parent_hash") is None else _hash(st, "parent_hash", "stored")
+        return worker_id, StoredEvent(event_id, tier, parent, 0, blocks)
     if isinstance(data_, dict) and "removed" in data_:
         rm = data_["removed"]
         if not isinstance(rm, dict):
@@ -652,14 +667,16 @@ def events_from_vllm(events: Iterable[dict[str, Any]], first_event_id: int = 1) 
         if kind == "BlockStored":
             size = ev["block_size"]
             tokens = ev.get("token_ids") or []
-            hashes = ev["block_hashes"]
+            hashes = _hash_list(ev, "block_hashes", "vLLM BlockStored")
             blocks = []
             for i, h in enumerate(hashes):
                 toks = tuple(tokens[i * size : (i + 1) * size]) if tokens else None
                 blocks.append(StoredBlock(h, 0, toks))
-            out.append(StoredEvent(eid, tier, ev.get("parent_block_hash"), size, tuple(blocks)))
+            parent = None if ev.get("parent_block_hash") is None else \
+                _hash(ev, "parent_block_hash", "vLLM BlockStored")
+            out.append(StoredEvent(eid, tier, parent, size, tuple(blocks)))
         elif kind == "BlockRemoved":
-            out.append(RemovedEvent(eid, tier, tuple(ev["block_hashes"])))
+            out.append(RemovedEvent(eid, tier, _hash_list(ev, "block_hashes", "vLLM BlockRemoved")))
         elif kind == "AllBlocksCleared":
             out.append(ClearedEvent(eid, tier))
         else:
