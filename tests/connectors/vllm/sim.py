@@ -295,3 +295,17 @@ def sim_factory(cls, tmp_path, block_size: int):
     for sim in sims:
         for worker in sim.workers:
             worker.shutdown()
+
+
+def slow_path(worker, path: str, seconds: float):
+    """Make every ``path`` copy of ``worker`` sleep ``seconds`` first (a copy still running
+    when the engine moves on); returns a function that restores the path."""
+    handlers = worker.engine._handlers
+    real = handlers[path]
+
+    def slow(*args):
+        time.sleep(seconds)
+        return real(*args)
+
+    handlers[path] = slow
+    return lambda: handlers.__setitem__(path, real)

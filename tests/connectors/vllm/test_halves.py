@@ -13,7 +13,8 @@ import torch
 
 pytest.importorskip("vllm")
 
-from .sim import LAYERS, SimEngine, assert_idle, block_kv, sim_factory  # noqa: E402
+from .sim import (LAYERS, SimEngine, assert_idle, block_kv, sim_factory,  # noqa: E402
+                  slow_path)
 
 BS = 4
 
@@ -140,21 +141,13 @@ def test_finished_request_is_held_while_its_stores_run(make, monkeypatch):
 
 def test_preemption_flushes_stores_before_blocks_are_overwritten(make):
     sim = make()
-    worker = sim.workers[0]
-    handlers = worker.engine._handlers
-    store = handlers["G1->G2"]
-
-    def slow_store(*args):                     # a store still reading when vLLM preempts
-        time.sleep(0.3)
-        return store(*args)
-
-    handlers["G1->G2"] = slow_store
+    restore = slow_path(sim.workers[0], "G1->G2", 0.3)   # a store still reading at preemption
     tokens = prompt(6, 5 * BS + 1)
     request = sim.add("a", tokens, max_new=6)
     sim.step()                                  # prefill; its stores start after the forward
     sim.preempt("a")                            # freed; the next forward scribbles over them
     sim.step()                                  # handle_preemptions waits for the stores first
-    handlers["G1->G2"] = store
+    restore()
     sim.run()
     run_and_check_load(sim, "b", tokens + [1, 2], expect_blocks=5)   # G2 holds the real KV
     assert request.request_id in sim.finished
@@ -167,20 +160,13 @@ def test_without_the_flush_the_scribble_would_be_stored(make, monkeypatch):
     sim = make(extra={"verify_host_reads": False})
     worker = sim.workers[0]
     monkeypatch.setattr(worker, "flush_g1_readers", lambda: None)
-    handlers = worker.engine._handlers
-    store = handlers["G1->G2"]
-
-    def slow_store(*args):
-        time.sleep(0.3)
-        return store(*args)
-
-    handlers["G1->G2"] = slow_store
+    restore = slow_path(worker, "G1->G2", 0.3)
     tokens = prompt(6, 5 * BS + 1)
     sim.add("a", tokens, max_new=6)
     sim.step()
     sim.preempt("a")
     sim.step()
-    handlers["G1->G2"] = store
+    restore()
     sim.run()
     with pytest.raises(AssertionError):
         run_and_check_load(sim, "b", tokens + [1, 2], expect_blocks=5)

@@ -26,7 +26,7 @@ from kvstrata.connectors.vllm.settings import (ConnectorConfigError, KvGeometry,
                                                settings_from)
 
 from .sim import (LAYERS, SimEngine, _BlockState, _ConnectorOutput,  # noqa: E402
-                  _SchedulerOutput, assert_idle, block_kv, sim_factory)
+                  _SchedulerOutput, assert_idle, block_kv, sim_factory, slow_path)
 
 BS = 4
 
@@ -431,6 +431,17 @@ def all_blocks_free(sim: HostileSim, g1_blocks: int = 64) -> None:
     assert sorted(sim.free) == list(range(g1_blocks)), "vLLM blocks leaked"
 
 
+def finish_load(sim: HostileSim, request, blocks: int) -> None:
+    """Step until ``request``'s load is done, check its first ``blocks`` blocks byte for
+    byte, run to the end and check nothing is left held or leaked."""
+    step_until(sim, lambda: request.state == "running")
+    assert not sim.invalid_seen
+    check_blocks(sim, request, blocks)
+    sim.run()
+    assert_idle(sim)
+    all_blocks_free(sim)
+
+
 def test_abort_in_every_state_leaks_nothing(make, monkeypatch):
     sim = make()
     stored = prompt(110, 5 * BS + 1)
@@ -542,12 +553,7 @@ def test_load_after_vllms_own_prefix_cache_hit_fills_the_right_blocks(make):
     request.loaded = 6
     request.state = "loading"
     request.num_computed_tokens = 2 * BS + n
-    step_until(sim, lambda: request.state == "running")
-    assert not sim.invalid_seen
-    check_blocks(sim, request, 6)
-    sim.run()
-    assert_idle(sim)
-    all_blocks_free(sim)
+    finish_load(sim, request, 6)
 
 
 def test_preempted_request_resumes_from_its_own_stored_blocks(make):
@@ -585,12 +591,7 @@ def test_fewer_tokens_accepted_than_offered(make):
     sim.scheduler.update_state_after_alloc(request, list(request.block_ids), n - 2 * BS)
     request.loaded, request.state = 4, "loading"
     request.num_computed_tokens = n - 2 * BS
-    step_until(sim, lambda: request.state == "running")
-    assert not sim.invalid_seen
-    check_blocks(sim, request, 4)
-    sim.run()
-    assert_idle(sim)
-    all_blocks_free(sim)
+    finish_load(sim, request, 4)
 
 
 def test_blocks_of_a_preempted_request_go_to_a_load_after_the_flush(make):
@@ -602,14 +603,7 @@ def test_blocks_of_a_preempted_request_go_to_a_load_after_the_flush(make):
     tokens = prompt(170, 5 * BS + 1)
     sim.add("a0", tokens)
     sim.run()
-    handlers = sim.workers[0].engine._handlers
-    store = handlers["G1->G2"]
-
-    def slow_store(*args):
-        time.sleep(0.2)
-        return store(*args)
-
-    handlers["G1->G2"] = slow_store
+    restore = slow_path(sim.workers[0], "G1->G2", 0.2)
     other = prompt(171, 5 * BS + 1)
     preempted = sim.add("a", other, max_new=6)
     sim.step()
@@ -617,7 +611,7 @@ def test_blocks_of_a_preempted_request_go_to_a_load_after_the_flush(make):
     sim.preempt("a")
     parked = sim.requests.pop("a")
     sim.step()                                  # flush, then the forward scribbles
-    handlers["G1->G2"] = store
+    restore()
     request = sim.add("b", tokens + [3])
     sim.requests["a"] = parked
     step_until(sim, lambda: request.state == "running")
