@@ -178,3 +178,28 @@ def test_a_body_shorter_than_announced_times_out_with_400():
         assert time.monotonic() - start < 8
     finally:
         server.close()
+
+
+def test_only_trusted_workers_are_indexed(tmp_path, capsys):
+    import json as json_module
+
+    from kvstrata.events.indexer import main
+    from kvstrata.events.spec import make_publisher
+    from kvstrata.tokens import hash_blocks
+    from kvstrata.types import BlockRecord
+
+    paths = []
+    for worker in (1, 2):
+        path = tmp_path / f"w{worker}.jsonl"
+        publisher = make_publisher(f"jsonl:{path}", worker_id=worker, max_delay=0.0)
+        local, seqs = hash_blocks(list(range(worker * 100, worker * 100 + 8)), 4)
+        publisher.on_tier_stored("G2", [BlockRecord(s, l, p, 4) for s, l, p
+                                        in zip(seqs, local, [None, seqs[0]])])
+        publisher.close()
+        paths.append(str(path))
+    assert main(["--file", paths[0], "--file", paths[1], "--trust-workers", "1"]) == 0
+    stats = json_module.loads(capsys.readouterr().out)
+    assert stats["stream"]["untrusted"] == 1 and stats["stream"]["workers"] == 1
+    with pytest.raises(SystemExit) as stop:
+        main(["--file", paths[0], "--trust-workers", "x"])
+    assert stop.value.code == 2

@@ -385,6 +385,16 @@ def _host_port(value: str) -> tuple[str, int]:
     return host or "127.0.0.1", int(port)
 
 
+def _worker_list(value: str) -> frozenset[int]:
+    try:
+        ids = frozenset(int(v) for v in value.replace(",", " ").split())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected worker ids like 1,2,3, got {value!r}") from None
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"expected worker ids >= 0, got {value!r}")
+    return ids
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvstrata.cliparse import OneLineParser
 
@@ -402,6 +412,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--query", metavar="H1,H2,...", help="print the prefix match for these sequence hashes and exit")
     p.add_argument("--local", action="store_true", help="--query hashes are local (tokens) hashes")
     p.add_argument("--worker-id", type=int, default=None, help="with --file: override the worker id of every event")
+    p.add_argument("--trust-workers", metavar="W1,W2,...", type=_worker_list, default=None,
+                   help="apply events of these worker ids only; others are dropped and "
+                   "counted (stats: stream.untrusted). --subject is followed exactly")
     return p
 
 
@@ -419,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         from kvstrata.events.model import EventFormatError
         from kvstrata.events.subscriber import read_events_file
 
-        follower = StreamFollower(index, snapshots=False)
+        follower = StreamFollower(index, snapshots=False, trusted_workers=args.trust_workers)
         path = None
         try:
             for path in args.file:
@@ -460,7 +473,8 @@ def main(argv: list[str] | None = None) -> int:
     from kvstrata.events.subscriber import NatsFollower
 
     fmt = "kvstrata" if args.format == "auto" else args.format
-    nf = NatsFollower(args.nats, args.subject, index, format=fmt, jetstream=args.jetstream)
+    nf = NatsFollower(args.nats, args.subject, index, format=fmt, jetstream=args.jetstream,
+                      trusted_workers=args.trust_workers)
     try:
         nf.start()
     except (TimeoutError, OSError) as exc:

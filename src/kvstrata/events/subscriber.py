@@ -80,10 +80,15 @@ class StreamFollower:
     gaps are counted and events applied anyway (best effort, e.g. reading a file).
     """
 
-    def __init__(self, target: EventTarget, *, snapshots: bool = True, max_buffer: int = 1_000_000) -> None:
+    def __init__(self, target: EventTarget, *, snapshots: bool = True, max_buffer: int = 1_000_000,
+                 trusted_workers: Iterable[int] | None = None) -> None:
         self.target = target
         self.snapshots = snapshots
         self.max_buffer = max_buffer
+        self.trusted_workers = frozenset(trusted_workers) if trusted_workers is not None else None
+        """Worker ids whose events are applied (None: every worker); others are dropped
+        and counted in ``untrusted``: a bus others can publish on cannot forge a worker."""
+        self.untrusted = 0
         self.workers: dict[int, _Worker] = {}
         self.lock = threading.RLock()
         self.applied = 0
@@ -99,6 +104,10 @@ class StreamFollower:
     def feed(self, worker_id: int, publisher_id: int | None, events: Iterable[Event]) -> None:
         events = list(events)
         if not events:
+            return
+        if self.trusted_workers is not None and worker_id not in self.trusted_workers:
+            with self.lock:
+                self.untrusted += len(events)
             return
         with self.lock:
             st = self.workers.get(worker_id)
@@ -202,6 +211,7 @@ class StreamFollower:
                 "gaps": self.gaps,
                 "restarts": self.restarts,
                 "snapshots_applied": self.snapshots_applied,
+                "untrusted": self.untrusted,
                 "syncing": sum(1 for st in self.workers.values() if st.syncing),
             }
 
@@ -294,6 +304,7 @@ class NatsFollower:
         snapshots: bool = True,
         snapshot_timeout: float = 2.0,
         on_batch: Callable[[int], None] | None = None,
+        trusted_workers: Iterable[int] | None = None,
     ) -> None:
         from kvstrata.events.sinks import EVENT_FORMATS, check_subject
 
@@ -304,7 +315,8 @@ class NatsFollower:
         self.format = format
         self.jetstream = jetstream
         self.snapshot_timeout = snapshot_timeout
-        self.follower = StreamFollower(target, snapshots=snapshots and format == "kvstrata")
+        self.follower = StreamFollower(target, snapshots=snapshots and format == "kvstrata",
+                                       trusted_workers=trusted_workers)
         self.on_batch = on_batch
         self.decode_errors = 0
         self.messages = 0
