@@ -62,12 +62,20 @@ def _open_text(path: Path):
     return open(path, "r", encoding="utf-8")
 
 
+MAX_TRACE_NUMBER = 2**63
+"""Largest timestamp or length a trace line may give (a bigger one is a malformed line)."""
+
+
 def parse_request(line: str, where: str) -> TraceRequest:
     """One trace line -> :class:`TraceRequest`; ``where`` ("file:line") names it in errors."""
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
         raise TraceFormatError(f"{where}: not valid JSON ({exc.msg})") from None
+    except RecursionError:
+        raise TraceFormatError(f"{where}: nests too deeply") from None
+    except ValueError as exc:                    # e.g. an integer of thousands of digits
+        raise TraceFormatError(f"{where}: {' '.join(str(exc).split())[:120]}") from None
     if not isinstance(obj, dict):
         raise TraceFormatError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     missing = [k for k in ("input_length", "hash_ids") if k not in obj]
@@ -89,6 +97,7 @@ def parse_request(line: str, where: str) -> TraceRequest:
             or isinstance(value, bool)
             or not math.isfinite(value)
             or value < 0
+            or value > MAX_TRACE_NUMBER
         ):
             raise TraceFormatError(f"{where}: {key} must be a non-negative number, got {value!r}")
         fields[key] = int(value)

@@ -84,7 +84,10 @@ def parse_sink_spec(spec: str) -> SinkSpec:
                 raise SinkSpecError(f"sink spec {spec!r}: missing file path after {prefix!r}")
             return SinkSpec(prefix[:-1], path)
     if spec.startswith("nats://"):
-        parts = urlsplit(spec)
+        try:
+            parts = urlsplit(spec)
+        except ValueError as exc:                       # e.g. "nats://[": a bad IPv6 host
+            raise SinkSpecError(f"sink spec {spec!r}: {exc}") from None
         try:
             port = parts.port
         except ValueError:
