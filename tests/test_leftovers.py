@@ -56,11 +56,26 @@ def test_a_new_disk_tier_reclaims_slabs_of_killed_processes(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+_STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_replay_outlives_its_test():
+    yield
+    while _STARTED:
+        proc = _STARTED.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def _replay_data(tmp_dir, *extra):
     env = dict(os.environ, TMPDIR=str(tmp_dir), PYTHONUNBUFFERED="1")
-    return subprocess.Popen([sys.executable, "-m", "kvstrata.cli", "replay", "--data",
+    proc = subprocess.Popen([sys.executable, "-m", "kvstrata.cli", "replay", "--data",
                              "--no-progress", "--limit", "100000", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    _STARTED.append(proc)
+    return proc
 
 
 def _wait_for_slab(tmp_dir, proc, timeout=120.0):

@@ -143,6 +143,9 @@ def _generate(llm, prompt: list[int], max_tokens: int = 16, reset: bool = True):
         assert llm.reset_prefix_cache()           # vLLM's own cache emptied, kvstrata's kept
     sp = SamplingParams(max_tokens=max_tokens, temperature=0, detokenize=False)
     (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp, use_tqdm=False)
+    # The turn's stores land before the next turn (a conversation's pause), whatever the
+    # machine's load: the in-process engine is stepped until kvstrata is idle.
+    _wait_idle(_half(llm), llm=llm)
     return list(out.outputs[0].token_ids), out.num_cached_tokens
 
 
