@@ -48,11 +48,6 @@ class VllmEventCollector(RegistryObserver):
             self._add(BlockRemoved(block_hashes=list(sequence_hashes),
                                    medium=spec(tier).vllm_medium))
 
-    def removed(self, tier: str, sequence_hashes: Sequence[int]) -> None:
-        """Say that ``tier`` dropped ``sequence_hashes`` (a whole tier cleared: vLLM's
-        ``AllBlocksCleared`` would also clear the engine's own blocks)."""
-        self.on_tier_removed(tier, sequence_hashes)
-
     def take(self) -> list[KVCacheEvent]:
         events = list(self._events)
         self._events.clear()

@@ -117,7 +117,6 @@ class SchedulerHalf:
         self._loads: dict[str, LoadOrder] = {}
         self._loading: set[str] = set()
         self._held: dict[str, frozenset[int]] = {}
-        self._tickets: dict[int, str] = {}
         self._flush = False
         self._load_tiers: dict[str, list[str]] = {}
         self._warned_no_slot = float("-inf")
@@ -176,7 +175,7 @@ class SchedulerHalf:
         hashes = tracked.seq[start:start + len(targets)]
         self._loading.add(request.request_id)
         try:
-            ticket = self.planner.prepare_onboard(hashes, engine_block_ids=targets)
+            self.planner.prepare_onboard(hashes, engine_block_ids=targets)
         except PlacementError as exc:
             # e.g. a block vLLM reused while a copy still reads it: recompute instead
             log.warning("kvstrata: load for request %s not planned: %s", request.request_id, exc)
@@ -188,7 +187,6 @@ class SchedulerHalf:
         wanted = set(targets)
         mine = [p for p in plans if p.dst_tier == TOP_TIER and wanted.issuperset(p.dst_block_ids)]
         filled = {b for p in mine for b in p.dst_block_ids}
-        self._tickets[ticket] = request.request_id
         self._loads[request.request_id] = LoadOrder(
             tuple(p.job_id for p in mine), tuple(b for b in targets if b not in filled))
         self._collect_finished()
@@ -264,7 +262,7 @@ class SchedulerHalf:
             pool.clear()
             gone = held - self.registry.hashes_in(tier)
             if gone:
-                self.events.removed(tier, sorted(gone))
+                self.events.on_tier_removed(tier, sorted(gone))
         return True
 
     # -- helpers ---------------------------------------------------------------------------
@@ -332,7 +330,6 @@ class SchedulerHalf:
 
     def _collect_finished(self) -> None:
         for result in self.planner.take_finished():
-            self._tickets.pop(result.ticket, None)
             self._count_onboard(result)
 
     def _count_onboard(self, result: OnboardResult) -> None:
