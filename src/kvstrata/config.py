@@ -119,6 +119,9 @@ class KvConfig:
     model: ModelGeometry = field(default_factory=ModelGeometry)
     disk_dir: str | None = None
     keep_tokens: bool = False
+    model_id: str = ""
+    """The model's identity (name and revision) for the compatibility fingerprint of stored
+    blocks (:mod:`kvstrata.compat`); "" leaves only the geometry to tell models apart."""
 
     @property
     def bytes_per_block(self) -> int:
@@ -171,6 +174,9 @@ class KvConfig:
                 problems.append(
                     f"tier {name}: unknown admission {tier.admission!r}; one of {sorted(ADMISSION_NAMES)}"
                 )
+        if not isinstance(self.model_id, str) or len(self.model_id) > 512:
+            problems.append(f"model_id must be a string of at most 512 characters, got "
+                            f"{self.model_id!r:.80}")
         if self.eviction not in EVICTION_NAMES:
             problems.append(f"unknown eviction {self.eviction!r}; one of {sorted(EVICTION_NAMES)}")
         if self.admission not in ADMISSION_NAMES:
@@ -205,7 +211,7 @@ class KvConfig:
 
 # -- loading ---------------------------------------------------------------------------------
 
-_TOP_KEYS = {"block_size", "eviction", "admission", "disk_dir", "keep_tokens"}
+_TOP_KEYS = {"block_size", "eviction", "admission", "disk_dir", "keep_tokens", "model_id"}
 _TIER_KEYS = {"blocks", "bytes", "gb", "eviction", "admission", "path"}
 _MODEL_KEYS = {"num_layers", "kv_heads", "head_dim", "dtype", "outer_dim"}
 
@@ -289,6 +295,7 @@ _ENV_SCALARS = {
     "KVSTRATA_POLICY": "eviction",
     "KVSTRATA_ADMISSION": "admission",
     "KVSTRATA_DISK_DIR": "disk_dir",
+    "KVSTRATA_MODEL_ID": "model_id",
 }
 _ENV_TIER_SIZE = re.compile(rf"^KVSTRATA_({'|'.join(TIER_NAMES)})_(BLOCKS|BYTES|GB)$")
 _DYNAMO_TIER_GB = {"DYN_KVBM_CPU_CACHE_GB": first_of_kind(TierKind.HOST),

@@ -12,13 +12,15 @@ tier    kind    addressing  persistent  Dynamo tier        vLLM medium
 ======  ======  ==========  ==========  =================  ===========
 G1      device  slots       no          ``device``         ``GPU``
 G2      host    slots       no          ``host_pinned``    ``CPU``
-G3      disk    slots       no          ``disk``           ``STORAGE``
+G3      disk    slots       yes         ``disk``           ``STORAGE``
 G4      object  keys        yes         ``external``       ``REMOTE``
 ======  ======  ==========  ==========  =================  ===========
 
 G1 is the engine's device memory (a CPU tensor stands in without a GPU); G2 host RAM owned by
-kvstrata; G3 a slab file on local disk (removed when its owner closes, so not persistent
-yet); G4 a store shared by workers (an S3-compatible bucket), addressed by keys.
+kvstrata; G3 a slab file on local disk, kept with its index across restarts when it lives in
+a configured directory (a temporary one is removed when its owner closes); G4 a store shared
+by workers (an S3-compatible bucket), addressed by keys. Plans into a persistent tier carry
+each block's identity (parent and local hash) so it can be stored with the block.
 
 This module imports nothing from kvstrata.
 """
@@ -75,7 +77,7 @@ TIERS: tuple[TierSpec, ...] = (
              "device memory: the engine's KV tensors", 1_000),
     TierSpec("G2", TierKind.HOST, Addressing.SLOTS, False, 1, "host_pinned", "CPU",
              "host RAM owned by kvstrata", 4_000),
-    TierSpec("G3", TierKind.DISK, Addressing.SLOTS, False, 2, "disk", "STORAGE",
+    TierSpec("G3", TierKind.DISK, Addressing.SLOTS, True, 2, "disk", "STORAGE",
              "a slab file on local disk", 16_000),
     TierSpec("G4", TierKind.OBJECT, Addressing.KEYS, True, 3, "external", "REMOTE",
              "a store shared by workers, addressed by keys"),

@@ -265,9 +265,13 @@ class TransferEngine:
             # Known checksums travel end to end: the disk records the xxh3 the block got
             # when it entered host memory (no second hash pass; bytes corrupted there since
             # then fail the disk read). Deferred ones are hashed by the disk while the write runs.
+            identities = {}
+            if plan.has_identities:   # a durable disk records them in its index
+                identities = {"parent_hashes": [plan.parent_hashes[p] for p in good],
+                              "local_hashes": [plan.local_hashes[p] for p in good]}
             sums = disk.write_blocks(
                 [plan.dst_block_ids[p] for p in good], [host.block_array(b) for b in src_ids],
-                seqs, checksums=known)
+                seqs, checksums=known, **identities)
         except BlockIOError as exc:
             _remap(exc.failures, good, failures)
             sums = exc.checksums or [None] * len(good)

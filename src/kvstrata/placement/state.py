@@ -139,9 +139,14 @@ class PlacementState:
                                           target.block_ids if target is not None else engine_dst)
         job_id = self._next_job
         self._next_job += 1
+        parents: tuple = ()
+        locals_: tuple = ()
+        if spec(target_tier).persistent:   # stored blocks outlive us: they keep their identity
+            parents = tuple(r.parent_hash for r in records)
+            locals_ = tuple(r.local_hash for r in records)
         plan = TransferPlan.trusted(job_id, self._endpoints[source_tier],
                                     self._endpoints[target_tier], hashes, src_ids, dst_ids,
-                                    src_keys, dst_keys)
+                                    src_keys, dst_keys, parents, locals_)
         engine = (*engine_src, *engine_dst)
         job = Job(plan, records, source, target, ticket, engine, tuple(engine_dst))
         self.jobs[job_id] = job

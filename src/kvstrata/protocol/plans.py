@@ -4,7 +4,10 @@ A :class:`TransferPlan` is what the placement planner hands to an executor: copy
 (named by ``sequence_hashes[i]``) from the source endpoint to the target endpoint. Each side
 addresses its blocks the way its tier does (:mod:`kvstrata.tiers`): slot-addressed tiers by
 block ids (``src_block_ids`` / ``dst_block_ids``), key-addressed ones by string keys
-(``src_keys`` / ``dst_keys``). ``job_id`` names the plan; its
+(``src_keys`` / ``dst_keys``). A plan into a tier whose blocks outlive the process (a durable
+disk tier, an object store) also carries each block's identity -- ``parent_hashes`` and
+``local_hashes`` -- so the stored block can be announced again, with its place in the chain,
+by whoever finds it later. ``job_id`` names the plan; its
 :class:`~kvstrata.protocol.results.TransferResult` comes back under the same id.
 
 Plans cross process boundaries (a scheduler plans, its workers execute), so they are plain,
@@ -30,7 +33,7 @@ PLAN_VERSION = 1
 
 _INT_ONLY = {int}
 _PLAN_KEYS = {"version", "job_id", "source", "target", "sequence_hashes", "src_block_ids",
-              "dst_block_ids", "src_keys", "dst_keys"}
+              "dst_block_ids", "src_keys", "dst_keys", "parent_hashes", "local_hashes"}
 
 
 def _is_int(value: Any) -> bool:
@@ -50,6 +53,16 @@ def _int_tuple(name: str, values: Any, upper: int | None = None) -> tuple[int, .
             raise TransferPlanError(f"{name}[{i}] must be an int, got {v!r}")
         if v < 0 or (upper is not None and v >= upper):
             raise TransferPlanError(f"{name}[{i}] = {v} is out of range")
+    return out
+
+
+def _parent_tuple(values: Any) -> tuple[int | None, ...]:
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise TransferPlanError(f"parent_hashes must be a list, got {type(values).__name__}")
+    out = tuple(values)
+    for i, v in enumerate(out):
+        if v is not None and (not _is_int(v) or not 0 <= v < U64_LIMIT):
+            raise TransferPlanError(f"parent_hashes[{i}] must be a u64 or null, got {v!r}")
     return out
 
 
@@ -98,7 +111,8 @@ class Endpoint:
 class TransferPlan:
     """Copy block ``i`` of ``source`` to ``target``; ``sequence_hashes[i]`` names it (stored
     with it, checked on reads, reported on failure). Slot-addressed sides fill the
-    ``*_block_ids`` field, key-addressed sides the ``*_keys`` field (the other stays empty)."""
+    ``*_block_ids`` field, key-addressed sides the ``*_keys`` field (the other stays empty).
+    ``parent_hashes`` / ``local_hashes`` are empty, or give every block's identity."""
 
     job_id: int
     source: Endpoint
@@ -108,6 +122,8 @@ class TransferPlan:
     dst_block_ids: tuple[int, ...] = ()
     src_keys: tuple[str, ...] = ()
     dst_keys: tuple[str, ...] = ()
+    parent_hashes: tuple[int | None, ...] = ()
+    local_hashes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not _is_int(self.job_id) or self.job_id < 0:
@@ -140,6 +156,19 @@ class TransferPlan:
                 raise TransferPlanError(f"{field} contains duplicates")
             object.__setattr__(self, field, values)
             object.__setattr__(self, unused, ())
+        parents = _parent_tuple(self.parent_hashes)
+        locals_ = _int_tuple("local_hashes", self.local_hashes, U64_LIMIT)
+        if len(parents) != len(locals_) or (parents and len(parents) != len(seqs)):
+            raise TransferPlanError(f"parent_hashes ({len(parents)}) and local_hashes "
+                                    f"({len(locals_)}) must both be empty or give one value "
+                                    f"per block ({len(seqs)})")
+        object.__setattr__(self, "parent_hashes", parents)
+        object.__setattr__(self, "local_hashes", locals_)
+
+    @property
+    def has_identities(self) -> bool:
+        """Whether the plan carries each block's parent and local hash."""
+        return bool(self.local_hashes)
 
     @classmethod
     def for_path(cls, path: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
@@ -158,14 +187,16 @@ class TransferPlan:
     def trusted(cls, job_id: int, source: Endpoint, target: Endpoint,
                 sequence_hashes: tuple[int, ...], src_block_ids: tuple[int, ...] = (),
                 dst_block_ids: tuple[int, ...] = (), src_keys: tuple[str, ...] = (),
-                dst_keys: tuple[str, ...] = ()) -> "TransferPlan":
+                dst_keys: tuple[str, ...] = (), parent_hashes: tuple[int | None, ...] = (),
+                local_hashes: tuple[int, ...] = ()) -> "TransferPlan":
         """Build a plan without validation, from values the caller has already checked (the
         planner's own pool ids and registered hashes). Everything that arrives from outside
         goes through the constructor or :meth:`from_dict` instead."""
         plan = object.__new__(cls)
         plan.__dict__.update(job_id=job_id, source=source, target=target,
                              sequence_hashes=sequence_hashes, src_block_ids=src_block_ids,
-                             dst_block_ids=dst_block_ids, src_keys=src_keys, dst_keys=dst_keys)
+                             dst_block_ids=dst_block_ids, src_keys=src_keys, dst_keys=dst_keys,
+                             parent_hashes=parent_hashes, local_hashes=local_hashes)
         return plan
 
     def __len__(self) -> int:
@@ -191,7 +222,9 @@ class TransferPlan:
                 "sequence_hashes": list(self.sequence_hashes),
                 "src_block_ids": list(self.src_block_ids),
                 "dst_block_ids": list(self.dst_block_ids),
-                "src_keys": list(self.src_keys), "dst_keys": list(self.dst_keys)}
+                "src_keys": list(self.src_keys), "dst_keys": list(self.dst_keys),
+                "parent_hashes": list(self.parent_hashes),
+                "local_hashes": list(self.local_hashes)}
 
     @classmethod
     def from_dict(cls, data: Any) -> "TransferPlan":
@@ -209,4 +242,5 @@ class TransferPlan:
         return cls(data["job_id"], Endpoint.from_dict(data["source"], "source"),
                    Endpoint.from_dict(data["target"], "target"), data["sequence_hashes"],
                    data.get("src_block_ids", ()), data.get("dst_block_ids", ()),
-                   data.get("src_keys", ()), data.get("dst_keys", ()))
+                   data.get("src_keys", ()), data.get("dst_keys", ()),
+                   data.get("parent_hashes", ()), data.get("local_hashes", ()))

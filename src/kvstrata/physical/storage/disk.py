@@ -24,6 +24,13 @@ other blocks of the batch completed.
 
 The file is deleted on :meth:`close` unless ``keep_file=True``. Nothing here holds a lock
 across I/O; concurrent calls on distinct slots are safe.
+
+**Durable** (:meth:`DiskStorage.durable`): the slab is ``slab`` in a home directory named by
+the blocks' compatibility fingerprint and locked for this process (:mod:`.disk_home`), with
+an index journal beside it (:mod:`.disk_index`): a write frees the slots in the index, writes
+the bytes, then records the blocks. A restart recovers the recorded blocks (:attr:`recovered`)
+into the checksum table, so every recovered block is verified when first read; the slab is
+resized (never rewritten) to the configured size.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import queue
 import secrets
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -47,14 +55,26 @@ from ..errors import (BlockFailure, DiskFullError, FailureKind, StorageConfigErr
 from ...protocol.layout import FullyContiguousLayout, LayoutConfig
 from ...protocol.layout_codec import StorageDescriptor
 from .base import Storage, StorageStatus
+from .disk_home import DiskTierHome
+from .disk_index import DiskIndex, IndexEntry
 from .fileio import FileOps
 
-__all__ = ["DiskStorage", "DIRECT_ALIGNMENT"]
+__all__ = ["DiskStorage", "Durability", "DIRECT_ALIGNMENT"]
 
 DIRECT_ALIGNMENT = 4096
 _IOV_MAX = 1024
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 _NO_FALLOCATE = {errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS}
+
+
+@dataclass(frozen=True)
+class Durability:
+    """What makes a :class:`DiskStorage` durable: its claimed home, the fingerprint of its
+    blocks, and whether every write is flushed (``sync``)."""
+
+    home: DiskTierHome
+    fingerprint: str
+    sync: bool = False
 
 
 def _failure_kind(exc: OSError) -> FailureKind:
@@ -70,14 +90,14 @@ class DiskStorage(Storage):
                  name: str = "g3", o_direct: bool | None = None,
                  file_ops: FileOps | None = None, max_io_bytes: int = 16 << 20,
                  staging_buffers: int = 2, keep_file: bool = False,
-                 overlap_bytes: int = 256 << 10) -> None:
+                 overlap_bytes: int = 256 << 10, durable: "Durability | None" = None) -> None:
         layout = FullyContiguousLayout(
             config.with_alignment(max(config.alignment, DIRECT_ALIGNMENT)))
         super().__init__(layout)
         self._ops = file_ops or FileOps()
         self._stride = layout.block_stride
         self._max_run = max(1, min(max_io_bytes // self._stride, _IOV_MAX))
-        self._keep_file = keep_file
+        self._keep_file = keep_file or durable is not None
         self.notes: list[str] = []
         self.checksums = ChecksumTable(config.num_blocks)
         self._staging: queue.SimpleQueue[AlignedBuffer] = queue.SimpleQueue()
@@ -85,28 +105,88 @@ class DiskStorage(Storage):
         self._staging_lock = threading.Lock()
         self._hash_pool: ThreadPoolExecutor | None = None
         self._overlap_bytes = overlap_bytes
+        self._durable = durable
+        self.index: DiskIndex | None = None
+        self.recovered: list[IndexEntry] = []
+        """Durable only: the entries recovered from the index at start, oldest first."""
 
         directory = Path(directory)
         try:
             directory.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise StorageConfigError(f"cannot create disk pool directory {directory}: {exc}") from exc
-        reclaim(directory, f"kvstrata-{name}-")       # slabs of killed processes
-        self.path = directory / f"kvstrata-{name}-{owner_tag()}-{secrets.token_hex(4)}.slab"
         self.size = layout.region_bytes(0)
-        fd = self._ops.open(str(self.path), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC)
+        if durable is None:
+            reclaim(directory, f"kvstrata-{name}-")       # slabs of killed processes
+            self.path = directory / f"kvstrata-{name}-{owner_tag()}-{secrets.token_hex(4)}.slab"
+            flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        else:
+            self.path = directory / "slab"
+            flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
+        fd = self._ops.open(str(self.path), flags)
         try:
             self._preallocate(fd)
             self._fd, self.o_direct = self._open_for_io(fd, o_direct)
         except BaseException:
             self._ops.close(fd)
-            self._remove_file()
+            if durable is None:
+                self._remove_file()
             raise
         if self._fd != fd:
             self._ops.close(fd)
+        if durable is not None:
+            try:
+                self._recover(durable)
+            except BaseException:
+                self._ops.close(self._fd)
+                raise
+
+    @classmethod
+    def durable(cls, config: LayoutConfig, directory: str | os.PathLike, *, fingerprint: str,
+                rank: int = 0, describe: str = "", sync: bool = False, name: str = "g3",
+                **options) -> "DiskStorage":
+        """A disk tier that survives restarts: its slab and index live in a home under
+        ``directory`` named by ``rank`` and ``fingerprint`` (:mod:`.disk_home`, locked for
+        this process); the blocks a previous process stored there are recovered
+        (:attr:`recovered`) and verified when first read. ``sync`` flushes data and index
+        at every write (survives power loss, costs a flush per batch)."""
+        home = DiskTierHome.claim(directory, tier=name, rank=rank, fingerprint=fingerprint,
+                                  describe=describe)
+        try:
+            return cls(config, home.path, name=name,
+                       durable=Durability(home, fingerprint, sync), **options)
+        except BaseException:
+            home.release()
+            raise
+
+    def _recover(self, durable: "Durability") -> None:
+        index = DiskIndex.open(self.path.parent / "index", capacity=self.num_blocks,
+                               fingerprint=durable.fingerprint, stride=self._stride,
+                               sync=durable.sync)
+        self.index = index
+        entries = index.entries()
+        if entries:
+            self.checksums.record_many([e.slot for e in entries],
+                                       [e.checksum for e in entries],
+                                       [e.sequence_hash for e in entries])
+        self.recovered = entries
+        report = index.report
+        dropped = [f"{n} {what}" for n, what in (
+            (report.corrupt_records, "damaged index records"),
+            (report.beyond_capacity, "entries past the slab's end"),
+            (report.duplicates, "stale duplicates")) if n]
+        if report.torn_bytes:
+            dropped.append(f"a torn {report.torn_bytes}-byte record")
+        self.notes.append(f"recovered {len(entries)} blocks"
+                          + (f" ({report.fresh_reason})" if report.fresh_reason else "")
+                          + (f"; dropped {', '.join(dropped)}" if dropped else ""))
 
     # ------------------------------------------------------------------ set-up
     def _preallocate(self, fd: int) -> None:
+        existing = os.fstat(fd).st_size if self._durable is not None else 0
+        if existing > self.size:          # a durable slab configured smaller: cut it down
+            self._ops.ftruncate(fd, self.size)
+            return
         try:
             self._ops.fallocate(fd, 0, self.size)
             return
@@ -119,7 +199,7 @@ class DiskStorage(Storage):
             self.notes.append(f"posix_fallocate unsupported ({exc.strerror}); wrote zeros")
         self._ops.ftruncate(fd, self.size)
         zeros = AlignedBuffer(min(self.size, 8 << 20))
-        offset = 0
+        offset = existing                 # never overwrite a durable slab's blocks
         try:
             while offset < self.size:
                 view = zeros.array[:min(zeros.size, self.size - offset)]
@@ -140,6 +220,10 @@ class DiskStorage(Storage):
             try:
                 direct_fd = self._ops.open(str(self.path), os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC)
                 probe = AlignedBuffer(DIRECT_ALIGNMENT)
+                # Rewrite the first page with what it holds (a durable slab keeps its blocks).
+                if self._durable is not None and \
+                        self._ops.preadv(direct_fd, [probe.array], 0) != DIRECT_ALIGNMENT:
+                    raise OSError(errno.EIO, "short probe read")
                 if self._ops.pwritev(direct_fd, [probe.array], 0) != DIRECT_ALIGNMENT:
                     raise OSError(errno.EIO, "short probe write")
                 return direct_fd, True
@@ -155,7 +239,9 @@ class DiskStorage(Storage):
     # ------------------------------------------------------------------ data path
     def write_blocks(self, block_ids: Sequence[int], sources: Sequence[np.ndarray],
                      sequence_hashes: Sequence[int], *,
-                     checksums: Sequence[int] | None = None) -> list[int]:
+                     checksums: Sequence[int] | None = None,
+                     parent_hashes: Sequence[int | None] | None = None,
+                     local_hashes: Sequence[int] | None = None) -> list[int]:
         """Write ``sources[i]`` (``uint8`` arrays of at least ``block_bytes``) to slot
         ``block_ids[i]``. Returns the xxh3-64 recorded for each block; raises a
         :class:`BlockIOError` subclass naming failed positions (``.checksums`` then has
@@ -165,11 +251,17 @@ class DiskStorage(Storage):
         entered G2) and are recorded as they are, without hashing the sources again: a source
         whose bytes no longer match is then caught when the block is read back. Sources
         without one (``checksums`` omitted, or ``None`` entries) are hashed on a helper
-        thread while the writes run."""
+        thread while the writes run.
+
+        A durable storage journals the written blocks in its index after their bytes landed
+        when ``parent_hashes`` and ``local_hashes`` give their identity (without it they are
+        served until the process ends, but not recovered)."""
         self._check_batch(block_ids, sources, sequence_hashes)
         if checksums is not None and len(checksums) != len(block_ids):
             raise ValueError(f"{len(checksums)} checksums for {len(block_ids)} blocks")
         self.checksums.invalidate(block_ids)
+        if self.index is not None:
+            self.index.free(block_ids)            # before their bytes change
         block_bytes = self.config.block_bytes
         hashing = None
         known = [None] * len(block_ids) if checksums is None else list(checksums)
@@ -195,6 +287,7 @@ class DiskStorage(Storage):
                 for p, value in zip(missing, hashing.result()):
                     known[p] = value
         sums: list[int | None] = known
+        good = range(len(block_ids))
         if failed:
             for p in failed:
                 sums[p] = None
@@ -203,6 +296,10 @@ class DiskStorage(Storage):
                                        [sequence_hashes[p] for p in good])
         else:
             self.checksums.record_many(block_ids, sums, sequence_hashes)
+        if self.index is not None and local_hashes is not None and parent_hashes is not None:
+            self.index.put([block_ids[p] for p in good], [sequence_hashes[p] for p in good],
+                           [parent_hashes[p] for p in good], [local_hashes[p] for p in good],
+                           [sums[p] for p in good], data_fd=self._fd)
         raise_for_failures(f"write to {self.path.name}", failures, len(block_ids), sums)
         return sums  # type: ignore[return-value]
 
@@ -378,7 +475,8 @@ class DiskStorage(Storage):
         return (StorageDescriptor("disk", self.size, path=str(self.path)),)
 
     def close(self) -> None:
-        """Close the file and delete it (unless ``keep_file``). Idempotent."""
+        """Close the file and delete it (unless ``keep_file`` or durable: a durable tier
+        keeps slab and index for the next start and gives up its lock). Idempotent."""
         if self.closed:
             return
         super().close()
@@ -389,6 +487,10 @@ class DiskStorage(Storage):
         try:
             self._ops.close(self._fd)
         finally:
+            if self.index is not None:
+                self.index.close()
+            if self._durable is not None:
+                self._durable.home.release()
             if not self._keep_file:
                 self._remove_file()
 

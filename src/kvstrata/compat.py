@@ -1,0 +1,77 @@
+"""Which stored KV blocks a process may use: the compatibility fingerprint.
+
+A block stored in a tier that outlives its writer (a disk tier kept across restarts, an object
+store shared by workers) may only be served to an engine that would have computed the same
+bytes for the same sequence hash. That holds when everything below is equal, and the
+fingerprint is a short digest of exactly that:
+
+* the model's identity (``model_id``: a name and revision, e.g. what vLLM serves); two models
+  of the same geometry (two fine-tunes of one base) differ only here, so set it;
+* the geometry of this rank's share of a block: layers, K/V (or MLA), tokens per block,
+  elements per token, dtype;
+* the shard: this rank and the number of ranks the KV heads are split over (tensor
+  parallelism gives each rank different heads of the same geometry);
+* kvstrata's block byte layout version and block hashing scheme (seed and chaining rule).
+
+Per-tenant isolation is not part of it: LoRA adapters and cache salts already change every
+sequence hash (:func:`kvstrata.tokens.isolation_seed`); a shared store adds the tenant's salt
+to its keys on top.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+import xxhash
+
+from .dtypes import canonical_dtype
+from .tokens import DEFAULT_SEED
+
+__all__ = ["BLOCK_LAYOUT_VERSION", "HASH_SCHEME", "Compatibility", "compatibility_of"]
+
+BLOCK_LAYOUT_VERSION = 1
+"""Version of the byte layout of one stored block: FullyContiguous, layer-major, then K/V,
+then ``block_size x elements-per-token`` (see docs/physical.md). Bump it when that changes."""
+
+HASH_SCHEME = f"xxh3-64 chain seed {DEFAULT_SEED}"
+"""The block hashing rule (:mod:`kvstrata.tokens`); stored blocks are named by its hashes."""
+
+
+@dataclass(frozen=True)
+class Compatibility:
+    """Everything that makes stored blocks usable here; :attr:`fingerprint` digests it."""
+
+    model_id: str
+    num_layers: int
+    outer_dim: int
+    block_size: int
+    inner_dim: int
+    dtype: str
+    rank: int = 0
+    world_size: int = 1
+    layout_version: int = BLOCK_LAYOUT_VERSION
+    hash_scheme: str = HASH_SCHEME
+
+    @property
+    def fingerprint(self) -> str:
+        """16 hex digits: the xxh3-64 of the canonical JSON of every field."""
+        text = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        return f"{xxhash.xxh3_64_intdigest(text.encode()):016x}"
+
+    def describe(self) -> str:
+        """One line for logs: what the fingerprint stands for."""
+        model = self.model_id or "(unnamed model)"
+        return (f"{model}, {self.num_layers} layers x {self.outer_dim} x {self.block_size} "
+                f"tokens x {self.inner_dim} {self.dtype}, rank {self.rank}/{self.world_size}, "
+                f"layout v{self.layout_version}")
+
+
+def compatibility_of(config, *, rank: int = 0, world_size: int = 1) -> Compatibility:
+    """The :class:`Compatibility` of a :class:`~kvstrata.config.KvConfig` (its ``model_id``
+    and ``model`` geometry) for one rank of ``world_size``."""
+    m = config.model
+    return Compatibility(model_id=config.model_id, num_layers=m.num_layers,
+                         outer_dim=m.outer_dim, block_size=config.block_size,
+                         inner_dim=m.kv_heads * m.head_dim, dtype=canonical_dtype(m.dtype),
+                         rank=rank, world_size=world_size)

@@ -1,0 +1,134 @@
+"""Where a durable disk tier lives, and the lock that keeps it to one process.
+
+A durable G3 keeps its slab and index in ``<directory>/kvstrata-g3-r<rank>-<fingerprint>/``:
+the configured directory, this rank, and the compatibility fingerprint of the blocks
+(:mod:`kvstrata.compat`), so a restart with the same model and geometry finds its blocks
+again and anything else never reads them.
+
+:meth:`DiskTierHome.claim` creates the directory and takes an exclusive ``flock`` on its
+``lock`` file (released by the kernel when the process dies, however it dies); a second
+process gets :class:`DiskTierBusyError` naming the holder. Homes of the same rank made for
+another fingerprint (the model or geometry changed) and not locked by a live process are
+removed, in one log line, so the configured directory never holds more than one tier's
+worth per rank. Homes of other ranks are never touched (they may be starting right now).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+
+from ..errors import StorageConfigError
+
+__all__ = ["DiskTierHome", "DiskTierBusyError", "home_name"]
+
+log = logging.getLogger(__name__)
+
+_HOME_RE = re.compile(r"^kvstrata-(?P<tier>[a-z0-9]+)-r(?P<rank>\d+)-(?P<fp>[0-9a-f]{16})$")
+
+
+class DiskTierBusyError(StorageConfigError):
+    """Another live process holds this disk tier's directory."""
+
+
+def home_name(tier: str, rank: int, fingerprint: str) -> str:
+    """The directory name of a durable tier: ``kvstrata-g3-r0-<fingerprint>``."""
+    return f"kvstrata-{tier.lower()}-r{rank}-{fingerprint}"
+
+
+class DiskTierHome:
+    """The claimed directory of one durable disk tier; :meth:`release` gives it up."""
+
+    def __init__(self, path: Path, lock_fd: int, removed: list[str]) -> None:
+        self.path = path
+        self._lock_fd = lock_fd
+        self.removed_stale = removed
+        """Names of stale homes (other fingerprints, same rank) removed when claiming."""
+
+    @classmethod
+    def claim(cls, directory: str | os.PathLike, *, tier: str, rank: int, fingerprint: str,
+              describe: str = "") -> "DiskTierHome":
+        """Create (or reuse) and lock this tier's home under ``directory``."""
+        parent = Path(directory)
+        path = parent / home_name(tier, rank, fingerprint)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StorageConfigError(f"cannot create disk tier directory {path}: "
+                                     f"{exc.strerror or exc}") from exc
+        lock_fd = _lock(path)
+        try:
+            removed = _remove_stale(parent, tier, rank, path.name)
+        except BaseException:
+            os.close(lock_fd)
+            raise
+        if removed:
+            log.warning("kvstrata %s: no blocks stored for this model and geometry (%s) in %s; "
+                        "starting fresh and removing %d home(s) of another fingerprint: %s",
+                        tier, describe or fingerprint, parent, len(removed), ", ".join(removed))
+        return cls(path, lock_fd, removed)
+
+    def release(self) -> None:
+        """Unlock (the directory and its files stay for the next start). Idempotent."""
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+
+def _lock(path: Path) -> int:
+    lock_path = path / "lock"
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        holder = ""
+        try:
+            holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip()
+        except OSError:
+            pass
+        os.close(fd)
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise DiskTierBusyError(
+                f"disk tier directory {path} is in use by another process"
+                f"{f' (pid {holder})' if holder else ''}; give each process its own disk "
+                f"directory") from None
+        raise StorageConfigError(f"cannot lock {lock_path}: {exc.strerror or exc}") from exc
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _remove_stale(parent: Path, tier: str, rank: int, mine: str) -> list[str]:
+    removed = []
+    try:
+        names = sorted(os.listdir(parent))
+    except OSError:
+        return removed
+    for name in names:
+        match = _HOME_RE.match(name)
+        if (match is None or name == mine or match["tier"] != tier.lower()
+                or int(match["rank"]) != rank):
+            continue
+        home = parent / name
+        try:
+            fd = os.open(home / "lock", os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            fd = -1
+        except OSError:
+            continue
+        try:
+            if fd >= 0:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)   # in use: leave it
+            shutil.rmtree(home, ignore_errors=True)
+            removed.append(name)
+        except OSError:
+            pass
+        finally:
+            if fd >= 0:
+                os.close(fd)
+    return removed

@@ -1,0 +1,320 @@
+"""The index of a durable disk tier: which slot of the slab holds which block, as a journal.
+
+The index is one append-only file of fixed-size records beside the slab. Writing a batch
+of blocks is three steps, in this order:
+
+1. ``FREE`` records for the slots about to be overwritten (one ``write``);
+2. the block bytes into the slab;
+3. ``PUT`` records for the blocks whose write succeeded (one ``write``): slot, sequence hash,
+   parent hash, local hash, xxh3-64 of the payload.
+
+Whatever instant a process dies at, the index then names only blocks whose bytes were fully
+written before their entry: a slot being overwritten was freed first, and a block whose bytes
+never landed has no entry. (Surviving a power cut needs the data flushed before step 3 and
+the journal after it: ``sync=True``.) Every record carries its own xxh3-64, so a record torn
+by a crash (the tail of the file) or damaged later is dropped on recovery, never trusted; a
+dropped ``FREE`` can only resurrect an entry whose bytes no longer match its checksum, and
+every read of the slab verifies that checksum (which is what makes verification lazy: blocks
+are checked when first served, not at start).
+
+:meth:`DiskIndex.open` replays the journal into a table of live entries (numpy arrays by
+slot, about 40 bytes per slot), drops entries past the slab's capacity, keeps the newest of
+two entries naming one block, and rewrites the journal compactly (written to a temporary
+file, flushed, renamed over the old one). It is compacted again whenever it holds four times
+more records than the slab has slots, so it stays bounded.
+
+Record layout (48 bytes, little-endian): ``op u8, flags u8, pad u16, slot u32, sequence_hash
+u64, parent_hash u64, local_hash u64, checksum u64, record_xxh3 u64``; ``flags`` bit 0 says
+the block has a parent. The file starts with a 64-byte header: magic, format version, the
+compatibility fingerprint (:mod:`kvstrata.compat`) and the block stride.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import xxhash
+
+__all__ = ["DiskIndex", "IndexEntry", "RecoveryReport", "INDEX_VERSION", "RECORD_BYTES"]
+
+log = logging.getLogger(__name__)
+
+INDEX_VERSION = 1
+RECORD_BYTES = 48
+_MAGIC = b"KVSTRATA-G3-IDX\0"
+_HEADER = struct.Struct("<16sI16sQ12xQ")          # magic, version, fingerprint, stride, xxh3
+_BODY = struct.Struct("<BBHIQQQQ")                 # the record without its own hash
+_PUT, _FREE = 1, 2
+_HAS_PARENT = 1
+_COMPACT_FACTOR = 4
+_RECORD_DTYPE = np.dtype([("op", "u1"), ("flags", "u1"), ("pad", "<u2"), ("slot", "<u4"),
+                          ("seq", "<u8"), ("parent", "<u8"), ("local", "<u8"),
+                          ("checksum", "<u8"), ("xxh", "<u8")])
+assert _RECORD_DTYPE.itemsize == RECORD_BYTES and _BODY.size + 8 == RECORD_BYTES
+assert _HEADER.size == 64
+
+
+@dataclass(frozen=True)
+class IndexEntry:
+    """One live entry: ``slot`` holds the block ``sequence_hash`` (with ``parent_hash``,
+    ``local_hash``) whose payload hashes to ``checksum``."""
+
+    slot: int
+    sequence_hash: int
+    parent_hash: int | None
+    local_hash: int
+    checksum: int
+
+
+@dataclass(frozen=True)
+class RecoveryReport:
+    """What :meth:`DiskIndex.open` found: live entries kept, and records dropped and why."""
+
+    entries: int
+    records: int
+    torn_bytes: int = 0
+    """Bytes of a partial record at the end (a write cut short by a crash), cut off."""
+    corrupt_records: int = 0
+    """Records whose own checksum failed (dropped)."""
+    beyond_capacity: int = 0
+    """Entries for slots the slab no longer has (it was configured smaller)."""
+    duplicates: int = 0
+    """Older entries for a block that a newer entry names in another slot."""
+    fresh_reason: str = ""
+    """Why nothing was recovered ("" if the journal was read): no journal, a bad header..."""
+
+
+class DiskIndex:
+    """The journal of one durable slab; see the module docstring. Thread-safe."""
+
+    def __init__(self, path: Path, fd: int, capacity: int, fingerprint: str, stride: int,
+                 sync: bool) -> None:
+        self.path = path
+        self._fd = fd
+        self.capacity = capacity
+        self.fingerprint = fingerprint
+        self.stride = stride
+        self.sync = sync
+        self._lock = threading.Lock()
+        self._valid = np.zeros(capacity, dtype=bool)
+        self._seq = np.zeros(capacity, dtype=np.uint64)
+        self._parent = np.zeros(capacity, dtype=np.uint64)
+        self._has_parent = np.zeros(capacity, dtype=bool)
+        self._local = np.zeros(capacity, dtype=np.uint64)
+        self._checksum = np.zeros(capacity, dtype=np.uint64)
+        self._order = np.zeros(capacity, dtype=np.int64)   # record number of the entry
+        self._records = 0
+        self.report = RecoveryReport(0, 0)
+
+    # ------------------------------------------------------------------ opening
+    @classmethod
+    def open(cls, path: str | os.PathLike, *, capacity: int, fingerprint: str, stride: int,
+             sync: bool = False) -> "DiskIndex":
+        """Recover the journal at ``path`` (or start an empty one) and compact it. A journal
+        written for another fingerprint or stride, or with a damaged header, is replaced by
+        an empty one (``report.fresh_reason`` says why)."""
+        path = Path(path)
+        data = b""
+        reason = ""
+        try:
+            with open(path, "rb") as fh:
+                data = fh.read()
+        except FileNotFoundError:
+            reason = "no index yet"
+        index = cls(path, -1, capacity, fingerprint, stride, sync)
+        if data:
+            reason = index._check_header(data[:_HEADER.size])
+        elif not reason:
+            reason = "empty index file"
+        if reason:
+            index.report = RecoveryReport(0, 0, fresh_reason=reason)
+        else:
+            index._replay(data[_HEADER.size:])
+        index._rewrite()
+        return index
+
+    def _check_header(self, raw: bytes) -> str:
+        if len(raw) < _HEADER.size:
+            return "index header is cut short"
+        magic, version, fingerprint, stride, digest = _HEADER.unpack(raw)
+        if magic != _MAGIC or digest != xxhash.xxh3_64_intdigest(raw[:-8]):
+            return "index header is damaged"
+        if version != INDEX_VERSION:
+            return f"index format {version}, this build reads {INDEX_VERSION}"
+        if fingerprint.rstrip(b"\0").decode("ascii", "replace") != self.fingerprint:
+            return "index belongs to another fingerprint"
+        if stride != self.stride:
+            return f"index was written for {stride}-byte blocks, not {self.stride}"
+        return ""
+
+    def _replay(self, body: bytes) -> None:
+        whole = len(body) // RECORD_BYTES * RECORD_BYTES
+        torn = len(body) - whole
+        records = np.frombuffer(body[:whole], dtype=_RECORD_DTYPE)
+        good = np.fromiter((xxhash.xxh3_64_intdigest(body[i:i + RECORD_BYTES - 8])
+                            for i in range(0, whole, RECORD_BYTES)), dtype=np.uint64,
+                           count=len(records)) == records["xxh"]
+        good &= (records["op"] == _PUT) | (records["op"] == _FREE)
+        corrupt = int(len(records) - good.sum())
+        records = records[good]
+        beyond = 0
+        duplicates = 0
+        where: dict[int, int] = {}               # sequence hash -> slot of its live entry
+        valid, seq, order = self._valid, self._seq, self._order
+        for n, (op, flags, slot, h, parent, local, checksum) in enumerate(zip(
+                records["op"].tolist(), records["flags"].tolist(), records["slot"].tolist(),
+                records["seq"].tolist(), records["parent"].tolist(),
+                records["local"].tolist(), records["checksum"].tolist())):
+            if slot >= self.capacity:
+                beyond += op == _PUT
+                continue
+            if valid[slot]:
+                old = int(seq[slot])
+                if where.get(old) == slot:
+                    del where[old]
+                valid[slot] = False
+            if op == _FREE:
+                continue
+            other = where.get(h)
+            if other is not None:                # the block moved: its older slot is stale
+                valid[other] = False
+                duplicates += 1
+            where[h] = slot
+            valid[slot] = True
+            seq[slot] = h
+            self._parent[slot] = parent
+            self._has_parent[slot] = bool(flags & _HAS_PARENT)
+            self._local[slot] = local
+            self._checksum[slot] = checksum
+            order[slot] = n
+        # Entries whose slot was reused by a later PUT were replaced above; count beyond-
+        # capacity PUTs that were later freed as dropped too (they are gone either way).
+        self.report = RecoveryReport(int(valid.sum()), len(records) + corrupt, torn, corrupt,
+                                     beyond, duplicates)
+
+    # ------------------------------------------------------------------ reading
+    def entries(self) -> list[IndexEntry]:
+        """The live entries, oldest first (the order their blocks were written)."""
+        with self._lock:
+            slots = np.flatnonzero(self._valid)
+            slots = slots[np.argsort(self._order[slots], kind="stable")]
+            return [IndexEntry(s, int(self._seq[s]),
+                               int(self._parent[s]) if self._has_parent[s] else None,
+                               int(self._local[s]), int(self._checksum[s]))
+                    for s in slots.tolist()]
+
+    def __len__(self) -> int:
+        return int(self._valid.sum())
+
+    # ------------------------------------------------------------------ writing
+    def free(self, slots: Sequence[int]) -> None:
+        """Journal that ``slots`` no longer hold their blocks (before overwriting them)."""
+        slots = [s for s in slots if self._valid[s]]
+        if not slots:
+            return
+        body = b"".join(_record(_FREE, s, 0, None, 0, 0) for s in slots)
+        with self._lock:
+            self._valid[np.asarray(slots, dtype=np.int64)] = False
+            self._append(body, len(slots))
+
+    def put(self, slots: Sequence[int], sequence_hashes: Sequence[int],
+            parent_hashes: Sequence[int | None], local_hashes: Sequence[int],
+            checksums: Sequence[int], *, data_fd: int | None = None) -> None:
+        """Journal that ``slots`` now hold these blocks (after their bytes were written).
+        With ``sync``, ``data_fd`` is flushed first and the journal after."""
+        if not slots:
+            return
+        body = b"".join(_record(_PUT, s, h, p, local, c) for s, h, p, local, c in zip(
+            slots, sequence_hashes, parent_hashes, local_hashes, checksums))
+        if self.sync and data_fd is not None:
+            os.fdatasync(data_fd)
+        with self._lock:
+            first = self._records
+            self._append(body, len(slots))
+            for n, (s, h, p, local, c) in enumerate(zip(slots, sequence_hashes, parent_hashes,
+                                                        local_hashes, checksums)):
+                self._valid[s] = True
+                self._seq[s] = h
+                self._parent[s] = 0 if p is None else p
+                self._has_parent[s] = p is not None
+                self._local[s] = local
+                self._checksum[s] = c
+                self._order[s] = first + n
+            if self._records > _COMPACT_FACTOR * max(self.capacity, 256):
+                self._rewrite_locked()
+
+    def _append(self, body: bytes, count: int) -> None:
+        view = memoryview(body)
+        while view:
+            written = os.write(self._fd, view)
+            view = view[written:]
+        if self.sync:
+            os.fdatasync(self._fd)
+        self._records += count
+
+    def _rewrite(self) -> None:
+        with self._lock:
+            self._rewrite_locked()
+
+    def _rewrite_locked(self) -> None:
+        """Replace the journal with one PUT per live entry (temp file, flush, rename)."""
+        slots = np.flatnonzero(self._valid)
+        slots = slots[np.argsort(self._order[slots], kind="stable")]
+        header = _header(self.fingerprint, self.stride)
+        body = b"".join(
+            _record(_PUT, s, int(self._seq[s]),
+                    int(self._parent[s]) if self._has_parent[s] else None,
+                    int(self._local[s]), int(self._checksum[s])) for s in slots.tolist())
+        temp = self.path.with_name(self.path.name + ".tmp")
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            view = memoryview(header + body)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            temp.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        os.replace(temp, self.path)
+        _fsync_dir(self.path.parent)
+        old, self._fd = self._fd, os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        if old >= 0:
+            os.close(old)
+        self._order[slots] = np.arange(len(slots))
+        self._records = len(slots)
+
+    def close(self) -> None:
+        """Close the journal file (its entries stay for the next open). Idempotent."""
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+
+
+def _record(op: int, slot: int, sequence_hash: int, parent_hash: int | None,
+            local_hash: int, checksum: int) -> bytes:
+    body = _BODY.pack(op, _HAS_PARENT if parent_hash is not None else 0, 0, slot,
+                      sequence_hash, parent_hash or 0, local_hash, checksum)
+    return body + xxhash.xxh3_64_intdigest(body).to_bytes(8, "little")
+
+
+def _header(fingerprint: str, stride: int) -> bytes:
+    raw = _HEADER.pack(_MAGIC, INDEX_VERSION, fingerprint.encode("ascii")[:16], stride, 0)
+    return raw[:-8] + xxhash.xxh3_64_intdigest(raw[:-8]).to_bytes(8, "little")
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
