@@ -20,7 +20,7 @@ from kvstrata.types import BlockRecord
 
 BS = 4
 DROPS_ON_READ = {FailureKind.IO_ERROR, FailureKind.CHECKSUM_MISMATCH,
-                 FailureKind.HASH_MISMATCH, FailureKind.NOT_WRITTEN}
+                 FailureKind.HASH_MISMATCH, FailureKind.NOT_WRITTEN, FailureKind.NOT_FOUND}
 
 
 def chain(n: int, start: int = 0) -> list[BlockRecord]:

@@ -5,8 +5,9 @@
   :class:`StorageClosedError` and :class:`BlockIOError`, which says *which blocks of a batch*
   failed (``failures``). Its subclasses name the cause: :class:`DiskFullError` (ENOSPC),
   :class:`StorageIOError` (EIO and other OS errors, short reads),
-  :class:`BlockIntegrityError` (slot empty or holding another block) and its subclass
-  :class:`ChecksumMismatchError` (bytes differ from their recorded xxh3-64).
+  :class:`BlockIntegrityError` (slot empty or holding another block) and its subclasses
+  :class:`ChecksumMismatchError` (bytes differ from their recorded xxh3-64) and
+  :class:`BlockNotFoundError` (no object under the block's key in a key-addressed tier).
 
 Failed blocks are described by :class:`~kvstrata.protocol.results.BlockFailure` records, which
 a worker process can send back to a scheduler process.
@@ -26,7 +27,7 @@ __all__ = ["PhysicalError", "LayoutError", "LayoutConfigError", "LayoutMismatchE
            "LayoutFormatError", "LayoutVersionError", "TransferError", "TransferPlanError",
            "EngineClosedError", "EngineBusyError", "StorageError", "StorageConfigError",
            "StorageClosedError", "BlockIOError", "DiskFullError", "StorageIOError",
-           "BlockIntegrityError", "ChecksumMismatchError", "BlockFailure", "FailureKind",
+           "BlockIntegrityError", "ChecksumMismatchError", "BlockNotFoundError", "BlockFailure", "FailureKind",
            "raise_for_failures"]
 
 
@@ -85,6 +86,10 @@ class ChecksumMismatchError(BlockIntegrityError):
     """The bytes read back differ from the checksum recorded when they were written."""
 
 
+class BlockNotFoundError(BlockIntegrityError):
+    """No object is stored under the block's key (a key-addressed tier such as G4)."""
+
+
 _ERROR_BY_KIND: dict[FailureKind, type[BlockIOError]] = {
     FailureKind.DISK_FULL: DiskFullError,
     FailureKind.IO_ERROR: StorageIOError,
@@ -92,9 +97,11 @@ _ERROR_BY_KIND: dict[FailureKind, type[BlockIOError]] = {
     FailureKind.CHECKSUM_MISMATCH: ChecksumMismatchError,
     FailureKind.NOT_WRITTEN: BlockIntegrityError,
     FailureKind.HASH_MISMATCH: BlockIntegrityError,
+    FailureKind.NOT_FOUND: BlockNotFoundError,
 }
 _SEVERITY = [FailureKind.DISK_FULL, FailureKind.IO_ERROR, FailureKind.INTERNAL,
-             FailureKind.CHECKSUM_MISMATCH, FailureKind.HASH_MISMATCH, FailureKind.NOT_WRITTEN]
+             FailureKind.CHECKSUM_MISMATCH, FailureKind.HASH_MISMATCH, FailureKind.NOT_WRITTEN,
+             FailureKind.NOT_FOUND]
 
 
 def raise_for_failures(operation: str, failures: Iterable[BlockFailure], batch_size: int,

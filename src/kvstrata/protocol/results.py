@@ -28,16 +28,19 @@ class FailureKind(str, enum.Enum):
     NOT_WRITTEN = "not_written"
     HASH_MISMATCH = "hash_mismatch"
     INTERNAL = "internal"
+    NOT_FOUND = "not_found"
+    """The block is gone where it was read (e.g. no object under its key in G4)."""
 
     @property
     def bad_source(self) -> bool:
         """The bytes read at the source are wrong or gone (a checksum or identity check
-        failed): the block must be dropped where it was read from."""
+        failed, or the object is missing): the block must be dropped where it was read
+        from."""
         return self in _BAD_SOURCE
 
 
 _BAD_SOURCE = frozenset({FailureKind.CHECKSUM_MISMATCH, FailureKind.HASH_MISMATCH,
-                         FailureKind.NOT_WRITTEN})
+                         FailureKind.NOT_WRITTEN, FailureKind.NOT_FOUND})
 
 
 @dataclass(frozen=True)
