@@ -1,0 +1,378 @@
+"""G4 object storage: blocks as objects in an S3-compatible bucket, addressed by keys.
+
+``ObjectStorage(config, s3, namespace=..., fingerprint=...)`` stores block ``key`` as the
+object ``namespace + key`` of the bucket :class:`~.s3client.S3Config` names; every worker that
+opens the same bucket and namespace sees the same blocks (the tier is shared and outlives the
+process). Keys are chosen by the planner (:func:`kvstrata.placement.state.default_key`: the
+sequence hash as 16 hex digits). ``config`` gives the geometry (FullyContiguous blocks of
+``block_bytes``); its ``num_blocks`` plays no part in addressing.
+
+Each object is a header plus the block's payload (:mod:`.object_format`): the header records
+the compatibility ``fingerprint``, the geometry, the sequence hash and the payload's xxh3-64.
+
+* :meth:`ObjectStorage.put_blocks` writes a batch with conditional PUTs (``If-None-Match:
+  *``): a key the bucket already holds is left as it is and counted in
+  ``puts_skipped_existing`` (blocks are immutable: same key, same bytes).
+* :meth:`ObjectStorage.get_blocks` fetches a batch and copies a payload into its destination
+  only after checking magic, version, fingerprint, geometry, sequence hash, length and
+  checksum. A missing object is a ``NOT_FOUND`` failure; another model's, another geometry's
+  or another block's object a ``HASH_MISMATCH``; a truncated or altered one a
+  ``CHECKSUM_MISMATCH``; a timeout, refused connection, 5xx or throttling an ``IO_ERROR``.
+
+Batches run on a thread pool of ``max_concurrency`` threads, one request per block, so a
+batch is that many requests in flight. Failures are per block: the call raises one
+:class:`~kvstrata.physical.errors.BlockIOError` subclass whose ``failures`` name the failed
+positions (``block_id`` -1: the tier has no slots); every other block completed. A batch never
+waits longer than its requests' timeouts allow: whatever is still running at the batch
+deadline fails with ``IO_ERROR``, and from then on no thread of that batch reads its sources or
+writes its destinations (a late reply is dropped), so a caller never gets bytes it was told
+failed, and never has its buffers touched after the call returned.
+
+Counters (:attr:`ObjectStorage.counters`): objects written and skipped, objects read and
+missed, failures, payload bytes written and read.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import threading
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from ..checksum import block_checksum
+from ..errors import (BlockFailure, FailureKind, StorageConfigError, StorageError,
+                      raise_for_failures)
+from ...protocol.layout import FullyContiguousLayout, LayoutConfig
+from ...protocol.layout_codec import StorageDescriptor
+from .base import Storage, StorageStatus
+from .object_format import (HEADER_SIZE, ObjectFormatError, ObjectGeometry,
+                            check_fingerprint, encode_header, open_object)
+from .s3client import ObjectStoreError, S3Client, S3Config
+
+__all__ = ["ObjectStorage", "ObjectCounters"]
+
+_SEGMENT = re.compile(r"[A-Za-z0-9._=+-]+")
+_HEX_KEY = re.compile(r"[0-9a-f]{16}")
+
+
+@dataclass
+class ObjectCounters:
+    """What an :class:`ObjectStorage` did since it was opened (for metrics and tests)."""
+
+    puts: int = 0                   # objects written
+    puts_skipped_existing: int = 0  # conditional PUTs that found the object already there
+    gets: int = 0                   # objects read and verified
+    misses: int = 0                 # GETs of keys with no object
+    failures: int = 0               # blocks that failed otherwise (I/O, integrity)
+    bytes_written: int = 0          # payload bytes of the objects written
+    bytes_read: int = 0             # payload bytes of the objects read
+
+    @property
+    def bytes(self) -> int:
+        """Payload bytes moved either way."""
+        return self.bytes_written + self.bytes_read
+
+    def to_dict(self) -> dict[str, int]:
+        return {**asdict(self), "bytes": self.bytes}
+
+
+def _check_path(what: str, value: str) -> None:
+    segments = value.split("/")
+    if not value or not all(_SEGMENT.fullmatch(s) and s not in (".", "..") for s in segments):
+        raise ValueError(f"{what} {value!r}: '/'-separated segments of letters, digits and "
+                         f"._=+- only")
+
+
+class _Gate:
+    """Lets pool threads touch a caller's buffers only while the caller still waits for the
+    batch: :meth:`close` (at the end of the call) waits for the threads inside, then shuts."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._open = True
+        self._inside = 0
+
+    def enter(self) -> bool:
+        with self._cond:
+            if self._open:
+                self._inside += 1
+            return self._open
+
+    def leave(self) -> None:
+        with self._cond:
+            self._inside -= 1
+            if not self._inside:
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._open = False
+            self._cond.wait_for(lambda: self._inside == 0)
+
+
+class _Abandoned(Exception):
+    """The batch ended (deadline) before this block's thread got to the caller's buffer."""
+
+
+class ObjectStorage(Storage):
+    """Block objects in a bucket (G4). See the module docstring for format and failures.
+
+    ``s3`` is an :class:`S3Config` (a client is made for it) or a ready client with the
+    :class:`S3Client` methods. ``namespace`` is the key prefix (e.g.
+    ``"kvstrata/<fingerprint>/<salt>/"``, '/'-terminated); ``fingerprint`` (at most 64 bytes
+    of UTF-8) is written into every object and must match on every read.
+    ``ensure_bucket`` creates the bucket if it is missing."""
+
+    kind = "object"
+
+    def __init__(self, config: LayoutConfig, s3: S3Config | S3Client, *, namespace: str,
+                 fingerprint: str, max_concurrency: int = 16,
+                 ensure_bucket: bool = True) -> None:
+        super().__init__(FullyContiguousLayout(config))
+        namespace = namespace.strip("/")
+        try:
+            _check_path("namespace", namespace)
+            check_fingerprint(fingerprint)
+        except ValueError as exc:
+            raise StorageConfigError(str(exc)) from None
+        if max_concurrency < 1:
+            raise StorageConfigError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        self.namespace = namespace + "/"
+        self.fingerprint = fingerprint
+        self.geometry = ObjectGeometry.of(config)
+        self.client = S3Client(s3) if isinstance(s3, S3Config) else s3
+        self.max_concurrency = max_concurrency
+        self.counters = ObjectCounters()
+        self._counter_lock = threading.Lock()
+        self._pool_lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        if ensure_bucket:
+            self.client.ensure_bucket()
+
+    # ------------------------------------------------------------------ data path
+    def put_blocks(self, keys: Sequence[str], sources: Sequence[np.ndarray],
+                   sequence_hashes: Sequence[int], *,
+                   checksums: Sequence[int | None] | None = None) -> list[int]:
+        """Store ``sources[i]`` (``uint8`` arrays of at least ``block_bytes``) as the object
+        of ``keys[i]``, unless the bucket already holds that key. Returns each block's
+        xxh3-64; raises a :class:`BlockIOError` subclass naming the failed positions (its
+        ``.checksums`` has ``None`` for those).
+
+        ``checksums``, when given, are the blocks' known xxh3-64 (e.g. recorded when they
+        entered G2) and go into the headers as they are: a source whose bytes changed since
+        fails its checksum when read back. Blocks without one are hashed here."""
+        self._check_batch(keys, sources, sequence_hashes)
+        if checksums is not None and len(checksums) != len(keys):
+            raise ValueError(f"{len(checksums)} checksums for {len(keys)} blocks")
+        block_bytes = self.config.block_bytes
+        known = [None] * len(keys) if checksums is None else list(checksums)
+
+        def put(gate: _Gate, p: int) -> tuple[int, bool]:
+            if not gate.enter():
+                raise _Abandoned()
+            try:     # the only time the caller's source is read
+                payload = sources[p][:block_bytes]
+                checksum = known[p] if known[p] is not None else block_checksum(payload)
+                body = np.empty(HEADER_SIZE + block_bytes, np.uint8)
+                body[:HEADER_SIZE] = np.frombuffer(encode_header(
+                    fingerprint=self.fingerprint, geometry=self.geometry,
+                    sequence_hash=sequence_hashes[p], checksum=checksum), np.uint8)
+                body[HEADER_SIZE:] = payload
+            finally:
+                gate.leave()
+            return checksum, self.client.put_if_absent(self.namespace + keys[p], body)
+
+        outcomes, failures = self._run_batch(put, len(keys), "write")
+        sums: list[int | None] = [None] * len(keys)
+        written = skipped = 0
+        for p, outcome in outcomes.items():
+            sums[p] = outcome[0]
+            written += outcome[1]
+            skipped += not outcome[1]
+        self._count(puts=written, puts_skipped_existing=skipped, failures=len(failures),
+                    bytes_written=written * block_bytes)
+        raise_for_failures(f"put to {self._where()}", failures, len(keys), sums)
+        return sums  # type: ignore[return-value]
+
+    def get_blocks(self, keys: Sequence[str], destinations: Sequence[np.ndarray],
+                   sequence_hashes: Sequence[int]) -> list[int]:
+        """Fetch the objects of ``keys`` and copy each verified payload into
+        ``destinations[i]`` (``uint8`` arrays of at least ``block_bytes``). Returns the
+        verified xxh3-64 of each block. Raises a :class:`BlockIOError` subclass naming the
+        failed positions (``NOT_FOUND``, ``HASH_MISMATCH``, ``CHECKSUM_MISMATCH``,
+        ``IO_ERROR``; its ``.checksums`` holds the good blocks' values); a failed
+        destination was not written."""
+        self._check_batch(keys, destinations, sequence_hashes)
+        block_bytes = self.config.block_bytes
+
+        def get(gate: _Gate, p: int) -> int | None:
+            data = self.client.get(self.namespace + keys[p])
+            if data is None:
+                return None
+            header, payload = open_object(data, fingerprint=self.fingerprint,
+                                          geometry=self.geometry,
+                                          sequence_hash=sequence_hashes[p])
+            if not gate.enter():
+                raise _Abandoned()
+            try:     # only verified bytes, and only while the caller waits
+                destinations[p][:block_bytes] = np.frombuffer(payload, np.uint8)
+            finally:
+                gate.leave()
+            return header.checksum
+
+        outcomes, failures = self._run_batch(get, len(keys), "read")
+        sums: list[int | None] = [None] * len(keys)
+        misses = 0
+        for p, checksum in outcomes.items():
+            if checksum is None:
+                misses += 1
+                failures.append(BlockFailure(p, -1, FailureKind.NOT_FOUND,
+                                             f"no object {self.namespace}{keys[p]}"))
+            else:
+                sums[p] = checksum
+        good = len(outcomes) - misses
+        self._count(gets=good, misses=misses, failures=len(failures) - misses,
+                    bytes_read=good * block_bytes)
+        raise_for_failures(f"get from {self._where()}", failures, len(keys), sums)
+        return sums  # type: ignore[return-value]
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        """Whether the bucket holds an object under each key (HEAD requests in parallel;
+        does not read or verify them). Raises :class:`~.s3client.ObjectStoreError` if a
+        request fails."""
+        self._check_open()
+        for key in keys:
+            self._check_key(key)
+        if not keys:
+            return []
+        pool = self._executor()
+        futures = [pool.submit(self.client.head, self.namespace + k) for k in keys]
+        return [f.result() for f in futures]
+
+    def list_sequence_hashes(self) -> list[int]:
+        """Sequence hashes of the blocks under the namespace (keys of 16 hex digits; other
+        names are ignored), sorted."""
+        self._check_open()
+        out = []
+        for name in self.client.list_keys(self.namespace.rstrip("/")):
+            rest = name[len(self.namespace):] if name.startswith(self.namespace) else ""
+            if _HEX_KEY.fullmatch(rest):
+                out.append(int(rest, 16))
+        return sorted(out)
+
+    # ------------------------------------------------------------------ helpers
+    def _run_batch(self, work: Callable[[_Gate, int], Any], n: int, verb: str
+                   ) -> tuple[dict[int, Any], list[BlockFailure]]:
+        """Run ``work(gate, p)`` for every position on the pool; the results of those that
+        returned, and failures of those that raised or outlived the batch deadline."""
+        gate = _Gate()
+        pool = self._executor()
+        futures = {pool.submit(work, gate, p): p for p in range(n)}
+        done, pending = wait(futures, timeout=self._deadline(n))
+        gate.close()     # from here on no thread touches the caller's buffers
+        results: dict[int, Any] = {}
+        failures: list[BlockFailure] = []
+        for future in pending:
+            future.cancel()
+            failures.append(BlockFailure(futures[future], -1, FailureKind.IO_ERROR,
+                                         f"{verb} did not finish within the batch deadline"))
+        for future in done:
+            p = futures[future]
+            exc = future.exception()
+            if exc is None:
+                results[p] = future.result()
+            elif isinstance(exc, _Abandoned):
+                failures.append(BlockFailure(p, -1, FailureKind.IO_ERROR,
+                                             f"{verb} did not finish within the batch deadline"))
+            elif isinstance(exc, ObjectFormatError):
+                failures.append(BlockFailure(p, -1, exc.failure_kind, str(exc)))
+            elif isinstance(exc, (ObjectStoreError, OSError)):
+                failures.append(BlockFailure(p, -1, FailureKind.IO_ERROR, str(exc)))
+            else:
+                failures.append(BlockFailure(p, -1, FailureKind.INTERNAL,
+                                             f"{type(exc).__name__}: {exc}"))
+        return results, failures
+
+    def _deadline(self, n: int) -> float:
+        """Seconds a batch of ``n`` may take: every round of ``max_concurrency`` requests
+        gets its full timeout budget (retries included), plus a margin."""
+        cfg = getattr(self.client, "config", None)
+        if cfg is None:
+            return 60.0
+        per_request = (cfg.retries + 1) * (cfg.request_timeout + cfg.connect_timeout) + 0.5
+        return math.ceil(n / self.max_concurrency) * per_request + 1.0
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            self._check_open()
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.max_concurrency,
+                                                thread_name_prefix="kvstrata-g4")
+            return self._pool
+
+    def _check_key(self, key: str) -> None:
+        if not isinstance(key, str):
+            raise ValueError(f"object keys must be strings, got {key!r}")
+        _check_path("object key", key)
+
+    def _check_batch(self, keys, buffers, sequence_hashes) -> None:
+        self._check_open()
+        if not len(keys) == len(buffers) == len(sequence_hashes):
+            raise ValueError(f"batch lengths differ: {len(keys)} keys, {len(buffers)} "
+                             f"buffers, {len(sequence_hashes)} sequence hashes")
+        if len(set(keys)) != len(keys):
+            raise ValueError("a batch names the same key twice")
+        for key in keys:
+            self._check_key(key)
+        for buf in buffers:
+            if buf.dtype != np.uint8 or buf.ndim != 1 or buf.size < self.config.block_bytes:
+                raise ValueError(f"block buffers must be 1-D uint8 arrays of at least "
+                                 f"{self.config.block_bytes} bytes")
+
+    def _count(self, **deltas: int) -> None:
+        with self._counter_lock:
+            for name, value in deltas.items():
+                setattr(self.counters, name, getattr(self.counters, name) + value)
+
+    def _where(self) -> str:
+        cfg = getattr(self.client, "config", None)
+        if cfg is None:
+            return self.namespace
+        return f"{cfg.endpoint_url.rstrip('/')}/{cfg.bucket}/{self.namespace}"
+
+    # ------------------------------------------------------------------ description
+    def status(self) -> StorageStatus:
+        cfg = self.config
+        notes = [f"conditional_put={getattr(self.client, 'conditional_put', None)}",
+                 f"max_concurrency={self.max_concurrency}"]
+        notes += [f"{k}={v}" for k, v in self.counters.to_dict().items()]
+        return StorageStatus(kind=self.kind, blocks=cfg.num_blocks, block_bytes=cfg.block_bytes,
+                             bytes=self.counters.bytes_written, path=self._where(),
+                             notes=tuple(notes))
+
+    def descriptors(self) -> tuple[StorageDescriptor, ...]:
+        """None: the tier is not memory or a file; peers reach it through the bucket and
+        namespace (``status().path``)."""
+        return ()
+
+    def share(self) -> dict[str, Any]:
+        raise StorageError("object storage is shared through its bucket and namespace "
+                           f"({self._where()}), not a layout descriptor")
+
+    def close(self) -> None:
+        """Stop the request threads (after the requests in flight end). Idempotent."""
+        with self._pool_lock:
+            if self.closed:
+                return
+            super().close()
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+        close = getattr(self.client, "close", None)
+        if close is not None:
+            close()
+
