@@ -197,7 +197,7 @@ def test_storage_validation(tmp_path):
         TransferEngine({"G1": tiers["G1"], "G2": tiers["G1"]})
     with pytest.raises(StorageConfigError, match="unknown tier 'G9'"):
         TransferEngine({"G9": tiers["G1"]})
-    with pytest.raises(StorageConfigError, match=r"G4 \(object\): no storage backend"):
+    with pytest.raises(StorageConfigError, match=r"G4 \(object\) must be a ObjectStorage"):
         TransferEngine({"G1": tiers["G1"], "G4": tiers["G2"]})
     other = HostStorage(small_config(page_size=8))
     with pytest.raises(LayoutMismatchError, match="page_size"):

@@ -10,7 +10,9 @@ Entry points::
     g1 = DeviceStorage.wrap(kv_caches)               # engine tensors, zero-copy
     g2 = HostStorage(cfg.with_blocks(4096))          # pinned when CUDA is present
     g3 = DiskStorage(cfg.with_blocks(65536), "/nvme/kvstrata")
-    engine = TransferEngine({"G1": g1, "G2": g2, "G3": g3})
+    g4 = ObjectStorage(cfg, S3Config(endpoint_url="http://127.0.0.1:8333"),
+                       namespace="kvstrata/<fingerprint>/", fingerprint="<fingerprint>")
+    engine = TransferEngine({"G1": g1, "G2": g2, "G3": g3, "G4": g4})
     plan = TransferPlan(1, Endpoint("G1"), Endpoint("G2"), [h3, h7],
                         src_block_ids=[3, 7], dst_block_ids=[0, 1])
     result = engine.submit(plan).result()
@@ -25,8 +27,8 @@ from .checksum import ChecksumTable, block_checksum
 from .copy import (CopyEngine, MemmoveCopyEngine, StagedCopyEngine, TorchCopyEngine,
                    default_copy_engine)
 from .dtypes import SUPPORTED_DTYPES
-from .errors import (BlockFailure, BlockIntegrityError, BlockIOError, ChecksumMismatchError,
-                     DiskFullError, EngineBusyError, EngineClosedError, FailureKind,
+from .errors import (BlockFailure, BlockIntegrityError, BlockIOError, BlockNotFoundError,
+                     ChecksumMismatchError, DiskFullError, EngineBusyError, EngineClosedError, FailureKind,
                      LayoutConfigError, LayoutError, LayoutFormatError, LayoutMismatchError,
                      LayoutVersionError, PhysicalError, StorageClosedError, StorageConfigError,
                      StorageError, StorageIOError, TransferError, TransferPlanError)
@@ -34,12 +36,13 @@ from ..protocol import (Endpoint, FullyContiguousLayout, Granularity, LayerOrder
                         LayerSeparateLayout, Layout, LayoutConfig, Region, SharedLayout,
                         StorageDescriptor, TransferPlan, TransferResult)
 from .storage import (BlockMemory, DeviceStorage, DiskStorage, FileOps, HostStorage,
-                      MemoryStorage, Storage, StorageStatus)
+                      MemoryStorage, ObjectStorage, S3Config, Storage, StorageStatus)
 from .transfer import TransferEngine
 
 __all__ = ["ChecksumTable", "block_checksum", "CopyEngine", "MemmoveCopyEngine",
            "StagedCopyEngine", "TorchCopyEngine", "default_copy_engine", "SUPPORTED_DTYPES",
-           "BlockFailure", "BlockIntegrityError", "BlockIOError", "ChecksumMismatchError",
+           "BlockFailure", "BlockIntegrityError", "BlockIOError", "BlockNotFoundError",
+           "ChecksumMismatchError",
            "DiskFullError", "EngineBusyError", "EngineClosedError", "FailureKind",
            "LayoutConfigError", "LayoutError", "LayoutFormatError", "LayoutMismatchError",
            "LayoutVersionError", "PhysicalError", "StorageClosedError", "StorageConfigError",
@@ -47,5 +50,6 @@ __all__ = ["ChecksumTable", "block_checksum", "CopyEngine", "MemmoveCopyEngine",
            "FullyContiguousLayout", "Granularity", "LayerOrder", "LayerSeparateLayout",
            "Layout", "LayoutConfig", "Region", "SharedLayout", "StorageDescriptor", "Endpoint",
            "TransferPlan", "TransferResult", "BlockMemory", "DeviceStorage",
-           "DiskStorage", "FileOps", "HostStorage", "MemoryStorage", "Storage",
+           "DiskStorage", "FileOps", "HostStorage", "MemoryStorage", "ObjectStorage",
+           "S3Config", "Storage",
            "StorageStatus", "TransferEngine"]

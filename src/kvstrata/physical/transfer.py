@@ -2,7 +2,7 @@
 
 Usage::
 
-    engine = TransferEngine({"G1": device, "G2": host, "G3": disk})
+    engine = TransferEngine({"G1": device, "G2": host, "G3": disk, "G4": objects})
     future = engine.submit(TransferPlan(job_id, Endpoint("G1"), Endpoint("G2"), seq_hashes,
                                         src_block_ids=src_ids, dst_block_ids=dst_ids))
     result = future.result()            # or drain engine.completions in the pool owner
@@ -10,22 +10,26 @@ Usage::
 
 * Storages are keyed by tier name; each tier's kind (:mod:`kvstrata.tiers`) says which
   storage class it must be, and a plan's pair of kinds picks its handler (device -> host,
-  host -> device, host -> disk, disk -> host, disk -> device). A new kind of tier is a new
-  storage class plus its handlers here. The engine serves the endpoints of its own worker.
+  host -> device, host -> disk, disk -> host, disk -> device, host -> object,
+  object -> host, object -> device). A new kind of tier is a new storage class plus its
+  handlers here. The engine serves the endpoints of its own worker. Slot-addressed tiers are
+  named by block ids in plans, key-addressed ones (G4) by keys (``src_keys``/``dst_keys``).
 * One bounded queue and ``workers_per_path`` worker threads per path, so offload and onboard
   never wait behind each other; at most ``queue_depth + workers_per_path`` plans per path are
   in flight. :meth:`TransferEngine.submit` waits (sleeping) for room up to ``timeout`` and then
   raises :class:`EngineBusyError`.
 * Each plan is one batched call per storage pair: a copy engine call between memory layouts
-  (:mod:`~kvstrata.physical.copy`), coalesced ``preadv``/``pwritev`` for disk.
+  (:mod:`~kvstrata.physical.copy`), coalesced ``preadv``/``pwritev`` for disk, concurrent
+  requests for the object store.
 * Every plan completes with a :class:`TransferResult` — set on the returned
   ``concurrent.futures.Future`` *and* put on :attr:`TransferEngine.completions`, a queue the
   pool owner drains (:meth:`drain_completions`). Failed blocks are reported per block, never
   raised through the future, so the owner handles every outcome in one place.
 * Integrity: blocks written into G2/G3 are checksummed (xxh3-64) and their slot records the
-  sequence hash only after the write succeeded; reads from G3 always verify, reads from G2
-  check the sequence hash and verify bytes when the host storage has ``verify_reads``. A block
-  that fails is reported in ``failures``/``failed_sequence_hashes`` and its bytes are not used.
+  sequence hash only after the write succeeded; G4 objects carry the checksum and sequence
+  hash in their header. Reads from G3 and G4 always verify, reads from G2 check the sequence
+  hash and verify bytes when the host storage has ``verify_reads``. A block that fails is
+  reported in ``failures``/``failed_sequence_hashes`` and its bytes are not used.
 * No lock is held across I/O or copies; nothing busy-waits.
 """
 
@@ -40,7 +44,7 @@ from typing import Callable, Mapping
 from ..protocol.layout import FullyContiguousLayout
 from ..protocol.plans import TransferPlan
 from ..protocol.results import TransferResult
-from ..tiers import TierKind, UnknownTierError, ordered, path_name, spec
+from ..tiers import Addressing, TierKind, UnknownTierError, ordered, path_name, spec
 from .buffers import AlignedBuffer
 from .copy import OFFLOAD, ONBOARD, CopyEngine, default_copy_engine
 from .errors import (BlockFailure, BlockIOError, EngineBusyError, EngineClosedError,
@@ -48,6 +52,7 @@ from .errors import (BlockFailure, BlockIOError, EngineBusyError, EngineClosedEr
 from .storage.base import BlockMemory, MemoryStorage, Storage
 from .storage.disk import DIRECT_ALIGNMENT, DiskStorage
 from .storage.host import HostStorage
+from .storage.objects import ObjectStorage
 
 __all__ = ["TransferEngine", "STORAGE_CLASS"]
 
@@ -58,6 +63,7 @@ STORAGE_CLASS: dict[TierKind, type[Storage]] = {
     TierKind.DEVICE: MemoryStorage,
     TierKind.HOST: HostStorage,
     TierKind.DISK: DiskStorage,
+    TierKind.OBJECT: ObjectStorage,
 }
 """The storage class each kind of tier needs; kinds missing here have no backend yet."""
 
@@ -66,7 +72,7 @@ class TransferEngine:
     """Moves blocks between ``storages`` (keyed by tier name; see :data:`STORAGE_CLASS` for
     what each kind of tier needs), for the endpoints of ``worker``. ``copy_engine`` defaults to
     :func:`~kvstrata.physical.copy.default_copy_engine`; ``staging_bytes`` bounds the
-    per-worker bounce buffer of the G3->G1 path; ``hash_slice_bytes`` is how much of a G1->G2
+    per-worker bounce buffer of the G3->G1 and G4->G1 paths; ``hash_slice_bytes`` is how much of a G1->G2
     batch is copied before its checksums are computed (cache-sized)."""
 
     def __init__(self, storages: Mapping[str, Storage], *, copy_engine: CopyEngine | None = None,
@@ -88,7 +94,10 @@ class TransferEngine:
             (TierKind.HOST, TierKind.DEVICE): self._host_to_device,
             (TierKind.HOST, TierKind.DISK): self._host_to_disk,
             (TierKind.DISK, TierKind.HOST): self._disk_to_host,
-            (TierKind.DISK, TierKind.DEVICE): self._disk_to_device}
+            (TierKind.DISK, TierKind.DEVICE): self._disk_to_device,
+            (TierKind.HOST, TierKind.OBJECT): self._host_to_object,
+            (TierKind.OBJECT, TierKind.HOST): self._object_to_host,
+            (TierKind.OBJECT, TierKind.DEVICE): self._object_to_device}
         tiers = ordered(self._storages)
         self._handlers: dict[str, _Handler] = {
             path_name(a, b): by_kinds[spec(a).kind, spec(b).kind]
@@ -124,6 +133,8 @@ class TransferEngine:
             raise TransferPlanError(f"no handler for path {plan.path} in an engine over "
                                     f"{sorted(self._storages)} (paths: {', '.join(self.paths)})")
         for tier, ids in ((plan.src_tier, plan.src_block_ids), (plan.dst_tier, plan.dst_block_ids)):
+            if spec(tier).addressing is not Addressing.SLOTS:
+                continue              # keys: the storage checks them per block
             limit = self._storages[tier].num_blocks
             if max(ids) >= limit:
                 raise TransferPlanError(f"{plan.path}: {tier} block id {max(ids)} out of range "
@@ -217,7 +228,8 @@ class TransferEngine:
                                       self._storages[plan.dst_tier], failures, checksums)
         except Exception as exc:   # a bug or a dead storage: the whole batch failed
             error = f"{type(exc).__name__}: {exc}"
-            for pos, block_id in enumerate(plan.dst_block_ids):
+            ids = plan.dst_block_ids or (-1,) * len(plan)      # keys: no block ids
+            for pos, block_id in enumerate(ids):
                 failures.setdefault(pos, BlockFailure(pos, block_id, FailureKind.INTERNAL, error))
         n = len(plan)
         block_bytes = self._block_bytes
@@ -316,11 +328,68 @@ class TransferEngine:
                                       [plan.dst_block_ids[positions[i]] for i in good],
                                       direction=ONBOARD)
 
-    def _staging(self, disk: DiskStorage) -> tuple[AlignedBuffer, BlockMemory]:
-        """This worker thread's aligned bounce buffer for disk -> device, as a
-        FullyContiguous memory of ``disk``'s geometry."""
+    def _host_to_object(self, plan, host, objects, failures, checksums) -> None:
+        good = _check_host_source(host, plan, failures)
+        if not good:
+            return
+        src_ids = [plan.src_block_ids[p] for p in good]
+        seqs = [plan.sequence_hashes[p] for p in good]
+        known = host.checksums.checksums_of(src_ids)
+        try:
+            # As for G3: a known G2 checksum goes into the object header as it is; deferred
+            # ones are hashed by the object storage while it builds the objects.
+            sums = objects.put_blocks([plan.dst_keys[p] for p in good],
+                                      [host.block_array(b) for b in src_ids], seqs,
+                                      checksums=known)
+        except BlockIOError as exc:
+            _remap(exc.failures, good, failures)
+            sums = exc.checksums or [None] * len(good)
+        if None in known:
+            host.checksums.fill(src_ids, sums, seqs)
+        for p, value in zip(good, sums):
+            checksums[p] = value
+
+    def _object_to_host(self, plan, objects, host, failures, checksums) -> None:
+        host.begin_write(plan.dst_block_ids)
+        try:
+            verified = objects.get_blocks(plan.src_keys,
+                                          [host.block_array(b) for b in plan.dst_block_ids],
+                                          plan.sequence_hashes)
+        except BlockIOError as exc:
+            _remap(exc.failures, range(len(plan)), failures)
+            verified = exc.checksums or [None] * len(plan)
+        good = [p for p in range(len(plan)) if p not in failures]
+        sums = host.seal([plan.dst_block_ids[p] for p in good],
+                         [plan.sequence_hashes[p] for p in good], [verified[p] for p in good])
+        for p, value in zip(good, sums):
+            checksums[p] = value
+
+    def _object_to_device(self, plan, objects, device, failures, checksums) -> None:
+        staging, memory = self._staging(objects)
+        per_round = memory.layout.config.num_blocks
+        stride = memory.layout.block_stride
+        for first in range(0, len(plan), per_round):
+            positions = list(range(first, min(first + per_round, len(plan))))
+            local_failures: dict[int, BlockFailure] = {}
+            try:
+                objects.get_blocks([plan.src_keys[p] for p in positions],
+                                   [staging.array[i * stride:(i + 1) * stride]
+                                    for i in range(len(positions))],
+                                   [plan.sequence_hashes[p] for p in positions])
+            except BlockIOError as exc:
+                _remap(exc.failures, positions, local_failures)
+            failures.update(local_failures)
+            good = [i for i, p in enumerate(positions) if p not in local_failures]
+            if good:
+                self.copy_engine.copy(memory, good, device.memory,
+                                      [plan.dst_block_ids[positions[i]] for i in good],
+                                      direction=ONBOARD)
+
+    def _staging(self, storage: Storage) -> tuple[AlignedBuffer, BlockMemory]:
+        """This worker thread's aligned bounce buffer for disk/object -> device, as a
+        FullyContiguous memory of ``storage``'s geometry."""
         if getattr(self._local, "staging", None) is None:
-            config = disk.config
+            config = storage.config
             layout = FullyContiguousLayout(config.with_alignment(
                 max(config.alignment, DIRECT_ALIGNMENT)))
             blocks = max(1, self.staging_bytes // layout.block_stride)
