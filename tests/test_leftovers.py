@@ -129,7 +129,7 @@ def test_an_unclosed_manager_is_closed_at_exit(tmp_path):
         "from kvstrata.config import TierConfig, ModelGeometry\n"
         f"m = KvBlockManager(KvConfig(tiers={{'G1': TierConfig(blocks=8), 'G2': "
         f"TierConfig(blocks=8), 'G3': TierConfig(blocks=8)}}, model=ModelGeometry(num_layers=1,"
-        f" kv_heads=1, head_dim=8)), disk_dir={str(tmp_path)!r})\n"
+        f" kv_heads=1, head_dim=8)), disk_dir={str(tmp_path)!r}, durable_disk=False)\n"
         "import os; assert os.listdir(" + repr(str(tmp_path)) + ")\n"
         "print('exiting without close')\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120)

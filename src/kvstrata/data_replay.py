@@ -136,7 +136,8 @@ def run_data_replay(
         reclaim(tempfile.gettempdir(), "kvstrata-data-replay-")   # left by killed replays
         disk_dir = temp_dir = tempfile.mkdtemp(prefix=f"kvstrata-data-replay-{owner_tag()}-")
     try:
-        with KvBlockManager(config, disk_dir=disk_dir, max_host_bytes=max_host_bytes) as mgr:
+        with KvBlockManager(config, disk_dir=disk_dir, max_host_bytes=max_host_bytes,
+                            durable_disk=False) as mgr:
             run = _DataRun(mgr, config, hasher, verify, flush_each_request)
             started = time.perf_counter()
             for request in requests:

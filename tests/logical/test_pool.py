@@ -400,3 +400,49 @@ def test_acquire_holds_without_counting_a_hit():
     held = pool.acquire([7, 99])
     assert held.sequence_hashes == [7] and pool.lookup(7).policy_state == 1
     held.release()
+
+
+@pytest.mark.parametrize("policy", ["lru", "default", "lfu", "adaptive"])
+def test_restore_places_recovered_blocks_in_their_slots(policy):
+    from kvstrata.logical.registry import RegistryObserver
+
+    class Seen(RegistryObserver):
+        stored = []
+
+        def on_tier_stored(self, tier, records):
+            self.stored.extend(records)
+
+    registry = BlockRegistry()
+    seen = Seen()
+    registry.add_observer(seen)
+    pool = BlockPool("G3", 8, 4, eviction=make_eviction(policy, 8), registry=registry)
+    records = chain(3)
+    assert pool.restore([(5, records[0]), (2, records[1]), (6, records[2])]) == 3
+    pool.check_invariants()
+    assert [pool.lookup(r.sequence_hash).block_id for r in records] == [5, 2, 6]
+    assert pool.match_length([r.sequence_hash for r in records]) == 3
+    assert [r.sequence_hash for r in seen.stored] == [r.sequence_hash for r in records]
+    status = pool.status()
+    assert (status.inactive, status.reset) == (3, 5)
+    fresh = pool.allocate(5)                      # the free slots, no eviction
+    assert sorted(fresh.block_ids) == [0, 1, 3, 4, 7] and pool.evictions == 0
+    fresh.release()
+    victims = pool.allocate(6)                    # now one restored block must go
+    assert pool.evictions == 1
+    victims.release()
+    pool.check_invariants()
+
+
+def test_restore_refuses_bad_entries_and_a_used_pool():
+    pool = BlockPool("G3", 4, 4)
+    a, b = chain(2)
+    with pytest.raises(ValueError, match="twice"):
+        pool.restore([(0, a), (0, b)])
+    with pytest.raises(ValueError, match="out of range"):
+        pool.restore([(4, a)])
+    with pytest.raises(ValueError, match="tokens"):
+        pool.restore([(1, BlockRecord(a.sequence_hash, a.local_hash, None, 8))])
+    assert pool.status().reset == 4 and a.sequence_hash not in pool
+    store(pool, [a])
+    with pytest.raises(Exception, match="nothing has used"):
+        pool.restore([(3, b)])

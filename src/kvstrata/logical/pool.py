@@ -287,6 +287,54 @@ class BlockPool:
         self.registry.record_stored(self.tier, stored)
         return ImmutableBlocks(self, out)
 
+    def restore(self, entries: Sequence[tuple[int, BlockRecord]]) -> int:
+        """Register blocks a durable tier recovered, each in the slot that holds its bytes;
+        returns how many. Only on a pool nothing has used yet. ``entries`` (slot, record)
+        come oldest first and enter the eviction order so; they are announced as stored.
+        A slot or hash given twice, a slot out of range or a record of another block size
+        raises ``ValueError`` and changes nothing."""
+        self._drain_orphans()
+        if self._by_hash or self._blocks:
+            raise PoolError(f"pool {self.tier}: restore needs a pool nothing has used yet")
+        slots = [slot for slot, _ in entries]
+        hashes = [record.sequence_hash for _, record in entries]
+        if len(set(slots)) != len(slots) or len(set(hashes)) != len(hashes):
+            raise ValueError(f"pool {self.tier}: restore names a slot or a block twice")
+        if slots and (min(slots) < 0 or max(slots) >= self.capacity):
+            raise ValueError(f"pool {self.tier}: restore slot out of range [0, {self.capacity})")
+        if any(record.block_size != self.block_size for _, record in entries):
+            raise ValueError(f"pool {self.tier}: restored records must hold {self.block_size} "
+                             f"tokens")
+        if not entries:
+            return 0
+        blocks = [Block(i, self.block_size) for i in range(max(slots) + 1)]
+        restored: list[Block] = []
+        for slot, record in entries:
+            block = blocks[slot]
+            block.apply_token_block(record)
+            block.state = BlockState.REGISTERED
+            self._by_hash[record.sequence_hash] = block
+            restored.append(block)
+        self._blocks = blocks
+        used = set(slots)
+        self._free = [i for i in reversed(range(len(blocks))) if i not in used]
+        if self._leaf_first:
+            for block in restored:
+                self._link_parent(block)
+        registered = self.eviction.registered if self._tracks_registration else None
+        idle = []
+        for block in restored:
+            if registered is not None:
+                registered(block)
+            self._tick += 1
+            block.release_tick = self._tick
+            if not (self._leaf_first and block.children):
+                idle.append(block)
+        self._inactive = len(restored)
+        self.eviction.insert_many(idle)
+        self.registry.record_stored(self.tier, [record for _, record in entries])
+        return len(restored)
+
     def _link_parent(self, block: Block) -> None:
         parent = self._by_hash.get(block.parent_hash) if block.parent_hash is not None else None
         if parent is None:

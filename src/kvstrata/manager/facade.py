@@ -81,7 +81,13 @@ class KvBlockManager:
       Without it G1 is allocated (``g1_layout``: ``outer_contiguous``, ``block_contiguous``
       or ``fully_contiguous``) on ``device`` (CUDA if available, else a CPU stand-in).
     * ``disk_dir`` -- directory of the G3 slab file; default ``config.disk_dir``, then
-      ``tiers["G3"].path``, else a temporary directory removed on :meth:`close`.
+      ``tiers["G3"].path``, else a temporary directory removed on :meth:`close`. In a named
+      directory G3 is durable (unless ``durable_disk=False``): it is kept on :meth:`close`
+      and the next manager of the same model and geometry there recovers its blocks (each
+      verified when first read), announcing them to ``observers`` as stored. Two managers
+      never share one: the second gets ``ManagerConfigError``.
+    * ``observers`` -- registry observers attached before anything is stored or recovered
+      (e.g. an event publisher); more can be added later with :meth:`add_observer`.
     * ``verify_host_reads`` -- re-hash G2 bytes on every read from G2 (G3 reads always verify).
     * ``max_host_bytes`` -- refuse (``ManagerConfigError``) a G2 bigger than this.
     * ``o_direct`` / ``file_ops`` -- passed to :class:`~kvstrata.physical.DiskStorage`
@@ -99,7 +105,8 @@ class KvBlockManager:
                  verify_host_reads: bool = False, max_host_bytes: int | None = None,
                  o_direct: bool | None = None, file_ops: FileOps | None = None,
                  metrics_registry=None, metrics_port: int | None = None,
-                 workers_per_path: int = 1) -> None:
+                 workers_per_path: int = 1, durable_disk: bool = True,
+                 observers: Sequence[RegistryObserver] = ()) -> None:
         config = (config or KvConfig()).validate()
         self._owner = OwnerThread("kvstrata-manager-owner", self._handle_result,
                                   self._after_step, self._fail_onboards)
@@ -120,9 +127,13 @@ class KvBlockManager:
                         f"cannot serve metrics on 127.0.0.1:{metrics_port}: {exc}") from exc
             self._storages = build_storages(config, StorageOptions(
                 kv_caches, kv_layout, g1_layout, device, disk_dir, verify_host_reads,
-                max_host_bytes, o_direct, file_ops))
+                max_host_bytes, o_direct, file_ops, durable_disk=durable_disk))
             self.config = self._storages.config
             self.planner = Planner(self.config, listeners=[self.metrics], release=self.release)
+            for observer in observers:
+                self.planner.registry.add_observer(observer)
+            for tier, entries in self._storages.recovered().items():
+                self.planner.restore(tier, entries)
             self.pools = self.planner.pools
             self._top = self.planner.top
             self._g1 = G1Bytes(self._storages.by_tier[self._top])

@@ -4,8 +4,12 @@
   (a CPU tensor stands in without a GPU). Its block count is G1's size.
 * **host** (G2): host RAM, each block's stride aligned to 4 KiB so the disk tier can read and
   write host slots in place with O_DIRECT.
-* **disk** (G3): one slab file in a directory (a temporary one, removed on close, unless the
-  config or the caller names one). Disk blocks move through host RAM, so a disk tier needs a
+* **disk** (G3): one slab file. In a directory the config or the caller names, it is
+  *durable* (:meth:`~kvstrata.physical.DiskStorage.durable`): it lives in a home named by the
+  compatibility fingerprint of the blocks (:mod:`kvstrata.compat`) and this rank, locked for
+  this process, and what a previous process stored there is recovered
+  (:meth:`Storages.recovered`). Without a directory (or with ``durable_disk=False``) it is a
+  temporary slab removed on close. Disk blocks move through host RAM, so a disk tier needs a
   host tier.
 
 A tier kind with no backend here (object store, remote memory) is refused with
@@ -15,17 +19,21 @@ in :func:`build_storages` (and its copy handlers in the transfer engine).
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
+from ..compat import compatibility_of
 from ..config import KvConfig
 from ..physical import (DeviceStorage, DiskStorage, FileOps, HostStorage, LayoutConfig,
                         PhysicalError, Storage)
 from ..physical.capacity import free_disk_bytes, physical_memory
 from ..physical.leftovers import owner_tag, reclaim
+from ..physical.storage.disk_home import home_name
 from ..tiers import TierKind, first_of_kind, ordered, spec
+from ..types import BlockRecord
 from .errors import ManagerConfigError
 
 __all__ = ["HOST_ALIGNMENT", "MANAGED_KINDS", "StorageOptions", "Storages", "build_storages",
@@ -63,6 +71,14 @@ class StorageOptions:
     g1: DeviceStorage | None = None
     """G1 already wrapped by the caller (an engine connector that picks the layout itself);
     it must hold blocks of the config's size (checked)."""
+    durable_disk: bool = True
+    """Keep the disk tier across restarts when it lives in a named directory."""
+    rank: int = 0
+    world_size: int = 1
+    """This process's rank among the ranks a model's KV heads are split over (part of the
+    durable disk tier's fingerprint and home)."""
+    disk_sync: bool = False
+    """Flush data and index at every disk write (survive power loss, not only crashes)."""
 
 
 @dataclass
@@ -74,8 +90,21 @@ class Storages:
     by_tier: dict[str, Storage] = field(default_factory=dict)
     temp_dir: str | None = None
 
+    def recovered(self) -> dict[str, list[tuple[int, BlockRecord]]]:
+        """Per durable tier, the (slot, record) of every block recovered at start, oldest
+        first (what :meth:`~kvstrata.placement.Planner.restore` takes)."""
+        block_size = self.config.block_size
+        out: dict[str, list[tuple[int, BlockRecord]]] = {}
+        for tier, storage in self.by_tier.items():
+            entries = getattr(storage, "recovered", None)
+            if entries:
+                out[tier] = [(e.slot, BlockRecord(e.sequence_hash, e.local_hash, e.parent_hash,
+                                                  block_size)) for e in entries]
+        return out
+
     def close(self) -> None:
-        """Free every storage (the slab file is deleted) and the temporary directory."""
+        """Free every storage (a temporary slab is deleted, a durable one kept) and the
+        temporary directory."""
         for storage in self.by_tier.values():
             storage.close()
         if self.temp_dir is not None:
@@ -162,16 +191,34 @@ def _disk(built: Storages, tier: str, geometry: LayoutConfig, options: StorageOp
         prefix = f"kvstrata-{tier.lower()}-"
         reclaim(tempfile.gettempdir(), prefix)            # left by killed processes
         directory = built.temp_dir = tempfile.mkdtemp(prefix=f"{prefix}{owner_tag()}-")
+    durable = options.durable_disk and built.temp_dir is None
+    compat = compatibility_of(config, rank=options.rank, world_size=options.world_size)
     need = config.tier_blocks(tier) * geometry.block_bytes
+    if durable:    # the slab we would reuse is already on the disk
+        need -= _existing_bytes(directory, tier, options.rank, compat.fingerprint)
     free = free_disk_bytes(directory)
     if free is not None and need > free:
         raise ManagerConfigError(f"tier {tier} needs {need} bytes of disk ({need / 2**30:.2f} "
                                  f"GiB); {directory} has {free / 2**30:.2f} GiB free")
+    layout = geometry.with_blocks(config.tier_blocks(tier))
     try:
-        return DiskStorage(geometry.with_blocks(config.tier_blocks(tier)), directory,
-                           o_direct=options.o_direct, file_ops=options.file_ops)
+        if durable:
+            return DiskStorage.durable(layout, directory, fingerprint=compat.fingerprint,
+                                       rank=options.rank, describe=compat.describe(),
+                                       sync=options.disk_sync, name=tier.lower(),
+                                       o_direct=options.o_direct, file_ops=options.file_ops)
+        return DiskStorage(layout, directory, o_direct=options.o_direct,
+                           file_ops=options.file_ops)
     except PhysicalError as exc:
         raise ManagerConfigError(f"{tier} in {directory}: {exc}") from exc
+
+
+def _existing_bytes(directory: str, tier: str, rank: int, fingerprint: str) -> int:
+    try:
+        return os.path.getsize(os.path.join(directory, home_name(tier, rank, fingerprint),
+                                            "slab"))
+    except OSError:
+        return 0
 
 
 def _fits_in_ram(tier: str, need: int) -> None:

@@ -149,6 +149,17 @@ class Planner:
     def idle(self) -> bool:
         return self._state.pending == 0
 
+    def restore(self, tier: str, entries: Sequence[tuple[int, BlockRecord]]) -> int:
+        """Register the blocks a durable ``tier`` recovered at start ((slot, record), oldest
+        first) in its pool, before anything else used it; returns how many. Observers of
+        the registry hear them as stored. ``PlacementError`` for a tier with no pool of
+        ours; ``ValueError`` (nothing changed) for entries that do not fit the pool."""
+        tier = self._tier(tier)
+        pool = self._state.pools.get(tier)
+        if pool is None:
+            raise PlacementError(f"restore: {tier} is the engine's; nothing to restore")
+        return pool.restore(entries)
+
     # -- lookups ---------------------------------------------------------------------------
     def lookup(self, sequence_hashes: Iterable[int]) -> list[str]:
         """The fastest tier holding each block of the longest prefix held (side-effect free).
