@@ -154,6 +154,11 @@ class S3Client:
         self._lock = threading.Lock()
 
     @property
+    def store(self):
+        """The underlying ``obstore.store.S3Store`` (for tools and benchmarks)."""
+        return self._store
+
+    @property
     def conditional_put(self) -> bool:
         """Whether PUTs are sent with ``If-None-Match: *`` (false after a server refused it)."""
         return self._conditional
