@@ -433,7 +433,7 @@ def test_restore_places_recovered_blocks_in_their_slots(policy):
     pool.check_invariants()
 
 
-def test_restore_refuses_bad_entries_and_a_used_pool():
+def test_restore_refuses_bad_entries_and_skips_reused_slots():
     pool = BlockPool("G3", 4, 4)
     a, b = chain(2)
     with pytest.raises(ValueError, match="twice"):
@@ -443,6 +443,12 @@ def test_restore_refuses_bad_entries_and_a_used_pool():
     with pytest.raises(ValueError, match="tokens"):
         pool.restore([(1, BlockRecord(a.sequence_hash, a.local_hash, None, 8))])
     assert pool.status().reset == 4 and a.sequence_hash not in pool
-    store(pool, [a])
-    with pytest.raises(Exception, match="nothing has used"):
-        pool.restore([(3, b)])
+    store(pool, [a])                              # slot 0 holds a now
+    held = pool.allocate(1)                       # slot 1 in use
+    c, d = chain(2, start=50)
+    assert pool.restore([(0, b), (1, c), (3, a), (2, d)]) == 1   # only d: slot 2 was free
+    assert pool.lookup(d.sequence_hash).block_id == 2 and b.sequence_hash not in pool
+    assert pool.lookup(a.sequence_hash).block_id == 0
+    held.release()
+    pool.check_invariants()
+    assert sorted(pool.allocate(2).block_ids) == [1, 3]

@@ -289,13 +289,13 @@ class BlockPool:
 
     def restore(self, entries: Sequence[tuple[int, BlockRecord]]) -> int:
         """Register blocks a durable tier recovered, each in the slot that holds its bytes;
-        returns how many. Only on a pool nothing has used yet. ``entries`` (slot, record)
-        come oldest first and enter the eviction order so; they are announced as stored.
-        A slot or hash given twice, a slot out of range or a record of another block size
-        raises ``ValueError`` and changes nothing."""
+        returns how many were restored. ``entries`` (slot, record) come oldest first and
+        enter the eviction order so; they are announced as stored. An entry whose slot is
+        in use or holds another block by now, or whose block is already held here, is
+        skipped (the slot was reused: its old bytes are gone). A slot or hash given twice, a
+        slot out of range or a record of another block size raises ``ValueError`` and
+        changes nothing."""
         self._drain_orphans()
-        if self._by_hash or self._blocks:
-            raise PoolError(f"pool {self.tier}: restore needs a pool nothing has used yet")
         slots = [slot for slot, _ in entries]
         hashes = [record.sequence_hash for _, record in entries]
         if len(set(slots)) != len(slots) or len(set(hashes)) != len(hashes):
@@ -305,19 +305,25 @@ class BlockPool:
         if any(record.block_size != self.block_size for _, record in entries):
             raise ValueError(f"pool {self.tier}: restored records must hold {self.block_size} "
                              f"tokens")
-        if not entries:
+        blocks = self._blocks
+        free = set(self._free)
+        take = [(slot, record) for slot, record in entries
+                if record.sequence_hash not in self._by_hash
+                and (slot >= len(blocks) or slot in free)]
+        if not take:
             return 0
-        blocks = [Block(i, self.block_size) for i in range(max(slots) + 1)]
+        taken = {slot for slot, _ in take}
+        grown = range(len(blocks), max(taken) + 1)
+        blocks.extend(Block(i, self.block_size) for i in grown)
+        self._free = [i for i in self._free if i not in taken] + \
+            [i for i in reversed(grown) if i not in taken]
         restored: list[Block] = []
-        for slot, record in entries:
+        for slot, record in take:
             block = blocks[slot]
             block.apply_token_block(record)
             block.state = BlockState.REGISTERED
             self._by_hash[record.sequence_hash] = block
             restored.append(block)
-        self._blocks = blocks
-        used = set(slots)
-        self._free = [i for i in reversed(range(len(blocks))) if i not in used]
         if self._leaf_first:
             for block in restored:
                 self._link_parent(block)
@@ -330,9 +336,9 @@ class BlockPool:
             block.release_tick = self._tick
             if not (self._leaf_first and block.children):
                 idle.append(block)
-        self._inactive = len(restored)
+        self._inactive += len(restored)
         self.eviction.insert_many(idle)
-        self.registry.record_stored(self.tier, [record for _, record in entries])
+        self.registry.record_stored(self.tier, [record for _, record in take])
         return len(restored)
 
     def _link_parent(self, block: Block) -> None:

@@ -151,9 +151,10 @@ class Planner:
 
     def restore(self, tier: str, entries: Sequence[tuple[int, BlockRecord]]) -> int:
         """Register the blocks a durable ``tier`` recovered at start ((slot, record), oldest
-        first) in its pool, before anything else used it; returns how many. Observers of
-        the registry hear them as stored. ``PlacementError`` for a tier with no pool of
-        ours; ``ValueError`` (nothing changed) for entries that do not fit the pool."""
+        first) in its pool; returns how many. Entries whose slot was used since are skipped
+        (:meth:`BlockPool.restore`). Observers of the registry hear them as stored.
+        ``PlacementError`` for a tier with no pool of ours; ``ValueError`` (nothing changed)
+        for entries that do not fit the pool."""
         tier = self._tier(tier)
         pool = self._state.pools.get(tier)
         if pool is None:

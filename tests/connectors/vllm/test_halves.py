@@ -286,14 +286,19 @@ def test_reset_cache_drops_every_block_and_says_so(make):
     assert {e.medium for e in removed} == {"CPU", "STORAGE"}
 
 
-def test_worker_shutdown_frees_the_slab(make, tmp_path):
+def test_worker_shutdown_keeps_the_durable_slab_and_frees_its_directory(make, tmp_path):
+    from kvstrata.physical.storage.disk_home import DiskTierHome
+
     sim = make()
     sim.add("a", prompt(17, 4 * BS + 1))
     sim.run()
     slab = sim.workers[0].storages.by_tier["G3"].path
     assert os.path.exists(slab)
     sim.workers[0].shutdown()
-    assert not os.path.exists(slab)
+    assert os.path.exists(slab)                  # for the next start (tests/.../test_restart)
+    home = slab.parent
+    DiskTierHome.claim(home.parent, tier="g3", rank=0,
+                       fingerprint=home.name.rsplit("-", 1)[1]).release()   # lock released
 
 
 def test_a_truncated_slab_is_a_load_error_not_a_crash(make):

@@ -52,8 +52,9 @@ class KvStrataConnector(KVConnectorBase_V1):
                  kv_cache_config: "KVCacheConfig") -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        settings = settings_from(extra, KvGeometry.from_vllm(
-            kv_cache_config, vllm_config.parallel_config.world_size))
+        world_size = vllm_config.parallel_config.world_size
+        settings = settings_from(extra, KvGeometry.from_vllm(kv_cache_config, world_size),
+                                 model_id=_model_id(vllm_config))
         self.settings = settings
         self.scheduler = None
         self.worker = None
@@ -76,7 +77,7 @@ class KvStrataConnector(KVConnectorBase_V1):
         else:
             from .worker import WorkerHalf
 
-            self.worker = WorkerHalf(settings, _worker_rank())
+            self.worker = WorkerHalf(settings, _worker_rank(), world_size=world_size)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -185,6 +186,15 @@ class KvStrataConnector(KVConnectorBase_V1):
                            ) -> KvStrataPromMetrics:
         return KvStrataPromMetrics(vllm_config, metric_types, labelnames,
                                    per_engine_labelvalues)
+
+
+def _model_id(vllm_config: Any) -> str:
+    """The served model's identity for the fingerprint of stored blocks: its name or path
+    and revision (a different model of the same geometry must never read them)."""
+    model = getattr(vllm_config, "model_config", None)
+    name = str(getattr(model, "model", "") or "")
+    revision = getattr(model, "revision", None)
+    return f"{name}@{revision}" if revision else name
 
 
 def _worker_rank() -> int:

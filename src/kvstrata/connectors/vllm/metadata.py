@@ -52,10 +52,15 @@ class WorkerReport(KVConnectorWorkerMetadata):
 
     results: list[tuple[int, TransferResult]] = field(default_factory=list)
     """(worker rank, result) pairs."""
+    recovered: dict[int, dict[str, list[tuple[int, int, int | None, int]]]] = \
+        field(default_factory=dict)
+    """Once per worker, in its first report: per durable tier, the blocks it recovered at
+    start as (slot, sequence hash, parent hash, local hash), keyed by the worker's rank."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "WorkerReport":
         if isinstance(other, WorkerReport):
             self.results.extend(other.results)
+            self.recovered.update(other.recovered)
         return self
 
 

@@ -112,6 +112,9 @@ class SchedulerHalf:
                                worker=0)
         self.counters = ConnectorCounters()
         self._results = RankResults(world_size)
+        self._world_size = world_size
+        self._recovered: dict[int, dict[str, list]] | None = {}
+        """Each worker's recovered durable blocks until every rank reported (then None)."""
         self._requests: dict[str, _Tracked] = {}
         self._outbox: list[TransferPlan] = []
         self._loads: dict[str, LoadOrder] = {}
@@ -207,6 +210,11 @@ class SchedulerHalf:
         for req_id in getattr(output, "finished_recving", None) or ():
             self._loading.discard(req_id)
         report = getattr(output, "kv_connector_worker_meta", None)
+        if isinstance(report, WorkerReport) and report.recovered \
+                and self._recovered is not None:
+            self._recovered.update(report.recovered)
+            if len(self._recovered) >= self._world_size:
+                self._restore_recovered()
         if isinstance(report, WorkerReport) and report.results:
             combined = [c for rank, r in report.results
                         if (c := self._results.add(rank, r)) is not None]
@@ -227,6 +235,27 @@ class SchedulerHalf:
                 output.finished_sending = finished
                 for req_id in done:
                     del self._held[req_id]
+
+    def _restore_recovered(self) -> None:
+        """Every worker reported the blocks its durable tiers recovered: restore those that
+        all of them hold in the same slot (each rank holds its own share of a block; a block
+        some rank lost is a miss), then announce them. Slots the planner used meanwhile are
+        skipped (:meth:`Planner.restore`)."""
+        per_rank, self._recovered = list(self._recovered.values()), None
+        for tier in per_rank[0]:
+            common = set(map(tuple, per_rank[0][tier]))
+            for other in per_rank[1:]:
+                common &= set(map(tuple, other.get(tier, ())))
+            entries = [(slot, BlockRecord(seq, local, parent, self.block_size))
+                       for slot, seq, parent, local in map(tuple, per_rank[0][tier])
+                       if (slot, seq, parent, local) in common]
+            try:
+                restored = self.planner.restore(tier, entries)
+            except (PlacementError, ValueError) as exc:
+                log.warning("kvstrata: could not restore the blocks %s recovered: %s", tier, exc)
+                continue
+            log.info("kvstrata: %s serves %d block(s) kept from the last run (of %d that "
+                     "every worker recovered)", tier, restored, len(entries))
 
     def request_finished(self, request: Any, block_ids: list[int]) -> bool:
         """True: vLLM must keep the blocks until they are released (stores read them)."""

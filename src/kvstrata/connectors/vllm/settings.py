@@ -12,7 +12,8 @@ key                    meaning                                     default
 ``tiers``              ``{"G2": {"bytes": "4GiB"}, "G3": {...}}``  G2 1 GiB, G3 4 GiB
                        or ``"G2=4GiB,G3=16GiB"``; a tier missing
                        is not used (``{"G2": ...}`` alone: no G3)
-``disk_dir``           directory of the G3 slab file               a temporary directory
+``disk_dir``           directory of the G3 tier, kept across       a temporary directory
+                       restarts (see docs/vllm.md)
 ``eviction``           ``default``, ``lru``, ``lfu``, ``adaptive``  ``lru``
 ``admission``          ``always``, ``second-offer``, ``adaptive``   ``always``
 ``events``             kvstrata sink specs (list or one string)    none
@@ -131,8 +132,11 @@ class ConnectorSettings:
 
 
 def settings_from(extra: Mapping[str, Any] | None, geometry: KvGeometry,
-                  env: Mapping[str, str] | None = None) -> ConnectorSettings:
-    """Build the settings from ``kv_connector_extra_config`` and vLLM's geometry."""
+                  env: Mapping[str, str] | None = None, *,
+                  model_id: str = "") -> ConnectorSettings:
+    """Build the settings from ``kv_connector_extra_config`` and vLLM's geometry;
+    ``model_id`` (vLLM's model and revision) names the model in the fingerprint of stored
+    blocks unless kvstrata's own config sets ``model_id``."""
     extra = dict(extra or {})
     env = os.environ if env is None else env
     problems: list[str] = []
@@ -204,7 +208,7 @@ def settings_from(extra: Mapping[str, Any] | None, geometry: KvGeometry,
         kv = replace(base, block_size=geometry.block_size, model=model, tiers=all_tiers,
                      eviction=eviction,
                      admission=overrides.get("admission", base.admission),
-                     disk_dir=disk_dir).validate()
+                     disk_dir=disk_dir, model_id=base.model_id or model_id).validate()
     except ConfigError as exc:
         raise ConnectorConfigError(f"kvstrata connector: {exc}") from None
     _check_runnable(kv, geometry.workers)

@@ -81,9 +81,11 @@ class WorkerHalf:
     CUDA is present, the host memmove engine otherwise)."""
 
     def __init__(self, settings: ConnectorSettings, rank: int = 0,
-                 copy_engine: CopyEngine | None = None) -> None:
+                 copy_engine: CopyEngine | None = None, world_size: int = 1) -> None:
         self.settings = settings
         self.rank = rank
+        self.world_size = world_size
+        self._recovered: dict[str, list[tuple[int, int, int | None, int]]] | None = None
         self._copy_engine = copy_engine
         self.storages: Storages | None = None
         self.engine: TransferEngine | None = None
@@ -104,8 +106,12 @@ class WorkerHalf:
         kv = self.settings.kv
         g1 = wrap_vllm_kv_caches(kv_caches, kv.tier_blocks(TOP_TIER), kv.block_size)
         options = StorageOptions(g1=g1, verify_host_reads=self.settings.verify_host_reads,
-                                 o_direct=self.settings.o_direct)
+                                 o_direct=self.settings.o_direct, rank=self.rank,
+                                 world_size=self.world_size)
         self.storages = build_storages(kv, options)
+        self._recovered = {tier: [(slot, r.sequence_hash, r.parent_hash, r.local_hash)
+                                  for slot, r in entries]
+                           for tier, entries in self.storages.recovered().items()}
         self.engine = TransferEngine(self.storages.by_tier, copy_engine=self._copy_engine)
         self._executor = EngineExecutor(self.engine, self._done.put)
         log.info("kvstrata: worker %d holds %s", self.rank,
@@ -166,9 +172,13 @@ class WorkerHalf:
 
     def report(self) -> WorkerReport | None:
         self._drain()
-        if not self._reported:
+        recovered = self._recovered
+        if not self._reported and recovered is None:
             return None
         report, self._reported = WorkerReport(self._reported), []
+        if recovered is not None:          # once, even if empty: the scheduler counts ranks
+            report.recovered[self.rank] = recovered
+            self._recovered = None
         return report
 
     def shutdown(self) -> None:

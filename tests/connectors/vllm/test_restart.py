@@ -1,0 +1,69 @@
+"""The connector over a durable G3: a restarted engine (new scheduler and workers on the same
+disk directory) loads the prefixes the last one stored, byte-exact, on every rank; a block one
+rank lost is a miss for all of them."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvstrata.physical.storage.disk_index import DiskIndex  # noqa: E402
+from kvstrata.tokens import hash_blocks  # noqa: E402
+
+from .sim import SimEngine, assert_idle  # noqa: E402
+from .test_halves import BS, prompt, run_and_check_load  # noqa: E402
+
+
+def _first_run(tmp_path, tokens, ranks=1):
+    sim = SimEngine(tmp_path, g2_blocks=16, g3_blocks=64, ranks=ranks, block_size=BS)
+    sim.add("a", tokens)
+    sim.run()
+    for worker in sim.workers:
+        worker.shutdown()
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_restarted_engine_loads_what_the_last_one_stored(tmp_path, ranks):
+    tokens = prompt(41, 8 * BS + 1)
+    _first_run(tmp_path, tokens, ranks)
+    sim = SimEngine(tmp_path, g2_blocks=16, g3_blocks=64, ranks=ranks, block_size=BS)
+    seen = []
+    sim.scheduler.registry.add_observer(type("Seen", (), {
+        "on_tier_stored": lambda self, tier, records: seen.extend((tier, r) for r in records),
+        "on_tier_removed": lambda *a: None, "on_tier_cleared": lambda *a: None,
+        "on_stored": lambda *a: None, "on_removed": lambda *a: None})())
+    sim.step()                                   # the workers' first report: what they kept
+    assert sorted(r.sequence_hash for t, r in seen if t == "G3") == \
+        sorted(h for h in sim.scheduler.planner.registry.hashes_in("G3"))
+    assert len(seen) == 8
+    run_and_check_load(sim, "b", tokens + [5], expect_blocks=8)
+    assert sim.scheduler.counters.blocks_loaded == {"G3": 8}
+    assert_idle(sim)
+    for worker in sim.workers:
+        worker.shutdown()
+
+
+def test_a_block_one_rank_lost_is_a_miss_for_all(tmp_path):
+    tokens = prompt(42, 6 * BS + 1)
+    fourth = hash_blocks(tokens, BS)[1][3]
+    sim = SimEngine(tmp_path, g2_blocks=16, g3_blocks=64, ranks=2, block_size=BS)
+    sim.add("a", tokens)
+    sim.run()
+    index = sim.workers[1].storages.by_tier["G3"].index
+    where = dict(path=index.path, capacity=index.capacity, fingerprint=index.fingerprint,
+                 stride=index.stride)
+    for worker in sim.workers:
+        worker.shutdown()
+    # rank 1 lost the index entry of the fourth block (killed between its write and entry)
+    index = DiskIndex.open(**where)
+    index.free([e.slot for e in index.entries() if e.sequence_hash == fourth])
+    index.close()
+    sim = SimEngine(tmp_path, g2_blocks=16, g3_blocks=64, ranks=2, block_size=BS)
+    sim.step()
+    held = sim.scheduler.planner.registry.hashes_in("G3")
+    assert len(held) == 5 and fourth not in held
+    run_and_check_load(sim, "b", tokens + [5], expect_blocks=3)    # the prefix before it
+    assert_idle(sim)
+    for worker in sim.workers:
+        worker.shutdown()
