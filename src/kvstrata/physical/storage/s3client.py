@@ -20,21 +20,24 @@ obstore's "not supported") is remembered and served by HEAD then PUT (two worker
 write the same block; harmless, the bytes are equal). ``S3Config(conditional_put=False)``
 skips the attempt.
 
-Why obstore -- measured against SeaweedFS 4.48 ``weed mini`` on this 2-core machine (server on
-the same cores), GB/s of payload, put / get, thread pool of N workers, best of two runs
-(``bench/bench_s3clients.py``)::
+Why obstore -- ``bench/bench_s3clients.py`` against SeaweedFS 4.48 ``weed mini`` on this
+2-core machine (the server shares the cores), payload GB/s put / get, N requests in flight,
+best of two runs::
 
     object    N    boto3 1.44.5      obstore 0.12.1     obstore async
-    64 KiB    8    0.024 / 0.033     0.071 / 0.155      0.079 / 0.120
-    64 KiB   16    0.027 / 0.028     0.078 / 0.130      0.071 / 0.119
-    256 KiB   8    0.101 / 0.111     0.128 / 0.444      0.110 / 0.314
-    256 KiB  16    0.082 / 0.125     0.129 / 0.459      0.101 / 0.281
-    2 MiB     8    0.150 / 0.612     0.180 / 0.886      0.170 / 1.023
-    2 MiB    16    0.155 / 0.521     0.169 / 1.014      0.161 / 0.823
+    64 KiB    8    0.019 / 0.029     0.035 / 0.096      0.038 / 0.076
+    64 KiB   16    0.024 / 0.030     0.084 / 0.148      0.059 / 0.094
+    256 KiB   8    0.063 / 0.100     0.142 / 0.321      0.155 / 0.474
+    256 KiB  16    0.060 / 0.130     0.110 / 0.424      0.128 / 0.370
+    2 MiB     8    0.157 / 0.650     0.191 / 0.717      0.166 / 0.906
+    2 MiB    16    0.147 / 0.768     0.169 / 0.811      0.178 / 1.232
 
-(boto3 with its CRC32 request/response checksums off, as kvstrata has its own xxh3.) PUTs are
-bound by the server's write path; on GETs obstore is 1.5-5x faster than boto3, and its
-blocking calls in threads match or beat its asyncio API. boto3 is not a dependency.
+(boto3 in a thread pool, its CRC32 request/response checksums off, as kvstrata has its own
+xxh3.) obstore beats boto3 everywhere: 1.2-3.5x on PUTs (which at 2 MiB are bound by the
+server's write path) and 1.06-5x on GETs. Its blocking calls in threads and its asyncio API
+trade places from run to run (an earlier run, 2 MiB GETs with 8 / 16 in flight: threads
+0.886 / 1.014, asyncio 1.023 / 0.823 GB/s); kvstrata uses the blocking calls, since its
+transfer engine runs on threads. boto3 is not a dependency.
 """
 
 from __future__ import annotations
