@@ -14,6 +14,14 @@ Every figure is the best of ``--reps`` runs, ours and the baseline interleaved r
 GB/s counts payload bytes. The server shares the machine's cores with the client, so PUTs are
 bound by the server. Goal: ours >= 80 % of the bare loop. Prints ratios, never asserts timing.
 Usage: ``python bench/bench_objectstore.py [--quick] [--reps N] [--concurrency N]``.
+
+Measured on this 2-core machine (SeaweedFS 4.48, obstore 0.12.1, 256 blocks, 16 in flight,
+best of 3), payload GB/s ours / bare (ratio)::
+
+    256 KiB  put 0.101 / 0.098 (1.03)   get 0.324 / 0.331 (0.98)
+    2 MiB    put 0.171 / 0.181 (0.94)   get 0.931 / 0.833 (1.12)
+
+Run to run the ratios move by about +-0.1 (the server shares the two cores).
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ def weed():
 
 @pytest.fixture
 def namespace() -> str:
-    return f"kvstrata/test/{uuid.uuid4().hex[:12]}/"
+    return f"kvstrata/test:bf16/{uuid.uuid4().hex[:12]}/"
 
 
 @pytest.fixture
@@ -289,6 +289,19 @@ def test_wrong_secret_is_an_io_error_per_block(weed, namespace):
             s.put_blocks(keys_of([1, 2]), sentinels(2), [1, 2])
         assert set(failures_by_position(err.value).values()) == {FailureKind.IO_ERROR}
         assert "PUT" in err.value.failures[0].detail
+
+
+def test_server_stops_its_process_and_removes_its_directory(weed):
+    server = SeaweedServer(bucket="other-bucket").start()
+    pid, directory = server.proc.pid, server.data_dir
+    assert server.running and os.path.isdir(directory)
+    client = S3Client(server.s3_config())
+    assert client.put_if_absent("k", b"v") is True and client.put_if_absent("k", b"w") is False
+    server.cleanup()
+    server.cleanup()
+    assert not server.running and not os.path.exists(directory)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
 
 
 # --------------------------------------------------------------------------- transfer engine

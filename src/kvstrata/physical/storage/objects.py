@@ -55,7 +55,7 @@ from .s3client import ObjectStoreError, S3Client, S3Config
 
 __all__ = ["ObjectStorage", "ObjectCounters"]
 
-_SEGMENT = re.compile(r"[A-Za-z0-9._=+-]+")
+_SEGMENT = re.compile(r"[A-Za-z0-9._=+:@,~-]+")
 _HEX_KEY = re.compile(r"[0-9a-f]{16}")
 
 
@@ -84,7 +84,7 @@ def _check_path(what: str, value: str) -> None:
     segments = value.split("/")
     if not value or not all(_SEGMENT.fullmatch(s) and s not in (".", "..") for s in segments):
         raise ValueError(f"{what} {value!r}: '/'-separated segments of letters, digits and "
-                         f"._=+- only")
+                         f"._=+:@,~- only")
 
 
 class _Gate:
