@@ -79,6 +79,7 @@ def run_data_replay(
     flush_each_request: bool = True,
     max_host_bytes: int = DEFAULT_MAX_HOST_BYTES,
     max_disk_bytes: int = DEFAULT_MAX_DISK_BYTES,
+    durable_disk: bool = False,
 ) -> dict:
     """Replay ``requests`` moving real bytes; returns a JSON-able report.
 
@@ -90,7 +91,9 @@ def run_data_replay(
     called after each request. ``verify``: ``"all"`` compares every block of each onboarded
     prefix with its expected bytes, ``"loaded"`` only those copied from G2/G3, ``"none"``
     skips it. Raises :class:`DataReplayError` if G1+G2 exceed ``max_host_bytes`` or G3
-    exceeds ``max_disk_bytes`` or the free space of its directory.
+    exceeds ``max_disk_bytes`` or the free space of its directory. With ``durable_disk``
+    (and a ``disk_dir``), G3 is kept when the replay ends and what an earlier durable replay
+    left there is recovered first: a restart, as a server would see it.
 
     Keys of the returned dict:
 
@@ -137,7 +140,7 @@ def run_data_replay(
         disk_dir = temp_dir = tempfile.mkdtemp(prefix=f"kvstrata-data-replay-{owner_tag()}-")
     try:
         with KvBlockManager(config, disk_dir=disk_dir, max_host_bytes=max_host_bytes,
-                            durable_disk=False) as mgr:
+                            durable_disk=durable_disk and temp_dir is None) as mgr:
             run = _DataRun(mgr, config, hasher, verify, flush_each_request)
             started = time.perf_counter()
             for request in requests:

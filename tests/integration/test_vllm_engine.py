@@ -232,7 +232,7 @@ def test_a_corrupt_g3_is_a_load_error_and_vllm_recomputes(engine, reference):
     for i in (1, 2):
         _generate(llm, prompts[f"filler_{i}"])
     _wait_idle(half, llm=llm)
-    (slab,) = [p for p in g3_dir.iterdir() if p.suffix == ".slab"]
+    (slab,) = g3_dir.glob("kvstrata-g3-r0-*/slab")        # the durable G3's slab
     data = bytearray(slab.read_bytes())
     for i in range(0, len(data), 512):
         data[i] ^= 0xA5

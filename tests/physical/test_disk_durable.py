@@ -101,7 +101,7 @@ def test_changed_fingerprint_starts_fresh_and_removes_the_old_home(tmp_path, cap
     keep.close()
     with caplog.at_level(logging.WARNING):
         fresh = _open(tmp_path, fingerprint=OTHER_FP)
-    assert fresh.recovered == []
+    assert len(fresh.recovered) == 0
     assert not (tmp_path / home_name("g3", 0, FP)).exists()
     assert (tmp_path / home_name("g3", 1, FP)).exists()
     lines = [r.getMessage() for r in caplog.records if "starting fresh" in r.getMessage()]
@@ -138,7 +138,7 @@ def test_damaged_header_starts_fresh(tmp_path):
     disk.close()
     index_path.write_bytes(b"garbage" * 20)
     again = _open(tmp_path)
-    assert again.recovered == [] and "damaged" in again.index.report.fresh_reason
+    assert len(again.recovered) == 0 and "damaged" in again.index.report.fresh_reason
     again.close()
 
 
@@ -185,7 +185,7 @@ def test_writes_without_identity_are_served_but_not_recovered(tmp_path):
     assert _same(blocks, _read(disk, [3], [9]), disk.config.block_bytes)
     disk.close()
     again = _open(tmp_path)
-    assert again.recovered == []
+    assert len(again.recovered) == 0
     again.close()
 
 

@@ -318,24 +318,30 @@ class BlockPool:
         self._free = [i for i in self._free if i not in taken] + \
             [i for i in reversed(grown) if i not in taken]
         restored: list[Block] = []
-        for slot, record in take:
+        by_hash, state = self._by_hash, BlockState.REGISTERED
+        for slot, record in take:      # Block.apply_token_block, inlined (checked above)
             block = blocks[slot]
-            block.apply_token_block(record)
-            block.state = BlockState.REGISTERED
-            self._by_hash[record.sequence_hash] = block
+            block.state = state
+            block.sequence_hash = record.sequence_hash
+            block.local_hash = record.local_hash
+            block.parent_hash = record.parent_hash
+            block.cached_record = record
+            if record.token_ids is not None:
+                block.tokens = list(record.token_ids)
+            by_hash[record.sequence_hash] = block
             restored.append(block)
         if self._leaf_first:
             for block in restored:
                 self._link_parent(block)
         registered = self.eviction.registered if self._tracks_registration else None
-        idle = []
+        tick = self._tick
         for block in restored:
             if registered is not None:
                 registered(block)
-            self._tick += 1
-            block.release_tick = self._tick
-            if not (self._leaf_first and block.children):
-                idle.append(block)
+            tick += 1
+            block.release_tick = tick
+        self._tick = tick
+        idle = [b for b in restored if not b.children] if self._leaf_first else restored
         self._inactive += len(restored)
         self.eviction.insert_many(idle)
         self.registry.record_stored(self.tier, [record for _, record in take])

@@ -31,13 +31,15 @@ from ..physical import (DeviceStorage, DiskStorage, FileOps, HostStorage, Layout
                         PhysicalError, Storage)
 from ..physical.capacity import free_disk_bytes, physical_memory
 from ..physical.leftovers import owner_tag, reclaim
+from ..physical.storage.disk import slab_stride
 from ..physical.storage.disk_home import home_name
+from ..physical.storage.disk_index import DiskIndex
 from ..tiers import TierKind, first_of_kind, ordered, spec
 from ..types import BlockRecord
 from .errors import ManagerConfigError
 
 __all__ = ["HOST_ALIGNMENT", "MANAGED_KINDS", "StorageOptions", "Storages", "build_storages",
-           "layout_config_for"]
+           "layout_config_for", "peek_recovered"]
 
 HOST_ALIGNMENT = 4096
 """Host block stride alignment: lets the disk read and write host slots in place (O_DIRECT)."""
@@ -90,17 +92,23 @@ class Storages:
     by_tier: dict[str, Storage] = field(default_factory=dict)
     temp_dir: str | None = None
 
-    def recovered(self) -> dict[str, list[tuple[int, BlockRecord]]]:
-        """Per durable tier, the (slot, record) of every block recovered at start, oldest
-        first (what :meth:`~kvstrata.placement.Planner.restore` takes)."""
-        block_size = self.config.block_size
-        out: dict[str, list[tuple[int, BlockRecord]]] = {}
+    def recovered_rows(self) -> dict[str, list[tuple[int, int, int | None, int]]]:
+        """Per durable tier, (slot, sequence hash, parent hash, local hash) of every block
+        recovered at start, oldest first."""
+        out = {}
         for tier, storage in self.by_tier.items():
-            entries = getattr(storage, "recovered", None)
-            if entries:
-                out[tier] = [(e.slot, BlockRecord(e.sequence_hash, e.local_hash, e.parent_hash,
-                                                  block_size)) for e in entries]
+            live = getattr(storage, "recovered", None)
+            if live:
+                out[tier] = live.rows()
         return out
+
+    def recovered(self) -> dict[str, list[tuple[int, BlockRecord]]]:
+        """:meth:`recovered_rows` as (slot, record) pairs: what
+        :meth:`~kvstrata.placement.Planner.restore` takes."""
+        block_size = self.config.block_size
+        return {tier: [(slot, BlockRecord(seq, local, parent, block_size))
+                       for slot, seq, parent, local in rows]
+                for tier, rows in self.recovered_rows().items()}
 
     def close(self) -> None:
         """Free every storage (a temporary slab is deleted, a durable one kept) and the
@@ -211,6 +219,32 @@ def _disk(built: Storages, tier: str, geometry: LayoutConfig, options: StorageOp
                            file_ops=options.file_ops)
     except PhysicalError as exc:
         raise ManagerConfigError(f"{tier} in {directory}: {exc}") from exc
+
+
+def peek_recovered(config: KvConfig, *, rank: int = 0, world_size: int = 1
+                   ) -> dict[str, list[tuple[int, int, int | None, int]]] | None:
+    """What :func:`build_storages` recovers (or recovered) for ``rank``'s durable disk
+    tiers, read from their index files without touching them: (slot, sequence hash, parent
+    hash, local hash) rows per tier. None when a durable tier's index is not readable here
+    (another machine, nothing stored yet). For a scheduler that does not build the storages
+    itself but must know at start what its workers hold."""
+    out: dict[str, list[tuple[int, int, int | None, int]]] = {}
+    for tier in ordered(config.tiers):
+        if spec(tier).kind is not TierKind.DISK:
+            continue
+        directory = config.disk_dir or config.tiers[tier].path
+        if directory is None:
+            continue                              # a temporary slab: nothing kept
+        compat = compatibility_of(config, rank=rank, world_size=world_size)
+        layout = layout_config_for(config, config.tier_blocks(tier))
+        live = DiskIndex.peek(os.path.join(directory, home_name(tier, rank, compat.fingerprint),
+                                           "index"),
+                              capacity=layout.num_blocks, fingerprint=compat.fingerprint,
+                              stride=slab_stride(layout))
+        if live is None:
+            return None
+        out[tier] = live.rows()
+    return out
 
 
 def _existing_bytes(directory: str, tier: str, rank: int, fingerprint: str) -> int:

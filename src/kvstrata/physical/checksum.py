@@ -62,7 +62,7 @@ class ChecksumTable:
         idx = np.asarray(slots, dtype=np.int64)
         if checksums is None:
             self._known[idx] = False
-        elif any(c is None for c in checksums):
+        elif not isinstance(checksums, np.ndarray) and any(c is None for c in checksums):
             for slot, value in zip(idx.tolist(), checksums):
                 self._checksum[slot] = 0 if value is None else value
                 self._known[slot] = value is not None

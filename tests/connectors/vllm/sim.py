@@ -100,7 +100,8 @@ class SimEngine:
                   **(extra or {})}
         self.settings = settings_from(config, geometry, env={})
         self.scheduler = SchedulerHalf(self.settings, world_size=ranks)
-        self.workers = [WorkerHalf(self.settings, rank=r, copy_engine=copy_engine)
+        self.workers = [WorkerHalf(self.settings, rank=r, copy_engine=copy_engine,
+                                   world_size=ranks)
                         for r in range(ranks)]
         self.kv = [[torch.zeros(g1_blocks, HEADS, block_size, 2 * HEAD_DIM,
                                 dtype=torch.bfloat16) for _ in range(LAYERS)]

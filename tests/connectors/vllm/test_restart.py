@@ -28,15 +28,12 @@ def test_a_restarted_engine_loads_what_the_last_one_stored(tmp_path, ranks):
     tokens = prompt(41, 8 * BS + 1)
     _first_run(tmp_path, tokens, ranks)
     sim = SimEngine(tmp_path, g2_blocks=16, g3_blocks=64, ranks=ranks, block_size=BS)
-    seen = []
-    sim.scheduler.registry.add_observer(type("Seen", (), {
-        "on_tier_stored": lambda self, tier, records: seen.extend((tier, r) for r in records),
-        "on_tier_removed": lambda *a: None, "on_tier_cleared": lambda *a: None,
-        "on_stored": lambda *a: None, "on_removed": lambda *a: None})())
-    sim.step()                                   # the workers' first report: what they kept
-    assert sorted(r.sequence_hash for t, r in seen if t == "G3") == \
-        sorted(h for h in sim.scheduler.planner.registry.hashes_in("G3"))
-    assert len(seen) == 8
+    # known from the workers' index files before the first step, and announced to vLLM
+    assert sorted(sim.scheduler.planner.registry.hashes_in("G3")) == \
+        sorted(hash_blocks(tokens, BS)[1])
+    stored = [e for e in sim.scheduler.events.take() if type(e).__name__ == "BlockStored"]
+    assert sorted(h for e in stored for h in e.block_hashes) == sorted(hash_blocks(tokens, BS)[1])
+    assert {e.medium for e in stored} == {"STORAGE"}
     run_and_check_load(sim, "b", tokens + [5], expect_blocks=8)
     assert sim.scheduler.counters.blocks_loaded == {"G3": 8}
     assert_idle(sim)
@@ -60,10 +57,28 @@ def test_a_block_one_rank_lost_is_a_miss_for_all(tmp_path):
     index.free([e.slot for e in index.entries() if e.sequence_hash == fourth])
     index.close()
     sim = SimEngine(tmp_path, g2_blocks=16, g3_blocks=64, ranks=2, block_size=BS)
-    sim.step()
     held = sim.scheduler.planner.registry.hashes_in("G3")
     assert len(held) == 5 and fourth not in held
     run_and_check_load(sim, "b", tokens + [5], expect_blocks=3)    # the prefix before it
+    assert_idle(sim)
+    for worker in sim.workers:
+        worker.shutdown()
+
+
+def test_without_readable_index_files_the_workers_first_reports_restore(tmp_path, monkeypatch):
+    """A scheduler on another machine than its workers learns what they kept from their
+    first reports (a step later)."""
+    import kvstrata.connectors.vllm.scheduler as scheduler_module
+
+    tokens = prompt(43, 5 * BS + 1)
+    _first_run(tmp_path, tokens, ranks=2)
+    monkeypatch.setattr(scheduler_module, "peek_recovered", lambda *a, **k: None)
+    sim = SimEngine(tmp_path, g2_blocks=16, g3_blocks=64, ranks=2, block_size=BS)
+    assert not sim.scheduler.planner.registry.hashes_in("G3")
+    sim.step()
+    assert sorted(sim.scheduler.planner.registry.hashes_in("G3")) == \
+        sorted(hash_blocks(tokens, BS)[1])
+    run_and_check_load(sim, "b", tokens + [5], expect_blocks=5)
     assert_idle(sim)
     for worker in sim.workers:
         worker.shutdown()

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
 from ...logical.registry import BlockRegistry
+from ...manager.storages import peek_recovered
 from ...placement import PlacementError, Planner
 from ...placement.onboard import OnboardResult
 from ...protocol.plans import TransferPlan
@@ -115,6 +116,7 @@ class SchedulerHalf:
         self._world_size = world_size
         self._recovered: dict[int, dict[str, list]] | None = {}
         """Each worker's recovered durable blocks until every rank reported (then None)."""
+        self._restore_from_index_files()
         self._requests: dict[str, _Tracked] = {}
         self._outbox: list[TransferPlan] = []
         self._loads: dict[str, LoadOrder] = {}
@@ -235,6 +237,17 @@ class SchedulerHalf:
                 output.finished_sending = finished
                 for req_id in done:
                     del self._held[req_id]
+
+    def _restore_from_index_files(self) -> None:
+        """At start, read what every worker's durable tiers hold from their index files (on
+        one machine they are readable here; vLLM builds the workers' caches before the
+        scheduler), so the first request already finds the blocks. Otherwise the workers'
+        first reports bring the same rows a step later."""
+        per_rank = [peek_recovered(self.settings.kv, rank=rank, world_size=self._world_size)
+                    for rank in range(self._world_size)]
+        if all(rows is not None for rows in per_rank) and any(per_rank):
+            self._recovered = dict(enumerate(per_rank))
+            self._restore_recovered()
 
     def _restore_recovered(self) -> None:
         """Every worker reported the blocks its durable tiers recovered: restore those that

@@ -109,9 +109,7 @@ class WorkerHalf:
                                  o_direct=self.settings.o_direct, rank=self.rank,
                                  world_size=self.world_size)
         self.storages = build_storages(kv, options)
-        self._recovered = {tier: [(slot, r.sequence_hash, r.parent_hash, r.local_hash)
-                                  for slot, r in entries]
-                           for tier, entries in self.storages.recovered().items()}
+        self._recovered = self.storages.recovered_rows()
         self.engine = TransferEngine(self.storages.by_tier, copy_engine=self._copy_engine)
         self._executor = EngineExecutor(self.engine, self._done.put)
         log.info("kvstrata: worker %d holds %s", self.rank,

@@ -56,10 +56,10 @@ from ...protocol.layout import FullyContiguousLayout, LayoutConfig
 from ...protocol.layout_codec import StorageDescriptor
 from .base import Storage, StorageStatus
 from .disk_home import DiskTierHome
-from .disk_index import DiskIndex, IndexEntry
+from .disk_index import DiskIndex, LiveEntries
 from .fileio import FileOps
 
-__all__ = ["DiskStorage", "Durability", "DIRECT_ALIGNMENT"]
+__all__ = ["DiskStorage", "Durability", "DIRECT_ALIGNMENT", "slab_stride"]
 
 DIRECT_ALIGNMENT = 4096
 _IOV_MAX = 1024
@@ -75,6 +75,12 @@ class Durability:
     home: DiskTierHome
     fingerprint: str
     sync: bool = False
+
+
+def slab_stride(config: LayoutConfig) -> int:
+    """Bytes between two blocks of a slab of ``config``'s geometry (4 KiB-aligned)."""
+    return FullyContiguousLayout(
+        config.with_alignment(max(config.alignment, DIRECT_ALIGNMENT))).block_stride
 
 
 def _failure_kind(exc: OSError) -> FailureKind:
@@ -107,7 +113,7 @@ class DiskStorage(Storage):
         self._overlap_bytes = overlap_bytes
         self._durable = durable
         self.index: DiskIndex | None = None
-        self.recovered: list[IndexEntry] = []
+        self.recovered: LiveEntries | None = None
         """Durable only: the entries recovered from the index at start, oldest first."""
 
         directory = Path(directory)
@@ -164,12 +170,10 @@ class DiskStorage(Storage):
                                fingerprint=durable.fingerprint, stride=self._stride,
                                sync=durable.sync)
         self.index = index
-        entries = index.entries()
-        if entries:
-            self.checksums.record_many([e.slot for e in entries],
-                                       [e.checksum for e in entries],
-                                       [e.sequence_hash for e in entries])
-        self.recovered = entries
+        live = index.live()
+        if len(live):
+            self.checksums.record_many(live.slots, live.checksums, live.sequence_hashes)
+        self.recovered = live
         report = index.report
         dropped = [f"{n} {what}" for n, what in (
             (report.corrupt_records, "damaged index records"),
@@ -177,7 +181,7 @@ class DiskStorage(Storage):
             (report.duplicates, "stale duplicates")) if n]
         if report.torn_bytes:
             dropped.append(f"a torn {report.torn_bytes}-byte record")
-        self.notes.append(f"recovered {len(entries)} blocks"
+        self.notes.append(f"recovered {len(live)} blocks"
                           + (f" ({report.fresh_reason})" if report.fresh_reason else "")
                           + (f"; dropped {', '.join(dropped)}" if dropped else ""))
 

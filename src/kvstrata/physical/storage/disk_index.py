@@ -42,7 +42,8 @@ from typing import Sequence
 import numpy as np
 import xxhash
 
-__all__ = ["DiskIndex", "IndexEntry", "RecoveryReport", "INDEX_VERSION", "RECORD_BYTES"]
+__all__ = ["DiskIndex", "IndexEntry", "LiveEntries", "RecoveryReport", "INDEX_VERSION",
+           "RECORD_BYTES"]
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,36 @@ class IndexEntry:
     parent_hash: int | None
     local_hash: int
     checksum: int
+
+
+@dataclass(frozen=True)
+class LiveEntries:
+    """Live entries as numpy columns (one row per block, oldest first): cheap for many."""
+
+    slots: np.ndarray
+    sequence_hashes: np.ndarray
+    parent_hashes: np.ndarray
+    has_parent: np.ndarray
+    local_hashes: np.ndarray
+    checksums: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def __iter__(self):
+        return iter(self.entries())
+
+    def rows(self) -> list[tuple[int, int, int | None, int]]:
+        """(slot, sequence hash, parent hash or None, local hash) per entry."""
+        parents = [p if has else None for p, has in zip(self.parent_hashes.tolist(),
+                                                         self.has_parent.tolist())]
+        return list(zip(self.slots.tolist(), self.sequence_hashes.tolist(), parents,
+                        self.local_hashes.tolist()))
+
+    def entries(self) -> list[IndexEntry]:
+        return [IndexEntry(slot, seq, parent, local, checksum)
+                for (slot, seq, parent, local), checksum
+                in zip(self.rows(), self.checksums.tolist())]
 
 
 @dataclass(frozen=True)
@@ -120,7 +151,24 @@ class DiskIndex:
         """Recover the journal at ``path`` (or start an empty one) and compact it. A journal
         written for another fingerprint or stride, or with a damaged header, is replaced by
         an empty one (``report.fresh_reason`` says why)."""
-        path = Path(path)
+        index = cls._load(Path(path), capacity, fingerprint, stride, sync)
+        index._rewrite()
+        return index
+
+    @classmethod
+    def peek(cls, path: str | os.PathLike, *, capacity: int, fingerprint: str,
+             stride: int) -> "LiveEntries | None":
+        """What :meth:`open` would recover from ``path``, read without writing anything
+        (another process may own the journal); None if there is no usable journal."""
+        try:
+            index = cls._load(Path(path), capacity, fingerprint, stride, False)
+        except OSError:
+            return None
+        return None if index.report.fresh_reason else index.live()
+
+    @classmethod
+    def _load(cls, path: Path, capacity: int, fingerprint: str, stride: int,
+              sync: bool) -> "DiskIndex":
         data = b""
         reason = ""
         try:
@@ -137,7 +185,6 @@ class DiskIndex:
             index.report = RecoveryReport(0, 0, fresh_reason=reason)
         else:
             index._replay(data[_HEADER.size:])
-        index._rewrite()
         return index
 
     def _check_header(self, raw: bytes) -> str:
@@ -158,57 +205,56 @@ class DiskIndex:
         whole = len(body) // RECORD_BYTES * RECORD_BYTES
         torn = len(body) - whole
         records = np.frombuffer(body[:whole], dtype=_RECORD_DTYPE)
-        good = np.fromiter((xxhash.xxh3_64_intdigest(body[i:i + RECORD_BYTES - 8])
+        digest = xxhash.xxh3_64_intdigest
+        good = np.fromiter((digest(body[i:i + RECORD_BYTES - 8])
                             for i in range(0, whole, RECORD_BYTES)), dtype=np.uint64,
                            count=len(records)) == records["xxh"]
         good &= (records["op"] == _PUT) | (records["op"] == _FREE)
         corrupt = int(len(records) - good.sum())
         records = records[good]
-        beyond = 0
-        duplicates = 0
-        where: dict[int, int] = {}               # sequence hash -> slot of its live entry
-        valid, seq, order = self._valid, self._seq, self._order
-        for n, (op, flags, slot, h, parent, local, checksum) in enumerate(zip(
-                records["op"].tolist(), records["flags"].tolist(), records["slot"].tolist(),
-                records["seq"].tolist(), records["parent"].tolist(),
-                records["local"].tolist(), records["checksum"].tolist())):
-            if slot >= self.capacity:
-                beyond += op == _PUT
-                continue
-            if valid[slot]:
-                old = int(seq[slot])
-                if where.get(old) == slot:
-                    del where[old]
-                valid[slot] = False
-            if op == _FREE:
-                continue
-            other = where.get(h)
-            if other is not None:                # the block moved: its older slot is stale
-                valid[other] = False
-                duplicates += 1
-            where[h] = slot
-            valid[slot] = True
-            seq[slot] = h
-            self._parent[slot] = parent
-            self._has_parent[slot] = bool(flags & _HAS_PARENT)
-            self._local[slot] = local
-            self._checksum[slot] = checksum
-            order[slot] = n
-        # Entries whose slot was reused by a later PUT were replaced above; count beyond-
-        # capacity PUTs that were later freed as dropped too (they are gone either way).
-        self.report = RecoveryReport(int(valid.sum()), len(records) + corrupt, torn, corrupt,
+        slots = records["slot"].astype(np.int64)
+        inside = slots < self.capacity
+        beyond = int(((records["op"] == _PUT) & ~inside).sum())
+        order = np.flatnonzero(inside)
+        # The last record naming a slot decides what it holds (a PUT: that block; a FREE:
+        # nothing).
+        reversed_slots = slots[order][::-1]
+        uniq, first_in_reversed = np.unique(reversed_slots, return_index=True)
+        last = order[::-1][first_in_reversed]
+        live = last[records["op"][last] == _PUT]
+        # A block named by two live slots moved: only its newest entry counts.
+        live = live[np.argsort(live, kind="stable")]
+        seqs = records["seq"][live]
+        by_seq = np.lexsort((live, seqs))
+        newest = np.ones(len(by_seq), dtype=bool)
+        newest[:-1] = seqs[by_seq][:-1] != seqs[by_seq][1:]
+        duplicates = int(len(live) - newest.sum())
+        live = np.sort(live[by_seq[newest]])
+        chosen = records[live]
+        where = chosen["slot"].astype(np.int64)
+        self._valid[where] = True
+        self._seq[where] = chosen["seq"]
+        self._parent[where] = chosen["parent"]
+        self._has_parent[where] = (chosen["flags"] & _HAS_PARENT) != 0
+        self._local[where] = chosen["local"]
+        self._checksum[where] = chosen["checksum"]
+        self._order[where] = live
+        self.report = RecoveryReport(len(live), len(records) + corrupt, torn, corrupt,
                                      beyond, duplicates)
 
     # ------------------------------------------------------------------ reading
-    def entries(self) -> list[IndexEntry]:
-        """The live entries, oldest first (the order their blocks were written)."""
+    def live(self) -> "LiveEntries":
+        """The live entries as columns, oldest first (the order their blocks were written)."""
         with self._lock:
             slots = np.flatnonzero(self._valid)
             slots = slots[np.argsort(self._order[slots], kind="stable")]
-            return [IndexEntry(s, int(self._seq[s]),
-                               int(self._parent[s]) if self._has_parent[s] else None,
-                               int(self._local[s]), int(self._checksum[s]))
-                    for s in slots.tolist()]
+            return LiveEntries(slots, self._seq[slots].copy(), self._parent[slots].copy(),
+                               self._has_parent[slots].copy(), self._local[slots].copy(),
+                               self._checksum[slots].copy())
+
+    def entries(self) -> list[IndexEntry]:
+        """The live entries, oldest first, one :class:`IndexEntry` each."""
+        return self.live().entries()
 
     def __len__(self) -> int:
         return int(self._valid.sum())
@@ -267,15 +313,24 @@ class DiskIndex:
         """Replace the journal with one PUT per live entry (temp file, flush, rename)."""
         slots = np.flatnonzero(self._valid)
         slots = slots[np.argsort(self._order[slots], kind="stable")]
-        header = _header(self.fingerprint, self.stride)
-        body = b"".join(
-            _record(_PUT, s, int(self._seq[s]),
-                    int(self._parent[s]) if self._has_parent[s] else None,
-                    int(self._local[s]), int(self._checksum[s])) for s in slots.tolist())
+        records = np.zeros(len(slots), dtype=_RECORD_DTYPE)
+        records["op"] = _PUT
+        records["flags"] = np.where(self._has_parent[slots], _HAS_PARENT, 0)
+        records["slot"] = slots
+        records["seq"] = self._seq[slots]
+        records["parent"] = self._parent[slots]
+        records["local"] = self._local[slots]
+        records["checksum"] = self._checksum[slots]
+        raw = records.tobytes()
+        digest = xxhash.xxh3_64_intdigest
+        records["xxh"] = np.fromiter((digest(raw[i:i + RECORD_BYTES - 8])
+                                      for i in range(0, len(raw), RECORD_BYTES)),
+                                     dtype=np.uint64, count=len(records))
+        data = _header(self.fingerprint, self.stride) + records.tobytes()
         temp = self.path.with_name(self.path.name + ".tmp")
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
         try:
-            view = memoryview(header + body)
+            view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
             os.fsync(fd)
