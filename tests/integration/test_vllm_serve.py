@@ -9,6 +9,7 @@ import json
 import os
 import random
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -38,49 +39,75 @@ def _request(url: str, body: dict | None = None, timeout: float = 60.0) -> bytes
         return resp.read()
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from kvstrata.connectors.vllm.random_model import TINY, make_random_llama
+class Server:
+    """One ``vllm serve`` subprocess (in its own process group) with kvstrata configured."""
 
-    model = str(make_random_llama(tmp_path_factory.mktemp("model"), TINY))
-    port = _free_port()
-    config = {"kv_connector": "KvStrataConnector",
-              "kv_connector_module_path": "kvstrata.connectors.vllm", "kv_role": "kv_both",
-              "kv_connector_extra_config": {"tiers": {"G2": {"bytes": "64MiB"}}}}
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_SERVER_DEV_MODE="1")
-    log_path = tmp_path_factory.mktemp("serve") / "server.log"
-    log = open(log_path, "wb")
-    proc = subprocess.Popen(
-        [os.path.join(os.path.dirname(sys.executable), "vllm"), "serve", model,
-         "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
-         "--enforce-eager", "--block-size", str(BLOCK), "--max-model-len", "2048",
-         "--dtype", "bfloat16", "--enable-prompt-tokens-details",
-         "--kv-transfer-config", json.dumps(config)],
-        stdout=log, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
-    try:
+    def __init__(self, model: str, extra: dict, log_path) -> None:
+        self.port = _free_port()
+        config = {"kv_connector": "KvStrataConnector",
+                  "kv_connector_module_path": "kvstrata.connectors.vllm",
+                  "kv_role": "kv_both", "kv_connector_extra_config": extra}
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_SERVER_DEV_MODE="1")
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(
+            [os.path.join(os.path.dirname(sys.executable), "vllm"), "serve", model,
+             "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", "tiny",
+             "--enforce-eager", "--block-size", str(BLOCK), "--max-model-len", "2048",
+             "--dtype", "bfloat16", "--enable-prompt-tokens-details",
+             "--kv-transfer-config", json.dumps(config)],
+            stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.base = f"http://127.0.0.1:{self.port}"
+
+    def wait_healthy(self, timeout: float = 240) -> str:
+        deadline = time.monotonic() + timeout
         while True:
-            if proc.poll() is not None:
-                raise AssertionError(f"vllm serve exited with {proc.returncode}:\n"
-                                     f"{log_path.read_text()[-4000:]}")
+            if self.proc.poll() is not None:
+                raise AssertionError(f"vllm serve exited with {self.proc.returncode}:\n"
+                                     f"{self.log_path.read_text()[-4000:]}")
             try:
-                _request(base + "/health", timeout=2)
-                break
+                _request(self.base + "/health", timeout=2)
+                return self.base
             except OSError:
                 if time.monotonic() > deadline:
-                    raise AssertionError("vllm serve did not become healthy in 240 s:\n"
-                                         + log_path.read_text()[-4000:])
+                    raise AssertionError(f"vllm serve did not become healthy in {timeout} s:\n"
+                                         + self.log_path.read_text()[-4000:])
                 time.sleep(0.5)
-        yield base
-    finally:
-        proc.terminate()
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group: API server, engine core and workers at once."""
         try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self._log.close()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from kvstrata.connectors.vllm.random_model import TINY, make_random_llama
+
+    return str(make_random_llama(tmp_path_factory.mktemp("model"), TINY))
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory):
+    proc = Server(model, {"tiers": {"G2": {"bytes": "64MiB"}}},
+                  tmp_path_factory.mktemp("serve") / "server.log")
+    try:
+        yield proc.wait_healthy()
+    finally:
+        proc.stop()
 
 
 def _complete(base: str, prompt: list[int]) -> dict:
@@ -121,3 +148,37 @@ def test_serve_answers_and_returning_prompt_comes_from_kvstrata(server):
     assert _metric(server, "vllm:kvstrata_blocks_loaded") >= cached // BLOCK
     assert re.search(r'vllm:kvstrata_blocks_loaded_total\{[^}]*tier="G2"',
                      _request(server + "/metrics").decode())
+
+
+def test_a_server_killed_with_sigkill_serves_its_disk_tier_after_restart(model, tmp_path):
+    """G3 outlives the process: a server killed with SIGKILL (no shutdown at all) is started
+    again on the same disk directory and its very first request finds the prompt's blocks
+    in the recovered G3, with the same text as before."""
+    rng = random.Random(9)
+    prompt = [rng.randrange(3, 1000) for _ in range(400)]
+    expected = (len(prompt) - 1) // BLOCK * BLOCK
+    disk = tmp_path / "g3"
+    disk.mkdir()
+    extra = {"tiers": {"G2": {"bytes": "16MiB"}, "G3": {"bytes": "64MiB"}},
+             "disk_dir": str(disk)}
+    first = Server(model, extra, tmp_path / "first.log")
+    try:
+        base = first.wait_healthy()
+        before = _complete(base, prompt)
+        index = next(disk.glob("kvstrata-g3-r0-*/index"))
+        deadline = time.monotonic() + 60              # stores reach G3 (write-through)
+        while index.stat().st_size < 64 + (expected // BLOCK) * 48 \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        first.kill()
+    second = Server(model, extra, tmp_path / "second.log")
+    try:
+        base = second.wait_healthy()
+        after = _complete(base, prompt)                 # the first request after the restart
+        assert after["usage"]["prompt_tokens_details"]["cached_tokens"] == expected
+        assert after["choices"][0]["text"] == before["choices"][0]["text"]
+        assert re.search(r'vllm:kvstrata_blocks_loaded_total\{[^}]*tier="G3"[^}]*\} [1-9]',
+                         _request(base + "/metrics").decode())
+    finally:
+        second.stop()
