@@ -25,8 +25,8 @@ batch is that many requests in flight. Failures are per block: the call raises o
 positions (``block_id`` -1: the tier has no slots); every other block completed. A batch never
 waits longer than its requests' timeouts allow: whatever is still running at the batch
 deadline fails with ``IO_ERROR``, and from then on no thread of that batch reads its sources or
-writes its destinations (a late reply is dropped), so a caller never gets bytes it was told
-failed, and never has its buffers touched after the call returned.
+writes its destinations (a late reply is dropped): a caller's buffers are never touched after
+the call returned, and only verified payloads are ever copied into them.
 
 Counters (:attr:`ObjectStorage.counters`): objects written and skipped, objects read and
 missed, failures, payload bytes written and read.
@@ -204,8 +204,9 @@ class ObjectStorage(Storage):
         ``destinations[i]`` (``uint8`` arrays of at least ``block_bytes``). Returns the
         verified xxh3-64 of each block. Raises a :class:`BlockIOError` subclass naming the
         failed positions (``NOT_FOUND``, ``HASH_MISMATCH``, ``CHECKSUM_MISMATCH``,
-        ``IO_ERROR``; its ``.checksums`` holds the good blocks' values); a failed
-        destination was not written."""
+        ``IO_ERROR``; its ``.checksums`` holds the good blocks' values). A failed destination
+        must not be used; nothing but a verified payload is ever copied into a destination,
+        and nothing at all after this call returned."""
         self._check_batch(keys, destinations, sequence_hashes)
         block_bytes = self.config.block_bytes
 
@@ -274,6 +275,8 @@ class ObjectStorage(Storage):
         futures = {pool.submit(work, gate, p): p for p in range(n)}
         done, pending = wait(futures, timeout=self._deadline(n))
         gate.close()     # from here on no thread touches the caller's buffers
+        late = {f for f in pending if f.done()}   # finished while the gate closed
+        done, pending = done | late, pending - late
         results: dict[int, Any] = {}
         failures: list[BlockFailure] = []
         for future in pending:
