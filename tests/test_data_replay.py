@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from kvstrata.config import KvConfig, ModelGeometry, TierConfig
+from kvstrata.manager import ManagerConfigError
 from kvstrata.data_replay import DataReplayError, _DataRun, block_payload, run_data_replay
 from kvstrata.manager import KvBlockManager
 from kvstrata.replay import RequestHasher, TraceRequest, iter_trace, replay
@@ -87,7 +88,7 @@ def test_refuses_tiers_too_big_for_the_limits(tmp_path):
     with pytest.raises(DataReplayError, match="disk"):
         run_data_replay([], config(10, 10, 10_000_000), disk_dir=str(tmp_path),
                         max_disk_bytes=1 << 30)
-    with pytest.raises(DataReplayError, match="G4"):
+    with pytest.raises(ManagerConfigError, match="G4 .* needs a url"):
         run_data_replay([], KvConfig(tiers={"G1": TierConfig(blocks=4), "G2": TierConfig(blocks=4),
                                             "G3": TierConfig(blocks=4),
                                             "G4": TierConfig(blocks=4)}, model=SMALL_MODEL))

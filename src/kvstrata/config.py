@@ -87,6 +87,7 @@ class TierConfig:
     eviction: str | None = None
     admission: str | None = None
     path: str | None = None  # G3: directory for the slab file
+    url: str | None = None   # G4: the object store, "http(s)://host:port/bucket"
 
     def num_blocks(self, bytes_per_block: int) -> int:
         if self.blocks is not None:
@@ -122,6 +123,9 @@ class KvConfig:
     model_id: str = ""
     """The model's identity (name and revision) for the compatibility fingerprint of stored
     blocks (:mod:`kvstrata.compat`); "" leaves only the geometry to tell models apart."""
+    tenant: str = ""
+    """Who the blocks of a shared tier belong to: part of its namespace, so tenants of one
+    store never read each other's blocks ("" is the shared default tenant)."""
 
     @property
     def bytes_per_block(self) -> int:
@@ -177,6 +181,15 @@ class KvConfig:
         if not isinstance(self.model_id, str) or len(self.model_id) > 512:
             problems.append(f"model_id must be a string of at most 512 characters, got "
                             f"{self.model_id!r:.80}")
+        if not isinstance(self.tenant, str) or not re.fullmatch(r"[A-Za-z0-9._-]{0,64}",
+                                                                 self.tenant):
+            problems.append(f"tenant must be up to 64 letters, digits, '.', '_' or '-', got "
+                            f"{self.tenant!r:.80}")
+        for name, tier in self.tiers.items():
+            if tier.url is not None and (not isinstance(tier.url, str) or not re.fullmatch(
+                    r"https?://[^/\s]+/[A-Za-z0-9.-]{3,63}/?", tier.url)):
+                problems.append(f"tier {name}: url must look like http://host:port/bucket, "
+                                f"got {tier.url!r:.80}")
         if self.eviction not in EVICTION_NAMES:
             problems.append(f"unknown eviction {self.eviction!r}; one of {sorted(EVICTION_NAMES)}")
         if self.admission not in ADMISSION_NAMES:
@@ -211,8 +224,9 @@ class KvConfig:
 
 # -- loading ---------------------------------------------------------------------------------
 
-_TOP_KEYS = {"block_size", "eviction", "admission", "disk_dir", "keep_tokens", "model_id"}
-_TIER_KEYS = {"blocks", "bytes", "gb", "eviction", "admission", "path"}
+_TOP_KEYS = {"block_size", "eviction", "admission", "disk_dir", "keep_tokens", "model_id",
+             "tenant"}
+_TIER_KEYS = {"blocks", "bytes", "gb", "eviction", "admission", "path", "url"}
 _MODEL_KEYS = {"num_layers", "kv_heads", "head_dim", "dtype", "outer_dim"}
 
 
@@ -244,6 +258,7 @@ def _tier_from_mapping(name: str, raw: Mapping[str, Any], problems: list[str]) -
         eviction=raw.get("eviction"),
         admission=raw.get("admission"),
         path=raw.get("path"),
+        url=raw.get("url"),
     )
 
 
@@ -296,6 +311,7 @@ _ENV_SCALARS = {
     "KVSTRATA_ADMISSION": "admission",
     "KVSTRATA_DISK_DIR": "disk_dir",
     "KVSTRATA_MODEL_ID": "model_id",
+    "KVSTRATA_TENANT": "tenant",
 }
 _ENV_TIER_SIZE = re.compile(rf"^KVSTRATA_({'|'.join(TIER_NAMES)})_(BLOCKS|BYTES|GB)$")
 _DYNAMO_TIER_GB = {"DYN_KVBM_CPU_CACHE_GB": first_of_kind(TierKind.HOST),

@@ -80,11 +80,13 @@ def run_data_replay(
     max_host_bytes: int = DEFAULT_MAX_HOST_BYTES,
     max_disk_bytes: int = DEFAULT_MAX_DISK_BYTES,
     durable_disk: bool = False,
+    object_store=None,
+    list_interval: float | None = None,
 ) -> dict:
     """Replay ``requests`` moving real bytes; returns a JSON-able report.
 
-    ``config`` gives the block size, tiers (in blocks or bytes; G1, G2, G3 -- G4 is not
-    supported), policies and ``config.model`` (default 4 layers x 8 KV heads x 64 dims bf16,
+    ``config`` gives the block size, tiers (in blocks or bytes; G1, G2, G3, and a G4 whose
+    store is ``tiers.G4.url`` or ``object_store``), policies and ``config.model`` (default 4 layers x 8 KV heads x 64 dims bf16,
     so a 16-token block is 128 KiB). ``granularity`` is ``"engine"`` (blocks of
     ``config.block_size``) or ``"trace"`` (one 512-token block per trace id). The G3 slab goes
     to ``disk_dir`` (default: a temporary directory, removed afterwards). ``progress(n)`` is
@@ -140,7 +142,8 @@ def run_data_replay(
         disk_dir = temp_dir = tempfile.mkdtemp(prefix=f"kvstrata-data-replay-{owner_tag()}-")
     try:
         with KvBlockManager(config, disk_dir=disk_dir, max_host_bytes=max_host_bytes,
-                            durable_disk=durable_disk and temp_dir is None) as mgr:
+                            durable_disk=durable_disk and temp_dir is None,
+                            object_store=object_store, list_interval=list_interval) as mgr:
             run = _DataRun(mgr, config, hasher, verify, flush_each_request)
             started = time.perf_counter()
             for request in requests:

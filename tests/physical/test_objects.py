@@ -15,6 +15,8 @@ import pytest
 import torch
 import xxhash
 
+from kvstrata.placement.keys import block_key, parse_block_key
+from kvstrata.types import BlockRecord
 from kvstrata.physical import (BlockIntegrityError, BlockIOError, BlockNotFoundError,
                                ChecksumMismatchError, DeviceStorage, FailureKind, HostStorage,
                                ObjectStorage, StorageClosedError, StorageError, TransferEngine,
@@ -55,7 +57,8 @@ def store(weed, namespace):
 
 
 def keys_of(seqs) -> list[str]:
-    return [f"{h:016x}" for h in seqs]
+    """Keys as the planner names blocks (a record per hash: local = hash, no parent)."""
+    return [block_key(BlockRecord(h, h, None, 4)) for h in seqs]
 
 
 def sentinels(n: int) -> list[np.ndarray]:
@@ -125,7 +128,7 @@ def test_another_worker_reads_what_one_wrote(weed, store, namespace):
         out = sentinels(len(seqs))
         peer.get_blocks(keys_of(seqs), out, seqs)
         assert all(np.array_equal(a, b) for a, b in zip(blocks, out))
-        assert peer.list_sequence_hashes() == seqs
+        assert peer.list_keys() == sorted(keys_of(seqs))
         peer.put_blocks(keys_of(seqs), blocks, seqs)          # all there already
         assert (peer.counters.puts, peer.counters.puts_skipped_existing) == (0, len(seqs))
 
@@ -147,7 +150,7 @@ def test_other_fingerprint_or_namespace_never_reads_them(weed, store, namespace)
             elsewhere.get_blocks(keys_of([1, 2]), sentinels(2), [1, 2])
         assert failures_by_position(err.value) == {0: FailureKind.NOT_FOUND,
                                                    1: FailureKind.NOT_FOUND}
-        assert elsewhere.list_sequence_hashes() == []
+        assert elsewhere.list_keys() == []
     other_geometry = small_config(num_blocks=4, num_layers=2, page_size=32, inner_dim=64)
     assert other_geometry.block_bytes == BB
     with ObjectStorage(other_geometry, weed.s3_config(), namespace=namespace,
@@ -210,7 +213,7 @@ def test_damaged_and_foreign_objects_are_per_block_failures(weed, store, namespa
     assert all(f.kind.bad_source for f in err.value.failures)
 
 
-def test_list_sequence_hashes_ignores_other_names(weed, store):
+def test_list_keys_names_what_is_directly_under_the_namespace(weed, store):
     seqs = [5, 2**64 - 1, 0, 77]
     store.put_blocks(keys_of(seqs), random_block_arrays(4, BB, seed=11), seqs)
     raw = S3Client(weed.s3_config())
@@ -218,7 +221,10 @@ def test_list_sequence_hashes_ignores_other_names(weed, store):
                  "ABCDEF0123456789"):
         raw.put(store.namespace + name, b"x")
     raw.put(store.namespace.rstrip("/") + "x/0000000000000003", b"x")  # a sibling prefix
-    assert store.list_sequence_hashes() == sorted(seqs)
+    listed = store.list_keys()
+    assert set(keys_of(seqs)) <= set(listed) and "sub/0000000000000009" not in listed
+    assert sorted(r.sequence_hash for k in listed
+                  if (r := parse_block_key(k, 4)) is not None) == sorted(seqs)
     assert store.exists(keys_of([5, 6, 77])) == [True, False, True]
     assert store.exists([]) == []
 
@@ -279,7 +285,7 @@ def test_ensure_bucket_creates_a_missing_bucket(weed):
     with ObjectStorage(CFG, weed.s3_config(bucket=f"kvs-{uuid.uuid4().hex[:10]}"),
                        namespace="ns", fingerprint=FP) as s:
         s.put_blocks(keys_of([1]), sentinels(1), [1])
-        assert s.list_sequence_hashes() == [1]
+        assert s.list_keys() == keys_of([1])
 
 
 def test_wrong_secret_is_an_io_error_per_block(weed, namespace):

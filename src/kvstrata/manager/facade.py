@@ -36,6 +36,9 @@ from ..types import is_u64
 from .errors import InvalidBlockError, ManagerClosedError, ManagerConfigError, ManagerError
 from .g1_bytes import G1Bytes
 from .owner import OwnerThread, resolved
+from ..physical.storage.objects import ObjectStorage
+from ..physical.storage.s3client import S3Config
+from .catalog import StoreLister
 from .storages import StorageOptions, build_storages
 
 __all__ = ["KvBlockManager"]
@@ -88,6 +91,10 @@ class KvBlockManager:
       never share one: the second gets ``ManagerConfigError``.
     * ``observers`` -- registry observers attached before anything is stored or recovered
       (e.g. an event publisher); more can be added later with :meth:`add_observer`.
+    * ``object_store`` -- the S3-compatible store of a G4 tier (an ``S3Config``), instead of
+      ``tiers.G4.url``. G4 is shared: every manager of the same model, geometry and tenant
+      on that bucket sees the blocks the others put; the store is listed at start and every
+      ``list_interval`` seconds (None: only at start and on :meth:`refresh_catalogs`).
     * ``verify_host_reads`` -- re-hash G2 bytes on every read from G2 (G3 reads always verify).
     * ``max_host_bytes`` -- refuse (``ManagerConfigError``) a G2 bigger than this.
     * ``o_direct`` / ``file_ops`` -- passed to :class:`~kvstrata.physical.DiskStorage`
@@ -106,7 +113,9 @@ class KvBlockManager:
                  o_direct: bool | None = None, file_ops: FileOps | None = None,
                  metrics_registry=None, metrics_port: int | None = None,
                  workers_per_path: int = 1, durable_disk: bool = True,
-                 observers: Sequence[RegistryObserver] = ()) -> None:
+                 observers: Sequence[RegistryObserver] = (),
+                 object_store: "S3Config | None" = None,
+                 list_interval: float | None = 10.0) -> None:
         config = (config or KvConfig()).validate()
         self._owner = OwnerThread("kvstrata-manager-owner", self._handle_result,
                                   self._after_step, self._fail_onboards)
@@ -118,6 +127,7 @@ class KvBlockManager:
         self.metrics_port: int | None = None
         self.engine: TransferEngine | None = None
         self._storages = None
+        self._listers: list[StoreLister] = []
         try:
             if metrics_port is not None:   # first: a busy port must not leak threads or dirs
                 try:
@@ -127,13 +137,20 @@ class KvBlockManager:
                         f"cannot serve metrics on 127.0.0.1:{metrics_port}: {exc}") from exc
             self._storages = build_storages(config, StorageOptions(
                 kv_caches, kv_layout, g1_layout, device, disk_dir, verify_host_reads,
-                max_host_bytes, o_direct, file_ops, durable_disk=durable_disk))
+                max_host_bytes, o_direct, file_ops, durable_disk=durable_disk,
+                object_store=object_store))
             self.config = self._storages.config
             self.planner = Planner(self.config, listeners=[self.metrics], release=self.release)
             for observer in observers:
                 self.planner.registry.add_observer(observer)
             for tier, entries in self._storages.recovered().items():
                 self.planner.restore(tier, entries)
+            for tier, storage in self._storages.by_tier.items():
+                if isinstance(storage, ObjectStorage):   # shared: learn what others put
+                    lister = StoreLister(storage, tier, self.config.block_size,
+                                         self._learn_later, list_interval)
+                    self._listers.append(lister)
+                    lister.refresh(self.planner.learn)        # at start: on this thread
             self.pools = self.planner.pools
             self._top = self.planner.top
             self._g1 = G1Bytes(self._storages.by_tier[self._top])
@@ -143,8 +160,12 @@ class KvBlockManager:
             for tier, storage in self._storages.by_tier.items():
                 self.metrics.set_capacity(tier, storage.num_blocks, storage.status().bytes)
             self._owner.start()
+            for lister in self._listers:
+                lister.start()
             _track_for_exit(self)
         except BaseException:
+            for lister in self._listers:
+                lister.close()
             if self.engine is not None:
                 self.engine.close()
             self.metrics.close()
@@ -178,6 +199,23 @@ class KvBlockManager:
         for tier, pool in self.pools.items():
             s = pool.status()
             self.metrics.set_pool(tier, s.active, s.inactive, s.reset, s.evictions)
+
+    def _learn_later(self, tier: str, records) -> None:
+        """From a store lister's thread: let the owner thread learn ``records``."""
+        try:
+            self._call(lambda: self.planner.learn(tier, records), internal=True)
+        except ManagerError:
+            pass                          # closing: nothing to learn any more
+
+    def refresh_catalogs(self) -> int:
+        """List every shared object tier now (as the background listing does every
+        ``list_interval`` seconds) and learn what others stored; returns the blocks listed.
+        Blocks until the listing is done and learned."""
+        total = 0
+        for lister in self._listers:
+            total += lister.refresh()
+        self._call(lambda: None).result()
+        return total
 
     def _fail_onboards(self, error: ManagerError) -> None:
         onboards, self._onboards = self._onboards, {}
@@ -403,6 +441,8 @@ class KvBlockManager:
             pass            # broke while waiting: stop anyway
         finally:
             try:
+                for lister in self._listers:
+                    lister.close()
                 owner.stop()
                 self.engine.close()
                 self.metrics.close()

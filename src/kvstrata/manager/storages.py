@@ -12,13 +12,19 @@
   temporary slab removed on close. Disk blocks move through host RAM, so a disk tier needs a
   host tier.
 
-A tier kind with no backend here (object store, remote memory) is refused with
+* **object** (G4): an S3-compatible bucket shared by workers (``tiers.G4.url`` or
+  ``StorageOptions.object_store``), under the namespace ``kvstrata/<fingerprint>/<tenant>/``
+  so incompatible models and other tenants never read each other's blocks. Its blocks move
+  through host RAM too.
+
+A tier kind with no backend here (remote memory) is refused with
 :class:`~kvstrata.manager.errors.ManagerConfigError`: adding one is a storage class plus a case
 in :func:`build_storages` (and its copy handlers in the transfer engine).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -34,12 +40,16 @@ from ..physical.leftovers import owner_tag, reclaim
 from ..physical.storage.disk import slab_stride
 from ..physical.storage.disk_home import home_name
 from ..physical.storage.disk_index import DiskIndex
+from ..physical.storage.objects import ObjectStorage
+from ..physical.storage.s3client import ObjectStoreTransientError, S3Config
 from ..tiers import TierKind, first_of_kind, ordered, spec
 from ..types import BlockRecord
 from .errors import ManagerConfigError
 
+log = logging.getLogger(__name__)
+
 __all__ = ["HOST_ALIGNMENT", "MANAGED_KINDS", "StorageOptions", "Storages", "build_storages",
-           "layout_config_for", "peek_recovered"]
+           "layout_config_for", "peek_recovered", "object_namespace", "object_store_of"]
 
 HOST_ALIGNMENT = 4096
 """Host block stride alignment: lets the disk read and write host slots in place (O_DIRECT)."""
@@ -81,6 +91,9 @@ class StorageOptions:
     durable disk tier's fingerprint and home)."""
     disk_sync: bool = False
     """Flush data and index at every disk write (survive power loss, not only crashes)."""
+    object_store: "S3Config | None" = None
+    """The object tier's store, instead of the tier's ``url`` (credentials from
+    ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` either way)."""
 
 
 @dataclass
@@ -132,10 +145,11 @@ def build_storages(config: KvConfig, options: StorageOptions) -> Storages:
     if spec(tiers[0]).kind is not TierKind.DEVICE:
         raise ManagerConfigError(f"the fastest tier must be device memory, got {tiers[0]}")
     kinds = {spec(t).kind for t in tiers}
-    if TierKind.DISK in kinds and TierKind.HOST not in kinds:
-        disk, host = (first_of_kind(k) for k in (TierKind.DISK, TierKind.HOST))
-        raise ManagerConfigError(f"tier {disk} (disk) needs tier {host} (host): disk blocks "
-                                 f"move through host RAM")
+    for kind in (TierKind.DISK, TierKind.OBJECT):
+        if kind in kinds and TierKind.HOST not in kinds:
+            lower, host = first_of_kind(kind), first_of_kind(TierKind.HOST)
+            raise ManagerConfigError(f"tier {lower} ({kind.value}) needs tier {host} (host): "
+                                     f"its blocks move through host RAM")
     built = Storages(config)
     try:
         geometry: LayoutConfig | None = None
@@ -255,6 +269,50 @@ def _existing_bytes(directory: str, tier: str, rank: int, fingerprint: str) -> i
         return 0
 
 
+def object_namespace(config: KvConfig, fingerprint: str) -> str:
+    """The key prefix of a shared object tier: ``kvstrata/<fingerprint>/<tenant>/``."""
+    return f"kvstrata/{fingerprint}/{config.tenant or '_'}/"
+
+
+def object_store_of(config: KvConfig, tier: str, options: StorageOptions) -> S3Config:
+    """Where ``tier`` (an object tier) lives: ``options.object_store`` or the tier's url."""
+    if options.object_store is not None:
+        return options.object_store
+    url = config.tiers[tier].url
+    if url is None:
+        raise ManagerConfigError(f"tier {tier} (object store) needs a url "
+                                 f"(tiers.{tier}.url = \"http://host:port/bucket\")")
+    endpoint, _, bucket = url.rstrip("/").rpartition("/")
+    try:
+        return S3Config(endpoint_url=endpoint, bucket=bucket)
+    except PhysicalError as exc:
+        raise ManagerConfigError(f"tier {tier}: {exc}") from exc
+
+
+def _object(built: Storages, tier: str, geometry: LayoutConfig, options: StorageOptions
+            ) -> Storage:
+    config = built.config
+    compat = compatibility_of(config, rank=options.rank, world_size=options.world_size)
+    store = object_store_of(config, tier, options)
+    try:
+        storage = ObjectStorage(geometry.with_blocks(config.tier_blocks(tier)), store,
+                                namespace=object_namespace(config, compat.fingerprint),
+                                fingerprint=compat.fingerprint, ensure_bucket=False)
+    except PhysicalError as exc:
+        raise ManagerConfigError(f"{tier} at {store.endpoint_url}/{store.bucket}: {exc}") from exc
+    try:
+        storage.client.ensure_bucket()
+    except ObjectStoreTransientError as exc:
+        # A cache tier that is down must not stop the engine: its copies fail (the blocks
+        # stay where they are) until it answers again.
+        log.warning("kvstrata: %s at %s/%s does not answer (%s); its copies fail until it "
+                    "does", tier, store.endpoint_url, store.bucket, exc)
+    except PhysicalError as exc:
+        storage.close()
+        raise ManagerConfigError(f"{tier} at {store.endpoint_url}/{store.bucket}: {exc}") from exc
+    return storage
+
+
 def _fits_in_ram(tier: str, need: int) -> None:
     ram = physical_memory()
     if ram and need > ram:
@@ -262,7 +320,8 @@ def _fits_in_ram(tier: str, need: int) -> None:
                                  f"GiB); this machine has {ram / 2**30:.2f} GiB")
 
 
-_BUILDERS = {TierKind.DEVICE: _device, TierKind.HOST: _host, TierKind.DISK: _disk}
+_BUILDERS = {TierKind.DEVICE: _device, TierKind.HOST: _host, TierKind.DISK: _disk,
+             TierKind.OBJECT: _object}
 """A storage builder per tier kind the manager has a backend for."""
 
 MANAGED_KINDS: frozenset[TierKind] = frozenset(_BUILDERS)

@@ -10,7 +10,7 @@ Usage::
 
 * Storages are keyed by tier name; each tier's kind (:mod:`kvstrata.tiers`) says which
   storage class it must be, and a plan's pair of kinds picks its handler (device -> host,
-  host -> device, host -> disk, disk -> host, disk -> device, host -> object,
+  host -> device, host -> disk, disk -> host, disk -> device, host -> object, disk -> object,
   object -> host, object -> device). A new kind of tier is a new storage class plus its
   handlers here. The engine serves the endpoints of its own worker. Slot-addressed tiers are
   named by block ids in plans, key-addressed ones (G4) by keys (``src_keys``/``dst_keys``).
@@ -96,6 +96,7 @@ class TransferEngine:
             (TierKind.DISK, TierKind.HOST): self._disk_to_host,
             (TierKind.DISK, TierKind.DEVICE): self._disk_to_device,
             (TierKind.HOST, TierKind.OBJECT): self._host_to_object,
+            (TierKind.DISK, TierKind.OBJECT): self._disk_to_object,
             (TierKind.OBJECT, TierKind.HOST): self._object_to_host,
             (TierKind.OBJECT, TierKind.DEVICE): self._object_to_device}
         tiers = ordered(self._storages)
@@ -348,6 +349,37 @@ class TransferEngine:
             host.checksums.fill(src_ids, sums, seqs)
         for p, value in zip(good, sums):
             checksums[p] = value
+
+    def _disk_to_object(self, plan, disk, objects, failures, checksums) -> None:
+        """G3 -> G4 through this thread's staging buffer: only blocks the disk verified are
+        put, with the checksum the disk holds for them (no second hash)."""
+        staging, memory = self._staging(disk)
+        per_round = memory.layout.config.num_blocks
+        stride = memory.layout.block_stride
+        for first in range(0, len(plan), per_round):
+            positions = list(range(first, min(first + per_round, len(plan))))
+            local_failures: dict[int, BlockFailure] = {}
+            try:
+                disk.read_blocks([plan.src_block_ids[p] for p in positions],
+                                 [staging.array[i * stride:(i + 1) * stride]
+                                  for i in range(len(positions))],
+                                 [plan.sequence_hashes[p] for p in positions])
+            except BlockIOError as exc:
+                _remap(exc.failures, positions, local_failures)
+            good = [i for i, p in enumerate(positions) if p not in local_failures]
+            if good:
+                known = [disk.checksums.get(plan.src_block_ids[positions[i]])[0] for i in good]
+                try:
+                    sums = objects.put_blocks(
+                        [plan.dst_keys[positions[i]] for i in good],
+                        [staging.array[i * stride:(i + 1) * stride] for i in good],
+                        [plan.sequence_hashes[positions[i]] for i in good], checksums=known)
+                except BlockIOError as exc:
+                    _remap(exc.failures, [positions[i] for i in good], local_failures)
+                    sums = exc.checksums or [None] * len(good)
+                for i, value in zip(good, sums):
+                    checksums[positions[i]] = value
+            failures.update(local_failures)
 
     def _object_to_host(self, plan, objects, host, failures, checksums) -> None:
         host.begin_write(plan.dst_block_ids)

@@ -4,9 +4,9 @@ plans. Torch-free and thread-free; see :mod:`kvstrata.placement.planner`."""
 from .executors import EngineExecutor, ImmediateExecutor, drive
 from .onboard import LoadFailure, OnboardResult
 from .planner import PlacementError, Planner
-from .state import default_key
+from .keys import block_key, parse_block_key
 from .telemetry import SKIP_REASONS, PathStats, PlacementListener, PlacementStats
 
 __all__ = ["Planner", "PlacementError", "OnboardResult", "LoadFailure", "PlacementListener",
            "PlacementStats", "PathStats", "SKIP_REASONS", "ImmediateExecutor", "EngineExecutor",
-           "drive", "default_key"]
+           "drive", "block_key", "parse_block_key"]

@@ -40,11 +40,12 @@ from ..logical.pool import BlockPool
 from ..logical.registry import BlockRegistry
 from ..protocol.plans import TransferPlan
 from ..protocol.results import BlockFailure, FailureKind, TransferResult
-from ..tiers import ordered
+from ..tiers import Addressing, ordered, spec
 from ..types import BlockRecord
-from .cascade import Cascade
+from .cascade import Cascade, allocate_up_to
 from .onboard import OnboardResult, Onboarding
-from .state import Job, PlacementState, default_key
+from .keys import block_key
+from .state import Job, PlacementState
 from .telemetry import PlacementListener, PlacementStats
 
 __all__ = ["Planner", "PlacementError"]
@@ -71,7 +72,7 @@ class Planner:
 
     ``config`` gives the tiers, capacities and policies. ``registry`` is shared by the pools
     (a fresh one by default). ``worker`` names this worker in plan endpoints; ``key_of``
-    turns a sequence hash into the key of a key-addressed tier. ``listeners`` hear about
+    turns a block's record into its key in a key-addressed tier (:mod:`.keys`). ``listeners`` hear about
     completed copies, skipped blocks and finished onboards (:class:`PlacementListener`);
     :attr:`stats` is always one of them. ``release`` is what :meth:`OnboardResult.release`
     calls with the result's top-tier handle (default: release it here, on the caller's
@@ -80,7 +81,7 @@ class Planner:
 
     def __init__(self, config: KvConfig, *, registry: BlockRegistry | None = None,
                  engine_owns_top: bool = False, worker: int = 0,
-                 key_of: Callable[[int], str] = default_key,
+                 key_of: Callable[[BlockRecord], str] = block_key,
                  listeners: Iterable[PlacementListener] = (),
                  release: Callable[[ImmutableBlocks], object] | None = None) -> None:
         config.validate()
@@ -160,6 +161,34 @@ class Planner:
         if pool is None:
             raise PlacementError(f"restore: {tier} is the engine's; nothing to restore")
         return pool.restore(entries)
+
+    def learn(self, tier: str, records: Sequence[BlockRecord]) -> int:
+        """Blocks found in a shared, key-addressed ``tier`` that this worker did not put
+        there (another worker did; a listing of the store shows them): hold them in the
+        tier's catalog so lookups find them. Returns how many were new. Blocks already held
+        or on their way are skipped; if the catalog is full, its idle entries are forgotten
+        in eviction order (the store keeps the objects) and what does not fit is left out.
+        A block that is gone by the time it is read is a load failure and is dropped."""
+        tier = self._tier(tier)
+        if spec(tier).addressing is not Addressing.KEYS:
+            raise PlacementError(f"learn: {tier} is addressed by slots; only a shared "
+                                 f"key-addressed tier learns blocks from others")
+        s = self._state
+        pool, receiving = s.pools[tier], s.receiving[tier]
+        seen: set[int] = set()
+        new = []
+        for record in records:
+            h = record.sequence_hash
+            if h not in pool and h not in receiving and h not in seen:
+                seen.add(h)
+                new.append(record)
+        slots = allocate_up_to(pool, len(new)) if new else None
+        if slots is None:
+            return 0
+        new = new[:len(slots)]
+        slots.apply_token_blocks(new)
+        pool.release(pool.register(slots))
+        return len(new)
 
     # -- lookups ---------------------------------------------------------------------------
     def lookup(self, sequence_hashes: Iterable[int]) -> list[str]:

@@ -28,14 +28,9 @@ from .telemetry import PlacementListener, PlacementStats
 if TYPE_CHECKING:
     from .onboard import Ticket
 
-__all__ = ["Job", "PlacementState", "default_key"]
+__all__ = ["Job", "PlacementState"]
 
 log = logging.getLogger(__name__)
-
-
-def default_key(sequence_hash: int) -> str:
-    """The key of a block in a key-addressed tier: its sequence hash as 16 hex digits."""
-    return f"{sequence_hash:016x}"
 
 
 @dataclass(eq=False)
@@ -76,7 +71,7 @@ class PlacementState:
 
     def __init__(self, tier_names: Sequence[str], pools: dict[str, BlockPool],
                  admission: dict[str, AdmissionPolicy], *, engine_owns_top: bool,
-                 worker: int, key_of: Callable[[int], str],
+                 worker: int, key_of: Callable[[BlockRecord], str],
                  listeners: Iterable[PlacementListener]) -> None:
         self.tiers = tuple(tier_names)
         """Configured tiers, fastest first."""
@@ -133,9 +128,9 @@ class PlacementState:
         """Plan copying ``records`` from ``source_tier`` to ``target_tier`` and queue the plan
         for the next :meth:`take_plans`. Each side is a held pool handle or engine block ids."""
         hashes = tuple(r.sequence_hash for r in records)
-        src_ids, src_keys = self._address(source_tier, hashes,
+        src_ids, src_keys = self._address(source_tier, records,
                                           source.block_ids if source is not None else engine_src)
-        dst_ids, dst_keys = self._address(target_tier, hashes,
+        dst_ids, dst_keys = self._address(target_tier, records,
                                           target.block_ids if target is not None else engine_dst)
         job_id = self._next_job
         self._next_job += 1
@@ -157,10 +152,10 @@ class PlacementState:
         self.announce_pending()
         return job
 
-    def _address(self, tier: str, hashes: tuple[int, ...], ids: Sequence[int]
+    def _address(self, tier: str, records: Sequence[BlockRecord], ids: Sequence[int]
                  ) -> tuple[tuple[int, ...], tuple[str, ...]]:
         if spec(tier).addressing is Addressing.KEYS:
-            return (), tuple(self.key_of(h) for h in hashes)
+            return (), tuple(self.key_of(r) for r in records)
         return tuple(ids), ()
 
     def take_plans(self) -> list[TransferPlan]:

@@ -3,8 +3,8 @@
 ``ObjectStorage(config, s3, namespace=..., fingerprint=...)`` stores block ``key`` as the
 object ``namespace + key`` of the bucket :class:`~.s3client.S3Config` names; every worker that
 opens the same bucket and namespace sees the same blocks (the tier is shared and outlives the
-process). Keys are chosen by the planner (:func:`kvstrata.placement.state.default_key`: the
-sequence hash as 16 hex digits). ``config`` gives the geometry (FullyContiguous blocks of
+process). Keys are chosen by the planner (:func:`kvstrata.placement.keys.block_key`: the
+block's sequence, local and parent hash). ``config`` gives the geometry (FullyContiguous blocks of
 ``block_bytes``); its ``num_blocks`` plays no part in addressing.
 
 Each object is a header plus the block's payload (:mod:`.object_format`): the header records
@@ -56,7 +56,6 @@ from .s3client import ObjectStoreError, S3Client, S3Config
 __all__ = ["ObjectStorage", "ObjectCounters"]
 
 _SEGMENT = re.compile(r"[A-Za-z0-9._=+:@,~-]+")
-_HEX_KEY = re.compile(r"[0-9a-f]{16}")
 
 
 @dataclass
@@ -254,15 +253,16 @@ class ObjectStorage(Storage):
         futures = [pool.submit(self.client.head, self.namespace + k) for k in keys]
         return [f.result() for f in futures]
 
-    def list_sequence_hashes(self) -> list[int]:
-        """Sequence hashes of the blocks under the namespace (keys of 16 hex digits; other
-        names are ignored), sorted."""
+    def list_keys(self) -> list[str]:
+        """Keys of the objects directly under the namespace, sorted (names under a deeper
+        prefix are not keys of this storage and are left out). Which of them name blocks
+        is the key scheme's business (:mod:`kvstrata.placement.keys`)."""
         self._check_open()
         out = []
         for name in self.client.list_keys(self.namespace.rstrip("/")):
             rest = name[len(self.namespace):] if name.startswith(self.namespace) else ""
-            if _HEX_KEY.fullmatch(rest):
-                out.append(int(rest, 16))
+            if rest and "/" not in rest:
+                out.append(rest)
         return sorted(out)
 
     # ------------------------------------------------------------------ helpers

@@ -1,0 +1,89 @@
+"""A worker's view of a shared object tier: which blocks the store holds.
+
+Other workers put blocks into the store too. :class:`StoreLister` lists the store's keys
+(each names a block's whole identity, :mod:`kvstrata.placement.keys`) and hands the blocks to
+``learn`` -- the planner's :meth:`~kvstrata.placement.Planner.learn`, on its owner's thread --
+once at start and then every ``interval`` seconds from a daemon thread, so a worker that
+starts empty finds what others stored, and keeps finding what they store later. A listing
+that fails (the store is down) is logged, at most once a minute, and retried at the next
+interval; it never stops the worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+from ..physical.storage.objects import ObjectStorage
+from ..placement.keys import parse_block_key
+from ..types import BlockRecord
+
+__all__ = ["StoreLister"]
+
+log = logging.getLogger(__name__)
+
+
+class StoreLister:
+    """Lists ``storage`` for ``tier`` and passes what it finds to ``learn(tier, records)``."""
+
+    def __init__(self, storage: ObjectStorage, tier: str, block_size: int,
+                 learn: Callable[[str, list[BlockRecord]], object],
+                 interval: float | None = 10.0) -> None:
+        self.storage = storage
+        self.tier = tier
+        self.block_size = block_size
+        self._learn = learn
+        self.interval = interval
+        self.listings = 0
+        self.failures = 0
+        self._warned = float("-inf")
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def records(self) -> list[BlockRecord]:
+        """The blocks the store holds now (raises the store's error if listing fails)."""
+        out = []
+        for key in self.storage.list_keys():
+            record = parse_block_key(key, self.block_size)
+            if record is not None:
+                out.append(record)
+        return out
+
+    def refresh(self, learn: Callable[[str, list[BlockRecord]], object] | None = None) -> int:
+        """List once and hand the result to ``learn`` (default: the one given at
+        construction); the number of blocks listed (0 if the listing failed)."""
+        try:
+            records = self.records()
+        except Exception as exc:       # the store is down or refuses: try again later
+            self.failures += 1
+            now = time.monotonic()
+            if now - self._warned > 60:
+                self._warned = now
+                log.warning("kvstrata: cannot list %s (%s); %d listing(s) failed so far",
+                            self.tier, exc, self.failures)
+            return 0
+        self.listings += 1
+        if records:
+            (learn or self._learn)(self.tier, records)
+        return len(records)
+
+    def start(self) -> None:
+        """Refresh every ``interval`` seconds from a daemon thread (no-op without one)."""
+        if not self.interval or self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"kvstrata-{self.tier}-lister")
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.refresh()
+
+    def close(self) -> None:
+        """Stop refreshing (waits for a listing in progress). Idempotent."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None

@@ -1,0 +1,39 @@
+"""Names of blocks in key-addressed tiers (an object store shared by workers).
+
+A block's key carries its whole identity, ``<sequence hash>.<local hash>.<parent hash>`` in
+16 hex digits each (``root`` for the first block of a chain)::
+
+    9f3a6c1e22b04d7a.0c1d2e3f40516273.root
+
+so that listing a store tells a worker everything it needs to hold the block in its catalog
+and announce it (parent and local hash are what router events carry), without reading a
+single object. Two workers storing one block choose the same key (the identity follows from
+the tokens), so a store holds each block once. The store adds its own namespace in front
+(the compatibility fingerprint and tenant, see :mod:`kvstrata.compat`).
+"""
+
+from __future__ import annotations
+
+import re
+
+from ..types import BlockRecord
+
+__all__ = ["block_key", "parse_block_key"]
+
+_KEY = re.compile(r"^([0-9a-f]{16})\.([0-9a-f]{16})\.([0-9a-f]{16}|root)$")
+
+
+def block_key(record: BlockRecord) -> str:
+    """The key of ``record``'s block in a key-addressed tier."""
+    parent = "root" if record.parent_hash is None else f"{record.parent_hash:016x}"
+    return f"{record.sequence_hash:016x}.{record.local_hash:016x}.{parent}"
+
+
+def parse_block_key(key: str, block_size: int) -> BlockRecord | None:
+    """The record a key names (None for any other name: foreign files, temporary names)."""
+    match = _KEY.match(key)
+    if match is None:
+        return None
+    seq, local, parent = match.groups()
+    return BlockRecord(int(seq, 16), int(local, 16), None if parent == "root" else int(parent, 16),
+                       block_size)

