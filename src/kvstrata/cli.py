@@ -85,6 +85,10 @@ def _build_replay_config(args: argparse.Namespace):
 def _cmd_replay(args: argparse.Namespace) -> int:
     if args.granularity is None:
         args.granularity = "engine" if args.data else "trace"
+    if args.workers < 1:
+        raise CliInputError(f"--workers must be at least 1, got {args.workers}")
+    if args.workers > 1 and args.events:
+        raise CliInputError("--events publishes one worker's events; not with --workers")
     config = _build_replay_config(args)         # ConfigError: one line from main()
     if args.plot:
         _check_writable(args.plot, "--plot")
@@ -129,6 +133,12 @@ def _replay_with(args: argparse.Namespace, config, publisher) -> int:
         from tqdm import tqdm
 
         bar = tqdm(total=len(requests), unit="req", file=sys.stderr, leave=False)
+    if args.workers > 1 and not args.data:
+        try:
+            return _run_fleet(args, config, requests, trace, bar)
+        finally:
+            if bar is not None:
+                bar.close()
     if args.data:
         try:
             return _run_data(args, config, requests, trace,
@@ -171,6 +181,34 @@ DATA_DEFAULT_LIMIT = 100
 """Requests a ``--data`` replay takes unless ``--limit`` says otherwise (it moves real bytes)."""
 
 
+def _run_fleet(args: argparse.Namespace, config, requests, trace: str, bar) -> int:
+    """``replay --workers N``: the fleet sharing G4, then the same N workers isolated."""
+    from .fleet import replay_fleet
+    from .report import format_fleet_table, sharing_gain, write_fleet_plot
+
+    if bar is not None:
+        bar.reset(total=2 * len(requests))
+    runs = {}
+    for shared in (True, False):
+        runs[shared] = replay_fleet(
+            requests, config, workers=args.workers, route=args.route,
+            granularity=args.granularity, shared=shared, trace_name=trace,
+            progress=(lambda n: bar.update(1)) if bar is not None else None,
+            curve_every=max(1, len(requests) // 200) if args.plot else 0)
+    doc = {"shared": runs[True].as_dict(), "isolated": runs[False].as_dict()}
+    doc["gain"] = sharing_gain(doc["shared"], doc["isolated"])
+    if args.plot:
+        write_fleet_plot(runs[True], runs[False], args.plot)
+        doc["plot"] = args.plot
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        print(format_fleet_table(doc))
+        if args.plot:
+            print(f"plot written to {args.plot}")
+    return 0
+
+
 def _run_data(args: argparse.Namespace, config, requests, trace: str, progress) -> int:
     from .data_replay import DataReplayError, run_data_replay
     from .report import format_data_table
@@ -194,6 +232,7 @@ def _cmd_indexer(argv: Sequence[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .fleet import ROUTES
     parser = OneLineParser(prog="kvstrata", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -232,6 +271,12 @@ def build_parser() -> argparse.ArgumentParser:
                           f"and report bandwidth per path (first {DATA_DEFAULT_LIMIT} requests "
                           "unless --limit)")
     p_replay.add_argument("--disk-dir", help="--data: directory for the G3 slab (default: a temp dir)")
+    p_replay.add_argument("--workers", type=int, default=1, metavar="N",
+                          help="N workers sharing one G4 (each with its own G1-G3); reports "
+                          "per-worker and shared-tier hit rates beside N isolated workers")
+    p_replay.add_argument("--route", choices=ROUTES, default="round-robin",
+                          help="--workers: how requests are spread (prefix: to the worker "
+                          "holding the longest prefix, load-bounded, as an indexer-fed router)")
     p_replay.add_argument("--no-progress", action="store_true", help="no progress bar")
     p_replay.set_defaults(func=_cmd_replay)
 

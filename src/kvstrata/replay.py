@@ -36,7 +36,8 @@ from .trace import (TRACE_BLOCK_TOKENS, RequestHasher, TraceFormatError, TraceRe
 from .tiers import is_onboard, split_path
 from .types import BlockRecord
 
-__all__ = ["replay", "ReplayResult", "TierStats", "hit_summary", "count_hits",
+__all__ = ["replay", "ReplayResult", "ReplayWorker", "TierStats", "hit_summary", "count_hits",
+           "replay_config",
            # the trace names, re-exported for callers of the replay
            "TRACE_BLOCK_TOKENS", "RequestHasher", "TraceFormatError", "TraceRequest",
            "default_trace_path", "iter_trace", "load_trace", "parse_request",
@@ -151,35 +152,63 @@ def replay(
     every that many requests.
     """
     hasher = RequestHasher(config.block_size, granularity)
-    if granularity == "trace":
-        # Pools must accept trace-sized blocks: their block size is the hasher's.
-        config = replace(config, block_size=hasher.block_size)
+    config = replay_config(config, hasher)
     planner = Planner(config)
     for observer in observers:
         planner.registry.add_observer(observer)
-    result = ReplayResult(trace_name, granularity, hasher.block_size, registry=planner.registry,
-                          planner=planner)
-    for name in planner.tiers:
-        result.tiers[name] = TierStats(planner.pools[name].capacity, config.tier_eviction(name),
-                                       config.tier_admission(name))
-    serve = _RequestServer(planner)
+    worker = ReplayWorker(planner, config, ReplayResult(trace_name, granularity,
+                                                        hasher.block_size))
+    result = worker.result
     started = time.perf_counter()
     for request in requests:
-        records, token_counts = hasher.records(request)
-        count_hits(result, serve(records), token_counts)
-        result.requests += 1
+        worker.serve(*hasher.records(request))
         if progress is not None:
             progress(result.requests)
         if curve_every and result.requests % curve_every == 0:
             result.curve.append((result.requests, _rates(result)))
     result.wall_seconds = time.perf_counter() - started
-    for name, pool in planner.pools.items():
-        result.tiers[name].evictions = pool.evictions
-    result.moves = planner.stats.moved()
-    result.rejected = planner.stats.skipped_for("admission")
+    worker.finish()
     if curve_every and (not result.curve or result.curve[-1][0] != result.requests):
         result.curve.append((result.requests, _rates(result)))
     return result
+
+
+def replay_config(config: KvConfig, hasher: RequestHasher) -> KvConfig:
+    """``config`` for a replay by ``hasher``: pools must take trace-sized blocks when the
+    replay is at trace granularity."""
+    if hasher.granularity == "trace":
+        return replace(config, block_size=hasher.block_size)
+    return config
+
+
+class ReplayWorker:
+    """One worker of a replay: a planner, the engine serving requests on it, and what it
+    measured (``result``). The single replay has one; ``replay --workers N`` has N."""
+
+    def __init__(self, planner: Planner, config: KvConfig, result: ReplayResult) -> None:
+        self.planner = planner
+        self.result = result
+        result.registry, result.planner = planner.registry, planner
+        for name in planner.tiers:
+            result.tiers[name] = TierStats(planner.pools[name].capacity,
+                                           config.tier_eviction(name),
+                                           config.tier_admission(name))
+        self._serve = _RequestServer(planner)
+
+    def serve(self, records: list[BlockRecord], token_counts: Sequence[int]) -> tuple[str, ...]:
+        """Serve one request; returns the tier that served each block of its prefix."""
+        sources = self._serve(records)
+        count_hits(self.result, sources, token_counts)
+        self.result.requests += 1
+        return sources
+
+    def finish(self) -> None:
+        """Copy the planner's totals (evictions, moves, refusals) into the result."""
+        result, planner = self.result, self.planner
+        for name, pool in planner.pools.items():
+            result.tiers[name].evictions = pool.evictions
+        result.moves = planner.stats.moved()
+        result.rejected = planner.stats.skipped_for("admission")
 
 
 def _rates(result: ReplayResult) -> dict[str, float]:

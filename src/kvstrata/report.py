@@ -86,3 +86,69 @@ def write_plot(result: "ReplayResult", path: str) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def sharing_gain(shared: dict, isolated: dict) -> dict:
+    """What the shared tier buys: hit rates of the fleet with and without sharing, and the
+    blocks not recomputed thanks to it."""
+    return {"hit_rate_shared": shared["hit_rate"], "hit_rate_isolated": isolated["hit_rate"],
+            "points": round(100 * (shared["hit_rate"] - isolated["hit_rate"]), 2),
+            "ratio": round(shared["hit_rate"] / isolated["hit_rate"], 3)
+            if isolated["hit_rate"] else None,
+            "blocks_not_recomputed": shared["blocks_hit"] - isolated["blocks_hit"]}
+
+
+def format_fleet_table(doc: dict) -> str:
+    """The ``replay --workers N`` report: per worker, shared and isolated, then the gain."""
+    shared, isolated, gain = doc["shared"], doc["isolated"], doc["gain"]
+    tier = shared["shared_tier"]["tier"]
+    lines = [
+        f"trace        {shared['trace']}",
+        f"requests     {shared['requests']:,}   workers {shared['workers']}   route "
+        f"{shared['route']}   granularity {shared['granularity']}   block size "
+        f"{shared['block_size']} tokens",
+        "",
+        f"{'worker':<8}{'requests':>10}{'blocks':>12}{'hit % shared':>14}{'from ' + tier:>10}"
+        f"{'of them others':>16}{'hit % isolated':>16}",
+    ]
+    for s, i in zip(shared["per_worker"], isolated["per_worker"]):
+        g4 = s["tiers"].get(tier, {}).get("blocks_hit", 0)
+        lines.append(f"{s['worker']:<8}{s['requests']:>10,}{s['blocks']:>12,}"
+                     f"{100 * s['hit_rate']:>13.2f}%{g4:>10,}{s['from_other_workers']:>16,}"
+                     f"{100 * i['hit_rate']:>15.2f}%")
+    lines.append(f"{'all':<8}{shared['requests']:>10,}{shared['blocks']:>12,}"
+                 f"{100 * shared['hit_rate']:>13.2f}%{shared['shared_tier']['blocks_hit']:>10,}"
+                 f"{shared['shared_tier']['from_other_workers']:>16,}"
+                 f"{100 * isolated['hit_rate']:>15.2f}%")
+    lines.append("")
+    ratio = f" ({gain['ratio']:.2f}x)" if gain["ratio"] else ""
+    lines.append(f"sharing {tier}  {gain['points']:+.2f} points of hit rate{ratio}: "
+                 f"{gain['blocks_not_recomputed']:,} blocks not recomputed")
+    lines.append(f"wall time    {shared['wall_seconds']:.2f} s shared, "
+                 f"{isolated['wall_seconds']:.2f} s isolated")
+    return "\n".join(lines)
+
+
+def write_fleet_plot(shared, isolated, path: str) -> None:
+    """Cumulative hit rate along the trace of the fleet, shared and isolated, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+    for result, label in ((shared, "shared G4"), (isolated, "isolated workers")):
+        xs = [n for n, _ in result.curve]
+        ax.plot(xs, [100 * r["total"] for _, r in result.curve], label=f"{label}: all tiers",
+                linewidth=2)
+    xs = [n for n, _ in shared.curve]
+    ax.plot(xs, [100 * r["from other workers"] for _, r in shared.curve],
+            label="shared G4: blocks other workers put", linewidth=1)
+    ax.set_xlabel("requests replayed")
+    ax.set_ylabel("cumulative hit rate, % of blocks")
+    ax.set_title(f"kvstrata replay: {len(shared.workers)} workers, route {shared.route}")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
