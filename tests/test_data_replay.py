@@ -10,7 +10,7 @@ import pytest
 
 from kvstrata.config import KvConfig, ModelGeometry, TierConfig
 from kvstrata.manager import ManagerConfigError
-from kvstrata.data_replay import DataReplayError, _DataRun, block_payload, run_data_replay
+from kvstrata.data_replay import DataReplayError, DataRun, block_payload, run_data_replay
 from kvstrata.manager import KvBlockManager
 from kvstrata.replay import RequestHasher, TraceRequest, iter_trace, replay
 
@@ -99,7 +99,7 @@ def test_verifier_catches_corrupted_blocks(tmp_path):
     is caught by the byte comparison, one corrupted on disk by the G3 checksum."""
     cfg = config(64, 64, 1024)
     with KvBlockManager(cfg, disk_dir=str(tmp_path)) as mgr:
-        run = _DataRun(mgr, cfg, RequestHasher(cfg.block_size, "engine"), "all", True)
+        run = DataRun(mgr, cfg, RequestHasher(cfg.block_size, "engine"), "all", True)
         first, second = request(1), request(2)
         run.request(first)
         run.request(second)

@@ -89,6 +89,8 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         raise CliInputError(f"--workers must be at least 1, got {args.workers}")
     if args.workers > 1 and args.events:
         raise CliInputError("--events publishes one worker's events; not with --workers")
+    if args.workers > 1 and args.data and args.plot:
+        raise CliInputError("--plot draws the metadata replay; not with --data --workers")
     config = _build_replay_config(args)         # ConfigError: one line from main()
     if args.plot:
         _check_writable(args.plot, "--plot")
@@ -133,7 +135,7 @@ def _replay_with(args: argparse.Namespace, config, publisher) -> int:
         from tqdm import tqdm
 
         bar = tqdm(total=len(requests), unit="req", file=sys.stderr, leave=False)
-    if args.workers > 1 and not args.data:
+    if args.workers > 1:
         try:
             return _run_fleet(args, config, requests, trace, bar)
         finally:
@@ -182,22 +184,38 @@ DATA_DEFAULT_LIMIT = 100
 
 
 def _run_fleet(args: argparse.Namespace, config, requests, trace: str, bar) -> int:
-    """``replay --workers N``: the fleet sharing G4, then the same N workers isolated."""
+    """``replay --workers N``: the fleet sharing G4, then the same N workers isolated (with
+    ``--data``: real bytes, G4 in an S3 store)."""
     from .fleet import replay_fleet
     from .report import format_fleet_table, sharing_gain, write_fleet_plot
 
     if bar is not None:
         bar.reset(total=2 * len(requests))
+    progress = (lambda n: bar.update(1)) if bar is not None else None
     runs = {}
+    docs = {}
     for shared in (True, False):
+        if args.data:
+            from .data_fleet import run_data_fleet
+            from .data_replay import DataReplayError
+
+            try:
+                docs[shared] = run_data_fleet(requests, config, workers=args.workers,
+                                              route=args.route, granularity=args.granularity,
+                                              shared=shared, progress=progress)
+            except DataReplayError as exc:
+                print(f"kvstrata replay --data: {exc}", file=sys.stderr)
+                return 2
+            docs[shared]["trace"] = trace
+            continue
         runs[shared] = replay_fleet(
             requests, config, workers=args.workers, route=args.route,
             granularity=args.granularity, shared=shared, trace_name=trace,
-            progress=(lambda n: bar.update(1)) if bar is not None else None,
-            curve_every=max(1, len(requests) // 200) if args.plot else 0)
-    doc = {"shared": runs[True].as_dict(), "isolated": runs[False].as_dict()}
+            progress=progress, curve_every=max(1, len(requests) // 200) if args.plot else 0)
+        docs[shared] = runs[shared].as_dict()
+    doc = {"shared": docs[True], "isolated": docs[False]}
     doc["gain"] = sharing_gain(doc["shared"], doc["isolated"])
-    if args.plot:
+    if args.plot and runs:
         write_fleet_plot(runs[True], runs[False], args.plot)
         doc["plot"] = args.plot
     if args.json:

@@ -40,8 +40,8 @@ from .replay import TierStats, count_hits, hit_summary
 from .tiers import TierKind, ordered, spec
 from .trace import RequestHasher, TraceRequest
 
-__all__ = ["run_data_replay", "block_payload", "DataReplayError", "DEFAULT_MAX_HOST_BYTES",
-           "DEFAULT_MAX_DISK_BYTES"]
+__all__ = ["run_data_replay", "block_payload", "DataReplayError", "DataRun", "check_sizes",
+           "DEFAULT_MAX_HOST_BYTES", "DEFAULT_MAX_DISK_BYTES"]
 
 DEFAULT_MAX_HOST_BYTES = 4 << 30
 """Refuse a replay whose G1 stand-in plus G2 would take more host RAM than this (4 GiB)."""
@@ -135,7 +135,7 @@ def run_data_replay(
     if disk_dir is not None and disk_tiers and not os.path.isdir(disk_dir):
         what = "is not a directory" if os.path.exists(disk_dir) else "does not exist"
         raise DataReplayError(f"disk directory {disk_dir} {what}")
-    _check_sizes(config, disk_dir, max_host_bytes, max_disk_bytes)
+    check_sizes(config, disk_dir, max_host_bytes, max_disk_bytes)
     temp_dir = None
     if disk_dir is None and disk_tiers:
         reclaim(tempfile.gettempdir(), "kvstrata-data-replay-")   # left by killed replays
@@ -144,7 +144,7 @@ def run_data_replay(
         with KvBlockManager(config, disk_dir=disk_dir, max_host_bytes=max_host_bytes,
                             durable_disk=durable_disk and temp_dir is None,
                             object_store=object_store, list_interval=list_interval) as mgr:
-            run = _DataRun(mgr, config, hasher, verify, flush_each_request)
+            run = DataRun(mgr, config, hasher, verify, flush_each_request)
             started = time.perf_counter()
             for request in requests:
                 run.request(request)
@@ -158,7 +158,7 @@ def run_data_replay(
             shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def _check_sizes(config: KvConfig, disk_dir: str | None, max_host: int, max_disk: int) -> None:
+def check_sizes(config: KvConfig, disk_dir: str | None, max_host: int, max_disk: int) -> None:
     """Refuse tiers whose bytes would not fit: device and host tiers in RAM (the device tier
     is a CPU stand-in here), disk tiers on the disk holding ``disk_dir``."""
     stride = layout_config_for(config, 1).block_bytes
@@ -188,7 +188,7 @@ def _check_sizes(config: KvConfig, disk_dir: str | None, max_host: int, max_disk
 
 
 
-class _DataRun:
+class DataRun:
     """State of one data replay: the manager, counters and the per-request steps."""
 
     def __init__(self, mgr: KvBlockManager, config: KvConfig, hasher: RequestHasher,
@@ -203,8 +203,12 @@ class _DataRun:
         self.requests = self.blocks = self.tokens = self.blocks_hit = self.tokens_hit = 0
         self.computed = self.verified = self.mismatches = self.load_failures = 0
 
-    def request(self, request: TraceRequest) -> None:
-        records, token_counts = self.hasher.records(request)
+    def request(self, request: TraceRequest) -> tuple[str, ...]:
+        """Serve one trace request; returns the tier that served each block of its prefix."""
+        return self.serve(*self.hasher.records(request))
+
+    def serve(self, records, token_counts) -> tuple[str, ...]:
+        """Serve a request already hashed into ``records``."""
         hashes = [r.sequence_hash for r in records]
         result = self.mgr.onboard(hashes).result()
         try:
@@ -223,6 +227,7 @@ class _DataRun:
         if self.flush:
             self.mgr.wait_idle()
         self.requests += 1
+        return result.sources
 
     def _verify(self, result) -> None:
         if self.verify == "none" or not len(result):

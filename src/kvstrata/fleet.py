@@ -37,7 +37,8 @@ from .replay import (ReplayResult, ReplayWorker, RequestHasher, TraceRequest, hi
 from .tiers import Addressing, TIERS
 from .types import BlockRecord
 
-__all__ = ["ROUTES", "SHARED_DEFAULT_BLOCKS", "FleetResult", "replay_fleet", "shared_tier"]
+__all__ = ["ROUTES", "SHARED_DEFAULT_BLOCKS", "FleetResult", "PrefixRouter", "replay_fleet",
+           "shared_tier", "with_shared_tier"]
 
 ROUTES = ("round-robin", "prefix")
 LOAD_SLACK = 0.10
@@ -49,6 +50,14 @@ SHARED_DEFAULT_BLOCKS = 100_000
 def shared_tier() -> str:
     """The tier the workers share: the key-addressed one (G4)."""
     return next(s.name for s in TIERS if s.addressing is Addressing.KEYS)
+
+
+def with_shared_tier(config: KvConfig) -> KvConfig:
+    """``config`` with the shared tier, :data:`SHARED_DEFAULT_BLOCKS` big if it had none."""
+    tier = shared_tier()
+    if tier in config.tiers:
+        return config
+    return replace(config, tiers={**config.tiers, tier: TierConfig(blocks=SHARED_DEFAULT_BLOCKS)})
 
 
 @dataclass
@@ -116,19 +125,19 @@ def replay_fleet(requests: Iterable[TraceRequest], config: KvConfig, *, workers:
     if route not in ROUTES:
         raise ValueError(f"route must be one of {', '.join(ROUTES)}, got {route!r}")
     tier = shared_tier()
-    if tier not in config.tiers:
-        config = replace(config, tiers={**config.tiers,
-                                        tier: TierConfig(blocks=SHARED_DEFAULT_BLOCKS)})
+    config = with_shared_tier(config)
     hasher = RequestHasher(config.block_size, granularity)
     config = replay_config(config, hasher).validate()
     fleet = _Fleet(config, workers, tier, shared)
     result = FleetResult(trace_name, granularity, hasher.block_size, route, shared,
                          [w.result for w in fleet.workers], fleet.from_others)
-    router = _PrefixRouter(fleet, tier) if route == "prefix" else None
+    router = PrefixRouter([w.planner.registry for w in fleet.workers], tier) \
+        if route == "prefix" else None
     started = time.perf_counter()
     for n, request in enumerate(requests):
         records, token_counts = hasher.records(request)
-        index = router.choose(records) if router is not None else n % workers
+        index = router.choose(records, [w.result.requests for w in fleet.workers]) \
+            if router is not None else n % workers
         fleet.serve(index, records, token_counts)
         if progress is not None:
             progress(n + 1)
@@ -197,22 +206,22 @@ class _SharedStore(RegistryObserver):
             self.fleet.stored(self.worker, records)
 
 
-class _PrefixRouter:
+class PrefixRouter:
     """Routes by the longest prefix each worker holds in its own tiers, from the events of
-    every worker's registry applied to one :class:`PrefixIndex`."""
+    every worker's registry (``registries[i]`` is worker *i*'s) applied to one
+    :class:`PrefixIndex`; load-bounded (see the module docstring)."""
 
-    def __init__(self, fleet: _Fleet, shared: str) -> None:
-        self.fleet = fleet
+    def __init__(self, registries: Sequence, shared: str) -> None:
         self.index = PrefixIndex()
-        for i, worker in enumerate(fleet.workers):
-            worker.planner.registry.add_observer(_IndexFeeder(self.index, i, shared))
+        for i, registry in enumerate(registries):
+            registry.add_observer(_IndexFeeder(self.index, i, shared))
 
-    def choose(self, records: list[BlockRecord]) -> int:
+    def choose(self, records: Sequence[BlockRecord], served: Sequence[int]) -> int:
+        """The worker for a request of ``records``; ``served[i]``: requests worker *i* has
+        taken so far."""
         matches = self.index.match([r.sequence_hash for r in records])
-        workers = self.fleet.workers
-        served = [w.result.requests for w in workers]
-        bound = sum(served) / len(workers) * (1 + LOAD_SLACK) + 1
-        candidates = [i for i in range(len(workers)) if served[i] <= bound]
+        bound = sum(served) / len(served) * (1 + LOAD_SLACK) + 1
+        candidates = [i for i in range(len(served)) if served[i] <= bound]
         return max(candidates, key=lambda i: (max(matches.get(i, {}).values(), default=0),
                                               -served[i], -i))
 

@@ -124,6 +124,11 @@ def format_fleet_table(doc: dict) -> str:
     ratio = f" ({gain['ratio']:.2f}x)" if gain["ratio"] else ""
     lines.append(f"sharing {tier}  {gain['points']:+.2f} points of hit rate{ratio}: "
                  f"{gain['blocks_not_recomputed']:,} blocks not recomputed")
+    if shared.get("mode") == "data":
+        lines.append(f"real bytes   G4 in {shared['shared_tier']['store']}; "
+                     f"{shared['bytes_moved']:,} bytes moved; "
+                     f"{shared['mismatches'] + isolated['mismatches']} wrong blocks, "
+                     f"{shared['load_failures'] + isolated['load_failures']} load failures")
     lines.append(f"wall time    {shared['wall_seconds']:.2f} s shared, "
                  f"{isolated['wall_seconds']:.2f} s isolated")
     return "\n".join(lines)

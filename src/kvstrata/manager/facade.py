@@ -32,7 +32,7 @@ from ..metrics import ManagerMetrics
 from ..physical import FileOps, Storage, TransferEngine
 from ..placement import EngineExecutor, OnboardResult, Planner
 from ..protocol.results import TransferResult
-from ..types import is_u64
+from ..types import BlockRecord, is_u64
 from .errors import InvalidBlockError, ManagerClosedError, ManagerConfigError, ManagerError
 from .g1_bytes import G1Bytes
 from .owner import OwnerThread, resolved
@@ -200,10 +200,17 @@ class KvBlockManager:
             s = pool.status()
             self.metrics.set_pool(tier, s.active, s.inactive, s.reset, s.evictions)
 
+    def learn(self, tier: str, records: Sequence[BlockRecord]) -> "Future[int]":
+        """Tell this manager that the shared ``tier`` (G4) holds ``records``: another worker
+        stored them (its stored events say so, or a listing of the store). They become
+        loadable here; the future holds how many were new (``Planner.learn``)."""
+        records = list(records)
+        return self._call(lambda: self.planner.learn(tier, records))
+
     def _learn_later(self, tier: str, records) -> None:
         """From a store lister's thread: let the owner thread learn ``records``."""
         try:
-            self._call(lambda: self.planner.learn(tier, records), internal=True)
+            self.learn(tier, records)
         except ManagerError:
             pass                          # closing: nothing to learn any more
 
