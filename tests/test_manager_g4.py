@@ -147,3 +147,31 @@ def test_a_store_that_is_down_costs_stores_not_the_manager(tenant, caplog):
         with mgr.onboard(hashes_of(records)).result(HANG_GUARD) as loaded:
             assert len(loaded) == 4                    # still in G1 / G2
             assert_g1_bytes(mgr, loaded, data)
+
+
+def test_g4_events_are_on_the_external_tier_and_the_indexer_shows_who_holds_what(
+        weed, tenant, tmp_path):
+    from kvstrata.events import make_publisher
+    from kvstrata.events.indexer import PrefixIndex
+    from kvstrata.events.formats import decode_dynamo
+
+    config = g4_config(tenant=tenant)
+    records = chain(4, start=600)
+    paths = [tmp_path / f"w{i}.jsonl" for i in (1, 2)]
+    publishers = [make_publisher(f"dynamo-json:{p}", worker_id=i + 1)
+                  for i, p in enumerate(paths)]
+    with _manager(weed, config, observers=[publishers[0]]) as writer:
+        _store_all(writer, records, payloads(writer, records))
+    with _manager(weed, config, observers=[publishers[1]]):
+        pass                                           # learns them from the listing
+    for publisher in publishers:
+        publisher.close()
+    index = PrefixIndex()
+    tiers_seen = set()
+    for path in paths:
+        for line in path.read_text().splitlines():
+            worker, event = decode_dynamo(line)
+            tiers_seen.add(event.tier)
+            index.apply_event(worker, event)
+    assert "G4" in tiers_seen and '"storage_tier":"external"' in paths[0].read_text()
+    assert index.match(hashes_of(records)) == {1: {"G4": 4, "G1": 4, "G2": 4}, 2: {"G4": 4}}
