@@ -11,7 +11,10 @@ fingerprint is a short digest of exactly that:
   elements per token, dtype;
 * the shard: this rank and the number of ranks the KV heads are split over (tensor
   parallelism gives each rank different heads of the same geometry);
-* kvstrata's block byte layout version and block hashing scheme (seed and chaining rule).
+* the byte order of a stored block (``block_layout``): kvstrata's own (layer, K/V, tokens x
+  elements) unless an engine's pages are stored as they are (the vLLM connector names its
+  platform and attention backend there), and kvstrata's layout version and block hashing
+  scheme (seed and chaining rule).
 
 Per-tenant isolation is not part of it: LoRA adapters and cache salts already change every
 sequence hash (:func:`kvstrata.tokens.isolation_seed`); a shared store adds the tenant's salt
@@ -28,13 +31,17 @@ import xxhash
 from .dtypes import canonical_dtype
 from .tokens import DEFAULT_SEED
 
-__all__ = ["BLOCK_LAYOUT_VERSION", "HASH_SCHEME", "Compatibility", "compatibility_of"]
+__all__ = ["BLOCK_LAYOUT_VERSION", "HASH_SCHEME", "NATIVE_BLOCK_LAYOUT", "Compatibility",
+           "compatibility_of"]
 
 BLOCK_LAYOUT_VERSION = 1
 """Version of the byte layout of one stored block: FullyContiguous, layer-major, then K/V,
 then ``block_size x elements-per-token`` (see docs/physical.md). Bump it when that changes."""
 
 HASH_SCHEME = f"xxh3-64 chain seed {DEFAULT_SEED}"
+
+NATIVE_BLOCK_LAYOUT = "layer/kv/token"
+"""``block_layout`` of blocks kvstrata lays out itself (``KvBlockManager``)."""
 """The block hashing rule (:mod:`kvstrata.tokens`); stored blocks are named by its hashes."""
 
 
@@ -50,6 +57,7 @@ class Compatibility:
     dtype: str
     rank: int = 0
     world_size: int = 1
+    block_layout: str = NATIVE_BLOCK_LAYOUT
     layout_version: int = BLOCK_LAYOUT_VERSION
     hash_scheme: str = HASH_SCHEME
 
@@ -64,14 +72,16 @@ class Compatibility:
         model = self.model_id or "(unnamed model)"
         return (f"{model}, {self.num_layers} layers x {self.outer_dim} x {self.block_size} "
                 f"tokens x {self.inner_dim} {self.dtype}, rank {self.rank}/{self.world_size}, "
-                f"layout v{self.layout_version}")
+                f"{self.block_layout} v{self.layout_version}")
 
 
-def compatibility_of(config, *, rank: int = 0, world_size: int = 1) -> Compatibility:
+def compatibility_of(config, *, rank: int = 0, world_size: int = 1,
+                     block_layout: str = NATIVE_BLOCK_LAYOUT) -> Compatibility:
     """The :class:`Compatibility` of a :class:`~kvstrata.config.KvConfig` (its ``model_id``
-    and ``model`` geometry) for one rank of ``world_size``."""
+    and ``model`` geometry) for one rank of ``world_size``, blocks laid out as
+    ``block_layout``."""
     m = config.model
     return Compatibility(model_id=config.model_id, num_layers=m.num_layers,
                          outer_dim=m.outer_dim, block_size=config.block_size,
                          inner_dim=m.kv_heads * m.head_dim, dtype=canonical_dtype(m.dtype),
-                         rank=rank, world_size=world_size)
+                         rank=rank, world_size=world_size, block_layout=block_layout)

@@ -1,7 +1,9 @@
 """A worker's view of a shared object tier: which blocks the store holds.
 
 Other workers put blocks into the store too. :class:`StoreLister` lists the store's keys
-(each names a block's whole identity, :mod:`kvstrata.placement.keys`) and hands the blocks to
+(each names a block's whole identity, :mod:`kvstrata.placement.keys`) -- for a model split
+over several ranks, every rank's namespace, keeping the blocks all of them hold -- and hands
+the blocks to
 ``learn`` -- the planner's :meth:`~kvstrata.placement.Planner.learn`, on its owner's thread --
 once at start and then every ``interval`` seconds from a daemon thread, so a worker that
 starts empty finds what others stored, and keeps finding what they store later. A listing
@@ -14,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 from ..physical.storage.objects import ObjectStorage
 from ..placement.keys import parse_block_key
@@ -26,12 +28,14 @@ log = logging.getLogger(__name__)
 
 
 class StoreLister:
-    """Lists ``storage`` for ``tier`` and passes what it finds to ``learn(tier, records)``."""
+    """Lists ``storage`` (or every rank's storage of a list) for ``tier`` and passes what it
+    finds to ``learn(tier, records)``."""
 
-    def __init__(self, storage: ObjectStorage, tier: str, block_size: int,
+    def __init__(self, storage: ObjectStorage | Sequence[ObjectStorage], tier: str,
+                 block_size: int,
                  learn: Callable[[str, list[BlockRecord]], object],
                  interval: float | None = 10.0) -> None:
-        self.storage = storage
+        self.storages = [storage] if isinstance(storage, ObjectStorage) else list(storage)
         self.tier = tier
         self.block_size = block_size
         self._learn = learn
@@ -43,9 +47,15 @@ class StoreLister:
         self._thread: threading.Thread | None = None
 
     def records(self) -> list[BlockRecord]:
-        """The blocks the store holds now (raises the store's error if listing fails)."""
+        """The blocks the store holds now, in every rank's namespace (raises the store's
+        error if a listing fails)."""
+        first, *others = self.storages
+        keys = first.list_keys()
+        for storage in others:
+            present = set(storage.list_keys())
+            keys = [k for k in keys if k in present]
         out = []
-        for key in self.storage.list_keys():
+        for key in keys:
             record = parse_block_key(key, self.block_size)
             if record is not None:
                 out.append(record)
@@ -81,9 +91,13 @@ class StoreLister:
         while not self._stop.wait(self.interval):
             self.refresh()
 
-    def close(self) -> None:
-        """Stop refreshing (waits for a listing in progress). Idempotent."""
+    def close(self, *, storages: bool = False) -> None:
+        """Stop refreshing (waits for a listing in progress); with ``storages``, close the
+        storages too (a lister that opened its own). Idempotent."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if storages:
+            for storage in self.storages:
+                storage.close()

@@ -31,7 +31,7 @@ import tempfile
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
-from ..compat import compatibility_of
+from ..compat import NATIVE_BLOCK_LAYOUT, compatibility_of
 from ..config import KvConfig
 from ..physical import (DeviceStorage, DiskStorage, FileOps, HostStorage, LayoutConfig,
                         PhysicalError, Storage)
@@ -49,7 +49,8 @@ from .errors import ManagerConfigError
 log = logging.getLogger(__name__)
 
 __all__ = ["HOST_ALIGNMENT", "MANAGED_KINDS", "StorageOptions", "Storages", "build_storages",
-           "layout_config_for", "peek_recovered", "object_namespace", "object_store_of"]
+           "layout_config_for", "peek_recovered", "object_namespace", "object_store_of",
+           "open_object_storage"]
 
 HOST_ALIGNMENT = 4096
 """Host block stride alignment: lets the disk read and write host slots in place (O_DIRECT)."""
@@ -91,6 +92,9 @@ class StorageOptions:
     durable disk tier's fingerprint and home)."""
     disk_sync: bool = False
     """Flush data and index at every disk write (survive power loss, not only crashes)."""
+    block_layout: str = NATIVE_BLOCK_LAYOUT
+    """The byte order of the blocks (part of the fingerprint of persistent tiers): kvstrata's
+    own, or an engine's page layout its connector names."""
     object_store: "S3Config | None" = None
     """The object tier's store, instead of the tier's ``url`` (credentials from
     ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` either way)."""
@@ -214,7 +218,8 @@ def _disk(built: Storages, tier: str, geometry: LayoutConfig, options: StorageOp
         reclaim(tempfile.gettempdir(), prefix)            # left by killed processes
         directory = built.temp_dir = tempfile.mkdtemp(prefix=f"{prefix}{owner_tag()}-")
     durable = options.durable_disk and built.temp_dir is None
-    compat = compatibility_of(config, rank=options.rank, world_size=options.world_size)
+    compat = compatibility_of(config, rank=options.rank, world_size=options.world_size,
+                              block_layout=options.block_layout)
     need = config.tier_blocks(tier) * geometry.block_bytes
     if durable:    # the slab we would reuse is already on the disk
         need -= _existing_bytes(directory, tier, options.rank, compat.fingerprint)
@@ -235,7 +240,8 @@ def _disk(built: Storages, tier: str, geometry: LayoutConfig, options: StorageOp
         raise ManagerConfigError(f"{tier} in {directory}: {exc}") from exc
 
 
-def peek_recovered(config: KvConfig, *, rank: int = 0, world_size: int = 1
+def peek_recovered(config: KvConfig, *, rank: int = 0, world_size: int = 1,
+                   block_layout: str = NATIVE_BLOCK_LAYOUT
                    ) -> dict[str, list[tuple[int, int, int | None, int]]] | None:
     """What :func:`build_storages` recovers (or recovered) for ``rank``'s durable disk
     tiers, read from their index files without touching them: (slot, sequence hash, parent
@@ -249,7 +255,8 @@ def peek_recovered(config: KvConfig, *, rank: int = 0, world_size: int = 1
         directory = config.disk_dir or config.tiers[tier].path
         if directory is None:
             continue                              # a temporary slab: nothing kept
-        compat = compatibility_of(config, rank=rank, world_size=world_size)
+        compat = compatibility_of(config, rank=rank, world_size=world_size,
+                                  block_layout=block_layout)
         layout = layout_config_for(config, config.tier_blocks(tier))
         live = DiskIndex.peek(os.path.join(directory, home_name(tier, rank, compat.fingerprint),
                                            "index"),
@@ -289,11 +296,19 @@ def object_store_of(config: KvConfig, tier: str, options: StorageOptions) -> S3C
         raise ManagerConfigError(f"tier {tier}: {exc}") from exc
 
 
-def _object(built: Storages, tier: str, geometry: LayoutConfig, options: StorageOptions
-            ) -> Storage:
-    config = built.config
-    compat = compatibility_of(config, rank=options.rank, world_size=options.world_size)
+def open_object_storage(config: KvConfig, tier: str, options: StorageOptions, *,
+                        rank: int | None = None,
+                        geometry: LayoutConfig | None = None) -> ObjectStorage:
+    """The :class:`ObjectStorage` of object tier ``tier`` for ``rank`` (default
+    ``options.rank``): its store, and the namespace of this model, geometry, rank and tenant.
+    ``geometry`` is the blocks' physical geometry (default: the config's model).
+    A store that does not answer is a warning (its copies fail until it does); one that
+    refuses (bad credentials, no such bucket it may create) is a ``ManagerConfigError``."""
+    rank = options.rank if rank is None else rank
+    compat = compatibility_of(config, rank=rank, world_size=options.world_size,
+                              block_layout=options.block_layout)
     store = object_store_of(config, tier, options)
+    geometry = geometry or layout_config_for(config, 1)
     try:
         storage = ObjectStorage(geometry.with_blocks(config.tier_blocks(tier)), store,
                                 namespace=object_namespace(config, compat.fingerprint),
@@ -311,6 +326,11 @@ def _object(built: Storages, tier: str, geometry: LayoutConfig, options: Storage
         storage.close()
         raise ManagerConfigError(f"{tier} at {store.endpoint_url}/{store.bucket}: {exc}") from exc
     return storage
+
+
+def _object(built: Storages, tier: str, geometry: LayoutConfig, options: StorageOptions
+            ) -> Storage:
+    return open_object_storage(built.config, tier, options, geometry=geometry)
 
 
 def _fits_in_ram(tier: str, need: int) -> None:

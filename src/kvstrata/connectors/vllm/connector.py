@@ -17,6 +17,7 @@ vLLM's calls; the halves hold the logic.
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Any, Iterable
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
@@ -54,7 +55,8 @@ class KvStrataConnector(KVConnectorBase_V1):
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         world_size = vllm_config.parallel_config.world_size
         settings = settings_from(extra, KvGeometry.from_vllm(kv_cache_config, world_size),
-                                 model_id=_model_id(vllm_config))
+                                 model_id=_model_id(vllm_config),
+                                 block_layout=_block_layout())
         self.settings = settings
         self.scheduler = None
         self.worker = None
@@ -123,6 +125,8 @@ class KvStrataConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.shutdown()
+        if self.scheduler is not None:
+            self.scheduler.close()
         for publisher in getattr(self, "_publishers", ()):
             publisher.close()
 
@@ -195,6 +199,16 @@ def _model_id(vllm_config: Any) -> str:
     name = str(getattr(model, "model", "") or "")
     revision = getattr(model, "revision", None)
     return f"{name}@{revision}" if revision else name
+
+
+def _block_layout() -> str:
+    """How vLLM lays out a KV page here: its version, the device type and the attention
+    backend asked for (both halves compute the same)."""
+    import vllm
+    from vllm.platforms import current_platform
+
+    backend = os.environ.get("VLLM_ATTENTION_BACKEND") or "default"
+    return f"vllm {vllm.__version__} {current_platform.device_type} {backend}"
 
 
 def _worker_rank() -> int:

@@ -20,16 +20,18 @@ Everything happens on vLLM's scheduler thread; the planner needs no lock.
 from __future__ import annotations
 
 import logging
+import queue
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
 from ...logical.registry import BlockRegistry
-from ...manager.storages import peek_recovered
+from ...manager.catalog import StoreLister
+from ...manager.storages import StorageOptions, open_object_storage, peek_recovered
 from ...placement import PlacementError, Planner
 from ...placement.onboard import OnboardResult
 from ...protocol.plans import TransferPlan
-from ...tiers import TOP_TIER
+from ...tiers import TOP_TIER, TierKind, spec
 from ...tokens import hash_blocks, isolation_seed
 from ...types import BlockRecord
 from .events import VllmEventCollector
@@ -117,6 +119,8 @@ class SchedulerHalf:
         self._recovered: dict[int, dict[str, list]] | None = {}
         """Each worker's recovered durable blocks until every rank reported (then None)."""
         self._restore_from_index_files()
+        self._learned: queue.SimpleQueue = queue.SimpleQueue()
+        self._listers = self._open_store_listers()
         self._requests: dict[str, _Tracked] = {}
         self._outbox: list[TransferPlan] = []
         self._loads: dict[str, LoadOrder] = {}
@@ -149,6 +153,8 @@ class SchedulerHalf:
         tracked = self._track(request)          # tracked for its stores even with loads off
         if tracked is None or not self.settings.load:
             return 0, False
+        if self._listers:
+            self._apply_learned()
         bs = self.block_size
         start = num_computed_tokens // bs
         limit = (request.num_tokens - 1) // bs        # vLLM computes at least one token
@@ -238,12 +244,47 @@ class SchedulerHalf:
                 for req_id in done:
                     del self._held[req_id]
 
+    def _open_store_listers(self) -> list[StoreLister]:
+        """For a shared object tier: list every rank's namespace of the store now (a new
+        server finds what others stored on its first request) and every ``list_interval``
+        seconds from a thread; what it finds is learned on the scheduler's thread."""
+        listers = []
+        kv = self.settings.kv
+        options = StorageOptions(world_size=self._world_size,
+                                 block_layout=self.settings.block_layout)
+        for tier in self.planner.tiers:
+            if spec(tier).kind is not TierKind.OBJECT:
+                continue
+            storages = [open_object_storage(kv, tier, options, rank=rank)
+                        for rank in range(self._world_size)]
+            lister = StoreLister(storages, tier, self.block_size,
+                                 lambda t, records: self._learned.put((t, records)),
+                                 self.settings.list_interval)
+            lister.refresh(self.planner.learn)
+            lister.start()
+            listers.append(lister)
+        return listers
+
+    def _apply_learned(self) -> None:
+        """Learn what the store listers found since the last call (scheduler thread)."""
+        learned = self._learned
+        while not learned.empty():
+            tier, records = learned.get_nowait()
+            self.planner.learn(tier, records)
+
+    def close(self) -> None:
+        """Stop the store listers. Idempotent."""
+        for lister in self._listers:
+            lister.close(storages=True)
+        self._listers = []
+
     def _restore_from_index_files(self) -> None:
         """At start, read what every worker's durable tiers hold from their index files (on
         one machine they are readable here; vLLM builds the workers' caches before the
         scheduler), so the first request already finds the blocks. Otherwise the workers'
         first reports bring the same rows a step later."""
-        per_rank = [peek_recovered(self.settings.kv, rank=rank, world_size=self._world_size)
+        per_rank = [peek_recovered(self.settings.kv, rank=rank, world_size=self._world_size,
+                                   block_layout=self.settings.block_layout)
                     for rank in range(self._world_size)]
         if all(rows is not None for rows in per_rank) and any(per_rank):
             self._recovered = dict(enumerate(per_rank))

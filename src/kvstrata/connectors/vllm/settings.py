@@ -14,6 +14,9 @@ key                    meaning                                     default
                        is not used (``{"G2": ...}`` alone: no G3)
 ``disk_dir``           directory of the G3 tier, kept across       a temporary directory
                        restarts (see docs/vllm.md)
+``list_interval``      seconds between listings of a shared G4     10
+                       (``{"G4": {"blocks": N, "url": URL}}``)
+``tenant``             the tenant of a shared G4's blocks          ``""`` (shared)
 ``eviction``           ``default``, ``lru``, ``lfu``, ``adaptive``  ``lru``
 ``admission``          ``always``, ``second-offer``, ``adaptive``   ``always``
 ``events``             kvstrata sink specs (list or one string)    none
@@ -51,7 +54,8 @@ DEFAULT_TIERS: dict[str, TierConfig] = {first_of_kind(TierKind.HOST): TierConfig
 """Lower tiers used when nothing says otherwise: 1 GiB of host RAM (G2), 4 GiB of disk (G3)."""
 
 _KNOWN = {"tiers", "disk_dir", "eviction", "admission", "events", "verify_host_reads",
-          "o_direct", "load", "store", "worker_id", "config", "fail_on_load_error"}
+          "o_direct", "load", "store", "worker_id", "config", "fail_on_load_error",
+          "list_interval", "tenant"}
 
 
 class ConnectorConfigError(ValueError):
@@ -122,6 +126,10 @@ class ConnectorSettings:
     store: bool = True
     fail_on_load_error: bool = False
     worker_id: int = 0
+    list_interval: float = 10.0
+    block_layout: str = "vllm"
+    """The byte order of vLLM's KV pages as stored (platform, version, attention backend):
+    part of the fingerprint of persistent tiers, so pages of another layout are never read."""
 
     @property
     def lower_tiers(self) -> list[str]:
@@ -133,7 +141,7 @@ class ConnectorSettings:
 
 def settings_from(extra: Mapping[str, Any] | None, geometry: KvGeometry,
                   env: Mapping[str, str] | None = None, *,
-                  model_id: str = "") -> ConnectorSettings:
+                  model_id: str = "", block_layout: str = "vllm") -> ConnectorSettings:
     """Build the settings from ``kv_connector_extra_config`` and vLLM's geometry;
     ``model_id`` (vLLM's model and revision) names the model in the fingerprint of stored
     blocks unless kvstrata's own config sets ``model_id``."""
@@ -145,6 +153,11 @@ def settings_from(extra: Mapping[str, Any] | None, geometry: KvGeometry,
         problems.append(f"unknown kv_connector_extra_config keys {sorted(unknown)}; "
                         f"known: {sorted(_KNOWN)}")
     overrides: dict[str, Any] = {}
+    if "tenant" in extra:
+        if not isinstance(extra["tenant"], str):
+            problems.append(f"tenant must be a string, got {extra['tenant']!r}")
+        else:
+            overrides["tenant"] = extra["tenant"]
     for key in ("eviction", "admission", "disk_dir"):
         if key in extra:
             if not isinstance(extra[key], str) or not extra[key]:
@@ -164,6 +177,11 @@ def settings_from(extra: Mapping[str, Any] | None, geometry: KvGeometry,
     if o_direct is not None and not isinstance(o_direct, bool):
         problems.append(f"o_direct must be true, false or null, got {o_direct!r}")
         o_direct = None
+    list_interval = extra.get("list_interval", 10.0)
+    if isinstance(list_interval, bool) or not isinstance(list_interval, (int, float)) \
+            or not 0 < list_interval <= 86_400:
+        problems.append(f"list_interval must be seconds in (0, 86400], got {list_interval!r}")
+        list_interval = 10.0
     worker_id = extra.get("worker_id", 0)
     if isinstance(worker_id, bool) or not isinstance(worker_id, int) or worker_id < 0:
         problems.append(f"worker_id must be an integer >= 0, got {worker_id!r}")
@@ -208,12 +226,14 @@ def settings_from(extra: Mapping[str, Any] | None, geometry: KvGeometry,
         kv = replace(base, block_size=geometry.block_size, model=model, tiers=all_tiers,
                      eviction=eviction,
                      admission=overrides.get("admission", base.admission),
-                     disk_dir=disk_dir, model_id=base.model_id or model_id).validate()
+                     disk_dir=disk_dir, model_id=base.model_id or model_id,
+                     tenant=overrides.get("tenant", base.tenant)).validate()
     except ConfigError as exc:
         raise ConnectorConfigError(f"kvstrata connector: {exc}") from None
     _check_runnable(kv, geometry.workers)
     return ConnectorSettings(kv=kv, events=tuple(events), o_direct=o_direct,
-                             worker_id=worker_id, **flags)
+                             worker_id=worker_id, list_interval=float(list_interval),
+                             block_layout=block_layout, **flags)
 
 
 def _check_runnable(kv: KvConfig, workers: int = 1) -> None:
@@ -225,12 +245,16 @@ def _check_runnable(kv: KvConfig, workers: int = 1) -> None:
     lower = [t for t in TIER_NAMES if t in kv.tiers and t != TOP_TIER]
     kinds = {t: spec(t).kind for t in lower}
     for tier, kind in kinds.items():
-        if kind not in (TierKind.HOST, TierKind.DISK):
+        if kind not in (TierKind.HOST, TierKind.DISK, TierKind.OBJECT):
             problems.append(f"tier {tier} ({kind.value}) has no backend in the vLLM connector "
-                            f"yet; it holds host (G2) and disk (G3) tiers")
-    if TierKind.DISK in kinds.values() and TierKind.HOST not in kinds.values():
-        problems.append(f"a disk tier needs the host tier {first_of_kind(TierKind.HOST)}: "
-                        f"disk blocks move through host RAM")
+                            f"yet; it holds host (G2), disk (G3) and object store (G4) tiers")
+        if kind is TierKind.OBJECT and not kv.tiers[tier].url:
+            problems.append(f"tier {tier} (object store) needs a url: "
+                            f'{{"{tier}": {{"blocks": N, "url": "http://host:port/bucket"}}}}')
+    for kind in (TierKind.DISK, TierKind.OBJECT):
+        if kind in kinds.values() and TierKind.HOST not in kinds.values():
+            problems.append(f"a {kind.value} tier needs the host tier "
+                            f"{first_of_kind(TierKind.HOST)}: its blocks move through host RAM")
     for tier in lower:
         config = kv.tiers[tier]
         if config.path is not None and not isinstance(config.path, str):

@@ -107,7 +107,8 @@ class WorkerHalf:
         g1 = wrap_vllm_kv_caches(kv_caches, kv.tier_blocks(TOP_TIER), kv.block_size)
         options = StorageOptions(g1=g1, verify_host_reads=self.settings.verify_host_reads,
                                  o_direct=self.settings.o_direct, rank=self.rank,
-                                 world_size=self.world_size)
+                                 world_size=self.world_size,
+                                 block_layout=self.settings.block_layout)
         self.storages = build_storages(kv, options)
         self._recovered = self.storages.recovered_rows()
         self.engine = TransferEngine(self.storages.by_tier, copy_engine=self._copy_engine)
