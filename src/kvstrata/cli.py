@@ -100,7 +100,9 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
         publisher = make_publisher(args.events)      # a bad spec or path fails here, first
     try:
-        return _replay_with(args, config, publisher)
+        with _GracefulStop() as stop:
+            args.stop = stop
+            return _replay_with(args, config, publisher)
     finally:
         if publisher is not None:
             publisher.close()
@@ -143,8 +145,7 @@ def _replay_with(args: argparse.Namespace, config, publisher) -> int:
                 bar.close()
     if args.data:
         try:
-            return _run_data(args, config, requests, trace,
-                             (lambda n: bar.update(1)) if bar is not None else None)
+            return _run_data(args, config, requests, trace, _ticker(bar, args.stop))
         finally:
             if bar is not None:
                 bar.close()
@@ -156,7 +157,7 @@ def _replay_with(args: argparse.Namespace, config, publisher) -> int:
             granularity=args.granularity,
             observers=observers,
             trace_name=trace,
-            progress=(lambda n: bar.update(1)) if bar is not None else None,
+            progress=_ticker(bar, args.stop),
             curve_every=max(1, len(requests) // 200) if args.plot else 0,
         )
     finally:
@@ -191,7 +192,7 @@ def _run_fleet(args: argparse.Namespace, config, requests, trace: str, bar) -> i
 
     if bar is not None:
         bar.reset(total=2 * len(requests))
-    progress = (lambda n: bar.update(1)) if bar is not None else None
+    progress = _ticker(bar, args.stop)
     runs = {}
     docs = {}
     for shared in (True, False):
@@ -355,6 +356,73 @@ def _on_sigterm():
 
     old = signal.signal(signal.SIGTERM, stop)
     return lambda: signal.signal(signal.SIGTERM, old)
+
+
+STOP_GRACE_SECONDS = 5.0
+"""How long a replay may take to reach its next request boundary after SIGTERM or Ctrl-C
+before it is stopped wherever it is."""
+
+
+class _GracefulStop:
+    """SIGTERM and SIGINT during a replay: stop at the next request boundary (``check``),
+    where no lock is held and every ``with`` unwinds cleanly; a second signal, or
+    :data:`STOP_GRACE_SECONDS` without reaching a boundary, stops at once. An exception
+    raised asynchronously inside library code (between a lock's acquire and its ``try``)
+    could otherwise leave the clean-up waiting on that lock for ever."""
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self._old: dict = {}
+
+    def __enter__(self) -> "_GracefulStop":
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._old[sig] = signal.signal(sig, self._on_signal)
+            self._old[signal.SIGALRM] = signal.signal(signal.SIGALRM, self._on_alarm)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import signal
+
+        if self._old:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            for sig, handler in self._old.items():
+                signal.signal(sig, handler)
+            self._old = {}
+
+    def check(self) -> None:
+        """Raise the stop a signal asked for, if any (call at safe points)."""
+        if self.signum:
+            raise self._exception()
+
+    def _exception(self) -> BaseException:
+        import signal
+
+        return _Terminated() if self.signum == signal.SIGTERM else KeyboardInterrupt()
+
+    def _on_signal(self, signum, frame) -> None:
+        import signal
+
+        if self.signum:                     # asked twice: stop here
+            raise self._exception()
+        self.signum = signum
+        signal.setitimer(signal.ITIMER_REAL, STOP_GRACE_SECONDS)
+
+    def _on_alarm(self, signum, frame) -> None:
+        self.check()
+
+
+def _ticker(bar, stop: _GracefulStop):
+    """The per-request progress callback of a replay: a safe point to stop at, and the
+    progress bar's tick."""
+    def tick(n: int) -> None:
+        stop.check()
+        if bar is not None:
+            bar.update(1)
+    return tick
 
 
 def main(argv: Sequence[str] | None = None) -> int:
