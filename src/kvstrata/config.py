@@ -181,10 +181,10 @@ class KvConfig:
         if not isinstance(self.model_id, str) or len(self.model_id) > 512:
             problems.append(f"model_id must be a string of at most 512 characters, got "
                             f"{self.model_id!r:.80}")
-        if not isinstance(self.tenant, str) or not re.fullmatch(r"[A-Za-z0-9._-]{0,64}",
-                                                                 self.tenant):
-            problems.append(f"tenant must be up to 64 letters, digits, '.', '_' or '-', got "
-                            f"{self.tenant!r:.80}")
+        if not isinstance(self.tenant, str) or not re.fullmatch(
+                r"([A-Za-z0-9][A-Za-z0-9._-]{0,63})?", self.tenant):
+            problems.append(f"tenant must be empty or up to 64 letters, digits, '.', '_' or "
+                            f"'-' starting with a letter or digit, got {self.tenant!r:.80}")
         for name, tier in self.tiers.items():
             if tier.url is not None and (not isinstance(tier.url, str) or not re.fullmatch(
                     r"https?://[^/\s]+/[A-Za-z0-9.-]{3,63}/?", tier.url)):

@@ -56,7 +56,7 @@ def test_a_home_file_that_is_a_directory_costs_no_fd_and_no_lock(tmp_path, name)
         path.unlink()
     path.mkdir()
     before = fd_count()
-    with pytest.raises(OSError):
+    with pytest.raises(StorageConfigError):           # typed, naming the file
         open_durable(tmp_path)
     assert fd_count() == before
     path.rmdir()
@@ -73,10 +73,6 @@ def test_a_home_file_that_is_a_directory_costs_no_fd_and_no_lock(tmp_path, name)
         _reopen_after(tmp_path, lambda: None)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a slab/index/index.tmp/lock that is a directory "
-                   "escapes as a raw IsADirectoryError, not a StorageConfigError "
-                   "(disk.py DiskStorage.__init__ open / disk_index.py _load, _rewrite / "
-                   "disk_home.py _lock do not wrap OSError)")
 @pytest.mark.parametrize("name", ["slab", "index", "index.tmp", "lock"])
 def test_a_home_file_that_is_a_directory_is_a_typed_error(tmp_path, name):
     home = _prepared(tmp_path)
@@ -88,9 +84,6 @@ def test_a_home_file_that_is_a_directory_is_a_typed_error(tmp_path, name):
         open_durable(tmp_path)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: KvBlockManager lets a raw OSError out of "
-                   "build_storages when the G3 home is damaged (storages._disk catches only "
-                   "PhysicalError)")
 def test_manager_on_a_damaged_home_is_a_config_error(tmp_path):
     config = small_manager_config()
     KvBlockManager(config, disk_dir=str(tmp_path)).close()
@@ -128,9 +121,6 @@ def test_a_home_that_is_a_file_is_a_typed_error(tmp_path):
     assert home.read_text() == "not a directory"
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a lock file that is a FIFO makes os.ftruncate fail "
-                   "(EINVAL) after flock succeeded: raw OSError, and the locked fd leaks "
-                   "(disk_home.py _lock: ftruncate/pwrite outside the try that closes fd)")
 def test_a_lock_that_is_a_fifo_is_a_typed_error_and_leaks_nothing(tmp_path):
     home = _prepared(tmp_path)
     _make_fifo(home / "lock")
@@ -143,9 +133,6 @@ def test_a_lock_that_is_a_fifo_is_a_typed_error_and_leaks_nothing(tmp_path):
     assert leaked == 0
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a lock file the process may not open for writing "
-                   "(chattr +i; EACCES for a non-root user) escapes as a raw PermissionError "
-                   "(disk_home.py _lock: os.open outside any try)")
 def test_an_unwritable_lock_file_is_a_typed_error(tmp_path):
     home = _prepared(tmp_path)
     lock = home / "lock"
@@ -158,9 +145,6 @@ def test_an_unwritable_lock_file_is_a_typed_error(tmp_path):
         subprocess.run(["chattr", "-i", str(lock)], capture_output=True)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: the slab is opened without O_NOFOLLOW: a symlink "
-                   "named 'slab' in the home makes the tier resize and write through it into "
-                   "another file (disk.py DiskStorage.__init__ self._ops.open(path, flags))")
 def test_a_slab_symlink_is_not_followed_into_another_file(tmp_path):
     home = _prepared(tmp_path)
     victim = tmp_path / "precious.dat"
@@ -260,11 +244,6 @@ def test_stale_homes_of_this_rank_go_others_stay(tmp_path):
         held.close()
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: claim race -- a process of another fingerprint "
-                   "removes a home between its owner's open() of 'lock' and flock(); a third "
-                   "process re-creates the home; the first then locks the unlinked lock file "
-                   "and shares the third's home (disk_home.py _lock: no check that the locked "
-                   "fd is still the file at path/lock, e.g. compare fstat/stat st_ino, retry)")
 def test_claim_race_never_lets_two_owners_share_a_home(tmp_path, monkeypatch):
     real = disk_home.fcntl
     others: list = []
@@ -326,12 +305,6 @@ def test_no_fd_or_thread_leak_over_manager_restarts(tmp_path):
 
 
 # --------------------------------------------------------------------------- bad fingerprints
-@pytest.mark.xfail(strict=True, reason="BUG: DiskStorage.durable / DiskTierHome.claim accept any "
-                   "fingerprint: a 17-char one is cut to 16 in the index header and never "
-                   "matches again (every restart silently recovers nothing), '../..' escapes "
-                   "the home naming, non-ASCII dies in disk_index._header with a raw "
-                   "UnicodeEncodeError after the home dir was made (disk_home.py claim: "
-                   "validate against _HOME_RE's [0-9a-f]{16} first)")
 @pytest.mark.parametrize("fingerprint", ["0123456789abcdef0", "../../escaped", "ünïcødé"])
 def test_a_malformed_fingerprint_is_refused_before_anything_is_made(tmp_path, fingerprint):
     parent = tmp_path / "disk"

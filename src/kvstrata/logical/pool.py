@@ -333,6 +333,7 @@ class BlockPool:
         if self._leaf_first:
             for block in restored:
                 self._link_parent(block)
+            self._break_cycles(restored)
         registered = self.eviction.registered if self._tracks_registration else None
         tick = self._tick
         for block in restored:
@@ -347,9 +348,32 @@ class BlockPool:
         self.registry.record_stored(self.tier, [record for _, record in take])
         return len(restored)
 
+    def _break_cycles(self, restored: list[Block]) -> None:
+        """Restored records come from outside (a journal, a listing): two that name each
+        other as parents would link into a loop that eviction can never reach. Cut the link
+        that closes each loop (one pass, each block visited once)."""
+        blocks = self._blocks
+        state: dict[int, int] = {}            # block id -> 1 on the current path, 2 done
+        for start in restored:
+            path = []
+            block = start
+            while block.block_id not in state:
+                state[block.block_id] = 1
+                path.append(block)
+                if block.parent_id < 0:
+                    break
+                parent = blocks[block.parent_id]
+                if state.get(parent.block_id) == 1:           # the loop closes here
+                    parent.children -= 1
+                    block.parent_id = -1
+                    break
+                block = parent
+            for b in path:
+                state[b.block_id] = 2
+
     def _link_parent(self, block: Block) -> None:
         parent = self._by_hash.get(block.parent_hash) if block.parent_hash is not None else None
-        if parent is None:
+        if parent is None or parent is block:     # a block never is its own prefix
             return
         block.parent_id = parent.block_id
         parent.children += 1

@@ -205,6 +205,17 @@ class KvBlockManager:
         stored them (its stored events say so, or a listing of the store). They become
         loadable here; the future holds how many were new (``Planner.learn``)."""
         records = list(records)
+        if tier not in self.pools or not isinstance(self._storages.by_tier.get(tier),
+                                                    ObjectStorage):
+            raise InvalidBlockError(f"learn: {tier!r} is not a shared object tier of this "
+                                    f"manager")
+        for i, record in enumerate(records):
+            if not isinstance(record, BlockRecord) \
+                    or record.block_size != self.config.block_size \
+                    or not (is_u64(record.sequence_hash) and is_u64(record.local_hash)
+                            and (record.parent_hash is None or is_u64(record.parent_hash))):
+                raise InvalidBlockError(f"learn: records[{i}] = {record!r:.120} is not a block "
+                                        f"of {self.config.block_size} tokens with u64 hashes")
         return self._call(lambda: self.planner.learn(tier, records))
 
     def _learn_later(self, tier: str, records) -> None:

@@ -277,7 +277,9 @@ def _existing_bytes(directory: str, tier: str, rank: int, fingerprint: str) -> i
 
 
 def object_namespace(config: KvConfig, fingerprint: str) -> str:
-    """The key prefix of a shared object tier: ``kvstrata/<fingerprint>/<tenant>/``."""
+    """The key prefix of a shared object tier: ``kvstrata/<fingerprint>/<tenant>/``, ``_``
+    for the default tenant (no tenant can be named ``_``: tenants start with a letter or a
+    digit)."""
     return f"kvstrata/{fingerprint}/{config.tenant or '_'}/"
 
 

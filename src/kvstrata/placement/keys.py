@@ -35,5 +35,7 @@ def parse_block_key(key: str, block_size: int) -> BlockRecord | None:
     if match is None:
         return None
     seq, local, parent = match.groups()
+    if parent == seq:                      # a block is never its own prefix: not ours
+        return None
     return BlockRecord(int(seq, 16), int(local, 16), None if parent == "root" else int(parent, 16),
                        block_size)

@@ -41,7 +41,7 @@ from ..logical.registry import BlockRegistry
 from ..protocol.plans import TransferPlan
 from ..protocol.results import BlockFailure, FailureKind, TransferResult
 from ..tiers import Addressing, ordered, spec
-from ..types import BlockRecord
+from ..types import BlockRecord, is_u64
 from .cascade import Cascade, allocate_up_to
 from .onboard import OnboardResult, Onboarding
 from .keys import block_key
@@ -175,10 +175,19 @@ class Planner:
                                  f"key-addressed tier learns blocks from others")
         s = self._state
         pool, receiving = s.pools[tier], s.receiving[tier]
+        records = list(records)
+        for i, record in enumerate(records):
+            if not isinstance(record, BlockRecord) or record.block_size != pool.block_size \
+                    or not (is_u64(record.sequence_hash) and is_u64(record.local_hash)
+                            and (record.parent_hash is None or is_u64(record.parent_hash))):
+                raise PlacementError(f"learn: records[{i}] = {record!r:.120} is not a block "
+                                     f"of {pool.block_size} tokens with u64 hashes")
         seen: set[int] = set()
         new = []
         for record in records:
             h = record.sequence_hash
+            if record.parent_hash == h:
+                continue                        # never its own prefix: not a real block
             if h not in pool and h not in receiving and h not in seen:
                 seen.add(h)
                 new.append(record)

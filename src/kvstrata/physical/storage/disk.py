@@ -39,6 +39,7 @@ import errno
 import os
 import queue
 import secrets
+import stat
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -55,7 +56,7 @@ from ..errors import (BlockFailure, DiskFullError, FailureKind, StorageConfigErr
 from ...protocol.layout import FullyContiguousLayout, LayoutConfig
 from ...protocol.layout_codec import StorageDescriptor
 from .base import Storage, StorageStatus
-from .disk_home import DiskTierHome
+from .disk_home import DiskTierHome, check_fingerprint
 from .disk_index import DiskIndex, LiveEntries
 from .fileio import FileOps
 
@@ -129,8 +130,14 @@ class DiskStorage(Storage):
         else:
             self.path = directory / "slab"
             flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
-        fd = self._ops.open(str(self.path), flags)
         try:
+            fd = self._ops.open(str(self.path), flags | os.O_NOFOLLOW)
+        except OSError as exc:
+            raise StorageConfigError(f"cannot open the slab {self.path}: "
+                                     f"{exc.strerror or exc}") from exc
+        try:
+            if durable is not None and not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise StorageConfigError(f"the slab {self.path} is not a regular file")
             self._preallocate(fd)
             self._fd, self.o_direct = self._open_for_io(fd, o_direct)
         except BaseException:
@@ -156,6 +163,7 @@ class DiskStorage(Storage):
         this process); the blocks a previous process stored there are recovered
         (:attr:`recovered`) and verified when first read. ``sync`` flushes data and index
         at every write (survives power loss, costs a flush per batch)."""
+        check_fingerprint(fingerprint)
         home = DiskTierHome.claim(directory, tier=name, rank=rank, fingerprint=fingerprint,
                                   describe=describe)
         try:
@@ -222,7 +230,8 @@ class DiskStorage(Storage):
         else:
             direct_fd = None
             try:
-                direct_fd = self._ops.open(str(self.path), os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC)
+                direct_fd = self._ops.open(str(self.path),
+                                          os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC | os.O_NOFOLLOW)
                 probe = AlignedBuffer(DIRECT_ALIGNMENT)
                 # Rewrite the first page with what it holds (a durable slab keeps its blocks).
                 if self._durable is not None and \

@@ -21,15 +21,18 @@ import logging
 import os
 import re
 import shutil
+import stat
 from pathlib import Path
 
 from ..errors import StorageConfigError
 
-__all__ = ["DiskTierHome", "DiskTierBusyError", "home_name"]
+__all__ = ["DiskTierHome", "DiskTierBusyError", "check_fingerprint", "home_name"]
 
 log = logging.getLogger(__name__)
 
 _HOME_RE = re.compile(r"^kvstrata-(?P<tier>[a-z0-9]+)-r(?P<rank>\d+)-(?P<fp>[0-9a-f]{16})$")
+_FINGERPRINT_RE = re.compile(r"^[0-9a-f]{16}$")
+_TIER_RE = re.compile(r"^[a-z0-9]{1,16}$")
 
 
 class DiskTierBusyError(StorageConfigError):
@@ -54,6 +57,11 @@ class DiskTierHome:
     def claim(cls, directory: str | os.PathLike, *, tier: str, rank: int, fingerprint: str,
               describe: str = "") -> "DiskTierHome":
         """Create (or reuse) and lock this tier's home under ``directory``."""
+        check_fingerprint(fingerprint)
+        if not isinstance(tier, str) or not _TIER_RE.match(tier.lower()) \
+                or isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise StorageConfigError(f"disk tier home: tier {tier!r} and rank {rank!r} must be "
+                                     f"a short name and an integer >= 0")
         parent = Path(directory)
         path = parent / home_name(tier, rank, fingerprint)
         try:
@@ -61,7 +69,7 @@ class DiskTierHome:
         except OSError as exc:
             raise StorageConfigError(f"cannot create disk tier directory {path}: "
                                      f"{exc.strerror or exc}") from exc
-        lock_fd = _lock(path)
+        lock_fd = _lock_home(path)
         try:
             removed = _remove_stale(parent, tier, rank, path.name)
         except BaseException:
@@ -80,26 +88,68 @@ class DiskTierHome:
             self._lock_fd = -1
 
 
-def _lock(path: Path) -> int:
-    lock_path = path / "lock"
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        holder = ""
+def check_fingerprint(fingerprint: str) -> None:
+    """A compatibility fingerprint is 16 lowercase hex digits (:mod:`kvstrata.compat`);
+    anything else would name another directory, or none."""
+    if not isinstance(fingerprint, str) or not _FINGERPRINT_RE.match(fingerprint):
+        raise StorageConfigError(f"a fingerprint is 16 lowercase hex digits, got "
+                                 f"{fingerprint!r:.80}")
+
+
+def _lock_home(path: Path, attempts: int = 5) -> int:
+    """Lock ``path``'s lock file; retried if the home was removed and made again while this
+    process waited (the lock must be on the file the directory holds now)."""
+    for _ in range(attempts):
+        fd = _lock(path)
         try:
-            holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip()
+            current = os.stat(path / "lock", follow_symlinks=False)
+            mine = os.fstat(fd)
+            if (current.st_dev, current.st_ino) == (mine.st_dev, mine.st_ino):
+                return fd
         except OSError:
             pass
-        os.close(fd)
-        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+        os.close(fd)                     # locked a file that is gone: try the new one
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StorageConfigError(f"cannot create disk tier directory {path}: "
+                                     f"{exc.strerror or exc}") from exc
+    raise DiskTierBusyError(f"disk tier directory {path} keeps being replaced by another "
+                            f"process; give each process its own disk directory")
+
+
+def _lock(path: Path) -> int:
+    lock_path = path / "lock"
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    except OSError as exc:
+        raise StorageConfigError(f"cannot open {lock_path}: {exc.strerror or exc}") from exc
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise StorageConfigError(f"{lock_path} is not a regular file")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise StorageConfigError(f"cannot lock {lock_path}: "
+                                         f"{exc.strerror or exc}") from exc
+            holder = ""
+            try:
+                holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip()
+            except OSError:
+                pass
             raise DiskTierBusyError(
                 f"disk tier directory {path} is in use by another process"
                 f"{f' (pid {holder})' if holder else ''}; give each process its own disk "
                 f"directory") from None
-        raise StorageConfigError(f"cannot lock {lock_path}: {exc.strerror or exc}") from exc
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as exc:
+            raise StorageConfigError(f"cannot write {lock_path}: {exc.strerror or exc}") from exc
+    except BaseException:
+        os.close(fd)
+        raise
     return fd
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import struct
 import threading
 from dataclasses import dataclass
@@ -41,6 +42,8 @@ from typing import Sequence
 
 import numpy as np
 import xxhash
+
+from ..errors import StorageConfigError
 
 __all__ = ["DiskIndex", "IndexEntry", "LiveEntries", "RecoveryReport", "INDEX_VERSION",
            "RECORD_BYTES"]
@@ -142,6 +145,7 @@ class DiskIndex:
         self._checksum = np.zeros(capacity, dtype=np.uint64)
         self._order = np.zeros(capacity, dtype=np.int64)   # record number of the entry
         self._records = 0
+        self._compact_at = _COMPACT_FACTOR * max(capacity, 256)
         self.report = RecoveryReport(0, 0)
 
     # ------------------------------------------------------------------ opening
@@ -152,7 +156,11 @@ class DiskIndex:
         written for another fingerprint or stride, or with a damaged header, is replaced by
         an empty one (``report.fresh_reason`` says why)."""
         index = cls._load(Path(path), capacity, fingerprint, stride, sync)
-        index._rewrite()
+        try:
+            index._rewrite()
+        except OSError as exc:
+            raise StorageConfigError(f"cannot write the disk tier index {path}: "
+                                     f"{exc.strerror or exc}") from exc
         return index
 
     @classmethod
@@ -162,7 +170,7 @@ class DiskIndex:
         (another process may own the journal); None if there is no usable journal."""
         try:
             index = cls._load(Path(path), capacity, fingerprint, stride, False)
-        except OSError:
+        except (OSError, StorageConfigError):
             return None
         return None if index.report.fresh_reason else index.live()
 
@@ -172,10 +180,23 @@ class DiskIndex:
         data = b""
         reason = ""
         try:
-            with open(path, "rb") as fh:
-                data = fh.read()
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         except FileNotFoundError:
             reason = "no index yet"
+        except OSError as exc:
+            raise StorageConfigError(f"cannot read the disk tier index {path}: "
+                                     f"{exc.strerror or exc}") from exc
+        else:
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise StorageConfigError(f"the disk tier index {path} is not a file")
+                with os.fdopen(fd, "rb", closefd=False) as fh:
+                    data = fh.read()
+            except OSError as exc:
+                raise StorageConfigError(f"cannot read the disk tier index {path}: "
+                                         f"{exc.strerror or exc}") from exc
+            finally:
+                os.close(fd)
         index = cls(path, -1, capacity, fingerprint, stride, sync)
         if data:
             reason = index._check_header(data[:_HEADER.size])
@@ -210,6 +231,9 @@ class DiskIndex:
                             for i in range(0, whole, RECORD_BYTES)), dtype=np.uint64,
                            count=len(records)) == records["xxh"]
         good &= (records["op"] == _PUT) | (records["op"] == _FREE)
+        # a block that names itself as its parent cannot have been written by us
+        good &= ~((records["op"] == _PUT) & ((records["flags"] & _HAS_PARENT) != 0)
+                  & (records["parent"] == records["seq"]))
         corrupt = int(len(records) - good.sum())
         records = records[good]
         slots = records["slot"].astype(np.int64)
@@ -293,8 +317,13 @@ class DiskIndex:
                 self._local[s] = local
                 self._checksum[s] = c
                 self._order[s] = first + n
-            if self._records > _COMPACT_FACTOR * max(self.capacity, 256):
-                self._rewrite_locked()
+            if self._records > self._compact_at:
+                try:
+                    self._rewrite_locked()
+                except OSError as exc:     # the blocks are journaled: compact later
+                    self._compact_at = 2 * self._records
+                    log.warning("kvstrata: compacting %s failed (%s); the journal keeps "
+                                "growing until it succeeds", self.path, exc)
 
     def _append(self, body: bytes, count: int) -> None:
         view = memoryview(body)
@@ -328,7 +357,8 @@ class DiskIndex:
                                      dtype=np.uint64, count=len(records))
         data = _header(self.fingerprint, self.stride) + records.tobytes()
         temp = self.path.with_name(self.path.name + ".tmp")
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW,
+                     0o644)
         try:
             view = memoryview(data)
             while view:
@@ -341,11 +371,13 @@ class DiskIndex:
         os.close(fd)
         os.replace(temp, self.path)
         _fsync_dir(self.path.parent)
-        old, self._fd = self._fd, os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        old, self._fd = self._fd, os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC
+                                          | os.O_NOFOLLOW)
         if old >= 0:
             os.close(old)
         self._order[slots] = np.arange(len(slots))
         self._records = len(slots)
+        self._compact_at = _COMPACT_FACTOR * max(self.capacity, 256)
 
     def close(self) -> None:
         """Close the journal file (its entries stay for the next open). Idempotent."""
