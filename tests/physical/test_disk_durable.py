@@ -161,6 +161,9 @@ def test_corrupt_slab_bytes_fail_the_first_read_and_nothing_wrong_is_served(tmp_
     assert [(f.position, f.kind) for f in err.value.failures] == \
         [(1, FailureKind.CHECKSUM_MISMATCH)]
     again.close()
+    third = _open(tmp_path)                      # forgotten: not recovered a second time
+    assert [e.slot for e in third.recovered] == [0]
+    third.close()
 
 
 def test_smaller_capacity_drops_entries_past_the_end_and_shrinks_the_slab(tmp_path):

@@ -220,7 +220,7 @@ def _disk(built: Storages, tier: str, geometry: LayoutConfig, options: StorageOp
     durable = options.durable_disk and built.temp_dir is None
     compat = compatibility_of(config, rank=options.rank, world_size=options.world_size,
                               block_layout=options.block_layout)
-    need = config.tier_blocks(tier) * geometry.block_bytes
+    need = config.tier_blocks(tier) * slab_stride(geometry)
     if durable:    # the slab we would reuse is already on the disk
         need -= _existing_bytes(directory, tier, options.rank, compat.fingerprint)
     free = free_disk_bytes(directory)

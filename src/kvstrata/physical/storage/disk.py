@@ -342,6 +342,13 @@ class DiskStorage(Storage):
         finally:
             for item in pending:
                 failures.extend(item.result() if hasattr(item, "result") else item)
+        if failures and self.index is not None:
+            # Bytes that fail their checksum are gone for good: forget them in the index too,
+            # or every restart would recover and announce them again.
+            rotten = [f.block_id for f in failures if f.kind is FailureKind.CHECKSUM_MISMATCH]
+            if rotten:
+                self.checksums.invalidate(rotten)
+                self.index.free(rotten)
         raise_for_failures(f"read from {self.path.name}", failures, len(block_ids))
 
     # ------------------------------------------------------------------ helpers
