@@ -34,12 +34,14 @@ class StoreLister:
     def __init__(self, storage: ObjectStorage | Sequence[ObjectStorage], tier: str,
                  block_size: int,
                  learn: Callable[[str, list[BlockRecord]], object],
-                 interval: float | None = 10.0) -> None:
+                 interval: float | None = 10.0, limit: int | None = None) -> None:
         self.storages = [storage] if isinstance(storage, ObjectStorage) else list(storage)
         self.tier = tier
         self.block_size = block_size
         self._learn = learn
         self.interval = interval
+        self.limit = limit
+        """At most this many keys are read per listing (the catalog holds no more)."""
         self.listings = 0
         self.failures = 0
         self._warned = float("-inf")
@@ -50,7 +52,7 @@ class StoreLister:
         """The blocks the store holds now, in every rank's namespace (raises the store's
         error if a listing fails)."""
         first, *others = self.storages
-        keys = first.list_keys()
+        keys = first.list_keys(self.limit)
         for storage in others:
             present = set(storage.list_keys())
             keys = [k for k in keys if k in present]

@@ -148,7 +148,8 @@ class KvBlockManager:
             for tier, storage in self._storages.by_tier.items():
                 if isinstance(storage, ObjectStorage):   # shared: learn what others put
                     lister = StoreLister(storage, tier, self.config.block_size,
-                                         self._learn_later, list_interval)
+                                         self._learn_later, list_interval,
+                                         limit=self.config.tier_blocks(tier))
                     self._listers.append(lister)
                     lister.refresh(self.planner.learn)        # at start: on this thread
             self.pools = self.planner.pools

@@ -259,7 +259,7 @@ class SchedulerHalf:
                         for rank in range(self._world_size)]
             lister = StoreLister(storages, tier, self.block_size,
                                  lambda t, records: self._learned.put((t, records)),
-                                 self.settings.list_interval)
+                                 self.settings.list_interval, limit=kv.tier_blocks(tier))
             lister.refresh(self.planner.learn)
             lister.start()
             listers.append(lister)

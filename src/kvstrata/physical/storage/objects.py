@@ -253,16 +253,19 @@ class ObjectStorage(Storage):
         futures = [pool.submit(self.client.head, self.namespace + k) for k in keys]
         return [f.result() for f in futures]
 
-    def list_keys(self) -> list[str]:
+    def list_keys(self, limit: int | None = None) -> list[str]:
         """Keys of the objects directly under the namespace, sorted (names under a deeper
-        prefix are not keys of this storage and are left out). Which of them name blocks
-        is the key scheme's business (:mod:`kvstrata.placement.keys`)."""
+        prefix are not keys of this storage and are left out); at most ``limit`` of them
+        (the first the store lists). Which of them name blocks is the key scheme's business
+        (:mod:`kvstrata.placement.keys`)."""
         self._check_open()
         out = []
         for name in self.client.list_keys(self.namespace.rstrip("/")):
             rest = name[len(self.namespace):] if name.startswith(self.namespace) else ""
             if rest and "/" not in rest:
                 out.append(rest)
+                if limit is not None and len(out) >= limit:
+                    break
         return sorted(out)
 
     # ------------------------------------------------------------------ helpers
