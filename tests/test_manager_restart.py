@@ -91,3 +91,21 @@ def test_a_corrupt_recovered_block_is_dropped_and_reported_never_served(tmp_path
             assert_g1_bytes(mgr, loaded, data)
         assert mgr.locate(hashes_of(records)).result(HANG_GUARD) == ["G1", "G1"]
     assert np.any(raw)
+
+
+def test_recovered_blocks_are_in_the_publishers_snapshot_for_late_subscribers(tmp_path):
+    from kvstrata.events import make_publisher
+    from kvstrata.events.indexer import PrefixIndex
+
+    records = chain(6, start=900)
+    _store(tmp_path, records)
+    publisher = make_publisher("none", worker_id=7)
+    try:
+        with KvBlockManager(make_config(g1=8, g2=4, g3=32), disk_dir=str(tmp_path),
+                            observers=[publisher]):
+            publisher.flush()
+            snapshot = publisher.snapshot()          # what a subscriber joining now gets
+        index = PrefixIndex().apply_events(7, snapshot.events)
+        assert index.match(hashes_of(records)) == {7: {"G3": 6}}
+    finally:
+        publisher.close()
