@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["HOST_ALIGNMENT", "MANAGED_KINDS", "StorageOptions", "Storages", "build_storages",
            "layout_config_for", "peek_recovered", "object_namespace", "object_store_of",
-           "open_object_storage"]
+           "open_object_storage", "kept_disk_bytes"]
 
 HOST_ALIGNMENT = 4096
 """Host block stride alignment: lets the disk read and write host slots in place (O_DIRECT)."""
@@ -274,6 +274,19 @@ def _existing_bytes(directory: str, tier: str, rank: int, fingerprint: str) -> i
                                             "slab"))
     except OSError:
         return 0
+
+
+def kept_disk_bytes(config: KvConfig, tier: str, *, world_size: int = 1,
+                    block_layout: str = NATIVE_BLOCK_LAYOUT) -> int:
+    """Bytes the durable slabs of ``tier`` already take for every rank of ``world_size`` in
+    the configured directory: a restart reuses them, so they count as free for it."""
+    directory = config.disk_dir or config.tiers[tier].path
+    if not directory:
+        return 0
+    return sum(_existing_bytes(directory, tier, rank,
+                               compatibility_of(config, rank=rank, world_size=world_size,
+                                                block_layout=block_layout).fingerprint)
+               for rank in range(world_size))
 
 
 def object_namespace(config: KvConfig, fingerprint: str) -> str:

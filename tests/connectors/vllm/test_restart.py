@@ -82,3 +82,29 @@ def test_without_readable_index_files_the_workers_first_reports_restore(tmp_path
     assert_idle(sim)
     for worker in sim.workers:
         worker.shutdown()
+
+
+def test_a_restart_counts_its_own_kept_slab_as_free_space(tmp_path, monkeypatch):
+    """A disk tier that fills most of its disk must start again: its slab is reused."""
+    import kvstrata.connectors.vllm.settings as settings_module
+    from kvstrata.compat import compatibility_of
+    from kvstrata.connectors.vllm.settings import (ConnectorConfigError, KvGeometry,
+                                                   settings_from)
+    from kvstrata.physical.storage.disk_home import home_name
+
+    geometry = KvGeometry(BS, 2, 2, 8, "bfloat16", 64)
+    extra = {"tiers": {"G2": {"blocks": 16}, "G3": {"blocks": 1000}},
+             "disk_dir": str(tmp_path)}
+    need = 1000 * settings_from(extra, geometry, env={}).kv.bytes_per_block
+    monkeypatch.setattr(settings_module, "free_disk_bytes", lambda d: need // 10)
+    with pytest.raises(ConnectorConfigError, match="G3 needs"):
+        settings_from(extra, geometry, env={})
+    monkeypatch.setattr(settings_module, "free_disk_bytes", lambda d: None)
+    kv = settings_from(extra, geometry, env={}).kv
+    fingerprint = compatibility_of(kv, block_layout="vllm").fingerprint
+    home = tmp_path / home_name("G3", 0, fingerprint)
+    home.mkdir()
+    with open(home / "slab", "wb") as fh:                # what the last run left
+        fh.truncate(need)
+    monkeypatch.setattr(settings_module, "free_disk_bytes", lambda d: need // 10)
+    settings_from(extra, geometry, env={})               # no error: the slab is reused

@@ -230,13 +230,13 @@ def settings_from(extra: Mapping[str, Any] | None, geometry: KvGeometry,
                      tenant=overrides.get("tenant", base.tenant)).validate()
     except ConfigError as exc:
         raise ConnectorConfigError(f"kvstrata connector: {exc}") from None
-    _check_runnable(kv, geometry.workers)
+    _check_runnable(kv, geometry.workers, block_layout)
     return ConnectorSettings(kv=kv, events=tuple(events), o_direct=o_direct,
                              worker_id=worker_id, list_interval=float(list_interval),
                              block_layout=block_layout, **flags)
 
 
-def _check_runnable(kv: KvConfig, workers: int = 1) -> None:
+def _check_runnable(kv: KvConfig, workers: int = 1, block_layout: str = "vllm") -> None:
     """Refuse, before anything is allocated, what the worker half could not build: a tier
     kind with no backend in a worker (G4), a disk tier without the host tier its blocks move
     through, a tier of no block, host tiers larger than this machine's memory, a path that
@@ -272,8 +272,11 @@ def _check_runnable(kv: KvConfig, workers: int = 1) -> None:
     for tier, kind in kinds.items():
         if kind is not TierKind.DISK or not isinstance(kv.tiers[tier].path or "", str):
             continue
+        from ...manager.storages import kept_disk_bytes
+
         directory = kv.disk_dir or kv.tiers[tier].path or tempfile.gettempdir()
-        need = workers * kv.tier_blocks(tier) * kv.bytes_per_block
+        need = workers * kv.tier_blocks(tier) * kv.bytes_per_block \
+            - kept_disk_bytes(kv, tier, world_size=workers, block_layout=block_layout)
         free = free_disk_bytes(directory)
         if free is not None and need > free:
             problems.append(f"tier {tier} needs {need / 2**30:.1f} GiB of disk "
