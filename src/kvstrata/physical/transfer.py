@@ -268,6 +268,21 @@ class TransferEngine:
                                   direction=ONBOARD)
 
     def _host_to_disk(self, plan, host, disk, failures, checksums) -> None:
+        def write(good, sources, seqs, known):
+            identities = {}
+            if plan.has_identities:   # a durable disk records them in its index
+                identities = {"parent_hashes": [plan.parent_hashes[p] for p in good],
+                              "local_hashes": [plan.local_hashes[p] for p in good]}
+            return disk.write_blocks([plan.dst_block_ids[p] for p in good], sources, seqs,
+                                     checksums=known, **identities)
+        self._from_host(plan, host, write, failures, checksums)
+
+    def _from_host(self, plan, host, write, failures, checksums) -> None:
+        """Host -> a slower tier (disk, object store): ``write(good, sources, seqs, known)``
+        stores the readable host blocks. Known checksums travel end to end: the lower tier
+        records the xxh3 the block got when it entered host memory (no second hash pass;
+        bytes corrupted there since then fail the lower tier's read). Deferred ones are
+        hashed by the lower tier while it writes, and filled in the host's table too."""
         good = _check_host_source(host, plan, failures)
         if not good:
             return
@@ -275,16 +290,7 @@ class TransferEngine:
         seqs = [plan.sequence_hashes[p] for p in good]
         known = host.checksums.checksums_of(src_ids)
         try:
-            # Known checksums travel end to end: the disk records the xxh3 the block got
-            # when it entered host memory (no second hash pass; bytes corrupted there since
-            # then fail the disk read). Deferred ones are hashed by the disk while the write runs.
-            identities = {}
-            if plan.has_identities:   # a durable disk records them in its index
-                identities = {"parent_hashes": [plan.parent_hashes[p] for p in good],
-                              "local_hashes": [plan.local_hashes[p] for p in good]}
-            sums = disk.write_blocks(
-                [plan.dst_block_ids[p] for p in good], [host.block_array(b) for b in src_ids],
-                seqs, checksums=known, **identities)
+            sums = write(good, [host.block_array(b) for b in src_ids], seqs, known)
         except BlockIOError as exc:
             _remap(exc.failures, good, failures)
             sums = exc.checksums or [None] * len(good)
@@ -343,25 +349,9 @@ class TransferEngine:
                 deliver(memory, positions, good)
 
     def _host_to_object(self, plan, host, objects, failures, checksums) -> None:
-        good = _check_host_source(host, plan, failures)
-        if not good:
-            return
-        src_ids = [plan.src_block_ids[p] for p in good]
-        seqs = [plan.sequence_hashes[p] for p in good]
-        known = host.checksums.checksums_of(src_ids)
-        try:
-            # As for G3: a known G2 checksum goes into the object header as it is; deferred
-            # ones are hashed by the object storage while it builds the objects.
-            sums = objects.put_blocks([plan.dst_keys[p] for p in good],
-                                      [host.block_array(b) for b in src_ids], seqs,
-                                      checksums=known)
-        except BlockIOError as exc:
-            _remap(exc.failures, good, failures)
-            sums = exc.checksums or [None] * len(good)
-        if None in known:
-            host.checksums.fill(src_ids, sums, seqs)
-        for p, value in zip(good, sums):
-            checksums[p] = value
+        self._from_host(plan, host, lambda good, sources, seqs, known: objects.put_blocks(
+            [plan.dst_keys[p] for p in good], sources, seqs, checksums=known),
+            failures, checksums)
 
     def _disk_to_object(self, plan, disk, objects, failures, checksums) -> None:
         """G3 -> G4 through the staging buffer: only blocks the disk verified are put, with
