@@ -42,12 +42,13 @@ def _request(url: str, body: dict | None = None, timeout: float = 60.0) -> bytes
 class Server:
     """One ``vllm serve`` subprocess (in its own process group) with kvstrata configured."""
 
-    def __init__(self, model: str, extra: dict, log_path) -> None:
+    def __init__(self, model: str, extra: dict, log_path, env: dict | None = None) -> None:
         self.port = _free_port()
         config = {"kv_connector": "KvStrataConnector",
                   "kv_connector_module_path": "kvstrata.connectors.vllm",
                   "kv_role": "kv_both", "kv_connector_extra_config": extra}
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_SERVER_DEV_MODE="1")
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_SERVER_DEV_MODE="1",
+                   **(env or {}))
         self.log_path = log_path
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(
@@ -179,6 +180,48 @@ def test_a_server_killed_with_sigkill_serves_its_disk_tier_after_restart(model, 
         assert after["usage"]["prompt_tokens_details"]["cached_tokens"] == expected
         assert after["choices"][0]["text"] == before["choices"][0]["text"]
         assert re.search(r'vllm:kvstrata_blocks_loaded_total\{[^}]*tier="G3"[^}]*\} [1-9]',
+                         _request(base + "/metrics").decode())
+    finally:
+        second.stop()
+
+
+def test_a_new_server_reads_the_shared_g4_on_its_first_request(model, tmp_path, weed):
+    """Two `vllm serve` processes, one after the other, sharing G4 in a real S3 server: the
+    second starts with nothing of its own and its first request loads the prompt the first
+    one stored, with the same text."""
+    import uuid
+
+    from kvstrata.physical.storage.s3client import S3Client
+
+    rng = random.Random(11)
+    prompt = [rng.randrange(3, 1000) for _ in range(400)]
+    expected = (len(prompt) - 1) // BLOCK * BLOCK
+    tenant = f"serve{uuid.uuid4().hex[:8]}"
+    extra = {"tiers": {"G2": {"bytes": "16MiB"},
+                       "G4": {"blocks": 4096, "url": f"{weed.endpoint_url}/{weed.bucket}"}},
+             "tenant": tenant}
+    env = {"AWS_ACCESS_KEY_ID": weed.access_key, "AWS_SECRET_ACCESS_KEY": weed.secret_key}
+    client = S3Client(weed.s3_config())
+
+    def stored() -> int:
+        return sum(1 for key in client.list_keys("kvstrata") if f"/{tenant}/" in key)
+
+    first = Server(model, extra, tmp_path / "first.log", env)
+    try:
+        before = _complete(first.wait_healthy(), prompt)
+        deadline = time.monotonic() + 60                 # stores reach G4 (write-through)
+        while stored() < expected // BLOCK and time.monotonic() < deadline:
+            time.sleep(0.3)
+        assert stored() >= expected // BLOCK
+    finally:
+        first.kill()
+    second = Server(model, extra, tmp_path / "second.log", env)
+    try:
+        base = second.wait_healthy()
+        after = _complete(base, prompt)                  # its very first request
+        assert after["usage"]["prompt_tokens_details"]["cached_tokens"] == expected
+        assert after["choices"][0]["text"] == before["choices"][0]["text"]
+        assert re.search(r'vllm:kvstrata_blocks_loaded_total\{[^}]*tier="G4"[^}]*\} [1-9]',
                          _request(base + "/metrics").decode())
     finally:
         second.stop()
