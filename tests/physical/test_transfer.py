@@ -319,3 +319,44 @@ def test_deferred_checksum_is_computed_by_the_disk_write(tmp_path):
         assert [g3.checksums.get(s)[0] for s in (10, 11)] == expected
         assert run(engine, "G3->G1", [10, 11], [12, 13], [7, 8]).all_ok
     assert_same(tiers["G1"], [2, 3], tiers["G1"], [12, 13])
+
+
+class _FlipAfterCopy(CopyEngine):
+    """A copy engine whose copies land, and then a byte of the destination flips (memory
+    corruption, or anything else writing host RAM) before any hash of it could be taken."""
+
+    name = "flip-after-copy"
+
+    def __init__(self) -> None:
+        from kvstrata.physical.copy import default_copy_engine
+
+        self.inner = default_copy_engine()
+
+    def copy(self, src, src_ids, dst, dst_ids, *, direction="offload"):
+        moved = self.inner.copy(src, src_ids, dst, dst_ids, direction=direction)
+        if dst.device.type == "cpu" and direction == "offload":
+            region = dst.regions[0].numpy()
+            region[dst_ids[0] * dst.layout.block_stride + 5] ^= 0x10
+        return moved
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+@pytest.mark.parametrize("g1_kind", G1_KINDS)
+def test_a_g2_byte_flipped_right_after_the_copy_is_never_served(tmp_path, g1_kind):
+    """Integrity across a live copy: with verified G2 reads the checksum comes from the
+    engine's own bytes, so a flip in G2 between the copy and any hash is caught on the way
+    back (G2->G1) and on the way down (G2->G3->G1), never stored under a matching checksum."""
+    tiers = make_tiers(tmp_path, g1_kind=g1_kind, verify_host=True)
+    g1 = tiers["G1"]
+    want = [block_bytes_of(g1, b) for b in (0, 1)]
+    with TransferEngine(tiers, copy_engine=_FlipAfterCopy()) as engine:
+        down = run(engine, "G1->G2", [0, 1], [0, 1], [1, 2])
+        assert down.all_ok
+        assert list(down.checksums) == [xxhash.xxh3_64_intdigest(w.numpy()) for w in want]
+        back = run(engine, "G2->G1", [0, 1], [8, 9], [1, 2])
+        assert back.ok == (False, True) and back.failures[0].kind is FailureKind.CHECKSUM_MISMATCH
+        assert torch.equal(block_bytes_of(g1, 9), want[1])
+        disk = run(engine, "G2->G3", [1], [0], [2])
+        assert disk.all_ok and disk.checksums == down.checksums[1:]

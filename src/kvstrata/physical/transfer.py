@@ -253,11 +253,16 @@ class TransferEngine:
                                   plan.dst_block_ids, direction=OFFLOAD)
             host.seal(plan.dst_block_ids, plan.sequence_hashes, defer=True)
             return
-        # The copy engine hashes each destination block right behind the copy, while its
-        # bytes are still in cache (a separate pass over a cold batch costs ~30 % of a copy).
+        # The copy engine hashes each block while its bytes are in cache. Where G2 reads are
+        # verified, the hash is taken from the engine's own bytes (G1, read in place when it
+        # is host memory) just before the copy, so a byte that changes in G2 at any moment
+        # after is caught, never stored under a matching checksum; otherwise (and from device
+        # memory, which only a device kernel could hash) right behind the copy, from G2.
+        from_source = host.verify_reads and device.memory.device.type == "cpu"
         sums = self.copy_engine.copy_hashed(device.memory, plan.src_block_ids,
                                             host.memory, plan.dst_block_ids, direction=OFFLOAD,
-                                            slice_bytes=self.hash_slice_bytes)
+                                            slice_bytes=self.hash_slice_bytes,
+                                            from_source=from_source)
         checksums[:] = host.seal(plan.dst_block_ids, plan.sequence_hashes, sums)
 
     def _host_to_device(self, plan, host, device, failures, checksums) -> None:
