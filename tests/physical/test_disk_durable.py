@@ -202,3 +202,39 @@ def test_journal_is_compacted_as_it_grows(tmp_path):
     again = _open(tmp_path, num_blocks=4)
     assert sorted(e.sequence_hash for e in again.recovered) == [597, 598, 599, 600]
     again.close()
+
+
+def test_a_read_only_filesystem_is_a_typed_error_and_writes_fail_without_losing_blocks(tmp_path):
+    """EROFS when the slab is opened: a typed error, the directory unlocked, no fd left;
+    EROFS on writes later: the batch fails, the blocks already recovered stay served."""
+    import errno
+
+    from kvstrata.physical import FileOps, StorageConfigError, StorageIOError
+
+    class ReadOnly(FileOps):
+        def __init__(self, on_open: bool) -> None:
+            self.on_open = on_open
+
+        def open(self, path, flags, mode=0o644):
+            if self.on_open:
+                raise OSError(errno.EROFS, "Read-only file system")
+            return super().open(path, flags, mode)
+
+        def pwritev(self, fd, buffers, offset):
+            raise OSError(errno.EROFS, "Read-only file system")
+
+    disk = _open(tmp_path)
+    blocks = _write(disk, [0, 1], [1, 2])
+    disk.close()
+    before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(StorageConfigError, match="Read-only"):
+        _open(tmp_path, file_ops=ReadOnly(on_open=True))
+    assert len(os.listdir("/proc/self/fd")) == before
+    again = _open(tmp_path, file_ops=ReadOnly(on_open=False), o_direct=False)
+    with pytest.raises(StorageIOError):
+        _write(again, [5], [9])
+    assert _same(blocks, _read(again, [0, 1], [1, 2]), again.config.block_bytes)
+    again.close()
+    last = _open(tmp_path)
+    assert sorted(e.slot for e in last.recovered) == [0, 1]
+    last.close()
