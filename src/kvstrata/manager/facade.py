@@ -406,7 +406,8 @@ class KvBlockManager:
     def status(self) -> dict[str, Any]:
         """Per tier: pool counts (capacity, active, inactive, reset, evictions), storage
         status (kind, bytes, stand_in, o_direct, path, ...), quarantined blocks; plus
-        ``stand_in`` (G1 is a CPU tensor), ``transfers_pending``, ``block_bytes`` and
+        ``stand_in`` (G1 is a CPU tensor), ``transfers_pending``, ``costs`` (per path the
+        learned bandwidth and overhead, :mod:`kvstrata.placement.costs`), ``block_bytes`` and
         ``disk_dir``."""
         def run() -> dict[str, Any]:
             storages = self._storages.by_tier
@@ -418,6 +419,7 @@ class KvBlockManager:
             disk = next((s for s in storages.values() if hasattr(s, "path")), None)
             return {"tiers": tiers, "stand_in": g1.stand_in,
                     "transfers_pending": self.planner.pending,
+                    "costs": self.planner.costs.snapshot(),
                     "block_bytes": g1.block_bytes,
                     "disk_dir": str(disk.path.parent) if disk is not None else None}
         return self._call(run, internal=True).result()

@@ -43,6 +43,7 @@ from ..protocol.results import BlockFailure, FailureKind, TransferResult
 from ..tiers import Addressing, ordered, spec
 from ..types import BlockRecord, is_u64
 from .cascade import Cascade, allocate_up_to
+from .costs import CostModel
 from .onboard import OnboardResult, Onboarding
 from .keys import block_key
 from .state import Job, PlacementState
@@ -131,6 +132,12 @@ class Planner:
     @property
     def stats(self) -> PlacementStats:
         return self._state.stats
+
+    @property
+    def costs(self) -> CostModel:
+        """What moving blocks costs on each path, learned from the completed plans
+        (:mod:`.costs`)."""
+        return self._state.costs
 
     def quarantined(self, tier: str) -> int:
         """Blocks of ``tier`` found bad while in use, waiting to be dropped."""

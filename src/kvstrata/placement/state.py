@@ -23,6 +23,7 @@ from ..logical.pool import BlockPool
 from ..protocol.plans import Endpoint, TransferPlan
 from ..tiers import Addressing, spec
 from ..types import BlockRecord
+from .costs import CostModel
 from .telemetry import PlacementListener, PlacementStats
 
 if TYPE_CHECKING:
@@ -82,7 +83,8 @@ class PlacementState:
         self.worker = worker
         self.key_of = key_of
         self.stats = PlacementStats()
-        self.listeners: tuple[PlacementListener, ...] = (self.stats, *listeners)
+        self.costs = CostModel()
+        self.listeners: tuple[PlacementListener, ...] = (self.stats, self.costs, *listeners)
         self.receiving: dict[str, set[int]] = {t: set() for t in self.tiers}
         """Hashes on their way into each tier (copies in flight or waiting for a slot)."""
         self.quarantine: dict[str, set[int]] = {t: set() for t in self.tiers}

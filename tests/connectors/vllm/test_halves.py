@@ -334,3 +334,14 @@ def test_a_g2_smaller_than_a_step_says_what_it_did_not_store(make, caplog):
     assert sim.scheduler.counters.blocks_not_stored.get("G2:no_slot", 0) == 5
     assert any("not stored in G2" in r.getMessage() for r in caplog.records)
     assert_idle(sim)
+
+
+def test_status_shows_learned_costs_and_the_prefill_rate(make):
+    sim = make(g2_blocks=16, g3_blocks=64)
+    for i in range(3):
+        sim.add(f"r{i}", prompt(80 + i, 6 * BS + 1))
+        sim.run()
+    costs = sim.scheduler.status()["costs"]
+    assert costs["prefill_samples"] >= 1 and costs["prefill_tokens_per_s"] > 0
+    assert costs["paths"]["G1->G2"]["samples"] >= 1
+    assert_idle(sim)

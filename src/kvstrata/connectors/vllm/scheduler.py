@@ -120,6 +120,7 @@ class SchedulerHalf:
         """Each worker's recovered durable blocks until every rank reported (then None)."""
         self._restore_from_index_files()
         self._learned: queue.SimpleQueue = queue.SimpleQueue()
+        self._last_step: tuple[float, int] | None = None
         self._listers = self._open_store_listers()
         self._requests: dict[str, _Tracked] = {}
         self._outbox: list[TransferPlan] = []
@@ -139,13 +140,14 @@ class SchedulerHalf:
 
     def status(self) -> dict[str, Any]:
         """Counts for tests and operators: requests tracked, held, loading; plans in
-        flight; per kvstrata pool, its slots by place."""
+        flight; per kvstrata pool, its slots by place; the learned costs of each path and
+        the engine's prefill rate (:mod:`kvstrata.placement.costs`)."""
         pools = {t: asdict(p.status()) for t, p in self.planner.pools.items()}
         return {"tracked": len(self._requests) + len(self._load_tiers), "held": len(self._held),
                 "loading": len(self._loading), "pending_plans": self.planner.pending,
                 "unshipped_plans": len(self._outbox), "engine_blocks_in_use":
                 len(self.planner.engine_blocks_in_use()), "pools": pools,
-                "counters": self.counters.as_dict()}
+                "counters": self.counters.as_dict(), "costs": self.planner.costs.snapshot()}
 
     # -- vLLM scheduler calls --------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any,
@@ -203,6 +205,7 @@ class SchedulerHalf:
         self._collect_finished()
 
     def build_connector_meta(self, scheduler_output: Any) -> StepOrders:
+        self._observe_step(scheduler_output)
         preempted = getattr(scheduler_output, "preempted_req_ids", None) or ()
         if preempted:
             self._flush = True
@@ -277,6 +280,16 @@ class SchedulerHalf:
         for lister in self._listers:
             lister.close(storages=True)
         self._listers = []
+
+    def _observe_step(self, scheduler_output: Any) -> None:
+        """The engine's prefill rate, as the connector sees it: the tokens the previous step
+        scheduled over the time until this one. Steps of fewer than two blocks' worth of
+        tokens (decode) say nothing about prefill and are skipped."""
+        now = time.monotonic()
+        last, self._last_step = self._last_step, (now, sum(
+            (getattr(scheduler_output, "num_scheduled_tokens", None) or {}).values()))
+        if last is not None and last[1] >= 2 * self.block_size:
+            self.planner.costs.observe_prefill(last[1], now - last[0])
 
     def _restore_from_index_files(self) -> None:
         """At start, read what every worker's durable tiers hold from their index files (on

@@ -1,0 +1,159 @@
+"""What moving a block costs, learned online from the transfers the planner actually runs.
+
+:class:`CostModel` is a :class:`~.telemetry.PlacementListener` every planner has
+(``planner.costs``). For each path (``"G3->G1"``) it keeps two estimates from the plans that
+complete on it:
+
+* **bandwidth** -- bytes per second of executor time (``nbytes / busy_seconds``);
+* **overhead** -- seconds a plan spends outside the copy itself (``latency - busy``: queueing,
+  the round trip through an engine step, a request to a store).
+
+and, from what a driver reports (:meth:`CostModel.observe_prefill`), the engine's **prefill
+rate** in tokens per second. Each estimate is an exponentially weighted moving average of
+the samples' logarithms (a geometric mean: one slow outlier moves it by a factor, not by an
+order of magnitude), each sample first clipped to within :data:`CLIP` times the current
+estimate; with fewer than :data:`WARM_SAMPLES` samples it is blended with a prior, and it
+decays back towards the prior with a half-life of :data:`STALE_HALF_LIFE` seconds without
+samples (a path that was slow an hour ago is tried again).
+
+Priors are deliberately conservative for the slow tiers: host RAM is assumed fast, a local
+disk a few GB/s minus a millisecond per plan, a remote store 100 MB/s minus 20 ms; the
+engine's prefill rate 2,000 tokens/s. :meth:`CostModel.load_seconds` and
+:meth:`CostModel.recompute_seconds` give what an onboard decision compares;
+:meth:`CostModel.snapshot` what status output and metrics show.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from ..tiers import TierKind, spec, split_path
+from .telemetry import PlacementListener
+
+__all__ = ["CostModel", "Estimate", "ALPHA", "CLIP", "WARM_SAMPLES", "STALE_HALF_LIFE"]
+
+ALPHA = 0.2
+"""Weight of a new sample in the moving average (of logarithms)."""
+CLIP = 4.0
+"""A sample further than this factor from the current estimate counts as this factor."""
+WARM_SAMPLES = 3
+"""Samples before an estimate stands on its own (before that it is blended with the prior)."""
+STALE_HALF_LIFE = 300.0
+"""Seconds without samples after which an estimate has moved halfway back to its prior."""
+
+_BANDWIDTH_PRIOR = {TierKind.DEVICE: 10e9, TierKind.HOST: 5e9, TierKind.DISK: 1.5e9,
+                    TierKind.OBJECT: 100e6, TierKind.REMOTE: 1e9}
+_OVERHEAD_PRIOR = {TierKind.DEVICE: 50e-6, TierKind.HOST: 100e-6, TierKind.DISK: 1e-3,
+                   TierKind.OBJECT: 20e-3, TierKind.REMOTE: 2e-3}
+PREFILL_PRIOR = 2_000.0
+"""Tokens per second of prefill assumed before the engine was measured."""
+
+
+@dataclass
+class Estimate:
+    """One robust, decaying estimate of a positive quantity (see the module docstring)."""
+
+    prior: float
+    log_mean: float = field(init=False)
+    samples: int = 0
+    updated_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.log_mean = math.log(self.prior)
+
+    def add(self, value: float, now: float) -> None:
+        """Fold in one sample (ignored unless finite and > 0)."""
+        if not (value > 0 and math.isfinite(value)):
+            return
+        current = self.value(now)
+        if self.samples >= WARM_SAMPLES:
+            value = min(max(value, current / CLIP), current * CLIP)
+        log_value = math.log(value)
+        if self.samples == 0:
+            self.log_mean = log_value
+        else:
+            # a warm estimate moves from where it stands now (decayed if it went stale)
+            base = math.log(current) if self.samples >= WARM_SAMPLES else self.log_mean
+            self.log_mean = base + ALPHA * (log_value - base)
+        self.samples += 1
+        self.updated_at = now
+
+    def value(self, now: float) -> float:
+        """The estimate now: blended with the prior while young, decayed towards it when
+        stale."""
+        if self.samples == 0:
+            return self.prior
+        prior_log = math.log(self.prior)
+        weight = min(1.0, self.samples / WARM_SAMPLES)
+        age = max(0.0, now - self.updated_at)
+        weight *= 0.5 ** (age / STALE_HALF_LIFE)
+        return math.exp(prior_log + weight * (self.log_mean - prior_log))
+
+
+class CostModel(PlacementListener):
+    """Per path bandwidth and overhead, and the engine's prefill rate; see the module
+    docstring. ``clock`` is ``time.monotonic`` (tests pass their own)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._bandwidth: dict[str, Estimate] = {}
+        self._overhead: dict[str, Estimate] = {}
+        self.prefill = Estimate(PREFILL_PRIOR)
+
+    # -- learning --------------------------------------------------------------------------
+    def transfer_done(self, path: str, blocks: int, nbytes: int, busy_seconds: float,
+                      latency_seconds: float, failures: Iterable[tuple[str, int]]) -> None:
+        if nbytes <= 0:          # nothing moved (a failed plan, a metadata-only replay)
+            return
+        now = self._clock()
+        if busy_seconds > 0:
+            self._estimate(self._bandwidth, path, _BANDWIDTH_PRIOR).add(
+                nbytes / busy_seconds, now)
+        if latency_seconds > 0:
+            self._estimate(self._overhead, path, _OVERHEAD_PRIOR).add(
+                max(latency_seconds - busy_seconds, 1e-6), now)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """The engine computed ``tokens`` prompt tokens in ``seconds``."""
+        if tokens > 0 and seconds > 0:
+            self.prefill.add(tokens / seconds, self._clock())
+
+    # -- what a decision compares ----------------------------------------------------------
+    def bandwidth(self, path: str) -> float:
+        """Estimated bytes per second of copying on ``path``."""
+        return self._estimate(self._bandwidth, path, _BANDWIDTH_PRIOR).value(self._clock())
+
+    def overhead(self, path: str) -> float:
+        """Estimated seconds a plan on ``path`` spends besides copying."""
+        return self._estimate(self._overhead, path, _OVERHEAD_PRIOR).value(self._clock())
+
+    def load_seconds(self, path: str, nbytes: int) -> float:
+        """Estimated seconds to bring ``nbytes`` over ``path`` in one plan."""
+        return self.overhead(path) + nbytes / self.bandwidth(path)
+
+    def recompute_seconds(self, tokens: int) -> float:
+        """Estimated seconds for the engine to compute ``tokens`` prompt tokens."""
+        return tokens / self.prefill.value(self._clock())
+
+    def snapshot(self) -> dict:
+        """Every estimate, for status output and metrics."""
+        now = self._clock()
+        paths = sorted(set(self._bandwidth) | set(self._overhead))
+        return {"paths": {p: {"bandwidth_bytes_per_s": round(self.bandwidth(p)),
+                              "overhead_seconds": round(self.overhead(p), 6),
+                              "samples": self._estimate(self._bandwidth, p,
+                                                        _BANDWIDTH_PRIOR).samples}
+                          for p in paths},
+                "prefill_tokens_per_s": round(self.prefill.value(now), 1),
+                "prefill_samples": self.prefill.samples}
+
+    @staticmethod
+    def _estimate(table: dict[str, Estimate], path: str, priors: dict) -> Estimate:
+        estimate = table.get(path)
+        if estimate is None:
+            source, _ = split_path(path)
+            estimate = table[path] = Estimate(priors[spec(source).kind])
+        return estimate
