@@ -121,6 +121,9 @@ def engine(env, model_dir, reference, tmp_path_factory):
                   # G2 holds ~1.5 prompts of these sizes: older blocks live in G3 only
                   "tiers": {"G2": {"blocks": 16}, "G3": {"blocks": 512, "path": str(g3_dir)}},
                   "events": [f"jsonl:{EVENTS['jsonl']}"],
+                  # this tiny model prefills so fast that the cost model would rightly
+                  # recompute many of these loads; these tests are about the loads
+                  "cost_aware": False,
               }}
     llm = _engine(model_dir, config, kv_events_config=KVEventsConfig(
         enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint))

@@ -85,3 +85,22 @@ def test_every_manager_learns_its_paths_and_shows_them():
         assert costs["G1->G2"]["samples"] >= 1 and costs["G2->G3"]["samples"] >= 1
         assert all(c["bandwidth_bytes_per_s"] > 0 for c in costs.values())
         assert mgr.locate(hashes_of(records)).result(30)
+
+
+def test_worth_loading_cuts_where_the_slow_tier_starts():
+    model = CostModel(Clock())
+    feed(model, "G2->G1", gbps=10.0, overhead=1e-5)
+    for _ in range(10):
+        model.observe_prefill(4096, 1.0)                      # 4,096 tokens/s
+    block = 128 << 10
+    tiers = ["G2", "G2", "G3", "G3", "G4"]
+    feed(model, "G3->G1", gbps=1.0, overhead=1e-4)
+    feed(model, "G4->G1", gbps=1.0, overhead=1e-3)
+    assert model.worth_loading(tiers, "G1", block, 16) == 5          # all fast: load all
+    feed(model, "G4->G1", gbps=0.0001, overhead=2.0, n=40)           # G4 crawls
+    assert model.worth_loading(tiers, "G1", block, 16) == 4          # stop before G4
+    feed(model, "G3->G1", gbps=0.0001, overhead=2.0, n=40)           # and the disk too
+    assert model.worth_loading(tiers, "G1", block, 16) == 2          # the G2 part only
+    feed(model, "G2->G1", gbps=0.0001, overhead=2.0, n=40)
+    assert model.worth_loading(tiers, "G1", block, 16) == 0          # recompute it all
+    assert model.worth_loading([], "G1", block, 16) == 0

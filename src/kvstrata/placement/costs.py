@@ -19,7 +19,8 @@ samples (a path that was slow an hour ago is tried again).
 Priors are deliberately conservative for the slow tiers: host RAM is assumed fast, a local
 disk a few GB/s minus a millisecond per plan, a remote store 100 MB/s minus 20 ms; the
 engine's prefill rate 2,000 tokens/s. :meth:`CostModel.load_seconds` and
-:meth:`CostModel.recompute_seconds` give what an onboard decision compares;
+:meth:`CostModel.recompute_seconds` give what an onboard decision compares, and
+:meth:`CostModel.worth_loading` makes it (how much of a held prefix to load);
 :meth:`CostModel.snapshot` what status output and metrics show.
 """
 
@@ -28,9 +29,9 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
-from ..tiers import TierKind, spec, split_path
+from ..tiers import TierKind, path_name, spec, split_path
 from .telemetry import PlacementListener
 
 __all__ = ["CostModel", "Estimate", "ALPHA", "CLIP", "WARM_SAMPLES", "STALE_HALF_LIFE"]
@@ -137,6 +138,28 @@ class CostModel(PlacementListener):
     def recompute_seconds(self, tokens: int) -> float:
         """Estimated seconds for the engine to compute ``tokens`` prompt tokens."""
         return tokens / self.prefill.value(self._clock())
+
+    def worth_loading(self, tiers: Sequence[str], top: str, block_bytes: int,
+                      block_tokens: int) -> int:
+        """How many blocks of a prefix held in ``tiers`` (the tier of each block, in order)
+        to load into ``top`` so that the time to first token is least: the cut, at a change
+        of tier or at the end, where the estimated recompute time of the loaded tokens beats
+        their estimated load time by the most (0 if loading never pays). Copies on different
+        paths run side by side, so a cut's load time is its slowest path's."""
+        best, best_saved = 0, 0.0
+        bytes_by_path: dict[str, int] = {}
+        prefill = self.prefill.value(self._clock())
+        n = len(tiers)
+        for i, tier in enumerate(tiers):
+            path = path_name(tier, top)
+            bytes_by_path[path] = bytes_by_path.get(path, 0) + block_bytes
+            if i + 1 < n and tiers[i + 1] == tier:
+                continue                    # only cut where the tier changes, or at the end
+            load = max(self.load_seconds(p, b) for p, b in bytes_by_path.items())
+            saved = (i + 1) * block_tokens / prefill - load
+            if saved > best_saved:
+                best, best_saved = i + 1, saved
+        return best
 
     def snapshot(self) -> dict:
         """Every estimate, for status output and metrics."""

@@ -96,8 +96,11 @@ class SimEngine:
         tiers = {"G2": {"blocks": g2_blocks}}
         if g3_blocks:
             tiers["G3"] = {"blocks": g3_blocks}
+        # The simulator's blocks are tiny and its steps instant: a cost model would rightly
+        # recompute rather than load them. Tests of the load path turn it off; tests of the
+        # decision turn it on and teach it costs.
         config = {"tiers": tiers, "disk_dir": str(tmp_path), "o_direct": False,
-                  **(extra or {})}
+                  "cost_aware": False, **(extra or {})}
         self.settings = settings_from(config, geometry, env={})
         self.scheduler = SchedulerHalf(self.settings, world_size=ranks)
         self.workers = [WorkerHalf(self.settings, rank=r, copy_engine=copy_engine,

@@ -13,6 +13,8 @@ import torch
 
 pytest.importorskip("vllm")
 
+from kvstrata.tokens import hash_blocks  # noqa: E402
+
 from .sim import (LAYERS, SimEngine, assert_idle, block_kv, sim_factory,  # noqa: E402
                   slow_path)
 
@@ -345,3 +347,47 @@ def test_status_shows_learned_costs_and_the_prefill_rate(make):
     assert costs["prefill_samples"] >= 1 and costs["prefill_tokens_per_s"] > 0
     assert costs["paths"]["G1->G2"]["samples"] >= 1
     assert_idle(sim)
+
+
+def _teach(costs, path: str, gbps: float, overhead: float, prefill: float) -> None:
+    for _ in range(10):
+        costs.transfer_done(path, 8, 1 << 20, (1 << 20) / (gbps * 1e9),
+                            (1 << 20) / (gbps * 1e9) + overhead, ())
+        costs.observe_prefill(4096, 4096 / prefill)
+
+
+@pytest.mark.parametrize("disk_gbps, disk_overhead", [(1e-6, 5.0), (10.0, 1e-5)],
+                         ids=["slow-disk", "fast-disk"])
+def test_cost_aware_recomputes_what_a_slow_tier_holds_and_loads_a_fast_one(make, disk_gbps,
+                                                                          disk_overhead):
+    sim = make(g2_blocks=6, g3_blocks=64, extra={"cost_aware": True})
+    first = prompt(90, 8 * BS + 1)
+    store_then_push_out_of_g2(sim, first, 1, seed=91)        # its prefix now starts in G3
+    held = sim.scheduler.planner.lookup(hash_blocks(first, BS)[1][:8])
+    assert held[0] == "G3"
+    costs = sim.scheduler.planner.costs
+    _teach(costs, "G2->G1", 10.0, 1e-5, prefill=1e6)
+    _teach(costs, "G3->G1", disk_gbps, disk_overhead, prefill=1e6)
+    slow = disk_gbps < 1
+    if slow:
+        request = sim.add("b", first + [5])
+        sim.step()
+        assert request.loaded == 0                            # recomputing is faster
+        assert sim.scheduler.counters.tokens_not_loaded == {
+            t: held.count(t) * BS for t in set(held)}
+        sim.run()
+    else:
+        run_and_check_load(sim, "b", first + [5], expect_blocks=len(held))
+        assert not sim.scheduler.counters.tokens_not_loaded
+    assert_idle(sim)
+
+
+def test_cost_aware_off_loads_everything_held(make):
+    sim = make(g2_blocks=6, g3_blocks=64, extra={"cost_aware": False})
+    first = prompt(92, 8 * BS + 1)
+    store_then_push_out_of_g2(sim, first, 1, seed=93)
+    held = sim.scheduler.planner.lookup(hash_blocks(first, BS)[1][:8])
+    assert "G3" in held
+    _teach(sim.scheduler.planner.costs, "G3->G1", 1e-6, 5.0, prefill=1e6)
+    run_and_check_load(sim, "b", first + [5], expect_blocks=len(held))
+    assert not sim.scheduler.counters.tokens_not_loaded

@@ -58,13 +58,16 @@ class ConnectorCounters:
     blocks_not_stored: dict[str, int] = field(default_factory=dict)
     """Blocks offered to a tier and not copied there, by ``"tier:reason"`` (admission refused
     them; ``no_slot``: every free slot was taken by copies in flight)."""
+    tokens_not_loaded: dict[str, int] = field(default_factory=dict)
+    """Tokens held in a tier but recomputed because loading them was estimated slower."""
 
     def as_dict(self) -> dict[str, Any]:
         return {"lookups": self.lookups, "tokens_matched": dict(self.tokens_matched),
                 "blocks_loaded": dict(self.blocks_loaded),
                 "blocks_load_failed": self.blocks_load_failed,
                 "blocks_offered": self.blocks_offered, "requests_held": self.requests_held,
-                "blocks_not_stored": dict(self.blocks_not_stored)}
+                "blocks_not_stored": dict(self.blocks_not_stored),
+                "tokens_not_loaded": dict(self.tokens_not_loaded)}
 
 
 class _Tracked:
@@ -164,6 +167,17 @@ class SchedulerHalf:
             return 0, False
         tracked.hash_upto(limit, bs)
         tiers = self.planner.lookup(tracked.seq[start:limit])
+        if tiers and self.settings.cost_aware:
+            worth = self.planner.costs.worth_loading(tiers, TOP_TIER,
+                                                     self.settings.kv.bytes_per_block, bs)
+            if worth < len(tiers):
+                skipped = self.counters.tokens_not_loaded
+                for tier in tiers[worth:]:
+                    skipped[tier] = skipped.get(tier, 0) + bs
+                log.debug("kvstrata: request %s loads %d of %d held blocks (%s); recomputing "
+                          "the rest is estimated faster", request.request_id, worth,
+                          len(tiers), ",".join(tiers))
+                tiers = tiers[:worth]
         tracked.load = (start, tiers) if tiers else None
         return len(tiers) * bs, bool(tiers)
 

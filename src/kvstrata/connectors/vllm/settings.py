@@ -17,6 +17,8 @@ key                    meaning                                     default
 ``list_interval``      seconds between listings of a shared G4     10
                        (``{"G4": {"blocks": N, "url": URL}}``)
 ``tenant``             the tenant of a shared G4's blocks          ``""`` (shared)
+``cost_aware``         load a held prefix only while loading it    ``true``
+                       beats recomputing it (learned costs)
 ``eviction``           ``default``, ``lru``, ``lfu``, ``adaptive``  ``lru``
 ``admission``          ``always``, ``second-offer``, ``adaptive``   ``always``
 ``events``             kvstrata sink specs (list or one string)    none
@@ -55,7 +57,7 @@ DEFAULT_TIERS: dict[str, TierConfig] = {first_of_kind(TierKind.HOST): TierConfig
 
 _KNOWN = {"tiers", "disk_dir", "eviction", "admission", "events", "verify_host_reads",
           "o_direct", "load", "store", "worker_id", "config", "fail_on_load_error",
-          "list_interval", "tenant"}
+          "list_interval", "tenant", "cost_aware"}
 
 
 class ConnectorConfigError(ValueError):
@@ -125,6 +127,9 @@ class ConnectorSettings:
     load: bool = True
     store: bool = True
     fail_on_load_error: bool = False
+    cost_aware: bool = True
+    """Load only the part of a held prefix whose estimated load time beats recomputing it
+    (:meth:`kvstrata.placement.costs.CostModel.worth_loading`); False loads all of it."""
     worker_id: int = 0
     list_interval: float = 10.0
     block_layout: str = "vllm"
@@ -167,7 +172,7 @@ def settings_from(extra: Mapping[str, Any] | None, geometry: KvGeometry,
     tiers = _tiers(extra.get("tiers"), problems) if "tiers" in extra else None
     flags = {}
     for key, default in (("verify_host_reads", True), ("load", True), ("store", True),
-                         ("fail_on_load_error", False)):
+                         ("fail_on_load_error", False), ("cost_aware", True)):
         value = extra.get(key, default)
         if not isinstance(value, bool):
             problems.append(f"{key} must be true or false, got {value!r}")

@@ -10,7 +10,9 @@ vLLM aggregates, logs ("KV Transfer metrics") and passes to :class:`KvStrataProm
 * ``vllm:kvstrata_blocks_offered`` -- full blocks offered to G2 (stored unless already held);
 * ``vllm:kvstrata_requests_held`` -- finished requests whose blocks a store still read;
 * ``vllm:kvstrata_blocks_not_stored{tier, reason}`` -- blocks a tier did not take: its
-  admission filter refused them, or (``no_slot``) every free slot was in flight.
+  admission filter refused them, or (``no_slot``) every free slot was in flight;
+* ``vllm:kvstrata_tokens_not_loaded{tier}`` -- prompt tokens held in a tier but recomputed
+  because the cost model estimated loading them slower.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (KVConnectorPro
 
 __all__ = ["KvStrataStats", "KvStrataPromMetrics", "delta"]
 
-_BY_TIER = ("tokens_matched", "blocks_loaded", "blocks_not_stored")
+_BY_TIER = ("tokens_matched", "blocks_loaded", "blocks_not_stored", "tokens_not_loaded")
 _PLAIN = ("blocks_load_failed", "blocks_offered", "requests_held")
 
 
@@ -89,7 +91,9 @@ class KvStrataPromMetrics(KVConnectorPromMetrics):
             key: counter(name=f"vllm:kvstrata_{key}", documentation=doc,
                          labelnames=labelnames + ["tier"])
             for key, doc in (("tokens_matched", "Prompt tokens kvstrata offered to load, by tier"),
-                             ("blocks_loaded", "Blocks kvstrata loaded into the KV cache, by tier"))}
+                             ("blocks_loaded", "Blocks kvstrata loaded into the KV cache, by tier"),
+                             ("tokens_not_loaded", "Prompt tokens kvstrata held but left to "
+                              "recompute (estimated faster), by tier"))}
         self._not_stored = counter(name="vllm:kvstrata_blocks_not_stored",
                                    documentation="Blocks a kvstrata tier did not take, by reason",
                                    labelnames=labelnames + ["tier", "reason"])
