@@ -188,3 +188,22 @@ def test_free_space_is_measured_where_the_slab_goes(tmp_path, monkeypatch):
     with pytest.raises(DataReplayError, match="disk"):
         run_data_replay([request(1)], config(64, 64, 4096), disk_dir=str(tmp_path))
     assert measured == [str(tmp_path)]
+
+
+def test_report_says_what_the_cost_model_would_load_and_save():
+    cfg = config(64, 64, 1024)
+    requests = [request(1, 2), request(3, 4), request(1, 2, 5), request(3, 4), request(3, 4)]
+    slow_engine = run_data_replay(requests, cfg, prefill_tokens_per_s=10.0)
+    model = slow_engine["cost_model"]
+    held = slow_engine["blocks_hit"]
+    assert held > 0 and sum(model["would_load"].values()) == held
+    assert set(model["would_load"]) - {"G1"}                 # loads from below G1 too
+    assert not model["would_recompute"] and model["estimated_seconds_saved"] > 0
+    assert model["prefill_tokens_per_s"] == 10.0
+    assert model["paths"]["G1->G2"]["samples"] >= 1
+    instant_engine = run_data_replay(requests, cfg, prefill_tokens_per_s=1e12)
+    model = instant_engine["cost_model"]
+    assert not any(t != "G1" for t in model["would_load"])     # only what is already in G1
+    assert sum(model["would_recompute"].values()) + sum(model["would_load"].values()) == held
+    with pytest.raises(ValueError):
+        run_data_replay(requests, cfg, prefill_tokens_per_s=0)

@@ -87,6 +87,8 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         args.granularity = "engine" if args.data else "trace"
     if args.workers < 1:
         raise CliInputError(f"--workers must be at least 1, got {args.workers}")
+    if args.prefill_rate is not None and not (args.prefill_rate > 0 and args.data):
+        raise CliInputError("--prefill-rate takes tokens per second > 0, with --data")
     if args.workers > 1 and args.events:
         raise CliInputError("--events publishes one worker's events; not with --workers")
     if args.workers > 1 and args.data and args.plot:
@@ -234,8 +236,8 @@ def _run_data(args: argparse.Namespace, config, requests, trace: str, progress) 
 
     try:
         doc = run_data_replay(
-            requests, config, granularity=args.granularity, disk_dir=args.disk_dir, progress=progress
-        )
+            requests, config, granularity=args.granularity, disk_dir=args.disk_dir,
+            progress=progress, prefill_tokens_per_s=args.prefill_rate)
     except DataReplayError as exc:
         print(f"kvstrata replay --data: {exc}", file=sys.stderr)
         return 2
@@ -290,6 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
                           f"and report bandwidth per path (first {DATA_DEFAULT_LIMIT} requests "
                           "unless --limit)")
     p_replay.add_argument("--disk-dir", help="--data: directory for the G3 slab (default: a temp dir)")
+    p_replay.add_argument("--prefill-rate", type=float, metavar="TOKENS_PER_S",
+                          help="--data: the engine's prefill rate the cost model compares "
+                          "loads against (default: its prior, 2000)")
     p_replay.add_argument("--workers", type=int, default=1, metavar="N",
                           help="N workers sharing one G4 (each with its own G1-G3); reports "
                           "per-worker and shared-tier hit rates beside N isolated workers")

@@ -82,6 +82,7 @@ def run_data_replay(
     durable_disk: bool = False,
     object_store=None,
     list_interval: float | None = None,
+    prefill_tokens_per_s: float | None = None,
 ) -> dict:
     """Replay ``requests`` moving real bytes; returns a JSON-able report.
 
@@ -144,6 +145,8 @@ def run_data_replay(
         with KvBlockManager(config, disk_dir=disk_dir, max_host_bytes=max_host_bytes,
                             durable_disk=durable_disk and temp_dir is None,
                             object_store=object_store, list_interval=list_interval) as mgr:
+            if prefill_tokens_per_s is not None:
+                mgr.assume_prefill(prefill_tokens_per_s).result()
             run = DataRun(mgr, config, hasher, verify, flush_each_request)
             started = time.perf_counter()
             for request in requests:
@@ -202,6 +205,9 @@ class DataRun:
         self.g1_capacity = mgr.pools[self.top].capacity
         self.requests = self.blocks = self.tokens = self.blocks_hit = self.tokens_hit = 0
         self.computed = self.verified = self.mismatches = self.load_failures = 0
+        self.would_load: dict[str, int] = {}
+        self.would_recompute: dict[str, int] = {}
+        self.seconds_saved = 0.0
 
     def request(self, request: TraceRequest) -> tuple[str, ...]:
         """Serve one trace request; returns the tier that served each block of its prefix."""
@@ -213,6 +219,7 @@ class DataRun:
         result = self.mgr.onboard(hashes).result()
         try:
             count_hits(self, result.sources, token_counts)
+            self._judge(result.sources)
             self.load_failures += len(result.failures)
             self._verify(result)
         finally:
@@ -228,6 +235,16 @@ class DataRun:
             self.mgr.wait_idle()
         self.requests += 1
         return result.sources
+
+    def _judge(self, sources) -> None:
+        """What the cost model would have loaded of this prefix, and the time it saves."""
+        if not sources:
+            return
+        k, saved = self.mgr.worth_loading(sources).result()
+        for i, tier in enumerate(sources):
+            table = self.would_load if i < k else self.would_recompute
+            table[tier] = table.get(tier, 0) + 1
+        self.seconds_saved += saved
 
     def _verify(self, result) -> None:
         if self.verify == "none" or not len(result):
@@ -282,6 +299,9 @@ class DataRun:
             "load_failures": self.load_failures,
             "checksum_failures": int(checksum_failures),
             "wall_seconds": round(wall, 4),
+            "cost_model": {**status["costs"], "would_load": dict(self.would_load),
+                           "would_recompute": dict(self.would_recompute),
+                           "estimated_seconds_saved": round(self.seconds_saved, 4)},
             "stand_in": status["stand_in"],
             "o_direct": any(d.get("o_direct") for d in disks),
             "storage_bytes": {t: s["storage"]["bytes"] for t, s in status["tiers"].items()},

@@ -61,6 +61,14 @@ def format_data_table(doc: dict) -> str:
         f"moved {doc['bytes_moved']:,} bytes; verified {doc['verified_blocks']:,} blocks, "
         f"{doc['mismatches']} wrong, {doc['checksum_failures']} checksum failures"
     )
+    cost = doc.get("cost_model")
+    if cost:
+        load = ", ".join(f"{t} {n:,}" for t, n in sorted(cost["would_load"].items())) or "none"
+        skip = ", ".join(f"{t} {n:,}" for t, n in sorted(cost["would_recompute"].items())) \
+            or "none"
+        lines.append(f"cost model   at {cost['prefill_tokens_per_s']:,.0f} prefill tokens/s: "
+                     f"load {load}; recompute though held {skip}; estimated "
+                     f"{cost['estimated_seconds_saved']:,.2f} s saved against recomputing")
     return "\n".join(lines)
 
 

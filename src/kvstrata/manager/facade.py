@@ -424,6 +424,24 @@ class KvBlockManager:
                     "disk_dir": str(disk.path.parent) if disk is not None else None}
         return self._call(run, internal=True).result()
 
+    def worth_loading(self, sources: Sequence[str]) -> "Future[tuple[int, float]]":
+        """For a prefix held in ``sources`` (the tier of each block), how many blocks the cost
+        model would load and the seconds it estimates that saves against recomputing them
+        (:meth:`~kvstrata.placement.costs.CostModel.worth_loading`); on the owner thread."""
+        sources = list(sources)
+
+        def run() -> tuple[int, float]:
+            costs, top = self.planner.costs, self._top
+            bb, bs = self.config.bytes_per_block, self.config.block_size
+            k = costs.worth_loading(sources, top, bb, bs)
+            return k, costs.saving(sources, top, bb, bs, k)
+        return self._call(run, internal=True)
+
+    def assume_prefill(self, tokens_per_s: float) -> "Future[None]":
+        """Take ``tokens_per_s`` as the engine's prefill rate in the cost model."""
+        return self._call(lambda: self.planner.costs.assume_prefill(tokens_per_s),
+                          internal=True)
+
     def transfer_stats(self) -> dict[str, dict[str, float]]:
         """Per path: plans, blocks, bytes, failed blocks, busy seconds, latency seconds,
         GB/s."""

@@ -139,6 +139,26 @@ class CostModel(PlacementListener):
         """Estimated seconds for the engine to compute ``tokens`` prompt tokens."""
         return tokens / self.prefill.value(self._clock())
 
+    def assume_prefill(self, tokens_per_s: float) -> None:
+        """Take ``tokens_per_s`` as the engine's prefill rate (no engine to measure: a replay
+        sizing tiers for one); measurements made afterwards move it as usual."""
+        if not tokens_per_s > 0:
+            raise ValueError(f"a prefill rate is tokens per second > 0, got {tokens_per_s!r}")
+        self.prefill = Estimate(float(tokens_per_s))
+
+    def saving(self, tiers: Sequence[str], top: str, block_bytes: int, block_tokens: int,
+               count: int) -> float:
+        """Estimated seconds saved by loading the first ``count`` blocks of ``tiers`` instead
+        of recomputing them (negative: loading is slower)."""
+        if count <= 0:
+            return 0.0
+        bytes_by_path: dict[str, int] = {}
+        for tier in tiers[:count]:
+            path = path_name(tier, top)
+            bytes_by_path[path] = bytes_by_path.get(path, 0) + block_bytes
+        load = max(self.load_seconds(p, b) for p, b in bytes_by_path.items())
+        return count * block_tokens / self.prefill.value(self._clock()) - load
+
     def worth_loading(self, tiers: Sequence[str], top: str, block_bytes: int,
                       block_tokens: int) -> int:
         """How many blocks of a prefix held in ``tiers`` (the tier of each block, in order)
