@@ -173,12 +173,17 @@ def _replay_with(args: argparse.Namespace, config, publisher) -> int:
     if args.plot:
         write_plot(result, args.plot)
         doc["plot"] = args.plot
+    return _print_report(args, doc, format_table)
+
+
+def _print_report(args: argparse.Namespace, doc: dict, table) -> int:
+    """The replay report as JSON (``--json``) or as ``table(doc)``, and where the plot went."""
     if args.json:
         print(json.dumps(doc, indent=2))
     else:
-        print(format_table(doc))
-        if args.plot:
-            print(f"plot written to {args.plot}")
+        print(table(doc))
+        if doc.get("plot"):
+            print(f"plot written to {doc['plot']}")
     return 0
 
 
@@ -221,13 +226,7 @@ def _run_fleet(args: argparse.Namespace, config, requests, trace: str, bar) -> i
     if args.plot and runs:
         write_fleet_plot(runs[True], runs[False], args.plot)
         doc["plot"] = args.plot
-    if args.json:
-        print(json.dumps(doc, indent=2))
-    else:
-        print(format_fleet_table(doc))
-        if args.plot:
-            print(f"plot written to {args.plot}")
-    return 0
+    return _print_report(args, doc, format_fleet_table)
 
 
 def _run_data(args: argparse.Namespace, config, requests, trace: str, progress) -> int:

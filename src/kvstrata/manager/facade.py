@@ -31,6 +31,7 @@ from ..logical.registry import BlockRegistry, RegistryObserver
 from ..metrics import ManagerMetrics
 from ..physical import FileOps, Storage, TransferEngine
 from ..placement import EngineExecutor, OnboardResult, Planner
+from ..placement.planner import first_bad_record
 from ..protocol.results import TransferResult
 from ..types import BlockRecord, is_u64
 from .errors import InvalidBlockError, ManagerClosedError, ManagerConfigError, ManagerError
@@ -210,13 +211,10 @@ class KvBlockManager:
                                                     ObjectStorage):
             raise InvalidBlockError(f"learn: {tier!r} is not a shared object tier of this "
                                     f"manager")
-        for i, record in enumerate(records):
-            if not isinstance(record, BlockRecord) \
-                    or record.block_size != self.config.block_size \
-                    or not (is_u64(record.sequence_hash) and is_u64(record.local_hash)
-                            and (record.parent_hash is None or is_u64(record.parent_hash))):
-                raise InvalidBlockError(f"learn: records[{i}] = {record!r:.120} is not a block "
-                                        f"of {self.config.block_size} tokens with u64 hashes")
+        bad = first_bad_record(records, self.config.block_size)
+        if bad is not None:
+            raise InvalidBlockError(f"learn: records[{bad}] = {records[bad]!r:.120} is not a "
+                                    f"block of {self.config.block_size} tokens with u64 hashes")
         return self._call(lambda: self.planner.learn(tier, records))
 
     def _learn_later(self, tier: str, records) -> None:

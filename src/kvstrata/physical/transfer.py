@@ -312,12 +312,8 @@ class TransferEngine:
                              plan.sequence_hashes)
         except BlockIOError as exc:
             _remap(exc.failures, range(len(plan)), failures)
-        good = [p for p in range(len(plan)) if p not in failures]
-        verified = [disk.checksums.get(plan.src_block_ids[p])[0] for p in good]
-        sums = host.seal([plan.dst_block_ids[p] for p in good],
-                         [plan.sequence_hashes[p] for p in good], verified)
-        for p, value in zip(good, sums):
-            checksums[p] = value
+        _seal_loaded(plan, host, failures, checksums,
+                     lambda p: disk.checksums.get(plan.src_block_ids[p])[0])
 
     def _disk_to_device(self, plan, disk, device, failures, checksums) -> None:
         self._through_staging(
@@ -392,11 +388,7 @@ class TransferEngine:
         except BlockIOError as exc:
             _remap(exc.failures, range(len(plan)), failures)
             verified = exc.checksums or [None] * len(plan)
-        good = [p for p in range(len(plan)) if p not in failures]
-        sums = host.seal([plan.dst_block_ids[p] for p in good],
-                         [plan.sequence_hashes[p] for p in good], [verified[p] for p in good])
-        for p, value in zip(good, sums):
-            checksums[p] = value
+        _seal_loaded(plan, host, failures, checksums, lambda p: verified[p])
 
     def _object_to_device(self, plan, objects, device, failures, checksums) -> None:
         self._through_staging(
@@ -443,6 +435,18 @@ def _check_host_source(host: HostStorage, plan: TransferPlan,
     for f in host.check_readable(plan.src_block_ids, plan.sequence_hashes):
         failures[f.position] = f
     return [p for p in range(len(plan)) if p not in failures]
+
+
+def _seal_loaded(plan: TransferPlan, host: HostStorage, failures: dict[int, BlockFailure],
+                 checksums: list, verified_checksum) -> None:
+    """Seal the host slots a load into G2 filled (every position not in ``failures``) with
+    the checksum the source verified (``verified_checksum(position)``)."""
+    good = [p for p in range(len(plan)) if p not in failures]
+    sums = host.seal([plan.dst_block_ids[p] for p in good],
+                     [plan.sequence_hashes[p] for p in good],
+                     [verified_checksum(p) for p in good])
+    for p, value in zip(good, sums):
+        checksums[p] = value
 
 
 def _remap(sub_failures, positions, failures: dict[int, BlockFailure]) -> None:

@@ -63,6 +63,17 @@ class PlacementError(ValueError):
     it does not manage."""
 
 
+def first_bad_record(records: Sequence, block_size: int) -> int | None:
+    """The position of the first item that is not a :class:`BlockRecord` of ``block_size``
+    tokens with u64 hashes (None if all are)."""
+    for i, record in enumerate(records):
+        if not isinstance(record, BlockRecord) or record.block_size != block_size \
+                or not (is_u64(record.sequence_hash) and is_u64(record.local_hash)
+                        and (record.parent_hash is None or is_u64(record.parent_hash))):
+            return i
+    return None
+
+
 def _release_handle(handle: ImmutableBlocks) -> None:
     if not handle.released:
         handle.pool.release(handle)
@@ -183,12 +194,10 @@ class Planner:
         s = self._state
         pool, receiving = s.pools[tier], s.receiving[tier]
         records = list(records)
-        for i, record in enumerate(records):
-            if not isinstance(record, BlockRecord) or record.block_size != pool.block_size \
-                    or not (is_u64(record.sequence_hash) and is_u64(record.local_hash)
-                            and (record.parent_hash is None or is_u64(record.parent_hash))):
-                raise PlacementError(f"learn: records[{i}] = {record!r:.120} is not a block "
-                                     f"of {pool.block_size} tokens with u64 hashes")
+        bad = first_bad_record(records, pool.block_size)
+        if bad is not None:
+            raise PlacementError(f"learn: records[{bad}] = {records[bad]!r:.120} is not a "
+                                 f"block of {pool.block_size} tokens with u64 hashes")
         seen: set[int] = set()
         new = []
         for record in records:
