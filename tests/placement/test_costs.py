@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from kvstrata.placement.costs import CLIP, STALE_HALF_LIFE, CostModel, Estimate
+from kvstrata.placement.costs import (ALPHA, ALPHA_WORSE, CLIP, STALE_HALF_LIFE, CostModel,
+                                      Estimate)
 
 
 class Clock:
@@ -50,7 +51,52 @@ def test_one_outlier_moves_a_warm_estimate_by_a_bounded_factor():
     before = model.bandwidth("G2->G1")
     feed(model, "G2->G1", gbps=0.001, overhead=1e-4, n=1)        # one 8000x slower plan
     after = model.bandwidth("G2->G1")
-    assert after < before and before / after <= CLIP ** 0.2 * 1.0001
+    assert after < before and before / after <= CLIP ** ALPHA_WORSE * 1.0001
+    feed(model, "G2->G1", gbps=8000.0, overhead=1e-4, n=1)       # one 1000x faster plan
+    assert model.bandwidth("G2->G1") / after <= CLIP ** ALPHA * 1.0001
+
+
+def test_bad_news_is_believed_sooner_than_good_news():
+    model = CostModel(Clock())
+    feed(model, "G3->G1", gbps=2.0, overhead=1e-3)
+    feed(model, "G3->G1", gbps=0.5, overhead=1e-3, n=3)            # 4x slower, three plans
+    slowed = model.bandwidth("G3->G1")
+    feed(model, "G3->G1", gbps=2.0, overhead=1e-3, n=3)            # back, three plans
+    recovered = model.bandwidth("G3->G1")
+    assert 2.0e9 / slowed > 2.5                                    # most of the drop taken
+    assert recovered < 1.5e9                                       # trusted back gradually
+
+
+def test_an_unmeasured_path_borrows_what_its_slow_tier_showed_elsewhere():
+    model = CostModel(Clock())
+    assert model.bandwidth("G4->G1") == pytest.approx(100e6)          # kind prior
+    feed(model, "G2->G4", gbps=0.01, overhead=0.3)                    # stores crawl
+    feed(model, "G1->G2", gbps=10.0, overhead=1e-5)                   # unrelated path
+    assert model.bandwidth("G4->G1") == pytest.approx(0.01e9, rel=0.05)
+    assert model.overhead("G4->G1") == pytest.approx(0.3, rel=0.05)
+    assert model.bandwidth("G3->G1") == pytest.approx(1.5e9)          # G3 measured nowhere
+    feed(model, "G4->G1", gbps=1.0, overhead=0.01)                    # its own samples win
+    assert model.bandwidth("G4->G1") == pytest.approx(1.0e9, rel=0.05)
+
+
+def test_a_load_waits_for_the_bytes_in_flight_on_its_path():
+    model = CostModel(Clock())
+    feed(model, "G3->G1", gbps=1.0, overhead=1e-3)
+    block = 1 << 20
+    alone = model.load_seconds("G3->G1", 100 * block, block)
+    backlog = {"G3->G1": 400}
+    model.attach_backlog(lambda path: backlog.get(path, 0))
+    assert model.load_seconds("G3->G1", 100 * block, block) == pytest.approx(
+        alone + 400 * block / 1e9, rel=0.05)
+    assert model.load_seconds("G2->G1", block, block) < 0.01          # other paths unaffected
+    assert model.snapshot()["paths"]["G3->G1"]["blocks_in_flight"] == 400
+    tiers = ["G3"] * 8
+    for _ in range(10):
+        model.observe_prefill(2048, 1.0)
+    backlog["G3->G1"] = 8
+    assert model.worth_loading(tiers, "G1", block, 32) == 8           # 16 ms vs 125 ms
+    backlog["G3->G1"] = 2048                                          # 2 GiB queued: 2 s
+    assert model.worth_loading(tiers, "G1", block, 32) == 0           # recompute (0.125 s)
 
 
 def test_a_path_that_got_slow_is_learned_and_a_stale_one_returns_to_its_prior():
@@ -104,3 +150,26 @@ def test_worth_loading_cuts_where_the_slow_tier_starts():
     feed(model, "G2->G1", gbps=0.0001, overhead=2.0, n=40)
     assert model.worth_loading(tiers, "G1", block, 16) == 0          # recompute it all
     assert model.worth_loading([], "G1", block, 16) == 0
+
+
+def test_the_planner_counts_blocks_in_flight_per_path_until_their_results_come_back():
+    from test_planner import chain, compute, failed, planner
+    from kvstrata.protocol import TransferResult
+
+    p = planner(g1=8, g2=8, g3=32)
+    compute(p, chain(6))
+    plans = p.take_plans()
+    assert plans
+    in_flight = {pl.path: 0 for pl in plans}
+    for pl in plans:
+        in_flight[pl.path] += len(pl)
+    assert {path: p.costs.blocks_in_flight(path) for path in in_flight} == in_flight
+    first, rest = plans[0], plans[1:]
+    p.complete([failed(first, [0])])                       # a failed block still ends the job
+    assert p.costs.blocks_in_flight(first.path) == in_flight[first.path] - len(first)
+    p.complete([TransferResult(pl, (True,) * len(pl), (None,) * len(pl), 0, 0.0, ())
+                for pl in rest])
+    while (more := p.take_plans()):
+        p.complete([TransferResult(pl, (True,) * len(pl), (None,) * len(pl), 0, 0.0, ())
+                    for pl in more])
+    assert all(p.costs.blocks_in_flight(path) == 0 for path in ("G1->G2", "G2->G3"))

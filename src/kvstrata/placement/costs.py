@@ -12,13 +12,22 @@ and, from what a driver reports (:meth:`CostModel.observe_prefill`), the engine'
 rate** in tokens per second. Each estimate is an exponentially weighted moving average of
 the samples' logarithms (a geometric mean: one slow outlier moves it by a factor, not by an
 order of magnitude), each sample first clipped to within :data:`CLIP` times the current
-estimate; with fewer than :data:`WARM_SAMPLES` samples it is blended with a prior, and it
-decays back towards the prior with a half-life of :data:`STALE_HALF_LIFE` seconds without
-samples (a path that was slow an hour ago is tried again).
+estimate. It is pessimistic: a sample worse than the estimate (less bandwidth, more
+overhead, a slower engine) weighs :data:`ALPHA_WORSE`, a better one :data:`ALPHA`, so a path
+that turns slow is used less within a plan or two and trusted again gradually. With fewer
+than :data:`WARM_SAMPLES` samples an estimate is blended with a prior, and it decays back
+towards the prior with a half-life of :data:`STALE_HALF_LIFE` seconds without samples (a
+path that was slow an hour ago is tried again).
 
-Priors are deliberately conservative for the slow tiers: host RAM is assumed fast, a local
-disk a few GB/s minus a millisecond per plan, a remote store 100 MB/s minus 20 ms; the
-engine's prefill rate 2,000 tokens/s. :meth:`CostModel.load_seconds` and
+A path's prior is what the other paths to or from its slower tier measured (the worst of
+them: a bucket's reads are assumed no faster than its writes until a read is measured), and
+without those a prior per tier kind, deliberately conservative for the slow tiers: host RAM
+is assumed fast, a local disk a few GB/s plus a millisecond per plan, a remote store 100 MB/s
+plus 20 ms; the engine's prefill rate 2,000 tokens/s.
+
+Copies on one path queue behind each other: a planner tells its model how many blocks are in
+flight on each path (:meth:`CostModel.attach_backlog`), and a load's estimate includes
+moving them first. :meth:`CostModel.load_seconds` and
 :meth:`CostModel.recompute_seconds` give what an onboard decision compares, and
 :meth:`CostModel.worth_loading` makes it (how much of a held prefix to load);
 :meth:`CostModel.snapshot` what status output and metrics show.
@@ -31,13 +40,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
-from ..tiers import TierKind, path_name, spec, split_path
+from ..tiers import TierKind, order_of, path_name, spec, split_path
 from .telemetry import PlacementListener
 
-__all__ = ["CostModel", "Estimate", "ALPHA", "CLIP", "WARM_SAMPLES", "STALE_HALF_LIFE"]
+__all__ = ["CostModel", "Estimate", "ALPHA", "ALPHA_WORSE", "CLIP", "WARM_SAMPLES",
+           "STALE_HALF_LIFE"]
 
 ALPHA = 0.2
-"""Weight of a new sample in the moving average (of logarithms)."""
+"""Weight of a new sample better than the estimate in the moving average (of logarithms)."""
+ALPHA_WORSE = 0.5
+"""Weight of a new sample worse than the estimate: bad news is believed sooner."""
 CLIP = 4.0
 """A sample further than this factor from the current estimate counts as this factor."""
 WARM_SAMPLES = 3
@@ -55,9 +67,13 @@ PREFILL_PRIOR = 2_000.0
 
 @dataclass
 class Estimate:
-    """One robust, decaying estimate of a positive quantity (see the module docstring)."""
+    """One robust, decaying estimate of a positive quantity (see the module docstring).
+    ``higher_is_better`` says which way a sample is bad news (bandwidth: lower; overhead:
+    higher; ``None``: neither, every sample weighs :data:`ALPHA`). Methods take the prior to
+    blend with (``None``: the one it was made with)."""
 
     prior: float
+    higher_is_better: bool | None = None
     log_mean: float = field(init=False)
     samples: int = 0
     updated_at: float = 0.0
@@ -65,11 +81,11 @@ class Estimate:
     def __post_init__(self) -> None:
         self.log_mean = math.log(self.prior)
 
-    def add(self, value: float, now: float) -> None:
+    def add(self, value: float, now: float, prior: float | None = None) -> None:
         """Fold in one sample (ignored unless finite and > 0)."""
         if not (value > 0 and math.isfinite(value)):
             return
-        current = self.value(now)
+        current = self.value(now, prior)
         if self.samples >= WARM_SAMPLES:
             value = min(max(value, current / CLIP), current * CLIP)
         log_value = math.log(value)
@@ -78,16 +94,19 @@ class Estimate:
         else:
             # a warm estimate moves from where it stands now (decayed if it went stale)
             base = math.log(current) if self.samples >= WARM_SAMPLES else self.log_mean
-            self.log_mean = base + ALPHA * (log_value - base)
+            worse = (self.higher_is_better is not None
+                     and (log_value < base) == self.higher_is_better)
+            self.log_mean = base + (ALPHA_WORSE if worse else ALPHA) * (log_value - base)
         self.samples += 1
         self.updated_at = now
 
-    def value(self, now: float) -> float:
+    def value(self, now: float, prior: float | None = None) -> float:
         """The estimate now: blended with the prior while young, decayed towards it when
         stale."""
+        prior = self.prior if prior is None else prior
         if self.samples == 0:
-            return self.prior
-        prior_log = math.log(self.prior)
+            return prior
+        prior_log = math.log(prior)
         weight = min(1.0, self.samples / WARM_SAMPLES)
         age = max(0.0, now - self.updated_at)
         weight *= 0.5 ** (age / STALE_HALF_LIFE)
@@ -103,6 +122,16 @@ class CostModel(PlacementListener):
         self._bandwidth: dict[str, Estimate] = {}
         self._overhead: dict[str, Estimate] = {}
         self.prefill = Estimate(PREFILL_PRIOR)
+        self._backlog: Callable[[str], int] = lambda path: 0
+
+    def attach_backlog(self, blocks_in_flight: Callable[[str], int]) -> None:
+        """Where to ask how many blocks are queued or moving on a path (the planner's jobs in
+        flight); a load's estimate waits for them."""
+        self._backlog = blocks_in_flight
+
+    def blocks_in_flight(self, path: str) -> int:
+        """Blocks queued or moving on ``path`` now (0 without a planner attached)."""
+        return self._backlog(path)
 
     # -- learning --------------------------------------------------------------------------
     def transfer_done(self, path: str, blocks: int, nbytes: int, busy_seconds: float,
@@ -111,11 +140,12 @@ class CostModel(PlacementListener):
             return
         now = self._clock()
         if busy_seconds > 0:
-            self._estimate(self._bandwidth, path, _BANDWIDTH_PRIOR).add(
-                nbytes / busy_seconds, now)
+            self._estimate(self._bandwidth, path, True).add(
+                nbytes / busy_seconds, now, self._prior(self._bandwidth, path, now))
         if latency_seconds > 0:
-            self._estimate(self._overhead, path, _OVERHEAD_PRIOR).add(
-                max(latency_seconds - busy_seconds, 1e-6), now)
+            self._estimate(self._overhead, path, False).add(
+                max(latency_seconds - busy_seconds, 1e-6), now,
+                self._prior(self._overhead, path, now))
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """The engine computed ``tokens`` prompt tokens in ``seconds``."""
@@ -125,15 +155,17 @@ class CostModel(PlacementListener):
     # -- what a decision compares ----------------------------------------------------------
     def bandwidth(self, path: str) -> float:
         """Estimated bytes per second of copying on ``path``."""
-        return self._estimate(self._bandwidth, path, _BANDWIDTH_PRIOR).value(self._clock())
+        return self._value(self._bandwidth, path, True)
 
     def overhead(self, path: str) -> float:
         """Estimated seconds a plan on ``path`` spends besides copying."""
-        return self._estimate(self._overhead, path, _OVERHEAD_PRIOR).value(self._clock())
+        return self._value(self._overhead, path, False)
 
-    def load_seconds(self, path: str, nbytes: int) -> float:
-        """Estimated seconds to bring ``nbytes`` over ``path`` in one plan."""
-        return self.overhead(path) + nbytes / self.bandwidth(path)
+    def load_seconds(self, path: str, nbytes: int, block_bytes: int = 0) -> float:
+        """Estimated seconds to bring ``nbytes`` over ``path`` in one plan; given the size of
+        a block, behind the blocks already in flight on it."""
+        queued = self._backlog(path) * block_bytes if block_bytes else 0
+        return self.overhead(path) + (queued + nbytes) / self.bandwidth(path)
 
     def recompute_seconds(self, tokens: int) -> float:
         """Estimated seconds for the engine to compute ``tokens`` prompt tokens."""
@@ -156,7 +188,7 @@ class CostModel(PlacementListener):
         for tier in tiers[:count]:
             path = path_name(tier, top)
             bytes_by_path[path] = bytes_by_path.get(path, 0) + block_bytes
-        load = max(self.load_seconds(p, b) for p, b in bytes_by_path.items())
+        load = max(self.load_seconds(p, b, block_bytes) for p, b in bytes_by_path.items())
         return count * block_tokens / self.prefill.value(self._clock()) - load
 
     def worth_loading(self, tiers: Sequence[str], top: str, block_bytes: int,
@@ -175,7 +207,7 @@ class CostModel(PlacementListener):
             bytes_by_path[path] = bytes_by_path.get(path, 0) + block_bytes
             if i + 1 < n and tiers[i + 1] == tier:
                 continue                    # only cut where the tier changes, or at the end
-            load = max(self.load_seconds(p, b) for p, b in bytes_by_path.items())
+            load = max(self.load_seconds(p, b, block_bytes) for p, b in bytes_by_path.items())
             saved = (i + 1) * block_tokens / prefill - load
             if saved > best_saved:
                 best, best_saved = i + 1, saved
@@ -187,16 +219,46 @@ class CostModel(PlacementListener):
         paths = sorted(set(self._bandwidth) | set(self._overhead))
         return {"paths": {p: {"bandwidth_bytes_per_s": round(self.bandwidth(p)),
                               "overhead_seconds": round(self.overhead(p), 6),
-                              "samples": self._estimate(self._bandwidth, p,
-                                                        _BANDWIDTH_PRIOR).samples}
+                              "samples": self._estimate(self._bandwidth, p, True).samples,
+                              "blocks_in_flight": self._backlog(p)}
                           for p in paths},
                 "prefill_tokens_per_s": round(self.prefill.value(now), 1),
                 "prefill_samples": self.prefill.samples}
 
+    # -- estimates and their priors --------------------------------------------------------
     @staticmethod
-    def _estimate(table: dict[str, Estimate], path: str, priors: dict) -> Estimate:
+    def _estimate(table: dict[str, Estimate], path: str, higher_is_better: bool) -> Estimate:
         estimate = table.get(path)
         if estimate is None:
-            source, _ = split_path(path)
-            estimate = table[path] = Estimate(priors[spec(source).kind])
+            split_path(path)                    # a malformed path is an error, not a new row
+            estimate = table[path] = Estimate(_kind_prior(path, higher_is_better),
+                                              higher_is_better)
         return estimate
+
+    def _value(self, table: dict[str, Estimate], path: str, higher_is_better: bool) -> float:
+        now = self._clock()
+        return self._estimate(table, path, higher_is_better).value(
+            now, self._prior(table, path, now))
+
+    def _prior(self, table: dict[str, Estimate], path: str, now: float) -> float:
+        """The worst measured estimate among the other paths to or from ``path``'s slower
+        tier, else the prior of that tier's kind."""
+        estimate = table[path] if path in table else None
+        far = _slower_tier(path)
+        related = [e.value(now) for p, e in table.items()
+                   if e.samples and p != path and _slower_tier(p) == far]
+        higher_is_better = estimate.higher_is_better if estimate else table is self._bandwidth
+        if not related:
+            return _kind_prior(path, higher_is_better)
+        return min(related) if higher_is_better else max(related)
+
+
+def _slower_tier(path: str) -> str:
+    """The tier of a path further from the engine (the one whose medium limits it)."""
+    source, target = split_path(path)
+    return max(source, target, key=order_of)
+
+
+def _kind_prior(path: str, higher_is_better: bool) -> float:
+    kind = spec(_slower_tier(path)).kind
+    return (_BANDWIDTH_PRIOR if higher_is_better else _OVERHEAD_PRIOR)[kind]

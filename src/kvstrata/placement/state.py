@@ -84,6 +84,10 @@ class PlacementState:
         self.key_of = key_of
         self.stats = PlacementStats()
         self.costs = CostModel()
+        self.blocks_in_flight: Counter[str] = Counter()
+        """Blocks of the jobs in flight (handed out or not yet), by path: what a new copy on
+        that path waits behind."""
+        self.costs.attach_backlog(lambda path: self.blocks_in_flight.get(path, 0))
         self.listeners: tuple[PlacementListener, ...] = (self.stats, self.costs, *listeners)
         self.receiving: dict[str, set[int]] = {t: set() for t in self.tiers}
         """Hashes on their way into each tier (copies in flight or waiting for a slot)."""
@@ -147,6 +151,7 @@ class PlacementState:
         engine = (*engine_src, *engine_dst)
         job = Job(plan, records, source, target, ticket, engine, tuple(engine_dst))
         self.jobs[job_id] = job
+        self.blocks_in_flight[job.path] += len(hashes)
         self.outbox.append(job)
         if engine:
             self.engine_blocks.update(engine)
@@ -172,7 +177,12 @@ class PlacementState:
 
     def close_job(self, job: Job) -> None:
         """``job``'s result was taken: it no longer counts as in flight."""
-        self.jobs.pop(job.plan.job_id, None)
+        if self.jobs.pop(job.plan.job_id, None) is not None:
+            left = self.blocks_in_flight[job.path] - len(job.plan.sequence_hashes)
+            if left > 0:
+                self.blocks_in_flight[job.path] = left
+            else:
+                del self.blocks_in_flight[job.path]
         if job.engine_blocks:
             _forget(self.engine_blocks, job.engine_blocks)
             _forget(self.engine_writing, job.engine_written)
