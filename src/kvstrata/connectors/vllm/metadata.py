@@ -39,11 +39,13 @@ class StepOrders(KVConnectorMetadata):
     step's forward wrote it, all others (loads, the cascade below G2) at once. ``loads`` maps
     request ids to their :class:`LoadOrder`. ``flush`` asks the worker to finish every copy
     reading vLLM's KV before the forward (requests were preempted: their blocks may be
-    reused this step)."""
+    reused this step). ``step``, when not 0, asks the workers to time this step's forward
+    and report it under that number (a step that prefills: the engine's prefill rate)."""
 
     plans: list[TransferPlan] = field(default_factory=list)
     loads: dict[str, LoadOrder] = field(default_factory=dict)
     flush: bool = False
+    step: int = 0
 
 
 @dataclass
@@ -56,11 +58,14 @@ class WorkerReport(KVConnectorWorkerMetadata):
         field(default_factory=dict)
     """Once per worker, in its first report: per durable tier, the blocks it recovered at
     start as (slot, sequence hash, parent hash, local hash), keyed by the worker's rank."""
+    forwards: list[tuple[int, float]] = field(default_factory=list)
+    """(step, seconds) the forward of each step the scheduler asked to time took."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "WorkerReport":
         if isinstance(other, WorkerReport):
             self.results.extend(other.results)
             self.recovered.update(other.recovered)
+            self.forwards.extend(other.forwards)
         return self
 
 

@@ -101,6 +101,10 @@ class _Tracked:
                 for i in range(start, stop)]
 
 
+_TIMED_STEPS_KEPT = 64
+"""Timed steps remembered while their forward's report is awaited."""
+
+
 class SchedulerHalf:
     """See the module docstring. ``world_size`` is the number of workers (tensor-parallel
     ranks) whose results make up one plan's result."""
@@ -123,7 +127,9 @@ class SchedulerHalf:
         """Each worker's recovered durable blocks until every rank reported (then None)."""
         self._restore_from_index_files()
         self._learned: queue.SimpleQueue = queue.SimpleQueue()
-        self._last_step: tuple[float, int] | None = None
+        self._timed_steps: dict[int, int] = {}
+        """Steps whose forward the workers time, and the tokens each scheduled."""
+        self._step = 0
         self._listers = self._open_store_listers()
         self._requests: dict[str, _Tracked] = {}
         self._outbox: list[TransferPlan] = []
@@ -219,7 +225,7 @@ class SchedulerHalf:
         self._collect_finished()
 
     def build_connector_meta(self, scheduler_output: Any) -> StepOrders:
-        self._observe_step(scheduler_output)
+        step = self._time_if_prefill(scheduler_output)
         preempted = getattr(scheduler_output, "preempted_req_ids", None) or ()
         if preempted:
             self._flush = True
@@ -227,7 +233,8 @@ class SchedulerHalf:
             self._offer_new_blocks(scheduler_output)
         self._outbox.extend(self.planner.take_plans())
         self._count_not_stored()
-        orders = StepOrders(plans=self._outbox, loads=self._loads, flush=self._flush)
+        orders = StepOrders(plans=self._outbox, loads=self._loads, flush=self._flush,
+                            step=step)
         self._outbox, self._loads, self._flush = [], {}, False
         return orders
 
@@ -240,6 +247,8 @@ class SchedulerHalf:
             self._recovered.update(report.recovered)
             if len(self._recovered) >= self._world_size:
                 self._restore_recovered()
+        if isinstance(report, WorkerReport) and report.forwards:
+            self._observe_forwards(report.forwards)
         if isinstance(report, WorkerReport) and report.results:
             combined = [c for rank, r in report.results
                         if (c := self._results.add(rank, r)) is not None]
@@ -295,15 +304,26 @@ class SchedulerHalf:
             lister.close(storages=True)
         self._listers = []
 
-    def _observe_step(self, scheduler_output: Any) -> None:
-        """The engine's prefill rate, as the connector sees it: the tokens the previous step
-        scheduled over the time until this one. Steps of fewer than two blocks' worth of
-        tokens (decode) say nothing about prefill and are skipped."""
-        now = time.monotonic()
-        last, self._last_step = self._last_step, (now, sum(
-            (getattr(scheduler_output, "num_scheduled_tokens", None) or {}).values()))
-        if last is not None and last[1] >= 2 * self.block_size:
-            self.planner.costs.observe_prefill(last[1], now - last[0])
+    def _time_if_prefill(self, scheduler_output: Any) -> int:
+        """A step number for the workers to time this step's forward under, if it computes
+        at least two blocks' worth of tokens (a prefill; decode steps say nothing about
+        prefill speed); 0 otherwise."""
+        tokens = sum((getattr(scheduler_output, "num_scheduled_tokens", None) or {}).values())
+        if tokens < 2 * self.block_size:
+            return 0
+        self._step += 1
+        self._timed_steps[self._step] = tokens
+        if len(self._timed_steps) > _TIMED_STEPS_KEPT:    # reports that never came
+            del self._timed_steps[next(iter(self._timed_steps))]
+        return self._step
+
+    def _observe_forwards(self, forwards: list[tuple[int, float]]) -> None:
+        """The engine's prefill rate: the tokens of each timed step over its forward's time
+        (the first rank's report of a step counts, the others find it gone)."""
+        for step, seconds in forwards:
+            tokens = self._timed_steps.pop(step, None)
+            if tokens is not None:
+                self.planner.costs.observe_prefill(tokens, seconds)
 
     def _restore_from_index_files(self) -> None:
         """At start, read what every worker's durable tiers hold from their index files (on

@@ -100,6 +100,8 @@ class WorkerHalf:
         self._request_failed: dict[str, set[int]] = {}
         self._finished_recving: set[str] = set()
         self._load_errors: set[int] = set()
+        self._timing: tuple[int, float] | None = None
+        self._forwards: list[tuple[int, float]] = []
 
     # -- set-up ----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
@@ -136,6 +138,7 @@ class WorkerHalf:
         now = [p for p in orders.plans if p.src_tier != TOP_TIER]
         self._stores.extend(p for p in orders.plans if p.src_tier == TOP_TIER)
         self._submit(now)
+        self._timing = (orders.step, time.perf_counter()) if orders.step else None
 
     def flush_g1_readers(self) -> None:
         """Wait until no copy reads vLLM's KV (requests were preempted: their blocks may be
@@ -143,7 +146,12 @@ class WorkerHalf:
         self._drain(until=lambda: not self._reading_g1)
 
     def save(self) -> None:
-        """After the forward: start the stores (they read what the forward wrote)."""
+        """After the forward: time it if asked, start the stores (they read what the
+        forward wrote)."""
+        if self._timing is not None:
+            step, started = self._timing
+            self._forwards.append((step, time.perf_counter() - started))
+            self._timing = None
         stores, self._stores = self._stores, []
         if stores:
             self._forward_written()
@@ -172,9 +180,10 @@ class WorkerHalf:
     def report(self) -> WorkerReport | None:
         self._drain()
         recovered = self._recovered
-        if not self._reported and recovered is None:
+        if not self._reported and recovered is None and not self._forwards:
             return None
-        report, self._reported = WorkerReport(self._reported), []
+        report, self._reported = WorkerReport(self._reported, forwards=self._forwards), []
+        self._forwards = []
         if recovered is not None:          # once, even if empty: the scheduler counts ranks
             report.recovered[self.rank] = recovered
             self._recovered = None
