@@ -52,3 +52,43 @@ def test_prometheus_counters_follow_the_stats():
     assert value("vllm:kvstrata_blocks_load_failed_total", {"engine": "0"}) == 2
     assert value("vllm:kvstrata_blocks_not_stored_total",
                  {"engine": "0", "tier": "G2", "reason": "no_slot"}) == 4
+
+
+def test_cost_estimates_become_gauges_sent_when_they_move():
+    from kvstrata.connectors.vllm.stats import estimates, moved
+    from kvstrata.placement.costs import CostModel
+
+    costs = CostModel()
+    costs.transfer_done("G3->G1", 8, 8 << 20, 0.01, 0.02, ())
+    costs.observe_prefill(4096, 2.0)
+    est = estimates(costs.snapshot())
+    assert est["bandwidth"]["G3->G1"] == pytest.approx(costs.bandwidth("G3->G1"), rel=1e-3)
+    assert moved(est, None) and not moved(est, est)
+    costs.transfer_done("G3->G1", 8, 8 << 20, 1.0, 1.5, ())       # a slow plan: it moved
+    assert moved(estimates(costs.snapshot()), est)
+
+    stats = KvStrataStats(data=delta(snapshot(), snapshot()))
+    assert stats.is_empty()
+    stats.data["estimates"] = est
+    assert not stats.is_empty()
+    later = KvStrataStats(data={"estimates": estimates(costs.snapshot())})
+    stats.aggregate(later)                                        # the later report wins
+    assert stats.data["estimates"]["bandwidth"]["G3->G1"] < est["bandwidth"]["G3->G1"]
+    assert stats.reduce()["prefill_tokens_per_s"] == est["prefill"]
+
+    registry = CollectorRegistry()
+
+    def bound(cls):
+        return lambda **kw: cls(registry=registry, **kw)
+
+    class Config:
+        kv_transfer_config = None
+
+    prom = KvStrataPromMetrics(Config(), {Counter: bound(Counter), Gauge: bound(Gauge),
+                                          Histogram: bound(Histogram)},
+                               ["engine"], {0: ["0"]})
+    prom.observe(stats.data, 0)
+    value = registry.get_sample_value
+    assert value("vllm:kvstrata_path_bandwidth_bytes_per_second",
+                 {"engine": "0", "path": "G3->G1"}) == stats.data["estimates"]["bandwidth"]["G3->G1"]
+    assert value("vllm:kvstrata_prefill_tokens_per_second", {"engine": "0"}) == est["prefill"]

@@ -29,7 +29,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from ...tiers import TierKind, spec
 from .metadata import StepOrders
 from .settings import KvGeometry, settings_from
-from .stats import KvStrataPromMetrics, KvStrataStats, delta
+from .stats import KvStrataPromMetrics, KvStrataStats, delta, estimates, moved
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -76,6 +76,7 @@ class KvStrataConnector(KVConnectorBase_V1):
                                            observers=observers)
             self._publishers = observers
             self._reported = self.scheduler.counters.as_dict()
+            self._estimates_sent: dict | None = None
         else:
             from .worker import WorkerHalf
 
@@ -177,6 +178,9 @@ class KvStrataConnector(KVConnectorBase_V1):
         now = self.scheduler.counters.as_dict()
         stats = KvStrataStats(data=delta(now, self._reported))
         self._reported = now
+        current = estimates(self.scheduler.planner.costs.snapshot())
+        if moved(current, self._estimates_sent):
+            stats.data["estimates"] = self._estimates_sent = current
         return None if stats.is_empty() else stats
 
     @classmethod

@@ -13,6 +13,13 @@ vLLM aggregates, logs ("KV Transfer metrics") and passes to :class:`KvStrataProm
   admission filter refused them, or (``no_slot``) every free slot was in flight;
 * ``vllm:kvstrata_tokens_not_loaded{tier}`` -- prompt tokens held in a tier but recomputed
   because the cost model estimated loading them slower.
+
+and, as gauges, what the cost model (:mod:`kvstrata.placement.costs`) estimates now, sent
+when an estimate moved by more than 1 % since last sent:
+
+* ``vllm:kvstrata_path_bandwidth_bytes_per_second{path}`` and
+  ``vllm:kvstrata_path_overhead_seconds{path}`` -- per path (``G3->G1``);
+* ``vllm:kvstrata_prefill_tokens_per_second`` -- the engine's prefill rate.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (KVConnectorPromMetrics,
                                                                   KVConnectorStats)
 
-__all__ = ["KvStrataStats", "KvStrataPromMetrics", "delta"]
+__all__ = ["KvStrataStats", "KvStrataPromMetrics", "delta", "estimates", "moved"]
 
 _BY_TIER = ("tokens_matched", "blocks_loaded", "blocks_not_stored", "tokens_not_loaded")
 _PLAIN = ("blocks_load_failed", "blocks_offered", "requests_held")
@@ -31,6 +38,27 @@ _PLAIN = ("blocks_load_failed", "blocks_offered", "requests_held")
 
 def _empty() -> dict[str, Any]:
     return {**{k: {} for k in _BY_TIER}, **{k: 0 for k in _PLAIN}}
+
+
+def estimates(snapshot: dict[str, Any]) -> dict[str, Any]:
+    """The gauges' values from a ``CostModel.snapshot()``."""
+    paths = snapshot.get("paths", {})
+    return {"bandwidth": {p: v["bandwidth_bytes_per_s"] for p, v in paths.items()},
+            "overhead": {p: v["overhead_seconds"] for p, v in paths.items()},
+            "prefill": snapshot.get("prefill_tokens_per_s", 0.0)}
+
+
+def moved(now: dict[str, Any], sent: dict[str, Any] | None, tolerance: float = 0.01) -> bool:
+    """Whether any estimate in ``now`` differs from ``sent`` by more than ``tolerance``."""
+    if sent is None:
+        return True
+
+    def far(a: float, b: float | None) -> bool:
+        return b is None or abs(a - b) > tolerance * max(abs(a), abs(b), 1e-12)
+
+    return far(now["prefill"], sent.get("prefill")) or any(
+        far(v, sent.get(key, {}).get(path))
+        for key in ("bandwidth", "overhead") for path, v in now[key].items())
 
 
 def delta(now: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
@@ -58,6 +86,8 @@ class KvStrataStats(KVConnectorStats):
         self.data = _empty()
 
     def aggregate(self, other: KVConnectorStats) -> "KvStrataStats":
+        if other.data.get("estimates"):            # gauges: the later report wins
+            self.data["estimates"] = other.data["estimates"]
         for key in _BY_TIER:
             mine = self.data.setdefault(key, {})
             for tier, n in other.data.get(key, {}).items():
@@ -73,11 +103,16 @@ class KvStrataStats(KVConnectorStats):
                 out[f"{key}_{tier}"] = n
         for key in _PLAIN:
             out[key] = self.data.get(key, 0)
+        est = self.data.get("estimates")
+        if est:
+            out["prefill_tokens_per_s"] = est["prefill"]
+            for path, v in sorted(est["bandwidth"].items()):
+                out[f"bandwidth_MBps_{path}"] = round(v / 1e6, 1)
         return out
 
     def is_empty(self) -> bool:
         return not any(self.data.get(k) for k in _BY_TIER) and \
-            not any(self.data.get(k) for k in _PLAIN)
+            not any(self.data.get(k) for k in _PLAIN) and not self.data.get("estimates")
 
 
 class KvStrataPromMetrics(KVConnectorPromMetrics):
@@ -102,6 +137,16 @@ class KvStrataPromMetrics(KVConnectorPromMetrics):
             for key, doc in (("blocks_load_failed", "Blocks kvstrata promised but did not load"),
                              ("blocks_offered", "Full blocks kvstrata offered to its host tier"),
                              ("requests_held", "Finished requests held while stores ran"))}
+        gauge = self._gauge_cls
+        self._bandwidth = gauge(name="vllm:kvstrata_path_bandwidth_bytes_per_second",
+                                documentation="kvstrata's estimated copy bandwidth, by path",
+                                labelnames=labelnames + ["path"], multiprocess_mode="mostrecent")
+        self._overhead = gauge(name="vllm:kvstrata_path_overhead_seconds",
+                               documentation="kvstrata's estimated per-plan overhead, by path",
+                               labelnames=labelnames + ["path"], multiprocess_mode="mostrecent")
+        self._prefill = gauge(name="vllm:kvstrata_prefill_tokens_per_second",
+                              documentation="The engine's prefill rate as kvstrata measures it",
+                              labelnames=labelnames, multiprocess_mode="mostrecent")
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = self.per_engine_labelvalues[engine_idx]
@@ -117,3 +162,10 @@ class KvStrataPromMetrics(KVConnectorPromMetrics):
             n = transfer_stats_data.get(key, 0)
             if n:
                 metric.labels(*labels).inc(n)
+        est = transfer_stats_data.get("estimates")
+        if est:
+            for path, v in est["bandwidth"].items():
+                self._bandwidth.labels(*labels, path).set(v)
+            for path, v in est["overhead"].items():
+                self._overhead.labels(*labels, path).set(v)
+            self._prefill.labels(*labels).set(est["prefill"])
