@@ -100,3 +100,47 @@ def test_blocks_deleted_after_the_listing_are_load_errors_recomputed_and_stored_
     assert len(storage.list_keys()) >= 5
     assert_idle(second)
     _shutdown(second)
+
+
+@pytest.mark.parametrize("slow", [True, False], ids=["slow-link", "direct"])
+def test_a_bucket_behind_a_slow_link_is_recomputed_a_direct_one_loaded(tmp_path, store, weed,
+                                                                        slow):
+    """The cost model learns G4's speed from the engine's own stores (no G4 read measured
+    yet): behind a link adding 0.6 s per request it recomputes what G4 holds; reached
+    directly, it loads it. The prefill rate is set so recomputing takes 0.2 s."""
+    from kvstrata.slowlink import SlowLink
+
+    url, tenant = store
+    link = SlowLink(("127.0.0.1", weed.s3_port), latency=0.6, bytes_per_s=1e6) if slow \
+        else None
+    try:
+        if link is not None:
+            url = f"{link.endpoint}/{weed.bucket}"
+        sim = SimEngine(tmp_path, ranks=1, block_size=BS, extra={
+            "tiers": {"G2": {"blocks": 12}, "G4": {"blocks": 512, "url": url}},
+            "list_interval": 3600, "tenant": tenant, "cost_aware": True})
+        tokens = prompt(63, 8 * BS + 1)
+        sim.add("a", tokens)
+        sim.run()
+        for i in range(2):                              # push its blocks out of G2
+            sim.add(f"x{i}", prompt(64 + i, 8 * BS + 1))
+            sim.run()
+        held = sim.scheduler.planner.lookup(hash_blocks(tokens, BS)[1][:8])
+        assert held == ["G4"] * 8
+        costs = sim.scheduler.planner.costs
+        assert costs.snapshot()["paths"]["G2->G4"]["samples"] >= 1
+        costs.assume_prefill(8 * BS / 0.2)
+        if slow:
+            request = sim.add("b", tokens + [5])
+            sim.step()
+            assert request.loaded == 0
+            assert sim.scheduler.counters.tokens_not_loaded == {"G4": 8 * BS}
+            sim.run()
+        else:
+            run_and_check_load(sim, "b", tokens + [5], expect_blocks=8)
+            assert sim.scheduler.counters.blocks_loaded == {"G4": 8}
+        assert_idle(sim)
+        _shutdown(sim)
+    finally:
+        if link is not None:
+            link.close()

