@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 import time
+from itertools import groupby
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
@@ -184,12 +185,7 @@ class CostModel(PlacementListener):
         of recomputing them (negative: loading is slower)."""
         if count <= 0:
             return 0.0
-        bytes_by_path: dict[str, int] = {}
-        for tier in tiers[:count]:
-            path = path_name(tier, top)
-            bytes_by_path[path] = bytes_by_path.get(path, 0) + block_bytes
-        load = max(self.load_seconds(p, b, block_bytes) for p, b in bytes_by_path.items())
-        return count * block_tokens / self.prefill.value(self._clock()) - load
+        return self._savings(tiers[:count], top, block_bytes, block_tokens)[-1][1]
 
     def worth_loading(self, tiers: Sequence[str], top: str, block_bytes: int,
                       block_tokens: int) -> int:
@@ -199,19 +195,32 @@ class CostModel(PlacementListener):
         their estimated load time by the most (0 if loading never pays). Copies on different
         paths run side by side, so a cut's load time is its slowest path's."""
         best, best_saved = 0, 0.0
-        bytes_by_path: dict[str, int] = {}
-        prefill = self.prefill.value(self._clock())
-        n = len(tiers)
-        for i, tier in enumerate(tiers):
-            path = path_name(tier, top)
-            bytes_by_path[path] = bytes_by_path.get(path, 0) + block_bytes
-            if i + 1 < n and tiers[i + 1] == tier:
-                continue                    # only cut where the tier changes, or at the end
-            load = max(self.load_seconds(p, b, block_bytes) for p, b in bytes_by_path.items())
-            saved = (i + 1) * block_tokens / prefill - load
+        for count, saved in self._savings(tiers, top, block_bytes, block_tokens):
             if saved > best_saved:
-                best, best_saved = i + 1, saved
+                best, best_saved = count, saved
         return best
+
+    def _savings(self, tiers: Sequence[str], top: str, block_bytes: int,
+                 block_tokens: int) -> list[tuple[int, float]]:
+        """(blocks loaded, seconds saved) at each cut of ``tiers``: every change of tier and
+        the end. Each path's estimates are read once (this runs per request)."""
+        per_token = 1.0 / self.prefill.value(self._clock())
+        costs: dict[str, tuple[float, float, int]] = {}     # overhead, seconds/byte, queued
+        loading: dict[str, int] = {}                         # bytes up to this cut, per path
+        savings: list[tuple[int, float]] = []
+        count = 0
+        for tier, run in groupby(tiers):
+            path = path_name(tier, top)
+            if path not in costs:
+                costs[path] = (self.overhead(path), 1.0 / self.bandwidth(path),
+                               self._backlog(path) * block_bytes)
+            blocks = sum(1 for _ in run)
+            count += blocks
+            loading[path] = loading.get(path, 0) + blocks * block_bytes
+            load = max(costs[q][0] + (costs[q][2] + nbytes) * costs[q][1]
+                       for q, nbytes in loading.items())
+            savings.append((count, count * block_tokens * per_token - load))
+        return savings
 
     def snapshot(self) -> dict:
         """Every estimate, for status output and metrics."""
