@@ -19,7 +19,7 @@ import threading
 import weakref
 from concurrent.futures import Future
 from dataclasses import asdict
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -41,6 +41,9 @@ from ..physical.storage.objects import ObjectStorage
 from ..physical.storage.s3client import S3Config
 from .catalog import StoreLister
 from .storages import StorageOptions, build_storages
+
+if TYPE_CHECKING:
+    from ..remote.exporter import BlockExporter
 
 __all__ = ["KvBlockManager"]
 
@@ -446,6 +449,39 @@ class KvBlockManager:
         return self._call(lambda: {p: s.as_dict() for p, s in
                                    sorted(self.planner.stats.paths.items())},
                           internal=True).result()
+
+    def export(self, tier: str = "G2", *, name: str | None = None, host: str = "127.0.0.1",
+               port: int = 0, fingerprint: str = "") -> "BlockExporter":
+        """Export ``tier`` (host memory) to other processes over NIXL: a
+        :class:`~kvstrata.remote.BlockExporter` whose leases pin blocks in this manager's
+        pool (on the owner thread) until released or expired. Close it before the manager."""
+        from ..remote.exporter import BlockExporter
+
+        self._check_open("export")
+        storage = self.storage(tier)
+        pool = self.pools[tier] if tier in self.pools else None
+        if pool is None or not hasattr(storage, "ensure_checksums"):
+            raise InvalidBlockError(f"tier {tier!r} is not a host-memory tier kvstrata owns")
+
+        def pin(hashes: Sequence[int]):
+            def run():
+                held = pool.match_length(hashes)
+                if not held:
+                    return [], None
+                handle = pool.acquire(hashes[:held])
+                checksums = storage.ensure_checksums(list(handle.block_ids))
+                return list(zip(hashes[:held], handle.block_ids, checksums)), handle
+            return self._call(run, internal=True).result()
+
+        def unpin(handle) -> None:
+            def run() -> None:
+                if not handle.released:
+                    handle.release()
+                self.planner.settle()        # a block freed here may be what a copy waits for
+            self._call(run, internal=True).result()
+
+        return BlockExporter(name or f"kvstrata-{tier.lower()}-{id(self):x}", tier, storage,
+                             pin, unpin, fingerprint=fingerprint, host=host, port=port)
 
     @property
     def registry(self) -> BlockRegistry:

@@ -1,0 +1,165 @@
+"""The exporting side: a worker's tier of host memory, readable by other processes over NIXL.
+
+:class:`BlockExporter` registers a memory storage (G2) with a NIXL agent, describes it as a
+:class:`~.blockset.BlockSet`, and answers a small control protocol on a ZMQ ``ROUTER`` socket
+(msgpack maps, one request, one reply):
+
+* ``{"op": "blockset"}`` -> ``{"blockset": bytes}``;
+* ``{"op": "lease", "hashes": [u64...], "ttl": s}`` -> ``{"lease": id, "ttl": s, "blocks":
+  [[hash, slot, checksum], ...]}`` (``lease`` 0 and no blocks when nothing is held);
+* ``{"op": "release", "lease": id}`` -> ``{"released": bool}``;
+* anything else -> ``{"error": "..."}``.
+
+The data never passes through this socket: readers pull bytes with NIXL reads of the slots a
+lease names, then check them against the lease's checksums. A thread serves the socket and
+expires overdue leases (:mod:`.lease`) at least every ``tick`` seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable, Sequence
+
+import msgpack
+import zmq
+
+from ..physical.storage.base import MemoryStorage
+from ..protocol.layout_codec import SharedLayout
+from ..types import is_u64
+from .blockset import BlockSet
+from .errors import LeaseError
+from .lease import LeaseTable
+from .nixl_agent import NixlAgent
+
+__all__ = ["BlockExporter", "MAX_REQUEST_BYTES", "MAX_LEASE_BLOCKS"]
+
+log = logging.getLogger(__name__)
+
+MAX_REQUEST_BYTES = 1 << 20
+"""Largest control request read; bigger ones are answered with an error."""
+MAX_LEASE_BLOCKS = 65536
+"""Most blocks one lease may ask for."""
+
+
+class BlockExporter:
+    """Export ``storage`` (a tier of memory) as block set ``name`` (see the module docstring).
+    ``pin``/``unpin`` are the pool owner's (:class:`~.lease.LeaseTable`)."""
+
+    def __init__(self, name: str, tier: str, storage: MemoryStorage,
+                 pin: Callable[[Sequence[int]], tuple[list[tuple[int, int, int]], Any]],
+                 unpin: Callable[[Any], None], *, fingerprint: str = "",
+                 host: str = "127.0.0.1", port: int = 0, max_leases: int = 1024,
+                 tick: float = 0.05) -> None:
+        self.name, self.tier = name, tier
+        self.leases = LeaseTable(pin, unpin, max_leases=max_leases)
+        layout, regions = storage.layout, storage.descriptors()
+        self._agent = NixlAgent(name)
+        self._ctx = zmq.Context.instance()
+        self._socket = self._ctx.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+        try:
+            self._agent.register([(r.address, r.size) for r in regions], regions[0].memory_kind,
+                                 regions[0].device_id or 0)
+            if port:
+                self._socket.bind(f"tcp://{host}:{port}")
+            else:
+                port = self._socket.bind_to_random_port(f"tcp://{host}")
+        except Exception:
+            self._socket.close()
+            self._agent.close()
+            raise
+        self.control = f"tcp://{host}:{port}"
+        self.blockset = BlockSet(name, tier, SharedLayout(layout, tuple(regions)),
+                                 self._agent.metadata(), self.control, fingerprint)
+        self._encoded = self.blockset.encode()
+        self._tick = tick
+        self._stop = threading.Event()
+        self.requests = 0
+        self._thread = threading.Thread(target=self._serve, name=f"kvstrata-export-{name}",
+                                        daemon=True)
+        self._thread.start()
+
+    # -- serving ---------------------------------------------------------------------------
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        while not self._stop.is_set():
+            try:
+                ready = dict(poller.poll(int(self._tick * 1000)))
+            except zmq.ZMQError:
+                break
+            try:
+                self.leases.expire()
+            except Exception:
+                log.exception("kvstrata: expiring leases failed")
+            if self._socket not in ready:
+                continue
+            try:
+                frames = self._socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.ZMQError:
+                continue
+            if len(frames) < 2:
+                continue
+            reply = self._answer(frames[-1])
+            try:
+                self._socket.send_multipart([*frames[:-1], msgpack.packb(reply)])
+            except zmq.ZMQError:
+                pass                             # the reader went away
+        self._socket.close()
+
+    def _answer(self, body: bytes) -> dict:
+        self.requests += 1
+        try:
+            request = msgpack.unpackb(body, raw=False, max_bin_len=MAX_REQUEST_BYTES)
+        except Exception:
+            return {"error": "request is not msgpack"}
+        if not isinstance(request, dict):
+            return {"error": "request must be a map"}
+        op = request.get("op")
+        try:
+            if op == "blockset":
+                return {"blockset": self._encoded}
+            if op == "lease":
+                return self._lease(request)
+            if op == "release":
+                lease_id = request.get("lease")
+                if not isinstance(lease_id, int) or isinstance(lease_id, bool):
+                    return {"error": "release needs an int lease"}
+                return {"released": self.leases.release(lease_id)}
+            return {"error": f"unknown op {op!r:.40}"}
+        except LeaseError as exc:
+            return {"error": str(exc)}
+        except Exception as exc:          # never let a request kill the exporter
+            log.exception("kvstrata: exporter %s failed a %s request", self.name, op)
+            return {"error": f"internal error: {type(exc).__name__}"}
+
+    def _lease(self, request: dict) -> dict:
+        hashes, ttl = request.get("hashes"), request.get("ttl")
+        if not isinstance(hashes, list) or not hashes or len(hashes) > MAX_LEASE_BLOCKS \
+                or not all(is_u64(h) for h in hashes):
+            return {"error": f"lease needs 1..{MAX_LEASE_BLOCKS} u64 hashes"}
+        if not isinstance(ttl, (int, float)) or isinstance(ttl, bool) or not ttl > 0:
+            return {"error": "lease needs a ttl > 0 seconds"}
+        lease = self.leases.grant(hashes, float(ttl))
+        if lease is None:
+            return {"lease": 0, "ttl": 0.0, "blocks": []}
+        return {"lease": lease.lease_id, "ttl": lease.ttl,
+                "blocks": [list(b) for b in lease.blocks]}
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop serving, unpin every lease, deregister the memory. Idempotent."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.leases.close()
+        self._agent.close()
+
+    def __enter__(self) -> "BlockExporter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

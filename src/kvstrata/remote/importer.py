@@ -1,0 +1,251 @@
+"""The importing side: read blocks out of another process's exported memory, verified.
+
+:class:`BlockSetImporter` owns this process's NIXL agent with its own storage registered (the
+tier blocks are read into). :meth:`BlockSetImporter.connect` fetches a peer's block set from
+its control address (or :meth:`BlockSetImporter.import_blockset` takes the bytes), validates
+it and checks it against the local layout and fingerprint *before* any byte moves, and
+returns a :class:`RemotePeer`.
+
+A read goes: :meth:`RemotePeer.lease` (the exporter pins the longest prefix it holds and
+names each block's slot and checksum), :meth:`RemotePeer.read` (one NIXL read of every piece,
+then each block's bytes hashed and compared with the lease's checksum; the local slots are
+invalidated before and sealed only after a block verified), :meth:`RemotePeer.release`. A
+read that fails -- the exporter died or disconnected, the lease ran out first, a checksum
+differs -- raises :class:`~.errors.RemoteReadError` and seals nothing: wrong bytes are never
+handed on.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import msgpack
+import xxhash
+import zmq
+
+from ..physical.storage.base import MemoryStorage
+from ..protocol.layout_codec import SharedLayout
+from ..types import is_u64
+from .blockset import BlockSet, byte_ranges, decode
+from .errors import BlockSetFormatError, LeaseError, RemoteReadError
+from .nixl_agent import NixlAgent
+
+__all__ = ["BlockSetImporter", "RemotePeer", "RemoteLease"]
+
+_names = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class RemoteLease:
+    """A lease as the reader holds it: ``blocks`` are ``(sequence_hash, remote_slot,
+    checksum)``; ``expires`` is this process's monotonic time by which the read must end
+    (the lease's ttl counted from before the request was sent)."""
+
+    lease_id: int
+    blocks: tuple[tuple[int, int, int], ...]
+    expires: float
+
+    @property
+    def sequence_hashes(self) -> list[int]:
+        return [b[0] for b in self.blocks]
+
+
+class BlockSetImporter:
+    """This process's side of remote reads into ``storage`` (see the module docstring).
+    ``fingerprint`` (see :mod:`kvstrata.compat`), when given, must equal the exporter's."""
+
+    def __init__(self, storage: MemoryStorage, *, name: str | None = None,
+                 fingerprint: str | None = None) -> None:
+        self.storage = storage
+        self.fingerprint = fingerprint
+        self.name = name or f"kvstrata-import-{id(self):x}-{next(_names)}"
+        self._shared = SharedLayout(storage.layout, storage.descriptors())
+        self._agent = NixlAgent(self.name)
+        regions = self._shared.regions
+        self._agent.register([(r.address, r.size) for r in regions], regions[0].memory_kind,
+                             regions[0].device_id or 0)
+        self._peers: list[RemotePeer] = []
+
+    def connect(self, control: str, timeout: float = 5.0) -> "RemotePeer":
+        """Fetch the block set served at ``control`` (``tcp://host:port``) and import it."""
+        channel = _Channel(control, timeout)
+        try:
+            reply = channel.call({"op": "blockset"})
+            data = reply.get("blockset")
+            if not isinstance(data, bytes):
+                raise BlockSetFormatError(f"{control} answered no block set: {reply!r:.80}")
+            return self._import(decode(data), channel)
+        except BaseException:
+            channel.close()
+            raise
+
+    def import_blockset(self, data: bytes) -> "RemotePeer":
+        """Import a serialized block set (its control address is used for leases)."""
+        blockset = decode(data)
+        channel = _Channel(blockset.control, 5.0)
+        try:
+            return self._import(blockset, channel)
+        except BaseException:
+            channel.close()
+            raise
+
+    def _import(self, blockset: BlockSet, channel: "_Channel") -> "RemotePeer":
+        blockset.require_compatible(self.storage.layout, self.fingerprint)
+        name = self._agent.add_remote(blockset.agent_metadata)
+        if name != blockset.name:
+            self._agent.remove_remote(name)
+            raise BlockSetFormatError(f"block set names agent {blockset.name!r} but its "
+                                      f"metadata is agent {name!r}")
+        peer = RemotePeer(self, blockset, channel)
+        self._peers.append(peer)
+        return peer
+
+    def close(self) -> None:
+        """Close every peer and the agent. Idempotent."""
+        for peer in self._peers:
+            peer.close()
+        self._peers = []
+        self._agent.close()
+
+
+class RemotePeer:
+    """One imported block set: lease, read and release its blocks."""
+
+    def __init__(self, importer: BlockSetImporter, blockset: BlockSet,
+                 channel: "_Channel") -> None:
+        self.importer = importer
+        self.blockset = blockset
+        self._channel = channel
+        self.closed = False
+
+    def lease(self, sequence_hashes: Sequence[int], ttl: float = 10.0) -> RemoteLease:
+        """Ask the exporter to pin the longest prefix of ``sequence_hashes`` it holds;
+        the lease may name fewer blocks (none: nothing held)."""
+        hashes = [int(h) for h in sequence_hashes]
+        if not hashes or not all(is_u64(h) for h in hashes):
+            raise ValueError("lease needs sequence hashes (u64)")
+        started = time.monotonic()
+        reply = self._channel.call({"op": "lease", "hashes": hashes, "ttl": float(ttl)})
+        if "error" in reply:
+            raise LeaseError(f"{self.blockset.name}: {reply['error']}")
+        lease_id, granted, blocks = reply.get("lease"), reply.get("ttl"), reply.get("blocks")
+        if not isinstance(lease_id, int) or not isinstance(blocks, list) \
+                or not isinstance(granted, (int, float)) or len(blocks) > len(hashes):
+            raise LeaseError(f"{self.blockset.name}: malformed lease reply")
+        rows = []
+        for i, row in enumerate(blocks):
+            if not (isinstance(row, list) and len(row) == 3 and all(is_u64(v) for v in row)
+                    and row[0] == hashes[i]):
+                raise LeaseError(f"{self.blockset.name}: lease row {i} is malformed or names "
+                                 f"another block")
+            rows.append((row[0], row[1], row[2]))
+        return RemoteLease(lease_id, tuple(rows), started + float(granted))
+
+    def read(self, lease: RemoteLease, local_slots: Sequence[int],
+             timeout: float = 30.0) -> list[int]:
+        """Read the first ``len(local_slots)`` blocks of ``lease`` into those slots of the
+        importer's storage, verify each against its checksum, seal them (when the storage
+        keeps checksums) and return the checksums. :class:`RemoteReadError` if anything
+        fails; then no slot is sealed and their old contents are invalid."""
+        if self.closed:
+            raise RemoteReadError("peer is closed")
+        slots = [int(s) for s in local_slots]
+        if len(slots) > len(lease.blocks):
+            raise ValueError(f"{len(slots)} slots for a lease of {len(lease.blocks)} blocks")
+        if not slots:
+            return []
+        remaining = lease.expires - time.monotonic()
+        if remaining <= 0:
+            raise LeaseError(f"lease {lease.lease_id} expired before the read")
+        storage = self.importer.storage
+        local_shared = self.importer._shared
+        blocks = lease.blocks[:len(slots)]
+        granularity = max(self.blockset.layout.contiguous_granularity,
+                          local_shared.layout.contiguous_granularity)
+        remote = self.blockset.block_ranges([b[1] for b in blocks], granularity)
+        local = byte_ranges(local_shared, slots, granularity)
+        begin = getattr(storage, "begin_write", None)
+        if begin is not None:
+            begin(slots)
+        self.importer._agent.read(self.blockset.name, local, remote,
+                                  timeout=min(timeout, remaining),
+                                  memory_kind=local_shared.regions[0].memory_kind)
+        if time.monotonic() > lease.expires:
+            raise RemoteReadError(f"lease {lease.lease_id} expired during the read: the "
+                                  f"exporter may have reused the blocks")
+        per_block = len(local) // len(slots)
+        bad = [i for i, (h, _, checksum) in enumerate(blocks)
+               if _checksum(local[i * per_block:(i + 1) * per_block]) != checksum]
+        if bad:
+            raise RemoteReadError(f"{len(bad)} block(s) read from {self.blockset.name!r} do "
+                                  f"not match their checksums (first at position {bad[0]})")
+        checksums = [b[2] for b in blocks]
+        seal = getattr(storage, "seal", None)
+        if seal is not None:
+            seal(slots, [b[0] for b in blocks], checksums)
+        return checksums
+
+    def release(self, lease: RemoteLease) -> bool:
+        """Tell the exporter the lease is done; False if it had expired or is unknown."""
+        if lease.lease_id == 0:
+            return False
+        reply = self._channel.call({"op": "release", "lease": lease.lease_id})
+        return bool(reply.get("released"))
+
+    def close(self) -> None:
+        """Forget the exporter (idempotent); outstanding leases expire on its side."""
+        if not self.closed:
+            self.closed = True
+            self._channel.close()
+            self.importer._agent.remove_remote(self.blockset.name)
+
+
+def _checksum(ranges: Sequence[tuple[int, int]]) -> int:
+    """xxh3-64 of the bytes at ``ranges`` in this process, concatenated in order."""
+    if len(ranges) == 1:
+        address, length = ranges[0]
+        return xxhash.xxh3_64_intdigest((ctypes.c_char * length).from_address(address))
+    h = xxhash.xxh3_64()
+    for address, length in ranges:
+        h.update((ctypes.c_char * length).from_address(address))
+    return h.intdigest()
+
+
+class _Channel:
+    """Request/reply to an exporter's control socket, each call bounded by ``timeout``
+    (a REQ socket that timed out is replaced: ZMQ's REQ cannot send twice in a row)."""
+
+    def __init__(self, control: str, timeout: float) -> None:
+        self.control, self.timeout = control, timeout
+        self._ctx = zmq.Context.instance()
+        self._socket = None
+
+    def call(self, request: dict) -> dict:
+        if self._socket is None:
+            self._socket = self._ctx.socket(zmq.REQ)
+            self._socket.setsockopt(zmq.LINGER, 0)
+            self._socket.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
+            self._socket.connect(self.control)
+        socket = self._socket
+        try:
+            socket.send(msgpack.packb(request))
+            if not socket.poll(int(self.timeout * 1000)):
+                raise LeaseError(f"{self.control} did not answer within {self.timeout:.1f} s")
+            reply = msgpack.unpackb(socket.recv(), raw=False)
+        except (LeaseError, zmq.ZMQError, ValueError) as exc:
+            self.close()
+            if isinstance(exc, LeaseError):
+                raise
+            raise LeaseError(f"{self.control}: {exc}") from None
+        if not isinstance(reply, dict):
+            raise LeaseError(f"{self.control} answered a {type(reply).__name__}, not a map")
+        return reply
+
+    def close(self) -> None:
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
