@@ -19,7 +19,7 @@ VENV=.venv
 PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 STAMP=$VENV/.kvstrata-setup
 VLLM_STAMP=$VENV/.kvstrata-setup-vllm
-want=$(cat requirements.txt pyproject.toml src/kvstrata/physical/_copykernel.c | sha256sum | cut -d' ' -f1)
+want=$(cat requirements.txt requirements-nixl.txt pyproject.toml src/kvstrata/physical/_copykernel.c | sha256sum | cut -d' ' -f1)
 want_vllm=$(cat requirements.txt requirements-vllm.txt | sha256sum | cut -d' ' -f1)
 
 core_ok=0
@@ -62,6 +62,7 @@ fi
 if [ "$core_ok" = 0 ]; then
   echo "setup: installing pinned requirements (torch is the local CPU wheel 2.13.0)" >&2
   "${PIP[@]}" -r requirements.txt
+  "${PIP[@]}" --no-deps -r requirements-nixl.txt
   "${PIP[@]}" --no-deps -e .
   echo "$want" > "$STAMP"
 fi

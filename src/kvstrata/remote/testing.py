@@ -134,3 +134,36 @@ def _exporter_main(conn, chains: int, chain_blocks: int, g2_blocks: int,
     finally:
         exporter.close()
         mgr.close()
+
+
+def start_lease_holder(control: str, hashes: list[int], ttl: float, timeout: float = 60.0):
+    """Spawn a reader that leases ``hashes`` from ``control`` for ``ttl`` seconds and then
+    hangs without releasing (a reader that will be killed). Returns the process once the
+    lease is granted."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    process = ctx.Process(target=_holder_main, args=(child, control, hashes, ttl), daemon=True)
+    process.start()
+    child.close()
+    if not parent.poll(timeout):
+        process.kill()
+        raise TimeoutError("lease holder did not start")
+    granted = parent.recv()
+    if isinstance(granted, str):
+        process.join(5)
+        raise RuntimeError(f"lease holder failed: {granted}")
+    return process, granted
+
+
+def _holder_main(conn, control: str, hashes: list[int], ttl: float) -> None:
+    import time
+
+    from .importer import _Channel
+
+    try:
+        reply = _Channel(control, 10.0).call({"op": "lease", "hashes": hashes, "ttl": ttl})
+    except Exception as exc:
+        conn.send(f"{type(exc).__name__}: {exc}")
+        return
+    conn.send(len(reply.get("blocks", ())))
+    time.sleep(3600)
