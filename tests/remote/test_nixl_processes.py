@@ -95,8 +95,8 @@ def test_leased_blocks_read_byte_exact_into_every_layout(exporter, make_local):
         if isinstance(local, HostStorage):                  # sealed: readable under its hash
             assert not local.check_readable(slots, chain)
         assert exporter.status()["leases"] == 1
-        assert peer.release(lease)
-        assert not peer.release(lease)                      # twice: already gone
+        assert peer.release(lease, wait=True)
+        assert not peer.release(lease, wait=True)           # twice: already gone
         assert exporter.status()["leases"] == 0 and exporter.status()["g2_active"] == 0
     finally:
         importer.close()
@@ -139,7 +139,7 @@ def test_an_unreleased_lease_pins_until_it_expires(exporter):
         assert status["expired"] == expired + 1 and status["g2_active"] == 0
         with pytest.raises(LeaseError, match="expired"):
             peer.read(lease, list(range(8)))
-        assert not peer.release(lease)
+        assert not peer.release(lease, wait=True)
         nothing = peer.lease([42, 43])                       # not held: an empty lease
         assert nothing.blocks == () and nothing.lease_id == 0
     finally:

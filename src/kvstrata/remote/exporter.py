@@ -2,7 +2,7 @@
 
 :class:`BlockExporter` registers a memory storage (G2) with a NIXL agent, describes it as a
 :class:`~.blockset.BlockSet`, and answers a small control protocol on a ZMQ ``ROUTER`` socket
-(msgpack maps, one request, one reply):
+(msgpack maps, one reply per request, echoing the request's ``id`` if it has one):
 
 * ``{"op": "blockset"}`` -> ``{"blockset": bytes}``;
 * ``{"op": "lease", "hashes": [u64...], "ttl": s}`` -> ``{"lease": id, "ttl": s, "blocks":
@@ -110,6 +110,7 @@ class BlockExporter:
         self._socket.close()
 
     def _answer(self, body: bytes) -> dict:
+        """The reply to one request, echoing its ``id``."""
         self.requests += 1
         try:
             request = msgpack.unpackb(body, raw=False, max_bin_len=MAX_REQUEST_BYTES)
@@ -117,6 +118,12 @@ class BlockExporter:
             return {"error": "request is not msgpack"}
         if not isinstance(request, dict):
             return {"error": "request must be a map"}
+        reply = self._reply(request)
+        if "id" in request:
+            reply["id"] = request["id"]
+        return reply
+
+    def _reply(self, request: dict) -> dict:
         op = request.get("op")
         try:
             if op == "blockset":

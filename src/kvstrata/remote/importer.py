@@ -20,6 +20,9 @@ from __future__ import annotations
 import ctypes
 import itertools
 import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -37,6 +40,8 @@ from .nixl_agent import NixlAgent
 __all__ = ["BlockSetImporter", "RemotePeer", "RemoteLease"]
 
 _names = itertools.count(1)
+BATCH_BYTES = 16 << 20
+"""A read is copied in batches of about this many bytes, each verified while the next moves."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,7 @@ class BlockSetImporter:
         self._agent.register([(r.address, r.size) for r in regions], regions[0].memory_kind,
                              regions[0].device_id or 0)
         self._peers: list[RemotePeer] = []
+        self._copier: ThreadPoolExecutor | None = None
 
     def connect(self, control: str, timeout: float = 5.0) -> "RemotePeer":
         """Fetch the block set served at ``control`` (``tcp://host:port``) and import it."""
@@ -104,11 +110,50 @@ class BlockSetImporter:
         self._peers.append(peer)
         return peer
 
+    def _copied(self, peer: str, local: list, remote: list, per_block: int, timeout: float,
+                memory_kind: str):
+        """Copy ``remote`` into ``local`` (``per_block`` ranges a block) in batches of about
+        :data:`BATCH_BYTES`, yielding ``(first, stop)`` block indices of each batch once it
+        arrived. With more than one batch the copies run on a thread (NIXL releases the GIL
+        while it copies), so the caller verifies a batch while the next one moves. Raises
+        :class:`RemoteReadError` from the first batch that failed."""
+        blocks = len(local) // per_block
+        block_bytes = sum(n for _, n in local[:per_block])
+        step = max(1, BATCH_BYTES // max(1, block_bytes))
+        batches = [(b, min(b + step, blocks)) for b in range(0, blocks, step)]
+        deadline = time.monotonic() + timeout
+
+        def copy(first: int, stop: int) -> None:
+            lo, hi = first * per_block, stop * per_block
+            self._agent.read(peer, local[lo:hi], remote[lo:hi],
+                             max(1e-3, deadline - time.monotonic()), memory_kind)
+
+        if len(batches) == 1:
+            copy(*batches[0])
+            yield batches[0]
+            return
+        if self._copier is None:
+            self._copier = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-import")
+        futures = [self._copier.submit(copy, first, stop) for first, stop in batches]
+        try:
+            for batch, future in zip(batches, futures):
+                future.result(timeout=max(1e-3, deadline - time.monotonic()) + 1.0)
+                yield batch
+        except FutureTimeout:
+            raise RemoteReadError(f"read from {peer!r} timed out") from None
+        finally:
+            for future in futures:
+                future.cancel()
+            wait_futures(futures)       # no copy may still write once the caller moves on
+
     def close(self) -> None:
         """Close every peer and the agent. Idempotent."""
         for peer in self._peers:
             peer.close()
         self._peers = []
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
+            self._copier = None
         self._agent.close()
 
 
@@ -171,15 +216,17 @@ class RemotePeer:
         begin = getattr(storage, "begin_write", None)
         if begin is not None:
             begin(slots)
-        self.importer._agent.read(self.blockset.name, local, remote,
-                                  timeout=min(timeout, remaining),
-                                  memory_kind=local_shared.regions[0].memory_kind)
+        per_block = len(local) // len(slots)
+        bad: list[int] = []
+        for first, stop in self.importer._copied(self.blockset.name, local, remote, per_block,
+                                                 min(timeout, remaining),
+                                                 local_shared.regions[0].memory_kind):
+            # verify what has arrived while the next batch is copied
+            bad.extend(i for i in range(first, stop)
+                       if _checksum(local[i * per_block:(i + 1) * per_block]) != blocks[i][2])
         if time.monotonic() > lease.expires:
             raise RemoteReadError(f"lease {lease.lease_id} expired during the read: the "
                                   f"exporter may have reused the blocks")
-        per_block = len(local) // len(slots)
-        bad = [i for i, (h, _, checksum) in enumerate(blocks)
-               if _checksum(local[i * per_block:(i + 1) * per_block]) != checksum]
         if bad:
             raise RemoteReadError(f"{len(bad)} block(s) read from {self.blockset.name!r} do "
                                   f"not match their checksums (first at position {bad[0]})")
@@ -189,12 +236,14 @@ class RemotePeer:
             seal(slots, [b[0] for b in blocks], checksums)
         return checksums
 
-    def release(self, lease: RemoteLease) -> bool:
-        """Tell the exporter the lease is done; False if it had expired or is unknown."""
+    def release(self, lease: RemoteLease, wait: bool = False) -> bool | None:
+        """Tell the exporter the lease is done. By default without waiting for its answer
+        (None: the reader has its bytes, the unpinning is the exporter's business); with
+        ``wait``, whether the exporter still had the lease (False: expired or unknown)."""
         if lease.lease_id == 0:
-            return False
-        reply = self._channel.call({"op": "release", "lease": lease.lease_id})
-        return bool(reply.get("released"))
+            return False if wait else None
+        reply = self._channel.call({"op": "release", "lease": lease.lease_id}, wait=wait)
+        return bool(reply.get("released")) if wait else None
 
     def close(self) -> None:
         """Forget the exporter (idempotent); outstanding leases expire on its side."""
@@ -216,34 +265,46 @@ def _checksum(ranges: Sequence[tuple[int, int]]) -> int:
 
 
 class _Channel:
-    """Request/reply to an exporter's control socket, each call bounded by ``timeout``
-    (a REQ socket that timed out is replaced: ZMQ's REQ cannot send twice in a row)."""
+    """Requests to an exporter's control socket over a ZMQ ``DEALER``: each request carries an
+    id the reply echoes, so a caller may wait for its reply (bounded by ``timeout``) or not
+    (a release); replies nobody waits for are skipped."""
 
     def __init__(self, control: str, timeout: float) -> None:
         self.control, self.timeout = control, timeout
         self._ctx = zmq.Context.instance()
         self._socket = None
+        self._ids = itertools.count(1)
 
-    def call(self, request: dict) -> dict:
+    def call(self, request: dict, wait: bool = True) -> dict:
         if self._socket is None:
-            self._socket = self._ctx.socket(zmq.REQ)
+            self._socket = self._ctx.socket(zmq.DEALER)
             self._socket.setsockopt(zmq.LINGER, 0)
             self._socket.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
             self._socket.connect(self.control)
         socket = self._socket
+        request_id = next(self._ids)
+        deadline = time.monotonic() + self.timeout
         try:
-            socket.send(msgpack.packb(request))
-            if not socket.poll(int(self.timeout * 1000)):
-                raise LeaseError(f"{self.control} did not answer within {self.timeout:.1f} s")
-            reply = msgpack.unpackb(socket.recv(), raw=False)
-        except (LeaseError, zmq.ZMQError, ValueError) as exc:
+            socket.send(msgpack.packb({**request, "id": request_id}))
+            if not wait:
+                return {}
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not socket.poll(max(1, int(left * 1000))):
+                    raise LeaseError(f"{self.control} did not answer within "
+                                     f"{self.timeout:.1f} s")
+                reply = msgpack.unpackb(socket.recv(), raw=False)
+                if not isinstance(reply, dict):
+                    raise LeaseError(f"{self.control} answered a {type(reply).__name__}, "
+                                     f"not a map")
+                if reply.get("id") == request_id:
+                    return reply
+        except LeaseError:
             self.close()
-            if isinstance(exc, LeaseError):
-                raise
+            raise
+        except (zmq.ZMQError, ValueError) as exc:
+            self.close()
             raise LeaseError(f"{self.control}: {exc}") from None
-        if not isinstance(reply, dict):
-            raise LeaseError(f"{self.control} answered a {type(reply).__name__}, not a map")
-        return reply
 
     def close(self) -> None:
         if self._socket is not None:

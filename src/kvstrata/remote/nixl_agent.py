@@ -18,6 +18,9 @@ from .errors import RemoteReadError, RemoteUnavailableError
 __all__ = ["NixlAgent", "nixl_available"]
 
 _MEM = {"host": "DRAM", "pinned": "DRAM", "device": "VRAM"}
+_SPIN_SECONDS = 0.05
+"""A read is polled without sleeping this long: a sleeping poller on a busy machine may wake
+long after the copy finished."""
 
 
 def _nixl():
@@ -101,13 +104,13 @@ class NixlAgent:
             rdescs = agent.get_xfer_descs([(a, n, 0) for a, n in remote], mem)
             handle = agent.initialize_xfer("READ", ldescs, rdescs, peer)
             state = agent.transfer(handle)
-            spins = 0
+            spin_until = time.monotonic() + _SPIN_SECONDS
             while state not in ("DONE", "ERR"):
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if now > deadline:
                     raise RemoteReadError(f"read from {peer!r} timed out after {timeout:.1f} s")
-                spins += 1
-                if spins > 64:
-                    time.sleep(0.0002)         # a long copy: stop spinning on the GIL
+                if now > spin_until:
+                    time.sleep(0.0005)         # a long wait (a stalled peer): stop spinning
                 state = agent.check_xfer_state(handle)
             if state == "ERR":
                 raise RemoteReadError(f"NIXL reported an error reading from {peer!r}")
