@@ -17,7 +17,7 @@ import logging
 import numbers
 import threading
 import weakref
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
@@ -44,6 +44,7 @@ from .storages import StorageOptions, build_storages
 
 if TYPE_CHECKING:
     from ..remote.exporter import BlockExporter
+    from ..remote.importer import BlockSetImporter, RemotePeer
 
 __all__ = ["KvBlockManager"]
 
@@ -132,6 +133,8 @@ class KvBlockManager:
         self.engine: TransferEngine | None = None
         self._storages = None
         self._listers: list[StoreLister] = []
+        self._importers: dict[str, "BlockSetImporter"] = {}
+        self._fetcher: ThreadPoolExecutor | None = None
         try:
             if metrics_port is not None:   # first: a busy port must not leak threads or dirs
                 try:
@@ -483,6 +486,69 @@ class KvBlockManager:
         return BlockExporter(name or f"kvstrata-{tier.lower()}-{id(self):x}", tier, storage,
                              pin, unpin, fingerprint=fingerprint, host=host, port=port)
 
+    def importer(self, tier: str = "G2", *, fingerprint: str | None = None) -> "BlockSetImporter":
+        """This manager's reader of other workers' exported memory, into ``tier`` (host
+        memory): connect it to an exporter and hand the peer to :meth:`fetch_remote`. One per
+        tier, closed with the manager."""
+        from ..remote.importer import BlockSetImporter
+
+        self._check_open("importer")
+        if tier not in self._importers:
+            storage = self.storage(tier)
+            if tier not in self.pools or not hasattr(storage, "seal"):
+                raise InvalidBlockError(f"tier {tier!r} is not a host-memory tier kvstrata owns")
+            self._importers[tier] = BlockSetImporter(storage, fingerprint=fingerprint)
+        return self._importers[tier]
+
+    def fetch_remote(self, peer: "RemotePeer", records: Sequence[BlockRecord],
+                     ttl: float = 10.0) -> "Future[int]":
+        """Bring a prefix another worker holds into this manager's tier over NIXL instead of
+        recomputing it: lease the longest prefix of ``records`` (after the part this tier
+        already holds) from ``peer``, read it into free slots, verified, and register it
+        (then offered down the tiers like any stored block; :meth:`onboard` loads it into
+        G1). The future gives the number of blocks fetched; it fails with
+        :class:`~kvstrata.remote.RemoteReadError` or :class:`~kvstrata.remote.LeaseError`
+        with nothing registered and the slots freed."""
+        records = list(records)
+        bad = first_bad_record(records, self.config.block_size)
+        if bad is not None:
+            raise InvalidBlockError(f"records[{bad}] is not a block record of this manager")
+        tier = next((t for t, imp in self._importers.items()
+                     if imp is getattr(peer, "importer", None)), None)
+        if tier is None:
+            raise InvalidBlockError("peer was not connected through this manager's importer()")
+        pool = self.pools[tier]
+        hashes = [r.sequence_hash for r in records]
+
+        def run() -> int:
+            held = self._call(lambda: pool.match_length(hashes), internal=True).result()
+            wanted = records[held:]
+            if not wanted:
+                return 0
+            lease = peer.lease([r.sequence_hash for r in wanted], ttl)
+            try:
+                count = len(lease.blocks)
+                if not count:
+                    return 0
+                slots = self._call(lambda: pool.allocate(count), internal=True).result()
+                try:
+                    peer.read(lease, slots.block_ids)
+                except BaseException:
+                    self._call(lambda: pool.release(slots), internal=True).result()
+                    raise
+
+                def register() -> None:
+                    slots.apply_token_blocks(wanted[:count])
+                    self.planner.register_fetched(slots).release()
+                self._call(register, internal=True).result()
+                return count
+            finally:
+                peer.release(lease)
+
+        if self._fetcher is None:
+            self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-fetch")
+        return self._fetcher.submit(run)
+
     @property
     def registry(self) -> BlockRegistry:
         return self.planner.registry
@@ -516,6 +582,10 @@ class KvBlockManager:
             try:
                 for lister in self._listers:
                     lister.close()
+                if self._fetcher is not None:
+                    self._fetcher.shutdown(wait=True)
+                for importer in self._importers.values():
+                    importer.close()
                 owner.stop()
                 self.engine.close()
                 self.metrics.close()

@@ -275,12 +275,27 @@ class Planner:
         """Owned top tier: register computed blocks (consumed) and offer the newly stored
         ones down the tiers. Returns handles on the registered blocks (a hash already held
         dedups onto the existing block); on error nothing stays held."""
-        pool = self._owned_top("register")
+        return self._register(self._owned_top("register"), blocks, priority)
+
+    def register_fetched(self, blocks: MutableBlocks, priority: int = 0) -> ImmutableBlocks:
+        """Register blocks of a tier below the top whose bytes were filled from outside (read
+        from another worker's memory; consumed), and offer them further down, as
+        :meth:`register` does for computed ones."""
+        s = self._state
+        owner = getattr(blocks, "pool", None)
+        tier = getattr(owner, "tier", None)
+        if tier is None or tier == s.top or s.pools.get(tier) is not owner:
+            raise PlacementError("register_fetched: blocks must come from a pool of ours "
+                                 "below the top tier")
+        return self._register(owner, blocks, priority)
+
+    def _register(self, pool: BlockPool, blocks: MutableBlocks,
+                  priority: int) -> ImmutableBlocks:
         before = blocks.block_ids
         registered = pool.register(blocks, priority)
         new = [b.record() for b, slot in zip(registered.blocks, before) if b.block_id == slot]
         try:
-            self._cascade.offer(self._state.top, new)
+            self._cascade.offer(pool.tier, new)
         except BaseException:
             pool.release(registered)
             raise

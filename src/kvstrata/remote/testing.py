@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ExporterProcess", "start_exporter", "payload_of", "geometry_config"]
+__all__ = ["ExporterProcess", "start_exporter", "start_lease_holder", "payload_of",
+           "geometry_config", "chain_tokens"]
 
 
 def payload_of(sequence_hash: int, nbytes: int) -> np.ndarray:
@@ -71,13 +72,22 @@ class ExporterProcess:
         self.process.join(10)
 
 
+def chain_tokens(chain: int, blocks: int, block_size: int) -> list[int]:
+    """The prompt tokens of the exporter's chain number ``chain``."""
+    return list(range(chain * 100_000, chain * 100_000 + blocks * block_size))
+
+
 def start_exporter(chains: int = 2, chain_blocks: int = 8, g2_blocks: int = 64,
-                   geometry: dict | None = None, timeout: float = 60.0) -> ExporterProcess:
-    """Spawn an exporter holding ``chains`` chains of ``chain_blocks`` blocks in G2."""
+                   geometry: dict | None = None, events: str | None = None,
+                   worker_id: int = 0, timeout: float = 60.0) -> ExporterProcess:
+    """Spawn an exporter holding ``chains`` chains of ``chain_blocks`` blocks in G2
+    (tokens :func:`chain_tokens`); with ``events`` (a sink spec such as
+    ``nats://host:port/subject``) it publishes its block events as worker ``worker_id``."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     process = ctx.Process(target=_exporter_main,
-                          args=(child, chains, chain_blocks, g2_blocks, geometry or {}),
+                          args=(child, chains, chain_blocks, g2_blocks, geometry or {},
+                                events, worker_id),
                           daemon=True)
     process.start()
     child.close()
@@ -93,20 +103,25 @@ def start_exporter(chains: int = 2, chain_blocks: int = 8, g2_blocks: int = 64,
 
 
 def _exporter_main(conn, chains: int, chain_blocks: int, g2_blocks: int,
-                   geometry: dict) -> None:
+                   geometry: dict, events: str | None, worker_id: int) -> None:
     os.environ.setdefault("UCX_MODULES", "^ib")
+    publisher = None
     try:
         from ..manager import KvBlockManager
         from ..tokens import hash_blocks
         from ..types import BlockRecord
 
         config = geometry_config({"G1": chains * chain_blocks, "G2": g2_blocks}, **geometry)
-        mgr = KvBlockManager(config)
+        if events:
+            from ..events import make_publisher
+
+            publisher = make_publisher(events, worker_id=worker_id)
+        mgr = KvBlockManager(config, observers=[publisher] if publisher else ())
         bs = config.block_size
         nbytes = mgr.storage("G1").config.block_bytes
         held = []
         for c in range(chains):
-            tokens = list(range(c * 100_000, c * 100_000 + chain_blocks * bs))
+            tokens = chain_tokens(c, chain_blocks, bs)
             local, seqs = hash_blocks(tokens, bs)
             records = [BlockRecord(s, l, p, bs) for s, l, p in zip(seqs, local, [None, *seqs[:-1]])]
             blocks = mgr.allocate(len(records)).result(30)
@@ -115,6 +130,8 @@ def _exporter_main(conn, chains: int, chain_blocks: int, g2_blocks: int,
             mgr.release(mgr.register(blocks).result(30)).result(30)
             held.append(list(seqs))
         mgr.wait_idle(30)
+        if publisher is not None:
+            publisher.flush(10)
         exporter = mgr.export("G2")
     except Exception as exc:
         conn.send({"error": f"{type(exc).__name__}: {exc}"})
@@ -134,6 +151,8 @@ def _exporter_main(conn, chains: int, chain_blocks: int, g2_blocks: int,
     finally:
         exporter.close()
         mgr.close()
+        if publisher is not None:
+            publisher.close()
 
 
 def start_lease_holder(control: str, hashes: list[int], ttl: float, timeout: float = 60.0):
