@@ -207,3 +207,43 @@ def test_an_exporter_killed_mid_read_never_hands_over_wrong_bytes():
             ex.stop()
     print("mid-read outcomes", outcomes)
     assert len(outcomes) == 3
+
+
+def test_a_lease_naming_slots_outside_the_block_set_is_refused_before_reading(exporter):
+    from kvstrata.remote.errors import BlockSetFormatError
+    from kvstrata.remote.importer import RemoteLease
+
+    local = host_storage()
+    importer = BlockSetImporter(local)
+    try:
+        peer = importer.connect(exporter.control)
+        chain = exporter.chains[0]
+        forged = RemoteLease(1, ((chain[0], 10**9, 0),), time.monotonic() + 30)
+        with pytest.raises(BlockSetFormatError):
+            peer.read(forged, [0])
+    finally:
+        importer.close()
+
+
+def test_a_block_set_pointing_outside_what_the_exporter_registered_reads_nothing(exporter):
+    """A tampered block set (its region moved by a page) passes validation, but the read
+    never hands over bytes: NIXL refuses memory the exporter did not register, or the bytes
+    fail their checksums; nothing is sealed."""
+    import json
+
+    from kvstrata.remote.importer import _Channel
+
+    data = _Channel(exporter.control, 5).call({"op": "blockset"})["blockset"]
+    raw = json.loads(data)
+    raw["layout"]["regions"][0]["address"] += 4096
+    local = host_storage()
+    importer = BlockSetImporter(local)
+    try:
+        peer = importer.import_blockset(json.dumps(raw).encode())
+        lease = peer.lease(exporter.chains[0])
+        with pytest.raises(RemoteReadError):
+            peer.read(lease, list(range(len(lease.blocks))))
+        assert local.check_readable(list(range(len(lease.blocks))), lease.sequence_hashes)
+        peer.release(lease, wait=True)
+    finally:
+        importer.close()
