@@ -5,6 +5,7 @@ tensor-parallel ranks, and every pool back to idle at the end."""
 
 from __future__ import annotations
 
+import math
 import os
 import time
 
@@ -391,3 +392,37 @@ def test_cost_aware_off_loads_everything_held(make):
     _teach(sim.scheduler.planner.costs, "G3->G1", 1e-6, 5.0, prefill=1e6)
     run_and_check_load(sim, "b", first + [5], expect_blocks=len(held))
     assert not sim.scheduler.counters.tokens_not_loaded
+
+
+def test_prefill_rate_comes_from_the_workers_timed_forwards(make, monkeypatch):
+    """Prefilling steps are numbered and timed by every worker from the metadata binding to
+    wait_for_save; the first rank's report counts (tokens / seconds), decode steps are not
+    timed, idle time between steps never counts, and reports that never come are bounded."""
+    from kvstrata.connectors.vllm import scheduler as scheduler_module
+
+    sim = make(g2_blocks=16, g3_blocks=0, ranks=2)
+    forward_seconds = 0.05
+    original = sim._forward
+
+    def slow_forward(rank, scheduled):
+        original(rank, scheduled)
+        if any(n >= 2 * BS for n in scheduled.values()):
+            time.sleep(forward_seconds)
+    sim._forward = slow_forward
+    costs = sim.scheduler.planner.costs
+    sim.add("a", prompt(120, 12 * BS + 1), max_new=3)
+    sim.step()                                         # the prefill: timed by both ranks
+    assert costs.prefill.samples == 1                  # once, not once per rank
+    time.sleep(0.3)                                    # the engine idles: not a slow prefill
+    sim.run()                                          # decode steps: not timed
+    assert costs.prefill.samples == 1
+    rate = math.exp(costs.prefill.log_mean)            # the one sample (unblended)
+    upper = (12 * BS + 1) / forward_seconds
+    assert 0.2 * upper < rate <= upper * 1.01          # the forward's time, not the idle gap
+    assert not sim.scheduler._timed_steps
+    # a step whose reports never arrive is forgotten after a bounded number of steps
+    monkeypatch.setattr(scheduler_module, "_TIMED_STEPS_KEPT", 4)
+    for i in range(10):
+        sim.scheduler._time_if_prefill(type("Out", (), {"num_scheduled_tokens": {"x": 4 * BS}}))
+    assert len(sim.scheduler._timed_steps) <= 5
+    assert_idle(sim)
