@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -108,8 +107,8 @@ def report(results: dict[str, dict], args: argparse.Namespace) -> dict:
         row[mode] = {"median_ms": median * 1e3, "worst_turn_x_recompute": max(ratios, default=None),
                      "turns_over_goal": sum(x > GOAL_TURN for x in ratios),
                      "tokens_loaded_mean": loaded}
-    print(f"(medians of the returning turns; tokens loaded = mean num_cached_tokens of a "
-          f"returning turn; worst turn = the largest TTFT / the same turn's recompute TTFT)")
+    print("(medians of the returning turns; tokens loaded = mean num_cached_tokens of a "
+          "returning turn; worst turn = the largest TTFT / the same turn's recompute TTFT)")
     for setting, row in summary["settings"].items():
         on, off = row.get("on"), row.get("off")
         if on is None or rec_median is None:
@@ -213,16 +212,8 @@ def main() -> None:
                 "kv_transfer_config": kv_transfer_config(name, args, url),
                 "workload": workload}))
             try:
-                for attempt in range(args.noise_retries + 1):
-                    say(f"{name}: starting" + (" again" if attempt else ""))
-                    out_path.unlink(missing_ok=True)
-                    result = base.spawn(name, spec_path, out_path,
-                                        work / f"{name}.{attempt}.log")
-                    if result.get("other_cpu_share", 0.0) <= base.NOISY \
-                            or not result.get("turns"):
-                        break
-                    say(f"{name}: other processes used {result['other_cpu_share']:.0%} of "
-                        f"the CPU meanwhile")
+                result = base.run_configuration(name, spec_path, out_path, work,
+                                                args.noise_retries)
             finally:
                 if link is not None:
                     link.close()
@@ -236,11 +227,7 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps({
             "args": vars(args), "summary": summary, "results": results}, indent=1))
-    failed = any(r.get("rc") or not r.get("turns") for r in results.values())
-    if temp and not failed:
-        shutil.rmtree(work, ignore_errors=True)
-    elif temp:
-        print(f"logs kept in {work}")
+    base.tidy_work_dir(work, temp, results)
 
 
 if __name__ == "__main__":

@@ -280,6 +280,40 @@ def spawn(name: str, spec_path: Path, out_path: Path, log_path: Path) -> dict:
     return result
 
 
+def run_configuration(name: str, spec_path: Path, out_path: Path, work: Path,
+                      noise_retries: int, cleanup=None) -> dict:
+    """Run one configuration; run it again (up to ``noise_retries`` times) while other
+    processes used more than :data:`NOISY` of the CPU meanwhile, and keep the quietest run
+    (the others under ``noisy_runs``). ``cleanup`` runs after every attempt."""
+    noisy: list[dict] = []
+    for attempt in range(noise_retries + 1):
+        say(f"{name}: starting" + (" again" if attempt else ""))
+        out_path.unlink(missing_ok=True)
+        result = spawn(name, spec_path, out_path,
+                       work / f"{name}{'.' + str(attempt) if attempt else ''}.log")
+        if cleanup is not None:
+            cleanup()
+        share = result.get("other_cpu_share", 0.0)
+        if share <= NOISY or not result.get("turns"):
+            break
+        noisy.append(result)
+        say(f"{name}: other processes used {share:.0%} of the CPU meanwhile" +
+            (": running it again" if attempt < noise_retries else ""))
+    if noisy:
+        runs = sorted([result, *noisy], key=lambda r: r.get("other_cpu_share", 0.0))
+        result = dict(runs[0], noisy_runs=runs[1:])
+    return result
+
+
+def tidy_work_dir(work: Path, temp: bool, results: dict[str, dict]) -> None:
+    """Remove a temporary work dir after a clean run; keep it (and say where) otherwise."""
+    failed = any(r.get("rc") or not r.get("turns") for r in results.values())
+    if temp and not failed:
+        shutil.rmtree(work, ignore_errors=True)
+    elif temp:
+        print(f"logs kept in {work}")
+
+
 def median_ms(values: list[float]) -> float:
     return statistics.median(values) * 1e3 if values else float("nan")
 
@@ -473,7 +507,7 @@ def main() -> None:
                         help="VLLM_CPU_KVCACHE_SPACE (vLLM's own KV cache, GiB)")
     parser.add_argument("--noise-retries", type=int, default=1,
                         help="run a configuration again (keeping the quieter run) when other "
-                             f"processes used more than {NOISY:.0%} of the CPU meanwhile")
+                             f"processes used more than {NOISY * 100:.0f}%% of the CPU meanwhile")
     parser.add_argument("--_child", help=argparse.SUPPRESS)
     parser.add_argument("--_spec", help=argparse.SUPPRESS)
     parser.add_argument("--_out", help=argparse.SUPPRESS)
@@ -510,23 +544,9 @@ def main() -> None:
             "model": str(model), "answer": args.answer, "kv_cache_gib": args.kv_cache_gib,
             "kv_transfer_config": kv_transfer_config(name, work, args),
             "workload": workload}))
-        noisy: list[dict] = []
-        for attempt in range(args.noise_retries + 1):
-            say(f"{name}: starting" + (" again" if attempt else ""))
-            out_path.unlink(missing_ok=True)
-            result = spawn(name, spec_path, out_path,
-                           work / f"{name}{'.' + str(attempt) if attempt else ''}.log")
-            for sub in ("g3", "example"):             # slabs and files: one config's only
-                shutil.rmtree(work / sub, ignore_errors=True)
-            share = result.get("other_cpu_share", 0.0)
-            if share <= NOISY or not result.get("turns"):
-                break
-            noisy.append(result)
-            say(f"{name}: other processes used {share:.0%} of the CPU meanwhile" +
-                (": running it again" if attempt < args.noise_retries else ""))
-        if noisy:       # keep the quietest run; the others go to the JSON only
-            runs = sorted([result, *noisy], key=lambda r: r.get("other_cpu_share", 0.0))
-            result = dict(runs[0], noisy_runs=runs[1:])
+        result = run_configuration(name, spec_path, out_path, work, args.noise_retries,
+                                   cleanup=lambda: [shutil.rmtree(work / sub, ignore_errors=True)
+                                                    for sub in ("g3", "example")])
         results[name] = result
     wall = time.perf_counter() - started
     report(results, wall)
@@ -534,11 +554,7 @@ def main() -> None:
         Path(args.json).write_text(json.dumps({
             "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
             "summary": summarize(results), "results": results, "wall_s": wall}, indent=1))
-    failed = any(r.get("rc") or not r.get("turns") for r in results.values())
-    if temp and not failed:
-        shutil.rmtree(work, ignore_errors=True)
-    elif temp:
-        print(f"logs kept in {work}")
+    tidy_work_dir(work, temp, results)
 
 
 if __name__ == "__main__":
