@@ -31,7 +31,8 @@ def test_delta_aggregate_reduce():
     assert KvStrataStats(data=delta(snapshot(g2=1), snapshot(g2=1))).is_empty()
 
 
-def test_prometheus_counters_follow_the_stats():
+def prom_metrics() -> tuple[KvStrataPromMetrics, CollectorRegistry]:
+    """kvstrata's Prometheus metrics in a registry of their own."""
     registry = CollectorRegistry()
 
     def bound(cls):
@@ -40,9 +41,13 @@ def test_prometheus_counters_follow_the_stats():
     class Config:
         kv_transfer_config = None
 
-    prom = KvStrataPromMetrics(Config(), {Counter: bound(Counter), Gauge: bound(Gauge),
+    return KvStrataPromMetrics(Config(), {Counter: bound(Counter), Gauge: bound(Gauge),
                                           Histogram: bound(Histogram)},
-                               ["engine"], {0: ["0"]})
+                               ["engine"], {0: ["0"]}), registry
+
+
+def test_prometheus_counters_follow_the_stats():
+    prom, registry = prom_metrics()
     prom.observe(delta(snapshot(g2=3, g3=1, failed=2, no_slot=4), snapshot()), 0)
     prom.observe(delta(snapshot(g2=5, g3=1, failed=2, no_slot=4), snapshot(g2=3, g3=1,
                                                                          failed=2, no_slot=4)))
@@ -76,17 +81,7 @@ def test_cost_estimates_become_gauges_sent_when_they_move():
     assert stats.data["estimates"]["bandwidth"]["G3->G1"] < est["bandwidth"]["G3->G1"]
     assert stats.reduce()["prefill_tokens_per_s"] == est["prefill"]
 
-    registry = CollectorRegistry()
-
-    def bound(cls):
-        return lambda **kw: cls(registry=registry, **kw)
-
-    class Config:
-        kv_transfer_config = None
-
-    prom = KvStrataPromMetrics(Config(), {Counter: bound(Counter), Gauge: bound(Gauge),
-                                          Histogram: bound(Histogram)},
-                               ["engine"], {0: ["0"]})
+    prom, registry = prom_metrics()
     prom.observe(stats.data, 0)
     value = registry.get_sample_value
     assert value("vllm:kvstrata_path_bandwidth_bytes_per_second",
