@@ -247,3 +247,19 @@ def test_a_block_set_pointing_outside_what_the_exporter_registered_reads_nothing
         peer.release(lease, wait=True)
     finally:
         importer.close()
+
+
+def test_an_unverified_read_seals_with_the_exporters_checksums(exporter):
+    local = host_storage()
+    importer = BlockSetImporter(local)
+    try:
+        peer = importer.connect(exporter.control)
+        lease = peer.lease(exporter.chains[0])
+        checksums = peer.read(lease, list(range(8)), verify=False)
+        assert checksums == [b[2] for b in lease.blocks]
+        assert not local.check_readable(list(range(8)), lease.sequence_hashes, verify=True)
+        for slot, h in enumerate(lease.sequence_hashes):
+            assert np.array_equal(local.payload(slot), payload_of(h, exporter.block_bytes))
+        peer.release(lease, wait=True)
+    finally:
+        importer.close()

@@ -5,8 +5,10 @@
 (msgpack maps, one reply per request, echoing the request's ``id`` if it has one):
 
 * ``{"op": "blockset"}`` -> ``{"blockset": bytes}``;
-* ``{"op": "lease", "hashes": [u64...], "ttl": s}`` -> ``{"lease": id, "ttl": s, "blocks":
-  [[hash, slot, checksum], ...]}`` (``lease`` 0 and no blocks when nothing is held);
+* ``{"op": "lease", "hashes": <u64 LE bytes>, "ttl": s}`` -> ``{"lease": id, "ttl": s,
+  "slots": <u64 LE bytes>, "checksums": <u64 LE bytes>}``: the slot and checksum of each block
+  of the longest held prefix of ``hashes`` (``lease`` 0 and empty arrays when nothing is
+  held; packed arrays, because a lease may name thousands of blocks);
 * ``{"op": "release", "lease": id}`` -> ``{"released": bool}``;
 * anything else -> ``{"error": "..."}``.
 
@@ -22,11 +24,11 @@ import threading
 from typing import Any, Callable, Sequence
 
 import msgpack
+import numpy as np
 import zmq
 
 from ..physical.storage.base import MemoryStorage
 from ..protocol.layout_codec import SharedLayout
-from ..types import is_u64
 from .blockset import BlockSet
 from .errors import LeaseError
 from .lease import LeaseTable
@@ -143,17 +145,19 @@ class BlockExporter:
             return {"error": f"internal error: {type(exc).__name__}"}
 
     def _lease(self, request: dict) -> dict:
-        hashes, ttl = request.get("hashes"), request.get("ttl")
-        if not isinstance(hashes, list) or not hashes or len(hashes) > MAX_LEASE_BLOCKS \
-                or not all(is_u64(h) for h in hashes):
-            return {"error": f"lease needs 1..{MAX_LEASE_BLOCKS} u64 hashes"}
+        raw, ttl = request.get("hashes"), request.get("ttl")
+        if not isinstance(raw, bytes) or not raw or len(raw) % 8 \
+                or len(raw) // 8 > MAX_LEASE_BLOCKS:
+            return {"error": f"lease needs 1..{MAX_LEASE_BLOCKS} hashes as little-endian u64 "
+                             f"bytes"}
         if not isinstance(ttl, (int, float)) or isinstance(ttl, bool) or not ttl > 0:
             return {"error": "lease needs a ttl > 0 seconds"}
-        lease = self.leases.grant(hashes, float(ttl))
+        lease = self.leases.grant(np.frombuffer(raw, "<u8").tolist(), float(ttl))
         if lease is None:
-            return {"lease": 0, "ttl": 0.0, "blocks": []}
+            return {"lease": 0, "ttl": 0.0, "slots": b"", "checksums": b""}
+        rows = np.array([(b[1], b[2]) for b in lease.blocks], dtype="<u8")
         return {"lease": lease.lease_id, "ttl": lease.ttl,
-                "blocks": [list(b) for b in lease.blocks]}
+                "slots": rows[:, 0].tobytes(), "checksums": rows[:, 1].tobytes()}
 
     # -- lifecycle -------------------------------------------------------------------------
     def close(self) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+from bisect import bisect_right
 import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -27,12 +28,12 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import msgpack
+import numpy as np
 import xxhash
 import zmq
 
 from ..physical.storage.base import MemoryStorage
 from ..protocol.layout_codec import SharedLayout
-from ..types import is_u64
 from .blockset import BlockSet, byte_ranges, decode
 from .errors import BlockSetFormatError, LeaseError, RemoteReadError
 from .nixl_agent import NixlAgent
@@ -40,8 +41,10 @@ from .nixl_agent import NixlAgent
 __all__ = ["BlockSetImporter", "RemotePeer", "RemoteLease"]
 
 _names = itertools.count(1)
-BATCH_BYTES = 16 << 20
-"""A read is copied in batches of about this many bytes, each verified while the next moves."""
+BATCH_BYTES = 8 << 20
+"""A read is copied and verified in batches of about this many bytes."""
+COPY_THREADS = 2
+"""Threads copying and verifying the batches of one large read."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,7 @@ class BlockSetImporter:
         self.fingerprint = fingerprint
         self.name = name or f"kvstrata-import-{id(self):x}-{next(_names)}"
         self._shared = SharedLayout(storage.layout, storage.descriptors())
+        self._memory = _LocalMemory(self._shared)
         self._agent = NixlAgent(self.name)
         regions = self._shared.regions
         self._agent.register([(r.address, r.size) for r in regions], regions[0].memory_kind,
@@ -110,35 +114,41 @@ class BlockSetImporter:
         self._peers.append(peer)
         return peer
 
-    def _copied(self, peer: str, local: list, remote: list, per_block: int, timeout: float,
-                memory_kind: str):
-        """Copy ``remote`` into ``local`` (``per_block`` ranges a block) in batches of about
-        :data:`BATCH_BYTES`, yielding ``(first, stop)`` block indices of each batch once it
-        arrived. With more than one batch the copies run on a thread (NIXL releases the GIL
-        while it copies), so the caller verifies a batch while the next one moves. Raises
-        :class:`RemoteReadError` from the first batch that failed."""
+    def _copy_verified(self, peer: str, local: list, remote: list, per_block: int,
+                       checksums: Sequence[int] | None, timeout: float,
+                       memory_kind: str) -> list[int]:
+        """Copy ``remote`` into ``local`` (``per_block`` ranges a block) and return the
+        indices of the blocks whose bytes do not hash to ``checksums`` (None: not checked). Work goes in batches
+        of about :data:`BATCH_BYTES`, each copied then hashed; with more than one batch they
+        run on :data:`COPY_THREADS` threads (NIXL and xxhash both release the GIL), so one
+        batch is hashed while another moves. :class:`RemoteReadError` from the first batch
+        whose copy failed; no copy still runs when this returns or raises."""
         blocks = len(local) // per_block
         block_bytes = sum(n for _, n in local[:per_block])
         step = max(1, BATCH_BYTES // max(1, block_bytes))
         batches = [(b, min(b + step, blocks)) for b in range(0, blocks, step)]
         deadline = time.monotonic() + timeout
+        checksum = self._memory.checksum
 
-        def copy(first: int, stop: int) -> None:
+        def batch(first: int, stop: int) -> list[int]:
             lo, hi = first * per_block, stop * per_block
             self._agent.read(peer, local[lo:hi], remote[lo:hi],
                              max(1e-3, deadline - time.monotonic()), memory_kind)
+            if checksums is None:
+                return []
+            return [i for i in range(first, stop)
+                    if checksum(local[i * per_block:(i + 1) * per_block]) != checksums[i]]
 
         if len(batches) == 1:
-            copy(*batches[0])
-            yield batches[0]
-            return
+            return batch(*batches[0])
         if self._copier is None:
-            self._copier = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-import")
-        futures = [self._copier.submit(copy, first, stop) for first, stop in batches]
+            self._copier = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="kvstrata-import")
+        futures = [self._copier.submit(batch, first, stop) for first, stop in batches]
         try:
-            for batch, future in zip(batches, futures):
-                future.result(timeout=max(1e-3, deadline - time.monotonic()) + 1.0)
-                yield batch
+            bad: list[int] = []
+            for future in futures:
+                bad.extend(future.result(timeout=max(1e-3, deadline - time.monotonic()) + 1.0))
+            return bad
         except FutureTimeout:
             raise RemoteReadError(f"read from {peer!r} timed out") from None
         finally:
@@ -155,6 +165,7 @@ class BlockSetImporter:
             self._copier.shutdown(wait=True)
             self._copier = None
         self._agent.close()
+        self._memory = None             # views into the storage: not past its lifetime
 
 
 class RemotePeer:
@@ -170,32 +181,40 @@ class RemotePeer:
     def lease(self, sequence_hashes: Sequence[int], ttl: float = 10.0) -> RemoteLease:
         """Ask the exporter to pin the longest prefix of ``sequence_hashes`` it holds;
         the lease may name fewer blocks (none: nothing held)."""
-        hashes = [int(h) for h in sequence_hashes]
-        if not hashes or not all(is_u64(h) for h in hashes):
-            raise ValueError("lease needs sequence hashes (u64)")
+        try:
+            hashes = np.asarray(sequence_hashes, dtype="<u8")
+        except (OverflowError, TypeError, ValueError):
+            raise ValueError("lease needs sequence hashes (u64)") from None
+        if hashes.ndim != 1 or not hashes.size:
+            raise ValueError("lease needs a non-empty sequence of u64 sequence hashes")
         started = time.monotonic()
-        reply = self._channel.call({"op": "lease", "hashes": hashes, "ttl": float(ttl)})
+        reply = self._channel.call({"op": "lease", "hashes": hashes.tobytes(),
+                                    "ttl": float(ttl)})
         if "error" in reply:
             raise LeaseError(f"{self.blockset.name}: {reply['error']}")
-        lease_id, granted, blocks = reply.get("lease"), reply.get("ttl"), reply.get("blocks")
-        if not isinstance(lease_id, int) or not isinstance(blocks, list) \
-                or not isinstance(granted, (int, float)) or len(blocks) > len(hashes):
+        lease_id, granted = reply.get("lease"), reply.get("ttl")
+        slots, checksums = reply.get("slots"), reply.get("checksums")
+        if not isinstance(lease_id, int) or isinstance(lease_id, bool) \
+                or not isinstance(granted, (int, float)) or not isinstance(slots, bytes) \
+                or not isinstance(checksums, bytes) or len(slots) != len(checksums) \
+                or len(slots) % 8 or len(slots) // 8 > hashes.size:
             raise LeaseError(f"{self.blockset.name}: malformed lease reply")
-        rows = []
-        for i, row in enumerate(blocks):
-            if not (isinstance(row, list) and len(row) == 3 and all(is_u64(v) for v in row)
-                    and row[0] == hashes[i]):
-                raise LeaseError(f"{self.blockset.name}: lease row {i} is malformed or names "
-                                 f"another block")
-            rows.append((row[0], row[1], row[2]))
+        count = len(slots) // 8
+        rows = zip(hashes[:count].tolist(), np.frombuffer(slots, "<u8").tolist(),
+                   np.frombuffer(checksums, "<u8").tolist())
         return RemoteLease(lease_id, tuple(rows), started + float(granted))
 
-    def read(self, lease: RemoteLease, local_slots: Sequence[int],
-             timeout: float = 30.0) -> list[int]:
+    def read(self, lease: RemoteLease, local_slots: Sequence[int], timeout: float = 30.0,
+             verify: bool = True) -> list[int]:
         """Read the first ``len(local_slots)`` blocks of ``lease`` into those slots of the
         importer's storage, verify each against its checksum, seal them (when the storage
         keeps checksums) and return the checksums. :class:`RemoteReadError` if anything
-        fails; then no slot is sealed and their old contents are invalid."""
+        fails; then no slot is sealed and their old contents are invalid.
+
+        ``verify=False`` skips hashing what arrived (a pass over every byte: on a machine
+        with no spare core it costs about as much as the copy) and trusts the lease, which
+        keeps the blocks from being rewritten; the slots are sealed with the exporter's
+        checksums, so a later verified read of them still catches bad bytes."""
         if self.closed:
             raise RemoteReadError("peer is closed")
         slots = [int(s) for s in local_slots]
@@ -216,14 +235,10 @@ class RemotePeer:
         begin = getattr(storage, "begin_write", None)
         if begin is not None:
             begin(slots)
-        per_block = len(local) // len(slots)
-        bad: list[int] = []
-        for first, stop in self.importer._copied(self.blockset.name, local, remote, per_block,
-                                                 min(timeout, remaining),
-                                                 local_shared.regions[0].memory_kind):
-            # verify what has arrived while the next batch is copied
-            bad.extend(i for i in range(first, stop)
-                       if _checksum(local[i * per_block:(i + 1) * per_block]) != blocks[i][2])
+        bad = self.importer._copy_verified(
+            self.blockset.name, local, remote, len(local) // len(slots),
+            [b[2] for b in blocks] if verify else None, min(timeout, remaining),
+            local_shared.regions[0].memory_kind)
         if time.monotonic() > lease.expires:
             raise RemoteReadError(f"lease {lease.lease_id} expired during the read: the "
                                   f"exporter may have reused the blocks")
@@ -253,15 +268,29 @@ class RemotePeer:
             self.importer._agent.remove_remote(self.blockset.name)
 
 
-def _checksum(ranges: Sequence[tuple[int, int]]) -> int:
-    """xxh3-64 of the bytes at ``ranges`` in this process, concatenated in order."""
-    if len(ranges) == 1:
-        address, length = ranges[0]
-        return xxhash.xxh3_64_intdigest((ctypes.c_char * length).from_address(address))
-    h = xxhash.xxh3_64()
-    for address, length in ranges:
-        h.update((ctypes.c_char * length).from_address(address))
-    return h.intdigest()
+class _LocalMemory:
+    """Byte views of the importer's own registered regions, made once (a view per block
+    read would cost more than hashing a small block)."""
+
+    def __init__(self, shared: SharedLayout) -> None:
+        regions = sorted((r.address, r.size) for r in shared.regions)
+        self._bases = [a for a, _ in regions]
+        self._views = [memoryview((ctypes.c_char * n).from_address(a)).cast("B")
+                       for a, n in regions]
+
+    def view(self, address: int, length: int) -> memoryview:
+        i = bisect_right(self._bases, address) - 1
+        offset = address - self._bases[i]
+        return self._views[i][offset:offset + length]
+
+    def checksum(self, ranges: Sequence[tuple[int, int]]) -> int:
+        """xxh3-64 of the bytes at ``ranges``, concatenated in order."""
+        if len(ranges) == 1:
+            return xxhash.xxh3_64_intdigest(self.view(*ranges[0]))
+        h = xxhash.xxh3_64()
+        for address, length in ranges:
+            h.update(self.view(address, length))
+        return h.intdigest()
 
 
 class _Channel:

@@ -180,9 +180,10 @@ def _holder_main(conn, control: str, hashes: list[int], ttl: float) -> None:
     from .importer import _Channel
 
     try:
-        reply = _Channel(control, 10.0).call({"op": "lease", "hashes": hashes, "ttl": ttl})
+        reply = _Channel(control, 10.0).call({
+            "op": "lease", "hashes": np.asarray(hashes, "<u8").tobytes(), "ttl": ttl})
     except Exception as exc:
         conn.send(f"{type(exc).__name__}: {exc}")
         return
-    conn.send(len(reply.get("blocks", ())))
+    conn.send(len(reply.get("slots", b"")) // 8)
     time.sleep(3600)
