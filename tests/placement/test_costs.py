@@ -173,3 +173,20 @@ def test_the_planner_counts_blocks_in_flight_per_path_until_their_results_come_b
         p.complete([TransferResult(pl, (True,) * len(pl), (None,) * len(pl), 0, 0.0, ())
                     for pl in more])
     assert all(p.costs.blocks_in_flight(path) == 0 for path in ("G1->G2", "G2->G3"))
+
+
+def test_a_cost_aware_manager_onboard_loads_only_what_beats_recomputing():
+    from test_manager import chain, evict_g1, hashes_of, make_config, payloads, put
+    from kvstrata.manager import KvBlockManager
+
+    records = chain(6)
+    with KvBlockManager(make_config(g1=8, g2=8, g3=32)) as mgr:
+        put(mgr, records, payloads(mgr, records))
+        evict_g1(mgr)
+        assert set(mgr.locate(hashes_of(records)).result(30)) <= {"G2", "G3"}
+        mgr.assume_prefill(1e12).result(30)                 # recomputing is instant
+        with mgr.onboard(hashes_of(records), cost_aware=True).result(30) as nothing:
+            assert len(nothing) == 0
+        mgr.assume_prefill(1.0).result(30)                  # recomputing takes forever
+        with mgr.onboard(hashes_of(records), cost_aware=True).result(30) as everything:
+            assert len(everything) == len(records)

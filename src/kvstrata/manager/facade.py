@@ -304,7 +304,8 @@ class KvBlockManager:
         hashes = _hashes(sequence_hashes, "locate")
         return self._call(lambda: self.planner.lookup(hashes))
 
-    def onboard(self, sequence_hashes: Sequence[int]) -> "Future[OnboardResult]":
+    def onboard(self, sequence_hashes: Sequence[int],
+                cost_aware: bool = False) -> "Future[OnboardResult]":
         """Bring the longest prefix of ``sequence_hashes`` held in any tier into G1.
 
         The future resolves when every needed copy completed, with an
@@ -312,11 +313,20 @@ class KvBlockManager:
         tier each block came from, and the blocks whose load failed (dropped from their
         tier). Admission policies that learn from requests see the hashes. A hash that is
         not an unsigned 64-bit integer is an ``InvalidBlockError`` at once.
+
+        ``cost_aware``: load only as much of the held prefix as the cost model estimates
+        faster than recomputing it (:meth:`worth_loading`, the vLLM connector's decision;
+        set the engine's rate with :meth:`assume_prefill`); the rest is left to recompute.
         """
         hashes = _hashes(sequence_hashes, "onboard")
 
         def run(future: Future) -> None:
-            self._onboards[self.planner.prepare_onboard(hashes)] = future
+            wanted = hashes
+            if cost_aware:
+                tiers = self.planner.lookup(hashes)
+                wanted = hashes[:self.planner.costs.worth_loading(
+                    tiers, self._top, self.config.bytes_per_block, self.config.block_size)]
+            self._onboards[self.planner.prepare_onboard(wanted)] = future
         return self._call(run, deferred=True)
 
     def release(self, handle: _Blocks) -> "Future[None]":
