@@ -1,0 +1,135 @@
+"""The exporter's control socket under hostile input: every malformed request gets a typed
+error reply and changes nothing, the exporter keeps serving; the lease table's limits hold."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from kvstrata.remote.errors import LeaseError
+from kvstrata.remote.lease import MAX_TTL, LeaseTable
+from kvstrata.remote.nixl_agent import nixl_available
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Pins:
+    """A pool stand-in: holds hashes 1..8 at slots 10..17."""
+
+    def __init__(self) -> None:
+        self.pinned: list[list[int]] = []
+        self.unpinned: list[list[int]] = []
+
+    def pin(self, hashes):
+        held = []
+        for h in hashes:
+            if not 1 <= h <= 8:
+                break
+            held.append((h, h + 9, h * 1000))
+        token = [h for h, _, _ in held]
+        self.pinned.append(token)
+        return held, token
+
+    def unpin(self, token):
+        self.unpinned.append(token)
+
+
+def test_lease_table_grants_prefixes_caps_ttl_expires_and_closes():
+    clock, pins = Clock(), Pins()
+    table = LeaseTable(pins.pin, pins.unpin, max_leases=2, clock=clock)
+    lease = table.grant([1, 2, 3, 99, 4], ttl=5)
+    assert [b[0] for b in lease.blocks] == [1, 2, 3] and lease.deadline == 105
+    assert table.grant([50], ttl=5) is None and pins.unpinned == [[]]   # nothing held
+    long = table.grant([1], ttl=10_000)
+    assert long.ttl == MAX_TTL
+    with pytest.raises(LeaseError):
+        table.grant([1], ttl=5)                                          # max_leases
+    with pytest.raises(LeaseError):
+        table.grant([1], ttl=0)
+    clock.t += 6
+    assert table.expire() == 1 and table.expired == 1 and len(table) == 1
+    assert not table.release(lease.lease_id)                            # already expired
+    assert table.release(long.lease_id) and len(table) == 0
+    again = table.grant([1, 2], ttl=1)
+    table.close()
+    assert len(table) == 0 and pins.unpinned[-1] == [1, 2] and again.lease_id > long.lease_id
+
+
+needs_nixl = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed")
+
+
+@pytest.fixture
+def exporter():
+    from kvstrata.physical.storage.host import HostStorage
+    from kvstrata.protocol.layout import LayoutConfig
+    from kvstrata.remote.exporter import BlockExporter
+
+    storage = HostStorage(LayoutConfig(num_blocks=32, num_layers=2, outer_dim=2, page_size=4,
+                                       inner_dim=16))
+    pins = Pins()
+    ex = BlockExporter("hostile-test", "G2", storage, pins.pin, pins.unpin)
+    yield ex, pins
+    ex.close()
+    storage.close()
+
+
+def ask(control: str, body: bytes, timeout_ms: int = 5000):
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(control)
+    try:
+        s.send(body)
+        if not s.poll(timeout_ms):
+            return None
+        return msgpack.unpackb(s.recv(), raw=False)
+    finally:
+        s.close()
+
+
+def hashes(*values) -> bytes:
+    return np.array(values, dtype="<u8").tobytes()
+
+
+@needs_nixl
+@pytest.mark.parametrize("body", [
+    b"\xc1not msgpack",
+    msgpack.packb([1, 2, 3]),
+    msgpack.packb({"op": "launch"}),
+    msgpack.packb({"op": None}),
+    msgpack.packb({"op": "lease"}),
+    msgpack.packb({"op": "lease", "hashes": [1, 2], "ttl": 5}),               # not packed
+    msgpack.packb({"op": "lease", "hashes": b"1234567", "ttl": 5}),           # not 8-byte
+    msgpack.packb({"op": "lease", "hashes": b"", "ttl": 5}),
+    msgpack.packb({"op": "lease", "hashes": b"\0" * 8 * 70000, "ttl": 5}),    # too many
+    msgpack.packb({"op": "lease", "hashes": hashes(1), "ttl": -1}),
+    msgpack.packb({"op": "lease", "hashes": hashes(1), "ttl": True}),
+    msgpack.packb({"op": "lease", "hashes": hashes(1), "ttl": "5"}),
+    msgpack.packb({"op": "release", "lease": "1"}),
+    msgpack.packb({"op": "release", "lease": True}),
+])
+def test_malformed_requests_get_errors_and_change_nothing(exporter, body):
+    ex, pins = exporter
+    reply = ask(ex.control, body)
+    assert isinstance(reply, dict) and "error" in reply
+    assert len(ex.leases) == 0 and pins.pinned == []
+    ok = ask(ex.control, msgpack.packb({"op": "lease", "hashes": hashes(1, 2), "ttl": 5}))
+    assert ok["lease"] > 0 and np.frombuffer(ok["slots"], "<u8").tolist() == [10, 11]
+
+
+@needs_nixl
+def test_an_oversized_request_is_dropped_and_the_exporter_keeps_serving(exporter):
+    ex, _ = exporter
+    assert ask(ex.control, b"\0" * (2 << 20), timeout_ms=500) is None
+    reply = ask(ex.control, msgpack.packb({"op": "blockset", "id": 7}))
+    assert reply["id"] == 7 and isinstance(reply["blockset"], bytes)
+    released = ask(ex.control, msgpack.packb({"op": "release", "lease": 12345}))
+    assert released == {"released": False}
