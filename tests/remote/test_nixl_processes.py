@@ -231,9 +231,9 @@ def test_a_block_set_pointing_outside_what_the_exporter_registered_reads_nothing
     fail their checksums; nothing is sealed."""
     import json
 
-    from kvstrata.remote.importer import _Channel
+    from kvstrata.remote.importer import ask
 
-    data = _Channel(exporter.control, 5).call({"op": "blockset"})["blockset"]
+    data = ask(exporter.control, {"op": "blockset"}, 5)["blockset"]
     raw = json.loads(data)
     raw["layout"]["regions"][0]["address"] += 4096
     local = host_storage()

@@ -44,6 +44,14 @@ class ChecksumTable:
     def __len__(self) -> int:
         return len(self._valid)
 
+    def valid_mask(self) -> np.ndarray:
+        """A copy of the per-slot valid flags."""
+        return self._valid.copy()
+
+    def sequence_hashes_of(self, slots: np.ndarray) -> np.ndarray:
+        """The sequence hashes recorded for ``slots`` (meaningful where valid)."""
+        return self._seq[slots]
+
     def invalidate(self, slots: Sequence[int]) -> None:
         """Mark slots empty (call before writing new bytes into them)."""
         self._valid[np.asarray(slots, dtype=np.int64)] = False

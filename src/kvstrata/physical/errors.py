@@ -26,7 +26,7 @@ from ..protocol.results import BlockFailure, FailureKind
 __all__ = ["PhysicalError", "LayoutError", "LayoutConfigError", "LayoutMismatchError",
            "LayoutFormatError", "LayoutVersionError", "TransferError", "TransferPlanError",
            "EngineClosedError", "EngineBusyError", "StorageError", "StorageConfigError",
-           "StorageClosedError", "BlockIOError", "DiskFullError", "StorageIOError",
+           "StorageClosedError", "SlotPinnedError", "BlockIOError", "DiskFullError", "StorageIOError",
            "BlockIntegrityError", "ChecksumMismatchError", "BlockNotFoundError", "BlockFailure", "FailureKind",
            "raise_for_failures"]
 
@@ -42,6 +42,11 @@ class StorageConfigError(StorageError, ValueError):
 
 class StorageClosedError(StorageError):
     """The storage was closed; its memory or file is gone."""
+
+
+class SlotPinnedError(StorageError):
+    """A slot is being read by another process (a lease on it is outstanding): it may not be
+    overwritten until released."""
 
 
 class BlockIOError(StorageError):

@@ -9,6 +9,8 @@
   "slots": <u64 LE bytes>, "checksums": <u64 LE bytes>}``: the slot and checksum of each block
   of the longest held prefix of ``hashes`` (``lease`` 0 and empty arrays when nothing is
   held; packed arrays, because a lease may name thousands of blocks);
+* ``{"op": "has", "hashes": <u64 LE bytes>}`` -> ``{"held": n}``: how long a prefix is held
+  now, nothing pinned (a reader deciding where to load from);
 * ``{"op": "release", "lease": id}`` -> ``{"released": bool}``;
 * anything else -> ``{"error": "..."}``.
 
@@ -132,6 +134,8 @@ class BlockExporter:
                 return {"blockset": self._encoded}
             if op == "lease":
                 return self._lease(request)
+            if op == "has":
+                return self._has(request)
             if op == "release":
                 lease_id = request.get("lease")
                 if not isinstance(lease_id, int) or isinstance(lease_id, bool):
@@ -144,15 +148,30 @@ class BlockExporter:
             log.exception("kvstrata: exporter %s failed a %s request", self.name, op)
             return {"error": f"internal error: {type(exc).__name__}"}
 
-    def _lease(self, request: dict) -> dict:
-        raw, ttl = request.get("hashes"), request.get("ttl")
+    @staticmethod
+    def _hashes(request: dict) -> list[int] | None:
+        raw = request.get("hashes")
         if not isinstance(raw, bytes) or not raw or len(raw) % 8 \
                 or len(raw) // 8 > MAX_LEASE_BLOCKS:
+            return None
+        return np.frombuffer(raw, "<u8").tolist()
+
+    def _has(self, request: dict) -> dict:
+        """How long a prefix of the hashes is held now (nothing pinned)."""
+        hashes = self._hashes(request)
+        if hashes is None:
+            return {"error": f"has needs 1..{MAX_LEASE_BLOCKS} hashes as little-endian u64 "
+                             f"bytes"}
+        return {"held": self.leases.held(hashes)}
+
+    def _lease(self, request: dict) -> dict:
+        hashes, ttl = self._hashes(request), request.get("ttl")
+        if hashes is None:
             return {"error": f"lease needs 1..{MAX_LEASE_BLOCKS} hashes as little-endian u64 "
                              f"bytes"}
         if not isinstance(ttl, (int, float)) or isinstance(ttl, bool) or not ttl > 0:
             return {"error": "lease needs a ttl > 0 seconds"}
-        lease = self.leases.grant(np.frombuffer(raw, "<u8").tolist(), float(ttl))
+        lease = self.leases.grant(hashes, float(ttl))
         if lease is None:
             return {"lease": 0, "ttl": 0.0, "slots": b"", "checksums": b""}
         rows = np.array([(b[1], b[2]) for b in lease.blocks], dtype="<u8")

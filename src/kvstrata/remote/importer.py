@@ -38,7 +38,7 @@ from .blockset import BlockSet, byte_ranges, decode
 from .errors import BlockSetFormatError, LeaseError, RemoteReadError
 from .nixl_agent import NixlAgent
 
-__all__ = ["BlockSetImporter", "RemotePeer", "RemoteLease"]
+__all__ = ["BlockSetImporter", "RemotePeer", "RemoteLease", "pack_hashes", "ask"]
 
 _names = itertools.count(1)
 BATCH_BYTES = 8 << 20
@@ -181,12 +181,7 @@ class RemotePeer:
     def lease(self, sequence_hashes: Sequence[int], ttl: float = 10.0) -> RemoteLease:
         """Ask the exporter to pin the longest prefix of ``sequence_hashes`` it holds;
         the lease may name fewer blocks (none: nothing held)."""
-        try:
-            hashes = np.asarray(sequence_hashes, dtype="<u8")
-        except (OverflowError, TypeError, ValueError):
-            raise ValueError("lease needs sequence hashes (u64)") from None
-        if hashes.ndim != 1 or not hashes.size:
-            raise ValueError("lease needs a non-empty sequence of u64 sequence hashes")
+        hashes = np.frombuffer(pack_hashes(sequence_hashes), "<u8")
         started = time.monotonic()
         reply = self._channel.call({"op": "lease", "hashes": hashes.tobytes(),
                                     "ttl": float(ttl)})
@@ -203,6 +198,15 @@ class RemotePeer:
         rows = zip(hashes[:count].tolist(), np.frombuffer(slots, "<u8").tolist(),
                    np.frombuffer(checksums, "<u8").tolist())
         return RemoteLease(lease_id, tuple(rows), started + float(granted))
+
+    def held(self, sequence_hashes: Sequence[int]) -> int:
+        """How long a prefix of ``sequence_hashes`` the exporter holds now (no lease)."""
+        reply = self._channel.call({"op": "has", "hashes": pack_hashes(sequence_hashes)})
+        held = reply.get("held")
+        if "error" in reply or not isinstance(held, int) or isinstance(held, bool) \
+                or not 0 <= held <= len(sequence_hashes):
+            raise LeaseError(f"{self.blockset.name}: {reply.get('error', 'malformed reply')}")
+        return held
 
     def read(self, lease: RemoteLease, local_slots: Sequence[int], timeout: float = 30.0,
              verify: bool = True) -> list[int]:
@@ -266,6 +270,29 @@ class RemotePeer:
             self.closed = True
             self._channel.close()
             self.importer._agent.remove_remote(self.blockset.name)
+
+
+def pack_hashes(sequence_hashes: Sequence[int]) -> bytes:
+    """Sequence hashes as little-endian u64 bytes; ``ValueError`` unless a non-empty
+    sequence of u64."""
+    try:
+        hashes = np.asarray(sequence_hashes, dtype="<u8")
+    except (OverflowError, TypeError, ValueError):
+        raise ValueError("sequence hashes must be u64") from None
+    if hashes.ndim != 1 or not hashes.size:
+        raise ValueError("expected a non-empty sequence of u64 sequence hashes")
+    return hashes.tobytes()
+
+
+def ask(control: str, request: dict, timeout: float) -> dict:
+    """One request to the exporter at ``control`` on a connection of its own (closed
+    after): for callers that do not keep a peer, e.g. asking several exporters what they
+    hold. :class:`LeaseError` if it does not answer in time."""
+    channel = _Channel(control, timeout)
+    try:
+        return channel.call(request)
+    finally:
+        channel.close()
 
 
 class _LocalMemory:

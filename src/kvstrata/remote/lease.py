@@ -78,6 +78,13 @@ class LeaseTable:
             self._leases[lease.lease_id] = (lease, token)
         return lease
 
+    def held(self, hashes: Sequence[int]) -> int:
+        """How long a prefix of ``hashes`` is held now (pinned and unpinned at once)."""
+        blocks, token = self._pin(list(hashes))
+        if token is not None:
+            self._unpin(token)
+        return len(blocks)
+
     def release(self, lease_id: int) -> bool:
         """Unpin a lease's blocks; False if it is unknown (released or expired already)."""
         with self._lock:

@@ -177,11 +177,11 @@ def start_lease_holder(control: str, hashes: list[int], ttl: float, timeout: flo
 def _holder_main(conn, control: str, hashes: list[int], ttl: float) -> None:
     import time
 
-    from .importer import _Channel
+    from .importer import ask
 
     try:
-        reply = _Channel(control, 10.0).call({
-            "op": "lease", "hashes": np.asarray(hashes, "<u8").tobytes(), "ttl": ttl})
+        reply = ask(control, {
+            "op": "lease", "hashes": np.asarray(hashes, "<u8").tobytes(), "ttl": ttl}, 10.0)
     except Exception as exc:
         conn.send(f"{type(exc).__name__}: {exc}")
         return

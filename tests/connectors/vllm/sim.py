@@ -157,6 +157,8 @@ class SimEngine:
         for request in list(self.requests.values()):
             if request.state == "waiting":
                 n, is_async = self.scheduler.get_num_new_matched_tokens(request, 0)
+                if n is None:                  # not determined yet: vLLM skips it this step
+                    continue
                 assert n % bs == 0 and n < request.num_tokens
                 request.block_ids = self._allocate(-(-request.num_tokens // bs))
                 self.scheduler.update_state_after_alloc(request, list(request.block_ids), n)

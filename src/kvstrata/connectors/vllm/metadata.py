@@ -12,6 +12,7 @@ rank's result of a plan before applying it (:class:`RankResults`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorMetadata,
                                                                KVConnectorWorkerMetadata)
@@ -46,6 +47,8 @@ class StepOrders(KVConnectorMetadata):
     loads: dict[str, LoadOrder] = field(default_factory=dict)
     flush: bool = False
     step: int = 0
+    remote_loads: dict[str, Any] = field(default_factory=dict)
+    """Request id -> :class:`~.sharing.RemoteLoad`: prefixes to read from a peer engine."""
 
 
 @dataclass

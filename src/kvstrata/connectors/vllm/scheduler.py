@@ -37,6 +37,7 @@ from ...types import BlockRecord
 from .events import VllmEventCollector
 from .metadata import LoadOrder, RankResults, StepOrders, WorkerReport
 from .settings import ConnectorSettings
+from .sharing import PeerDirectory, RemoteLoad
 
 __all__ = ["SchedulerHalf", "ConnectorCounters"]
 
@@ -73,7 +74,7 @@ class ConnectorCounters:
 class _Tracked:
     """One live request: its block hashes so far, the blocks offered, its engine blocks."""
 
-    __slots__ = ("request", "seed", "local", "seq", "offered", "load")
+    __slots__ = ("request", "seed", "local", "seq", "offered", "load", "remote")
 
     def __init__(self, request: Any, seed: int) -> None:
         self.request = request
@@ -83,6 +84,8 @@ class _Tracked:
         self.offered = 0
         self.load: tuple[int, list[str]] | None = None
         """(first block, tier of each block) last answered to vLLM as loadable."""
+        self.remote: tuple[int, str, int] | None = None
+        """(first block, peer, blocks) last answered as loadable from a peer engine."""
 
     def hash_upto(self, blocks: int, block_size: int) -> None:
         """Hash the request's tokens up to ``blocks`` full blocks (incrementally)."""
@@ -127,6 +130,8 @@ class SchedulerHalf:
         """Each worker's recovered durable blocks until every rank reported (then None)."""
         self._restore_from_index_files()
         self._learned: queue.SimpleQueue = queue.SimpleQueue()
+        self._peers = PeerDirectory(settings.peers) if settings.peers else None
+        self._remote_loads: dict[str, RemoteLoad] = {}
         self._timed_steps: dict[int, int] = {}
         """Steps whose forward the workers time, and the tokens each scheduled."""
         self._step = 0
@@ -160,7 +165,7 @@ class SchedulerHalf:
 
     # -- vLLM scheduler calls --------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any,
-                                   num_computed_tokens: int) -> tuple[int, bool]:
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
         tracked = self._track(request)          # tracked for its stores even with loads off
         if tracked is None or not self.settings.load:
             return 0, False
@@ -185,11 +190,23 @@ class SchedulerHalf:
                           len(tiers), ",".join(tiers))
                 tiers = tiers[:worth]
         tracked.load = (start, tiers) if tiers else None
+        tracked.remote = None
+        if self._peers is not None and len(tiers) < limit - start:
+            best = self._peers.best(request.request_id, tracked.seq[start:limit])
+            if best is None:
+                return None, False                   # asking the peers: vLLM asks again
+            peer, held = best
+            if held > len(tiers):                    # a peer holds more: load it all from there
+                tracked.load, tracked.remote = None, (start, peer, held)
+                return held * bs, True
         return len(tiers) * bs, bool(tiers)
 
     def update_state_after_alloc(self, request: Any, block_ids: list[int],
                                  num_external_tokens: int) -> None:
         tracked = self._requests.get(request.request_id)
+        if tracked is not None and tracked.remote is not None and num_external_tokens > 0:
+            self._order_remote_load(request.request_id, tracked, block_ids, num_external_tokens)
+            return
         if tracked is None or num_external_tokens <= 0 or tracked.load is None:
             return
         start, tiers = tracked.load
@@ -224,6 +241,22 @@ class SchedulerHalf:
             tuple(p.job_id for p in mine), tuple(b for b in targets if b not in filled))
         self._collect_finished()
 
+    def _order_remote_load(self, req_id: str, tracked: "_Tracked", block_ids: list[int],
+                           num_external_tokens: int) -> None:
+        """vLLM allocated the blocks of a prefix a peer engine holds: order the worker to
+        read it from there."""
+        start, peer, held = tracked.remote
+        tracked.remote = None
+        count = min(held, num_external_tokens // self.block_size)
+        hashes = tuple(tracked.seq[start:start + count])
+        targets = tuple(block_ids[start:start + count])
+        self._remote_loads[req_id] = RemoteLoad(peer, hashes, targets)
+        self._loading.add(req_id)
+        self.counters.lookups += 1
+        matched = self.counters.tokens_matched
+        matched["remote"] = matched.get("remote", 0) + count * self.block_size
+        self._peers.forget(req_id)
+
     def build_connector_meta(self, scheduler_output: Any) -> StepOrders:
         step = self._time_if_prefill(scheduler_output)
         preempted = getattr(scheduler_output, "preempted_req_ids", None) or ()
@@ -234,8 +267,9 @@ class SchedulerHalf:
         self._outbox.extend(self.planner.take_plans())
         self._count_not_stored()
         orders = StepOrders(plans=self._outbox, loads=self._loads, flush=self._flush,
-                            step=step)
+                            step=step, remote_loads=self._remote_loads)
         self._outbox, self._loads, self._flush = [], {}, False
+        self._remote_loads = {}
         return orders
 
     def update_connector_output(self, output: Any) -> None:
@@ -303,6 +337,8 @@ class SchedulerHalf:
         for lister in self._listers:
             lister.close(storages=True)
         self._listers = []
+        if self._peers is not None:
+            self._peers.close()
 
     def _time_if_prefill(self, scheduler_output: Any) -> int:
         """A step number for the workers to time this step's forward under, if it computes
@@ -363,6 +399,8 @@ class SchedulerHalf:
         req_id = request.request_id
         self._requests.pop(req_id, None)
         self._load_tiers.pop(req_id, None)
+        if self._peers is not None:
+            self._peers.forget(req_id)
         if req_id in self._loading:
             return False            # vLLM already waits for the load before freeing
         ids = frozenset(block_ids)

@@ -28,6 +28,12 @@ key                    meaning                                     default
 ``fail_on_load_error`` a failed load fails the request (vLLM's     ``false``: recompute
                        ``kv_load_failure_policy=fail``)
 ``worker_id``          publisher id in kvstrata events             0
+``export``             ``tcp://host:port``: serve this engine's     none
+                       G2 to other engines over NIXL (leases on
+                       that address; one worker per engine)
+``peers``              control addresses of other engines'         none
+                       exports: a prefix they hold is read from
+                       their G2 into vLLM's cache over NIXL
 ``config``             a kvstrata TOML file                        ``$KVSTRATA_CONFIG``
 =====================  =========================================  ==========================
 
@@ -39,6 +45,7 @@ every problem, before anything is allocated.
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
@@ -57,7 +64,10 @@ DEFAULT_TIERS: dict[str, TierConfig] = {first_of_kind(TierKind.HOST): TierConfig
 
 _KNOWN = {"tiers", "disk_dir", "eviction", "admission", "events", "verify_host_reads",
           "o_direct", "load", "store", "worker_id", "config", "fail_on_load_error",
-          "list_interval", "tenant", "cost_aware"}
+          "list_interval", "tenant", "cost_aware", "export", "peers"}
+
+
+_CONTROL = re.compile(r"tcp://[A-Za-z0-9.\-]{1,253}:[0-9]{1,5}")
 
 
 class ConnectorConfigError(ValueError):
@@ -131,6 +141,10 @@ class ConnectorSettings:
     """Load only the part of a held prefix whose estimated load time beats recomputing it
     (:meth:`kvstrata.placement.costs.CostModel.worth_loading`); False loads all of it."""
     worker_id: int = 0
+    export: str | None = None
+    """Where this engine serves its G2 to others (``tcp://host:port``), or None."""
+    peers: tuple[str, ...] = ()
+    """Control addresses of other engines' exports to read prefixes from."""
     list_interval: float = 10.0
     block_layout: str = "vllm"
     """The byte order of vLLM's KV pages as stored (platform, version, attention backend):
@@ -198,6 +212,20 @@ def settings_from(extra: Mapping[str, Any] | None, geometry: KvGeometry,
                                                         for e in events):
         problems.append(f"events must be a sink spec or a list of them, got {events!r}")
         events = ()
+    export = extra.get("export")
+    if export is not None and not (isinstance(export, str) and _CONTROL.fullmatch(export)):
+        problems.append(f"export must be tcp://host:port, got {export!r:.60}")
+        export = None
+    peers = extra.get("peers", ())
+    if isinstance(peers, str):
+        peers = (peers,)
+    if not isinstance(peers, (list, tuple)) or not all(
+            isinstance(x, str) and _CONTROL.fullmatch(x) for x in peers):
+        problems.append(f"peers must be a list of tcp://host:port, got {peers!r:.80}")
+        peers = ()
+    if (export or peers) and geometry.workers != 1:
+        problems.append("export/peers (sharing G2 between engines) supports one worker per "
+                        f"engine for now; this engine has {geometry.workers}")
     config_path = extra.get("config")
     if config_path is not None and not isinstance(config_path, str):
         problems.append(f"config must be a path, got {config_path!r}")
@@ -237,7 +265,7 @@ def settings_from(extra: Mapping[str, Any] | None, geometry: KvGeometry,
         raise ConnectorConfigError(f"kvstrata connector: {exc}") from None
     _check_runnable(kv, geometry.workers, block_layout)
     return ConnectorSettings(kv=kv, events=tuple(events), o_direct=o_direct,
-                             worker_id=worker_id, list_interval=float(list_interval),
+                             worker_id=worker_id, export=export, peers=tuple(peers), list_interval=float(list_interval),
                              block_layout=block_layout, **flags)
 
 

@@ -40,6 +40,7 @@ from ...protocol.results import FailureKind, TransferResult
 from ...tiers import TOP_TIER
 from .metadata import StepOrders, WorkerReport
 from .settings import ConnectorSettings
+from .sharing import G2Export, RemoteLoader
 
 __all__ = ["WorkerHalf", "wrap_vllm_kv_caches"]
 
@@ -102,6 +103,8 @@ class WorkerHalf:
         self._load_errors: set[int] = set()
         self._timing: tuple[int, float] | None = None
         self._forwards: list[tuple[int, float]] = []
+        self._export: G2Export | None = None
+        self._remote: RemoteLoader | None = None
 
     # -- set-up ----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
@@ -115,14 +118,19 @@ class WorkerHalf:
         self._recovered = self.storages.recovered_rows()
         self.engine = TransferEngine(self.storages.by_tier, copy_engine=self._copy_engine)
         self._executor = EngineExecutor(self.engine, self._done.put)
+        if self.settings.export:
+            self._export = G2Export(self.settings, self.storages.by_tier["G2"], self.rank,
+                                    self.world_size)
+        if self.settings.peers:
+            self._remote = RemoteLoader(self.settings, g1, self.rank, self.world_size)
         log.info("kvstrata: worker %d holds %s", self.rank,
                  ", ".join(f"{t}={s.config.num_blocks} blocks"
                            for t, s in self.storages.by_tier.items()))
 
     @property
     def outstanding(self) -> int:
-        """Plans submitted whose result was not taken yet."""
-        return len(self._outstanding)
+        """Plans submitted whose result was not taken yet, and remote loads running."""
+        return len(self._outstanding) + (self._remote.pending if self._remote else 0)
 
     # -- per step --------------------------------------------------------------------------
     def start(self, orders: StepOrders) -> None:
@@ -135,6 +143,12 @@ class WorkerHalf:
                 self._job_request[job] = req_id
             if not order.job_ids:
                 self._finish_load(req_id)
+        for req_id, load in orders.remote_loads.items():
+            if self._remote is None:
+                self._load_errors.update(load.block_ids)
+                self._finished_recving.add(req_id)
+            else:
+                self._remote.submit(req_id, load)
         now = [p for p in orders.plans if p.src_tier != TOP_TIER]
         self._stores.extend(p for p in orders.plans if p.src_tier == TOP_TIER)
         self._submit(now)
@@ -170,6 +184,10 @@ class WorkerHalf:
     def finished(self) -> tuple[set[str], set[str]]:
         """(finished sending, finished receiving): loads whose plans all completed."""
         self._drain()
+        if self._remote is not None:
+            for req_id, failed in self._remote.finished():
+                self._load_errors.update(failed)
+                self._finished_recving.add(req_id)
         done, self._finished_recving = self._finished_recving, set()
         return set(), done
 
@@ -193,6 +211,12 @@ class WorkerHalf:
         """Finish the copies in flight (bounded wait), then free the storages."""
         self.save()
         self._drain(until=lambda: not self._outstanding)
+        if self._remote is not None:
+            self._remote.close()
+            self._remote = None
+        if self._export is not None:
+            self._export.close()
+            self._export = None
         if self.engine is not None:
             self.engine.close(cancel_pending=True)
             self.engine = None

@@ -27,6 +27,8 @@ When checksums are computed (``checksums=``):
 
 from __future__ import annotations
 
+import threading
+from collections import Counter
 from typing import Sequence
 
 import numpy as np
@@ -35,7 +37,7 @@ import torch
 from ..buffers import AlignedBuffer
 from ..checksum import ChecksumTable, block_checksum
 from ..dtypes import torch_dtype
-from ..errors import BlockFailure, StorageConfigError
+from ..errors import BlockFailure, SlotPinnedError, StorageConfigError
 from ...protocol.layout import FullyContiguousLayout, LayoutConfig
 from ...protocol.layout_codec import StorageDescriptor
 from .base import BlockMemory, MemoryStorage, StorageStatus
@@ -68,6 +70,8 @@ class HostStorage(MemoryStorage):
         self.verify_reads = verify_reads
         self.checksum_mode = checksums
         self.checksums = ChecksumTable(config.num_blocks)
+        self._pins: Counter[int] = Counter()
+        self._pin_lock = threading.Lock()
 
     @property
     def eager_checksums(self) -> bool:
@@ -100,8 +104,50 @@ class HostStorage(MemoryStorage):
 
     # -- integrity protocol
     def begin_write(self, block_ids: Sequence[int]) -> None:
-        """Invalidate slots about to be overwritten."""
-        self.checksums.invalidate(block_ids)
+        """Invalidate slots about to be overwritten; :class:`SlotPinnedError` (nothing
+        invalidated) if another process is reading one of them (:meth:`pin_held`)."""
+        with self._pin_lock:
+            if self._pins:
+                busy = [b for b in block_ids if b in self._pins]
+                if busy:
+                    raise SlotPinnedError(f"slots {busy[:4]} are being read by another "
+                                          f"process; not overwritten")
+            self.checksums.invalidate(block_ids)
+
+    def pin_held(self, sequence_hashes: Sequence[int]) -> list[tuple[int, int, int]]:
+        """For a reader in another process: the longest prefix of ``sequence_hashes`` held
+        in valid slots, as ``(hash, slot, checksum)`` rows (deferred checksums computed
+        now), each slot pinned against :meth:`begin_write` until :meth:`unpin`."""
+        self._check_open()
+        with self._pin_lock:
+            valid = np.flatnonzero(self.checksums.valid_mask())
+            seqs = self.checksums.sequence_hashes_of(valid)
+            order = np.argsort(seqs, kind="stable")
+            seqs, valid = seqs[order], valid[order]
+            wanted = np.asarray(sequence_hashes, dtype=np.uint64)
+            at = np.searchsorted(seqs, wanted)
+            found = (at < len(seqs)) & (seqs[np.minimum(at, len(seqs) - 1)] == wanted) \
+                if len(seqs) else np.zeros(len(wanted), dtype=bool)
+            held = len(wanted) if found.all() else int(np.argmin(found))
+            slots = valid[at[:held]].tolist()
+            for slot in slots:
+                self._pins[slot] += 1
+        try:
+            checksums = self.ensure_checksums(slots)
+        except BaseException:
+            self.unpin(slots)
+            raise
+        return list(zip(wanted[:held].tolist(), slots, checksums))
+
+    def unpin(self, block_ids: Sequence[int]) -> None:
+        """Undo :meth:`pin_held` for these slots."""
+        with self._pin_lock:
+            for slot in block_ids:
+                left = self._pins[slot] - 1
+                if left > 0:
+                    self._pins[slot] = left
+                else:
+                    self._pins.pop(slot, None)
 
     def seal(self, block_ids: Sequence[int], sequence_hashes: Sequence[int],
              checksums: Sequence[int | None] | None = None, *,

@@ -1,0 +1,183 @@
+"""Sharing G2 between vLLM engines over NIXL (``export`` and ``peers`` settings).
+
+An engine with ``export: tcp://host:port`` serves its G2 from its worker process
+(:class:`G2Export`): a :class:`~kvstrata.remote.BlockExporter` over the worker's G2 storage
+whose leases pin slots in the storage itself (the pool lives in the scheduler process; a
+pinned slot refuses to be overwritten, so a copy into it fails and that block is simply not
+stored, and the scheduler never learns of the lease).
+
+An engine with ``peers`` reads prefixes from them straight into vLLM's KV cache:
+
+* its scheduler asks each peer how long a prefix of a request it holds
+  (:class:`PeerDirectory`: in the background; vLLM is told "not yet" until the answers come
+  or :data:`ASK_TIMEOUT` passes) and, when a peer holds more than the local tiers, has vLLM
+  allocate the blocks and orders a remote load;
+* its worker (:class:`RemoteLoader`) leases the prefix from the peer, reads it with NIXL into
+  the engine's blocks, verified against the peer's checksums, and reports the request
+  loaded; blocks that could not be read are reported as load errors (vLLM recomputes them).
+
+One worker per engine for now (tensor parallelism would pair each rank with the peer's same
+rank).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Sequence
+
+from ...compat import compatibility_of
+from ...remote.exporter import BlockExporter
+from ...remote.importer import BlockSetImporter, RemotePeer, ask, pack_hashes
+from .settings import ConnectorSettings
+
+__all__ = ["RemoteLoad", "G2Export", "RemoteLoader", "PeerDirectory", "ASK_TIMEOUT"]
+
+log = logging.getLogger(__name__)
+
+ASK_TIMEOUT = 0.2
+"""Seconds a request waits for the peers' answers before it is scheduled without them."""
+LEASE_TTL = 30.0
+
+
+@dataclass(frozen=True)
+class RemoteLoad:
+    """Read ``sequence_hashes`` from the peer at ``peer`` into the engine's ``block_ids``."""
+
+    peer: str
+    sequence_hashes: tuple[int, ...]
+    block_ids: tuple[int, ...]
+
+
+def _fingerprint(settings: ConnectorSettings, rank: int, world_size: int) -> str:
+    return compatibility_of(settings.kv, rank=rank, world_size=world_size,
+                            block_layout=settings.block_layout).fingerprint
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    return host, int(port)
+
+
+class G2Export:
+    """The exporting engine's worker: its G2 served at ``settings.export``."""
+
+    def __init__(self, settings: ConnectorSettings, g2, rank: int, world_size: int) -> None:
+        self.storage = g2
+        host, port = _host_port(settings.export)
+        self.exporter = BlockExporter(
+            f"kvstrata-vllm-{settings.worker_id}-{rank}-{port}", "G2", g2, self._pin,
+            self._unpin, fingerprint=_fingerprint(settings, rank, world_size), host=host,
+            port=port)
+        log.info("kvstrata: serving G2 to other engines at %s", self.exporter.control)
+
+    def _pin(self, hashes: Sequence[int]):
+        rows = self.storage.pin_held(hashes)
+        return rows, [slot for _, slot, _ in rows]
+
+    def _unpin(self, slots: list[int]) -> None:
+        self.storage.unpin(slots)
+
+    def close(self) -> None:
+        self.exporter.close()
+
+
+class RemoteLoader:
+    """The reading engine's worker: remote loads into vLLM's KV cache (``g1``), one at a time
+    on a thread; :meth:`finished` gives ``(request id, engine block ids not loaded)``."""
+
+    def __init__(self, settings: ConnectorSettings, g1, rank: int, world_size: int) -> None:
+        self.importer = BlockSetImporter(g1, fingerprint=_fingerprint(settings, rank,
+                                                                       world_size))
+        self._peers: dict[str, RemotePeer] = {}
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-remote-load")
+        self._done: queue.SimpleQueue = queue.SimpleQueue()
+        self.pending = 0
+
+    def submit(self, req_id: str, load: RemoteLoad) -> None:
+        self.pending += 1
+        self._pool.submit(self._run, req_id, load)
+
+    def _run(self, req_id: str, load: RemoteLoad) -> None:
+        failed = list(load.block_ids)
+        try:
+            peer = self._peers.get(load.peer)
+            if peer is None:
+                peer = self._peers[load.peer] = self.importer.connect(load.peer)
+            lease = peer.lease(load.sequence_hashes, LEASE_TTL)
+            try:
+                count = len(lease.blocks)
+                if count:
+                    peer.read(lease, load.block_ids[:count])
+                failed = list(load.block_ids[count:])
+            finally:
+                peer.release(lease)
+        except Exception as exc:       # a dead or refusing peer: every block recomputed
+            log.warning("kvstrata: remote load of request %s from %s failed: %s", req_id,
+                        load.peer, exc)
+            stale = self._peers.pop(load.peer, None)
+            if stale is not None:
+                stale.close()
+        self._done.put((req_id, failed))
+
+    def finished(self) -> list[tuple[str, list[int]]]:
+        out = []
+        while True:
+            try:
+                out.append(self._done.get_nowait())
+            except queue.Empty:
+                break
+        self.pending -= len(out)
+        return out
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self.importer.close()
+
+
+class PeerDirectory:
+    """The reading engine's scheduler: asks the peers, in the background, how long a prefix
+    of a request they hold (``has``; nothing pinned)."""
+
+    def __init__(self, peers: Sequence[str]) -> None:
+        self.peers = list(peers)
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="kvstrata-peers")
+        self._asked: dict[str, tuple[float, tuple[int, ...], Future]] = {}
+
+    def best(self, req_id: str, hashes: Sequence[int]) -> tuple[str, int] | None:
+        """``(peer, blocks)`` of the peer holding the longest prefix of ``hashes``, or
+        ``(None, 0)`` if none does or they did not answer in time; None while asking."""
+        key = tuple(hashes)
+        asked = self._asked.get(req_id)
+        if asked is None or asked[1] != key:
+            self._asked[req_id] = (time.monotonic(), key,
+                                   self._pool.submit(self._ask_all, list(key)))
+            return None
+        started, _, future = asked
+        if not future.done():
+            if time.monotonic() - started < ASK_TIMEOUT:
+                return None
+            return ("", 0)
+        return future.result()
+
+    def forget(self, req_id: str) -> None:
+        self._asked.pop(req_id, None)
+
+    def _ask_all(self, hashes: list[int]) -> tuple[str, int]:
+        best = ("", 0)
+        for peer in self.peers:
+            try:
+                reply = ask(peer, {"op": "has", "hashes": pack_hashes(hashes)}, ASK_TIMEOUT)
+            except Exception:
+                continue
+            held = reply.get("held")
+            if isinstance(held, int) and not isinstance(held, bool) \
+                    and best[1] < held <= len(hashes):
+                best = (peer, held)
+        return best
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
