@@ -33,6 +33,7 @@ from ..physical.storage.base import MemoryStorage
 from ..protocol.layout_codec import SharedLayout
 from .blockset import BlockSet
 from .errors import LeaseError
+from .importer import _context
 from .lease import LeaseTable
 from .nixl_agent import NixlAgent
 
@@ -59,7 +60,7 @@ class BlockExporter:
         self.leases = LeaseTable(pin, unpin, max_leases=max_leases)
         layout, regions = storage.layout, storage.descriptors()
         self._agent = NixlAgent(name)
-        self._ctx = zmq.Context.instance()
+        self._ctx = _context()
         self._socket = self._ctx.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)

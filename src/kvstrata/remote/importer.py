@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import os
 from bisect import bisect_right
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -284,6 +285,19 @@ def pack_hashes(sequence_hashes: Sequence[int]) -> bytes:
     return hashes.tobytes()
 
 
+_CONTEXT: "zmq.Context | None" = None
+_CONTEXT_PID = 0
+
+
+def _context() -> "zmq.Context":
+    """kvstrata's own ZMQ context in this process (not ``zmq.Context.instance()``, which
+    an engine may configure or terminate for its own sockets)."""
+    global _CONTEXT, _CONTEXT_PID
+    if _CONTEXT is None or _CONTEXT_PID != os.getpid() or _CONTEXT.closed:
+        _CONTEXT, _CONTEXT_PID = zmq.Context(), os.getpid()
+    return _CONTEXT
+
+
 def ask(control: str, request: dict, timeout: float) -> dict:
     """One request to the exporter at ``control`` on a connection of its own (closed
     after): for callers that do not keep a peer, e.g. asking several exporters what they
@@ -327,7 +341,7 @@ class _Channel:
 
     def __init__(self, control: str, timeout: float) -> None:
         self.control, self.timeout = control, timeout
-        self._ctx = zmq.Context.instance()
+        self._ctx = _context()
         self._socket = None
         self._ids = itertools.count(1)
 

@@ -41,6 +41,8 @@ log = logging.getLogger(__name__)
 ASK_TIMEOUT = 0.2
 """Seconds a request waits for the peers' answers before it is scheduled without them."""
 LEASE_TTL = 30.0
+READ_TIMEOUT = 5.0
+"""Seconds a remote load may take before it is given up (its blocks recomputed)."""
 
 
 @dataclass(frozen=True)
@@ -111,7 +113,7 @@ class RemoteLoader:
             try:
                 count = len(lease.blocks)
                 if count:
-                    peer.read(lease, load.block_ids[:count])
+                    peer.read(lease, load.block_ids[:count], timeout=READ_TIMEOUT)
                 failed = list(load.block_ids[count:])
             finally:
                 peer.release(lease)
