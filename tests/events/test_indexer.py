@@ -12,6 +12,20 @@ from kvstrata.logical.registry import BlockRegistry
 from .helpers import chain
 
 
+@pytest.fixture(autouse=True, params=["native", "python"])
+def core(request, monkeypatch):
+    """Every test here runs on the native core (when built) and on the pure-Python one, with
+    and without the fast Dynamo parser."""
+    from kvstrata.events import formats, indexer
+
+    if request.param == "python":
+        monkeypatch.setattr(indexer, "NATIVE_CORE", None)
+        monkeypatch.setattr(formats, "fast_decode_dynamo", None)
+    elif indexer.NATIVE_CORE is None:
+        pytest.skip("native indexer core not built")
+    return request.param
+
+
 def seqs(c):
     return [r.sequence_hash for r in c]
 

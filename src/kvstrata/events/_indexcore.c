@@ -329,8 +329,10 @@ static PyObject *Core_store(Core *c, PyObject *args) {
         }
     }
     uint32_t pidx = NIL;                   /* node of the previous block (the parent) */
+    for (Py_ssize_t b = 0; b < nb && b < 8; b++) __builtin_prefetch(&c->by_seq.slots[mix64(hl[2 * b]) & c->by_seq.mask]);
     for (Py_ssize_t b = 0; b < nb; b++) {
         uint64_t seq = hl[2 * b], local = hl[2 * b + 1];
+        if (b + 8 < nb) __builtin_prefetch(&c->by_seq.slots[mix64(hl[2 * b + 16]) & c->by_seq.mask]);
         uint32_t i = seq_get(c, seq);
         if (i == NIL && (i = node_new(c, seq)) == NIL) goto fail;
         if (N(c, i)->parent == NIL) {      /* new, or a placeholder made for an orphan child */
@@ -410,14 +412,36 @@ static PyObject *do_match(Core *c, PyObject *hashes_o, int local) {
     if (!hashes) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(hashes);
     PyObject **items = PySequence_Fast_ITEMS(hashes);
-    uint32_t first = NIL, cur = ROOT;
-    for (Py_ssize_t j = 0; j < n; j++) {
-        uint64_t v;
-        PyObject *o = items[j];
+    uint64_t stack[256], *v = stack;
+    if (n > 256 && !(v = malloc(sizeof(uint64_t) * n))) { Py_DECREF(hashes); return PyErr_NoMemory(); }
+    Py_ssize_t valid = 0;                       /* the walk stops at a value that is no u64 */
+    for (; valid < n; valid++) {
+        PyObject *o = items[valid];
         if (!PyLong_Check(o)) break;
-        v = PyLong_AsUnsignedLongLong(o);
-        if (v == (uint64_t)-1 && PyErr_Occurred()) { PyErr_Clear(); break; }
-        uint32_t i = local ? child_get(c, cur, v) : seq_get(c, v);
+        v[valid] = PyLong_AsUnsignedLongLong(o);
+        if (v[valid] == (uint64_t)-1 && PyErr_Occurred()) { PyErr_Clear(); break; }
+    }
+    uint32_t first = NIL, cur = ROOT;
+    Table *t = local ? &c->by_child : &c->by_seq;
+    if (!local)                                 /* the memory misses of a walk overlap */
+        for (Py_ssize_t j = 0; j < valid && j < 4; j++) __builtin_prefetch(&t->slots[mix64(v[j]) & t->mask]);
+    for (Py_ssize_t j = 0; j < valid; j++) {
+        uint32_t i = NIL;
+        if (local) {
+            uint32_t tag = (uint32_t)child_key(cur, v[j]);
+            for (uint64_t k = tag & t->mask;; k = (k + 1) & t->mask) {
+                Slot sl = t->slots[k];
+                if (sl.idx == EMPTY) break;
+                if (sl.tag != tag) continue;
+                if (j + 1 < valid)              /* the next step's slot, while this node loads */
+                    __builtin_prefetch(&t->slots[(uint32_t)child_key(sl.idx, v[j + 1]) & t->mask]);
+                Node *cand = N(c, sl.idx);
+                if (cand->parent == cur && cand->local == v[j]) { i = sl.idx; break; }
+            }
+        } else {
+            if (j + 4 < valid) __builtin_prefetch(&t->slots[mix64(v[j + 4]) & t->mask]);
+            i = seq_get(c, v[j]);
+        }
         if (i == NIL) break;
         Node *nd = N(c, i);
         uint32_t *hs = holders_of(nd), alive = 0;
@@ -432,6 +456,7 @@ static PyObject *do_match(Core *c, PyObject *hashes_o, int local) {
         cur = i;
         if (!alive) break;
     }
+    if (v != stack) free(v);
     PyObject *out = PyList_New(0);
     if (first != NIL) {
         Node *nd = N(c, first);

@@ -522,11 +522,11 @@ else:
         storage_tier: str | msgspec.UnsetType = msgspec.UNSET
 
 
-def _fast_dynamo_decoder():
-    """``decode(data, need_tier) -> (worker_id, event) | None``: the native parser when built,
-    else msgspec, else None (no fast path)."""
+def _fast_dynamo_decoder(use_native: bool = True):
+    """``decode(data, need_tier) -> (worker_id, event) | None``: the native parser when built
+    (and ``use_native``), else msgspec, else None (no fast path)."""
     native = None
-    if os.environ.get("KVSTRATA_NATIVE_INDEX", "1") != "0":  # as kvstrata.events.indexer
+    if use_native and os.environ.get("KVSTRATA_NATIVE_INDEX", "1") != "0":  # as indexer.py
         try:
             from kvstrata.events._indexcore import parse_router_event as native
         except ImportError:
