@@ -10,20 +10,13 @@ from kvstrata.events.sinks import MemorySink
 from kvstrata.logical.registry import BlockRegistry
 
 from .helpers import chain
+from .native import native_or_python
 
 
 @pytest.fixture(autouse=True, params=["native", "python"])
-def core(request, monkeypatch):
-    """Every test here runs on the native core (when built) and on the pure-Python one, with
-    and without the fast Dynamo parser."""
-    from kvstrata.events import formats, indexer
-
-    if request.param == "python":
-        monkeypatch.setattr(indexer, "NATIVE_CORE", None)
-        monkeypatch.setattr(formats, "fast_decode_dynamo", None)
-    elif indexer.NATIVE_CORE is None:
-        pytest.skip("native indexer core not built")
-    return request.param
+def _native_or_python(request, monkeypatch):
+    """Every test here runs with the native fast paths (when built) and without them."""
+    return native_or_python(request, monkeypatch)
 
 
 def seqs(c):

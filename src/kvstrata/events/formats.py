@@ -173,9 +173,33 @@ def _batch_head(identity: PublisherIdentity) -> str:
     )
 
 
+def _native_encode_events():
+    if os.environ.get("KVSTRATA_NATIVE_EVENTS", "1") == "0":
+        return None
+    try:
+        from kvstrata.events._native import encode_events
+    except ImportError:
+        return None
+    return encode_events
+
+
+native_encode_events = _native_encode_events()
+"""``_native.encode_events(items)``: ``",".join(json_event_texts(items))`` in one C call, or
+None for items it leaves to Python (tokens, cleared events); None when not built."""
+
+
+def _events_text(items: list[tuple]) -> str:
+    """``",".join(json_event_texts(items))``, natively when it can."""
+    if native_encode_events is not None:
+        text = native_encode_events(items)
+        if text is not None:
+            return text
+    return ",".join(json_event_texts(items))
+
+
 def encode_batch(batch: EventBatch) -> bytes:
     """A batch as one kvstrata JSON message (the NATS payload in ``format=kvstrata``)."""
-    return (_batch_head(batch.identity) + ",".join(json_event_texts(batch.items)) + "]}").encode()
+    return (_batch_head(batch.identity) + _events_text(batch.items) + "]}").encode()
 
 
 def encode_batch_messages(batch: EventBatch, max_bytes: int) -> tuple[list[bytes], list[int]]:
@@ -183,8 +207,12 @@ def encode_batch_messages(batch: EventBatch, max_bytes: int) -> tuple[list[bytes
     big; a single event larger than ``max_bytes`` still gets its own message). Returns the
     payloads and the first event id of each."""
     items = batch.items
-    texts = json_event_texts(items)
     head = _batch_head(batch.identity)
+    if native_encode_events is not None:
+        text = native_encode_events(items)
+        if text is not None and len(head) + 2 + len(text) <= max_bytes:
+            return [(head + text + "]}").encode()], [items[0][0]]
+    texts = json_event_texts(items)
     fixed = len(head) + 2
     if fixed + sum(map(len, texts)) + len(texts) - 1 <= max_bytes:
         return [(head + ",".join(texts) + "]}").encode()], [items[0][0]]
@@ -526,9 +554,9 @@ def _fast_dynamo_decoder(use_native: bool = True):
     """``decode(data, need_tier) -> (worker_id, event) | None``: the native parser when built
     (and ``use_native``), else msgspec, else None (no fast path)."""
     native = None
-    if use_native and os.environ.get("KVSTRATA_NATIVE_INDEX", "1") != "0":  # as indexer.py
+    if use_native and os.environ.get("KVSTRATA_NATIVE_EVENTS", "1") != "0":  # as indexer.py
         try:
-            from kvstrata.events._indexcore import parse_router_event as native
+            from kvstrata.events._native import parse_router_event as native
         except ImportError:
             pass
     tier_of = TIER_OF_STORAGE

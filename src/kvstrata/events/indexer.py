@@ -57,9 +57,9 @@ class _Node:
 
 
 class _PyCore:
-    """The prefix tree in pure Python: the reference the native core (``_indexcore.c``) is
+    """The prefix tree in pure Python: the reference the native core (``_native.c``) is
     tested against, and the fallback when it is not built. Holders are small ints (the
-    index interns (worker, tier) pairs). Same methods and answers as ``_indexcore.Core``."""
+    index interns (worker, tier) pairs). Same methods and answers as ``_native.Core``."""
 
     def __init__(self) -> None:
         self._root = _Node(None, None, None)
@@ -169,18 +169,18 @@ class _PyCore:
 
 def _native_core():
     """The native core's class, or None when the extension is not built (or disabled with
-    ``KVSTRATA_NATIVE_INDEX=0``)."""
-    if os.environ.get("KVSTRATA_NATIVE_INDEX", "1") == "0":
+    ``KVSTRATA_NATIVE_EVENTS=0``)."""
+    if os.environ.get("KVSTRATA_NATIVE_EVENTS", "1") == "0":
         return None
     try:
-        from kvstrata.events._indexcore import Core
+        from kvstrata.events._native import Core
     except ImportError:
         return None
     return Core
 
 
 NATIVE_CORE = _native_core()
-"""``kvstrata.events._indexcore.Core`` when built (``pip install -e .``), else None."""
+"""``kvstrata.events._native.Core`` when built (``pip install -e .``), else None."""
 
 
 class PrefixIndex:
@@ -197,7 +197,7 @@ class PrefixIndex:
 
     def __init__(self, native: bool | None = None) -> None:
         if native and NATIVE_CORE is None:
-            raise RuntimeError("the native indexer core (kvstrata.events._indexcore) is not built")
+            raise RuntimeError("the native indexer core (kvstrata.events._native) is not built")
         self.native = NATIVE_CORE is not None and native is not False
         self._core = NATIVE_CORE() if self.native else _PyCore()
         self._holder_ids: dict[Holder, int] = {}

@@ -1,4 +1,13 @@
-/* Native core of the indexer's prefix tree (kvstrata.events.indexer, docs/events.md).
+/* Native fast paths of kvstrata's event plane (docs/events.md, "Native fast paths"). Each has
+ * a pure-Python reference that gives the same results and is used when this is not built:
+ *
+ *   Core                  the indexer's prefix tree (indexer._PyCore)
+ *   parse_router_event    a strict Dynamo RouterEvent parser (formats.decode_dynamo)
+ *   stored_item           the publisher's fast path for one linked run of new blocks
+ *                         (EventPublisher.on_tier_stored)
+ *   encode_events         kvstrata JSON text of publisher items (formats.json_event_texts)
+ *
+ * The prefix tree (Core):
  *
  * The same tree as the pure-Python core (_PyCore in indexer.py), with the same answers: nodes
  * keyed by 64-bit sequence hash, each linked to its parent and reachable from it by local
@@ -21,6 +30,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -561,7 +571,7 @@ static PyMethodDef Core_methods[] = {
 
 static PyTypeObject CoreType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "kvstrata.events._indexcore.Core",
+    .tp_name = "kvstrata.events._native.Core",
     .tp_basicsize = sizeof(Core),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = PyType_GenericNew,
@@ -956,18 +966,247 @@ done:
     return out;
 }
 
+/* ---- publisher: stored item ------------------------------------------------------------- */
+/* stored_item(records, held, event_id, tier, ts_text, keep_tokens) -> item or None
+ *
+ * The fast path of EventPublisher.on_tier_stored: when ``records`` (BlockRecords, exactly that
+ * type) form one parent-linked run of one block size, all new to ``held`` and without repeats,
+ * adds their sequence hashes to ``held`` and returns the stored item
+ *   (event_id, 0, tier, ts_text, parent or "null", block_size, tokens, h1..hn, l1..ln)
+ * exactly as the Python code builds it; otherwise changes nothing and returns None (the caller
+ * then runs the Python code, which takes its slow path). */
+
+static Py_ssize_t off_seq = -1, off_local, off_parent, off_size, off_tokens;
+static PyTypeObject *record_type = NULL;
+static PyObject *str_null;
+
+static int member_offset(PyTypeObject *tp, const char *name, Py_ssize_t *off) {
+    PyObject *d = PyObject_GetAttrString((PyObject *)tp, name);
+    if (!d) return -1;
+    if (Py_TYPE(d) != &PyMemberDescr_Type) { Py_DECREF(d); PyErr_Format(PyExc_TypeError, "%s is not a slot", name); return -1; }
+    PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
+    if (m->type != T_OBJECT_EX && m->type != T_OBJECT) { Py_DECREF(d); PyErr_Format(PyExc_TypeError, "%s is not an object slot", name); return -1; }
+    *off = m->offset;
+    Py_DECREF(d);
+    return 0;
+}
+
+/* set_record_type(BlockRecord): learn the slot offsets once. */
+static PyObject *set_record_type(PyObject *mod, PyObject *tp) {
+    if (!PyType_Check(tp)) { PyErr_SetString(PyExc_TypeError, "expected a type"); return NULL; }
+    PyTypeObject *t = (PyTypeObject *)tp;
+    if (member_offset(t, "sequence_hash", &off_seq) < 0 || member_offset(t, "local_hash", &off_local) < 0
+        || member_offset(t, "parent_hash", &off_parent) < 0 || member_offset(t, "block_size", &off_size) < 0
+        || member_offset(t, "token_ids", &off_tokens) < 0) { off_seq = -1; return NULL; }
+    Py_INCREF(tp);
+    Py_XSETREF(record_type, t);
+    Py_RETURN_NONE;
+}
+
+#define FIELD(obj, off) (*(PyObject **)((char *)(obj) + (off)))
+
+static PyObject *stored_item(PyObject *mod, PyObject *args) {
+    PyObject *records, *held, *event_id, *tier, *ts_text;
+    int keep_tokens;
+    if (!PyArg_ParseTuple(args, "OO!OOOp", &records, &PySet_Type, &held, &event_id, &tier, &ts_text, &keep_tokens)) return NULL;
+    if (off_seq < 0 || record_type == NULL) Py_RETURN_NONE;
+    if (!PyList_CheckExact(records) && !PyTuple_CheckExact(records)) Py_RETURN_NONE;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(records);
+    PyObject **rs = PySequence_Fast_ITEMS(records);
+    if (n == 0 || n > 100000) Py_RETURN_NONE;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        if (Py_TYPE(rs[j]) != record_type) Py_RETURN_NONE;
+        if (!FIELD(rs[j], off_seq) || !FIELD(rs[j], off_local) || !FIELD(rs[j], off_parent)
+            || !FIELD(rs[j], off_size) || !FIELD(rs[j], off_tokens)) Py_RETURN_NONE;
+    }
+    PyObject *size = FIELD(rs[0], off_size);
+    /* one run: every block of the first one's size, each one's parent the previous hash */
+    for (Py_ssize_t j = 1; j < n; j++) {
+        int eq = PyObject_RichCompareBool(FIELD(rs[j], off_size), size, Py_EQ);
+        if (eq < 0) return NULL;
+        if (!eq) Py_RETURN_NONE;
+        eq = PyObject_RichCompareBool(FIELD(rs[j], off_parent), FIELD(rs[j - 1], off_seq), Py_EQ);
+        if (eq < 0) return NULL;
+        if (!eq) Py_RETURN_NONE;
+    }
+    for (Py_ssize_t j = 0; j < n; j++) {
+        int in = PySet_Contains(held, FIELD(rs[j], off_seq));
+        if (in < 0) return NULL;
+        if (in) Py_RETURN_NONE;
+    }
+    Py_ssize_t before = PySet_GET_SIZE(held);
+    for (Py_ssize_t j = 0; j < n; j++) {
+        if (PySet_Add(held, FIELD(rs[j], off_seq)) < 0) {
+            for (Py_ssize_t k = 0; k < j; k++) PySet_Discard(held, FIELD(rs[k], off_seq));
+            return NULL;
+        }
+    }
+    if (PySet_GET_SIZE(held) != before + n) {          /* a repeated hash: not the fast path */
+        for (Py_ssize_t j = 0; j < n; j++) PySet_Discard(held, FIELD(rs[j], off_seq));
+        Py_RETURN_NONE;
+    }
+    PyObject *tokens;
+    if (keep_tokens && FIELD(rs[0], off_tokens) != Py_None) {
+        tokens = PyTuple_New(n);
+        if (!tokens) goto undo;
+        for (Py_ssize_t j = 0; j < n; j++) {
+            PyObject *t = FIELD(rs[j], off_tokens);
+            Py_INCREF(t);
+            PyTuple_SET_ITEM(tokens, j, t);
+        }
+    } else { tokens = Py_None; Py_INCREF(tokens); }
+    PyObject *item = PyTuple_New(7 + 2 * n);
+    if (!item) { Py_DECREF(tokens); goto undo; }
+    PyObject *parent = FIELD(rs[0], off_parent);
+    if (parent == Py_None) parent = str_null;
+    Py_INCREF(event_id); PyTuple_SET_ITEM(item, 0, event_id);
+    PyObject *zero = PyLong_FromLong(0);
+    if (!zero) { Py_DECREF(item); Py_DECREF(tokens); goto undo; }
+    PyTuple_SET_ITEM(item, 1, zero);
+    Py_INCREF(tier); PyTuple_SET_ITEM(item, 2, tier);
+    Py_INCREF(ts_text); PyTuple_SET_ITEM(item, 3, ts_text);
+    Py_INCREF(parent); PyTuple_SET_ITEM(item, 4, parent);
+    Py_INCREF(size); PyTuple_SET_ITEM(item, 5, size);
+    PyTuple_SET_ITEM(item, 6, tokens);
+    for (Py_ssize_t j = 0; j < n; j++) {
+        PyObject *h = FIELD(rs[j], off_seq), *l = FIELD(rs[j], off_local);
+        Py_INCREF(h); PyTuple_SET_ITEM(item, 7 + j, h);
+        Py_INCREF(l); PyTuple_SET_ITEM(item, 7 + n + j, l);
+    }
+    return item;
+undo:
+    for (Py_ssize_t j = 0; j < n; j++) PySet_Discard(held, FIELD(rs[j], off_seq));
+    return NULL;
+}
+
+/* ---- publisher: kvstrata JSON text of items ---------------------------------------------- */
+/* encode_events(items) -> str or None
+ *
+ * ",".join(formats.json_event_texts(items)) for stored items without tokens and removed items
+ * whose fields are exact ints and strs; None for anything else (tokens, cleared, odd types),
+ * and the caller uses the Python encoder. */
+
+typedef struct { char *buf; size_t n, cap; } Out;
+
+static int out_grow(Out *o, size_t more) {
+    if (o->n + more <= o->cap) return 1;
+    size_t cap = o->cap ? o->cap : 4096;
+    while (cap < o->n + more) cap *= 2;
+    char *b = realloc(o->buf, cap);
+    if (!b) return 0;
+    o->buf = b; o->cap = cap;
+    return 1;
+}
+static inline int out_raw(Out *o, const char *s, size_t len) {
+    if (!out_grow(o, len)) return 0;
+    memcpy(o->buf + o->n, s, len); o->n += len;
+    return 1;
+}
+#define OUT_LIT(o, s) out_raw(o, s, sizeof(s) - 1)
+
+/* An exact int as %d writes it (any size: big ones through PyObject_Str). */
+static int out_int(Out *o, PyObject *v) {
+    if (!PyLong_CheckExact(v)) return 0;
+    int overflow;
+    long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+    if (!overflow) {
+        if (x == -1 && PyErr_Occurred()) { PyErr_Clear(); return 0; }
+        char tmp[24]; char *e = tmp + sizeof tmp, *p = e;
+        unsigned long long u = x < 0 ? 0ULL - (unsigned long long)x : (unsigned long long)x;
+        do { *--p = (char)('0' + u % 10); u /= 10; } while (u);
+        if (x < 0) *--p = '-';
+        return out_raw(o, p, (size_t)(e - p));
+    }
+    unsigned long long u = PyLong_AsUnsignedLongLong(v);
+    if (u == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyObject *s = PyObject_Str(v);
+        if (!s) { PyErr_Clear(); return 0; }
+        Py_ssize_t len; const char *c = PyUnicode_AsUTF8AndSize(s, &len);
+        int ok = c && out_raw(o, c, (size_t)len);
+        Py_DECREF(s);
+        return ok;
+    }
+    char tmp[24]; char *e = tmp + sizeof tmp, *p = e;
+    do { *--p = (char)('0' + u % 10); u /= 10; } while (u);
+    return out_raw(o, p, (size_t)(e - p));
+}
+
+/* A str as %s writes it (ASCII only here: anything else goes to the Python encoder). */
+static int out_str(Out *o, PyObject *v) {
+    if (!PyUnicode_CheckExact(v) || !PyUnicode_IS_ASCII(v)) return 0;
+    return out_raw(o, (const char *)PyUnicode_1BYTE_DATA(v), (size_t)PyUnicode_GET_LENGTH(v));
+}
+
+/* %s of an int or a str (a stored item's parent: a hash or "null") */
+static int out_int_or_str(Out *o, PyObject *v) {
+    return PyLong_CheckExact(v) ? out_int(o, v) : out_str(o, v);
+}
+
+static int out_hashes(Out *o, PyObject **items, Py_ssize_t n) {
+    for (Py_ssize_t j = 0; j < n; j++) {
+        if (j && !OUT_LIT(o, ",")) return 0;
+        if (!out_int(o, items[j])) return 0;
+    }
+    return 1;
+}
+
+static PyObject *encode_events(PyObject *mod, PyObject *items) {
+    if (!PyList_Check(items)) Py_RETURN_NONE;
+    Out o = {NULL, 0, 0};
+    Py_ssize_t n = PyList_GET_SIZE(items);
+    for (Py_ssize_t j = 0; j < n; j++) {
+        PyObject *it = PyList_GET_ITEM(items, j);
+        if (!PyTuple_CheckExact(it) || PyTuple_GET_SIZE(it) < 4) goto none;
+        PyObject **f = &PyTuple_GET_ITEM(it, 0);
+        Py_ssize_t len = PyTuple_GET_SIZE(it);
+        if (!PyLong_CheckExact(f[1])) goto none;
+        long kind = PyLong_AsLong(f[1]);
+        if (j && !OUT_LIT(&o, ",")) goto none;
+        if (kind == 0) {
+            if (len < 9 || (len - 7) % 2 || f[6] != Py_None) goto none;
+            Py_ssize_t nb = (len - 7) / 2;
+            if (!OUT_LIT(&o, "{\"type\":\"stored\",\"event_id\":") || !out_int(&o, f[0])
+                || !OUT_LIT(&o, ",\"tier\":\"") || !out_str(&o, f[2])
+                || !OUT_LIT(&o, "\",\"ts\":") || !out_str(&o, f[3])
+                || !OUT_LIT(&o, ",\"parent_hash\":") || !out_int_or_str(&o, f[4])
+                || !OUT_LIT(&o, ",\"block_size\":") || !out_int(&o, f[5])
+                || !OUT_LIT(&o, ",\"block_hashes\":[") || !out_hashes(&o, f + 7, nb)
+                || !OUT_LIT(&o, "],\"tokens_hashes\":[") || !out_hashes(&o, f + 7 + nb, nb)
+                || !OUT_LIT(&o, "]}")) goto none;
+        } else if (kind == 1) {
+            if (!OUT_LIT(&o, "{\"type\":\"removed\",\"event_id\":") || !out_int(&o, f[0])
+                || !OUT_LIT(&o, ",\"tier\":\"") || !out_str(&o, f[2])
+                || !OUT_LIT(&o, "\",\"ts\":") || !out_str(&o, f[3])
+                || !OUT_LIT(&o, ",\"block_hashes\":[") || !out_hashes(&o, f + 4, len - 4)
+                || !OUT_LIT(&o, "]}")) goto none;
+        } else goto none;
+    }
+    PyObject *res = PyUnicode_FromStringAndSize(o.buf ? o.buf : "", (Py_ssize_t)o.n);
+    free(o.buf);
+    return res;
+none:
+    if (PyErr_Occurred()) PyErr_Clear();
+    free(o.buf);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef module_methods[] = {
+    {"set_record_type", set_record_type, METH_O, "set_record_type(BlockRecord): learn its slot offsets"},
+    {"stored_item", stored_item, METH_VARARGS, "stored_item(records, held, event_id, tier, ts_text, keep_tokens) -> item or None"},
+    {"encode_events", encode_events, METH_O, "encode_events(items) -> kvstrata JSON text of the events, comma-separated, or None"},
     {"parse_router_event", parse_router_event, METH_VARARGS, "parse_router_event(data, cls) -> (worker_id, storage_tier, event_id, kind, parent, payload) or None"},
     {"stored_blocks", stored_blocks, METH_VARARGS, "stored_blocks(structs, cls) -> tuple of cls(block_hash, tokens_hash, None) or None"},
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_indexcore", "Native prefix-tree core of kvstrata's indexer.", -1, module_methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", "Native prefix-tree core of kvstrata's indexer.", -1, module_methods};
 
-PyMODINIT_FUNC PyInit__indexcore(void) {
+PyMODINIT_FUNC PyInit__native(void) {
     str_block_hash = PyUnicode_InternFromString("block_hash");
     str_tokens_hash = PyUnicode_InternFromString("tokens_hash");
-    if (!str_block_hash || !str_tokens_hash) return NULL;
+    str_null = PyUnicode_InternFromString("null");
+    if (!str_block_hash || !str_tokens_hash || !str_null) return NULL;
     if (PyType_Ready(&CoreType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
