@@ -7,7 +7,9 @@ Two workloads, each written once to a JSON-lines file of Dynamo RouterEvents (th
   every stored and removed event the replay publishes (82 K events, 1.5 M block operations;
   ``--quick``: the first 2,000 requests);
 * ``scale``: ``--blocks`` stored blocks (default 1 M; ``--blocks 10000000`` for 10 M) across 64
-  workers in chains of 64 blocks: 256 shared 16-block prefixes, 48 blocks unique per chain.
+  workers in chains of 64 blocks: each chain starts with one of 256 16-block prefixes (system
+  prompts; every prefix is on every worker, so its nodes have 64 holders and a query matches
+  on all 64 workers) and ends with 48 blocks of its own.
 
 Each side runs in its own process, started fresh per run; runs alternate (ours, peer, ours,
 peer, ...) and each figure is the best of ``--repeats``:
@@ -23,8 +25,8 @@ peer, ...) and each figure is the best of ``--repeats``:
 * memory: growth of the process's RSS from before ingest to after it, per stored block.
 
 The peer runs in ``.venv-peers`` (``scripts/setup_peers.sh``) found from this repository's
-root; without it the peer is skipped and said so. Prints ``RESULT`` lines (ratio = ours/peer
-for speed, peer/ours for memory so that >= 1 is better everywhere... see the goal text).
+root; without it the peer is skipped and said so. Prints ``RESULT`` lines: ratio = ours/peer
+(speed: goal >= 1; bytes per block: goal <= 1.5).
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ def write_scale_events(path: Path, blocks: int, workers: int = 64, chain: int = 
             for k in range(n):
                 c = start + k
                 w = c % workers
-                p = c % shared_prefixes
+                p = (c // workers) % shared_prefixes   # every prefix on every worker
                 s_all = pre_seq[p].tolist() + seq[k]
                 l_all = pre_loc[p].tolist() + loc[k]
                 event_ids[w] += 1
@@ -285,7 +287,7 @@ def main() -> int:
             compare("trace", path, sides, args.repeats, args.queries)
         if args.workload in ("scale", "both"):
             blocks = 200_000 if args.quick else args.blocks
-            path = d / f"scale-{blocks}.jsonl"
+            path = d / f"scale2-{blocks}.jsonl"
             if not path.exists():
                 t = time.perf_counter()
                 write_scale_events(path, blocks)

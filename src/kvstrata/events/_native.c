@@ -24,7 +24,8 @@
  *   holders    up to two inline per node, more in a small heap array
  *
  * Core(): store(holder, parent_or_None, blocks), remove(holder, hashes), clear(holder),
- * match(hashes), match_local(local_hashes), hashes_in(holder), count(holder), nodes(),
+ * match(hashes, holders), match_local(local_hashes, holders) (holders[holder] is the
+ * (worker, tier) pair a holder id stands for; the answer is {worker: {tier: prefix}}), hashes_in(holder), count(holder), nodes(),
  * memory(). Hashes are unsigned 64-bit ints; anything else is a ValueError raised before
  * the tree changes.
  */
@@ -441,7 +442,7 @@ static PyObject *Core_clear(Core *c, PyObject *args) {
 }
 
 /* match: walk by sequence hash (local=0) or from the root by local hash (local=1). */
-static PyObject *do_match(Core *c, PyObject *hashes_o, int local) {
+static PyObject *do_match(Core *c, PyObject *hashes_o, PyObject *holders, int local) {
     PyObject *hashes = PySequence_Fast(hashes_o, "hashes must be a sequence");
     if (!hashes) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(hashes);
@@ -491,27 +492,49 @@ static PyObject *do_match(Core *c, PyObject *hashes_o, int local) {
         if (!alive) break;
     }
     if (v != stack) free(v);
-    PyObject *out = PyList_New(0);
+    /* {worker: {tier: prefix}} from holders[hid] = (worker, tier); the first node's holders
+     * are the only candidates (it cannot have been freed), and runs[] goes back to zero */
+    PyObject *out = PyDict_New();
     if (first != NIL) {
         Node *nd = N(c, first);
         uint32_t *hs = holders_of(nd);
-        /* the first node's holders are the only candidates; it cannot have been freed */
         for (uint32_t k = 0; k < nd->nhold; k++) {
             uint32_t hh = hs[k], run = c->runs[hh];
             c->runs[hh] = 0;
-            if (out && run) {
-                PyObject *t = Py_BuildValue("(II)", hh, run);
-                if (!t || PyList_Append(out, t) < 0) { Py_XDECREF(t); Py_CLEAR(out); continue; }
-                Py_DECREF(t);
+            if (!out || !run) continue;
+            PyObject *key = (Py_ssize_t)hh < PyList_GET_SIZE(holders) ? PyList_GET_ITEM(holders, hh) : NULL;
+            if (!key || !PyTuple_Check(key) || PyTuple_GET_SIZE(key) != 2) {
+                PyErr_SetString(PyExc_ValueError, "holders[holder] must be a (worker, tier) tuple");
+                Py_CLEAR(out);
+                continue;
             }
+            PyObject *w = PyTuple_GET_ITEM(key, 0), *t = PyTuple_GET_ITEM(key, 1);
+            PyObject *inner = PyDict_GetItemWithError(out, w);
+            if (!inner) {
+                if (PyErr_Occurred() || !(inner = PyDict_New())) { Py_CLEAR(out); continue; }
+                int rc = PyDict_SetItem(out, w, inner);
+                Py_DECREF(inner);               /* out holds it */
+                if (rc < 0) { Py_CLEAR(out); continue; }
+            }
+            PyObject *n = PyLong_FromUnsignedLong(run);
+            if (!n || PyDict_SetItem(inner, t, n) < 0) { Py_XDECREF(n); Py_CLEAR(out); continue; }
+            Py_DECREF(n);
         }
     }
     Py_DECREF(hashes);
     return out;
 }
 
-static PyObject *Core_match(Core *c, PyObject *hashes) { return do_match(c, hashes, 0); }
-static PyObject *Core_match_local(Core *c, PyObject *hashes) { return do_match(c, hashes, 1); }
+static PyObject *Core_match(Core *c, PyObject *args) {
+    PyObject *hashes, *holders;
+    if (!PyArg_ParseTuple(args, "OO!", &hashes, &PyList_Type, &holders)) return NULL;
+    return do_match(c, hashes, holders, 0);
+}
+static PyObject *Core_match_local(Core *c, PyObject *args) {
+    PyObject *hashes, *holders;
+    if (!PyArg_ParseTuple(args, "OO!", &hashes, &PyList_Type, &holders)) return NULL;
+    return do_match(c, hashes, holders, 1);
+}
 
 static PyObject *Core_hashes_in(Core *c, PyObject *args) {
     PyObject *holder_o;
@@ -584,8 +607,8 @@ static PyMethodDef Core_methods[] = {
     {"store", (PyCFunction)Core_store, METH_VARARGS, "store(holder, parent_hash_or_None, blocks): blocks are (seq, local, ...) tuples in chain order"},
     {"remove", (PyCFunction)Core_remove, METH_VARARGS, "remove(holder, hashes)"},
     {"clear", (PyCFunction)Core_clear, METH_VARARGS, "clear(holder): drop every block the holder holds"},
-    {"match", (PyCFunction)Core_match, METH_O, "match(seq_hashes) -> [(holder, prefix), ...]"},
-    {"match_local", (PyCFunction)Core_match_local, METH_O, "match_local(local_hashes) -> [(holder, prefix), ...]"},
+    {"match", (PyCFunction)Core_match, METH_VARARGS, "match(seq_hashes, holders) -> {worker: {tier: prefix}} (holders[holder] = (worker, tier))"},
+    {"match_local", (PyCFunction)Core_match_local, METH_VARARGS, "match_local(local_hashes, holders) -> {worker: {tier: prefix}}"},
     {"hashes_in", (PyCFunction)Core_hashes_in, METH_VARARGS, "hashes_in(holder) -> set of sequence hashes"},
     {"count", (PyCFunction)Core_count, METH_VARARGS, "count(holder) -> blocks held"},
     {"nodes", (PyCFunction)Core_nodes, METH_NOARGS, "number of nodes (placeholders included, root excluded)"},

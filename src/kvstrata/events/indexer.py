@@ -120,7 +120,7 @@ class _PyCore:
                 parent.nkids -= 1
             node = parent
 
-    def match(self, hashes: Sequence[int]) -> list[tuple[int, int]]:
+    def match(self, hashes: Sequence[int], holders: list[Holder]) -> dict[int, dict[str, int]]:
         runs: dict[int, int] = {}
         nodes = self._nodes
         for i, h in enumerate(hashes):
@@ -139,9 +139,9 @@ class _PyCore:
                         alive = True
             if not alive:
                 break
-        return list(runs.items())
+        return _by_worker(runs, holders)
 
-    def match_local(self, local_hashes: Sequence[int]) -> list[tuple[int, int]]:
+    def match_local(self, local_hashes: Sequence[int], holders: list[Holder]) -> dict[int, dict[str, int]]:
         runs: dict[int, int] = {}
         node = self._root
         for i, lh in enumerate(local_hashes):
@@ -155,7 +155,7 @@ class _PyCore:
                     alive = True
             if not alive:
                 break
-        return list(runs.items())
+        return _by_worker(runs, holders)
 
     def hashes_in(self, holder: int) -> set[int]:
         return set(self._held.get(holder, ()))
@@ -165,6 +165,15 @@ class _PyCore:
 
     def nodes(self) -> int:
         return len(self._nodes)
+
+
+def _by_worker(runs: dict[int, int], holders: list[Holder]) -> dict[int, dict[str, int]]:
+    out: dict[int, dict[str, int]] = {}
+    for hid, n in runs.items():
+        if n:
+            w, t = holders[hid]
+            out.setdefault(w, {})[t] = n
+    return out
 
 
 def _native_core():
@@ -248,21 +257,12 @@ class PrefixIndex:
     def match(self, hashes: Sequence[int]) -> dict[int, dict[str, int]]:
         """worker -> tier -> number of leading ``hashes`` (sequence hashes) held there."""
         with self._lock:
-            return self._by_worker(self._core.match(hashes))
+            return self._core.match(hashes, self._holders)
 
     def match_local(self, local_hashes: Sequence[int]) -> dict[int, dict[str, int]]:
         """Like :meth:`match` but walking from the root by local (tokens) hashes."""
         with self._lock:
-            return self._by_worker(self._core.match_local(local_hashes))
-
-    def _by_worker(self, runs: list[tuple[int, int]]) -> dict[int, dict[str, int]]:
-        out: dict[int, dict[str, int]] = {}
-        holders = self._holders
-        for hid, n in runs:
-            if n:
-                w, t = holders[hid]
-                out.setdefault(w, {})[t] = n
-        return out
+            return self._core.match_local(local_hashes, self._holders)
 
     def hashes_in(self, worker_id: int, tier: str) -> set[int]:
         with self._lock:
