@@ -20,8 +20,10 @@ peer, ...) and each figure is the best of ``--repeats``:
   which takes the inner KvCacheEvent (the ``"event"`` object, cut out of the same line before
   the clock starts) and a worker id; every (worker, storage tier) pair gets its own id so both
   trees hold the same holders.
-* query: prefixes from the root by local (tokens) hashes: ``PrefixIndex.match_local`` vs
-  ``RadixTree.find_matches``, the same lists of ints (``--queries`` of them, at most).
+* query: prefixes from the root by local (tokens) hashes: ``PrefixIndex.match_local`` (which
+  answers {worker: {tier: prefix}} as Python dicts) vs ``RadixTree.find_matches(q).scores``
+  (its answer as a Python dict), the same lists of ints (``--queries`` of them, at most); the
+  peer's bare ``find_matches`` (a Rust object, scores not read) is printed too.
 * memory: growth of the process's RSS from before ingest to after it, per stored block.
 
 The peer runs in ``.venv-peers`` (``scripts/setup_peers.sh``) found from this repository's
@@ -152,8 +154,11 @@ def child(side: str, path: str, max_queries: int) -> dict:
         find = tree.find_matches
         q0 = time.perf_counter()
         for q in queries:
-            find(q)
+            find(q).scores          # the answer as Python objects, as match_local returns it
         q1 = time.perf_counter()
+        for q in queries:
+            find(q)                 # the Rust object only (scores not read)
+        extra = {"query_bare_s": time.perf_counter() - q1}
         events = len(items)
     else:
         sys.path.insert(0, str(ROOT / "src"))
@@ -179,7 +184,8 @@ def child(side: str, path: str, max_queries: int) -> dict:
             match(q)
         q1 = time.perf_counter()
         events = len(lines)
-    return {
+        extra = {}
+    return {**extra,
         "side": side, "events": events, "blocks": blocks,
         "ingest_s": t1 - t0, "query_s": q1 - q0, "queries": len(queries),
         "rss_bytes": rss1 - rss0,
@@ -228,6 +234,7 @@ def compare(name: str, path: Path, sides: list[str], repeats: int, max_queries: 
                 "blocks": max(r["blocks"] / r["ingest_s"] for r in rs),
                 "query": max(r["queries"] / r["query_s"] for r in rs),
                 "bytes": min(r["rss_bytes"] / r["blocks"] for r in rs),
+                "query_bare": max((r["queries"] / r["query_bare_s"] for r in rs if "query_bare_s" in r), default=0),
             }
     if "peer" not in best:
         print("  (peer skipped: no result)")
@@ -243,15 +250,17 @@ def compare(name: str, path: Path, sides: list[str], repeats: int, max_queries: 
               f"ratio={o['ingest'] / p['ingest']:.2f} blocks_ours={o['blocks'] / 1e6:.2f}M/s "
               f"blocks_peer={p['blocks'] / 1e6:.2f}M/s goal=>=1")
         print(f"RESULT name={tag}_query ours={o['query']:,.0f}q/s baseline={p['query']:,.0f}q/s "
-              f"ratio={o['query'] / p['query']:.2f} goal=>=1")
+              f"ratio={o['query'] / p['query']:.2f} goal=>=1 (peer: find_matches(q).scores; "
+              f"without reading .scores {p['query_bare']:,.0f}q/s, ratio {o['query'] / p['query_bare']:.2f})")
         print(f"RESULT name={tag}_memory ours={o['bytes']:.0f}B/block baseline={p['bytes']:.0f}B/block "
               f"ratio={o['bytes'] / p['bytes']:.2f} goal=<=1.5")
         pairs = [(a, b) for a, b in zip(runs[side], runs["peer"])]
         if len(pairs) > 1:
             ing = [(a["events"] / a["ingest_s"]) / (b["events"] / b["ingest_s"]) for a, b in pairs]
             qry = [(a["queries"] / a["query_s"]) / (b["queries"] / b["query_s"]) for a, b in pairs]
+            bare = [(a["queries"] / a["query_s"]) / (b["queries"] / b["query_bare_s"]) for a, b in pairs]
             print(f"  same-run pair ratios ({side}/peer): ingest {min(ing):.2f}-{max(ing):.2f}, "
-                  f"query {min(qry):.2f}-{max(qry):.2f}")
+                  f"query {min(qry):.2f}-{max(qry):.2f} (vs bare find_matches {min(bare):.2f}-{max(bare):.2f})")
 
 
 def main() -> int:
