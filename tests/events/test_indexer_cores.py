@@ -211,3 +211,25 @@ def test_fast_dynamo_decoder_on_mutated_messages(which, pos, insert):
     pos %= len(text) + 1
     for mutated in (text[:pos] + insert + text[pos:], text[:pos] + insert + text[pos + 1:], text[:pos]):
         _check(mutated)
+
+
+@native
+def test_native_core_equals_python_core_after_a_trace_replay():
+    """Stores, removals across tiers and reuse of freed records, from a real replay."""
+    from kvstrata.config import KvConfig, normalize_tiers
+    from kvstrata.events import EventPublisher, StreamFollower
+    from kvstrata.events.sinks import CallbackSink
+    from kvstrata.replay import load_trace, replay
+
+    ours, ref = PrefixIndex(native=True), PrefixIndex(native=False)
+    followers = [StreamFollower(ours), StreamFollower(ref)]
+    publisher = EventPublisher(CallbackSink(lambda b: [f.feed_batch(b) for f in followers]), worker_id=11).start()
+    config = KvConfig(tiers=normalize_tiers({"G1": 500, "G2": 1500}))
+    result = replay(load_trace()[:300], config, granularity="engine", observers=[publisher])
+    assert publisher.flush(60)
+    publisher.close()
+    assert ours.stats() == ref.stats() and ours.stats()["nodes"] > 0
+    for tier in TIERS:
+        assert ours.hashes_in(11, tier) == ref.hashes_in(11, tier) == result.registry.hashes_in(tier)
+    for seqs_ in [sorted(ours.hashes_in(11, "G2"))[:k] for k in (1, 5, 50)]:
+        assert ours.match(seqs_) == ref.match(seqs_)
