@@ -10,6 +10,7 @@ import json
 import random
 
 import msgpack
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -24,6 +25,13 @@ from kvstrata.events.model import (
     event_to_item,
     item_to_event,
 )
+
+from .native import native_or_python
+@pytest.fixture(autouse=True, params=["native", "python"])
+def _native_or_python(request, monkeypatch):
+    """Every test here runs with the native fast paths (when built) and without them."""
+    return native_or_python(request, monkeypatch)
+
 
 IDENT = PublisherIdentity(publisher_id=2**64 - 1, worker_id=3, started_at=1795331161.25)
 

@@ -10,6 +10,13 @@ from kvstrata.events.sinks import MemorySink
 from kvstrata.logical.registry import BlockRegistry
 
 from .helpers import chain
+from .native import native_or_python
+
+
+@pytest.fixture(autouse=True, params=["native", "python"])
+def _native_or_python(request, monkeypatch):
+    """Every test here runs with the native fast paths (when built) and without them."""
+    return native_or_python(request, monkeypatch)
 
 
 def seqs(c):

@@ -13,6 +13,13 @@ from kvstrata.events.publisher import Sink
 from kvstrata.logical.registry import BlockRegistry
 
 from .helpers import chain, random_ops, registry_state
+from .native import native_or_python
+
+
+@pytest.fixture(autouse=True, params=["native", "python"])
+def _native_or_python(request, monkeypatch):
+    """Every test here runs with the native fast paths (when built) and without them."""
+    return native_or_python(request, monkeypatch)
 
 
 def _setup(**kw):

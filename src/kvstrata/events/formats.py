@@ -18,6 +18,7 @@ building dicts for :func:`json.dumps`. The output is byte-identical to
 from __future__ import annotations
 
 import functools
+import os
 
 import json
 from itertools import chain as _chain
@@ -172,9 +173,33 @@ def _batch_head(identity: PublisherIdentity) -> str:
     )
 
 
+def _native_encode_events():
+    if os.environ.get("KVSTRATA_NATIVE_EVENTS", "1") == "0":
+        return None
+    try:
+        from kvstrata.events._native import encode_events
+    except ImportError:
+        return None
+    return encode_events
+
+
+native_encode_events = _native_encode_events()
+"""``_native.encode_events(items)``: ``",".join(json_event_texts(items))`` in one C call, or
+None for items it leaves to Python (tokens, cleared events); None when not built."""
+
+
+def _events_text(items: list[tuple]) -> str:
+    """``",".join(json_event_texts(items))``, natively when it can."""
+    if native_encode_events is not None:
+        text = native_encode_events(items)
+        if text is not None:
+            return text
+    return ",".join(json_event_texts(items))
+
+
 def encode_batch(batch: EventBatch) -> bytes:
     """A batch as one kvstrata JSON message (the NATS payload in ``format=kvstrata``)."""
-    return (_batch_head(batch.identity) + ",".join(json_event_texts(batch.items)) + "]}").encode()
+    return (_batch_head(batch.identity) + _events_text(batch.items) + "]}").encode()
 
 
 def encode_batch_messages(batch: EventBatch, max_bytes: int) -> tuple[list[bytes], list[int]]:
@@ -182,8 +207,12 @@ def encode_batch_messages(batch: EventBatch, max_bytes: int) -> tuple[list[bytes
     big; a single event larger than ``max_bytes`` still gets its own message). Returns the
     payloads and the first event id of each."""
     items = batch.items
-    texts = json_event_texts(items)
     head = _batch_head(batch.identity)
+    if native_encode_events is not None:
+        text = native_encode_events(items)
+        if text is not None and len(head) + 2 + len(text) <= max_bytes:
+            return [(head + text + "]}").encode()], [items[0][0]]
+    texts = json_event_texts(items)
     fixed = len(head) + 2
     if fixed + sum(map(len, texts)) + len(texts) - 1 <= max_bytes:
         return [(head + ",".join(texts) + "]}").encode()], [items[0][0]]
@@ -474,9 +503,142 @@ def encode_dynamo_jsonl(batch: EventBatch, dp_rank: int = 0) -> str:
     return "".join([t + "\n" for t in dynamo_event_texts(batch.items, batch.identity.worker_id, dp_rank)])
 
 
+# The fast path: msgspec decodes a RouterEvent's text straight into typed structs (no dicts),
+# and the native core builds the StoredBlocks (one C call per event). It accepts only what the
+# reference decoder below accepts and returns the same events; anything else (a malformed
+# message, an odd shape, msgspec not installed) returns None and the reference decoder, which
+# raises the documented EventFormatError, decides. tests/events/test_formats.py runs the same
+# messages through both.
+
+def _stored_blocks_py(structs: list) -> tuple[StoredBlock, ...] | None:
+    seqs = [b.block_hash for b in structs]
+    locs = [b.tokens_hash for b in structs]
+    for hs in (seqs, locs):
+        if min(hs) < 0 or max(hs) >= _U64:
+            return None
+    return tuple(map(StoredBlock, seqs, locs))
+
+
+try:
+    import msgspec
+except ImportError:  # pragma: no cover - msgspec is in requirements.txt
+    msgspec = None
+else:
+    # module level: the annotations are strings (__future__), resolved in this module
+    class _Block(msgspec.Struct, gc=False):
+        block_hash: int
+        tokens_hash: int
+
+    class _Stored(msgspec.Struct, gc=False):
+        blocks: list[_Block]
+        parent_hash: int | None = None
+
+    class _Removed(msgspec.Struct, gc=False):
+        block_hashes: list[int]
+
+    class _Data(msgspec.Struct, gc=False):
+        stored: _Stored | msgspec.UnsetType = msgspec.UNSET
+        removed: _Removed | msgspec.UnsetType = msgspec.UNSET
+
+    class _Inner(msgspec.Struct, gc=False):
+        event_id: int
+        data: str | _Data
+
+    class _RouterEvent(msgspec.Struct, gc=False):
+        worker_id: int
+        event: _Inner
+        storage_tier: str | msgspec.UnsetType = msgspec.UNSET
+
+
+def _fast_dynamo_decoder(use_native: bool = True):
+    """``decode(data, need_tier) -> (worker_id, event) | None``: the native parser when built
+    (and ``use_native``), else msgspec, else None (no fast path)."""
+    native = None
+    if use_native and os.environ.get("KVSTRATA_NATIVE_EVENTS", "1") != "0":  # as indexer.py
+        try:
+            from kvstrata.events._native import parse_router_event as native
+        except ImportError:
+            pass
+    tier_of = TIER_OF_STORAGE
+
+    if native is not None:
+        def decode(data: bytes | str, need_tier: bool = False) -> tuple[int, Event] | None:
+            parsed = native(data, StoredBlock)
+            if parsed is None:
+                return None
+            worker_id, storage, event_id, kind, parent, payload = parsed
+            if storage is None:
+                if need_tier:
+                    return None
+                storage = "device"
+            tier = tier_of.get(storage)
+            if tier is None:
+                return None
+            if kind == 0:
+                return worker_id, StoredEvent(event_id, tier, parent, 0, payload)
+            if kind == 1:
+                return worker_id, RemovedEvent(event_id, tier, payload)
+            return worker_id, ClearedEvent(event_id, tier)
+
+        return decode
+
+    if msgspec is None:
+        return None
+    UNSET = msgspec.UNSET
+    decoder = msgspec.json.Decoder(_RouterEvent)
+    errors = (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError)
+
+    def decode(data: bytes | str, need_tier: bool = False) -> tuple[int, Event] | None:
+        try:
+            msg = decoder.decode(data)
+        except errors:
+            return None
+        storage = msg.storage_tier
+        if storage is UNSET:
+            if need_tier:
+                return None
+            storage = "device"
+        tier = tier_of.get(storage)
+        inner = msg.event
+        event_id = inner.event_id
+        if tier is None or msg.worker_id < 0 or event_id < 0:
+            return None
+        data_ = inner.data
+        if type(data_) is str:
+            return (msg.worker_id, ClearedEvent(event_id, tier)) if data_ == "cleared" else None
+        st = data_.stored
+        if st is not UNSET:
+            parent = st.parent_hash
+            if not st.blocks or (parent is not None and not 0 <= parent < _U64):
+                return None
+            blocks = _stored_blocks_py(st.blocks)
+            if blocks is None:
+                return None
+            return msg.worker_id, StoredEvent(event_id, tier, parent, 0, blocks)
+        rm = data_.removed
+        if rm is not UNSET:
+            hashes = rm.block_hashes
+            if hashes and (min(hashes) < 0 or max(hashes) >= _U64):
+                return None
+            return msg.worker_id, RemovedEvent(event_id, tier, tuple(hashes))
+        return None
+
+    return decode
+
+
+fast_decode_dynamo = _fast_dynamo_decoder()
+"""The msgspec fast path of :func:`decode_dynamo` for text and bytes (None without msgspec):
+``fast_decode_dynamo(data, need_tier=False)`` returns ``(worker_id, event)`` or None, never
+raises; ``need_tier`` refuses a message without ``storage_tier`` (format auto-detection)."""
+
+
 @_typed_decode_errors
 def decode_dynamo(data: bytes | str | dict) -> tuple[int, Event]:
     """Decode one Dynamo RouterEvent -> (worker_id, event)."""
+    if fast_decode_dynamo is not None and not isinstance(data, dict):
+        decoded = fast_decode_dynamo(data)
+        if decoded is not None:
+            return decoded
     obj = _load_json(data)
     worker_id = _int(obj, "worker_id", "router event")
     storage = obj.get("storage_tier", "device")

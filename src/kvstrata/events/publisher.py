@@ -27,6 +27,7 @@ the same lock, :meth:`EventPublisher.snapshot` is exactly the state after its ``
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -48,6 +49,22 @@ from kvstrata.tiers import TIER_NAMES
 from kvstrata.types import BlockRecord
 
 log = logging.getLogger(__name__)
+
+
+def _native_stored_item_fn():
+    """The C fast path of :meth:`EventPublisher.on_tier_stored` (``_native.stored_item``), or
+    None when the extension is not built or ``KVSTRATA_NATIVE_EVENTS=0``."""
+    if os.environ.get("KVSTRATA_NATIVE_EVENTS", "1") == "0":
+        return None
+    try:
+        from kvstrata.events import _native
+    except ImportError:
+        return None
+    _native.set_record_type(BlockRecord)
+    return _native.stored_item
+
+
+_native_stored_item = _native_stored_item_fn()
 
 DEFAULT_MAX_BATCH = 1024
 DEFAULT_MAX_DELAY = 0.010
@@ -273,6 +290,38 @@ class EventPublisher(RegistryObserver):
         n = len(records)
         if not n:
             return
+        if _native_stored_item is not None:
+            # The same fast path in C (one call instead of the comprehensions below); it returns
+            # None, changing nothing, whenever the Python code would take its slow path.
+            with self._lock:
+                sh = self._tiers[tier]
+                now = time.time()
+                fresh = now - self._ts >= TS_RESOLUTION or now < self._ts
+                ts_text = repr(now) if fresh else self._ts_text
+                item = _native_stored_item(records, sh.held, self._last_id + 1, tier, ts_text, self.keep_tokens)
+                if item is not None:
+                    self._last_id = eid = item[0]
+                    if fresh:
+                        self._ts = now
+                        self._ts_text = ts_text
+                    sh.log.append(item)
+                    sh.logged += n
+                    if sh.logged > sh.limit:
+                        self._maybe_compact_inline(sh)
+                    self.enqueued += 1
+                    buf = self._buffer
+                    if self._closing or len(buf) >= self.buffer_events:
+                        self.dropped += 1
+                        if not buf:
+                            self._done_id = eid
+                        return
+                    buf.append(item)
+                    if len(buf) == 1:
+                        self._first_pending_at = time.monotonic()
+                        self._cond.notify()
+                    elif len(buf) == self.max_batch:
+                        self._cond.notify()
+                    return
         first = records[0]
         hashes = [r.sequence_hash for r in records]
         size = first.block_size

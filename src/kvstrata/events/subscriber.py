@@ -235,6 +235,10 @@ def follow_in_process(publisher, target: EventTarget) -> tuple[StreamFollower, C
 
 def decode_line(line: str, fmt: str = "auto") -> tuple[int, int | None, Event]:
     """One JSON line -> (worker_id, publisher_id or None, event); kvstrata or Dynamo format."""
+    if fmt != "kvstrata" and formats.fast_decode_dynamo is not None:
+        decoded = formats.fast_decode_dynamo(line, fmt == "auto")
+        if decoded is not None:
+            return decoded[0], None, decoded[1]
     try:
         obj = json.loads(line)
     except (ValueError, RecursionError) as exc:
