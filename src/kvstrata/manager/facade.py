@@ -34,6 +34,7 @@ from ..placement import EngineExecutor, OnboardResult, Planner
 from ..placement.planner import first_bad_record
 from ..protocol.results import TransferResult
 from ..types import BlockRecord, is_u64
+from ..tiers import TierKind, first_of_kind
 from .errors import InvalidBlockError, ManagerClosedError, ManagerConfigError, ManagerError
 from .g1_bytes import G1Bytes
 from .owner import OwnerThread, resolved
@@ -463,7 +464,7 @@ class KvBlockManager:
                                    sorted(self.planner.stats.paths.items())},
                           internal=True).result()
 
-    def export(self, tier: str = "G2", *, name: str | None = None, host: str = "127.0.0.1",
+    def export(self, tier: str | None = None, *, name: str | None = None, host: str = "127.0.0.1",
                port: int = 0, fingerprint: str = "") -> "BlockExporter":
         """Export ``tier`` (host memory) to other processes over NIXL: a
         :class:`~kvstrata.remote.BlockExporter` whose leases pin blocks in this manager's
@@ -471,6 +472,7 @@ class KvBlockManager:
         from ..remote.exporter import BlockExporter
 
         self._check_open("export")
+        tier = tier or first_of_kind(TierKind.HOST)
         storage = self.storage(tier)
         pool = self.pools[tier] if tier in self.pools else None
         if pool is None or not hasattr(storage, "ensure_checksums"):
@@ -496,13 +498,14 @@ class KvBlockManager:
         return BlockExporter(name or f"kvstrata-{tier.lower()}-{id(self):x}", tier, storage,
                              pin, unpin, fingerprint=fingerprint, host=host, port=port)
 
-    def importer(self, tier: str = "G2", *, fingerprint: str | None = None) -> "BlockSetImporter":
+    def importer(self, tier: str | None = None, *, fingerprint: str | None = None) -> "BlockSetImporter":
         """This manager's reader of other workers' exported memory, into ``tier`` (host
         memory): connect it to an exporter and hand the peer to :meth:`fetch_remote`. One per
         tier, closed with the manager."""
         from ..remote.importer import BlockSetImporter
 
         self._check_open("importer")
+        tier = tier or first_of_kind(TierKind.HOST)
         if tier not in self._importers:
             storage = self.storage(tier)
             if tier not in self.pools or not hasattr(storage, "seal"):

@@ -17,6 +17,10 @@ from typing import Any
 
 import numpy as np
 
+from ..tiers import TOP_TIER, TierKind, first_of_kind
+
+HOST = first_of_kind(TierKind.HOST)
+
 __all__ = ["ExporterProcess", "start_exporter", "start_lease_holder", "payload_of",
            "geometry_config", "chain_tokens"]
 
@@ -111,14 +115,14 @@ def _exporter_main(conn, chains: int, chain_blocks: int, g2_blocks: int,
         from ..tokens import hash_blocks
         from ..types import BlockRecord
 
-        config = geometry_config({"G1": chains * chain_blocks, "G2": g2_blocks}, **geometry)
+        config = geometry_config({TOP_TIER: chains * chain_blocks, HOST: g2_blocks}, **geometry)
         if events:
             from ..events import make_publisher
 
             publisher = make_publisher(events, worker_id=worker_id)
         mgr = KvBlockManager(config, observers=[publisher] if publisher else ())
         bs = config.block_size
-        nbytes = mgr.storage("G1").config.block_bytes
+        nbytes = mgr.storage(TOP_TIER).config.block_bytes
         held = []
         for c in range(chains):
             tokens = chain_tokens(c, chain_blocks, bs)
@@ -132,7 +136,7 @@ def _exporter_main(conn, chains: int, chain_blocks: int, g2_blocks: int,
         mgr.wait_idle(30)
         if publisher is not None:
             publisher.flush(10)
-        exporter = mgr.export("G2")
+        exporter = mgr.export(HOST)
     except Exception as exc:
         conn.send({"error": f"{type(exc).__name__}: {exc}"})
         return
@@ -143,7 +147,7 @@ def _exporter_main(conn, chains: int, chain_blocks: int, g2_blocks: int,
             if command[0] == "quit":
                 break
             if command[0] == "status":
-                pool = mgr.status()["tiers"]["G2"]["pool"]
+                pool = mgr.status()["tiers"][HOST]["pool"]
                 conn.send({"leases": len(exporter.leases), "expired": exporter.leases.expired,
                            "g2_active": pool["active"], "requests": exporter.requests})
     except EOFError:

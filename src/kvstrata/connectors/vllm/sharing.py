@@ -32,7 +32,10 @@ from typing import Sequence
 from ...compat import compatibility_of
 from ...remote.exporter import BlockExporter
 from ...remote.importer import BlockSetImporter, RemotePeer, ask, pack_hashes
+from ...tiers import TierKind, first_of_kind
 from .settings import ConnectorSettings
+
+HOST = first_of_kind(TierKind.HOST)
 
 __all__ = ["RemoteLoad", "G2Export", "RemoteLoader", "PeerDirectory", "ASK_TIMEOUT"]
 
@@ -71,7 +74,7 @@ class G2Export:
         self.storage = g2
         host, port = _host_port(settings.export)
         self.exporter = BlockExporter(
-            f"kvstrata-vllm-{settings.worker_id}-{rank}-{port}", "G2", g2, self._pin,
+            f"kvstrata-vllm-{settings.worker_id}-{rank}-{port}", HOST, g2, self._pin,
             self._unpin, fingerprint=_fingerprint(settings, rank, world_size), host=host,
             port=port)
         log.info("kvstrata: serving G2 to other engines at %s", self.exporter.control)

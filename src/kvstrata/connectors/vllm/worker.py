@@ -40,7 +40,7 @@ from ...protocol.results import FailureKind, TransferResult
 from ...tiers import TOP_TIER
 from .metadata import StepOrders, WorkerReport
 from .settings import ConnectorSettings
-from .sharing import G2Export, RemoteLoader
+from .sharing import HOST, G2Export, RemoteLoader
 
 __all__ = ["WorkerHalf", "wrap_vllm_kv_caches"]
 
@@ -119,7 +119,7 @@ class WorkerHalf:
         self.engine = TransferEngine(self.storages.by_tier, copy_engine=self._copy_engine)
         self._executor = EngineExecutor(self.engine, self._done.put)
         if self.settings.export:
-            self._export = G2Export(self.settings, self.storages.by_tier["G2"], self.rank,
+            self._export = G2Export(self.settings, self.storages.by_tier[HOST], self.rank,
                                     self.world_size)
         if self.settings.peers:
             self._remote = RemoteLoader(self.settings, g1, self.rank, self.world_size)
