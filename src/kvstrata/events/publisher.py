@@ -304,23 +304,7 @@ class EventPublisher(RegistryObserver):
                     if fresh:
                         self._ts = now
                         self._ts_text = ts_text
-                    sh.log.append(item)
-                    sh.logged += n
-                    if sh.logged > sh.limit:
-                        self._maybe_compact_inline(sh)
-                    self.enqueued += 1
-                    buf = self._buffer
-                    if self._closing or len(buf) >= self.buffer_events:
-                        self.dropped += 1
-                        if not buf:
-                            self._done_id = eid
-                        return
-                    buf.append(item)
-                    if len(buf) == 1:
-                        self._first_pending_at = time.monotonic()
-                        self._cond.notify()
-                    elif len(buf) == self.max_batch:
-                        self._cond.notify()
+                    self._log_and_enqueue_locked(sh, item, n)
                     return
         first = records[0]
         hashes = [r.sequence_hash for r in records]
@@ -354,24 +338,7 @@ class EventPublisher(RegistryObserver):
                     *hashes,
                     *[r.local_hash for r in records],
                 )
-                sh.log.append(item)
-                sh.logged += n
-                if sh.logged > sh.limit:
-                    self._maybe_compact_inline(sh)
-                # inline _enqueue1_locked (this is the hottest call)
-                self.enqueued += 1
-                buf = self._buffer
-                if self._closing or len(buf) >= self.buffer_events:
-                    self.dropped += 1
-                    if not buf:
-                        self._done_id = eid
-                    return
-                buf.append(item)
-                if len(buf) == 1:
-                    self._first_pending_at = time.monotonic()
-                    self._cond.notify()
-                elif len(buf) == self.max_batch:
-                    self._cond.notify()
+                self._log_and_enqueue_locked(sh, item, n)
                 return
             self._stored_slow_locked(tier, records)
 
@@ -491,6 +458,15 @@ class EventPublisher(RegistryObserver):
             return 0
         with self._lock:
             return self._stored_slow_locked(tier, ordered)
+
+    def _log_and_enqueue_locked(self, sh, item: tuple, blocks: int) -> None:
+        """A stored event of ``blocks`` blocks: into the tier's shadow log (for snapshots),
+        then the send buffer."""
+        sh.log.append(item)
+        sh.logged += blocks
+        if sh.logged > sh.limit:
+            self._maybe_compact_inline(sh)
+        self._enqueue1_locked(item)
 
     def _enqueue1_locked(self, item: tuple) -> None:
         """Append one item; ``_enqueue_locked`` for several."""
