@@ -110,10 +110,13 @@ class LruEviction(EvictionPolicy):
 
     def insert_many(self, blocks: list[Block]) -> None:
         order = self._order
-        move = order.move_to_end
+        before = len(order)
         for block in blocks:
             order[block.block_id] = block
-            move(block.block_id)
+        if len(order) != before + len(blocks):    # some were in already: move them last
+            move = order.move_to_end
+            for block in blocks:
+                move(block.block_id)
 
     def remove_many(self, blocks: list[Block]) -> None:
         pop = self._order.pop

@@ -19,11 +19,13 @@ without ``release`` are returned through a queue that the owner drains on its ne
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 from queue import SimpleQueue, Empty
 from typing import Iterable, Sequence
 
 from .block import Block, BlockState, BlockStateError
 from .handles import HandleReleasedError, ImmutableBlocks, MutableBlocks, _Blocks
+from ..tokens import DEFAULT_SEED
 from ..types import BlockRecord
 from .eviction import EvictionPolicy, LruEviction, PriorityLruEviction
 from .pool_checks import check_pool_invariants
@@ -117,6 +119,10 @@ class BlockPool:
             n += 1
         return n
 
+    def held(self, sequence_hashes: Sequence[int]) -> list[bool]:
+        """Whether each of ``sequence_hashes`` is registered here (no side effect)."""
+        return list(map(self._by_hash.__contains__, sequence_hashes))
+
     def can_allocate(self, count: int) -> bool:
         """Whether ``allocate(count)`` would succeed now.
 
@@ -159,7 +165,8 @@ class BlockPool:
     # -- allocation ------------------------------------------------------------------------
     def allocate(self, count: int) -> MutableBlocks:
         """``count`` Reset blocks, evicting in policy order if needed; all or nothing."""
-        self._drain_orphans()
+        if not self._orphans.empty():
+            self._drain_orphans()
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ValueError(f"cannot allocate {count!r} blocks: an integer >= 0 is needed")
         free = self._free
@@ -169,18 +176,22 @@ class BlockPool:
             if count > available:
                 raise PoolExhaustedError(self.tier, count, available)
         taken: list[Block] = []
-        while len(taken) < count and free:
-            taken.append(blocks[free.pop()])
+        if free:
+            while len(taken) < count and free:
+                taken.append(blocks[free.pop()])
         if len(taken) < count and len(blocks) < self.capacity:
             first = len(blocks)
             fresh = [Block(i, self.block_size)
                      for i in range(first, min(first + count - len(taken), self.capacity))]
             blocks.extend(fresh)
             taken.extend(fresh)
-        if len(taken) < count:
-            taken.extend(self._evict(count - len(taken)))
         for block in taken:
             block.ref_count = 1
+        if len(taken) < count:       # victims come back Reset with ref_count 1
+            if taken:
+                taken.extend(self._evict(count - len(taken)))
+            else:
+                taken = self._evict(count)
         return MutableBlocks(self, taken)
 
     def _evict(self, count: int) -> list[Block]:
@@ -204,17 +215,16 @@ class BlockPool:
                     parent.children -= 1
                     if parent.children == 0 and parent.ref_count == 0:
                         insert(parent)
-                block.reset()
                 victims.append(block)
+            _reset_all(victims, 1)
         else:
             victims = eviction.victims(count)
             if len(victims) < count:  # cannot happen: allocate checked the evictable total
                 raise AssertionError(f"pool {self.tier}: eviction order ran dry")
-            for block in victims:
-                h = block.sequence_hash
-                removed.append(h)  # type: ignore[arg-type]
+            removed = [block.sequence_hash for block in victims]  # type: ignore[misc]
+            for h in removed:
                 del by_hash[h]
-                block.reset()
+            _reset_all(victims, 1)
         self._inactive -= len(victims)
         self.evictions += len(victims)
         self.registry.record_removed(self.tier, removed)
@@ -247,24 +257,47 @@ class BlockPool:
         block is not Complete, nothing changes and :class:`BlockStateError` is raised.
         """
         self._check_owner(handle)
-        self._drain_orphans()
+        if not self._orphans.empty():
+            self._drain_orphans()
         blocks = handle.blocks
-        for block in blocks:
-            if block.state is not BlockState.COMPLETE:
-                raise BlockStateError(block.block_id, block.state, "register", "must be Complete")
+        complete = BlockState.COMPLETE
+        if list(map(_state_of, blocks)).count(complete) != len(blocks):
+            for block in blocks:
+                if block.state is not complete:
+                    raise BlockStateError(block.block_id, block.state, "register",
+                                          "must be Complete")
         handle._take()
         by_hash = self._by_hash
+        if not self._leaf_first and not self._tracks_registration and not self.keep_tokens:
+            # Fast path (lru and friends): no hash held yet, none twice in the batch, every
+            # block's record at hand; the index and the registry are updated in bulk.
+            hashes = list(map(_hash_of, blocks))
+            stored = list(map(_record_of, blocks))
+            if all(stored) and by_hash.keys().isdisjoint(hashes):
+                size = len(by_hash)
+                by_hash.update(zip(hashes, blocks))  # type: ignore[arg-type]
+                if len(by_hash) == size + len(hashes):
+                    state_registered = BlockState.REGISTERED
+                    for block in blocks:
+                        block.state = state_registered
+                        block.priority = priority
+                    self.registry.record_stored(self.tier, stored, hashes)  # type: ignore[arg-type]  (distinct)
+                    return ImmutableBlocks(self, blocks)
+                for h in hashes:  # a hash twice in the batch: undo, take the general path
+                    by_hash.pop(h, None)  # type: ignore[arg-type]
         get = by_hash.get
-        out: list[Block] = []
-        stored: list[BlockRecord] = []
+        stored = []
         keep_tokens = self.keep_tokens
         leaf_first = self._leaf_first
         registered = self.eviction.registered if self._tracks_registration else None
         state_registered = BlockState.REGISTERED
-        for block in blocks:
+        out = blocks               # replaced by a copy at the first deduplicated block
+        for i, block in enumerate(blocks):
             h = block.sequence_hash
             existing = get(h)  # type: ignore[arg-type]
             if existing is not None:
+                if out is blocks:
+                    out = blocks[:i]
                 self._acquire(existing)
                 block.reset()
                 block.ref_count = 0
@@ -283,7 +316,8 @@ class BlockPool:
             if record is None or keep_tokens:
                 record = block.record(keep_tokens)
             stored.append(record)
-            out.append(block)
+            if out is not blocks:
+                out.append(block)
         self.registry.record_stored(self.tier, stored)
         return ImmutableBlocks(self, out)
 
@@ -413,16 +447,21 @@ class BlockPool:
         eviction = self.eviction
         leaf_first = self._leaf_first
         touched = 0
+        record_hit = eviction.record_hit if self._counts_hits else None
+        move = eviction.touch
+        tick = self._tick
         for h in sequence_hashes:
             block = by_hash.get(h)
             if block is None:
                 continue
-            self._tick += 1
-            block.release_tick = self._tick
-            eviction.record_hit(block)
+            tick += 1
+            block.release_tick = tick
+            if record_hit is not None:
+                record_hit(block)
             if block.ref_count == 0 and not (leaf_first and block.children):
-                eviction.touch(block)
+                move(block)
             touched += 1
+        self._tick = tick
         return touched
 
     def acquire(self, sequence_hashes: Iterable[int]) -> ImmutableBlocks:
@@ -460,9 +499,13 @@ class BlockPool:
     # -- release ---------------------------------------------------------------------------
     def release(self, handle: _Blocks) -> None:
         """Return a handle's blocks (registered ones stay cached and matchable)."""
-        self._check_owner(handle)
-        self._drain_orphans()
-        self._release_blocks(handle._take(), isinstance(handle, MutableBlocks))
+        if handle._pool is not self or handle._blocks is None:
+            self._check_owner(handle)
+        if not self._orphans.empty():
+            self._drain_orphans()
+        blocks = handle._blocks
+        handle._blocks = None
+        self._release_blocks(blocks, handle._mutable)
 
     def _release_blocks(self, blocks: list[Block], mutable: bool) -> None:
         if mutable:
@@ -473,20 +516,30 @@ class BlockPool:
                 free.append(block.block_id)
             return
         idle: list[Block] = []
-        leaf_first = self._leaf_first
         tick = self._tick
-        for block in blocks:
-            block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {block.block_id} released more than acquired"
-            if block.ref_count == 0:
-                tick += 1
-                block.release_tick = tick
-                if leaf_first:
-                    self._active_registered.discard(block.block_id)
+        if self._leaf_first:
+            discard = self._active_registered.discard
+            for block in blocks:
+                block.ref_count -= 1
+                assert block.ref_count >= 0, f"block {block.block_id} released more than acquired"
+                if block.ref_count == 0:
+                    tick += 1
+                    block.release_tick = tick
+                    discard(block.block_id)
                     if block.children:
                         self._inactive += 1
                         continue
-                idle.append(block)
+                    idle.append(block)
+        else:
+            for block in blocks:
+                refs = block.ref_count - 1
+                block.ref_count = refs
+                if refs == 0:
+                    tick += 1
+                    block.release_tick = tick
+                    idle.append(block)
+                else:
+                    assert refs > 0, f"block {block.block_id} released more than acquired"
         self._tick = tick
         self._inactive += len(idle)
         if idle:
@@ -597,6 +650,30 @@ class BlockPool:
         """Assert the pool's bookkeeping is consistent (tests and debugging; O(capacity)).
         The checks live in :mod:`kvstrata.logical.pool_checks`."""
         check_pool_invariants(self)
+
+_state_of = attrgetter("state")
+_hash_of = attrgetter("sequence_hash")
+_record_of = attrgetter("cached_record")
+
+
+def _reset_all(blocks: list[Block], ref_count: int) -> None:
+    """``Block.reset`` on each block, inlined (the eviction hot path), and its references
+    set to ``ref_count``."""
+    state, seed = BlockState.RESET, DEFAULT_SEED
+    for block in blocks:
+        block.ref_count = ref_count
+        block.state = state
+        block.tokens = None
+        block.seed = seed
+        block.parent_hash = None
+        block.local_hash = None
+        block.sequence_hash = None
+        block.priority = 0
+        block.parent_id = -1
+        block.children = 0
+        block.cached_record = None
+        block.policy_state = 0
+
 
 __all__ = [
     "BlockPool",

@@ -17,6 +17,7 @@ leave a pool half-updated. The registry is metadata only: it never touches bytes
 from __future__ import annotations
 
 import logging
+from itertools import repeat
 from typing import Callable, Iterable, Sequence
 
 from ..tiers import TIER_NAMES, spec
@@ -87,13 +88,23 @@ class BlockRegistry:
         return {h for h, mask in self._tiers_by_hash.items() if mask & bit}
 
     # -- updates (called by pools, on the owner thread) ------------------------------------
-    def record_stored(self, tier: str, records: Sequence[BlockRecord]) -> None:
-        """Pools call this after ``records`` were registered in ``tier``."""
+    def record_stored(self, tier: str, records: Sequence[BlockRecord],
+                      hashes: Sequence[int] | None = None) -> None:
+        """Pools call this after ``records`` were registered in ``tier``; ``hashes``, if
+        given, are their sequence hashes, each once (the pool has them at hand)."""
         if not records:
             return
-        first_seen: list[BlockRecord] = []
         tiers_by_hash = self._tiers_by_hash
         bit = _TIER_BIT[tier]
+        if hashes is not None and tiers_by_hash.keys().isdisjoint(hashes):
+            # All new (the common case): in bulk. A hash given twice is counted once, as below.
+            tiers_by_hash.update(dict.fromkeys(hashes, bit))
+            first_seen = list(records)
+            for observer in self._observers:
+                self._notify(observer.on_tier_stored, tier, records)
+                self._notify(observer.on_stored, first_seen)
+            return
+        first_seen: list[BlockRecord] = []
         for record in records:
             h = record.sequence_hash
             mask = tiers_by_hash.get(h)
@@ -121,7 +132,16 @@ class BlockRegistry:
         """Remove ``tier`` from each hash; returns the hashes now held by no tier."""
         gone: list[int] = []
         tiers_by_hash = self._tiers_by_hash
-        keep = ~_TIER_BIT[tier]
+        bit = _TIER_BIT[tier]
+        keep = ~bit
+        if isinstance(sequence_hashes, list):
+            # Common case in bulk: every hash held by this tier alone, each given once.
+            masks = list(map(tiers_by_hash.pop, sequence_hashes, repeat(None)))
+            if masks.count(bit) == len(masks):
+                return list(sequence_hashes)
+            for h, mask in zip(sequence_hashes, masks):   # put back, then the general way
+                if mask is not None:
+                    tiers_by_hash[h] = mask
         for h in sequence_hashes:
             mask = tiers_by_hash.get(h)
             if mask is None:
@@ -154,7 +174,8 @@ class _UnobservedRegistry(BlockRegistry):
     """A registry that records nothing, for pools nobody observes (the shadow caches of the
     adaptive policies): it saves the bookkeeping and accepts any pool name."""
 
-    def record_stored(self, tier: str, records: Sequence[BlockRecord]) -> None:
+    def record_stored(self, tier: str, records: Sequence[BlockRecord],
+                      hashes: Sequence[int] | None = None) -> None:
         pass
 
     def record_removed(self, tier: str, sequence_hashes: Sequence[int]) -> None:
