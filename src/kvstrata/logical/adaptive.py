@@ -7,7 +7,8 @@ large, since it gives up every block's first reuse (docs/policies.md has the num
 case holds depends on the workload and on the capacity, so the tier measures it:
 
 * a :class:`PolicyDuel` keeps small *shadow* caches, one per candidate (eviction, admission)
-  pair, each of ``capacity / sample`` blocks (metadata only, real :class:`BlockPool` objects);
+  pair, each of ``capacity / sample`` blocks (metadata only: bare simulations that behave
+  exactly as a :class:`BlockPool` with that eviction order would, checked by the tests);
 * they replay a ``1 / sample`` spatial sample of the requests, chosen by the hash of a
   request's second block (so a conversation is sampled whole, while a system prompt shared
   by everyone does not decide the sample);
@@ -21,14 +22,13 @@ Cost: the shadows add about one extra pool operation per block of a sampled requ
 
 from __future__ import annotations
 
+import heapq
+from collections import OrderedDict
 from typing import Callable, Sequence
 
-from ..types import BlockRecord
 from .admission import ADMISSION_FILTERS, AdmissionPolicy, SecondOfferAdmission
 from .block import Block
 from .eviction import EVICTION_ORDERS, AgedFrequencyEviction, EvictionPolicy, LruEviction
-from .pool import BlockPool
-from .registry import UNOBSERVED
 
 ADAPTIVE = "adaptive"
 """Policy name (eviction or admission) whose choice is made online by set dueling."""
@@ -37,28 +37,106 @@ EVICTION_CANDIDATES = ("lru", "lfu")
 ADMISSION_CANDIDATES = ("always", "second-offer")
 
 
-class _ShadowCache:
-    """A metadata-only one-tier cache scoring one (eviction, admission) candidate."""
+class _LruShadow:
+    """A metadata-only one-tier LRU cache scoring one (lru, admission) candidate.
 
-    def __init__(self, capacity: int, eviction: str, admission: str) -> None:
-        self.pool = BlockPool("shadow", capacity, 1, eviction=EVICTION_ORDERS[eviction](capacity),
-                              registry=UNOBSERVED)
-        self.admission = ADMISSION_FILTERS[admission](capacity)
+    Exactly what a :class:`BlockPool` with :class:`LruEviction` of the same capacity does
+    when served a request (longest held prefix; each block touched if held, else allocated,
+    registered and released if admitted, the least recently used evicted when full), as a
+    bare ordered dict of hashes: the per-block pool calls were most of the duel's cost.
+    ``tests/logical/test_policy.py`` checks it against such a pool.
+    """
+
+    def __init__(self, capacity: int, admission: AdmissionPolicy) -> None:
+        self.capacity = capacity
+        self.admission = admission
+        self._order: OrderedDict[int, None] = OrderedDict()
 
     def serve(self, sequence_hashes: Sequence[int]) -> int:
         """Prefix hits of one request; then touch what is held and offer the rest."""
-        pool, admit = self.pool, self.admission.admit
-        hits = pool.match_length(sequence_hashes)
-        parent = None
+        order = self._order
+        hits = 0
         for h in sequence_hashes:
-            if h in pool:
-                pool.touch((h,))
+            if h not in order:
+                break
+            hits += 1
+        move, admit, capacity = order.move_to_end, self.admission.admit, self.capacity
+        for h in sequence_hashes:
+            if h in order:
+                move(h)
             elif admit(h):
-                handle = pool.allocate(1)
-                handle.apply_token_blocks([BlockRecord(h, h, parent, 1)])
-                pool.release(pool.register(handle))
-            parent = h
+                if len(order) >= capacity:
+                    order.popitem(last=False)
+                order[h] = None
         return hits
+
+
+class _LfuShadow:
+    """A metadata-only one-tier aged-LFU cache scoring one (lfu, admission) candidate.
+
+    Exactly what a :class:`BlockPool` with :class:`AgedFrequencyEviction` (ghost of
+    ``4 x capacity``) does when served a request, without the pool: a use count per held
+    hash, a heap of ``(L + count, tick, hash)`` with lazy deletion, the age ``L`` and the
+    ghost. Ticks follow the pool's (one per touch and per release), so ties break alike.
+    """
+
+    def __init__(self, capacity: int, admission: AdmissionPolicy, ghost_factor: int = 4) -> None:
+        self.capacity = capacity
+        self.admission = admission
+        self._count: dict[int, int] = {}          # held hash -> use count
+        self._live: dict[int, int] = {}           # held hash -> tick of its live heap entry
+        self._heap: list[tuple[int, int, int]] = []
+        self._age = 0
+        self._tick = 0
+        self._ghost: OrderedDict[int, int] = OrderedDict()
+        self._ghost_size = max(1, ghost_factor * capacity)
+
+    def serve(self, sequence_hashes: Sequence[int]) -> int:
+        count, live, heap = self._count, self._live, self._heap
+        hits = 0
+        for h in sequence_hashes:
+            if h not in count:
+                break
+            hits += 1
+        admit, push, capacity = self.admission.admit, heapq.heappush, self.capacity
+        ghost = self._ghost
+        tick = self._tick
+        for h in sequence_hashes:
+            if h in count:                      # touch: a hit, re-entered at a new tick
+                tick += 1
+                f = count[h] + 1
+                count[h] = f
+            elif admit(h):
+                if len(count) >= capacity:      # evict the lowest (L + count, tick)
+                    while True:
+                        key, t, victim = heapq.heappop(heap)
+                        if live.get(victim) == t:
+                            break
+                    del live[victim]
+                    self._age = key
+                    ghost[victim] = count.pop(victim)
+                    ghost.move_to_end(victim)
+                    if len(ghost) > self._ghost_size:
+                        ghost.popitem(last=False)
+                f = ghost.pop(h, 0) + 1
+                count[h] = f
+                tick += 1                       # released: enters the order
+            else:
+                continue
+            live[h] = tick
+            push(heap, (self._age + f, tick, h))
+        self._tick = tick
+        if len(heap) > 4 * len(live) + 64:
+            self._heap = [e for e in heap if live.get(e[2]) == e[1]]
+            heapq.heapify(self._heap)
+        return hits
+
+
+_SHADOWS = {"lru": _LruShadow, "lfu": _LfuShadow}
+
+
+def _shadow(capacity: int, eviction: str, admission: str):
+    return _SHADOWS[eviction](capacity, ADMISSION_FILTERS[admission](capacity))
 
 
 class PolicyDuel:
@@ -74,7 +152,7 @@ class PolicyDuel:
     ) -> None:
         self.candidates = [(e, a) for e in evictions for a in admissions]
         shadow_capacity = max(1, capacity // sample)
-        self._shadows = [_ShadowCache(shadow_capacity, e, a) for e, a in self.candidates]
+        self._shadows = [_shadow(shadow_capacity, e, a) for e, a in self.candidates]
         self._scores = [0.0] * len(self.candidates)
         self._sample = sample
         self._decay = decay
