@@ -238,7 +238,18 @@ class DuelingEviction(EvictionPolicy):
         return block
 
     def victims(self, count: int) -> list[Block]:
-        return EvictionPolicy.victims(self, count)
+        # As ``count`` calls of ``victim``: the other order's removals do not change the
+        # leader's choices, so each order works in one batch.
+        if self._duel.eviction == "lfu":
+            blocks = self._lfu.victims(count)
+            self._lru.remove_many(blocks)
+        else:
+            blocks = self._lru.victims(count)
+            lfu = self._lfu
+            lfu.remove_many(blocks)
+            for block in blocks:
+                lfu.remember(block)
+        return blocks
 
     def __len__(self) -> int:
         return len(self._lru)

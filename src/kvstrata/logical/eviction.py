@@ -49,6 +49,12 @@ class EvictionPolicy:
     def record_hit(self, block: Block) -> None:
         """``block`` served a look-up (matched or touched); frequency policies count it."""
 
+    def is_next(self, block: Block) -> bool:
+        """Whether ``block``, not in the order, would be the very next victim if inserted
+        now. A leaf-first pool then evicts it at once instead of inserting it (the victims
+        are the same). Answering False is always correct; it only costs the round trip."""
+        return False
+
     def victim(self) -> Block | None:
         """Remove and return the next block to evict, or None if nothing is evictable."""
         raise NotImplementedError
@@ -134,38 +140,56 @@ class LruEviction(EvictionPolicy):
         return set(self._order)
 
 
-class _HeapEviction(EvictionPolicy):
-    """An eviction order kept in a heap of ``(key, release_tick, block_id, block)`` entries.
+_ID_BITS = 32
+_ID_MASK = (1 << _ID_BITS) - 1
+_TICK_SHIFT = 64 + _ID_BITS
 
-    Deletion is lazy: an entry is live only while ``_live[block_id]`` is that very entry, so
-    ``remove`` is O(1) and stale entries are skipped (and compacted away when they pile up).
+
+class _HeapEviction(EvictionPolicy):
+    """An eviction order kept in a heap, lowest ``(key, release_tick, block_id)`` first.
+
+    Each entry is that triple packed into one int, ``key << 96 | release_tick << 32 |
+    block_id`` (ticks below 2**64, ids below 2**32: the same order as the tuple, and an int
+    compares several times faster than a tuple, which is most of a heap operation). Deletion
+    is lazy: an entry is live only while ``_live[block_id]`` is that very entry, so ``remove``
+    is O(1) and stale entries are skipped (and compacted away when they pile up).
     """
 
     def __init__(self) -> None:
-        self._heap: list[tuple[int, int, int, Block]] = []
-        self._live: dict[int, tuple[int, int, int, Block]] = {}
+        self._heap: list[int] = []
+        self._live: dict[int, int] = {}           # block id -> its live entry
+        self._block_of: dict[int, Block] = {}      # block id -> block (the pool's, per slot)
 
     def key(self, block: Block) -> int:
         raise NotImplementedError
 
+    def _entry(self, block: Block) -> int:
+        return (self.key(block) << _TICK_SHIFT) | (block.release_tick << _ID_BITS) | block.block_id
+
     def insert(self, block: Block) -> None:
-        entry = (self.key(block), block.release_tick, block.block_id, block)
+        entry = self._entry(block)
         self._live[block.block_id] = entry
+        self._block_of[block.block_id] = block
         heapq.heappush(self._heap, entry)
         if len(self._heap) > 4 * len(self._live) + 64:
-            live = self._live
-            self._heap = [e for e in self._heap if live.get(e[2]) is e]
-            heapq.heapify(self._heap)
+            self._compact()
 
     def insert_many(self, blocks: list[Block]) -> None:
-        live, heap, key, push = self._live, self._heap, self.key, heapq.heappush
+        live, block_of, heap, key, push = (self._live, self._block_of, self._heap, self.key,
+                                           heapq.heappush)
         for block in blocks:
-            entry = (key(block), block.release_tick, block.block_id, block)
-            live[block.block_id] = entry
+            block_id = block.block_id
+            entry = (key(block) << _TICK_SHIFT) | (block.release_tick << _ID_BITS) | block_id
+            live[block_id] = entry
+            block_of[block_id] = block
             push(heap, entry)
         if len(heap) > 4 * len(live) + 64:
-            self._heap = [e for e in heap if live.get(e[2]) is e]
-            heapq.heapify(self._heap)
+            self._compact()
+
+    def _compact(self) -> None:
+        live = self._live
+        self._heap = [e for e in self._heap if live.get(e & _ID_MASK) == e]
+        heapq.heapify(self._heap)
 
     def remove(self, block: Block) -> None:
         self._live.pop(block.block_id, None)
@@ -179,14 +203,16 @@ class _HeapEviction(EvictionPolicy):
         heap, live = self._heap, self._live
         while heap:
             entry = heapq.heappop(heap)
-            if live.get(entry[2]) is entry:
-                del live[entry[2]]
-                self.evicted(entry)
-                return entry[3]
+            block_id = entry & _ID_MASK
+            if live.get(block_id) == entry:
+                del live[block_id]
+                block = self._block_of[block_id]
+                self.evicted(entry >> _TICK_SHIFT, block)
+                return block
         return None
 
-    def evicted(self, entry: tuple[int, int, int, Block]) -> None:
-        """Hook: ``entry`` was just chosen as a victim."""
+    def evicted(self, key: int, block: Block) -> None:
+        """Hook: ``block`` (whose key was ``key``) was just chosen as a victim."""
 
     def __len__(self) -> int:
         return len(self._live)
@@ -260,6 +286,9 @@ class PriorityLruEviction(EvictionPolicy):
     becomes evictable when its last child is evicted re-enters at its *old* release tick,
     which is nearly always the oldest of its level (front of the ordered dict); anything else
     goes to the level's small heap. So the common operations are O(1).
+
+    A block's ``policy_state`` is 1 while it is in the order (its level is its ``priority``,
+    which does not change while it is evictable), 0 otherwise: no side table per block.
     """
 
     name = "default"
@@ -267,31 +296,47 @@ class PriorityLruEviction(EvictionPolicy):
 
     def __init__(self, capacity: int = 0) -> None:
         self._levels: dict[int, _TickLevel] = {}
-        self._priority_of: dict[int, int] = {}
+        self._size = 0
 
     def insert(self, block: Block) -> None:
+        if block.policy_state:  # a re-insert (touch): drop the old position
+            self._discard(block)
         priority = block.priority
-        block_id = block.block_id
-        priority_of = self._priority_of
-        old = priority_of.get(block_id)
-        if old is not None:  # a re-insert (touch): drop the old position
-            self._discard(block_id, old)
         level = self._levels.get(priority)
         if level is None:
             level = self._levels[priority] = _TickLevel()
-        priority_of[block_id] = priority
+        block.policy_state = 1
         level.add(block)
+        self._size += 1
+
+    def insert_many(self, blocks: list[Block]) -> None:
+        levels = self._levels
+        for block in blocks:
+            if block.policy_state:
+                self._discard(block)
+            level = levels.get(block.priority)
+            if level is None:
+                level = levels[block.priority] = _TickLevel()
+            block.policy_state = 1
+            level.add(block)
+        self._size += len(blocks)
 
     def remove(self, block: Block) -> None:
-        priority = self._priority_of.pop(block.block_id, None)
-        if priority is not None:
-            self._discard(block.block_id, priority)
+        if block.policy_state:
+            self._discard(block)
 
-    def _discard(self, block_id: int, priority: int) -> None:
-        level = self._levels[priority]
-        level.discard(block_id)
+    def remove_many(self, blocks: list[Block]) -> None:
+        for block in blocks:
+            if block.policy_state:
+                self._discard(block)
+
+    def _discard(self, block: Block) -> None:
+        level = self._levels[block.priority]
+        level.discard(block.block_id)
+        block.policy_state = 0
+        self._size -= 1
         if not level.size:
-            del self._levels[priority]
+            del self._levels[block.priority]
 
     def victim(self) -> Block | None:
         levels = self._levels
@@ -300,16 +345,42 @@ class PriorityLruEviction(EvictionPolicy):
         priority = next(iter(levels)) if len(levels) == 1 else min(levels)
         level = levels[priority]
         block = level.pop_oldest()
-        del self._priority_of[block.block_id]
+        block.policy_state = 0
+        self._size -= 1
         if not level.size:
             del levels[priority]
         return block
 
+    def is_next(self, block: Block) -> bool:
+        levels = self._levels
+        if not levels:
+            return True
+        lowest = next(iter(levels)) if len(levels) == 1 else min(levels)
+        if block.priority != lowest:
+            return block.priority < lowest
+        level = levels[lowest]
+        tick = block.release_tick
+        ordered = level.ordered
+        if ordered and ordered[next(iter(ordered))].release_tick < tick:
+            return False
+        late = level.late
+        if late:
+            live = level.late_live
+            while late and live.get(late[0][1]) != late[0][0]:
+                heapq.heappop(late)
+            if late and late[0][0] < tick:
+                return False
+        return True
+
     def __len__(self) -> int:
-        return len(self._priority_of)
+        return self._size
 
     def members(self) -> set[int]:
-        return set(self._priority_of)
+        out: set[int] = set()
+        for level in self._levels.values():
+            out.update(level.ordered)
+            out.update(level.late_live)
+        return out
 
 
 class AgedFrequencyEviction(_HeapEviction):
@@ -345,9 +416,47 @@ class AgedFrequencyEviction(_HeapEviction):
     def key(self, block: Block) -> int:
         return self._age + block.policy_state
 
-    def evicted(self, entry: tuple[int, int, int, Block]) -> None:
-        self._age = entry[0]
-        self.remember(entry[3])
+    def _entry(self, block: Block) -> int:
+        return (((self._age + block.policy_state) << _TICK_SHIFT)
+                | (block.release_tick << _ID_BITS) | block.block_id)
+
+    def insert_many(self, blocks: list[Block]) -> None:
+        live, block_of, heap, push, age = (self._live, self._block_of, self._heap,
+                                           heapq.heappush, self._age)
+        for block in blocks:
+            block_id = block.block_id
+            entry = (((age + block.policy_state) << _TICK_SHIFT)
+                     | (block.release_tick << _ID_BITS) | block_id)
+            live[block_id] = entry
+            block_of[block_id] = block
+            push(heap, entry)
+        if len(heap) > 4 * len(live) + 64:
+            self._compact()
+
+    def evicted(self, key: int, block: Block) -> None:
+        self._age = key
+        self.remember(block)
+
+    def victims(self, count: int) -> list[Block]:
+        """Up to ``count`` victims, as ``count`` calls of ``victim`` would give them."""
+        out: list[Block] = []
+        heap, live, block_of, ghost = self._heap, self._live, self._block_of, self._ghost
+        pop, size = heapq.heappop, self._ghost_size
+        while len(out) < count and heap:
+            entry = pop(heap)
+            block_id = entry & _ID_MASK
+            if live.get(block_id) != entry:
+                continue
+            del live[block_id]
+            block = block_of[block_id]
+            self._age = entry >> _TICK_SHIFT
+            h = block.sequence_hash                  # inlined remember
+            ghost[h] = block.policy_state  # type: ignore[index]
+            ghost.move_to_end(h)  # type: ignore[arg-type]
+            if len(ghost) > size:
+                ghost.popitem(last=False)
+            out.append(block)
+        return out
 
     def remember(self, block: Block) -> None:
         """Keep an evicted block's count in the ghost (also used when another order evicted it)."""

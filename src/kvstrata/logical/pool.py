@@ -202,20 +202,31 @@ class BlockPool:
         if self._leaf_first:
             # One at a time: each eviction may make its parent evictable, and that parent
             # must compete for the next slot in its rightful place.
+            # A parent freed this way that would be the very next victim anyway (the common
+            # case: a chain goes tail first) is taken at once instead of entering the order
+            # and leaving it again (``is_next``); the victims are the same.
             victim, insert, blocks = eviction.victim, eviction.insert, self._blocks
+            is_next = eviction.is_next
+            block = None
             while len(victims) < count:
-                block = victim()
-                if block is None:  # cannot happen: allocate checked the evictable total
-                    raise AssertionError(f"pool {self.tier}: eviction order ran dry")
+                if block is None:
+                    block = victim()
+                    if block is None:  # cannot happen: allocate checked the evictable total
+                        raise AssertionError(f"pool {self.tier}: eviction order ran dry")
                 h = block.sequence_hash
                 removed.append(h)  # type: ignore[arg-type]
                 del by_hash[h]
-                if block.parent_id >= 0:  # inlined _unlink_parent (hot path)
-                    parent = blocks[block.parent_id]
+                victims.append(block)
+                parent_id = block.parent_id
+                block = None
+                if parent_id >= 0:  # inlined _unlink_parent (hot path)
+                    parent = blocks[parent_id]
                     parent.children -= 1
                     if parent.children == 0 and parent.ref_count == 0:
-                        insert(parent)
-                victims.append(block)
+                        if len(victims) < count and is_next(parent):
+                            block = parent
+                        else:
+                            insert(parent)
             _reset_all(victims, 1)
         else:
             victims = eviction.victims(count)
@@ -285,6 +296,31 @@ class BlockPool:
                     return ImmutableBlocks(self, blocks)
                 for h in hashes:  # a hash twice in the batch: undo, take the general path
                     by_hash.pop(h, None)  # type: ignore[arg-type]
+        elif not self._tracks_registration and not self.keep_tokens:
+            # Fast path of leaf-first pools: no hash held yet and none twice in the batch;
+            # each block is indexed and linked to its parent in order, as below.
+            hashes = list(map(_hash_of, blocks))
+            stored = list(map(_record_of, blocks))
+            if (all(stored) and by_hash.keys().isdisjoint(hashes)
+                    and len(set(hashes)) == len(hashes)):
+                get = by_hash.get
+                state_registered = BlockState.REGISTERED
+                remove = self.eviction.remove
+                for block, h in zip(blocks, hashes):
+                    block.state = state_registered
+                    block.priority = priority
+                    by_hash[h] = block  # type: ignore[index]
+                    parent_hash = block.parent_hash
+                    if parent_hash is not None:      # inlined _link_parent
+                        parent = get(parent_hash)
+                        if parent is not None and parent is not block:
+                            block.parent_id = parent.block_id
+                            parent.children += 1
+                            if parent.children == 1 and parent.ref_count == 0:
+                                remove(parent)
+                self._active_registered.update(map(_id_of, blocks))
+                self.registry.record_stored(self.tier, stored, hashes)  # type: ignore[arg-type]
+                return ImmutableBlocks(self, blocks)
         get = by_hash.get
         stored = []
         keep_tokens = self.keep_tokens
@@ -654,6 +690,7 @@ class BlockPool:
 _state_of = attrgetter("state")
 _hash_of = attrgetter("sequence_hash")
 _record_of = attrgetter("cached_record")
+_id_of = attrgetter("block_id")
 
 
 def _reset_all(blocks: list[Block], ref_count: int) -> None:
