@@ -140,87 +140,6 @@ class LruEviction(EvictionPolicy):
         return set(self._order)
 
 
-_ID_BITS = 32
-_ID_MASK = (1 << _ID_BITS) - 1
-_TICK_SHIFT = 64 + _ID_BITS
-
-
-class _HeapEviction(EvictionPolicy):
-    """An eviction order kept in a heap, lowest ``(key, release_tick, block_id)`` first.
-
-    Each entry is that triple packed into one int, ``key << 96 | release_tick << 32 |
-    block_id`` (ticks below 2**64, ids below 2**32: the same order as the tuple, and an int
-    compares several times faster than a tuple, which is most of a heap operation). Deletion
-    is lazy: an entry is live only while ``_live[block_id]`` is that very entry, so ``remove``
-    is O(1) and stale entries are skipped (and compacted away when they pile up).
-    """
-
-    def __init__(self) -> None:
-        self._heap: list[int] = []
-        self._live: dict[int, int] = {}           # block id -> its live entry
-        self._block_of: dict[int, Block] = {}      # block id -> block (the pool's, per slot)
-
-    def key(self, block: Block) -> int:
-        raise NotImplementedError
-
-    def _entry(self, block: Block) -> int:
-        return (self.key(block) << _TICK_SHIFT) | (block.release_tick << _ID_BITS) | block.block_id
-
-    def insert(self, block: Block) -> None:
-        entry = self._entry(block)
-        self._live[block.block_id] = entry
-        self._block_of[block.block_id] = block
-        heapq.heappush(self._heap, entry)
-        if len(self._heap) > 4 * len(self._live) + 64:
-            self._compact()
-
-    def insert_many(self, blocks: list[Block]) -> None:
-        live, block_of, heap, key, push = (self._live, self._block_of, self._heap, self.key,
-                                           heapq.heappush)
-        for block in blocks:
-            block_id = block.block_id
-            entry = (key(block) << _TICK_SHIFT) | (block.release_tick << _ID_BITS) | block_id
-            live[block_id] = entry
-            block_of[block_id] = block
-            push(heap, entry)
-        if len(heap) > 4 * len(live) + 64:
-            self._compact()
-
-    def _compact(self) -> None:
-        live = self._live
-        self._heap = [e for e in self._heap if live.get(e & _ID_MASK) == e]
-        heapq.heapify(self._heap)
-
-    def remove(self, block: Block) -> None:
-        self._live.pop(block.block_id, None)
-
-    def remove_many(self, blocks: list[Block]) -> None:
-        pop = self._live.pop
-        for block in blocks:
-            pop(block.block_id, None)
-
-    def victim(self) -> Block | None:
-        heap, live = self._heap, self._live
-        while heap:
-            entry = heapq.heappop(heap)
-            block_id = entry & _ID_MASK
-            if live.get(block_id) == entry:
-                del live[block_id]
-                block = self._block_of[block_id]
-                self.evicted(entry >> _TICK_SHIFT, block)
-                return block
-        return None
-
-    def evicted(self, key: int, block: Block) -> None:
-        """Hook: ``block`` (whose key was ``key``) was just chosen as a victim."""
-
-    def __len__(self) -> int:
-        return len(self._live)
-
-    def members(self) -> set[int]:
-        return set(self._live)
-
-
 class _TickLevel:
     """Blocks of one priority in release-tick order: an ordered dict for the common case
     (a release is the newest tick; a parent freed by its last child's eviction is usually
@@ -383,7 +302,7 @@ class PriorityLruEviction(EvictionPolicy):
         return out
 
 
-class AgedFrequencyEviction(_HeapEviction):
+class AgedFrequencyEviction(EvictionPolicy):
     """Least-frequently-used with dynamic aging and a ghost history ("lfu").
 
     Each block's use count ``f`` lives in ``block.policy_state``: 1 when registered (plus
@@ -395,16 +314,24 @@ class AgedFrequencyEviction(_HeapEviction):
 
     Why: on multi-turn traces most blocks are used once, while a block used twice is likely
     to be used again; LRU cannot tell them apart, frequency can (docs/policies.md).
+
+    Kept as one bucket per key, each an ordered dict in release-tick order (a block enters
+    with the newest tick, so it is appended), and a small heap of the keys in use: every
+    operation is O(1) but for the key heap, which holds a handful of keys. The order is
+    exactly the heap order of ``(key, release_tick, block_id)``.
     """
 
     name = "lfu"
 
     def __init__(self, capacity: int = 0, ghost_factor: int = 4, max_count: int | None = None) -> None:
-        super().__init__()
         self._max_count = max_count
         self._age = 0
         self._ghost: OrderedDict[int, int] = OrderedDict()
         self._ghost_size = max(1, ghost_factor * capacity)
+        self._key_of: dict[int, int] = {}                  # block id -> its key, in the order
+        self._buckets: dict[int, OrderedDict[int, Block]] = {}
+        self._keys: list[int] = []                         # heap of keys (stale ones skipped)
+        self._last = (-1, -1)                              # newest (release_tick, id) inserted
 
     def registered(self, block: Block) -> None:
         block.policy_state = self._ghost.pop(block.sequence_hash, 0) + 1  # type: ignore[arg-type]
@@ -416,41 +343,76 @@ class AgedFrequencyEviction(_HeapEviction):
     def key(self, block: Block) -> int:
         return self._age + block.policy_state
 
-    def _entry(self, block: Block) -> int:
-        return (((self._age + block.policy_state) << _TICK_SHIFT)
-                | (block.release_tick << _ID_BITS) | block.block_id)
+    def insert(self, block: Block) -> None:
+        self.insert_many([block])
 
     def insert_many(self, blocks: list[Block]) -> None:
-        live, block_of, heap, push, age = (self._live, self._block_of, self._heap,
-                                           heapq.heappush, self._age)
+        key_of, buckets, age = self._key_of, self._buckets, self._age
+        last = self._last
         for block in blocks:
             block_id = block.block_id
-            entry = (((age + block.policy_state) << _TICK_SHIFT)
-                     | (block.release_tick << _ID_BITS) | block_id)
-            live[block_id] = entry
-            block_of[block_id] = block
-            push(heap, entry)
-        if len(heap) > 4 * len(live) + 64:
-            self._compact()
+            old = key_of.get(block_id)
+            if old is not None:                    # a re-insert: drop the old position
+                self._drop(block_id, old)
+            key = age + block.policy_state
+            bucket = buckets.get(key)
+            if bucket is None:
+                bucket = buckets[key] = OrderedDict()
+                heapq.heappush(self._keys, key)
+            stamp = (block.release_tick, block_id)
+            bucket[block_id] = block
+            key_of[block_id] = key
+            if stamp > last:
+                last = stamp
+            elif len(bucket) > 1:                  # older than something already in: re-sort
+                ordered = sorted(bucket.values(), key=lambda b: (b.release_tick, b.block_id))
+                bucket.clear()
+                bucket.update((b.block_id, b) for b in ordered)
+        self._last = last
+        if len(self._keys) > 2 * len(buckets) + 16:
+            self._keys = list(buckets)
+            heapq.heapify(self._keys)
 
-    def evicted(self, key: int, block: Block) -> None:
-        self._age = key
-        self.remember(block)
+    def _drop(self, block_id: int, key: int) -> None:
+        bucket = self._buckets[key]
+        del bucket[block_id]
+        if not bucket:
+            del self._buckets[key]
+
+    def remove(self, block: Block) -> None:
+        key = self._key_of.pop(block.block_id, None)
+        if key is not None:
+            self._drop(block.block_id, key)
+
+    def remove_many(self, blocks: list[Block]) -> None:
+        pop = self._key_of.pop
+        for block in blocks:
+            key = pop(block.block_id, None)
+            if key is not None:
+                self._drop(block.block_id, key)
+
+    def victim(self) -> Block | None:
+        out = self.victims(1)
+        return out[0] if out else None
 
     def victims(self, count: int) -> list[Block]:
-        """Up to ``count`` victims, as ``count`` calls of ``victim`` would give them."""
+        """Up to ``count`` victims in order, each evicted as ``victim`` would."""
         out: list[Block] = []
-        heap, live, block_of, ghost = self._heap, self._live, self._block_of, self._ghost
-        pop, size = heapq.heappop, self._ghost_size
-        while len(out) < count and heap:
-            entry = pop(heap)
-            block_id = entry & _ID_MASK
-            if live.get(block_id) != entry:
+        keys, buckets, key_of, ghost = self._keys, self._buckets, self._key_of, self._ghost
+        size = self._ghost_size
+        while len(out) < count and keys:
+            key = keys[0]
+            bucket = buckets.get(key)
+            if bucket is None:                     # stale key: its bucket emptied
+                heapq.heappop(keys)
                 continue
-            del live[block_id]
-            block = block_of[block_id]
-            self._age = entry >> _TICK_SHIFT
-            h = block.sequence_hash                  # inlined remember
+            block_id, block = bucket.popitem(last=False)
+            if not bucket:
+                del buckets[key]
+                heapq.heappop(keys)
+            del key_of[block_id]
+            self._age = key
+            h = block.sequence_hash                # inlined remember
             ghost[h] = block.policy_state  # type: ignore[index]
             ghost.move_to_end(h)  # type: ignore[arg-type]
             if len(ghost) > size:
@@ -465,6 +427,12 @@ class AgedFrequencyEviction(_HeapEviction):
         ghost.move_to_end(block.sequence_hash)  # type: ignore[arg-type]
         if len(ghost) > self._ghost_size:
             ghost.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._key_of)
+
+    def members(self) -> set[int]:
+        return set(self._key_of)
 
 
 EVICTION_ORDERS: dict[str, Callable[[int], EvictionPolicy]] = {
