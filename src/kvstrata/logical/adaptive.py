@@ -202,6 +202,9 @@ class DuelingEviction(EvictionPolicy):
     def registered(self, block: Block) -> None:
         self._lfu.registered(block)
 
+    def registered_many(self, blocks: list[Block]) -> None:
+        self._lfu.registered_many(blocks)
+
     def record_hit(self, block: Block) -> None:
         self._lfu.record_hit(block)
 

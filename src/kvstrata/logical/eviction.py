@@ -33,6 +33,11 @@ class EvictionPolicy:
     def registered(self, block: Block) -> None:
         """``block`` was newly registered in the pool (not a dedup hit)."""
 
+    def registered_many(self, blocks: list[Block]) -> None:
+        """``registered`` for each of ``blocks``, in order."""
+        for block in blocks:
+            self.registered(block)
+
     def insert(self, block: Block) -> None:
         """``block`` became evictable (its ``release_tick`` is already stamped)."""
         raise NotImplementedError
@@ -335,6 +340,11 @@ class AgedFrequencyEviction(EvictionPolicy):
 
     def registered(self, block: Block) -> None:
         block.policy_state = self._ghost.pop(block.sequence_hash, 0) + 1  # type: ignore[arg-type]
+
+    def registered_many(self, blocks: list[Block]) -> None:
+        pop = self._ghost.pop
+        for block in blocks:
+            block.policy_state = pop(block.sequence_hash, 0) + 1  # type: ignore[arg-type]
 
     def record_hit(self, block: Block) -> None:
         if self._max_count is None or block.policy_state < self._max_count:

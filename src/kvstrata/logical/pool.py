@@ -102,6 +102,8 @@ class BlockPool:
         # Skip per-block hook calls the policy does not use (the base versions do nothing).
         self._counts_hits = policy_type.record_hit is not EvictionPolicy.record_hit
         self._tracks_registration = policy_type.registered is not EvictionPolicy.registered
+        # Plain LRU pools never set a block's tree links or policy state: resets skip them.
+        self._plain_reset = type(self.eviction) is LruEviction
         # Registered blocks in use; leaf-first pools need them to count what eviction can reach.
         self._active_registered: set[int] = set()
 
@@ -167,7 +169,8 @@ class BlockPool:
         """``count`` Reset blocks, evicting in policy order if needed; all or nothing."""
         if not self._orphans.empty():
             self._drain_orphans()
-        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        if type(count) is not int and (isinstance(count, bool) or not isinstance(count, int)) \
+                or count < 0:
             raise ValueError(f"cannot allocate {count!r} blocks: an integer >= 0 is needed")
         free = self._free
         blocks = self._blocks
@@ -235,7 +238,10 @@ class BlockPool:
             removed = [block.sequence_hash for block in victims]  # type: ignore[misc]
             for h in removed:
                 del by_hash[h]
-            _reset_all(victims, 1)
+            if self._plain_reset:
+                _reset_identity(victims)
+            else:
+                _reset_all(victims, 1)
         self._inactive -= len(victims)
         self.evictions += len(victims)
         self.registry.record_removed(self.tier, removed)
@@ -279,7 +285,7 @@ class BlockPool:
                                           "must be Complete")
         handle._take()
         by_hash = self._by_hash
-        if not self._leaf_first and not self._tracks_registration and not self.keep_tokens:
+        if not self._leaf_first and not self.keep_tokens:
             # Fast path (lru and friends): no hash held yet, none twice in the batch, every
             # block's record at hand; the index and the registry are updated in bulk.
             hashes = list(map(_hash_of, blocks))
@@ -291,7 +297,11 @@ class BlockPool:
                     state_registered = BlockState.REGISTERED
                     for block in blocks:
                         block.state = state_registered
-                        block.priority = priority
+                    if priority:                   # Complete blocks have priority 0
+                        for block in blocks:
+                            block.priority = priority
+                    if self._tracks_registration:
+                        self.eviction.registered_many(blocks)
                     self.registry.record_stored(self.tier, stored, hashes)  # type: ignore[arg-type]  (distinct)
                     return ImmutableBlocks(self, blocks)
                 for h in hashes:  # a hash twice in the batch: undo, take the general path
@@ -686,6 +696,22 @@ class BlockPool:
         """Assert the pool's bookkeeping is consistent (tests and debugging; O(capacity)).
         The checks live in :mod:`kvstrata.logical.pool_checks`."""
         check_pool_invariants(self)
+
+def _reset_identity(blocks: list[Block]) -> None:
+    """``_reset_all(blocks, 1)`` for pools whose blocks never leave ``parent_id``,
+    ``children`` and ``policy_state`` at anything but their defaults (plain LRU pools)."""
+    state, seed = BlockState.RESET, DEFAULT_SEED
+    for block in blocks:
+        block.ref_count = 1
+        block.state = state
+        block.tokens = None
+        block.seed = seed
+        block.parent_hash = None
+        block.local_hash = None
+        block.sequence_hash = None
+        block.priority = 0
+        block.cached_record = None
+
 
 _state_of = attrgetter("state")
 _hash_of = attrgetter("sequence_hash")
