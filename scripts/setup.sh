@@ -19,7 +19,7 @@ VENV=.venv
 PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 STAMP=$VENV/.kvstrata-setup
 VLLM_STAMP=$VENV/.kvstrata-setup-vllm
-want=$(cat requirements.txt pyproject.toml src/kvstrata/physical/_copykernel.c src/kvstrata/_tokenhash.c | sha256sum | cut -d' ' -f1)
+want=$(cat requirements.txt pyproject.toml src/kvstrata/physical/_copykernel.c src/kvstrata/_tokenhash.c src/kvstrata/logical/_blockops.c | sha256sum | cut -d' ' -f1)
 want_vllm=$(cat requirements.txt requirements-vllm.txt | sha256sum | cut -d' ' -f1)
 
 core_ok=0

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterator, Sequence
 
 from .block import Block, BlockState
+from .blockops import apply_records
 from ..types import BlockRecord
 
 if TYPE_CHECKING:
@@ -106,24 +107,10 @@ class MutableBlocks(_Blocks):
         if len(records) != len(blocks):
             raise ValueError(f"{len(records)} records for {len(blocks)} blocks")
         size = blocks[0].block_size if blocks else 0
-        reset, complete = BlockState.RESET, BlockState.COMPLETE
-        done = 0
-        for block, record in zip(blocks, records):
-            # Inlined Block.apply_token_block: this is the offload hot path.
-            if block.state is not reset or record.block_size != size:
-                break
-            tokens = record.token_ids
-            if tokens is not None:
-                if len(tokens) != size:
-                    break
-                block.tokens = list(tokens)
-            block.state = complete
-            block.sequence_hash = record.sequence_hash
-            block.local_hash = record.local_hash
-            block.parent_hash = record.parent_hash
-            block.cached_record = record
-            done += 1
-        if done < len(blocks):      # all or nothing: undo what was applied, then raise
+        # Inlined Block.apply_token_block for each pair (the offload hot path; natively
+        # when built), then all or nothing: an invalid pair undoes what was applied.
+        done = apply_records(blocks, records, size)
+        if done < len(blocks):
             for block in blocks[:done]:
                 block.reset()
             blocks[done].apply_token_block(records[done])  # raises the precise error

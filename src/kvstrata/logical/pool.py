@@ -24,8 +24,8 @@ from queue import SimpleQueue, Empty
 from typing import Iterable, Sequence
 
 from .block import Block, BlockState, BlockStateError
+from .blockops import register_new, release_registered, reset_all
 from .handles import HandleReleasedError, ImmutableBlocks, MutableBlocks, _Blocks
-from ..tokens import DEFAULT_SEED
 from ..types import BlockRecord
 from .eviction import EvictionPolicy, LruEviction, PriorityLruEviction
 from .pool_checks import check_pool_invariants
@@ -230,7 +230,7 @@ class BlockPool:
                             block = parent
                         else:
                             insert(parent)
-            _reset_all(victims, 1)
+            reset_all(victims, 1)
         else:
             victims = eviction.victims(count)
             if len(victims) < count:  # cannot happen: allocate checked the evictable total
@@ -238,10 +238,7 @@ class BlockPool:
             removed = [block.sequence_hash for block in victims]  # type: ignore[misc]
             for h in removed:
                 del by_hash[h]
-            if self._plain_reset:
-                _reset_identity(victims)
-            else:
-                _reset_all(victims, 1)
+            reset_all(victims, 1, self._plain_reset)
         self._inactive -= len(victims)
         self.evictions += len(victims)
         self.registry.record_removed(self.tier, removed)
@@ -277,6 +274,27 @@ class BlockPool:
         if not self._orphans.empty():
             self._drain_orphans()
         blocks = handle.blocks
+        by_hash = self._by_hash
+        if not self._leaf_first and not self.keep_tokens:
+            # Fast path (lru and friends): every block Complete with its record at hand, no
+            # hash held yet, none twice in the batch: the index (and the registry) are
+            # updated in bulk (natively when built).
+            registry = self.registry
+            tiers, bit = registry.bulk_target(self.tier)
+            done = register_new(blocks, by_hash, tiers, bit)
+            if done is not None:
+                handle._take()
+                stored, tiers_done = done
+                if priority:                   # Complete blocks have priority 0
+                    for block in blocks:
+                        block.priority = priority
+                if self._tracks_registration:
+                    self.eviction.registered_many(blocks)
+                if tiers_done:
+                    registry.stored_new(self.tier, stored)
+                else:
+                    registry.record_stored(self.tier, stored)
+                return ImmutableBlocks(self, blocks)
         complete = BlockState.COMPLETE
         if list(map(_state_of, blocks)).count(complete) != len(blocks):
             for block in blocks:
@@ -284,29 +302,7 @@ class BlockPool:
                     raise BlockStateError(block.block_id, block.state, "register",
                                           "must be Complete")
         handle._take()
-        by_hash = self._by_hash
-        if not self._leaf_first and not self.keep_tokens:
-            # Fast path (lru and friends): no hash held yet, none twice in the batch, every
-            # block's record at hand; the index and the registry are updated in bulk.
-            hashes = list(map(_hash_of, blocks))
-            stored = list(map(_record_of, blocks))
-            if all(stored) and by_hash.keys().isdisjoint(hashes):
-                size = len(by_hash)
-                by_hash.update(zip(hashes, blocks))  # type: ignore[arg-type]
-                if len(by_hash) == size + len(hashes):
-                    state_registered = BlockState.REGISTERED
-                    for block in blocks:
-                        block.state = state_registered
-                    if priority:                   # Complete blocks have priority 0
-                        for block in blocks:
-                            block.priority = priority
-                    if self._tracks_registration:
-                        self.eviction.registered_many(blocks)
-                    self.registry.record_stored(self.tier, stored, hashes)  # type: ignore[arg-type]  (distinct)
-                    return ImmutableBlocks(self, blocks)
-                for h in hashes:  # a hash twice in the batch: undo, take the general path
-                    by_hash.pop(h, None)  # type: ignore[arg-type]
-        elif not self._tracks_registration and not self.keep_tokens:
+        if self._leaf_first and not self._tracks_registration and not self.keep_tokens:
             # Fast path of leaf-first pools: no hash held yet and none twice in the batch;
             # each block is indexed and linked to its parent in order, as below.
             hashes = list(map(_hash_of, blocks))
@@ -577,15 +573,7 @@ class BlockPool:
                         continue
                     idle.append(block)
         else:
-            for block in blocks:
-                refs = block.ref_count - 1
-                block.ref_count = refs
-                if refs == 0:
-                    tick += 1
-                    block.release_tick = tick
-                    idle.append(block)
-                else:
-                    assert refs > 0, f"block {block.block_id} released more than acquired"
+            tick, idle = release_registered(blocks, tick)
         self._tick = tick
         self._inactive += len(idle)
         if idle:
@@ -697,45 +685,10 @@ class BlockPool:
         The checks live in :mod:`kvstrata.logical.pool_checks`."""
         check_pool_invariants(self)
 
-def _reset_identity(blocks: list[Block]) -> None:
-    """``_reset_all(blocks, 1)`` for pools whose blocks never leave ``parent_id``,
-    ``children`` and ``policy_state`` at anything but their defaults (plain LRU pools)."""
-    state, seed = BlockState.RESET, DEFAULT_SEED
-    for block in blocks:
-        block.ref_count = 1
-        block.state = state
-        block.tokens = None
-        block.seed = seed
-        block.parent_hash = None
-        block.local_hash = None
-        block.sequence_hash = None
-        block.priority = 0
-        block.cached_record = None
-
-
 _state_of = attrgetter("state")
 _hash_of = attrgetter("sequence_hash")
 _record_of = attrgetter("cached_record")
 _id_of = attrgetter("block_id")
-
-
-def _reset_all(blocks: list[Block], ref_count: int) -> None:
-    """``Block.reset`` on each block, inlined (the eviction hot path), and its references
-    set to ``ref_count``."""
-    state, seed = BlockState.RESET, DEFAULT_SEED
-    for block in blocks:
-        block.ref_count = ref_count
-        block.state = state
-        block.tokens = None
-        block.seed = seed
-        block.parent_hash = None
-        block.local_hash = None
-        block.sequence_hash = None
-        block.priority = 0
-        block.parent_id = -1
-        block.children = 0
-        block.cached_record = None
-        block.policy_state = 0
 
 
 __all__ = [

@@ -118,6 +118,22 @@ class BlockRegistry:
             if first_seen:
                 self._notify(observer.on_stored, first_seen)
 
+    def bulk_target(self, tier: str) -> tuple[dict[int, int] | None, int]:
+        """For a pool registering in bulk: this registry's map and ``tier``'s bit. A pool
+        that adds a batch of hashes none of which the map holds (``tiers[h] = bit``) then
+        calls :meth:`stored_new`; otherwise :meth:`record_stored`."""
+        return self._tiers_by_hash, _TIER_BIT[tier]
+
+    def stored_new(self, tier: str, records: Sequence[BlockRecord]) -> None:
+        """``records`` were registered in ``tier`` and, being held by no tier before, were
+        added to the map by the pool (see :meth:`bulk_target`): tell the observers."""
+        if not records or not self._observers:
+            return
+        first_seen = list(records)
+        for observer in self._observers:
+            self._notify(observer.on_tier_stored, tier, records)
+            self._notify(observer.on_stored, first_seen)
+
     def record_removed(self, tier: str, sequence_hashes: Sequence[int]) -> None:
         """Pools call this after ``sequence_hashes`` stopped being visible in ``tier``."""
         if not sequence_hashes:
@@ -176,6 +192,12 @@ class _UnobservedRegistry(BlockRegistry):
 
     def record_stored(self, tier: str, records: Sequence[BlockRecord],
                       hashes: Sequence[int] | None = None) -> None:
+        pass
+
+    def bulk_target(self, tier: str) -> tuple[dict[int, int] | None, int]:
+        return None, 0
+
+    def stored_new(self, tier: str, records: Sequence[BlockRecord]) -> None:
         pass
 
     def record_removed(self, tier: str, sequence_hashes: Sequence[int]) -> None:
