@@ -216,4 +216,6 @@ def test_shadow_caches_serve_exactly_as_a_pool(requests, capacity, eviction, adm
     for hashes in requests:
         assert fast.serve(hashes) == ref.serve(hashes)
     held = set(fast._order) if eviction == "lru" else set(fast._count)
+    if eviction == "lfu":
+        assert set(fast._key) == held == {h for b in fast._buckets.values() for h in b}
     assert held == ref.held()

@@ -18,6 +18,7 @@
  *                                      release_tick = ++tick and are listed in idle
  * mark(blocks, state)                 state = state on each
  * register_new(blocks, by_hash, tiers, bit) -> (records, tiers_done) or None: see below
+ * lfu_insert(...), lfu_victims(...)  the aged-LFU order's insert_many and victims, below
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -25,10 +26,11 @@
 
 enum { B_STATE, B_TOKENS, B_SEED, B_PARENT_HASH, B_LOCAL_HASH, B_SEQUENCE_HASH, B_PRIORITY,
        B_REF_COUNT, B_RELEASE_TICK, B_PARENT_ID, B_CHILDREN, B_CACHED_RECORD, B_POLICY_STATE,
-       B_COUNT };
+       B_BLOCK_ID, B_COUNT };
 static const char *block_slots[B_COUNT] = {
     "state", "tokens", "seed", "parent_hash", "local_hash", "sequence_hash", "priority",
-    "ref_count", "release_tick", "parent_id", "children", "cached_record", "policy_state"};
+    "ref_count", "release_tick", "parent_id", "children", "cached_record", "policy_state",
+    "block_id"};
 enum { R_SEQUENCE_HASH, R_LOCAL_HASH, R_PARENT_HASH, R_BLOCK_SIZE, R_TOKEN_IDS, R_COUNT };
 static const char *record_slots[R_COUNT] = {
     "sequence_hash", "local_hash", "parent_hash", "block_size", "token_ids"};
@@ -299,12 +301,134 @@ error:
     return NULL;
 }
 
+/* lfu_insert(blocks, key_of, buckets, keys, age, last_tick, bucket_type, heappush)
+ *   -> the new last tick, or None having changed nothing.
+ * AgedFrequencyEviction.insert_many when no block is in the order yet and their release
+ * ticks are increasing and newer than last_tick (the common case): each block goes at the
+ * end of the bucket of key age + policy_state (made, and its key pushed on the heap, if
+ * new), key_of[block_id] = key. */
+static PyObject *py_lfu_insert(PyObject *self, PyObject *args) {
+    PyObject *blocks, *key_of, *buckets, *keys, *age, *last, *bucket_type, *heappush;
+    if (!PyArg_ParseTuple(args, "OO!O!O!OOOO", &blocks, &PyDict_Type, &key_of, &PyDict_Type,
+                          &buckets, &PyList_Type, &keys, &age, &last, &bucket_type, &heappush))
+        return NULL;
+    if (check_blocks(blocks) < 0) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(blocks);
+    PyObject *prev = last;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *b = PyList_GET_ITEM(blocks, i);
+        int in = PyDict_Contains(key_of, SLOT(b, boff[B_BLOCK_ID]));
+        if (in < 0) return NULL;
+        if (in) Py_RETURN_NONE;
+        PyObject *tick = SLOT(b, boff[B_RELEASE_TICK]);
+        if (!PyLong_CheckExact(tick)) Py_RETURN_NONE;
+        int gt = PyObject_RichCompareBool(tick, prev, Py_GT);
+        if (gt < 0) return NULL;
+        if (!gt) Py_RETURN_NONE;
+        prev = tick;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *b = PyList_GET_ITEM(blocks, i);
+        PyObject *key = PyNumber_Add(age, SLOT(b, boff[B_POLICY_STATE]));
+        if (!key) return NULL;
+        PyObject *bucket = PyDict_GetItemWithError(buckets, key);     /* borrowed */
+        if (!bucket) {
+            if (PyErr_Occurred()) { Py_DECREF(key); return NULL; }
+            bucket = PyObject_CallNoArgs(bucket_type);
+            if (!bucket) { Py_DECREF(key); return NULL; }
+            int bad = PyDict_SetItem(buckets, key, bucket);
+            Py_DECREF(bucket);
+            if (bad < 0) { Py_DECREF(key); return NULL; }
+            PyObject *r = PyObject_CallFunctionObjArgs(heappush, keys, key, NULL);
+            if (!r) { Py_DECREF(key); return NULL; }
+            Py_DECREF(r);
+        }
+        PyObject *id = SLOT(b, boff[B_BLOCK_ID]);
+        if (PyObject_SetItem(bucket, id, b) < 0 || PyDict_SetItem(key_of, id, key) < 0) {
+            Py_DECREF(key);
+            return NULL;
+        }
+        Py_DECREF(key);
+    }
+    return Py_NewRef(prev);
+}
+
+/* lfu_victims(count, keys, buckets, key_of, ghost, ghost_size, heappop) -> (victims, key)
+ * AgedFrequencyEviction.victims: up to count blocks, lowest key first and oldest in its
+ * bucket; each leaves key_of and its count goes to the ghost (newest last; the oldest
+ * dropped beyond ghost_size). key is the last victim's (None if there was none). */
+static PyObject *py_lfu_victims(PyObject *self, PyObject *args) {
+    Py_ssize_t count, ghost_size;
+    PyObject *keys, *buckets, *key_of, *ghost, *heappop;
+    if (!PyArg_ParseTuple(args, "nO!O!O!OnO", &count, &PyList_Type, &keys, &PyDict_Type, &buckets,
+                          &PyDict_Type, &key_of, &ghost, &ghost_size, &heappop))
+        return NULL;
+    if (!block_type) {
+        PyErr_SetString(PyExc_RuntimeError, "_blockops.setup() was not called");
+        return NULL;
+    }
+    PyObject *out = PyList_New(0);
+    if (!out) return NULL;
+    PyObject *last_key = Py_NewRef(Py_None);
+    while (PyList_GET_SIZE(out) < count && PyList_GET_SIZE(keys) > 0) {
+        PyObject *key = PyList_GET_ITEM(keys, 0);
+        PyObject *bucket = PyDict_GetItemWithError(buckets, key);
+        if (!bucket) {
+            if (PyErr_Occurred()) goto error;
+            PyObject *r = PyObject_CallFunctionObjArgs(heappop, keys, NULL);   /* stale key */
+            if (!r) goto error;
+            Py_DECREF(r);
+            continue;
+        }
+        Py_INCREF(key);
+        Py_INCREF(bucket);
+        PyObject *item = PyObject_CallMethod(bucket, "popitem", "O", Py_False);
+        if (!item) { Py_DECREF(key); Py_DECREF(bucket); goto error; }
+        Py_ssize_t left = PyObject_Length(bucket);
+        Py_DECREF(bucket);
+        if (left < 0) { Py_DECREF(item); Py_DECREF(key); goto error; }
+        if (left == 0) {
+            if (PyDict_DelItem(buckets, key) < 0) { Py_DECREF(item); Py_DECREF(key); goto error; }
+            PyObject *r = PyObject_CallFunctionObjArgs(heappop, keys, NULL);
+            if (!r) { Py_DECREF(item); Py_DECREF(key); goto error; }
+            Py_DECREF(r);
+        }
+        PyObject *id = PyTuple_GET_ITEM(item, 0), *b = PyTuple_GET_ITEM(item, 1);
+        if (!PyObject_TypeCheck(b, block_type) || PyDict_DelItem(key_of, id) < 0) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "lfu bucket holds a non-Block");
+            Py_DECREF(item); Py_DECREF(key); goto error;
+        }
+        Py_SETREF(last_key, key);
+        PyObject *h = SLOT(b, boff[B_SEQUENCE_HASH]);
+        if (PyObject_SetItem(ghost, h, SLOT(b, boff[B_POLICY_STATE])) < 0) { Py_DECREF(item); goto error; }
+        PyObject *r = PyObject_CallMethod(ghost, "move_to_end", "O", h);
+        if (!r) { Py_DECREF(item); goto error; }
+        Py_DECREF(r);
+        Py_ssize_t glen = PyObject_Length(ghost);
+        if (glen < 0) { Py_DECREF(item); goto error; }
+        if (glen > ghost_size) {
+            r = PyObject_CallMethod(ghost, "popitem", "O", Py_False);
+            if (!r) { Py_DECREF(item); goto error; }
+            Py_DECREF(r);
+        }
+        if (PyList_Append(out, b) < 0) { Py_DECREF(item); goto error; }
+        Py_DECREF(item);
+    }
+    return Py_BuildValue("(NN)", out, last_key);
+error:
+    Py_DECREF(out);
+    Py_DECREF(last_key);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"setup", py_setup, METH_VARARGS, "setup(Block, BlockRecord, RESET, COMPLETE, REGISTERED, seed)"},
     {"reset", py_reset, METH_VARARGS, "reset(blocks, ref_count, plain)"},
     {"apply", py_apply, METH_VARARGS, "apply(blocks, records, size) -> applied"},
     {"release", py_release, METH_VARARGS, "release(blocks, tick) -> (tick, idle) or None"},
     {"mark", py_mark, METH_VARARGS, "mark(blocks, state)"},
+    {"lfu_insert", py_lfu_insert, METH_VARARGS, "lfu_insert(blocks, key_of, buckets, keys, age, last_tick, bucket_type, heappush)"},
+    {"lfu_victims", py_lfu_victims, METH_VARARGS, "lfu_victims(count, keys, buckets, key_of, ghost, ghost_size, heappop)"},
     {"register_new", py_register_new, METH_VARARGS, "register_new(blocks, by_hash, tiers, bit) -> (records, tiers_done) or None"},
     {NULL, NULL, 0, NULL},
 };

@@ -76,59 +76,72 @@ class _LfuShadow:
 
     Exactly what a :class:`BlockPool` with :class:`AgedFrequencyEviction` (ghost of
     ``4 x capacity``) does when served a request, without the pool: a use count per held
-    hash, a heap of ``(L + count, tick, hash)`` with lazy deletion, the age ``L`` and the
-    ghost. Ticks follow the pool's (one per touch and per release), so ties break alike.
+    hash, one insertion-ordered bucket of hashes per key ``L + count`` with a small heap of
+    the keys, the age ``L`` and the ghost. Every (re-)insertion is the newest release, so a
+    bucket's order is the pool's tie-break by release tick.
     """
 
     def __init__(self, capacity: int, admission: AdmissionPolicy, ghost_factor: int = 4) -> None:
         self.capacity = capacity
         self.admission = admission
         self._count: dict[int, int] = {}          # held hash -> use count
-        self._live: dict[int, int] = {}           # held hash -> tick of its live heap entry
-        self._heap: list[tuple[int, int, int]] = []
+        self._key: dict[int, int] = {}            # held hash -> its bucket's key
+        self._buckets: dict[int, OrderedDict[int, None]] = {}
+        self._keys: list[int] = []                # heap of keys (stale ones skipped)
         self._age = 0
-        self._tick = 0
         self._ghost: OrderedDict[int, int] = OrderedDict()
         self._ghost_size = max(1, ghost_factor * capacity)
 
     def serve(self, sequence_hashes: Sequence[int]) -> int:
-        count, live, heap = self._count, self._live, self._heap
+        count, key_of, buckets, keys = self._count, self._key, self._buckets, self._keys
         hits = 0
         for h in sequence_hashes:
             if h not in count:
                 break
             hits += 1
-        admit, push, capacity = self.admission.admit, heapq.heappush, self.capacity
-        ghost = self._ghost
-        tick = self._tick
+        admit, capacity, ghost = self.admission.admit, self.capacity, self._ghost
+        push, pop = heapq.heappush, heapq.heappop
         for h in sequence_hashes:
-            if h in count:                      # touch: a hit, re-entered at a new tick
-                tick += 1
+            if h in count:                      # touch: a hit, re-entered as the newest
                 f = count[h] + 1
                 count[h] = f
+                old = key_of[h]
+                bucket = buckets[old]
+                del bucket[h]
+                if not bucket:
+                    del buckets[old]
             elif admit(h):
-                if len(count) >= capacity:      # evict the lowest (L + count, tick)
+                if len(count) >= capacity:      # evict: lowest key, oldest in it
                     while True:
-                        key, t, victim = heapq.heappop(heap)
-                        if live.get(victim) == t:
+                        low = keys[0]
+                        bucket = buckets.get(low)
+                        if bucket:
                             break
-                    del live[victim]
-                    self._age = key
+                        pop(keys)
+                    victim = bucket.popitem(last=False)[0]
+                    if not bucket:
+                        del buckets[low]
+                        pop(keys)
+                    del key_of[victim]
+                    self._age = low
                     ghost[victim] = count.pop(victim)
                     ghost.move_to_end(victim)
                     if len(ghost) > self._ghost_size:
                         ghost.popitem(last=False)
                 f = ghost.pop(h, 0) + 1
                 count[h] = f
-                tick += 1                       # released: enters the order
             else:
                 continue
-            live[h] = tick
-            push(heap, (self._age + f, tick, h))
-        self._tick = tick
-        if len(heap) > 4 * len(live) + 64:
-            self._heap = [e for e in heap if live.get(e[2]) == e[1]]
-            heapq.heapify(self._heap)
+            key = self._age + f
+            bucket = buckets.get(key)
+            if bucket is None:
+                bucket = buckets[key] = OrderedDict()
+                push(keys, key)
+            bucket[h] = None
+            key_of[h] = key
+        if len(keys) > 2 * len(buckets) + 16:
+            self._keys = list(buckets)
+            heapq.heapify(self._keys)
         return hits
 
 
@@ -207,6 +220,9 @@ class DuelingEviction(EvictionPolicy):
 
     def record_hit(self, block: Block) -> None:
         self._lfu.record_hit(block)
+
+    def record_hits(self, blocks: list[Block]) -> None:
+        self._lfu.record_hits(blocks)
 
     def insert(self, block: Block) -> None:
         for order in self._orders:

@@ -37,6 +37,12 @@ NATIVE = _native is not None
 """Whether the native loops are available."""
 
 
+def native():
+    """The native module when it is in use, else None (for the aged-LFU order's loops,
+    which keep their Python versions next to their data structure in eviction.py)."""
+    return _native
+
+
 def use_native(enabled: bool) -> bool:
     """Turn the native loops on or off (tests, benchmarks); returns the previous setting.
     Turning them on when the extension is not built raises ``RuntimeError``."""

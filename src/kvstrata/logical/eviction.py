@@ -17,6 +17,7 @@ import heapq
 from collections import OrderedDict
 from typing import Callable
 
+from . import blockops
 from .block import Block
 
 __all__ = ["EvictionPolicy", "LruEviction", "PriorityLruEviction", "AgedFrequencyEviction",
@@ -53,6 +54,11 @@ class EvictionPolicy:
 
     def record_hit(self, block: Block) -> None:
         """``block`` served a look-up (matched or touched); frequency policies count it."""
+
+    def record_hits(self, blocks: list[Block]) -> None:
+        """``record_hit`` for each of ``blocks``, in order."""
+        for block in blocks:
+            self.record_hit(block)
 
     def is_next(self, block: Block) -> bool:
         """Whether ``block``, not in the order, would be the very next victim if inserted
@@ -336,7 +342,7 @@ class AgedFrequencyEviction(EvictionPolicy):
         self._key_of: dict[int, int] = {}                  # block id -> its key, in the order
         self._buckets: dict[int, OrderedDict[int, Block]] = {}
         self._keys: list[int] = []                         # heap of keys (stale ones skipped)
-        self._last = (-1, -1)                              # newest (release_tick, id) inserted
+        self._last_tick = -1                               # newest release tick inserted
 
     def registered(self, block: Block) -> None:
         block.policy_state = self._ghost.pop(block.sequence_hash, 0) + 1  # type: ignore[arg-type]
@@ -350,6 +356,13 @@ class AgedFrequencyEviction(EvictionPolicy):
         if self._max_count is None or block.policy_state < self._max_count:
             block.policy_state += 1
 
+    def record_hits(self, blocks: list[Block]) -> None:
+        if self._max_count is not None:
+            EvictionPolicy.record_hits(self, blocks)
+            return
+        for block in blocks:
+            block.policy_state += 1
+
     def key(self, block: Block) -> int:
         return self._age + block.policy_state
 
@@ -357,8 +370,18 @@ class AgedFrequencyEviction(EvictionPolicy):
         self.insert_many([block])
 
     def insert_many(self, blocks: list[Block]) -> None:
+        ops = blockops.native()
+        if ops is not None:     # the common case natively (new blocks, newest ticks)
+            last = ops.lfu_insert(blocks, self._key_of, self._buckets, self._keys, self._age,
+                                  self._last_tick, OrderedDict, heapq.heappush)
+            if last is not None:
+                self._last_tick = last
+                if len(self._keys) > 2 * len(self._buckets) + 16:
+                    self._keys = list(self._buckets)
+                    heapq.heapify(self._keys)
+                return
         key_of, buckets, age = self._key_of, self._buckets, self._age
-        last = self._last
+        last = self._last_tick
         for block in blocks:
             block_id = block.block_id
             old = key_of.get(block_id)
@@ -369,16 +392,16 @@ class AgedFrequencyEviction(EvictionPolicy):
             if bucket is None:
                 bucket = buckets[key] = OrderedDict()
                 heapq.heappush(self._keys, key)
-            stamp = (block.release_tick, block_id)
             bucket[block_id] = block
             key_of[block_id] = key
-            if stamp > last:
-                last = stamp
-            elif len(bucket) > 1:                  # older than something already in: re-sort
+            tick = block.release_tick
+            if tick > last:                        # the newest release: in order at the end
+                last = tick
+            elif len(bucket) > 1:                  # not newer than everything: re-sort
                 ordered = sorted(bucket.values(), key=lambda b: (b.release_tick, b.block_id))
                 bucket.clear()
                 bucket.update((b.block_id, b) for b in ordered)
-        self._last = last
+        self._last_tick = last
         if len(self._keys) > 2 * len(buckets) + 16:
             self._keys = list(buckets)
             heapq.heapify(self._keys)
@@ -407,6 +430,13 @@ class AgedFrequencyEviction(EvictionPolicy):
 
     def victims(self, count: int) -> list[Block]:
         """Up to ``count`` victims in order, each evicted as ``victim`` would."""
+        ops = blockops.native()
+        if ops is not None:
+            out, key = ops.lfu_victims(count, self._keys, self._buckets, self._key_of,
+                                       self._ghost, self._ghost_size, heapq.heappop)
+            if key is not None:
+                self._age = key
+            return out
         out: list[Block] = []
         keys, buckets, key_of, ghost = self._keys, self._buckets, self._key_of, self._ghost
         size = self._ghost_size

@@ -477,9 +477,7 @@ class BlockPool:
             found.append(block)
         self._acquire_many(found)
         if self._counts_hits:
-            record_hit = self.eviction.record_hit
-            for block in found:
-                record_hit(block)
+            self.eviction.record_hits(found)
         return ImmutableBlocks(self, found)
 
     def touch(self, sequence_hashes: Iterable[int]) -> int:
