@@ -39,6 +39,7 @@ static Py_ssize_t boff[B_COUNT], roff[R_COUNT];
 static PyTypeObject *block_type = NULL, *record_type = NULL;
 static PyObject *v_reset = NULL, *v_complete = NULL, *v_registered = NULL, *v_seed = NULL;
 static PyObject *v_zero = NULL, *v_minus1 = NULL;
+static PyObject *s_popitem = NULL, *s_move_to_end = NULL;   /* interned method names */
 
 #define SLOT(o, off) (*(PyObject **)((char *)(o) + (off)))
 
@@ -80,7 +81,9 @@ static PyObject *py_setup(PyObject *self, PyObject *args) {
     Py_XSETREF(v_seed, Py_NewRef(seed));
     if (!v_zero) v_zero = PyLong_FromLong(0);
     if (!v_minus1) v_minus1 = PyLong_FromLong(-1);
-    if (!v_zero || !v_minus1) return NULL;
+    if (!s_popitem) s_popitem = PyUnicode_InternFromString("popitem");
+    if (!s_move_to_end) s_move_to_end = PyUnicode_InternFromString("move_to_end");
+    if (!v_zero || !v_minus1 || !s_popitem || !s_move_to_end) return NULL;
     Py_RETURN_NONE;
 }
 
@@ -360,8 +363,8 @@ static PyObject *py_lfu_insert(PyObject *self, PyObject *args) {
 static PyObject *py_lfu_victims(PyObject *self, PyObject *args) {
     Py_ssize_t count, ghost_size;
     PyObject *keys, *buckets, *key_of, *ghost, *heappop;
-    if (!PyArg_ParseTuple(args, "nO!O!O!OnO", &count, &PyList_Type, &keys, &PyDict_Type, &buckets,
-                          &PyDict_Type, &key_of, &ghost, &ghost_size, &heappop))
+    if (!PyArg_ParseTuple(args, "nO!O!O!O!nO", &count, &PyList_Type, &keys, &PyDict_Type, &buckets,
+                          &PyDict_Type, &key_of, &PyDict_Type, &ghost, &ghost_size, &heappop))
         return NULL;
     if (!block_type) {
         PyErr_SetString(PyExc_RuntimeError, "_blockops.setup() was not called");
@@ -375,21 +378,21 @@ static PyObject *py_lfu_victims(PyObject *self, PyObject *args) {
         PyObject *bucket = PyDict_GetItemWithError(buckets, key);
         if (!bucket) {
             if (PyErr_Occurred()) goto error;
-            PyObject *r = PyObject_CallFunctionObjArgs(heappop, keys, NULL);   /* stale key */
+            PyObject *r = PyObject_CallOneArg(heappop, keys);                   /* stale key */
             if (!r) goto error;
             Py_DECREF(r);
             continue;
         }
         Py_INCREF(key);
         Py_INCREF(bucket);
-        PyObject *item = PyObject_CallMethod(bucket, "popitem", "O", Py_False);
+        PyObject *item = PyObject_CallMethodOneArg(bucket, s_popitem, Py_False);
         if (!item) { Py_DECREF(key); Py_DECREF(bucket); goto error; }
         Py_ssize_t left = PyObject_Length(bucket);
         Py_DECREF(bucket);
         if (left < 0) { Py_DECREF(item); Py_DECREF(key); goto error; }
         if (left == 0) {
             if (PyDict_DelItem(buckets, key) < 0) { Py_DECREF(item); Py_DECREF(key); goto error; }
-            PyObject *r = PyObject_CallFunctionObjArgs(heappop, keys, NULL);
+            PyObject *r = PyObject_CallOneArg(heappop, keys);
             if (!r) { Py_DECREF(item); Py_DECREF(key); goto error; }
             Py_DECREF(r);
         }
@@ -400,14 +403,17 @@ static PyObject *py_lfu_victims(PyObject *self, PyObject *args) {
         }
         Py_SETREF(last_key, key);
         PyObject *h = SLOT(b, boff[B_SEQUENCE_HASH]);
+        int known = PyDict_Contains(ghost, h);     /* an ordered dict: a new key goes last */
+        if (known < 0) { Py_DECREF(item); goto error; }
         if (PyObject_SetItem(ghost, h, SLOT(b, boff[B_POLICY_STATE])) < 0) { Py_DECREF(item); goto error; }
-        PyObject *r = PyObject_CallMethod(ghost, "move_to_end", "O", h);
-        if (!r) { Py_DECREF(item); goto error; }
-        Py_DECREF(r);
-        Py_ssize_t glen = PyObject_Length(ghost);
-        if (glen < 0) { Py_DECREF(item); goto error; }
-        if (glen > ghost_size) {
-            r = PyObject_CallMethod(ghost, "popitem", "O", Py_False);
+        PyObject *r;
+        if (known) {
+            r = PyObject_CallMethodOneArg(ghost, s_move_to_end, h);
+            if (!r) { Py_DECREF(item); goto error; }
+            Py_DECREF(r);
+        }
+        if (PyDict_GET_SIZE(ghost) > ghost_size) {
+            r = PyObject_CallMethodOneArg(ghost, s_popitem, Py_False);
             if (!r) { Py_DECREF(item); goto error; }
             Py_DECREF(r);
         }

@@ -37,6 +37,10 @@ EVICTION_CANDIDATES = ("lru", "lfu")
 ADMISSION_CANDIDATES = ("always", "second-offer")
 
 
+def _admit_all(sequence_hash: int) -> bool:
+    return True
+
+
 class _LruShadow:
     """A metadata-only one-tier LRU cache scoring one (lru, admission) candidate.
 
@@ -61,10 +65,12 @@ class _LruShadow:
                 break
             hits += 1
         move, admit, capacity = order.move_to_end, self.admission.admit, self.capacity
+        if type(self.admission) is AdmissionPolicy:     # admits everything: no call per block
+            admit = _admit_all
         for h in sequence_hashes:
             if h in order:
                 move(h)
-            elif admit(h):
+            elif admit is _admit_all or admit(h):
                 if len(order) >= capacity:
                     order.popitem(last=False)
                 order[h] = None
@@ -100,6 +106,8 @@ class _LfuShadow:
                 break
             hits += 1
         admit, capacity, ghost = self.admission.admit, self.capacity, self._ghost
+        if type(self.admission) is AdmissionPolicy:     # admits everything: no call per block
+            admit = _admit_all
         push, pop = heapq.heappush, heapq.heappop
         for h in sequence_hashes:
             if h in count:                      # touch: a hit, re-entered as the newest
@@ -110,7 +118,7 @@ class _LfuShadow:
                 del bucket[h]
                 if not bucket:
                     del buckets[old]
-            elif admit(h):
+            elif admit is _admit_all or admit(h):
                 if len(count) >= capacity:      # evict: lowest key, oldest in it
                     while True:
                         low = keys[0]

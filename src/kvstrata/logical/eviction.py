@@ -418,11 +418,14 @@ class AgedFrequencyEviction(EvictionPolicy):
             self._drop(block.block_id, key)
 
     def remove_many(self, blocks: list[Block]) -> None:
-        pop = self._key_of.pop
+        pop, buckets = self._key_of.pop, self._buckets
         for block in blocks:
             key = pop(block.block_id, None)
-            if key is not None:
-                self._drop(block.block_id, key)
+            if key is not None:                   # inlined _drop
+                bucket = buckets[key]
+                del bucket[block.block_id]
+                if not bucket:
+                    del buckets[key]
 
     def victim(self) -> Block | None:
         out = self.victims(1)
@@ -453,8 +456,9 @@ class AgedFrequencyEviction(EvictionPolicy):
             del key_of[block_id]
             self._age = key
             h = block.sequence_hash                # inlined remember
+            if h in ghost:
+                ghost.move_to_end(h)  # type: ignore[arg-type]
             ghost[h] = block.policy_state  # type: ignore[index]
-            ghost.move_to_end(h)  # type: ignore[arg-type]
             if len(ghost) > size:
                 ghost.popitem(last=False)
             out.append(block)
@@ -462,9 +466,10 @@ class AgedFrequencyEviction(EvictionPolicy):
 
     def remember(self, block: Block) -> None:
         """Keep an evicted block's count in the ghost (also used when another order evicted it)."""
-        ghost = self._ghost
-        ghost[block.sequence_hash] = block.policy_state  # type: ignore[index]
-        ghost.move_to_end(block.sequence_hash)  # type: ignore[arg-type]
+        ghost, h = self._ghost, block.sequence_hash
+        if h in ghost:
+            ghost.move_to_end(h)  # type: ignore[arg-type]
+        ghost[h] = block.policy_state  # type: ignore[index]
         if len(ghost) > self._ghost_size:
             ghost.popitem(last=False)
 
