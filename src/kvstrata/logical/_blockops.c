@@ -17,7 +17,7 @@
  * release(blocks, tick) -> (tick, idle) or None: ref_count -= 1; those reaching 0 get
  *                                      release_tick = ++tick and are listed in idle
  * mark(blocks, state)                 state = state on each
- * register_new(blocks, by_hash, tiers, bit) -> (records, tiers_done) or None: see below
+ * register_new(blocks, by_hash, tiers, bit, remove) -> (records, tiers_done) or None: below
  * lfu_insert(...), lfu_victims(...)  the aged-LFU order's insert_many and victims, below
  */
 #define PY_SSIZE_T_CLEAN
@@ -249,20 +249,26 @@ static PyObject *py_mark(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* register_new(blocks, by_hash, tiers, bit) -> (records, tiers_done) or None.
+/* register_new(blocks, by_hash, tiers, bit, remove) -> (records, tiers_done) or None.
  * The bulk registration of blocks none of whose hashes is in by_hash, none twice, each
  * Complete with its record at hand: by_hash[h] = block and state = REGISTERED, in order;
- * if tiers is a dict holding none of the hashes, also tiers[h] = bit (tiers_done True).
- * Returns the records. Anything else returns None having changed nothing (the Python path
- * then does it, or raises). */
+ * if remove is not None (a leaf-first pool), each block is also linked to its parent held
+ * here (parent_id, the parent's children + 1, remove(parent) when that made an idle leaf a
+ * parent), as Python's _link_parent. If tiers is a dict holding none of the hashes, also
+ * tiers[h] = bit (tiers_done True). Returns the records. Anything else returns None having
+ * changed nothing (the Python path then does it, or raises). */
 static PyObject *py_register_new(PyObject *self, PyObject *args) {
-    PyObject *blocks, *by_hash, *tiers, *bit;
-    if (!PyArg_ParseTuple(args, "OO!OO", &blocks, &PyDict_Type, &by_hash, &tiers, &bit)) return NULL;
+    PyObject *blocks, *by_hash, *tiers, *bit, *remove;
+    if (!PyArg_ParseTuple(args, "OO!OOO", &blocks, &PyDict_Type, &by_hash, &tiers, &bit, &remove))
+        return NULL;
     if (check_blocks(blocks) < 0) return NULL;
     int tiers_new = PyDict_Check(tiers);
+    int link = remove != Py_None;
     Py_ssize_t n = PyList_GET_SIZE(blocks);
     PyObject *records = PyList_New(n);
     if (!records) return NULL;
+    PyObject *seen = NULL;
+    if (link && !(seen = PySet_New(NULL))) goto error;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *b = PyList_GET_ITEM(blocks, i);
         PyObject *rec = SLOT(b, boff[B_CACHED_RECORD]);
@@ -272,6 +278,12 @@ static PyObject *py_register_new(PyObject *self, PyObject *args) {
         int in = PyDict_Contains(by_hash, h);
         if (in < 0) goto error;
         if (in) goto fallback;
+        if (link) {                                /* links need the check before any change */
+            in = PySet_Contains(seen, h);
+            if (in < 0) goto error;
+            if (in) goto fallback;
+            if (PySet_Add(seen, h) < 0) goto error;
+        }
         if (tiers_new) {
             in = PyDict_Contains(tiers, h);
             if (in < 0) goto error;
@@ -283,8 +295,38 @@ static PyObject *py_register_new(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *b = PyList_GET_ITEM(blocks, i);
         if (PyDict_SetItem(by_hash, SLOT(b, boff[B_SEQUENCE_HASH]), b) < 0) goto error;
+        if (!link) continue;
+        put(b, boff[B_STATE], v_registered);
+        PyObject *ph = SLOT(b, boff[B_PARENT_HASH]);
+        if (ph == Py_None) continue;
+        PyObject *parent = PyDict_GetItemWithError(by_hash, ph);          /* borrowed */
+        if (!parent) {
+            if (PyErr_Occurred()) goto error;
+            continue;
+        }
+        if (parent == b) continue;                 /* a block never is its own prefix */
+        if (!PyObject_TypeCheck(parent, block_type)) {
+            PyErr_SetString(PyExc_TypeError, "the index holds a non-Block");
+            goto error;
+        }
+        Py_INCREF(parent);
+        put(b, boff[B_PARENT_ID], SLOT(parent, boff[B_BLOCK_ID]));
+        long children = PyLong_AsLong(SLOT(parent, boff[B_CHILDREN]));
+        long refs = PyLong_AsLong(SLOT(parent, boff[B_REF_COUNT]));
+        if ((children == -1 || refs == -1) && PyErr_Occurred()) { Py_DECREF(parent); goto error; }
+        PyObject *c = PyLong_FromLong(children + 1);
+        if (!c) { Py_DECREF(parent); goto error; }
+        PyObject *old = SLOT(parent, boff[B_CHILDREN]);
+        SLOT(parent, boff[B_CHILDREN]) = c;
+        Py_XDECREF(old);
+        if (children + 1 == 1 && refs == 0) {
+            PyObject *r = PyObject_CallOneArg(remove, parent);
+            if (!r) { Py_DECREF(parent); goto error; }
+            Py_DECREF(r);
+        }
+        Py_DECREF(parent);
     }
-    if (PyDict_GET_SIZE(by_hash) != size + n) {        /* a hash twice in the batch: undo */
+    if (!link && PyDict_GET_SIZE(by_hash) != size + n) {   /* a hash twice in the batch: undo */
         for (Py_ssize_t i = 0; i < n; i++)
             if (PyDict_DelItem(by_hash, SLOT(PyList_GET_ITEM(blocks, i), boff[B_SEQUENCE_HASH])) < 0)
                 PyErr_Clear();                         /* the second time of a repeated hash */
@@ -294,12 +336,16 @@ static PyObject *py_register_new(PyObject *self, PyObject *args) {
         for (Py_ssize_t i = 0; i < n; i++)
             if (PyDict_SetItem(tiers, SLOT(PyList_GET_ITEM(blocks, i), boff[B_SEQUENCE_HASH]), bit) < 0)
                 goto error;
-    for (Py_ssize_t i = 0; i < n; i++) put(PyList_GET_ITEM(blocks, i), boff[B_STATE], v_registered);
+    if (!link)
+        for (Py_ssize_t i = 0; i < n; i++) put(PyList_GET_ITEM(blocks, i), boff[B_STATE], v_registered);
+    Py_XDECREF(seen);
     return Py_BuildValue("(NO)", records, tiers_new ? Py_True : Py_False);
 fallback:
+    Py_XDECREF(seen);
     Py_DECREF(records);
     Py_RETURN_NONE;
 error:
+    Py_XDECREF(seen);
     Py_DECREF(records);
     return NULL;
 }
@@ -435,7 +481,7 @@ static PyMethodDef methods[] = {
     {"mark", py_mark, METH_VARARGS, "mark(blocks, state)"},
     {"lfu_insert", py_lfu_insert, METH_VARARGS, "lfu_insert(blocks, key_of, buckets, keys, age, last_tick, bucket_type, heappush)"},
     {"lfu_victims", py_lfu_victims, METH_VARARGS, "lfu_victims(count, keys, buckets, key_of, ghost, ghost_size, heappop)"},
-    {"register_new", py_register_new, METH_VARARGS, "register_new(blocks, by_hash, tiers, bit) -> (records, tiers_done) or None"},
+    {"register_new", py_register_new, METH_VARARGS, "register_new(blocks, by_hash, tiers, bit, remove) -> (records, tiers_done) or None"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -145,28 +145,46 @@ _record_of = attrgetter("cached_record")
 
 
 def register_new(blocks: list[Block], by_hash: dict[int, Block], tiers: dict[int, int] | None,
-                 bit: int) -> tuple[list[BlockRecord], bool] | None:
+                 bit: int, remove=None) -> tuple[list[BlockRecord], bool] | None:
     """Register a batch in bulk when nothing is deduplicated: if every block is Complete
     with its record at hand and no hash is in ``by_hash`` or twice in the batch, index each
-    (``by_hash[h] = block``) and mark it Registered, in order; if ``tiers`` (a registry's
-    map) holds none of the hashes either, set ``tiers[h] = bit`` too. Returns the records
-    and whether ``tiers`` was updated; None, with nothing changed, otherwise."""
+    (``by_hash[h] = block``) and mark it Registered, in order. With ``remove`` (a leaf-first
+    pool's ``eviction.remove``), each block is also linked to its parent held here, as
+    ``BlockPool._link_parent``. If ``tiers`` (a registry's map) holds none of the hashes
+    either, set ``tiers[h] = bit`` too. Returns the records and whether ``tiers`` was
+    updated; None, with nothing changed, otherwise."""
     if _native is not None:
-        return _native.register_new(blocks, by_hash, tiers, bit)
+        return _native.register_new(blocks, by_hash, tiers, bit, remove)
     if list(map(_state_of, blocks)).count(_COMPLETE) != len(blocks):
         return None
     hashes = list(map(_hash_of, blocks))
     stored = list(map(_record_of, blocks))
     if not all(stored) or not by_hash.keys().isdisjoint(hashes):
         return None
-    size = len(by_hash)
-    by_hash.update(zip(hashes, blocks))
-    if len(by_hash) != size + len(hashes):           # a hash twice in the batch: undo
-        for h in hashes:
-            by_hash.pop(h, None)
-        return None
+    if remove is None:
+        size = len(by_hash)
+        by_hash.update(zip(hashes, blocks))
+        if len(by_hash) != size + len(hashes):       # a hash twice in the batch: undo
+            for h in hashes:
+                by_hash.pop(h, None)
+            return None
+        mark_registered(blocks)
+    else:
+        if len(set(hashes)) != len(hashes):
+            return None
+        get, state = by_hash.get, _REGISTERED
+        for block, h in zip(blocks, hashes):
+            by_hash[h] = block
+            block.state = state
+            parent_hash = block.parent_hash
+            if parent_hash is not None:               # BlockPool._link_parent, inlined
+                parent = get(parent_hash)
+                if parent is not None and parent is not block:
+                    block.parent_id = parent.block_id
+                    parent.children += 1
+                    if parent.children == 1 and parent.ref_count == 0:
+                        remove(parent)
     tiers_new = tiers is not None and tiers.keys().isdisjoint(hashes)
     if tiers_new:
         tiers.update(dict.fromkeys(hashes, bit))  # type: ignore[union-attr]
-    mark_registered(blocks)
     return stored, tiers_new

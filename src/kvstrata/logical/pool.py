@@ -275,19 +275,23 @@ class BlockPool:
             self._drain_orphans()
         blocks = handle.blocks
         by_hash = self._by_hash
-        if not self._leaf_first and not self.keep_tokens:
-            # Fast path (lru and friends): every block Complete with its record at hand, no
-            # hash held yet, none twice in the batch: the index (and the registry) are
-            # updated in bulk (natively when built).
+        leaf_first = self._leaf_first
+        if not self.keep_tokens and not (leaf_first and self._tracks_registration):
+            # Fast path: every block Complete with its record at hand, no hash held yet, none
+            # twice in the batch: the index (and the registry's map) are updated in bulk,
+            # leaf-first pools linking each block to its parent in order (natively when built).
             registry = self.registry
             tiers, bit = registry.bulk_target(self.tier)
-            done = register_new(blocks, by_hash, tiers, bit)
+            done = register_new(blocks, by_hash, tiers, bit,
+                                self.eviction.remove if leaf_first else None)
             if done is not None:
                 handle._take()
                 stored, tiers_done = done
                 if priority:                   # Complete blocks have priority 0
                     for block in blocks:
                         block.priority = priority
+                if leaf_first:
+                    self._active_registered.update(map(_id_of, blocks))
                 if self._tracks_registration:
                     self.eviction.registered_many(blocks)
                 if tiers_done:
@@ -302,31 +306,6 @@ class BlockPool:
                     raise BlockStateError(block.block_id, block.state, "register",
                                           "must be Complete")
         handle._take()
-        if self._leaf_first and not self._tracks_registration and not self.keep_tokens:
-            # Fast path of leaf-first pools: no hash held yet and none twice in the batch;
-            # each block is indexed and linked to its parent in order, as below.
-            hashes = list(map(_hash_of, blocks))
-            stored = list(map(_record_of, blocks))
-            if (all(stored) and by_hash.keys().isdisjoint(hashes)
-                    and len(set(hashes)) == len(hashes)):
-                get = by_hash.get
-                state_registered = BlockState.REGISTERED
-                remove = self.eviction.remove
-                for block, h in zip(blocks, hashes):
-                    block.state = state_registered
-                    block.priority = priority
-                    by_hash[h] = block  # type: ignore[index]
-                    parent_hash = block.parent_hash
-                    if parent_hash is not None:      # inlined _link_parent
-                        parent = get(parent_hash)
-                        if parent is not None and parent is not block:
-                            block.parent_id = parent.block_id
-                            parent.children += 1
-                            if parent.children == 1 and parent.ref_count == 0:
-                                remove(parent)
-                self._active_registered.update(map(_id_of, blocks))
-                self.registry.record_stored(self.tier, stored, hashes)  # type: ignore[arg-type]
-                return ImmutableBlocks(self, blocks)
         get = by_hash.get
         stored = []
         keep_tokens = self.keep_tokens
