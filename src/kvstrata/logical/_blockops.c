@@ -19,6 +19,7 @@
  * mark(blocks, state)                 state = state on each
  * register_new(blocks, by_hash, tiers, bit, remove) -> (records, tiers_done) or None: below
  * lfu_insert(...), lfu_victims(...)  the aged-LFU order's insert_many and victims, below
+ * lfu_shadow_serve(...)               the duel's aged-LFU shadow cache serving a request
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -473,6 +474,148 @@ error:
     return NULL;
 }
 
+/* lfu_shadow_serve(hashes, count, key_of, buckets, keys, age, ghost, ghost_size, capacity,
+ *                  admit, bucket_type, heappush, heappop) -> (hits, age)
+ * adaptive._LfuShadow.serve (see there) over its own dicts: hits of the longest held prefix,
+ * then each hash touched or, if admitted (admit None: everything), inserted, evicting the
+ * lowest key (oldest in its bucket) when full. */
+static PyObject *py_lfu_shadow_serve(PyObject *self, PyObject *args) {
+    PyObject *hashes, *count, *key_of, *buckets, *keys, *age, *ghost, *admit, *bucket_type;
+    PyObject *heappush, *heappop;
+    Py_ssize_t ghost_size, capacity;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!O!OO!nnOOOO", &PyList_Type, &hashes, &PyDict_Type, &count,
+                          &PyDict_Type, &key_of, &PyDict_Type, &buckets, &PyList_Type, &keys, &age,
+                          &PyDict_Type, &ghost, &ghost_size, &capacity, &admit, &bucket_type,
+                          &heappush, &heappop))
+        return NULL;
+    PyObject *one = PyLong_FromLong(1);
+    if (!one) return NULL;
+    Py_INCREF(age);
+    Py_ssize_t n = PyList_GET_SIZE(hashes), hits = 0;
+    for (; hits < n; hits++) {
+        int in = PyDict_Contains(count, PyList_GET_ITEM(hashes, hits));
+        if (in < 0) goto error;
+        if (!in) break;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *h = PyList_GET_ITEM(hashes, i);
+        Py_INCREF(h);
+        PyObject *f = NULL;
+        PyObject *cur = PyDict_GetItemWithError(count, h);
+        if (cur) {                                          /* touch */
+            f = PyNumber_Add(cur, one);
+            if (!f || PyDict_SetItem(count, h, f) < 0) goto fail;
+            PyObject *old = PyDict_GetItemWithError(key_of, h);
+            if (!old) { if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, h); goto fail; }
+            Py_INCREF(old);
+            PyObject *bucket = PyDict_GetItemWithError(buckets, old);
+            if (!bucket) { if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, old); Py_DECREF(old); goto fail; }
+            if (PyObject_DelItem(bucket, h) < 0) { Py_DECREF(old); goto fail; }
+            if (PyObject_Length(bucket) == 0 && PyDict_DelItem(buckets, old) < 0) { Py_DECREF(old); goto fail; }
+            Py_DECREF(old);
+        } else {
+            if (PyErr_Occurred()) goto fail;
+            if (admit != Py_None) {
+                PyObject *r = PyObject_CallOneArg(admit, h);
+                if (!r) goto fail;
+                int yes = PyObject_IsTrue(r);
+                Py_DECREF(r);
+                if (yes < 0) goto fail;
+                if (!yes) { Py_DECREF(h); continue; }
+            }
+            if (PyDict_GET_SIZE(count) >= capacity) {       /* evict */
+                PyObject *low = NULL, *bucket = NULL;
+                for (;;) {
+                    if (PyList_GET_SIZE(keys) == 0) { PyErr_SetString(PyExc_IndexError, "empty key heap"); goto fail; }
+                    low = PyList_GET_ITEM(keys, 0);
+                    bucket = PyDict_GetItemWithError(buckets, low);
+                    if (bucket && PyObject_Length(bucket) > 0) break;
+                    if (PyErr_Occurred()) goto fail;
+                    PyObject *r = PyObject_CallOneArg(heappop, keys);
+                    if (!r) goto fail;
+                    Py_DECREF(r);
+                }
+                Py_INCREF(low);
+                Py_INCREF(bucket);
+                PyObject *item = PyObject_CallMethodOneArg(bucket, s_popitem, Py_False);
+                Py_ssize_t left = item ? PyObject_Length(bucket) : -1;
+                Py_DECREF(bucket);
+                if (!item || left < 0) { Py_XDECREF(item); Py_DECREF(low); goto fail; }
+                if (left == 0) {
+                    PyObject *r = NULL;
+                    if (PyDict_DelItem(buckets, low) < 0 || !(r = PyObject_CallOneArg(heappop, keys))) {
+                        Py_DECREF(item); Py_DECREF(low); goto fail;
+                    }
+                    Py_DECREF(r);
+                }
+                PyObject *victim = PyTuple_GET_ITEM(item, 0);
+                Py_INCREF(victim);
+                Py_DECREF(item);
+                Py_SETREF(age, low);
+                PyObject *vc = PyDict_GetItemWithError(count, victim);
+                if (!vc) { if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, victim); Py_DECREF(victim); goto fail; }
+                Py_INCREF(vc);
+                int known = PyDict_Contains(ghost, victim);
+                int bad = known < 0 || PyDict_DelItem(key_of, victim) < 0 || PyDict_DelItem(count, victim) < 0
+                          || PyObject_SetItem(ghost, victim, vc) < 0;
+                Py_DECREF(vc);
+                if (!bad && known) {
+                    PyObject *r = PyObject_CallMethodOneArg(ghost, s_move_to_end, victim);
+                    if (!r) bad = 1; else Py_DECREF(r);
+                }
+                if (!bad && PyDict_GET_SIZE(ghost) > ghost_size) {
+                    PyObject *r = PyObject_CallMethodOneArg(ghost, s_popitem, Py_False);
+                    if (!r) bad = 1; else Py_DECREF(r);
+                }
+                Py_DECREF(victim);
+                if (bad) goto fail;
+            }
+            PyObject *g = PyDict_GetItemWithError(ghost, h);      /* ghost.pop(h, 0) + 1 */
+            if (g) {
+                f = PyNumber_Add(g, one);
+                if (!f || PyObject_DelItem(ghost, h) < 0) goto fail;
+            } else {
+                if (PyErr_Occurred()) goto fail;
+                f = Py_NewRef(one);
+            }
+            if (PyDict_SetItem(count, h, f) < 0) goto fail;
+        }
+        {
+            PyObject *key = PyNumber_Add(age, f);
+            if (!key) goto fail;
+            PyObject *bucket = PyDict_GetItemWithError(buckets, key);
+            if (!bucket) {
+                if (PyErr_Occurred()) { Py_DECREF(key); goto fail; }
+                bucket = PyObject_CallNoArgs(bucket_type);
+                if (!bucket) { Py_DECREF(key); goto fail; }
+                int bad = PyDict_SetItem(buckets, key, bucket);
+                Py_DECREF(bucket);
+                PyObject *r = bad < 0 ? NULL : PyObject_CallFunctionObjArgs(heappush, keys, key, NULL);
+                if (!r) { Py_DECREF(key); goto fail; }
+                Py_DECREF(r);
+            }
+            if (PyObject_SetItem(bucket, h, Py_None) < 0 || PyDict_SetItem(key_of, h, key) < 0) {
+                Py_DECREF(key);
+                goto fail;
+            }
+            Py_DECREF(key);
+        }
+        Py_DECREF(f);
+        Py_DECREF(h);
+        continue;
+    fail:
+        Py_XDECREF(f);
+        Py_DECREF(h);
+        goto error;
+    }
+    Py_DECREF(one);
+    return Py_BuildValue("(nN)", hits, age);
+error:
+    Py_DECREF(one);
+    Py_DECREF(age);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"setup", py_setup, METH_VARARGS, "setup(Block, BlockRecord, RESET, COMPLETE, REGISTERED, seed)"},
     {"reset", py_reset, METH_VARARGS, "reset(blocks, ref_count, plain)"},
@@ -481,6 +624,7 @@ static PyMethodDef methods[] = {
     {"mark", py_mark, METH_VARARGS, "mark(blocks, state)"},
     {"lfu_insert", py_lfu_insert, METH_VARARGS, "lfu_insert(blocks, key_of, buckets, keys, age, last_tick, bucket_type, heappush)"},
     {"lfu_victims", py_lfu_victims, METH_VARARGS, "lfu_victims(count, keys, buckets, key_of, ghost, ghost_size, heappop)"},
+    {"lfu_shadow_serve", py_lfu_shadow_serve, METH_VARARGS, "lfu_shadow_serve(hashes, count, key_of, buckets, keys, age, ghost, ghost_size, capacity, admit, bucket_type, heappush, heappop) -> (hits, age)"},
     {"register_new", py_register_new, METH_VARARGS, "register_new(blocks, by_hash, tiers, bit, remove) -> (records, tiers_done) or None"},
     {NULL, NULL, 0, NULL},
 };

@@ -26,6 +26,7 @@ import heapq
 from collections import OrderedDict
 from typing import Callable, Sequence
 
+from . import blockops
 from .admission import ADMISSION_FILTERS, AdmissionPolicy, SecondOfferAdmission
 from .block import Block
 from .eviction import EVICTION_ORDERS, AgedFrequencyEviction, EvictionPolicy, LruEviction
@@ -99,6 +100,17 @@ class _LfuShadow:
         self._ghost_size = max(1, ghost_factor * capacity)
 
     def serve(self, sequence_hashes: Sequence[int]) -> int:
+        ops = blockops.native()
+        if ops is not None and type(sequence_hashes) is list:
+            admit = None if type(self.admission) is AdmissionPolicy else self.admission.admit
+            hits, self._age = ops.lfu_shadow_serve(
+                sequence_hashes, self._count, self._key, self._buckets, self._keys, self._age,
+                self._ghost, self._ghost_size, self.capacity, admit, OrderedDict,
+                heapq.heappush, heapq.heappop)
+            if len(self._keys) > 2 * len(self._buckets) + 16:
+                self._keys = list(self._buckets)
+                heapq.heapify(self._keys)
+            return hits
         count, key_of, buckets, keys = self._count, self._key, self._buckets, self._keys
         hits = 0
         for h in sequence_hashes:
@@ -132,8 +144,9 @@ class _LfuShadow:
                         pop(keys)
                     del key_of[victim]
                     self._age = low
+                    if victim in ghost:
+                        ghost.move_to_end(victim)
                     ghost[victim] = count.pop(victim)
-                    ghost.move_to_end(victim)
                     if len(ghost) > self._ghost_size:
                         ghost.popitem(last=False)
                 f = ghost.pop(h, 0) + 1
