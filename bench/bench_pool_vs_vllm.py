@@ -14,7 +14,8 @@ of ours over vLLM's, interleaved, best of ``--repeats``. vLLM is also run its ow
 (what its KVCacheManager calls: prefix touched, everything after it allocated anew and
 cached, then freed; fewer look-ups, slightly different hits), and the ratio is taken
 against the faster of its two figures. Goals: >= 2x for ``lru``, >= 1x
-for every policy. Skips vLLM with a message when it is not installed.
+for every policy. Skips vLLM with a message when it is not installed. ``--no-native`` runs
+kvstrata on its pure-Python paths.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import time
 
 from _common import bare_lru_hits, result_line
 
+from kvstrata.logical import blockops
 from kvstrata.logical.policy import make_tier_policies
 from kvstrata.logical.pool import BlockPool
 from kvstrata.logical.registry import UNOBSERVED, BlockRegistry
@@ -166,7 +168,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--quick", action="store_true", help="first 3,000 requests, 2 repeats")
+    parser.add_argument("--no-native", action="store_true",
+                        help="kvstrata on its pure-Python paths (the fallback without a compiler)")
     args = parser.parse_args()
+    if args.no_native:
+        blockops.use_native(False)
+    print(f"kvstrata's native block loops: {'on' if blockops.NATIVE and not args.no_native else 'off'}")
     reqs = load_trace(args.trace)
     if args.quick:
         reqs = reqs[:3_000]
