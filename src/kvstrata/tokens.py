@@ -27,10 +27,21 @@ _MASK64 = (1 << 64) - 1
 _pack_pair = struct.Struct("<QQ").pack
 _xxh3 = xxhash.xxh3_64_intdigest
 
-try:  # the optional native fast path (src/kvstrata/_tokenhash.c, built by `pip install -e .`)
-    from . import _tokenhash as _native
-except ImportError:  # no compiler at install time: the pure-Python path below, same hashes
-    _native = None
+_NATIVE_FUNCTIONS = ("hash_blocks", "chain_hashes")
+
+
+def _load_native():
+    """The optional native fast path (src/kvstrata/_tokenhash.c, built by `pip install -e .`),
+    or None: no compiler at install time, or a stale build (then the pure-Python path below
+    runs, with the same hashes)."""
+    try:
+        from . import _tokenhash
+    except ImportError:
+        return None
+    return _tokenhash if all(hasattr(_tokenhash, n) for n in _NATIVE_FUNCTIONS) else None
+
+
+_native = _load_native()
 
 NATIVE = _native is not None
 """Whether the native hashing path is available (tests run both paths; see use_native)."""
@@ -42,11 +53,10 @@ def use_native(enabled: bool) -> bool:
     global _native
     previous = _native is not None
     if enabled:
-        try:
-            from . import _tokenhash
-        except ImportError as exc:
-            raise RuntimeError(f"the native hashing extension is not built: {exc}") from None
-        _native = _tokenhash
+        native = _load_native()
+        if native is None:
+            raise RuntimeError("the native hashing extension (kvstrata._tokenhash) is not built")
+        _native = native
     else:
         _native = None
     return previous

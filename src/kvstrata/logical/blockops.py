@@ -23,9 +23,15 @@ __all__ = ["NATIVE", "use_native", "reset_all", "apply_records", "release_regist
 _RESET, _COMPLETE, _REGISTERED = BlockState.RESET, BlockState.COMPLETE, BlockState.REGISTERED
 
 
+_FUNCTIONS = ("setup", "reset", "apply", "release", "mark", "register_new", "lfu_insert",
+              "lfu_victims", "lfu_shadow_serve")
+
+
 def _load():
     try:
         from . import _blockops
+        for name in _FUNCTIONS:          # a stale build (an older .c) counts as not built
+            getattr(_blockops, name)
         _blockops.setup(Block, BlockRecord, _RESET, _COMPLETE, _REGISTERED, DEFAULT_SEED)
     except (ImportError, TypeError, AttributeError):
         return None
