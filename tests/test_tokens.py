@@ -1,15 +1,72 @@
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+import kvstrata.tokens as tokens_module
 from kvstrata.tokens import (
     DEFAULT_SEED,
     TokenError,
     TokenSequence,
     chain_hash,
+    chain_hashes,
     hash_blocks,
     isolation_seed,
     local_block_hash,
 )
+
+@pytest.fixture(autouse=True, params=["python", "native"])
+def hashing_path(request):
+    """Every test here runs on both hashing paths: the pure-Python one and the optional
+    native one (skipped when the extension is not built)."""
+    if request.param == "native" and not tokens_module.NATIVE:
+        pytest.skip("native hashing extension (kvstrata._tokenhash) not built")
+    previous = tokens_module.use_native(request.param == "native")
+    yield request.param
+    tokens_module.use_native(previous)
+
+
+def _both_paths(fn):
+    """``fn()`` on the Python path and on the native one: (value or exception type+message)."""
+    out = []
+    for native in (False, True):
+        previous = tokens_module.use_native(native)
+        try:
+            out.append(("ok", fn()))
+        except Exception as exc:  # the same exception, same message, is what must agree
+            out.append((type(exc), str(exc)))
+        finally:
+            tokens_module.use_native(previous)
+    return out
+
+
+_token = st.one_of(st.integers(0, 0xFFFFFFFF), st.integers(0, 40),
+                   st.sampled_from([-1, 2**32, 2**64, True, False]))
+
+
+@pytest.mark.skipif(not tokens_module.NATIVE, reason="native hashing extension not built")
+@settings(max_examples=300, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(tokens=st.lists(_token, max_size=70), block_size=st.integers(1, 9),
+       seed=st.sampled_from([DEFAULT_SEED, 0, 2**64 - 1, 2**64]),
+       parent=st.one_of(st.none(), st.integers(0, 2**64 - 1), st.just(2**64), st.just(-1)),
+       as_array=st.booleans())
+def test_native_and_python_paths_agree(hashing_path, tokens, block_size, seed, parent, as_array):
+    """Same hashes, or the same error, from both paths: lists with odd items, numpy arrays,
+    seeds and parents out of range, and the chain of local hashes alone."""
+    if as_array:
+        clean = [int(t) for t in tokens if 0 <= t <= 0xFFFFFFFF]
+        for dtype in ("int64", "<u4"):
+            arr = np.asarray(clean, dtype=dtype)
+            a, b = _both_paths(lambda: hash_blocks(arr, block_size, seed, parent))
+            assert a == b
+        return
+    a, b = _both_paths(lambda: hash_blocks(tokens, block_size, seed, parent))
+    assert a == b
+    locals_ = [t for t in tokens if type(t) is int and 0 <= t]
+    a, b = _both_paths(lambda: chain_hashes(locals_, seed, parent))
+    assert a == b
+
 
 # Test vector of the Dynamo-compatible scheme: tokens 1..10 in blocks of 4 (two full blocks,
 # the partial tail [9, 10] has no hash), seed 1337.

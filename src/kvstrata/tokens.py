@@ -27,6 +27,40 @@ _MASK64 = (1 << 64) - 1
 _pack_pair = struct.Struct("<QQ").pack
 _xxh3 = xxhash.xxh3_64_intdigest
 
+_NATIVE_FUNCTIONS = ("hash_blocks", "chain_hashes")
+
+
+def _load_native():
+    """The optional native fast path (src/kvstrata/_tokenhash.c, built by `pip install -e .`),
+    or None: no compiler at install time, or a stale build (then the pure-Python path below
+    runs, with the same hashes)."""
+    try:
+        from . import _tokenhash
+    except ImportError:
+        return None
+    return _tokenhash if all(hasattr(_tokenhash, n) for n in _NATIVE_FUNCTIONS) else None
+
+
+_native = _load_native()
+
+NATIVE = _native is not None
+"""Whether the native hashing path is available (tests run both paths; see use_native)."""
+
+
+def use_native(enabled: bool) -> bool:
+    """Turn the native hashing path on or off (tests and benchmarks); returns the previous
+    setting. Turning it on without the extension built raises ``RuntimeError``."""
+    global _native
+    previous = _native is not None
+    if enabled:
+        native = _load_native()
+        if native is None:
+            raise RuntimeError("the native hashing extension (kvstrata._tokenhash) is not built")
+        _native = native
+    else:
+        _native = None
+    return previous
+
 
 class TokenError(ValueError):
     """Token ids or block parameters that cannot be hashed (negative, > 2**32-1, bad size)."""
@@ -113,6 +147,16 @@ def hash_blocks(
     ``tokens[0]``). Returns ``(local_hashes, sequence_hashes)``.
     """
     _check_block_size(block_size)
+    native = _native
+    if native is not None:
+        # Lists and uint32 buffers in C; anything it does not take (a tuple, a bool or
+        # numpy scalar in a list, an id out of range...) returns None and goes the Python way,
+        # which converts or raises exactly as without the extension.
+        if isinstance(tokens, np.ndarray):
+            tokens = _as_uint32(tokens)
+        out = native.hash_blocks(tokens, block_size, seed, parent_sequence_hash)
+        if out is not None:
+            return out
     data = _token_bytes(tokens)
     step = block_size * 4
     end = len(data) // step * step
@@ -125,6 +169,11 @@ def chain_hashes(
     local_hashes: Iterable[int], seed: int = DEFAULT_SEED, parent_sequence_hash: int | None = None
 ) -> list[int]:
     """Sequence hashes for a run of local hashes continuing ``parent_sequence_hash``."""
+    native = _native
+    if native is not None and type(local_hashes) is list:
+        chained = native.chain_hashes(local_hashes, seed, parent_sequence_hash)
+        if chained is not None:
+            return chained
     out: list[int] = []
     locals_ = iter(local_hashes)
     parent = parent_sequence_hash

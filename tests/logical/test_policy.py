@@ -160,3 +160,62 @@ def test_adaptive_by_name_builds_working_policies():
     pool.check_invariants()
     assert make_eviction("adaptive", 4).name == "adaptive"
     assert make_admission("adaptive", 4).name == "adaptive"
+
+
+# -- the duel's shadow caches are exact stand-ins for one-tier pools ---------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from kvstrata.logical.adaptive import _shadow  # noqa: E402
+from kvstrata.logical.admission import ADMISSION_FILTERS  # noqa: E402
+from kvstrata.logical.eviction import EVICTION_ORDERS  # noqa: E402
+from kvstrata.logical.registry import UNOBSERVED  # noqa: E402
+
+
+class _PoolShadow:
+    """The reference: a real BlockPool served the way the duel serves a request."""
+
+    def __init__(self, capacity, eviction, admission):
+        self.pool = BlockPool("shadow", capacity, 1, eviction=EVICTION_ORDERS[eviction](capacity),
+                              registry=UNOBSERVED)
+        self.admission = ADMISSION_FILTERS[admission](capacity)
+
+    def serve(self, hashes):
+        pool, admit = self.pool, self.admission.admit
+        hits = pool.match_length(hashes)
+        parent = None
+        for h in hashes:
+            if h in pool:
+                pool.touch((h,))
+            elif admit(h):
+                handle = pool.allocate(1)
+                handle.apply_token_blocks([BlockRecord(h, h, parent, 1)])
+                pool.release(pool.register(handle))
+            parent = h
+        return hits
+
+    def held(self):
+        return set(self.pool._by_hash)
+
+
+_requests = st.lists(
+    st.tuples(st.integers(0, 6), st.integers(1, 12), st.integers(0, 3)).map(
+        # (conversation, length, suffix): a prefix shared by a conversation's turns, then a
+        # few blocks of its own; small ids so blocks repeat and evictions tie
+        lambda t: [t[0] * 100 + i for i in range(t[1])] + [1000 + t[0] * 10 + j for j in range(t[2])]),
+    max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(requests=_requests, capacity=st.integers(1, 9), eviction=st.sampled_from(["lru", "lfu"]),
+       admission=st.sampled_from(["always", "second-offer"]))
+def test_shadow_caches_serve_exactly_as_a_pool(requests, capacity, eviction, admission):
+    ref = _PoolShadow(capacity, eviction, admission)
+    fast = _shadow(capacity, eviction, admission)
+    for hashes in requests:
+        assert fast.serve(hashes) == ref.serve(hashes)
+    held = set(fast._order) if eviction == "lru" else set(fast._count)
+    if eviction == "lfu":
+        assert set(fast._key) == held == {h for b in fast._buckets.values() for h in b}
+    assert held == ref.held()

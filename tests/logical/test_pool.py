@@ -10,6 +10,7 @@ from kvstrata.logical.policy import make_eviction
 from kvstrata.logical.pool import BlockPool, ForeignHandleError, PoolExhaustedError
 from kvstrata.logical.registry import BlockRecord, BlockRegistry
 from kvstrata.tokens import chain_hashes
+from native_paths import NATIVE_BUILT, restore_native, set_native
 
 
 def chain(n, start=1):
@@ -317,8 +318,34 @@ class PoolMachine(RuleBasedStateMachine):
             self.pool.check_invariants()
 
 
-TestPoolMachine = PoolMachine.TestCase
-TestPoolMachine.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
+_MACHINE_SETTINGS = settings(max_examples=80, stateful_step_count=40, deadline=None)
+
+
+class NativePoolMachine(PoolMachine):
+    """The machine on the native block loops and hashing (tests/logical/native_paths.py)."""
+
+    def __init__(self):
+        self._before = set_native(True)
+        super().__init__()
+
+    def teardown(self):
+        try:
+            super().teardown()
+        finally:
+            restore_native(self._before)
+
+
+class PythonPoolMachine(NativePoolMachine):
+    def __init__(self):
+        self._before = set_native(False)
+        PoolMachine.__init__(self)
+
+
+TestPythonPoolMachine = PythonPoolMachine.TestCase
+TestPythonPoolMachine.settings = _MACHINE_SETTINGS
+TestNativePoolMachine = pytest.mark.skipif(not NATIVE_BUILT, reason="native extensions not built")(
+    NativePoolMachine.TestCase)
+TestNativePoolMachine.settings = _MACHINE_SETTINGS
 
 
 def test_leaf_in_use_pins_its_idle_prefix():

@@ -7,7 +7,8 @@ large, since it gives up every block's first reuse (docs/policies.md has the num
 case holds depends on the workload and on the capacity, so the tier measures it:
 
 * a :class:`PolicyDuel` keeps small *shadow* caches, one per candidate (eviction, admission)
-  pair, each of ``capacity / sample`` blocks (metadata only, real :class:`BlockPool` objects);
+  pair, each of ``capacity / sample`` blocks (metadata only: bare simulations that behave
+  exactly as a :class:`BlockPool` with that eviction order would, checked by the tests);
 * they replay a ``1 / sample`` spatial sample of the requests, chosen by the hash of a
   request's second block (so a conversation is sampled whole, while a system prompt shared
   by everyone does not decide the sample);
@@ -21,14 +22,14 @@ Cost: the shadows add about one extra pool operation per block of a sampled requ
 
 from __future__ import annotations
 
+import heapq
+from collections import OrderedDict
 from typing import Callable, Sequence
 
-from ..types import BlockRecord
+from . import blockops
 from .admission import ADMISSION_FILTERS, AdmissionPolicy, SecondOfferAdmission
 from .block import Block
 from .eviction import EVICTION_ORDERS, AgedFrequencyEviction, EvictionPolicy, LruEviction
-from .pool import BlockPool
-from .registry import UNOBSERVED
 
 ADAPTIVE = "adaptive"
 """Policy name (eviction or admission) whose choice is made online by set dueling."""
@@ -37,28 +38,139 @@ EVICTION_CANDIDATES = ("lru", "lfu")
 ADMISSION_CANDIDATES = ("always", "second-offer")
 
 
-class _ShadowCache:
-    """A metadata-only one-tier cache scoring one (eviction, admission) candidate."""
+def _admit_all(sequence_hash: int) -> bool:
+    return True
 
-    def __init__(self, capacity: int, eviction: str, admission: str) -> None:
-        self.pool = BlockPool("shadow", capacity, 1, eviction=EVICTION_ORDERS[eviction](capacity),
-                              registry=UNOBSERVED)
-        self.admission = ADMISSION_FILTERS[admission](capacity)
+
+class _LruShadow:
+    """A metadata-only one-tier LRU cache scoring one (lru, admission) candidate.
+
+    Exactly what a :class:`BlockPool` with :class:`LruEviction` of the same capacity does
+    when served a request (longest held prefix; each block touched if held, else allocated,
+    registered and released if admitted, the least recently used evicted when full), as a
+    bare ordered dict of hashes: the per-block pool calls were most of the duel's cost.
+    ``tests/logical/test_policy.py`` checks it against such a pool.
+    """
+
+    def __init__(self, capacity: int, admission: AdmissionPolicy) -> None:
+        self.capacity = capacity
+        self.admission = admission
+        self._order: OrderedDict[int, None] = OrderedDict()
 
     def serve(self, sequence_hashes: Sequence[int]) -> int:
         """Prefix hits of one request; then touch what is held and offer the rest."""
-        pool, admit = self.pool, self.admission.admit
-        hits = pool.match_length(sequence_hashes)
-        parent = None
+        order = self._order
+        hits = 0
         for h in sequence_hashes:
-            if h in pool:
-                pool.touch((h,))
-            elif admit(h):
-                handle = pool.allocate(1)
-                handle.apply_token_blocks([BlockRecord(h, h, parent, 1)])
-                pool.release(pool.register(handle))
-            parent = h
+            if h not in order:
+                break
+            hits += 1
+        move, admit, capacity = order.move_to_end, self.admission.admit, self.capacity
+        if type(self.admission) is AdmissionPolicy:     # admits everything: no call per block
+            admit = _admit_all
+        for h in sequence_hashes:
+            if h in order:
+                move(h)
+            elif admit is _admit_all or admit(h):
+                if len(order) >= capacity:
+                    order.popitem(last=False)
+                order[h] = None
         return hits
+
+
+class _LfuShadow:
+    """A metadata-only one-tier aged-LFU cache scoring one (lfu, admission) candidate.
+
+    Exactly what a :class:`BlockPool` with :class:`AgedFrequencyEviction` (ghost of
+    ``4 x capacity``) does when served a request, without the pool: a use count per held
+    hash, one insertion-ordered bucket of hashes per key ``L + count`` with a small heap of
+    the keys, the age ``L`` and the ghost. Every (re-)insertion is the newest release, so a
+    bucket's order is the pool's tie-break by release tick.
+    """
+
+    def __init__(self, capacity: int, admission: AdmissionPolicy, ghost_factor: int = 4) -> None:
+        self.capacity = capacity
+        self.admission = admission
+        self._count: dict[int, int] = {}          # held hash -> use count
+        self._key: dict[int, int] = {}            # held hash -> its bucket's key
+        self._buckets: dict[int, OrderedDict[int, None]] = {}
+        self._keys: list[int] = []                # heap of keys (stale ones skipped)
+        self._age = 0
+        self._ghost: OrderedDict[int, int] = OrderedDict()
+        self._ghost_size = max(1, ghost_factor * capacity)
+
+    def serve(self, sequence_hashes: Sequence[int]) -> int:
+        ops = blockops.native()
+        if ops is not None and type(sequence_hashes) is list:
+            admit = None if type(self.admission) is AdmissionPolicy else self.admission.admit
+            hits, self._age = ops.lfu_shadow_serve(
+                sequence_hashes, self._count, self._key, self._buckets, self._keys, self._age,
+                self._ghost, self._ghost_size, self.capacity, admit, OrderedDict,
+                heapq.heappush, heapq.heappop)
+            if len(self._keys) > 2 * len(self._buckets) + 16:
+                self._keys = list(self._buckets)
+                heapq.heapify(self._keys)
+            return hits
+        count, key_of, buckets, keys = self._count, self._key, self._buckets, self._keys
+        hits = 0
+        for h in sequence_hashes:
+            if h not in count:
+                break
+            hits += 1
+        admit, capacity, ghost = self.admission.admit, self.capacity, self._ghost
+        if type(self.admission) is AdmissionPolicy:     # admits everything: no call per block
+            admit = _admit_all
+        push, pop = heapq.heappush, heapq.heappop
+        for h in sequence_hashes:
+            if h in count:                      # touch: a hit, re-entered as the newest
+                f = count[h] + 1
+                count[h] = f
+                old = key_of[h]
+                bucket = buckets[old]
+                del bucket[h]
+                if not bucket:
+                    del buckets[old]
+            elif admit is _admit_all or admit(h):
+                if len(count) >= capacity:      # evict: lowest key, oldest in it
+                    while True:
+                        low = keys[0]
+                        bucket = buckets.get(low)
+                        if bucket:
+                            break
+                        pop(keys)
+                    victim = bucket.popitem(last=False)[0]
+                    if not bucket:
+                        del buckets[low]
+                        pop(keys)
+                    del key_of[victim]
+                    self._age = low
+                    if victim in ghost:
+                        ghost.move_to_end(victim)
+                    ghost[victim] = count.pop(victim)
+                    if len(ghost) > self._ghost_size:
+                        ghost.popitem(last=False)
+                f = ghost.pop(h, 0) + 1
+                count[h] = f
+            else:
+                continue
+            key = self._age + f
+            bucket = buckets.get(key)
+            if bucket is None:
+                bucket = buckets[key] = OrderedDict()
+                push(keys, key)
+            bucket[h] = None
+            key_of[h] = key
+        if len(keys) > 2 * len(buckets) + 16:
+            self._keys = list(buckets)
+            heapq.heapify(self._keys)
+        return hits
+
+
+_SHADOWS = {"lru": _LruShadow, "lfu": _LfuShadow}
+
+
+def _shadow(capacity: int, eviction: str, admission: str):
+    return _SHADOWS[eviction](capacity, ADMISSION_FILTERS[admission](capacity))
 
 
 class PolicyDuel:
@@ -74,7 +186,7 @@ class PolicyDuel:
     ) -> None:
         self.candidates = [(e, a) for e in evictions for a in admissions]
         shadow_capacity = max(1, capacity // sample)
-        self._shadows = [_ShadowCache(shadow_capacity, e, a) for e, a in self.candidates]
+        self._shadows = [_shadow(shadow_capacity, e, a) for e, a in self.candidates]
         self._scores = [0.0] * len(self.candidates)
         self._sample = sample
         self._decay = decay
@@ -124,8 +236,14 @@ class DuelingEviction(EvictionPolicy):
     def registered(self, block: Block) -> None:
         self._lfu.registered(block)
 
+    def registered_many(self, blocks: list[Block]) -> None:
+        self._lfu.registered_many(blocks)
+
     def record_hit(self, block: Block) -> None:
         self._lfu.record_hit(block)
+
+    def record_hits(self, blocks: list[Block]) -> None:
+        self._lfu.record_hits(blocks)
 
     def insert(self, block: Block) -> None:
         for order in self._orders:
@@ -160,7 +278,18 @@ class DuelingEviction(EvictionPolicy):
         return block
 
     def victims(self, count: int) -> list[Block]:
-        return EvictionPolicy.victims(self, count)
+        # As ``count`` calls of ``victim``: the other order's removals do not change the
+        # leader's choices, so each order works in one batch.
+        if self._duel.eviction == "lfu":
+            blocks = self._lfu.victims(count)
+            self._lru.remove_many(blocks)
+        else:
+            blocks = self._lru.victims(count)
+            lfu = self._lfu
+            lfu.remove_many(blocks)
+            for block in blocks:
+                lfu.remember(block)
+        return blocks
 
     def __len__(self) -> int:
         return len(self._lru)

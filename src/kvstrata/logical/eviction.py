@@ -17,6 +17,7 @@ import heapq
 from collections import OrderedDict
 from typing import Callable
 
+from . import blockops
 from .block import Block
 
 __all__ = ["EvictionPolicy", "LruEviction", "PriorityLruEviction", "AgedFrequencyEviction",
@@ -33,6 +34,11 @@ class EvictionPolicy:
     def registered(self, block: Block) -> None:
         """``block`` was newly registered in the pool (not a dedup hit)."""
 
+    def registered_many(self, blocks: list[Block]) -> None:
+        """``registered`` for each of ``blocks``, in order."""
+        for block in blocks:
+            self.registered(block)
+
     def insert(self, block: Block) -> None:
         """``block`` became evictable (its ``release_tick`` is already stamped)."""
         raise NotImplementedError
@@ -48,6 +54,17 @@ class EvictionPolicy:
 
     def record_hit(self, block: Block) -> None:
         """``block`` served a look-up (matched or touched); frequency policies count it."""
+
+    def record_hits(self, blocks: list[Block]) -> None:
+        """``record_hit`` for each of ``blocks``, in order."""
+        for block in blocks:
+            self.record_hit(block)
+
+    def is_next(self, block: Block) -> bool:
+        """Whether ``block``, not in the order, would be the very next victim if inserted
+        now. A leaf-first pool then evicts it at once instead of inserting it (the victims
+        are the same). Answering False is always correct; it only costs the round trip."""
+        return False
 
     def victim(self) -> Block | None:
         """Remove and return the next block to evict, or None if nothing is evictable."""
@@ -110,10 +127,13 @@ class LruEviction(EvictionPolicy):
 
     def insert_many(self, blocks: list[Block]) -> None:
         order = self._order
-        move = order.move_to_end
+        before = len(order)
         for block in blocks:
             order[block.block_id] = block
-            move(block.block_id)
+        if len(order) != before + len(blocks):    # some were in already: move them last
+            move = order.move_to_end
+            for block in blocks:
+                move(block.block_id)
 
     def remove_many(self, blocks: list[Block]) -> None:
         pop = self._order.pop
@@ -129,67 +149,6 @@ class LruEviction(EvictionPolicy):
 
     def members(self) -> set[int]:
         return set(self._order)
-
-
-class _HeapEviction(EvictionPolicy):
-    """An eviction order kept in a heap of ``(key, release_tick, block_id, block)`` entries.
-
-    Deletion is lazy: an entry is live only while ``_live[block_id]`` is that very entry, so
-    ``remove`` is O(1) and stale entries are skipped (and compacted away when they pile up).
-    """
-
-    def __init__(self) -> None:
-        self._heap: list[tuple[int, int, int, Block]] = []
-        self._live: dict[int, tuple[int, int, int, Block]] = {}
-
-    def key(self, block: Block) -> int:
-        raise NotImplementedError
-
-    def insert(self, block: Block) -> None:
-        entry = (self.key(block), block.release_tick, block.block_id, block)
-        self._live[block.block_id] = entry
-        heapq.heappush(self._heap, entry)
-        if len(self._heap) > 4 * len(self._live) + 64:
-            live = self._live
-            self._heap = [e for e in self._heap if live.get(e[2]) is e]
-            heapq.heapify(self._heap)
-
-    def insert_many(self, blocks: list[Block]) -> None:
-        live, heap, key, push = self._live, self._heap, self.key, heapq.heappush
-        for block in blocks:
-            entry = (key(block), block.release_tick, block.block_id, block)
-            live[block.block_id] = entry
-            push(heap, entry)
-        if len(heap) > 4 * len(live) + 64:
-            self._heap = [e for e in heap if live.get(e[2]) is e]
-            heapq.heapify(self._heap)
-
-    def remove(self, block: Block) -> None:
-        self._live.pop(block.block_id, None)
-
-    def remove_many(self, blocks: list[Block]) -> None:
-        pop = self._live.pop
-        for block in blocks:
-            pop(block.block_id, None)
-
-    def victim(self) -> Block | None:
-        heap, live = self._heap, self._live
-        while heap:
-            entry = heapq.heappop(heap)
-            if live.get(entry[2]) is entry:
-                del live[entry[2]]
-                self.evicted(entry)
-                return entry[3]
-        return None
-
-    def evicted(self, entry: tuple[int, int, int, Block]) -> None:
-        """Hook: ``entry`` was just chosen as a victim."""
-
-    def __len__(self) -> int:
-        return len(self._live)
-
-    def members(self) -> set[int]:
-        return set(self._live)
 
 
 class _TickLevel:
@@ -257,6 +216,9 @@ class PriorityLruEviction(EvictionPolicy):
     becomes evictable when its last child is evicted re-enters at its *old* release tick,
     which is nearly always the oldest of its level (front of the ordered dict); anything else
     goes to the level's small heap. So the common operations are O(1).
+
+    A block's ``policy_state`` is 1 while it is in the order (its level is its ``priority``,
+    which does not change while it is evictable), 0 otherwise: no side table per block.
     """
 
     name = "default"
@@ -264,31 +226,47 @@ class PriorityLruEviction(EvictionPolicy):
 
     def __init__(self, capacity: int = 0) -> None:
         self._levels: dict[int, _TickLevel] = {}
-        self._priority_of: dict[int, int] = {}
+        self._size = 0
 
     def insert(self, block: Block) -> None:
+        if block.policy_state:  # a re-insert (touch): drop the old position
+            self._discard(block)
         priority = block.priority
-        block_id = block.block_id
-        priority_of = self._priority_of
-        old = priority_of.get(block_id)
-        if old is not None:  # a re-insert (touch): drop the old position
-            self._discard(block_id, old)
         level = self._levels.get(priority)
         if level is None:
             level = self._levels[priority] = _TickLevel()
-        priority_of[block_id] = priority
+        block.policy_state = 1
         level.add(block)
+        self._size += 1
+
+    def insert_many(self, blocks: list[Block]) -> None:
+        levels = self._levels
+        for block in blocks:
+            if block.policy_state:
+                self._discard(block)
+            level = levels.get(block.priority)
+            if level is None:
+                level = levels[block.priority] = _TickLevel()
+            block.policy_state = 1
+            level.add(block)
+        self._size += len(blocks)
 
     def remove(self, block: Block) -> None:
-        priority = self._priority_of.pop(block.block_id, None)
-        if priority is not None:
-            self._discard(block.block_id, priority)
+        if block.policy_state:
+            self._discard(block)
 
-    def _discard(self, block_id: int, priority: int) -> None:
-        level = self._levels[priority]
-        level.discard(block_id)
+    def remove_many(self, blocks: list[Block]) -> None:
+        for block in blocks:
+            if block.policy_state:
+                self._discard(block)
+
+    def _discard(self, block: Block) -> None:
+        level = self._levels[block.priority]
+        level.discard(block.block_id)
+        block.policy_state = 0
+        self._size -= 1
         if not level.size:
-            del self._levels[priority]
+            del self._levels[block.priority]
 
     def victim(self) -> Block | None:
         levels = self._levels
@@ -297,19 +275,45 @@ class PriorityLruEviction(EvictionPolicy):
         priority = next(iter(levels)) if len(levels) == 1 else min(levels)
         level = levels[priority]
         block = level.pop_oldest()
-        del self._priority_of[block.block_id]
+        block.policy_state = 0
+        self._size -= 1
         if not level.size:
             del levels[priority]
         return block
 
+    def is_next(self, block: Block) -> bool:
+        levels = self._levels
+        if not levels:
+            return True
+        lowest = next(iter(levels)) if len(levels) == 1 else min(levels)
+        if block.priority != lowest:
+            return block.priority < lowest
+        level = levels[lowest]
+        tick = block.release_tick
+        ordered = level.ordered
+        if ordered and ordered[next(iter(ordered))].release_tick < tick:
+            return False
+        late = level.late
+        if late:
+            live = level.late_live
+            while late and live.get(late[0][1]) != late[0][0]:
+                heapq.heappop(late)
+            if late and late[0][0] < tick:
+                return False
+        return True
+
     def __len__(self) -> int:
-        return len(self._priority_of)
+        return self._size
 
     def members(self) -> set[int]:
-        return set(self._priority_of)
+        out: set[int] = set()
+        for level in self._levels.values():
+            out.update(level.ordered)
+            out.update(level.late_live)
+        return out
 
 
-class AgedFrequencyEviction(_HeapEviction):
+class AgedFrequencyEviction(EvictionPolicy):
     """Least-frequently-used with dynamic aging and a ghost history ("lfu").
 
     Each block's use count ``f`` lives in ``block.policy_state``: 1 when registered (plus
@@ -321,38 +325,159 @@ class AgedFrequencyEviction(_HeapEviction):
 
     Why: on multi-turn traces most blocks are used once, while a block used twice is likely
     to be used again; LRU cannot tell them apart, frequency can (docs/policies.md).
+
+    Kept as one bucket per key, each an ordered dict in release-tick order (a block enters
+    with the newest tick, so it is appended), and a small heap of the keys in use: every
+    operation is O(1) but for the key heap, which holds a handful of keys. The order is
+    exactly the heap order of ``(key, release_tick, block_id)``.
     """
 
     name = "lfu"
 
     def __init__(self, capacity: int = 0, ghost_factor: int = 4, max_count: int | None = None) -> None:
-        super().__init__()
         self._max_count = max_count
         self._age = 0
         self._ghost: OrderedDict[int, int] = OrderedDict()
         self._ghost_size = max(1, ghost_factor * capacity)
+        self._key_of: dict[int, int] = {}                  # block id -> its key, in the order
+        self._buckets: dict[int, OrderedDict[int, Block]] = {}
+        self._keys: list[int] = []                         # heap of keys (stale ones skipped)
+        self._last_tick = -1                               # newest release tick inserted
 
     def registered(self, block: Block) -> None:
         block.policy_state = self._ghost.pop(block.sequence_hash, 0) + 1  # type: ignore[arg-type]
+
+    def registered_many(self, blocks: list[Block]) -> None:
+        pop = self._ghost.pop
+        for block in blocks:
+            block.policy_state = pop(block.sequence_hash, 0) + 1  # type: ignore[arg-type]
 
     def record_hit(self, block: Block) -> None:
         if self._max_count is None or block.policy_state < self._max_count:
             block.policy_state += 1
 
+    def record_hits(self, blocks: list[Block]) -> None:
+        if self._max_count is not None:
+            EvictionPolicy.record_hits(self, blocks)
+            return
+        for block in blocks:
+            block.policy_state += 1
+
     def key(self, block: Block) -> int:
         return self._age + block.policy_state
 
-    def evicted(self, entry: tuple[int, int, int, Block]) -> None:
-        self._age = entry[0]
-        self.remember(entry[3])
+    def insert(self, block: Block) -> None:
+        self.insert_many([block])
+
+    def insert_many(self, blocks: list[Block]) -> None:
+        ops = blockops.native()
+        if ops is not None:     # the common case natively (new blocks, newest ticks)
+            last = ops.lfu_insert(blocks, self._key_of, self._buckets, self._keys, self._age,
+                                  self._last_tick, OrderedDict, heapq.heappush)
+            if last is not None:
+                self._last_tick = last
+                if len(self._keys) > 2 * len(self._buckets) + 16:
+                    self._keys = list(self._buckets)
+                    heapq.heapify(self._keys)
+                return
+        key_of, buckets, age = self._key_of, self._buckets, self._age
+        last = self._last_tick
+        for block in blocks:
+            block_id = block.block_id
+            old = key_of.get(block_id)
+            if old is not None:                    # a re-insert: drop the old position
+                self._drop(block_id, old)
+            key = age + block.policy_state
+            bucket = buckets.get(key)
+            if bucket is None:
+                bucket = buckets[key] = OrderedDict()
+                heapq.heappush(self._keys, key)
+            bucket[block_id] = block
+            key_of[block_id] = key
+            tick = block.release_tick
+            if tick > last:                        # the newest release: in order at the end
+                last = tick
+            elif len(bucket) > 1:                  # not newer than everything: re-sort
+                ordered = sorted(bucket.values(), key=lambda b: (b.release_tick, b.block_id))
+                bucket.clear()
+                bucket.update((b.block_id, b) for b in ordered)
+        self._last_tick = last
+        if len(self._keys) > 2 * len(buckets) + 16:
+            self._keys = list(buckets)
+            heapq.heapify(self._keys)
+
+    def _drop(self, block_id: int, key: int) -> None:
+        bucket = self._buckets[key]
+        del bucket[block_id]
+        if not bucket:
+            del self._buckets[key]
+
+    def remove(self, block: Block) -> None:
+        key = self._key_of.pop(block.block_id, None)
+        if key is not None:
+            self._drop(block.block_id, key)
+
+    def remove_many(self, blocks: list[Block]) -> None:
+        pop, buckets = self._key_of.pop, self._buckets
+        for block in blocks:
+            key = pop(block.block_id, None)
+            if key is not None:                   # inlined _drop
+                bucket = buckets[key]
+                del bucket[block.block_id]
+                if not bucket:
+                    del buckets[key]
+
+    def victim(self) -> Block | None:
+        out = self.victims(1)
+        return out[0] if out else None
+
+    def victims(self, count: int) -> list[Block]:
+        """Up to ``count`` victims in order, each evicted as ``victim`` would."""
+        ops = blockops.native()
+        if ops is not None:
+            out, key = ops.lfu_victims(count, self._keys, self._buckets, self._key_of,
+                                       self._ghost, self._ghost_size, heapq.heappop)
+            if key is not None:
+                self._age = key
+            return out
+        out: list[Block] = []
+        keys, buckets, key_of, ghost = self._keys, self._buckets, self._key_of, self._ghost
+        size = self._ghost_size
+        while len(out) < count and keys:
+            key = keys[0]
+            bucket = buckets.get(key)
+            if bucket is None:                     # stale key: its bucket emptied
+                heapq.heappop(keys)
+                continue
+            block_id, block = bucket.popitem(last=False)
+            if not bucket:
+                del buckets[key]
+                heapq.heappop(keys)
+            del key_of[block_id]
+            self._age = key
+            h = block.sequence_hash                # inlined remember
+            if h in ghost:
+                ghost.move_to_end(h)  # type: ignore[arg-type]
+            ghost[h] = block.policy_state  # type: ignore[index]
+            if len(ghost) > size:
+                ghost.popitem(last=False)
+            out.append(block)
+        return out
 
     def remember(self, block: Block) -> None:
         """Keep an evicted block's count in the ghost (also used when another order evicted it)."""
-        ghost = self._ghost
-        ghost[block.sequence_hash] = block.policy_state  # type: ignore[index]
-        ghost.move_to_end(block.sequence_hash)  # type: ignore[arg-type]
+        ghost, h = self._ghost, block.sequence_hash
+        if h in ghost:
+            ghost.move_to_end(h)  # type: ignore[arg-type]
+        ghost[h] = block.policy_state  # type: ignore[index]
         if len(ghost) > self._ghost_size:
             ghost.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._key_of)
+
+    def members(self) -> set[int]:
+        return set(self._key_of)
 
 
 EVICTION_ORDERS: dict[str, Callable[[int], EvictionPolicy]] = {

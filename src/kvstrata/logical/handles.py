@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterator, Sequence
 
 from .block import Block, BlockState
+from .blockops import apply_records
 from ..types import BlockRecord
 
 if TYPE_CHECKING:
@@ -106,23 +107,14 @@ class MutableBlocks(_Blocks):
         if len(records) != len(blocks):
             raise ValueError(f"{len(records)} records for {len(blocks)} blocks")
         size = blocks[0].block_size if blocks else 0
-        for block, record in zip(blocks, records):
-            if (
-                block.state is not BlockState.RESET
-                or record.block_size != size
-                or (record.token_ids is not None and len(record.token_ids) != size)
-            ):
-                block.apply_token_block(record)  # raises the precise BlockStateError
-        complete = BlockState.COMPLETE
-        for block, record in zip(blocks, records):
-            # Inlined Block.apply_token_block (validated above): this is the offload hot path.
-            block.state = complete
-            block.sequence_hash = record.sequence_hash
-            block.local_hash = record.local_hash
-            block.parent_hash = record.parent_hash
-            block.cached_record = record
-            if record.token_ids is not None:
-                block.tokens = list(record.token_ids)
+        # Inlined Block.apply_token_block for each pair (the offload hot path; natively
+        # when built), then all or nothing: an invalid pair undoes what was applied.
+        done = apply_records(blocks, records, size)
+        if done < len(blocks):
+            for block in blocks[:done]:
+                block.reset()
+            blocks[done].apply_token_block(records[done])  # raises the precise error
+            raise AssertionError("apply_token_blocks: a record was refused, then accepted")
 
 
     def split(self, keep: Sequence[bool]) -> tuple["MutableBlocks | None", "MutableBlocks | None"]:

@@ -19,10 +19,12 @@ without ``release`` are returned through a queue that the owner drains on its ne
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 from queue import SimpleQueue, Empty
 from typing import Iterable, Sequence
 
 from .block import Block, BlockState, BlockStateError
+from .blockops import register_new, release_registered, reset_all
 from .handles import HandleReleasedError, ImmutableBlocks, MutableBlocks, _Blocks
 from ..types import BlockRecord
 from .eviction import EvictionPolicy, LruEviction, PriorityLruEviction
@@ -100,6 +102,8 @@ class BlockPool:
         # Skip per-block hook calls the policy does not use (the base versions do nothing).
         self._counts_hits = policy_type.record_hit is not EvictionPolicy.record_hit
         self._tracks_registration = policy_type.registered is not EvictionPolicy.registered
+        # Plain LRU pools never set a block's tree links or policy state: resets skip them.
+        self._plain_reset = type(self.eviction) is LruEviction
         # Registered blocks in use; leaf-first pools need them to count what eviction can reach.
         self._active_registered: set[int] = set()
 
@@ -116,6 +120,10 @@ class BlockPool:
                 break
             n += 1
         return n
+
+    def held(self, sequence_hashes: Sequence[int]) -> list[bool]:
+        """Whether each of ``sequence_hashes`` is registered here (no side effect)."""
+        return list(map(self._by_hash.__contains__, sequence_hashes))
 
     def can_allocate(self, count: int) -> bool:
         """Whether ``allocate(count)`` would succeed now.
@@ -159,8 +167,10 @@ class BlockPool:
     # -- allocation ------------------------------------------------------------------------
     def allocate(self, count: int) -> MutableBlocks:
         """``count`` Reset blocks, evicting in policy order if needed; all or nothing."""
-        self._drain_orphans()
-        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        if not self._orphans.empty():
+            self._drain_orphans()
+        if type(count) is not int and (isinstance(count, bool) or not isinstance(count, int)) \
+                or count < 0:
             raise ValueError(f"cannot allocate {count!r} blocks: an integer >= 0 is needed")
         free = self._free
         blocks = self._blocks
@@ -169,18 +179,22 @@ class BlockPool:
             if count > available:
                 raise PoolExhaustedError(self.tier, count, available)
         taken: list[Block] = []
-        while len(taken) < count and free:
-            taken.append(blocks[free.pop()])
+        if free:
+            while len(taken) < count and free:
+                taken.append(blocks[free.pop()])
         if len(taken) < count and len(blocks) < self.capacity:
             first = len(blocks)
             fresh = [Block(i, self.block_size)
                      for i in range(first, min(first + count - len(taken), self.capacity))]
             blocks.extend(fresh)
             taken.extend(fresh)
-        if len(taken) < count:
-            taken.extend(self._evict(count - len(taken)))
         for block in taken:
             block.ref_count = 1
+        if len(taken) < count:       # victims come back Reset with ref_count 1
+            if taken:
+                taken.extend(self._evict(count - len(taken)))
+            else:
+                taken = self._evict(count)
         return MutableBlocks(self, taken)
 
     def _evict(self, count: int) -> list[Block]:
@@ -191,30 +205,40 @@ class BlockPool:
         if self._leaf_first:
             # One at a time: each eviction may make its parent evictable, and that parent
             # must compete for the next slot in its rightful place.
+            # A parent freed this way that would be the very next victim anyway (the common
+            # case: a chain goes tail first) is taken at once instead of entering the order
+            # and leaving it again (``is_next``); the victims are the same.
             victim, insert, blocks = eviction.victim, eviction.insert, self._blocks
+            is_next = eviction.is_next
+            block = None
             while len(victims) < count:
-                block = victim()
-                if block is None:  # cannot happen: allocate checked the evictable total
-                    raise AssertionError(f"pool {self.tier}: eviction order ran dry")
+                if block is None:
+                    block = victim()
+                    if block is None:  # cannot happen: allocate checked the evictable total
+                        raise AssertionError(f"pool {self.tier}: eviction order ran dry")
                 h = block.sequence_hash
                 removed.append(h)  # type: ignore[arg-type]
                 del by_hash[h]
-                if block.parent_id >= 0:  # inlined _unlink_parent (hot path)
-                    parent = blocks[block.parent_id]
+                victims.append(block)
+                parent_id = block.parent_id
+                block = None
+                if parent_id >= 0:  # inlined _unlink_parent (hot path)
+                    parent = blocks[parent_id]
                     parent.children -= 1
                     if parent.children == 0 and parent.ref_count == 0:
-                        insert(parent)
-                block.reset()
-                victims.append(block)
+                        if len(victims) < count and is_next(parent):
+                            block = parent
+                        else:
+                            insert(parent)
+            reset_all(victims, 1)
         else:
             victims = eviction.victims(count)
             if len(victims) < count:  # cannot happen: allocate checked the evictable total
                 raise AssertionError(f"pool {self.tier}: eviction order ran dry")
-            for block in victims:
-                h = block.sequence_hash
-                removed.append(h)  # type: ignore[arg-type]
+            removed = [block.sequence_hash for block in victims]  # type: ignore[misc]
+            for h in removed:
                 del by_hash[h]
-                block.reset()
+            reset_all(victims, 1, self._plain_reset)
         self._inactive -= len(victims)
         self.evictions += len(victims)
         self.registry.record_removed(self.tier, removed)
@@ -247,24 +271,54 @@ class BlockPool:
         block is not Complete, nothing changes and :class:`BlockStateError` is raised.
         """
         self._check_owner(handle)
-        self._drain_orphans()
+        if not self._orphans.empty():
+            self._drain_orphans()
         blocks = handle.blocks
-        for block in blocks:
-            if block.state is not BlockState.COMPLETE:
-                raise BlockStateError(block.block_id, block.state, "register", "must be Complete")
-        handle._take()
         by_hash = self._by_hash
+        leaf_first = self._leaf_first
+        if not self.keep_tokens and not (leaf_first and self._tracks_registration):
+            # Fast path: every block Complete with its record at hand, no hash held yet, none
+            # twice in the batch: the index (and the registry's map) are updated in bulk,
+            # leaf-first pools linking each block to its parent in order (natively when built).
+            registry = self.registry
+            tiers, bit = registry.bulk_target(self.tier)
+            done = register_new(blocks, by_hash, tiers, bit,
+                                self.eviction.remove if leaf_first else None)
+            if done is not None:
+                handle._take()
+                stored, tiers_done = done
+                if priority:                   # Complete blocks have priority 0
+                    for block in blocks:
+                        block.priority = priority
+                if leaf_first:
+                    self._active_registered.update(map(_id_of, blocks))
+                if self._tracks_registration:
+                    self.eviction.registered_many(blocks)
+                if tiers_done:
+                    registry.stored_new(self.tier, stored)
+                else:
+                    registry.record_stored(self.tier, stored)
+                return ImmutableBlocks(self, blocks)
+        complete = BlockState.COMPLETE
+        if list(map(_state_of, blocks)).count(complete) != len(blocks):
+            for block in blocks:
+                if block.state is not complete:
+                    raise BlockStateError(block.block_id, block.state, "register",
+                                          "must be Complete")
+        handle._take()
         get = by_hash.get
-        out: list[Block] = []
-        stored: list[BlockRecord] = []
+        stored = []
         keep_tokens = self.keep_tokens
         leaf_first = self._leaf_first
         registered = self.eviction.registered if self._tracks_registration else None
         state_registered = BlockState.REGISTERED
-        for block in blocks:
+        out = blocks               # replaced by a copy at the first deduplicated block
+        for i, block in enumerate(blocks):
             h = block.sequence_hash
             existing = get(h)  # type: ignore[arg-type]
             if existing is not None:
+                if out is blocks:
+                    out = blocks[:i]
                 self._acquire(existing)
                 block.reset()
                 block.ref_count = 0
@@ -283,7 +337,8 @@ class BlockPool:
             if record is None or keep_tokens:
                 record = block.record(keep_tokens)
             stored.append(record)
-            out.append(block)
+            if out is not blocks:
+                out.append(block)
         self.registry.record_stored(self.tier, stored)
         return ImmutableBlocks(self, out)
 
@@ -401,9 +456,7 @@ class BlockPool:
             found.append(block)
         self._acquire_many(found)
         if self._counts_hits:
-            record_hit = self.eviction.record_hit
-            for block in found:
-                record_hit(block)
+            self.eviction.record_hits(found)
         return ImmutableBlocks(self, found)
 
     def touch(self, sequence_hashes: Iterable[int]) -> int:
@@ -413,16 +466,21 @@ class BlockPool:
         eviction = self.eviction
         leaf_first = self._leaf_first
         touched = 0
+        record_hit = eviction.record_hit if self._counts_hits else None
+        move = eviction.touch
+        tick = self._tick
         for h in sequence_hashes:
             block = by_hash.get(h)
             if block is None:
                 continue
-            self._tick += 1
-            block.release_tick = self._tick
-            eviction.record_hit(block)
+            tick += 1
+            block.release_tick = tick
+            if record_hit is not None:
+                record_hit(block)
             if block.ref_count == 0 and not (leaf_first and block.children):
-                eviction.touch(block)
+                move(block)
             touched += 1
+        self._tick = tick
         return touched
 
     def acquire(self, sequence_hashes: Iterable[int]) -> ImmutableBlocks:
@@ -460,9 +518,13 @@ class BlockPool:
     # -- release ---------------------------------------------------------------------------
     def release(self, handle: _Blocks) -> None:
         """Return a handle's blocks (registered ones stay cached and matchable)."""
-        self._check_owner(handle)
-        self._drain_orphans()
-        self._release_blocks(handle._take(), isinstance(handle, MutableBlocks))
+        if handle._pool is not self or handle._blocks is None:
+            self._check_owner(handle)
+        if not self._orphans.empty():
+            self._drain_orphans()
+        blocks = handle._blocks
+        handle._blocks = None
+        self._release_blocks(blocks, handle._mutable)
 
     def _release_blocks(self, blocks: list[Block], mutable: bool) -> None:
         if mutable:
@@ -473,20 +535,22 @@ class BlockPool:
                 free.append(block.block_id)
             return
         idle: list[Block] = []
-        leaf_first = self._leaf_first
         tick = self._tick
-        for block in blocks:
-            block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {block.block_id} released more than acquired"
-            if block.ref_count == 0:
-                tick += 1
-                block.release_tick = tick
-                if leaf_first:
-                    self._active_registered.discard(block.block_id)
+        if self._leaf_first:
+            discard = self._active_registered.discard
+            for block in blocks:
+                block.ref_count -= 1
+                assert block.ref_count >= 0, f"block {block.block_id} released more than acquired"
+                if block.ref_count == 0:
+                    tick += 1
+                    block.release_tick = tick
+                    discard(block.block_id)
                     if block.children:
                         self._inactive += 1
                         continue
-                idle.append(block)
+                    idle.append(block)
+        else:
+            tick, idle = release_registered(blocks, tick)
         self._tick = tick
         self._inactive += len(idle)
         if idle:
@@ -597,6 +661,12 @@ class BlockPool:
         """Assert the pool's bookkeeping is consistent (tests and debugging; O(capacity)).
         The checks live in :mod:`kvstrata.logical.pool_checks`."""
         check_pool_invariants(self)
+
+_state_of = attrgetter("state")
+_hash_of = attrgetter("sequence_hash")
+_record_of = attrgetter("cached_record")
+_id_of = attrgetter("block_id")
+
 
 __all__ = [
     "BlockPool",

@@ -17,6 +17,7 @@ leave a pool half-updated. The registry is metadata only: it never touches bytes
 from __future__ import annotations
 
 import logging
+from itertools import repeat
 from typing import Callable, Iterable, Sequence
 
 from ..tiers import TIER_NAMES, spec
@@ -87,13 +88,23 @@ class BlockRegistry:
         return {h for h, mask in self._tiers_by_hash.items() if mask & bit}
 
     # -- updates (called by pools, on the owner thread) ------------------------------------
-    def record_stored(self, tier: str, records: Sequence[BlockRecord]) -> None:
-        """Pools call this after ``records`` were registered in ``tier``."""
+    def record_stored(self, tier: str, records: Sequence[BlockRecord],
+                      hashes: Sequence[int] | None = None) -> None:
+        """Pools call this after ``records`` were registered in ``tier``; ``hashes``, if
+        given, are their sequence hashes, each once (the pool has them at hand)."""
         if not records:
             return
-        first_seen: list[BlockRecord] = []
         tiers_by_hash = self._tiers_by_hash
         bit = _TIER_BIT[tier]
+        if hashes is not None and tiers_by_hash.keys().isdisjoint(hashes):
+            # All new (the common case): in bulk. A hash given twice is counted once, as below.
+            tiers_by_hash.update(dict.fromkeys(hashes, bit))
+            first_seen = list(records)
+            for observer in self._observers:
+                self._notify(observer.on_tier_stored, tier, records)
+                self._notify(observer.on_stored, first_seen)
+            return
+        first_seen: list[BlockRecord] = []
         for record in records:
             h = record.sequence_hash
             mask = tiers_by_hash.get(h)
@@ -106,6 +117,22 @@ class BlockRegistry:
             self._notify(observer.on_tier_stored, tier, records)
             if first_seen:
                 self._notify(observer.on_stored, first_seen)
+
+    def bulk_target(self, tier: str) -> tuple[dict[int, int] | None, int]:
+        """For a pool registering in bulk: this registry's map and ``tier``'s bit. A pool
+        that adds a batch of hashes none of which the map holds (``tiers[h] = bit``) then
+        calls :meth:`stored_new`; otherwise :meth:`record_stored`."""
+        return self._tiers_by_hash, _TIER_BIT[tier]
+
+    def stored_new(self, tier: str, records: Sequence[BlockRecord]) -> None:
+        """``records`` were registered in ``tier`` and, being held by no tier before, were
+        added to the map by the pool (see :meth:`bulk_target`): tell the observers."""
+        if not records or not self._observers:
+            return
+        first_seen = list(records)
+        for observer in self._observers:
+            self._notify(observer.on_tier_stored, tier, records)
+            self._notify(observer.on_stored, first_seen)
 
     def record_removed(self, tier: str, sequence_hashes: Sequence[int]) -> None:
         """Pools call this after ``sequence_hashes`` stopped being visible in ``tier``."""
@@ -121,7 +148,16 @@ class BlockRegistry:
         """Remove ``tier`` from each hash; returns the hashes now held by no tier."""
         gone: list[int] = []
         tiers_by_hash = self._tiers_by_hash
-        keep = ~_TIER_BIT[tier]
+        bit = _TIER_BIT[tier]
+        keep = ~bit
+        if isinstance(sequence_hashes, list):
+            # Common case in bulk: every hash held by this tier alone, each given once.
+            masks = list(map(tiers_by_hash.pop, sequence_hashes, repeat(None)))
+            if masks.count(bit) == len(masks):
+                return list(sequence_hashes)
+            for h, mask in zip(sequence_hashes, masks):   # put back, then the general way
+                if mask is not None:
+                    tiers_by_hash[h] = mask
         for h in sequence_hashes:
             mask = tiers_by_hash.get(h)
             if mask is None:
@@ -154,7 +190,14 @@ class _UnobservedRegistry(BlockRegistry):
     """A registry that records nothing, for pools nobody observes (the shadow caches of the
     adaptive policies): it saves the bookkeeping and accepts any pool name."""
 
-    def record_stored(self, tier: str, records: Sequence[BlockRecord]) -> None:
+    def record_stored(self, tier: str, records: Sequence[BlockRecord],
+                      hashes: Sequence[int] | None = None) -> None:
+        pass
+
+    def bulk_target(self, tier: str) -> tuple[dict[int, int] | None, int]:
+        return None, 0
+
+    def stored_new(self, tier: str, records: Sequence[BlockRecord]) -> None:
         pass
 
     def record_removed(self, tier: str, sequence_hashes: Sequence[int]) -> None:

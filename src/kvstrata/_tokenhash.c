@@ -1,0 +1,203 @@
+/* Native block hashing for kvstrata.tokens (optional; the pure-Python path is the fallback).
+ *
+ * hash_blocks(tokens, block_size, seed, parent) -> (local_hashes, sequence_hashes) or None
+ *
+ *   tokens     : a list of ints, or a C-contiguous buffer of little-endian uint32 (numpy "<u4")
+ *   block_size : tokens per block (> 0)
+ *   seed       : xxh3 seed (unsigned 64-bit)
+ *   parent     : the sequence hash before tokens[0], or None
+ *
+ * The scheme is tokens.py's (Dynamo's): local = xxh3_64(block's tokens as LE uint32, seed);
+ * sequence = local for the first block of a chain, else xxh3_64(pack("<QQ", parent, local),
+ * seed). Only full blocks are hashed.
+ *
+ * Returns None, changing nothing, when a list item is not an exact int in [0, 2**32-1] (a
+ * bool, a numpy scalar, a negative or too large value...): the caller then takes the Python
+ * path, which converts what it may and raises the precise TokenError otherwise.
+ *
+ * chain_hashes(local_hashes, seed, parent) -> list or None: sequence hashes of a list of
+ * local hashes (exact ints in [0, 2**64)); None for anything else.
+ *
+ * xxh3 is the reference implementation (vendored header, BSD-2, _vendor/xxhash), inlined.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define XXH_INLINE_ALL
+#define XXH_STATIC_LINKING_ONLY
+#include "_vendor/xxhash/xxhash.h"
+
+static inline void put_le64(unsigned char *p, uint64_t v) {
+    for (int i = 0; i < 8; i++) p[i] = (unsigned char)(v >> (8 * i));
+}
+
+static inline void put_le32(unsigned char *p, uint32_t v) {
+    p[0] = (unsigned char)v;
+    p[1] = (unsigned char)(v >> 8);
+    p[2] = (unsigned char)(v >> 16);
+    p[3] = (unsigned char)(v >> 24);
+}
+
+/* parent: Py_None -> have_parent = 0; an exact int in [0, 2**64) -> 1; else -1 (fallback). */
+static int read_parent(PyObject *obj, uint64_t *out) {
+    if (obj == Py_None) return 0;
+    if (!PyLong_CheckExact(obj)) return -1;
+    unsigned long long v = PyLong_AsUnsignedLongLong(obj);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) { PyErr_Clear(); return -1; }
+    *out = (uint64_t)v;
+    return 1;
+}
+
+/* Hash nblocks blocks of bytes at data (LE uint32 tokens); lists are filled in. */
+static PyObject *hash_bytes(const unsigned char *data, Py_ssize_t nblocks, Py_ssize_t block_bytes,
+                            uint64_t seed, int have_parent, uint64_t parent) {
+    PyObject *locals = PyList_New(nblocks);
+    PyObject *seqs = locals ? PyList_New(nblocks) : NULL;
+    if (!seqs) { Py_XDECREF(locals); return NULL; }
+    unsigned char pair[16];
+    for (Py_ssize_t b = 0; b < nblocks; b++) {
+        uint64_t local = XXH3_64bits_withSeed(data + b * block_bytes, (size_t)block_bytes, seed);
+        uint64_t seq;
+        if (have_parent) {
+            put_le64(pair, parent);
+            put_le64(pair + 8, local);
+            seq = XXH3_64bits_withSeed(pair, 16, seed);
+        } else {
+            seq = local;
+            have_parent = 1;
+        }
+        parent = seq;
+        PyObject *l = PyLong_FromUnsignedLongLong(local);
+        PyObject *s = PyLong_FromUnsignedLongLong(seq);
+        if (!l || !s) { Py_XDECREF(l); Py_XDECREF(s); Py_DECREF(locals); Py_DECREF(seqs); return NULL; }
+        PyList_SET_ITEM(locals, b, l);
+        PyList_SET_ITEM(seqs, b, s);
+    }
+    PyObject *out = PyTuple_Pack(2, locals, seqs);
+    Py_DECREF(locals);
+    Py_DECREF(seqs);
+    return out;
+}
+
+static PyObject *py_hash_blocks(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "hash_blocks(tokens, block_size, seed, parent)");
+        return NULL;
+    }
+    PyObject *tokens = args[0];
+    Py_ssize_t block_size = PyLong_AsSsize_t(args[1]);
+    if (block_size == -1 && PyErr_Occurred()) return NULL;
+    if (block_size <= 0 || block_size > (PY_SSIZE_T_MAX / 4)) Py_RETURN_NONE;
+    unsigned long long seed = PyLong_AsUnsignedLongLong(args[2]);
+    if (seed == (unsigned long long)-1 && PyErr_Occurred()) { PyErr_Clear(); Py_RETURN_NONE; }
+    uint64_t parent = 0;
+    int have_parent = read_parent(args[3], &parent);
+    if (have_parent < 0) Py_RETURN_NONE;
+    Py_ssize_t block_bytes = block_size * 4;
+
+    if (PyList_CheckExact(tokens)) {
+        Py_ssize_t n = PyList_GET_SIZE(tokens);
+        Py_ssize_t nblocks = n / block_size;
+        Py_ssize_t used = nblocks * block_size;
+        unsigned char stack[4096];
+        unsigned char *buf = used * 4 <= (Py_ssize_t)sizeof(stack) ? stack : PyMem_Malloc((size_t)(used * 4) + 1);
+        if (!buf) return PyErr_NoMemory();
+        /* Every item is checked (also the partial tail's), as the Python path converts all. */
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *item = PyList_GET_ITEM(tokens, i);
+            if (!PyLong_CheckExact(item)) goto fallback;
+            int overflow = 0;
+            long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
+            if (overflow || v < 0 || v > 0xFFFFFFFFLL) goto fallback;
+            if (i < used) put_le32(buf + 4 * i, (uint32_t)v);
+        }
+        PyObject *out = hash_bytes(buf, nblocks, block_bytes, seed, have_parent, parent);
+        if (buf != stack) PyMem_Free(buf);
+        return out;
+    fallback:
+        if (buf != stack) PyMem_Free(buf);
+        Py_RETURN_NONE;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(tokens, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    /* Only 4-byte unsigned items, little-endian (native on a little-endian host). */
+    const char *fmt = view.format ? view.format : "B";
+    int le_host = 1;
+    {
+        uint16_t probe = 1;
+        le_host = *(unsigned char *)&probe == 1;
+    }
+    int ok = view.itemsize == 4 &&
+             ((strcmp(fmt, "<I") == 0) || (le_host && (strcmp(fmt, "I") == 0 || strcmp(fmt, "=I") == 0)) ||
+              (le_host && sizeof(unsigned long) == 4 && (strcmp(fmt, "L") == 0 || strcmp(fmt, "<L") == 0)));
+    if (!ok) {
+        PyBuffer_Release(&view);
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t nblocks = view.len / block_bytes;
+    PyObject *out = hash_bytes((const unsigned char *)view.buf, nblocks, block_bytes, seed,
+                               have_parent, parent);
+    PyBuffer_Release(&view);
+    return out;
+}
+
+static PyObject *py_chain_hashes(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "chain_hashes(local_hashes, seed, parent)");
+        return NULL;
+    }
+    PyObject *locals = args[0];
+    if (!PyList_CheckExact(locals)) Py_RETURN_NONE;
+    unsigned long long seed = PyLong_AsUnsignedLongLong(args[1]);
+    if (seed == (unsigned long long)-1 && PyErr_Occurred()) { PyErr_Clear(); Py_RETURN_NONE; }
+    uint64_t parent = 0;
+    int have_parent = read_parent(args[2], &parent);
+    if (have_parent < 0) Py_RETURN_NONE;
+    Py_ssize_t n = PyList_GET_SIZE(locals);
+    for (Py_ssize_t i = 0; i < n; i++) {     /* check first: all or nothing */
+        PyObject *item = PyList_GET_ITEM(locals, i);
+        if (!PyLong_CheckExact(item)) Py_RETURN_NONE;
+        unsigned long long v = PyLong_AsUnsignedLongLong(item);
+        if (v == (unsigned long long)-1 && PyErr_Occurred()) { PyErr_Clear(); Py_RETURN_NONE; }
+    }
+    PyObject *out = PyList_New(n);
+    if (!out) return NULL;
+    unsigned char pair[16];
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t local = (uint64_t)PyLong_AsUnsignedLongLong(PyList_GET_ITEM(locals, i));
+        uint64_t seq;
+        if (have_parent) {
+            put_le64(pair, parent);
+            put_le64(pair + 8, local);
+            seq = XXH3_64bits_withSeed(pair, 16, seed);
+        } else {
+            seq = local;
+            have_parent = 1;
+        }
+        parent = seq;
+        PyObject *s = PyLong_FromUnsignedLongLong(seq);
+        if (!s) { Py_DECREF(out); return NULL; }
+        PyList_SET_ITEM(out, i, s);
+    }
+    return out;
+}
+
+static PyMethodDef methods[] = {
+    {"hash_blocks", (PyCFunction)(void (*)(void))py_hash_blocks, METH_FASTCALL,
+     "hash_blocks(tokens, block_size, seed, parent) -> (local_hashes, sequence_hashes) or None"},
+    {"chain_hashes", (PyCFunction)(void (*)(void))py_chain_hashes, METH_FASTCALL,
+     "chain_hashes(local_hashes, seed, parent) -> sequence_hashes or None"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_tokenhash",
+    "Native block hashing for kvstrata.tokens (xxh3-64 chains); see tokens.py.", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__tokenhash(void) { return PyModule_Create(&module); }

@@ -1,0 +1,637 @@
+/* Native loops over pool blocks for kvstrata.logical (optional; logical/blockops.py has the
+ * pure-Python versions, which are the reference and the fallback: same effects, same errors).
+ *
+ * A pool's hot paths store a dozen slots per block (reset on eviction, identity on
+ * apply_token_blocks, references and recency on release); in Python each store is a
+ * bytecode round trip. These functions do the same stores in C, straight into the slots of
+ * Block and BlockRecord objects, whose offsets setup() reads from the classes' own slot
+ * descriptors (so a changed __slots__ is picked up, and a slot that is not a plain object
+ * slot makes setup() fail, leaving the Python path in charge).
+ *
+ * setup(Block, BlockRecord, RESET, COMPLETE, REGISTERED, DEFAULT_SEED)
+ * reset(blocks, ref_count, plain)     Block.reset() on each, ref_count set; plain: leave
+ *                                      parent_id, children, policy_state (never set)
+ * apply(blocks, records, size) -> n   apply_token_block's stores for blocks[i] <- records[i]
+ *                                      while valid (Reset, block_size == size, tokens of
+ *                                      that length); returns how many were applied
+ * release(blocks, tick) -> (tick, idle) or None: ref_count -= 1; those reaching 0 get
+ *                                      release_tick = ++tick and are listed in idle
+ * mark(blocks, state)                 state = state on each
+ * register_new(blocks, by_hash, tiers, bit, remove) -> (records, tiers_done) or None: below
+ * lfu_insert(...), lfu_victims(...)  the aged-LFU order's insert_many and victims, below
+ * lfu_shadow_serve(...)               the duel's aged-LFU shadow cache serving a request
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+
+enum { B_STATE, B_TOKENS, B_SEED, B_PARENT_HASH, B_LOCAL_HASH, B_SEQUENCE_HASH, B_PRIORITY,
+       B_REF_COUNT, B_RELEASE_TICK, B_PARENT_ID, B_CHILDREN, B_CACHED_RECORD, B_POLICY_STATE,
+       B_BLOCK_ID, B_COUNT };
+static const char *block_slots[B_COUNT] = {
+    "state", "tokens", "seed", "parent_hash", "local_hash", "sequence_hash", "priority",
+    "ref_count", "release_tick", "parent_id", "children", "cached_record", "policy_state",
+    "block_id"};
+enum { R_SEQUENCE_HASH, R_LOCAL_HASH, R_PARENT_HASH, R_BLOCK_SIZE, R_TOKEN_IDS, R_COUNT };
+static const char *record_slots[R_COUNT] = {
+    "sequence_hash", "local_hash", "parent_hash", "block_size", "token_ids"};
+
+static Py_ssize_t boff[B_COUNT], roff[R_COUNT];
+static PyTypeObject *block_type = NULL, *record_type = NULL;
+static PyObject *v_reset = NULL, *v_complete = NULL, *v_registered = NULL, *v_seed = NULL;
+static PyObject *v_zero = NULL, *v_minus1 = NULL;
+static PyObject *s_popitem = NULL, *s_move_to_end = NULL;   /* interned method names */
+
+#define SLOT(o, off) (*(PyObject **)((char *)(o) + (off)))
+
+static inline void put(PyObject *o, Py_ssize_t off, PyObject *v) {
+    PyObject *old = SLOT(o, off);
+    Py_INCREF(v);
+    SLOT(o, off) = v;
+    Py_XDECREF(old);
+}
+
+static int read_offsets(PyObject *type, const char **names, int n, Py_ssize_t *out) {
+    for (int i = 0; i < n; i++) {
+        PyObject *d = PyObject_GetAttrString(type, names[i]);
+        if (!d) return -1;
+        if (!PyObject_TypeCheck(d, &PyMemberDescr_Type) ||
+            ((PyMemberDescrObject *)d)->d_member->type != T_OBJECT_EX) {
+            Py_DECREF(d);
+            PyErr_Format(PyExc_TypeError, "%s is not a plain __slots__ slot", names[i]);
+            return -1;
+        }
+        out[i] = ((PyMemberDescrObject *)d)->d_member->offset;
+        Py_DECREF(d);
+    }
+    return 0;
+}
+
+static PyObject *py_setup(PyObject *self, PyObject *args) {
+    PyObject *bt, *rt, *reset, *complete, *registered, *seed;
+    if (!PyArg_ParseTuple(args, "O!O!OOOO", &PyType_Type, &bt, &PyType_Type, &rt, &reset,
+                          &complete, &registered, &seed))
+        return NULL;
+    if (read_offsets(bt, block_slots, B_COUNT, boff) < 0) return NULL;
+    if (read_offsets(rt, record_slots, R_COUNT, roff) < 0) return NULL;
+    Py_XSETREF(block_type, (PyTypeObject *)Py_NewRef(bt));
+    Py_XSETREF(record_type, (PyTypeObject *)Py_NewRef(rt));
+    Py_XSETREF(v_reset, Py_NewRef(reset));
+    Py_XSETREF(v_complete, Py_NewRef(complete));
+    Py_XSETREF(v_registered, Py_NewRef(registered));
+    Py_XSETREF(v_seed, Py_NewRef(seed));
+    if (!v_zero) v_zero = PyLong_FromLong(0);
+    if (!v_minus1) v_minus1 = PyLong_FromLong(-1);
+    if (!s_popitem) s_popitem = PyUnicode_InternFromString("popitem");
+    if (!s_move_to_end) s_move_to_end = PyUnicode_InternFromString("move_to_end");
+    if (!v_zero || !v_minus1 || !s_popitem || !s_move_to_end) return NULL;
+    Py_RETURN_NONE;
+}
+
+static int check_blocks(PyObject *blocks) {
+    if (!block_type) {
+        PyErr_SetString(PyExc_RuntimeError, "_blockops.setup() was not called");
+        return -1;
+    }
+    if (!PyList_CheckExact(blocks)) {
+        PyErr_SetString(PyExc_TypeError, "blocks must be a list");
+        return -1;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(blocks);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *b = PyList_GET_ITEM(blocks, i);
+        if (!PyObject_TypeCheck(b, block_type)) {
+            PyErr_Format(PyExc_TypeError, "not a Block: %R", b);
+            return -1;
+        }
+        for (int k = 0; k < B_COUNT; k++)          /* every slot set (a Block's always are) */
+            if (!SLOT(b, boff[k])) {
+                PyErr_Format(PyExc_AttributeError, "Block slot %s is unset", block_slots[k]);
+                return -1;
+            }
+    }
+    return 0;
+}
+
+static PyObject *py_reset(PyObject *self, PyObject *args) {
+    PyObject *blocks, *ref_count;
+    int plain;
+    if (!PyArg_ParseTuple(args, "OOp", &blocks, &ref_count, &plain)) return NULL;
+    if (check_blocks(blocks) < 0) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(blocks);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *b = PyList_GET_ITEM(blocks, i);
+        Py_INCREF(b);                              /* a decref below cannot free it */
+        put(b, boff[B_REF_COUNT], ref_count);
+        put(b, boff[B_STATE], v_reset);
+        put(b, boff[B_TOKENS], Py_None);
+        put(b, boff[B_SEED], v_seed);
+        put(b, boff[B_PARENT_HASH], Py_None);
+        put(b, boff[B_LOCAL_HASH], Py_None);
+        put(b, boff[B_SEQUENCE_HASH], Py_None);
+        put(b, boff[B_PRIORITY], v_zero);
+        if (!plain) {
+            put(b, boff[B_PARENT_ID], v_minus1);
+            put(b, boff[B_CHILDREN], v_zero);
+        }
+        put(b, boff[B_CACHED_RECORD], Py_None);
+        if (!plain) put(b, boff[B_POLICY_STATE], v_zero);
+        Py_DECREF(b);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_apply(PyObject *self, PyObject *args) {
+    PyObject *blocks, *records, *size;
+    if (!PyArg_ParseTuple(args, "OOO", &blocks, &records, &size)) return NULL;
+    if (check_blocks(blocks) < 0) return NULL;
+    if (!PyList_Check(records) && !PyTuple_Check(records)) return PyLong_FromLong(0);
+    PyObject *fast = PySequence_Fast(records, "records");
+    if (!fast) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(blocks), m = PySequence_Fast_GET_SIZE(fast);
+    if (m < n) n = m;
+    Py_ssize_t done = 0;
+    for (; done < n; done++) {
+        PyObject *b = PyList_GET_ITEM(blocks, done);
+        PyObject *r = PySequence_Fast_GET_ITEM(fast, done);
+        if (!PyObject_TypeCheck(r, record_type)) break;      /* the Python path decides */
+        if (SLOT(b, boff[B_STATE]) != v_reset) break;
+        PyObject *bs = SLOT(r, roff[R_BLOCK_SIZE]);
+        if (!bs) break;
+        int ne = PyObject_RichCompareBool(bs, size, Py_NE);
+        if (ne < 0) goto error;
+        if (ne) break;
+        PyObject *tokens = SLOT(r, roff[R_TOKEN_IDS]);
+        PyObject *seq = SLOT(r, roff[R_SEQUENCE_HASH]), *loc = SLOT(r, roff[R_LOCAL_HASH]);
+        PyObject *par = SLOT(r, roff[R_PARENT_HASH]);
+        if (!tokens || !seq || !loc || !par) break;
+        Py_INCREF(b);
+        Py_INCREF(r);
+        if (tokens != Py_None) {
+            Py_ssize_t len = PyObject_Size(tokens);
+            if (len < 0) { Py_DECREF(b); Py_DECREF(r); goto error; }
+            PyObject *lenobj = PyLong_FromSsize_t(len);
+            if (!lenobj) { Py_DECREF(b); Py_DECREF(r); goto error; }
+            int differs = PyObject_RichCompareBool(lenobj, size, Py_NE);
+            Py_DECREF(lenobj);
+            if (differs < 0) { Py_DECREF(b); Py_DECREF(r); goto error; }
+            if (differs) { Py_DECREF(b); Py_DECREF(r); break; }
+            PyObject *list = PySequence_List(tokens);
+            if (!list) { Py_DECREF(b); Py_DECREF(r); goto error; }
+            PyObject *old = SLOT(b, boff[B_TOKENS]);
+            SLOT(b, boff[B_TOKENS]) = list;
+            Py_XDECREF(old);
+        }
+        put(b, boff[B_STATE], v_complete);
+        put(b, boff[B_SEQUENCE_HASH], seq);
+        put(b, boff[B_LOCAL_HASH], loc);
+        put(b, boff[B_PARENT_HASH], par);
+        put(b, boff[B_CACHED_RECORD], r);
+        Py_DECREF(r);
+        Py_DECREF(b);
+    }
+    Py_DECREF(fast);
+    return PyLong_FromSsize_t(done);
+error:
+    Py_DECREF(fast);
+    return NULL;
+}
+
+static PyObject *py_release(PyObject *self, PyObject *args) {
+    PyObject *blocks;
+    long long tick;
+    if (!PyArg_ParseTuple(args, "OL", &blocks, &tick)) return NULL;
+    if (check_blocks(blocks) < 0) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(blocks);
+    for (Py_ssize_t i = 0; i < n; i++) {     /* plain ints only; else the Python path */
+        PyObject *refs = SLOT(PyList_GET_ITEM(blocks, i), boff[B_REF_COUNT]);
+        if (!PyLong_CheckExact(refs)) Py_RETURN_NONE;
+    }
+    PyObject *idle = PyList_New(0);
+    if (!idle) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *b = PyList_GET_ITEM(blocks, i);
+        long long refs = PyLong_AsLongLong(SLOT(b, boff[B_REF_COUNT])) - 1;
+        if (refs == -2 && PyErr_Occurred()) goto error;
+        PyObject *r = PyLong_FromLongLong(refs);
+        if (!r) goto error;
+        PyObject *old = SLOT(b, boff[B_REF_COUNT]);
+        SLOT(b, boff[B_REF_COUNT]) = r;
+        Py_XDECREF(old);
+        if (refs == 0) {
+            PyObject *t = PyLong_FromLongLong(++tick);
+            if (!t) goto error;
+            old = SLOT(b, boff[B_RELEASE_TICK]);
+            SLOT(b, boff[B_RELEASE_TICK]) = t;
+            Py_XDECREF(old);
+            if (PyList_Append(idle, b) < 0) goto error;
+        } else if (refs < 0) {
+            PyObject *id = PyObject_GetAttrString(b, "block_id");
+            if (id) {
+                PyErr_Format(PyExc_AssertionError, "block %S released more than acquired", id);
+                Py_DECREF(id);
+            }
+            goto error;
+        }
+    }
+    PyObject *out = Py_BuildValue("(LN)", tick, idle);
+    return out;
+error:
+    Py_DECREF(idle);
+    return NULL;
+}
+
+static PyObject *py_mark(PyObject *self, PyObject *args) {
+    PyObject *blocks, *state;
+    if (!PyArg_ParseTuple(args, "OO", &blocks, &state)) return NULL;
+    if (check_blocks(blocks) < 0) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(blocks);
+    for (Py_ssize_t i = 0; i < n; i++) put(PyList_GET_ITEM(blocks, i), boff[B_STATE], state);
+    Py_RETURN_NONE;
+}
+
+/* register_new(blocks, by_hash, tiers, bit, remove) -> (records, tiers_done) or None.
+ * The bulk registration of blocks none of whose hashes is in by_hash, none twice, each
+ * Complete with its record at hand: by_hash[h] = block and state = REGISTERED, in order;
+ * if remove is not None (a leaf-first pool), each block is also linked to its parent held
+ * here (parent_id, the parent's children + 1, remove(parent) when that made an idle leaf a
+ * parent), as Python's _link_parent. If tiers is a dict holding none of the hashes, also
+ * tiers[h] = bit (tiers_done True). Returns the records. Anything else returns None having
+ * changed nothing (the Python path then does it, or raises). */
+static PyObject *py_register_new(PyObject *self, PyObject *args) {
+    PyObject *blocks, *by_hash, *tiers, *bit, *remove;
+    if (!PyArg_ParseTuple(args, "OO!OOO", &blocks, &PyDict_Type, &by_hash, &tiers, &bit, &remove))
+        return NULL;
+    if (check_blocks(blocks) < 0) return NULL;
+    int tiers_new = PyDict_Check(tiers);
+    int link = remove != Py_None;
+    Py_ssize_t n = PyList_GET_SIZE(blocks);
+    PyObject *records = PyList_New(n);
+    if (!records) return NULL;
+    PyObject *seen = NULL;
+    if (link && !(seen = PySet_New(NULL))) goto error;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *b = PyList_GET_ITEM(blocks, i);
+        PyObject *rec = SLOT(b, boff[B_CACHED_RECORD]);
+        PyObject *h = SLOT(b, boff[B_SEQUENCE_HASH]);
+        if (SLOT(b, boff[B_STATE]) != v_complete || rec == Py_None || !PyLong_CheckExact(h))
+            goto fallback;
+        int in = PyDict_Contains(by_hash, h);
+        if (in < 0) goto error;
+        if (in) goto fallback;
+        if (link) {                                /* links need the check before any change */
+            in = PySet_Contains(seen, h);
+            if (in < 0) goto error;
+            if (in) goto fallback;
+            if (PySet_Add(seen, h) < 0) goto error;
+        }
+        if (tiers_new) {
+            in = PyDict_Contains(tiers, h);
+            if (in < 0) goto error;
+            if (in) tiers_new = 0;
+        }
+        PyList_SET_ITEM(records, i, Py_NewRef(rec));
+    }
+    Py_ssize_t size = PyDict_GET_SIZE(by_hash);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *b = PyList_GET_ITEM(blocks, i);
+        if (PyDict_SetItem(by_hash, SLOT(b, boff[B_SEQUENCE_HASH]), b) < 0) goto error;
+        if (!link) continue;
+        put(b, boff[B_STATE], v_registered);
+        PyObject *ph = SLOT(b, boff[B_PARENT_HASH]);
+        if (ph == Py_None) continue;
+        PyObject *parent = PyDict_GetItemWithError(by_hash, ph);          /* borrowed */
+        if (!parent) {
+            if (PyErr_Occurred()) goto error;
+            continue;
+        }
+        if (parent == b) continue;                 /* a block never is its own prefix */
+        if (!PyObject_TypeCheck(parent, block_type)) {
+            PyErr_SetString(PyExc_TypeError, "the index holds a non-Block");
+            goto error;
+        }
+        Py_INCREF(parent);
+        put(b, boff[B_PARENT_ID], SLOT(parent, boff[B_BLOCK_ID]));
+        long children = PyLong_AsLong(SLOT(parent, boff[B_CHILDREN]));
+        long refs = PyLong_AsLong(SLOT(parent, boff[B_REF_COUNT]));
+        if ((children == -1 || refs == -1) && PyErr_Occurred()) { Py_DECREF(parent); goto error; }
+        PyObject *c = PyLong_FromLong(children + 1);
+        if (!c) { Py_DECREF(parent); goto error; }
+        PyObject *old = SLOT(parent, boff[B_CHILDREN]);
+        SLOT(parent, boff[B_CHILDREN]) = c;
+        Py_XDECREF(old);
+        if (children + 1 == 1 && refs == 0) {
+            PyObject *r = PyObject_CallOneArg(remove, parent);
+            if (!r) { Py_DECREF(parent); goto error; }
+            Py_DECREF(r);
+        }
+        Py_DECREF(parent);
+    }
+    if (!link && PyDict_GET_SIZE(by_hash) != size + n) {   /* a hash twice in the batch: undo */
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (PyDict_DelItem(by_hash, SLOT(PyList_GET_ITEM(blocks, i), boff[B_SEQUENCE_HASH])) < 0)
+                PyErr_Clear();                         /* the second time of a repeated hash */
+        goto fallback;
+    }
+    if (tiers_new)
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (PyDict_SetItem(tiers, SLOT(PyList_GET_ITEM(blocks, i), boff[B_SEQUENCE_HASH]), bit) < 0)
+                goto error;
+    if (!link)
+        for (Py_ssize_t i = 0; i < n; i++) put(PyList_GET_ITEM(blocks, i), boff[B_STATE], v_registered);
+    Py_XDECREF(seen);
+    return Py_BuildValue("(NO)", records, tiers_new ? Py_True : Py_False);
+fallback:
+    Py_XDECREF(seen);
+    Py_DECREF(records);
+    Py_RETURN_NONE;
+error:
+    Py_XDECREF(seen);
+    Py_DECREF(records);
+    return NULL;
+}
+
+/* lfu_insert(blocks, key_of, buckets, keys, age, last_tick, bucket_type, heappush)
+ *   -> the new last tick, or None having changed nothing.
+ * AgedFrequencyEviction.insert_many when no block is in the order yet and their release
+ * ticks are increasing and newer than last_tick (the common case): each block goes at the
+ * end of the bucket of key age + policy_state (made, and its key pushed on the heap, if
+ * new), key_of[block_id] = key. */
+static PyObject *py_lfu_insert(PyObject *self, PyObject *args) {
+    PyObject *blocks, *key_of, *buckets, *keys, *age, *last, *bucket_type, *heappush;
+    if (!PyArg_ParseTuple(args, "OO!O!O!OOOO", &blocks, &PyDict_Type, &key_of, &PyDict_Type,
+                          &buckets, &PyList_Type, &keys, &age, &last, &bucket_type, &heappush))
+        return NULL;
+    if (check_blocks(blocks) < 0) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(blocks);
+    PyObject *prev = last;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *b = PyList_GET_ITEM(blocks, i);
+        int in = PyDict_Contains(key_of, SLOT(b, boff[B_BLOCK_ID]));
+        if (in < 0) return NULL;
+        if (in) Py_RETURN_NONE;
+        PyObject *tick = SLOT(b, boff[B_RELEASE_TICK]);
+        if (!PyLong_CheckExact(tick)) Py_RETURN_NONE;
+        int gt = PyObject_RichCompareBool(tick, prev, Py_GT);
+        if (gt < 0) return NULL;
+        if (!gt) Py_RETURN_NONE;
+        prev = tick;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *b = PyList_GET_ITEM(blocks, i);
+        PyObject *key = PyNumber_Add(age, SLOT(b, boff[B_POLICY_STATE]));
+        if (!key) return NULL;
+        PyObject *bucket = PyDict_GetItemWithError(buckets, key);     /* borrowed */
+        if (!bucket) {
+            if (PyErr_Occurred()) { Py_DECREF(key); return NULL; }
+            bucket = PyObject_CallNoArgs(bucket_type);
+            if (!bucket) { Py_DECREF(key); return NULL; }
+            int bad = PyDict_SetItem(buckets, key, bucket);
+            Py_DECREF(bucket);
+            if (bad < 0) { Py_DECREF(key); return NULL; }
+            PyObject *r = PyObject_CallFunctionObjArgs(heappush, keys, key, NULL);
+            if (!r) { Py_DECREF(key); return NULL; }
+            Py_DECREF(r);
+        }
+        PyObject *id = SLOT(b, boff[B_BLOCK_ID]);
+        if (PyObject_SetItem(bucket, id, b) < 0 || PyDict_SetItem(key_of, id, key) < 0) {
+            Py_DECREF(key);
+            return NULL;
+        }
+        Py_DECREF(key);
+    }
+    return Py_NewRef(prev);
+}
+
+/* lfu_victims(count, keys, buckets, key_of, ghost, ghost_size, heappop) -> (victims, key)
+ * AgedFrequencyEviction.victims: up to count blocks, lowest key first and oldest in its
+ * bucket; each leaves key_of and its count goes to the ghost (newest last; the oldest
+ * dropped beyond ghost_size). key is the last victim's (None if there was none). */
+static PyObject *py_lfu_victims(PyObject *self, PyObject *args) {
+    Py_ssize_t count, ghost_size;
+    PyObject *keys, *buckets, *key_of, *ghost, *heappop;
+    if (!PyArg_ParseTuple(args, "nO!O!O!O!nO", &count, &PyList_Type, &keys, &PyDict_Type, &buckets,
+                          &PyDict_Type, &key_of, &PyDict_Type, &ghost, &ghost_size, &heappop))
+        return NULL;
+    if (!block_type) {
+        PyErr_SetString(PyExc_RuntimeError, "_blockops.setup() was not called");
+        return NULL;
+    }
+    PyObject *out = PyList_New(0);
+    if (!out) return NULL;
+    PyObject *last_key = Py_NewRef(Py_None);
+    while (PyList_GET_SIZE(out) < count && PyList_GET_SIZE(keys) > 0) {
+        PyObject *key = PyList_GET_ITEM(keys, 0);
+        PyObject *bucket = PyDict_GetItemWithError(buckets, key);
+        if (!bucket) {
+            if (PyErr_Occurred()) goto error;
+            PyObject *r = PyObject_CallOneArg(heappop, keys);                   /* stale key */
+            if (!r) goto error;
+            Py_DECREF(r);
+            continue;
+        }
+        Py_INCREF(key);
+        Py_INCREF(bucket);
+        PyObject *item = PyObject_CallMethodOneArg(bucket, s_popitem, Py_False);
+        if (!item) { Py_DECREF(key); Py_DECREF(bucket); goto error; }
+        Py_ssize_t left = PyObject_Length(bucket);
+        Py_DECREF(bucket);
+        if (left < 0) { Py_DECREF(item); Py_DECREF(key); goto error; }
+        if (left == 0) {
+            if (PyDict_DelItem(buckets, key) < 0) { Py_DECREF(item); Py_DECREF(key); goto error; }
+            PyObject *r = PyObject_CallOneArg(heappop, keys);
+            if (!r) { Py_DECREF(item); Py_DECREF(key); goto error; }
+            Py_DECREF(r);
+        }
+        PyObject *id = PyTuple_GET_ITEM(item, 0), *b = PyTuple_GET_ITEM(item, 1);
+        if (!PyObject_TypeCheck(b, block_type) || PyDict_DelItem(key_of, id) < 0) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "lfu bucket holds a non-Block");
+            Py_DECREF(item); Py_DECREF(key); goto error;
+        }
+        Py_SETREF(last_key, key);
+        PyObject *h = SLOT(b, boff[B_SEQUENCE_HASH]);
+        int known = PyDict_Contains(ghost, h);     /* an ordered dict: a new key goes last */
+        if (known < 0) { Py_DECREF(item); goto error; }
+        if (PyObject_SetItem(ghost, h, SLOT(b, boff[B_POLICY_STATE])) < 0) { Py_DECREF(item); goto error; }
+        PyObject *r;
+        if (known) {
+            r = PyObject_CallMethodOneArg(ghost, s_move_to_end, h);
+            if (!r) { Py_DECREF(item); goto error; }
+            Py_DECREF(r);
+        }
+        if (PyDict_GET_SIZE(ghost) > ghost_size) {
+            r = PyObject_CallMethodOneArg(ghost, s_popitem, Py_False);
+            if (!r) { Py_DECREF(item); goto error; }
+            Py_DECREF(r);
+        }
+        if (PyList_Append(out, b) < 0) { Py_DECREF(item); goto error; }
+        Py_DECREF(item);
+    }
+    return Py_BuildValue("(NN)", out, last_key);
+error:
+    Py_DECREF(out);
+    Py_DECREF(last_key);
+    return NULL;
+}
+
+/* lfu_shadow_serve(hashes, count, key_of, buckets, keys, age, ghost, ghost_size, capacity,
+ *                  admit, bucket_type, heappush, heappop) -> (hits, age)
+ * adaptive._LfuShadow.serve (see there) over its own dicts: hits of the longest held prefix,
+ * then each hash touched or, if admitted (admit None: everything), inserted, evicting the
+ * lowest key (oldest in its bucket) when full. */
+static PyObject *py_lfu_shadow_serve(PyObject *self, PyObject *args) {
+    PyObject *hashes, *count, *key_of, *buckets, *keys, *age, *ghost, *admit, *bucket_type;
+    PyObject *heappush, *heappop;
+    Py_ssize_t ghost_size, capacity;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!O!OO!nnOOOO", &PyList_Type, &hashes, &PyDict_Type, &count,
+                          &PyDict_Type, &key_of, &PyDict_Type, &buckets, &PyList_Type, &keys, &age,
+                          &PyDict_Type, &ghost, &ghost_size, &capacity, &admit, &bucket_type,
+                          &heappush, &heappop))
+        return NULL;
+    PyObject *one = PyLong_FromLong(1);
+    if (!one) return NULL;
+    Py_INCREF(age);
+    Py_ssize_t n = PyList_GET_SIZE(hashes), hits = 0;
+    for (; hits < n; hits++) {
+        int in = PyDict_Contains(count, PyList_GET_ITEM(hashes, hits));
+        if (in < 0) goto error;
+        if (!in) break;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *h = PyList_GET_ITEM(hashes, i);
+        Py_INCREF(h);
+        PyObject *f = NULL;
+        PyObject *cur = PyDict_GetItemWithError(count, h);
+        if (cur) {                                          /* touch */
+            f = PyNumber_Add(cur, one);
+            if (!f || PyDict_SetItem(count, h, f) < 0) goto fail;
+            PyObject *old = PyDict_GetItemWithError(key_of, h);
+            if (!old) { if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, h); goto fail; }
+            Py_INCREF(old);
+            PyObject *bucket = PyDict_GetItemWithError(buckets, old);
+            if (!bucket) { if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, old); Py_DECREF(old); goto fail; }
+            if (PyObject_DelItem(bucket, h) < 0) { Py_DECREF(old); goto fail; }
+            if (PyObject_Length(bucket) == 0 && PyDict_DelItem(buckets, old) < 0) { Py_DECREF(old); goto fail; }
+            Py_DECREF(old);
+        } else {
+            if (PyErr_Occurred()) goto fail;
+            if (admit != Py_None) {
+                PyObject *r = PyObject_CallOneArg(admit, h);
+                if (!r) goto fail;
+                int yes = PyObject_IsTrue(r);
+                Py_DECREF(r);
+                if (yes < 0) goto fail;
+                if (!yes) { Py_DECREF(h); continue; }
+            }
+            if (PyDict_GET_SIZE(count) >= capacity) {       /* evict */
+                PyObject *low = NULL, *bucket = NULL;
+                for (;;) {
+                    if (PyList_GET_SIZE(keys) == 0) { PyErr_SetString(PyExc_IndexError, "empty key heap"); goto fail; }
+                    low = PyList_GET_ITEM(keys, 0);
+                    bucket = PyDict_GetItemWithError(buckets, low);
+                    if (bucket && PyObject_Length(bucket) > 0) break;
+                    if (PyErr_Occurred()) goto fail;
+                    PyObject *r = PyObject_CallOneArg(heappop, keys);
+                    if (!r) goto fail;
+                    Py_DECREF(r);
+                }
+                Py_INCREF(low);
+                Py_INCREF(bucket);
+                PyObject *item = PyObject_CallMethodOneArg(bucket, s_popitem, Py_False);
+                Py_ssize_t left = item ? PyObject_Length(bucket) : -1;
+                Py_DECREF(bucket);
+                if (!item || left < 0) { Py_XDECREF(item); Py_DECREF(low); goto fail; }
+                if (left == 0) {
+                    PyObject *r = NULL;
+                    if (PyDict_DelItem(buckets, low) < 0 || !(r = PyObject_CallOneArg(heappop, keys))) {
+                        Py_DECREF(item); Py_DECREF(low); goto fail;
+                    }
+                    Py_DECREF(r);
+                }
+                PyObject *victim = PyTuple_GET_ITEM(item, 0);
+                Py_INCREF(victim);
+                Py_DECREF(item);
+                Py_SETREF(age, low);
+                PyObject *vc = PyDict_GetItemWithError(count, victim);
+                if (!vc) { if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, victim); Py_DECREF(victim); goto fail; }
+                Py_INCREF(vc);
+                int known = PyDict_Contains(ghost, victim);
+                int bad = known < 0 || PyDict_DelItem(key_of, victim) < 0 || PyDict_DelItem(count, victim) < 0
+                          || PyObject_SetItem(ghost, victim, vc) < 0;
+                Py_DECREF(vc);
+                if (!bad && known) {
+                    PyObject *r = PyObject_CallMethodOneArg(ghost, s_move_to_end, victim);
+                    if (!r) bad = 1; else Py_DECREF(r);
+                }
+                if (!bad && PyDict_GET_SIZE(ghost) > ghost_size) {
+                    PyObject *r = PyObject_CallMethodOneArg(ghost, s_popitem, Py_False);
+                    if (!r) bad = 1; else Py_DECREF(r);
+                }
+                Py_DECREF(victim);
+                if (bad) goto fail;
+            }
+            PyObject *g = PyDict_GetItemWithError(ghost, h);      /* ghost.pop(h, 0) + 1 */
+            if (g) {
+                f = PyNumber_Add(g, one);
+                if (!f || PyObject_DelItem(ghost, h) < 0) goto fail;
+            } else {
+                if (PyErr_Occurred()) goto fail;
+                f = Py_NewRef(one);
+            }
+            if (PyDict_SetItem(count, h, f) < 0) goto fail;
+        }
+        {
+            PyObject *key = PyNumber_Add(age, f);
+            if (!key) goto fail;
+            PyObject *bucket = PyDict_GetItemWithError(buckets, key);
+            if (!bucket) {
+                if (PyErr_Occurred()) { Py_DECREF(key); goto fail; }
+                bucket = PyObject_CallNoArgs(bucket_type);
+                if (!bucket) { Py_DECREF(key); goto fail; }
+                int bad = PyDict_SetItem(buckets, key, bucket);
+                Py_DECREF(bucket);
+                PyObject *r = bad < 0 ? NULL : PyObject_CallFunctionObjArgs(heappush, keys, key, NULL);
+                if (!r) { Py_DECREF(key); goto fail; }
+                Py_DECREF(r);
+            }
+            if (PyObject_SetItem(bucket, h, Py_None) < 0 || PyDict_SetItem(key_of, h, key) < 0) {
+                Py_DECREF(key);
+                goto fail;
+            }
+            Py_DECREF(key);
+        }
+        Py_DECREF(f);
+        Py_DECREF(h);
+        continue;
+    fail:
+        Py_XDECREF(f);
+        Py_DECREF(h);
+        goto error;
+    }
+    Py_DECREF(one);
+    return Py_BuildValue("(nN)", hits, age);
+error:
+    Py_DECREF(one);
+    Py_DECREF(age);
+    return NULL;
+}
+
+static PyMethodDef methods[] = {
+    {"setup", py_setup, METH_VARARGS, "setup(Block, BlockRecord, RESET, COMPLETE, REGISTERED, seed)"},
+    {"reset", py_reset, METH_VARARGS, "reset(blocks, ref_count, plain)"},
+    {"apply", py_apply, METH_VARARGS, "apply(blocks, records, size) -> applied"},
+    {"release", py_release, METH_VARARGS, "release(blocks, tick) -> (tick, idle) or None"},
+    {"mark", py_mark, METH_VARARGS, "mark(blocks, state)"},
+    {"lfu_insert", py_lfu_insert, METH_VARARGS, "lfu_insert(blocks, key_of, buckets, keys, age, last_tick, bucket_type, heappush)"},
+    {"lfu_victims", py_lfu_victims, METH_VARARGS, "lfu_victims(count, keys, buckets, key_of, ghost, ghost_size, heappop)"},
+    {"lfu_shadow_serve", py_lfu_shadow_serve, METH_VARARGS, "lfu_shadow_serve(hashes, count, key_of, buckets, keys, age, ghost, ghost_size, capacity, admit, bucket_type, heappush, heappop) -> (hits, age)"},
+    {"register_new", py_register_new, METH_VARARGS, "register_new(blocks, by_hash, tiers, bit, remove) -> (records, tiers_done) or None"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_blockops",
+    "Native loops over pool blocks; see kvstrata/logical/blockops.py.", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__blockops(void) { return PyModule_Create(&module); }
