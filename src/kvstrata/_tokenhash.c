@@ -18,16 +18,19 @@
  * chain_hashes(local_hashes, seed, parent) -> list or None: sequence hashes of a list of
  * local hashes (exact ints in [0, 2**64)); None for anything else.
  *
- * xxh3 is the reference implementation (vendored header, BSD-2, _vendor/xxhash), inlined.
+ * xxh3 itself is not compiled here: bind(address) hands in the address of
+ * XXH3_64bits_withSeed as exported by the pinned `xxhash` package's own extension module
+ * (tokens.py looks it up with ctypes and checks it against a known value); until bound, both
+ * functions return None and the Python path runs.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
 
-#define XXH_INLINE_ALL
-#define XXH_STATIC_LINKING_ONLY
-#include "_vendor/xxhash/xxhash.h"
+/* xxh3_seeded(input, length, seed), the xxhash library's C ABI. */
+typedef uint64_t (*xxh3_seeded_fn)(const void *input, size_t length, uint64_t seed);
+static xxh3_seeded_fn xxh3_seeded = NULL;
 
 static inline void put_le64(unsigned char *p, uint64_t v) {
     for (int i = 0; i < 8; i++) p[i] = (unsigned char)(v >> (8 * i));
@@ -58,12 +61,12 @@ static PyObject *hash_bytes(const unsigned char *data, Py_ssize_t nblocks, Py_ss
     if (!seqs) { Py_XDECREF(locals); return NULL; }
     unsigned char pair[16];
     for (Py_ssize_t b = 0; b < nblocks; b++) {
-        uint64_t local = XXH3_64bits_withSeed(data + b * block_bytes, (size_t)block_bytes, seed);
+        uint64_t local = xxh3_seeded(data + b * block_bytes, (size_t)block_bytes, seed);
         uint64_t seq;
         if (have_parent) {
             put_le64(pair, parent);
             put_le64(pair + 8, local);
-            seq = XXH3_64bits_withSeed(pair, 16, seed);
+            seq = xxh3_seeded(pair, 16, seed);
         } else {
             seq = local;
             have_parent = 1;
@@ -86,6 +89,7 @@ static PyObject *py_hash_blocks(PyObject *self, PyObject *const *args, Py_ssize_
         PyErr_SetString(PyExc_TypeError, "hash_blocks(tokens, block_size, seed, parent)");
         return NULL;
     }
+    if (xxh3_seeded == NULL) Py_RETURN_NONE;
     PyObject *tokens = args[0];
     Py_ssize_t block_size = PyLong_AsSsize_t(args[1]);
     if (block_size == -1 && PyErr_Occurred()) return NULL;
@@ -151,6 +155,7 @@ static PyObject *py_chain_hashes(PyObject *self, PyObject *const *args, Py_ssize
         PyErr_SetString(PyExc_TypeError, "chain_hashes(local_hashes, seed, parent)");
         return NULL;
     }
+    if (xxh3_seeded == NULL) Py_RETURN_NONE;
     PyObject *locals = args[0];
     if (!PyList_CheckExact(locals)) Py_RETURN_NONE;
     unsigned long long seed = PyLong_AsUnsignedLongLong(args[1]);
@@ -174,7 +179,7 @@ static PyObject *py_chain_hashes(PyObject *self, PyObject *const *args, Py_ssize
         if (have_parent) {
             put_le64(pair, parent);
             put_le64(pair + 8, local);
-            seq = XXH3_64bits_withSeed(pair, 16, seed);
+            seq = xxh3_seeded(pair, 16, seed);
         } else {
             seq = local;
             have_parent = 1;
@@ -187,7 +192,19 @@ static PyObject *py_chain_hashes(PyObject *self, PyObject *const *args, Py_ssize
     return out;
 }
 
+static PyObject *py_bind(PyObject *self, PyObject *address) {
+    void *fn = PyLong_AsVoidPtr(address);
+    if (fn == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "null function address");
+        return NULL;
+    }
+    xxh3_seeded = (xxh3_seeded_fn)fn;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"bind", (PyCFunction)py_bind, METH_O,
+     "bind(address): use the XXH3_64bits_withSeed function at this address"},
     {"hash_blocks", (PyCFunction)(void (*)(void))py_hash_blocks, METH_FASTCALL,
      "hash_blocks(tokens, block_size, seed, parent) -> (local_hashes, sequence_hashes) or None"},
     {"chain_hashes", (PyCFunction)(void (*)(void))py_chain_hashes, METH_FASTCALL,

@@ -38,7 +38,27 @@ def _load_native():
         from . import _tokenhash
     except ImportError:
         return None
-    return _tokenhash if all(hasattr(_tokenhash, n) for n in _NATIVE_FUNCTIONS) else None
+    if not all(hasattr(_tokenhash, n) for n in (*_NATIVE_FUNCTIONS, "bind")):
+        return None
+    try:
+        _tokenhash.bind(_xxh3_address())
+        probe = _tokenhash.hash_blocks([1, 2, 3, 4], 4, DEFAULT_SEED, None)
+    except Exception:       # no such symbol, another ABI: the Python path runs
+        return None
+    expected = _xxh3(struct.pack("<4I", 1, 2, 3, 4), seed=DEFAULT_SEED)
+    return _tokenhash if probe is not None and probe[0] == [expected] else None
+
+
+def _xxh3_address() -> int:
+    """Address of ``XXH3_64bits_withSeed`` in the pinned ``xxhash`` package's own extension
+    (it exports the library's C functions): the native path calls it, so no xxh3 code is
+    compiled into kvstrata."""
+    import ctypes
+
+    import xxhash._xxhash as module
+
+    function = ctypes.CDLL(module.__file__).XXH3_64bits_withSeed
+    return ctypes.cast(function, ctypes.c_void_p).value
 
 
 _native = _load_native()
