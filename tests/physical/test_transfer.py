@@ -360,3 +360,29 @@ def test_a_g2_byte_flipped_right_after_the_copy_is_never_served(tmp_path, g1_kin
         assert torch.equal(block_bytes_of(g1, 9), want[1])
         disk = run(engine, "G2->G3", [1], [0], [2])
         assert disk.all_ok and disk.checksums == down.checksums[1:]
+
+
+def _nice_of(native_id: int) -> int:
+    with open(f"/proc/self/task/{native_id}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[16])
+
+
+def test_store_threads_run_at_the_niceness_asked_and_loads_are_left_alone(tmp_path):
+    import os
+    import time
+
+    if not os.path.exists(f"/proc/self/task/{threading.get_native_id()}/stat"):
+        pytest.skip("no per-thread /proc stat here")
+    tiers = make_tiers(tmp_path)
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    with TransferEngine(tiers, store_nice=7) as engine:
+        deadline = time.monotonic() + 5
+        while any(t.native_id is None for t in engine._threads) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)                                   # each thread sets it as it starts
+        nice = {t.name: _nice_of(t.native_id) for t in engine._threads}
+        assert nice["kvstrata-G1->G2-0"] == max(base, 7)
+        assert nice["kvstrata-G2->G3-0"] == max(base, 7)
+        assert nice["kvstrata-G2->G1-0"] == base
+        assert nice["kvstrata-G3->G2-0"] == base
+        assert run(engine, "G1->G2", [0, 1], [2, 3], [11, 12]).all_ok   # still works niced

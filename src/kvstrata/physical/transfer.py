@@ -17,7 +17,9 @@ Usage::
 * One bounded queue and ``workers_per_path`` worker threads per path, so offload and onboard
   never wait behind each other; at most ``queue_depth + workers_per_path`` plans per path are
   in flight. :meth:`TransferEngine.submit` waits (sleeping) for room up to ``timeout`` and then
-  raises :class:`EngineBusyError`.
+  raises :class:`EngineBusyError`. With ``store_nice``, the threads of paths away from the
+  engine (stores) run at that CPU niceness: background work that yields to the engine's
+  compute where the engine uses every core.
 * Each plan is one batched call per storage pair: a copy engine call between memory layouts
   (:mod:`~kvstrata.physical.copy`), coalesced ``preadv``/``pwritev`` for disk, concurrent
   requests for the object store.
@@ -35,6 +37,7 @@ Usage::
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -44,7 +47,8 @@ from typing import Callable, Mapping
 from ..protocol.layout import FullyContiguousLayout
 from ..protocol.plans import TransferPlan
 from ..protocol.results import TransferResult
-from ..tiers import Addressing, TierKind, UnknownTierError, ordered, path_name, spec
+from ..tiers import (Addressing, TierKind, UnknownTierError, is_onboard, ordered, path_name,
+                     spec, split_path)
 from .buffers import AlignedBuffer
 from .copy import OFFLOAD, ONBOARD, CopyEngine, default_copy_engine
 from .errors import (BlockFailure, BlockIOError, EngineBusyError, EngineClosedError,
@@ -78,8 +82,9 @@ class TransferEngine:
     def __init__(self, storages: Mapping[str, Storage], *, copy_engine: CopyEngine | None = None,
                  workers_per_path: int = 1, queue_depth: int = 64,
                  staging_bytes: int = 32 << 20, hash_slice_bytes: int = 8 << 20,
-                 worker: int = 0) -> None:
+                 worker: int = 0, store_nice: int = 0) -> None:
         self._storages = dict(storages)
+        self.store_nice = store_nice
         self.worker = worker
         self.hash_slice_bytes = hash_slice_bytes
         self._check_storages()
@@ -197,6 +202,13 @@ class TransferEngine:
 
     # ------------------------------------------------------------------ workers
     def _worker(self, path: str) -> None:
+        if self.store_nice and not is_onboard(*split_path(path)):
+            # a store is background work: on a host whose cores the engine computes on, it
+            # yields the CPU (threads it starts, e.g. the copy kernel's, inherit this)
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.store_nice)
+            except (OSError, AttributeError):
+                pass
         q = self._queues[path]
         while True:
             item = q.get()

@@ -31,6 +31,9 @@ key                    meaning                                     default
 ``export``             ``tcp://host:port``: serve this engine's     none
                        G2 to other engines over NIXL (leases on
                        that address; one worker per engine)
+``store_nice``         CPU niceness (0-19) of the worker's store   10
+                       threads: stores yield the cores to the
+                       engine's forward
 ``peers``              control addresses of other engines'         none
                        exports: a prefix they hold is read from
                        their G2 into vLLM's cache over NIXL
@@ -64,7 +67,7 @@ DEFAULT_TIERS: dict[str, TierConfig] = {first_of_kind(TierKind.HOST): TierConfig
 
 _KNOWN = {"tiers", "disk_dir", "eviction", "admission", "events", "verify_host_reads",
           "o_direct", "load", "store", "worker_id", "config", "fail_on_load_error",
-          "list_interval", "tenant", "cost_aware", "export", "peers"}
+          "list_interval", "tenant", "cost_aware", "export", "peers", "store_nice"}
 
 
 _CONTROL = re.compile(r"tcp://[A-Za-z0-9.\-]{1,253}:[0-9]{1,5}")
@@ -145,6 +148,8 @@ class ConnectorSettings:
     """Where this engine serves its G2 to others (``tcp://host:port``), or None."""
     peers: tuple[str, ...] = ()
     """Control addresses of other engines' exports to read prefixes from."""
+    store_nice: int = 10
+    """CPU niceness of the worker's store threads (0: as the engine's)."""
     list_interval: float = 10.0
     block_layout: str = "vllm"
     """The byte order of vLLM's KV pages as stored (platform, version, attention backend):
@@ -212,6 +217,11 @@ def settings_from(extra: Mapping[str, Any] | None, geometry: KvGeometry,
                                                         for e in events):
         problems.append(f"events must be a sink spec or a list of them, got {events!r}")
         events = ()
+    store_nice = extra.get("store_nice", 10)
+    if isinstance(store_nice, bool) or not isinstance(store_nice, int) \
+            or not 0 <= store_nice <= 19:
+        problems.append(f"store_nice must be an integer in 0..19, got {store_nice!r}")
+        store_nice = 10
     export = extra.get("export")
     if export is not None and not (isinstance(export, str) and _CONTROL.fullmatch(export)):
         problems.append(f"export must be tcp://host:port, got {export!r:.60}")
@@ -265,7 +275,8 @@ def settings_from(extra: Mapping[str, Any] | None, geometry: KvGeometry,
         raise ConnectorConfigError(f"kvstrata connector: {exc}") from None
     _check_runnable(kv, geometry.workers, block_layout)
     return ConnectorSettings(kv=kv, events=tuple(events), o_direct=o_direct,
-                             worker_id=worker_id, export=export, peers=tuple(peers), list_interval=float(list_interval),
+                             worker_id=worker_id, export=export, peers=tuple(peers),
+                             store_nice=store_nice, list_interval=float(list_interval),
                              block_layout=block_layout, **flags)
 
 

@@ -116,7 +116,8 @@ class WorkerHalf:
                                  block_layout=self.settings.block_layout)
         self.storages = build_storages(kv, options)
         self._recovered = self.storages.recovered_rows()
-        self.engine = TransferEngine(self.storages.by_tier, copy_engine=self._copy_engine)
+        self.engine = TransferEngine(self.storages.by_tier, copy_engine=self._copy_engine,
+                                     store_nice=self.settings.store_nice)
         self._executor = EngineExecutor(self.engine, self._done.put)
         if self.settings.export:
             self._export = G2Export(self.settings, self.storages.by_tier[HOST], self.rank,
