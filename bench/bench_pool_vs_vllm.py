@@ -29,7 +29,7 @@ from _common import bare_lru_hits, result_line
 from kvstrata.logical import blockops
 from kvstrata.logical.policy import make_tier_policies
 from kvstrata.logical.pool import BlockPool
-from kvstrata.logical.registry import UNOBSERVED, BlockRegistry
+from kvstrata.logical.registry import BlockRegistry
 from kvstrata.replay import load_trace
 from kvstrata.types import BlockRecord
 
@@ -78,24 +78,35 @@ class _Req:
         self.block_hashes = block_hashes
 
 
-def vllm_replay(requests, bytes_of, capacity: int) -> int:
-    """The same replay through vLLM's v1 BlockPool; returns prefix hits."""
+def _vllm_pool(capacity: int):
+    """A vLLM v1 BlockPool of ``capacity`` blocks: its get_cached_block, touch,
+    get_new_blocks, cache_full_blocks and free_blocks."""
     from vllm.v1.core.block_pool import BlockPool as VllmBlockPool
 
     pool = VllmBlockPool(capacity + 1, enable_caching=True, hash_block_size=512)
-    get_cached, touch, get_new, cache_full, free = (pool.get_cached_block, pool.touch,
-                                                    pool.get_new_blocks, pool.cache_full_blocks,
-                                                    pool.free_blocks)
+    return (pool.get_cached_block, pool.touch, pool.get_new_blocks, pool.cache_full_blocks,
+            pool.free_blocks)
+
+
+def _cached_prefix(get_cached, hashes, group) -> list:
+    """The blocks of the longest prefix of ``hashes`` vLLM's pool holds."""
+    held = []
+    for h in hashes:
+        got = get_cached(h, group)
+        if got is None:
+            break
+        held.append(got[0])
+    return held
+
+
+def vllm_replay(requests, bytes_of, capacity: int) -> int:
+    """The same replay through vLLM's v1 BlockPool; returns prefix hits."""
+    get_cached, touch, get_new, cache_full, free = _vllm_pool(capacity)
     group = [0]
     hits = 0
     for hashes in bytes_of:
         n = len(hashes)
-        held = []
-        for h in hashes:
-            got = get_cached(h, group)
-            if got is None:
-                break
-            held.append(got[0])
+        held = _cached_prefix(get_cached, hashes, group)
         touch(held)
         free(held)
         i = len(held)
@@ -128,22 +139,12 @@ def vllm_engine_replay(requests, bytes_of, capacity: int) -> int:
     every block after it allocated anew and cached (a block held further on is cached twice,
     as vLLM does), then all freed in order. Fewer look-ups than the exact LRU, so its hits
     differ slightly; returns prefix hits."""
-    from vllm.v1.core.block_pool import BlockPool as VllmBlockPool
-
-    pool = VllmBlockPool(capacity + 1, enable_caching=True, hash_block_size=512)
-    get_cached, touch, get_new, cache_full, free = (pool.get_cached_block, pool.touch,
-                                                    pool.get_new_blocks, pool.cache_full_blocks,
-                                                    pool.free_blocks)
+    get_cached, touch, get_new, cache_full, free = _vllm_pool(capacity)
     group = [0]
     hits = 0
     for hashes in bytes_of:
         n = len(hashes)
-        held = []
-        for h in hashes:
-            got = get_cached(h, group)
-            if got is None:
-                break
-            held.append(got[0])
+        held = _cached_prefix(get_cached, hashes, group)
         touch(held)
         i = len(held)
         hits += i
