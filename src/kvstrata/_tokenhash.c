@@ -53,25 +53,30 @@ static int read_parent(PyObject *obj, uint64_t *out) {
     return 1;
 }
 
+/* The sequence hash of a block with local hash `local` after *parent (none if !*have_parent);
+ * it becomes the parent of the next block. */
+static inline uint64_t chain(uint64_t local, uint64_t seed, int *have_parent, uint64_t *parent) {
+    uint64_t seq = local;
+    if (*have_parent) {
+        unsigned char pair[16];
+        put_le64(pair, *parent);
+        put_le64(pair + 8, local);
+        seq = xxh3_seeded(pair, 16, seed);
+    }
+    *have_parent = 1;
+    *parent = seq;
+    return seq;
+}
+
 /* Hash nblocks blocks of bytes at data (LE uint32 tokens); lists are filled in. */
 static PyObject *hash_bytes(const unsigned char *data, Py_ssize_t nblocks, Py_ssize_t block_bytes,
                             uint64_t seed, int have_parent, uint64_t parent) {
     PyObject *locals = PyList_New(nblocks);
     PyObject *seqs = locals ? PyList_New(nblocks) : NULL;
     if (!seqs) { Py_XDECREF(locals); return NULL; }
-    unsigned char pair[16];
     for (Py_ssize_t b = 0; b < nblocks; b++) {
         uint64_t local = xxh3_seeded(data + b * block_bytes, (size_t)block_bytes, seed);
-        uint64_t seq;
-        if (have_parent) {
-            put_le64(pair, parent);
-            put_le64(pair + 8, local);
-            seq = xxh3_seeded(pair, 16, seed);
-        } else {
-            seq = local;
-            have_parent = 1;
-        }
-        parent = seq;
+        uint64_t seq = chain(local, seed, &have_parent, &parent);
         PyObject *l = PyLong_FromUnsignedLongLong(local);
         PyObject *s = PyLong_FromUnsignedLongLong(seq);
         if (!l || !s) { Py_XDECREF(l); Py_XDECREF(s); Py_DECREF(locals); Py_DECREF(seqs); return NULL; }
@@ -172,19 +177,9 @@ static PyObject *py_chain_hashes(PyObject *self, PyObject *const *args, Py_ssize
     }
     PyObject *out = PyList_New(n);
     if (!out) return NULL;
-    unsigned char pair[16];
     for (Py_ssize_t i = 0; i < n; i++) {
         uint64_t local = (uint64_t)PyLong_AsUnsignedLongLong(PyList_GET_ITEM(locals, i));
-        uint64_t seq;
-        if (have_parent) {
-            put_le64(pair, parent);
-            put_le64(pair + 8, local);
-            seq = xxh3_seeded(pair, 16, seed);
-        } else {
-            seq = local;
-            have_parent = 1;
-        }
-        parent = seq;
+        uint64_t seq = chain(local, seed, &have_parent, &parent);
         PyObject *s = PyLong_FromUnsignedLongLong(seq);
         if (!s) { Py_DECREF(out); return NULL; }
         PyList_SET_ITEM(out, i, s);
