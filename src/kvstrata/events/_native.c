@@ -3,8 +3,6 @@
  *
  *   Core                  the indexer's prefix tree (indexer._PyCore)
  *   parse_router_event    a strict Dynamo RouterEvent parser (formats.decode_dynamo)
- *   stored_item           the publisher's fast path for one linked run of new blocks
- *                         (EventPublisher.on_tier_stored)
  *   encode_events         kvstrata JSON text of publisher items (formats.json_event_texts)
  *
  * The prefix tree (Core):
@@ -1013,119 +1011,6 @@ done:
     return out;
 }
 
-/* ---- publisher: stored item ------------------------------------------------------------- */
-/* stored_item(records, held, event_id, tier, ts_text, keep_tokens) -> item or None
- *
- * The fast path of EventPublisher.on_tier_stored: when ``records`` (BlockRecords, exactly that
- * type) form one parent-linked run of one block size, all new to ``held`` and without repeats,
- * adds their sequence hashes to ``held`` and returns the stored item
- *   (event_id, 0, tier, ts_text, parent or "null", block_size, tokens, h1..hn, l1..ln)
- * exactly as the Python code builds it; otherwise changes nothing and returns None (the caller
- * then runs the Python code, which takes its slow path). */
-
-static Py_ssize_t off_seq = -1, off_local, off_parent, off_size, off_tokens;
-static PyTypeObject *record_type = NULL;
-static PyObject *str_null;
-
-static int member_offset(PyTypeObject *tp, const char *name, Py_ssize_t *off) {
-    PyObject *d = PyObject_GetAttrString((PyObject *)tp, name);
-    if (!d) return -1;
-    if (Py_TYPE(d) != &PyMemberDescr_Type) { Py_DECREF(d); PyErr_Format(PyExc_TypeError, "%s is not a slot", name); return -1; }
-    PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
-    if (m->type != T_OBJECT_EX && m->type != T_OBJECT) { Py_DECREF(d); PyErr_Format(PyExc_TypeError, "%s is not an object slot", name); return -1; }
-    *off = m->offset;
-    Py_DECREF(d);
-    return 0;
-}
-
-/* set_record_type(BlockRecord): learn the slot offsets once. */
-static PyObject *set_record_type(PyObject *mod, PyObject *tp) {
-    if (!PyType_Check(tp)) { PyErr_SetString(PyExc_TypeError, "expected a type"); return NULL; }
-    PyTypeObject *t = (PyTypeObject *)tp;
-    if (member_offset(t, "sequence_hash", &off_seq) < 0 || member_offset(t, "local_hash", &off_local) < 0
-        || member_offset(t, "parent_hash", &off_parent) < 0 || member_offset(t, "block_size", &off_size) < 0
-        || member_offset(t, "token_ids", &off_tokens) < 0) { off_seq = -1; return NULL; }
-    Py_INCREF(tp);
-    Py_XSETREF(record_type, t);
-    Py_RETURN_NONE;
-}
-
-#define FIELD(obj, off) (*(PyObject **)((char *)(obj) + (off)))
-
-static PyObject *stored_item(PyObject *mod, PyObject *args) {
-    PyObject *records, *held, *event_id, *tier, *ts_text;
-    int keep_tokens;
-    if (!PyArg_ParseTuple(args, "OO!OOOp", &records, &PySet_Type, &held, &event_id, &tier, &ts_text, &keep_tokens)) return NULL;
-    if (off_seq < 0 || record_type == NULL) Py_RETURN_NONE;
-    if (!PyList_CheckExact(records) && !PyTuple_CheckExact(records)) Py_RETURN_NONE;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(records);
-    PyObject **rs = PySequence_Fast_ITEMS(records);
-    if (n == 0 || n > 100000) Py_RETURN_NONE;
-    for (Py_ssize_t j = 0; j < n; j++) {
-        if (Py_TYPE(rs[j]) != record_type) Py_RETURN_NONE;
-        if (!FIELD(rs[j], off_seq) || !FIELD(rs[j], off_local) || !FIELD(rs[j], off_parent)
-            || !FIELD(rs[j], off_size) || !FIELD(rs[j], off_tokens)) Py_RETURN_NONE;
-    }
-    PyObject *size = FIELD(rs[0], off_size);
-    /* one run: every block of the first one's size, each one's parent the previous hash */
-    for (Py_ssize_t j = 1; j < n; j++) {
-        int eq = PyObject_RichCompareBool(FIELD(rs[j], off_size), size, Py_EQ);
-        if (eq < 0) return NULL;
-        if (!eq) Py_RETURN_NONE;
-        eq = PyObject_RichCompareBool(FIELD(rs[j], off_parent), FIELD(rs[j - 1], off_seq), Py_EQ);
-        if (eq < 0) return NULL;
-        if (!eq) Py_RETURN_NONE;
-    }
-    for (Py_ssize_t j = 0; j < n; j++) {
-        int in = PySet_Contains(held, FIELD(rs[j], off_seq));
-        if (in < 0) return NULL;
-        if (in) Py_RETURN_NONE;
-    }
-    Py_ssize_t before = PySet_GET_SIZE(held);
-    for (Py_ssize_t j = 0; j < n; j++) {
-        if (PySet_Add(held, FIELD(rs[j], off_seq)) < 0) {
-            for (Py_ssize_t k = 0; k < j; k++) PySet_Discard(held, FIELD(rs[k], off_seq));
-            return NULL;
-        }
-    }
-    if (PySet_GET_SIZE(held) != before + n) {          /* a repeated hash: not the fast path */
-        for (Py_ssize_t j = 0; j < n; j++) PySet_Discard(held, FIELD(rs[j], off_seq));
-        Py_RETURN_NONE;
-    }
-    PyObject *tokens;
-    if (keep_tokens && FIELD(rs[0], off_tokens) != Py_None) {
-        tokens = PyTuple_New(n);
-        if (!tokens) goto undo;
-        for (Py_ssize_t j = 0; j < n; j++) {
-            PyObject *t = FIELD(rs[j], off_tokens);
-            Py_INCREF(t);
-            PyTuple_SET_ITEM(tokens, j, t);
-        }
-    } else { tokens = Py_None; Py_INCREF(tokens); }
-    PyObject *item = PyTuple_New(7 + 2 * n);
-    if (!item) { Py_DECREF(tokens); goto undo; }
-    PyObject *parent = FIELD(rs[0], off_parent);
-    if (parent == Py_None) parent = str_null;
-    Py_INCREF(event_id); PyTuple_SET_ITEM(item, 0, event_id);
-    PyObject *zero = PyLong_FromLong(0);
-    if (!zero) { Py_DECREF(item); Py_DECREF(tokens); goto undo; }
-    PyTuple_SET_ITEM(item, 1, zero);
-    Py_INCREF(tier); PyTuple_SET_ITEM(item, 2, tier);
-    Py_INCREF(ts_text); PyTuple_SET_ITEM(item, 3, ts_text);
-    Py_INCREF(parent); PyTuple_SET_ITEM(item, 4, parent);
-    Py_INCREF(size); PyTuple_SET_ITEM(item, 5, size);
-    PyTuple_SET_ITEM(item, 6, tokens);
-    for (Py_ssize_t j = 0; j < n; j++) {
-        PyObject *h = FIELD(rs[j], off_seq), *l = FIELD(rs[j], off_local);
-        Py_INCREF(h); PyTuple_SET_ITEM(item, 7 + j, h);
-        Py_INCREF(l); PyTuple_SET_ITEM(item, 7 + n + j, l);
-    }
-    return item;
-undo:
-    for (Py_ssize_t j = 0; j < n; j++) PySet_Discard(held, FIELD(rs[j], off_seq));
-    return NULL;
-}
-
 /* ---- publisher: kvstrata JSON text of items ---------------------------------------------- */
 /* encode_events(items) -> str or None
  *
@@ -1151,32 +1036,50 @@ static inline int out_raw(Out *o, const char *s, size_t len) {
 }
 #define OUT_LIT(o, s) out_raw(o, s, sizeof(s) - 1)
 
-/* An exact int as %d writes it (any size: big ones through PyObject_Str). */
+/* Decimal digits of ``u`` (two at a time), written backwards ending at ``end``; returns the
+ * first digit's address. */
+static char *u64_digits(unsigned long long u, char *end) {
+    static const char pairs[] =
+        "00010203040506070809101112131415161718192021222324252627282930313233343536373839"
+        "40414243444546474849505152535455565758596061626364656667686970717273747576777879"
+        "8081828384858687888990919293949596979899";
+    char *p = end;
+    while (u >= 100) {
+        unsigned r = (unsigned)(u % 100);
+        u /= 100;
+        p -= 2;
+        memcpy(p, pairs + 2 * r, 2);
+    }
+    if (u >= 10) { p -= 2; memcpy(p, pairs + 2 * u, 2); }
+    else *--p = (char)('0' + u);
+    return p;
+}
+
+/* An exact int as %d writes it (any size: big ones through PyObject_Str). Block hashes are
+ * unsigned 64-bit, so that conversion is tried first; negative ints take the slower path. */
 static int out_int(Out *o, PyObject *v) {
     if (!PyLong_CheckExact(v)) return 0;
-    int overflow;
-    long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
-    if (!overflow) {
-        if (x == -1 && PyErr_Occurred()) { PyErr_Clear(); return 0; }
-        char tmp[24]; char *e = tmp + sizeof tmp, *p = e;
-        unsigned long long u = x < 0 ? 0ULL - (unsigned long long)x : (unsigned long long)x;
-        do { *--p = (char)('0' + u % 10); u /= 10; } while (u);
-        if (x < 0) *--p = '-';
+    char tmp[24]; char *e = tmp + sizeof tmp, *p;
+    unsigned long long u = PyLong_AsUnsignedLongLong(v);
+    if (!(u == (unsigned long long)-1 && PyErr_Occurred())) {
+        p = u64_digits(u, e);
         return out_raw(o, p, (size_t)(e - p));
     }
-    unsigned long long u = PyLong_AsUnsignedLongLong(v);
-    if (u == (unsigned long long)-1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        PyObject *s = PyObject_Str(v);
-        if (!s) { PyErr_Clear(); return 0; }
-        Py_ssize_t len; const char *c = PyUnicode_AsUTF8AndSize(s, &len);
-        int ok = c && out_raw(o, c, (size_t)len);
-        Py_DECREF(s);
-        return ok;
+    PyErr_Clear();
+    int overflow;
+    long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+    if (!overflow && !(x == -1 && PyErr_Occurred())) {      /* negative, fits in 64 bits */
+        p = u64_digits(0ULL - (unsigned long long)x, e);
+        *--p = '-';
+        return out_raw(o, p, (size_t)(e - p));
     }
-    char tmp[24]; char *e = tmp + sizeof tmp, *p = e;
-    do { *--p = (char)('0' + u % 10); u /= 10; } while (u);
-    return out_raw(o, p, (size_t)(e - p));
+    PyErr_Clear();
+    PyObject *s = PyObject_Str(v);
+    if (!s) { PyErr_Clear(); return 0; }
+    Py_ssize_t len; const char *c = PyUnicode_AsUTF8AndSize(s, &len);
+    int ok = c && out_raw(o, c, (size_t)len);
+    Py_DECREF(s);
+    return ok;
 }
 
 /* A str as %s writes it (ASCII only here: anything else goes to the Python encoder). */
@@ -1239,8 +1142,6 @@ none:
 }
 
 static PyMethodDef module_methods[] = {
-    {"set_record_type", set_record_type, METH_O, "set_record_type(BlockRecord): learn its slot offsets"},
-    {"stored_item", stored_item, METH_VARARGS, "stored_item(records, held, event_id, tier, ts_text, keep_tokens) -> item or None"},
     {"encode_events", encode_events, METH_O, "encode_events(items) -> kvstrata JSON text of the events, comma-separated, or None"},
     {"parse_router_event", parse_router_event, METH_VARARGS, "parse_router_event(data, cls) -> (worker_id, storage_tier, event_id, kind, parent, payload) or None"},
     {"stored_blocks", stored_blocks, METH_VARARGS, "stored_blocks(structs, cls) -> tuple of cls(block_hash, tokens_hash, None) or None"},
@@ -1252,8 +1153,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", "Native pr
 PyMODINIT_FUNC PyInit__native(void) {
     str_block_hash = PyUnicode_InternFromString("block_hash");
     str_tokens_hash = PyUnicode_InternFromString("tokens_hash");
-    str_null = PyUnicode_InternFromString("null");
-    if (!str_block_hash || !str_tokens_hash || !str_null) return NULL;
+    if (!str_block_hash || !str_tokens_hash) return NULL;
     if (PyType_Ready(&CoreType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;

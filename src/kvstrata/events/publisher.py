@@ -51,21 +51,6 @@ from kvstrata.types import BlockRecord
 log = logging.getLogger(__name__)
 
 
-def _native_stored_item_fn():
-    """The C fast path of :meth:`EventPublisher.on_tier_stored` (``_native.stored_item``), or
-    None when the extension is not built or ``KVSTRATA_NATIVE_EVENTS=0``."""
-    if os.environ.get("KVSTRATA_NATIVE_EVENTS", "1") == "0":
-        return None
-    try:
-        from kvstrata.events import _native
-    except ImportError:
-        return None
-    _native.set_record_type(BlockRecord)
-    return _native.stored_item
-
-
-_native_stored_item = _native_stored_item_fn()
-
 DEFAULT_MAX_BATCH = 1024
 DEFAULT_MAX_DELAY = 0.010
 DEFAULT_BUFFER_EVENTS = 65536
@@ -166,6 +151,12 @@ class EventPublisher(RegistryObserver):
     A publisher attached to a registry that already holds blocks can be told about them
     with :meth:`seed`.
     """
+
+    # What the observer hooks touch, as slots: the native hooks (``_hooks.c``) read and write
+    # them by offset, the Python code by name.
+    __slots__ = ("_lock", "_cond", "_buffer", "_tiers", "_ts", "_ts_text", "_last_id", "_done_id",
+                 "_first_pending_at", "_closing", "enqueued", "dropped", "buffer_events",
+                 "max_batch", "keep_tokens")
 
     def __init__(
         self,
@@ -287,25 +278,11 @@ class EventPublisher(RegistryObserver):
         return self._ts_text
 
     def on_tier_stored(self, tier: str, records: Sequence[BlockRecord]) -> None:
+        if _native_hooks is not None and _native_hooks.stored(self, tier, records):
+            return   # the common case below, in C (it declines, changing nothing, otherwise)
         n = len(records)
         if not n:
             return
-        if _native_stored_item is not None:
-            # The same fast path in C (one call instead of the comprehensions below); it returns
-            # None, changing nothing, whenever the Python code would take its slow path.
-            with self._lock:
-                sh = self._tiers[tier]
-                now = time.time()
-                fresh = now - self._ts >= TS_RESOLUTION or now < self._ts
-                ts_text = repr(now) if fresh else self._ts_text
-                item = _native_stored_item(records, sh.held, self._last_id + 1, tier, ts_text, self.keep_tokens)
-                if item is not None:
-                    self._last_id = eid = item[0]
-                    if fresh:
-                        self._ts = now
-                        self._ts_text = ts_text
-                    self._log_and_enqueue_locked(sh, item, n)
-                    return
         first = records[0]
         hashes = [r.sequence_hash for r in records]
         size = first.block_size
@@ -389,6 +366,9 @@ class EventPublisher(RegistryObserver):
         return len(items)
 
     def on_tier_removed(self, tier: str, sequence_hashes: Sequence[int]) -> None:
+        if _native_hooks is not None:
+            _native_hooks.removed(self, tier, sequence_hashes)   # this method, in C
+            return
         with self._lock:
             held = self._tiers[tier].held
             if len(sequence_hashes) == 1:
@@ -665,6 +645,23 @@ WARN_EVERY = 60.0
 
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _load_native_hooks():
+    """The C versions of the observer hooks (``_hooks.stored``, ``_hooks.removed``), or None
+    when the extension is not built or ``KVSTRATA_NATIVE_EVENTS=0``."""
+    if os.environ.get("KVSTRATA_NATIVE_EVENTS", "1") == "0":
+        return None
+    try:
+        from kvstrata.events import _hooks
+    except ImportError:
+        return None
+    _hooks.configure(EventPublisher, _TierShadow, BlockRecord, STORED, REMOVED, NO_PARENT,
+                     TS_RESOLUTION)
+    return _hooks
+
+
+_native_hooks = _load_native_hooks()
 
 
 def chain_order(records: Iterable[BlockRecord]) -> list[BlockRecord]:

@@ -1,0 +1,450 @@
+/* Native observer hooks of kvstrata's EventPublisher (src/kvstrata/events/publisher.py).
+ *
+ *   stored(publisher, tier, records) -> bool
+ *       EventPublisher.on_tier_stored for its common case: ``records`` (BlockRecords, exactly
+ *       that type) form one parent-linked run of one block size, all new to the tier and
+ *       without repeats. Does what the Python code does for that case (shadow set, event id,
+ *       timestamp, the stored item, the tier's log, the send buffer, the counters, waking the
+ *       batching thread) and returns True; returns False having changed nothing otherwise
+ *       (the caller then runs the Python code, which takes its slow path).
+ *   removed(publisher, tier, hashes) -> None
+ *       EventPublisher.on_tier_removed, whole.
+ *
+ * Why: per event the Python hooks were a dozen attribute reads and writes, a lock, a clock
+ * and a bounded-buffer check, each a bytecode round trip (~1.5-2 us); here they are one call.
+ *
+ * The state is the publisher's own: its ``__slots__`` (and _TierShadow's) are read and written
+ * by offset, learned once by configure(); the Python code reads and writes the same slots, so
+ * either path may run at any time. Both hooks hold the publisher's lock (acquired through its
+ * ``acquire`` method, which releases the GIL while it waits) for exactly what the Python code
+ * does under it, and call back into Python only where the Python code would do rare work
+ * (notifying the condition, compacting the log inline).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+
+#define SLOT(obj, off) (*(PyObject **)((char *)(obj) + (off)))
+
+/* BlockRecord slots */
+static Py_ssize_t r_seq, r_local, r_parent, r_size, r_tokens;
+/* EventPublisher slots */
+static Py_ssize_t p_lock, p_cond, p_buffer, p_tiers, p_ts, p_ts_text, p_last_id, p_done_id,
+    p_first_pending_at, p_closing, p_enqueued, p_dropped, p_buffer_events, p_max_batch, p_keep_tokens;
+/* _TierShadow slots */
+static Py_ssize_t s_held, s_log, s_logged, s_limit;
+
+static PyTypeObject *record_type, *publisher_type, *shadow_type;
+static PyObject *stored_kind, *removed_kind, *no_parent;
+static double ts_resolution;
+static int configured = 0;
+
+static PyObject *str_acquire, *str_release, *str_append, *str_notify, *str_compact, *str_time, *str_monotonic;
+static PyObject *time_module;
+
+static int slot_offset(PyTypeObject *tp, const char *name, Py_ssize_t *off) {
+    PyObject *d = PyObject_GetAttrString((PyObject *)tp, name);
+    if (!d) return -1;
+    if (Py_TYPE(d) != &PyMemberDescr_Type) {
+        Py_DECREF(d);
+        PyErr_Format(PyExc_TypeError, "%s.%s is not a slot", tp->tp_name, name);
+        return -1;
+    }
+    PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
+    int ok = (m->type == T_OBJECT_EX || m->type == T_OBJECT) && ((PyMemberDescrObject *)d)->d_common.d_type == tp;
+    Py_DECREF(d);
+    if (!ok) {
+        PyErr_Format(PyExc_TypeError, "%s.%s is not an object slot of that class", tp->tp_name, name);
+        return -1;
+    }
+    *off = m->offset;
+    return 0;
+}
+
+typedef struct { const char *name; Py_ssize_t *off; } SlotName;
+
+static int learn(PyTypeObject *tp, const SlotName *names) {
+    for (; names->name; names++)
+        if (slot_offset(tp, names->name, names->off) < 0) return -1;
+    return 0;
+}
+
+/* configure(EventPublisher, _TierShadow, BlockRecord, STORED, REMOVED, NO_PARENT, TS_RESOLUTION) */
+static PyObject *configure(PyObject *mod, PyObject *args) {
+    PyObject *pub, *sh, *rec, *st, *rm, *np;
+    double res;
+    if (!PyArg_ParseTuple(args, "O!O!O!OOUd", &PyType_Type, &pub, &PyType_Type, &sh, &PyType_Type, &rec,
+                          &st, &rm, &np, &res))
+        return NULL;
+    static const SlotName rec_slots[] = {{"sequence_hash", &r_seq}, {"local_hash", &r_local},
+        {"parent_hash", &r_parent}, {"block_size", &r_size}, {"token_ids", &r_tokens}, {NULL, NULL}};
+    static const SlotName pub_slots[] = {{"_lock", &p_lock}, {"_cond", &p_cond}, {"_buffer", &p_buffer},
+        {"_tiers", &p_tiers}, {"_ts", &p_ts}, {"_ts_text", &p_ts_text}, {"_last_id", &p_last_id},
+        {"_done_id", &p_done_id}, {"_first_pending_at", &p_first_pending_at}, {"_closing", &p_closing},
+        {"enqueued", &p_enqueued}, {"dropped", &p_dropped}, {"buffer_events", &p_buffer_events},
+        {"max_batch", &p_max_batch}, {"keep_tokens", &p_keep_tokens}, {NULL, NULL}};
+    static const SlotName shadow_slots[] = {{"held", &s_held}, {"log", &s_log}, {"logged", &s_logged},
+        {"limit", &s_limit}, {NULL, NULL}};
+    configured = 0;
+    if (learn((PyTypeObject *)rec, rec_slots) < 0 || learn((PyTypeObject *)pub, pub_slots) < 0
+        || learn((PyTypeObject *)sh, shadow_slots) < 0)
+        return NULL;
+    Py_INCREF(pub); Py_XSETREF(publisher_type, (PyTypeObject *)pub);
+    Py_INCREF(sh); Py_XSETREF(shadow_type, (PyTypeObject *)sh);
+    Py_INCREF(rec); Py_XSETREF(record_type, (PyTypeObject *)rec);
+    Py_INCREF(st); Py_XSETREF(stored_kind, st);
+    Py_INCREF(rm); Py_XSETREF(removed_kind, rm);
+    Py_INCREF(np); Py_XSETREF(no_parent, np);
+    ts_resolution = res;
+    configured = 1;
+    Py_RETURN_NONE;
+}
+
+/* ---- small helpers ----------------------------------------------------------------------- */
+
+static void set_slot(PyObject *obj, Py_ssize_t off, PyObject *value /* stolen */) {
+    PyObject **p = (PyObject **)((char *)obj + off);
+    PyObject *old = *p;
+    *p = value;
+    Py_XDECREF(old);
+}
+
+/* An int slot's value; -1 with an exception set if it is not an int. */
+static long long int_slot(PyObject *obj, Py_ssize_t off) {
+    PyObject *v = SLOT(obj, off);
+    if (!v || !PyLong_Check(v)) {
+        PyErr_SetString(PyExc_TypeError, "publisher counter is not an int");
+        return -1;
+    }
+    return PyLong_AsLongLong(v);
+}
+
+static int set_int_slot(PyObject *obj, Py_ssize_t off, long long value) {
+    PyObject *v = PyLong_FromLongLong(value);
+    if (!v) return -1;
+    set_slot(obj, off, v);
+    return 0;
+}
+
+static int add_to_int_slot(PyObject *obj, Py_ssize_t off, long long delta) {
+    long long v = int_slot(obj, off);
+    if (v == -1 && PyErr_Occurred()) return -1;
+    return set_int_slot(obj, off, v + delta);
+}
+
+/* time.<name>() as a float, looked up on the time module at each call as the Python code
+ * does (so a patched clock is seen by both paths); -1.0 with an exception set on error. */
+static double clock_seconds(PyObject *name) {
+    PyObject *fn = PyObject_GetAttr(time_module, name);
+    if (!fn) return -1.0;
+    PyObject *t = PyObject_CallNoArgs(fn);
+    Py_DECREF(fn);
+    if (!t) return -1.0;
+    double v = PyFloat_AsDouble(t);
+    Py_DECREF(t);
+    return v;
+}
+
+static int call_method0(PyObject *obj, PyObject *name) {
+    PyObject *r = PyObject_CallMethodNoArgs(obj, name);
+    if (!r) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* Release the lock whatever happened under it: -1 if an error is pending afterwards (the one
+ * raised under the lock, kept, or the release's own), else 0. */
+static int release_lock(PyObject *lock) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    int rc = call_method0(lock, str_release);
+    if (!type) return rc;
+    if (rc == 0) PyErr_Restore(type, value, tb);
+    else { Py_XDECREF(type); Py_XDECREF(value); Py_XDECREF(tb); }
+    return -1;
+}
+
+/* The tier's shadow, under the lock; NULL with KeyError if the tier is unknown. */
+static PyObject *shadow_of(PyObject *pub, PyObject *tier) {
+    PyObject *tiers = SLOT(pub, p_tiers);
+    if (!tiers || !PyDict_Check(tiers)) {
+        PyErr_SetString(PyExc_TypeError, "publisher tiers is not a dict");
+        return NULL;
+    }
+    PyObject *sh = PyDict_GetItemWithError(tiers, tier);
+    if (!sh) {
+        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, tier);
+        return NULL;
+    }
+    if (Py_TYPE(sh) != shadow_type || !SLOT(sh, s_held) || !PySet_CheckExact(SLOT(sh, s_held))) {
+        PyErr_SetString(PyExc_TypeError, "publisher tier shadow is not a _TierShadow");
+        return NULL;
+    }
+    return sh;
+}
+
+/* The event's timestamp text, as EventPublisher._now (under the lock); a new reference. */
+static PyObject *now_text(PyObject *pub) {
+    double now = clock_seconds(str_time);
+    if (now == -1.0 && PyErr_Occurred()) return NULL;
+    PyObject *last = SLOT(pub, p_ts);
+    double ts = last ? PyFloat_AsDouble(last) : 0.0;
+    if (ts == -1.0 && PyErr_Occurred()) return NULL;
+    if (now - ts >= ts_resolution || now < ts) {
+        PyObject *f = PyFloat_FromDouble(now);
+        if (!f) return NULL;
+        PyObject *text = PyObject_Repr(f);
+        if (!text) { Py_DECREF(f); return NULL; }
+        set_slot(pub, p_ts, f);
+        Py_INCREF(text);
+        set_slot(pub, p_ts_text, text);
+        return text;
+    }
+    PyObject *text = SLOT(pub, p_ts_text);
+    if (!text) { PyErr_SetString(PyExc_TypeError, "publisher has no timestamp text"); return NULL; }
+    Py_INCREF(text);
+    return text;
+}
+
+/* EventPublisher._enqueue1_locked(item), ``eid`` being the item's event id (== _last_id). */
+static int enqueue1(PyObject *pub, PyObject *item, long long eid) {
+    if (add_to_int_slot(pub, p_enqueued, 1) < 0) return -1;
+    PyObject *buf = SLOT(pub, p_buffer);
+    long long cap = int_slot(pub, p_buffer_events), max_batch = int_slot(pub, p_max_batch);
+    if (!buf || PyErr_Occurred()) return -1;
+    Py_ssize_t n = PyObject_Size(buf);
+    if (n < 0) return -1;
+    int closing = SLOT(pub, p_closing) ? PyObject_IsTrue(SLOT(pub, p_closing)) : 0;
+    if (closing < 0) return -1;
+    if (closing || n >= cap) {
+        if (add_to_int_slot(pub, p_dropped, 1) < 0) return -1;
+        if (n == 0 && set_int_slot(pub, p_done_id, eid) < 0) return -1;
+        return 0;
+    }
+    PyObject *r = PyObject_CallMethodOneArg(buf, str_append, item);
+    if (!r) return -1;
+    Py_DECREF(r);
+    n += 1;
+    if (n == 1) {
+        double at = clock_seconds(str_monotonic);
+        PyObject *t = at == -1.0 && PyErr_Occurred() ? NULL : PyFloat_FromDouble(at);
+        if (!t) return -1;
+        set_slot(pub, p_first_pending_at, t);
+        return call_method0(SLOT(pub, p_cond), str_notify);
+    }
+    if (n == max_batch) return call_method0(SLOT(pub, p_cond), str_notify);
+    return 0;
+}
+
+/* Whether ``records`` may take the fast path, judged on the records alone (no lock needed:
+ * BlockRecords are immutable): one run, every field set, one block size, each parent the
+ * previous hash. -1 on error. */
+static int one_linked_run(PyObject **rs, Py_ssize_t n) {
+    for (Py_ssize_t j = 0; j < n; j++) {
+        if (Py_TYPE(rs[j]) != record_type) return 0;
+        if (!SLOT(rs[j], r_seq) || !SLOT(rs[j], r_local) || !SLOT(rs[j], r_parent)
+            || !SLOT(rs[j], r_size) || !SLOT(rs[j], r_tokens)) return 0;
+    }
+    PyObject *size = SLOT(rs[0], r_size);
+    for (Py_ssize_t j = 1; j < n; j++) {
+        int eq = PyObject_RichCompareBool(SLOT(rs[j], r_size), size, Py_EQ);
+        if (eq <= 0) return eq;
+        eq = PyObject_RichCompareBool(SLOT(rs[j], r_parent), SLOT(rs[j - 1], r_seq), Py_EQ);
+        if (eq <= 0) return eq;
+    }
+    return 1;
+}
+
+/* Add every record's hash to ``held``: 1 if all were new and distinct, 0 (held unchanged) if
+ * not, -1 on error (held unchanged). */
+static int claim_new(PyObject *held, PyObject **rs, Py_ssize_t n) {
+    for (Py_ssize_t j = 0; j < n; j++) {
+        int in = PySet_Contains(held, SLOT(rs[j], r_seq));
+        if (in != 0) return in < 0 ? -1 : 0;
+    }
+    Py_ssize_t before = PySet_GET_SIZE(held);
+    for (Py_ssize_t j = 0; j < n; j++) {
+        if (PySet_Add(held, SLOT(rs[j], r_seq)) < 0) {
+            for (Py_ssize_t k = 0; k < j; k++) PySet_Discard(held, SLOT(rs[k], r_seq));
+            return -1;
+        }
+    }
+    if (PySet_GET_SIZE(held) != before + n) {   /* a repeated hash: not the fast path */
+        for (Py_ssize_t j = 0; j < n; j++) PySet_Discard(held, SLOT(rs[j], r_seq));
+        return 0;
+    }
+    return 1;
+}
+
+/* (event_id, STORED, tier, ts_text, parent or NO_PARENT, block_size, tokens, h1..hn, l1..ln) */
+static PyObject *stored_item(PyObject *eid, PyObject *tier, PyObject *ts_text, PyObject **rs, Py_ssize_t n,
+                             int keep_tokens) {
+    PyObject *tokens = Py_None;
+    if (keep_tokens && SLOT(rs[0], r_tokens) != Py_None) {
+        tokens = PyTuple_New(n);
+        if (!tokens) return NULL;
+        for (Py_ssize_t j = 0; j < n; j++) {
+            PyObject *t = SLOT(rs[j], r_tokens);
+            Py_INCREF(t);
+            PyTuple_SET_ITEM(tokens, j, t);
+        }
+    } else Py_INCREF(tokens);
+    PyObject *item = PyTuple_New(7 + 2 * n);
+    if (!item) { Py_DECREF(tokens); return NULL; }
+    PyObject *parent = SLOT(rs[0], r_parent);
+    if (parent == Py_None) parent = no_parent;
+    PyObject *head[6] = {eid, stored_kind, tier, ts_text, parent, SLOT(rs[0], r_size)};
+    for (int i = 0; i < 6; i++) { Py_INCREF(head[i]); PyTuple_SET_ITEM(item, i, head[i]); }
+    PyTuple_SET_ITEM(item, 6, tokens);
+    for (Py_ssize_t j = 0; j < n; j++) {
+        PyObject *h = SLOT(rs[j], r_seq), *l = SLOT(rs[j], r_local);
+        Py_INCREF(h); PyTuple_SET_ITEM(item, 7 + j, h);
+        Py_INCREF(l); PyTuple_SET_ITEM(item, 7 + n + j, l);
+    }
+    return item;
+}
+
+static int usable(PyObject *pub) {
+    return configured && PyObject_TypeCheck(pub, publisher_type) && SLOT(pub, p_lock) && SLOT(pub, p_cond);
+}
+
+/* ---- the hooks --------------------------------------------------------------------------- */
+
+/* The stored event's work under the lock: 1 done, 0 not the fast path (nothing changed), -1
+ * error. */
+static int stored_locked(PyObject *pub, PyObject *tier, PyObject **rs, Py_ssize_t n) {
+    PyObject *tiers = SLOT(pub, p_tiers);
+    PyObject *sh = tiers && PyDict_CheckExact(tiers) ? PyDict_GetItemWithError(tiers, tier) : NULL;
+    if (!sh || Py_TYPE(sh) != shadow_type || !SLOT(sh, s_held) || !PySet_CheckExact(SLOT(sh, s_held))
+        || !SLOT(sh, s_log) || !PyList_CheckExact(SLOT(sh, s_log)))
+        return PyErr_Occurred() ? -1 : 0;     /* unknown tier: the Python code raises */
+    long long last = int_slot(pub, p_last_id), logged = int_slot(sh, s_logged), limit = int_slot(sh, s_limit);
+    if (PyErr_Occurred()) return -1;
+    int keep_tokens = SLOT(pub, p_keep_tokens) ? PyObject_IsTrue(SLOT(pub, p_keep_tokens)) : 0;
+    if (keep_tokens < 0) return -1;
+    int fresh = claim_new(SLOT(sh, s_held), rs, n);
+    if (fresh <= 0) return fresh;
+    PyObject *eid = PyLong_FromLongLong(last + 1);
+    PyObject *ts_text = eid ? now_text(pub) : NULL;
+    PyObject *item = ts_text ? stored_item(eid, tier, ts_text, rs, n, keep_tokens) : NULL;
+    Py_XDECREF(ts_text);
+    if (!item) {
+        Py_XDECREF(eid);
+        for (Py_ssize_t j = 0; j < n; j++) PySet_Discard(SLOT(sh, s_held), SLOT(rs[j], r_seq));
+        return -1;
+    }
+    set_slot(pub, p_last_id, eid);
+    /* _log_and_enqueue_locked */
+    int rc = PyList_Append(SLOT(sh, s_log), item);
+    if (rc == 0) rc = set_int_slot(sh, s_logged, logged + n);
+    if (rc == 0 && logged + n > limit) {
+        PyObject *r = PyObject_CallMethodOneArg(pub, str_compact, sh);
+        if (!r) rc = -1; else Py_DECREF(r);
+    }
+    if (rc == 0) rc = enqueue1(pub, item, last + 1);
+    Py_DECREF(item);
+    return rc < 0 ? -1 : 1;
+}
+
+static PyObject *hook_stored(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) { PyErr_SetString(PyExc_TypeError, "stored(publisher, tier, records)"); return NULL; }
+    PyObject *pub = args[0], *tier = args[1], *records = args[2];
+    if (!usable(pub) || (!PyList_CheckExact(records) && !PyTuple_CheckExact(records))) Py_RETURN_FALSE;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(records);
+    PyObject **rs = PySequence_Fast_ITEMS(records);
+    if (n == 0 || n > 100000) Py_RETURN_FALSE;
+    int run = one_linked_run(rs, n);
+    if (run <= 0) {
+        if (run < 0) return NULL;
+        Py_RETURN_FALSE;
+    }
+    PyObject *lock = SLOT(pub, p_lock);
+    Py_INCREF(lock);            /* the slot could be replaced while we wait for the lock */
+    Py_INCREF(records);
+    if (call_method0(lock, str_acquire) < 0) { Py_DECREF(lock); Py_DECREF(records); return NULL; }
+    int rc = stored_locked(pub, tier, rs, n);
+    int released = release_lock(lock);
+    Py_DECREF(lock);
+    Py_DECREF(records);
+    if (released < 0) return NULL;
+    return PyBool_FromLong(rc);
+}
+
+/* on_tier_removed's work under the lock: 0 done, -1 error. */
+static int removed_locked(PyObject *pub, PyObject *tier, PyObject **hs, Py_ssize_t n) {
+    PyObject *sh = shadow_of(pub, tier);
+    if (!sh) return -1;
+    PyObject *held = SLOT(sh, s_held);
+    long long last = int_slot(pub, p_last_id);
+    if (last == -1 && PyErr_Occurred()) return -1;
+    PyObject *item = PyTuple_New(4 + n);
+    if (!item) return -1;
+    Py_ssize_t gone = 0;
+    for (Py_ssize_t j = 0; j < n; j++) {     /* each hash removed as it is taken: repeats drop out */
+        int was = PySet_Discard(held, hs[j]);
+        if (was < 0) {
+            for (Py_ssize_t k = 0; k < gone; k++) PySet_Add(held, PyTuple_GET_ITEM(item, 4 + k));
+            Py_DECREF(item);
+            return -1;
+        }
+        if (was) { Py_INCREF(hs[j]); PyTuple_SET_ITEM(item, 4 + gone, hs[j]); gone++; }
+    }
+    if (!gone) { Py_DECREF(item); return 0; }
+    if (gone < n && _PyTuple_Resize(&item, 4 + gone) < 0) return -1;
+    PyObject *eid = PyLong_FromLongLong(last + 1);
+    PyObject *ts_text = eid ? now_text(pub) : NULL;
+    if (!ts_text) { Py_XDECREF(eid); Py_DECREF(item); return -1; }
+    Py_INCREF(eid); PyTuple_SET_ITEM(item, 0, eid);
+    Py_INCREF(removed_kind); PyTuple_SET_ITEM(item, 1, removed_kind);
+    Py_INCREF(tier); PyTuple_SET_ITEM(item, 2, tier);
+    PyTuple_SET_ITEM(item, 3, ts_text);
+    set_slot(pub, p_last_id, eid);
+    int rc = enqueue1(pub, item, last + 1);
+    Py_DECREF(item);
+    return rc;
+}
+
+static PyObject *hook_removed(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) { PyErr_SetString(PyExc_TypeError, "removed(publisher, tier, hashes)"); return NULL; }
+    PyObject *pub = args[0], *tier = args[1];
+    if (!usable(pub)) { PyErr_SetString(PyExc_TypeError, "removed: not a configured EventPublisher"); return NULL; }
+    PyObject *seq = PySequence_Fast(args[2], "removed: hashes must be a sequence");
+    if (!seq) return NULL;
+    PyObject *lock = SLOT(pub, p_lock);
+    Py_INCREF(lock);
+    if (call_method0(lock, str_acquire) < 0) { Py_DECREF(lock); Py_DECREF(seq); return NULL; }
+    removed_locked(pub, tier, PySequence_Fast_ITEMS(seq), PySequence_Fast_GET_SIZE(seq));
+    int released = release_lock(lock);
+    Py_DECREF(lock);
+    Py_DECREF(seq);
+    if (released < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"configure", configure, METH_VARARGS,
+     "configure(EventPublisher, _TierShadow, BlockRecord, STORED, REMOVED, NO_PARENT, TS_RESOLUTION): learn the slots"},
+    {"stored", (PyCFunction)(void (*)(void))hook_stored, METH_FASTCALL,
+     "stored(publisher, tier, records) -> True if handled (one linked run of new blocks), else False, nothing changed"},
+    {"removed", (PyCFunction)(void (*)(void))hook_removed, METH_FASTCALL,
+     "removed(publisher, tier, hashes): EventPublisher.on_tier_removed"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_hooks", "Native observer hooks of kvstrata's EventPublisher.", -1,
+                                    module_methods};
+
+PyMODINIT_FUNC PyInit__hooks(void) {
+    str_acquire = PyUnicode_InternFromString("acquire");
+    str_release = PyUnicode_InternFromString("release");
+    str_append = PyUnicode_InternFromString("append");
+    str_notify = PyUnicode_InternFromString("notify");
+    str_compact = PyUnicode_InternFromString("_maybe_compact_inline");
+    str_time = PyUnicode_InternFromString("time");
+    str_monotonic = PyUnicode_InternFromString("monotonic");
+    if (!str_acquire || !str_release || !str_append || !str_notify || !str_compact || !str_time
+        || !str_monotonic) return NULL;
+    time_module = PyImport_ImportModule("time");
+    if (!time_module) return NULL;
+    return PyModule_Create(&module);
+}
