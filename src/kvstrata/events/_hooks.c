@@ -276,6 +276,13 @@ static int claim_new(PyObject *held, PyObject **rs, Py_ssize_t n) {
     return 1;
 }
 
+/* Items (and their token tuples) hold only ints, strs, None and tuples of token ids: they can
+ * never be part of a reference cycle, so the cyclic GC need not traverse the publisher's log and
+ * buffer of them (CPython would untrack them itself, but only after they survive a collection). */
+static void untrack(PyObject *tuple) {
+    if (PyTuple_CheckExact(tuple)) PyObject_GC_UnTrack(tuple);
+}
+
 /* (event_id, STORED, tier, ts_text, parent or NO_PARENT, block_size, tokens, h1..hn, l1..ln) */
 static PyObject *stored_item(PyObject *eid, PyObject *tier, PyObject *ts_text, PyObject **rs, Py_ssize_t n,
                              int keep_tokens) {
@@ -301,6 +308,8 @@ static PyObject *stored_item(PyObject *eid, PyObject *tier, PyObject *ts_text, P
         Py_INCREF(h); PyTuple_SET_ITEM(item, 7 + j, h);
         Py_INCREF(l); PyTuple_SET_ITEM(item, 7 + n + j, l);
     }
+    untrack(tokens);
+    untrack(item);
     return item;
 }
 
@@ -398,6 +407,7 @@ static int removed_locked(PyObject *pub, PyObject *tier, PyObject **hs, Py_ssize
     Py_INCREF(removed_kind); PyTuple_SET_ITEM(item, 1, removed_kind);
     Py_INCREF(tier); PyTuple_SET_ITEM(item, 2, tier);
     PyTuple_SET_ITEM(item, 3, ts_text);
+    untrack(item);
     set_slot(pub, p_last_id, eid);
     int rc = enqueue1(pub, item, last + 1);
     Py_DECREF(item);
