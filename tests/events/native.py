@@ -7,12 +7,12 @@ import pytest
 def native_or_python(request, monkeypatch):
     from kvstrata.events import formats, indexer, publisher
 
-    native = (indexer.NATIVE_CORE, formats.fast_decode_dynamo, formats.native_encode_events,
+    native = (indexer.NATIVE_CORE, formats.fast_decode_dynamo, formats.native_encode_message,
               publisher._native_hooks)
     if request.param == "python":
         monkeypatch.setattr(indexer, "NATIVE_CORE", None)
         monkeypatch.setattr(formats, "fast_decode_dynamo", None)
-        monkeypatch.setattr(formats, "native_encode_events", None)
+        monkeypatch.setattr(formats, "native_encode_message", None)
         monkeypatch.setattr(publisher, "_native_hooks", None)
     elif indexer.NATIVE_CORE is None or any(x is None for x in native):
         pytest.skip("native event fast paths not built")

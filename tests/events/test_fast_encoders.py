@@ -154,3 +154,22 @@ def test_batch_messages_split_under_the_limit_and_keep_order():
     # a single event bigger than the limit still goes out, alone
     payloads, ids = formats.encode_batch_messages(EventBatch(IDENT, evs[:3]), 10)
     assert len(payloads) == 3 and ids == [1, 2, 3]
+
+
+def test_integers_at_every_digit_and_word_boundary_print_as_python_does():
+    """The native encoder prints ints from their digits in 8-digit chunks: every power of ten,
+    every digit-word boundary of CPython's ints, the ends of u64 and beyond (negative and
+    > 64-bit ints take its slower paths) must print exactly as ``%d``."""
+    edges = {0, 2**64 - 1, 2**64, 2**70 + 3, -1, -(2**63), -(2**63) - 1}
+    for k in range(21):
+        edges |= {10**k - 1, 10**k, 10**k + 1}
+    for bits in (30, 60, 63, 64):
+        edges |= {2**bits - 1, 2**bits, 2**bits + 1}
+    values = sorted(edges)
+    items = [(i + 1, 1, "G1", "1.0", v) for i, v in enumerate(values)]
+    items.append((len(items) + 1, 0, "G2", "2.0", values[-1], 16, None, *values, *values))
+    texts = [",".join(map(str, item[4:])) for item in items[:-1]]
+    assert texts == [str(v) for v in values]          # the reference prints them as str does
+    payloads, _ = formats.encode_batch_messages(EventBatch(IDENT, items=items), 1 << 20)
+    assert payloads == [(formats._batch_head(IDENT) + ",".join(formats.json_event_texts(items))
+                         + "]}").encode()]

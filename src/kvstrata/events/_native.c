@@ -3,7 +3,7 @@
  *
  *   Core                  the indexer's prefix tree (indexer._PyCore)
  *   parse_router_event    a strict Dynamo RouterEvent parser (formats.decode_dynamo)
- *   encode_events         kvstrata JSON text of publisher items (formats.json_event_texts)
+ *   encode_message        a batch's kvstrata JSON message (formats.encode_batch_messages)
  *
  * The prefix tree (Core):
  *
@@ -294,9 +294,35 @@ static int ensure_holder(Core *c, uint32_t h) {
     return 0;
 }
 
+/* A non-negative exact int below 2**64 into ``*u``: 1, else 0 (no exception either way). On
+ * CPython 3.11 with 30-bit digits it reads the digits (PyLong_AsUnsignedLongLong goes through
+ * the generic byte-array conversion there: the larger part of printing a hash, and of reading
+ * one into the tree). */
+static inline int exact_u64(PyObject *v, unsigned long long *u) {
+#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000 && PyLong_SHIFT == 30
+    const digit *d = ((PyLongObject *)v)->ob_digit;
+    switch (Py_SIZE(v)) {
+    case 0: *u = 0; return 1;
+    case 1: *u = d[0]; return 1;
+    case 2: *u = (unsigned long long)d[0] | ((unsigned long long)d[1] << 30); return 1;
+    case 3:
+        if (d[2] >> 4) return 0;
+        *u = (unsigned long long)d[0] | ((unsigned long long)d[1] << 30) | ((unsigned long long)d[2] << 60);
+        return 1;
+    default: return 0;
+    }
+#else
+    *u = PyLong_AsUnsignedLongLong(v);
+    if (*u == (unsigned long long)-1 && PyErr_Occurred()) { PyErr_Clear(); return 0; }
+    return 1;
+#endif
+}
+
 /* ---- argument helpers -------------------------------------------------------------------- */
 
 static int as_u64(PyObject *o, uint64_t *out) {
+    unsigned long long fast;
+    if (PyLong_CheckExact(o) && exact_u64(o, &fast)) { *out = fast; return 0; }
     if (!PyLong_Check(o)) { PyErr_Format(PyExc_ValueError, "hash %R is not an integer", o); return -1; }
     uint64_t v = PyLong_AsUnsignedLongLong(o);
     if (v == (uint64_t)-1 && PyErr_Occurred()) {
@@ -1012,11 +1038,11 @@ done:
 }
 
 /* ---- publisher: kvstrata JSON text of items ---------------------------------------------- */
-/* encode_events(items) -> str or None
+/* encode_message(head, items) -> bytes or None
  *
- * ",".join(formats.json_event_texts(items)) for stored items without tokens and removed items
- * whose fields are exact ints and strs; None for anything else (tokens, cleared, odd types),
- * and the caller uses the Python encoder. */
+ * A batch's kvstrata JSON message, head + ",".join(formats.json_event_texts(items)) + "]}", for
+ * stored items without tokens and removed items whose fields are exact ints and strs; None for
+ * anything else (tokens, cleared, odd types), and the caller uses the Python encoder. */
 
 typedef struct { char *buf; size_t n, cap; } Out;
 
@@ -1036,23 +1062,33 @@ static inline int out_raw(Out *o, const char *s, size_t len) {
 }
 #define OUT_LIT(o, s) out_raw(o, s, sizeof(s) - 1)
 
-/* Decimal digits of ``u`` (two at a time), written backwards ending at ``end``; returns the
- * first digit's address. */
-static char *u64_digits(unsigned long long u, char *end) {
-    static const char pairs[] =
-        "00010203040506070809101112131415161718192021222324252627282930313233343536373839"
-        "40414243444546474849505152535455565758596061626364656667686970717273747576777879"
-        "8081828384858687888990919293949596979899";
+static const char digit_pairs[] =
+    "00010203040506070809101112131415161718192021222324252627282930313233343536373839"
+    "40414243444546474849505152535455565758596061626364656667686970717273747576777879"
+    "8081828384858687888990919293949596979899";
+
+/* Decimal digits of ``x`` written backwards ending at ``end`` (exactly 8, zero-padded, if
+ * ``pad8``); returns the first digit's address. 32-bit arithmetic, two digits per step. */
+static inline char *u32_digits(uint32_t x, char *end, int pad8) {
     char *p = end;
-    while (u >= 100) {
-        unsigned r = (unsigned)(u % 100);
-        u /= 100;
-        p -= 2;
-        memcpy(p, pairs + 2 * r, 2);
+    if (pad8) {
+        for (int i = 0; i < 4; i++) { uint32_t r = x % 100; x /= 100; p -= 2; memcpy(p, digit_pairs + 2 * r, 2); }
+        return p;
     }
-    if (u >= 10) { p -= 2; memcpy(p, pairs + 2 * u, 2); }
-    else *--p = (char)('0' + u);
+    while (x >= 100) { uint32_t r = x % 100; x /= 100; p -= 2; memcpy(p, digit_pairs + 2 * r, 2); }
+    if (x >= 10) { p -= 2; memcpy(p, digit_pairs + 2 * x, 2); }
+    else *--p = (char)('0' + x);
     return p;
+}
+
+/* Decimal digits of ``u`` written backwards ending at ``end``, in chunks of 8 digits. */
+static char *u64_digits(unsigned long long u, char *end) {
+    if (u < 100000000ULL) return u32_digits((uint32_t)u, end, 0);
+    char *p = u32_digits((uint32_t)(u % 100000000ULL), end, 1);
+    u /= 100000000ULL;
+    if (u < 100000000ULL) return u32_digits((uint32_t)u, p, 0);
+    p = u32_digits((uint32_t)(u % 100000000ULL), p, 1);
+    return u32_digits((uint32_t)(u / 100000000ULL), p, 0);
 }
 
 /* An exact int as %d writes it (any size: big ones through PyObject_Str). Block hashes are
@@ -1060,12 +1096,20 @@ static char *u64_digits(unsigned long long u, char *end) {
 static int out_int(Out *o, PyObject *v) {
     if (!PyLong_CheckExact(v)) return 0;
     char tmp[24]; char *e = tmp + sizeof tmp, *p;
-    unsigned long long u = PyLong_AsUnsignedLongLong(v);
-    if (!(u == (unsigned long long)-1 && PyErr_Occurred())) {
-        p = u64_digits(u, e);
-        return out_raw(o, p, (size_t)(e - p));
+    unsigned long long u;
+    if (exact_u64(v, &u)) {            /* straight into the output: no copy of the digits */
+        static const unsigned long long pow10[20] = {1ULL, 10ULL, 100ULL, 1000ULL, 10000ULL,
+            100000ULL, 1000000ULL, 10000000ULL, 100000000ULL, 1000000000ULL, 10000000000ULL,
+            100000000000ULL, 1000000000000ULL, 10000000000000ULL, 100000000000000ULL,
+            1000000000000000ULL, 10000000000000000ULL, 100000000000000000ULL,
+            1000000000000000000ULL, 10000000000000000000ULL};
+        size_t len = 1;
+        while (len < 20 && u >= pow10[len]) len++;
+        if (!out_grow(o, len)) return 0;
+        u64_digits(u, o->buf + o->n + len);
+        o->n += len;
+        return 1;
     }
-    PyErr_Clear();
     int overflow;
     long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
     if (!overflow && !(x == -1 && PyErr_Occurred())) {      /* negative, fits in 64 bits */
@@ -1101,48 +1145,70 @@ static int out_hashes(Out *o, PyObject **items, Py_ssize_t n) {
     return 1;
 }
 
-static PyObject *encode_events(PyObject *mod, PyObject *items) {
-    if (!PyList_Check(items)) Py_RETURN_NONE;
-    Out o = {NULL, 0, 0};
+/* The events of ``items`` as comma-separated kvstrata JSON appended to ``o``: 1, or 0 for
+ * anything left to the Python encoder. */
+static int write_events(Out *o, PyObject *items) {
+    if (!PyList_Check(items)) return 0;
     Py_ssize_t n = PyList_GET_SIZE(items);
     for (Py_ssize_t j = 0; j < n; j++) {
         PyObject *it = PyList_GET_ITEM(items, j);
-        if (!PyTuple_CheckExact(it) || PyTuple_GET_SIZE(it) < 4) goto none;
+        if (!PyTuple_CheckExact(it) || PyTuple_GET_SIZE(it) < 4) return 0;
         PyObject **f = &PyTuple_GET_ITEM(it, 0);
         Py_ssize_t len = PyTuple_GET_SIZE(it);
-        if (!PyLong_CheckExact(f[1])) goto none;
+        if (!PyLong_CheckExact(f[1])) return 0;
         long kind = PyLong_AsLong(f[1]);
-        if (j && !OUT_LIT(&o, ",")) goto none;
+        if (j && !OUT_LIT(o, ",")) return 0;
         if (kind == 0) {
-            if (len < 9 || (len - 7) % 2 || f[6] != Py_None) goto none;
+            if (len < 9 || (len - 7) % 2 || f[6] != Py_None) return 0;
             Py_ssize_t nb = (len - 7) / 2;
-            if (!OUT_LIT(&o, "{\"type\":\"stored\",\"event_id\":") || !out_int(&o, f[0])
-                || !OUT_LIT(&o, ",\"tier\":\"") || !out_str(&o, f[2])
-                || !OUT_LIT(&o, "\",\"ts\":") || !out_str(&o, f[3])
-                || !OUT_LIT(&o, ",\"parent_hash\":") || !out_int_or_str(&o, f[4])
-                || !OUT_LIT(&o, ",\"block_size\":") || !out_int(&o, f[5])
-                || !OUT_LIT(&o, ",\"block_hashes\":[") || !out_hashes(&o, f + 7, nb)
-                || !OUT_LIT(&o, "],\"tokens_hashes\":[") || !out_hashes(&o, f + 7 + nb, nb)
-                || !OUT_LIT(&o, "]}")) goto none;
+            if (!OUT_LIT(o, "{\"type\":\"stored\",\"event_id\":") || !out_int(o, f[0])
+                || !OUT_LIT(o, ",\"tier\":\"") || !out_str(o, f[2])
+                || !OUT_LIT(o, "\",\"ts\":") || !out_str(o, f[3])
+                || !OUT_LIT(o, ",\"parent_hash\":") || !out_int_or_str(o, f[4])
+                || !OUT_LIT(o, ",\"block_size\":") || !out_int(o, f[5])
+                || !OUT_LIT(o, ",\"block_hashes\":[") || !out_hashes(o, f + 7, nb)
+                || !OUT_LIT(o, "],\"tokens_hashes\":[") || !out_hashes(o, f + 7 + nb, nb)
+                || !OUT_LIT(o, "]}")) return 0;
         } else if (kind == 1) {
-            if (!OUT_LIT(&o, "{\"type\":\"removed\",\"event_id\":") || !out_int(&o, f[0])
-                || !OUT_LIT(&o, ",\"tier\":\"") || !out_str(&o, f[2])
-                || !OUT_LIT(&o, "\",\"ts\":") || !out_str(&o, f[3])
-                || !OUT_LIT(&o, ",\"block_hashes\":[") || !out_hashes(&o, f + 4, len - 4)
-                || !OUT_LIT(&o, "]}")) goto none;
-        } else goto none;
+            if (!OUT_LIT(o, "{\"type\":\"removed\",\"event_id\":") || !out_int(o, f[0])
+                || !OUT_LIT(o, ",\"tier\":\"") || !out_str(o, f[2])
+                || !OUT_LIT(o, "\",\"ts\":") || !out_str(o, f[3])
+                || !OUT_LIT(o, ",\"block_hashes\":[") || !out_hashes(o, f + 4, len - 4)
+                || !OUT_LIT(o, "]}")) return 0;
+        } else return 0;
     }
-    PyObject *res = PyUnicode_FromStringAndSize(o.buf ? o.buf : "", (Py_ssize_t)o.n);
-    free(o.buf);
-    return res;
-none:
-    if (PyErr_Occurred()) PyErr_Clear();
-    free(o.buf);
+    return 1;
+}
+
+/* One output buffer reused from call to call (these calls never let go of the GIL): fresh
+ * pages for every batch were an eighth of the encoding time. Kept up to KEPT_OUT bytes. */
+static Out shared_out = {NULL, 0, 0};
+#define KEPT_OUT ((size_t)8 << 20)
+
+static void give_back(Out *o) {
+    if (o->cap > KEPT_OUT) { free(o->buf); o->buf = NULL; o->cap = 0; }
+    o->n = 0;
+    shared_out = *o;
+}
+
+/* encode_message(head, items) -> bytes or None: (head + ",".join(json_event_texts(items)) +
+ * "]}").encode(), ``head`` an ASCII str (the batch's head, formats._batch_head) */
+static PyObject *encode_message(PyObject *mod, PyObject *args) {
+    PyObject *head, *items;
+    if (!PyArg_ParseTuple(args, "UO", &head, &items)) return NULL;
+    Out o = shared_out;
+    o.n = 0;
+    PyObject *res = NULL;
+    if (out_str(&o, head) && write_events(&o, items) && OUT_LIT(&o, "]}"))
+        res = PyBytes_FromStringAndSize(o.buf, (Py_ssize_t)o.n);
+    else if (PyErr_Occurred()) PyErr_Clear();
+    give_back(&o);
+    if (res || PyErr_Occurred()) return res;
     Py_RETURN_NONE;
 }
 
 static PyMethodDef module_methods[] = {
-    {"encode_events", encode_events, METH_O, "encode_events(items) -> kvstrata JSON text of the events, comma-separated, or None"},
+    {"encode_message", encode_message, METH_VARARGS, "encode_message(head, items) -> (head + the items' kvstrata JSON events, comma-separated, + ']}').encode(), or None"},
     {"parse_router_event", parse_router_event, METH_VARARGS, "parse_router_event(data, cls) -> (worker_id, storage_tier, event_id, kind, parent, payload) or None"},
     {"stored_blocks", stored_blocks, METH_VARARGS, "stored_blocks(structs, cls) -> tuple of cls(block_hash, tokens_hash, None) or None"},
     {NULL, NULL, 0, NULL},

@@ -173,33 +173,30 @@ def _batch_head(identity: PublisherIdentity) -> str:
     )
 
 
-def _native_encode_events():
+def _native_encode_message():
     if os.environ.get("KVSTRATA_NATIVE_EVENTS", "1") == "0":
         return None
     try:
-        from kvstrata.events._native import encode_events
+        from kvstrata.events._native import encode_message
     except ImportError:
         return None
-    return encode_events
+    return encode_message
 
 
-native_encode_events = _native_encode_events()
-"""``_native.encode_events(items)``: ``",".join(json_event_texts(items))`` in one C call, or
-None for items it leaves to Python (tokens, cleared events); None when not built."""
-
-
-def _events_text(items: list[tuple]) -> str:
-    """``",".join(json_event_texts(items))``, natively when it can."""
-    if native_encode_events is not None:
-        text = native_encode_events(items)
-        if text is not None:
-            return text
-    return ",".join(json_event_texts(items))
+native_encode_message = _native_encode_message()
+"""``_native.encode_message(head, items)``: ``(head + ",".join(json_event_texts(items)) +
+"]}").encode()`` in one C call, or None for items it leaves to Python (tokens, cleared
+events); None when not built."""
 
 
 def encode_batch(batch: EventBatch) -> bytes:
     """A batch as one kvstrata JSON message (the NATS payload in ``format=kvstrata``)."""
-    return (_batch_head(batch.identity) + _events_text(batch.items) + "]}").encode()
+    head = _batch_head(batch.identity)
+    if native_encode_message is not None:
+        payload = native_encode_message(head, batch.items)
+        if payload is not None:
+            return payload
+    return (head + ",".join(json_event_texts(batch.items)) + "]}").encode()
 
 
 def encode_batch_messages(batch: EventBatch, max_bytes: int) -> tuple[list[bytes], list[int]]:
@@ -208,10 +205,10 @@ def encode_batch_messages(batch: EventBatch, max_bytes: int) -> tuple[list[bytes
     payloads and the first event id of each."""
     items = batch.items
     head = _batch_head(batch.identity)
-    if native_encode_events is not None:
-        text = native_encode_events(items)
-        if text is not None and len(head) + 2 + len(text) <= max_bytes:
-            return [(head + text + "]}").encode()], [items[0][0]]
+    if native_encode_message is not None:
+        payload = native_encode_message(head, items)
+        if payload is not None and len(payload) <= max_bytes:
+            return [payload], [items[0][0]]
     texts = json_event_texts(items)
     fixed = len(head) + 2
     if fixed + sum(map(len, texts)) + len(texts) - 1 <= max_bytes:
