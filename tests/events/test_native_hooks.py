@@ -124,3 +124,33 @@ def test_native_hooks_raise_as_the_python_hooks_and_change_nothing():
     pub.on_tier_removed("G1", [5, 5, 7])          # one event naming 5 once
     assert pub.last_event_id == 2 and pub.state()["G1"] == set()
     assert list(pub._buffer)[-1][4:] == (5,)
+
+
+def test_a_records_list_changed_while_the_hook_waits_for_the_lock_is_read_as_it_was():
+    """The C hook validates the records, then may wait for the publisher's lock (the GIL let
+    go): a list emptied meanwhile must not be read again (it was, once: a crash)."""
+    import threading
+    import time
+
+    pub = EventPublisher(Keep(), max_batch=4)
+    records = [BlockRecord(10**18 + i, i, 10**18 + i - 1 if i else None, 16, None)
+               for i in range(200)]
+    pub._lock.acquire()
+    waiter = threading.Thread(target=pub.on_tier_stored, args=("G1", records))
+    waiter.start()
+    time.sleep(0.2)
+    records.clear()
+    junk = [str(i) * 3 for i in range(100_000)]     # reuse the freed item array's memory
+    pub._lock.release()
+    waiter.join(10)
+    del junk
+    assert len(pub.state()["G1"]) == 200
+    assert [len(item) for item in pub._buffer] == [7 + 2 * 200]
+
+
+@pytest.mark.parametrize("limit", [float("inf"), 2**64])
+def test_settings_beyond_64_bits_are_compared_as_python_compares_them(limit):
+    pub = EventPublisher(Keep(), max_batch=4, buffer_events=limit)
+    pub.on_tier_stored("G1", [BlockRecord(1, 2, None, 16, None)])
+    pub.on_tier_removed("G1", [1])
+    assert (pub.enqueued, pub.dropped, len(pub._buffer)) == (2, 0, 2)

@@ -7,8 +7,9 @@
  *       timestamp, the stored item, the tier's log, the send buffer, the counters, waking the
  *       batching thread) and returns True; returns False having changed nothing otherwise
  *       (the caller then runs the Python code, which takes its slow path).
- *   removed(publisher, tier, hashes) -> None
- *       EventPublisher.on_tier_removed, whole.
+ *   removed(publisher, tier, hashes) -> bool
+ *       EventPublisher.on_tier_removed, whole; False (nothing done) only for a publisher
+ *       of a class configure() was not given (e.g. after a reload of the module).
  *
  * Why: per event the Python hooks were a dozen attribute reads and writes, a lock, a clock
  * and a bounded-buffer check, each a bytecode round trip (~1.5-2 us); here they are one call.
@@ -206,17 +207,35 @@ static PyObject *now_text(PyObject *pub) {
     return text;
 }
 
+/* ``n >= setting`` (op Py_GE) or ``n == setting`` (Py_EQ) as the Python code compares them
+ * (any number: int beyond 64 bits, float('inf'), numpy ints); 1, 0, or -1 with an exception. */
+static int cmp_len(Py_ssize_t n, PyObject *pub, Py_ssize_t off, int op) {
+    PyObject *v = SLOT(pub, off);
+    if (!v) { PyErr_SetString(PyExc_AttributeError, "publisher setting is unset"); return -1; }
+    if (PyLong_CheckExact(v)) {
+        int overflow;
+        long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+        if (x == -1 && PyErr_Occurred()) return -1;
+        if (!overflow) return op == Py_GE ? (long long)n >= x : (long long)n == x;
+    }
+    PyObject *len = PyLong_FromSsize_t(n);
+    if (!len) return -1;
+    int r = PyObject_RichCompareBool(len, v, op);
+    Py_DECREF(len);
+    return r;
+}
+
 /* EventPublisher._enqueue1_locked(item), ``eid`` being the item's event id (== _last_id). */
 static int enqueue1(PyObject *pub, PyObject *item, long long eid) {
     if (add_to_int_slot(pub, p_enqueued, 1) < 0) return -1;
     PyObject *buf = SLOT(pub, p_buffer);
-    long long cap = int_slot(pub, p_buffer_events), max_batch = int_slot(pub, p_max_batch);
-    if (!buf || PyErr_Occurred()) return -1;
+    if (!buf) { PyErr_SetString(PyExc_AttributeError, "publisher has no buffer"); return -1; }
     Py_ssize_t n = PyObject_Size(buf);
     if (n < 0) return -1;
-    int closing = SLOT(pub, p_closing) ? PyObject_IsTrue(SLOT(pub, p_closing)) : 0;
-    if (closing < 0) return -1;
-    if (closing || n >= cap) {
+    int full = SLOT(pub, p_closing) ? PyObject_IsTrue(SLOT(pub, p_closing)) : 0;
+    if (full == 0) full = cmp_len(n, pub, p_buffer_events, Py_GE);
+    if (full < 0) return -1;
+    if (full) {
         if (add_to_int_slot(pub, p_dropped, 1) < 0) return -1;
         if (n == 0 && set_int_slot(pub, p_done_id, eid) < 0) return -1;
         return 0;
@@ -232,8 +251,9 @@ static int enqueue1(PyObject *pub, PyObject *item, long long eid) {
         set_slot(pub, p_first_pending_at, t);
         return call_method0(SLOT(pub, p_cond), str_notify);
     }
-    if (n == max_batch) return call_method0(SLOT(pub, p_cond), str_notify);
-    return 0;
+    int at_batch = cmp_len(n, pub, p_max_batch, Py_EQ);
+    if (at_batch < 0) return -1;
+    return at_batch ? call_method0(SLOT(pub, p_cond), str_notify) : 0;
 }
 
 /* Whether ``records`` may take the fast path, judged on the records alone (no lock needed:
@@ -319,6 +339,8 @@ static int usable(PyObject *pub) {
 
 /* ---- the hooks --------------------------------------------------------------------------- */
 
+static int stored_in_shadow(PyObject *pub, PyObject *sh, PyObject *tier, PyObject **rs, Py_ssize_t n);
+
 /* The stored event's work under the lock: 1 done, 0 not the fast path (nothing changed), -1
  * error. */
 static int stored_locked(PyObject *pub, PyObject *tier, PyObject **rs, Py_ssize_t n) {
@@ -327,24 +349,36 @@ static int stored_locked(PyObject *pub, PyObject *tier, PyObject **rs, Py_ssize_
     if (!sh || Py_TYPE(sh) != shadow_type || !SLOT(sh, s_held) || !PySet_CheckExact(SLOT(sh, s_held))
         || !SLOT(sh, s_log) || !PyList_CheckExact(SLOT(sh, s_log)))
         return PyErr_Occurred() ? -1 : 0;     /* unknown tier: the Python code raises */
+    Py_INCREF(sh);             /* held across Python callbacks (a patched clock, compaction) */
+    int rc = stored_in_shadow(pub, sh, tier, rs, n);
+    Py_DECREF(sh);
+    return rc;
+}
+
+static int stored_in_shadow(PyObject *pub, PyObject *sh, PyObject *tier, PyObject **rs, Py_ssize_t n) {
     long long last = int_slot(pub, p_last_id), logged = int_slot(sh, s_logged), limit = int_slot(sh, s_limit);
     if (PyErr_Occurred()) return -1;
     int keep_tokens = SLOT(pub, p_keep_tokens) ? PyObject_IsTrue(SLOT(pub, p_keep_tokens)) : 0;
     if (keep_tokens < 0) return -1;
-    int fresh = claim_new(SLOT(sh, s_held), rs, n);
-    if (fresh <= 0) return fresh;
+    PyObject *held = Py_NewRef(SLOT(sh, s_held));
+    int fresh = claim_new(held, rs, n);
+    if (fresh <= 0) { Py_DECREF(held); return fresh; }
     PyObject *eid = PyLong_FromLongLong(last + 1);
     PyObject *ts_text = eid ? now_text(pub) : NULL;
     PyObject *item = ts_text ? stored_item(eid, tier, ts_text, rs, n, keep_tokens) : NULL;
     Py_XDECREF(ts_text);
     if (!item) {
         Py_XDECREF(eid);
-        for (Py_ssize_t j = 0; j < n; j++) PySet_Discard(SLOT(sh, s_held), SLOT(rs[j], r_seq));
+        for (Py_ssize_t j = 0; j < n; j++) PySet_Discard(held, SLOT(rs[j], r_seq));
+        Py_DECREF(held);
         return -1;
     }
+    Py_DECREF(held);
     set_slot(pub, p_last_id, eid);
-    /* _log_and_enqueue_locked */
-    int rc = PyList_Append(SLOT(sh, s_log), item);
+    /* _log_and_enqueue_locked (the log read again: the clock above may have run Python) */
+    PyObject *log = SLOT(sh, s_log);
+    int rc = log && PyList_CheckExact(log) ? PyList_Append(log, item) : -1;
+    if (rc < 0 && !PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "tier shadow log is not a list");
     if (rc == 0) rc = set_int_slot(sh, s_logged, logged + n);
     if (rc == 0 && logged + n > limit) {
         PyObject *r = PyObject_CallMethodOneArg(pub, str_compact, sh);
@@ -359,31 +393,43 @@ static PyObject *hook_stored(PyObject *mod, PyObject *const *args, Py_ssize_t na
     if (nargs != 3) { PyErr_SetString(PyExc_TypeError, "stored(publisher, tier, records)"); return NULL; }
     PyObject *pub = args[0], *tier = args[1], *records = args[2];
     if (!usable(pub) || (!PyList_CheckExact(records) && !PyTuple_CheckExact(records))) Py_RETURN_FALSE;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(records);
-    PyObject **rs = PySequence_Fast_ITEMS(records);
-    if (n == 0 || n > 100000) Py_RETURN_FALSE;
-    int run = one_linked_run(rs, n);
+    Py_ssize_t n0 = PySequence_Fast_GET_SIZE(records);
+    if (n0 == 0 || n0 > 100000) Py_RETURN_FALSE;
+    /* An immutable snapshot: a list may change while acquire() waits (the GIL is released) or
+     * while a field's __eq__/__hash__ runs; its item array must not be read after that. */
+    PyObject *recs = PyList_CheckExact(records) ? PyList_AsTuple(records) : Py_NewRef(records);
+    if (!recs) return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(recs);
+    PyObject **rs = &PyTuple_GET_ITEM(recs, 0);
+    int run = n ? one_linked_run(rs, n) : 0;
     if (run <= 0) {
+        Py_DECREF(recs);
         if (run < 0) return NULL;
         Py_RETURN_FALSE;
     }
-    PyObject *lock = SLOT(pub, p_lock);
-    Py_INCREF(lock);            /* the slot could be replaced while we wait for the lock */
-    Py_INCREF(records);
-    if (call_method0(lock, str_acquire) < 0) { Py_DECREF(lock); Py_DECREF(records); return NULL; }
+    PyObject *lock = Py_NewRef(SLOT(pub, p_lock));   /* the slot could be replaced while we wait */
+    if (call_method0(lock, str_acquire) < 0) { Py_DECREF(lock); Py_DECREF(recs); return NULL; }
     int rc = stored_locked(pub, tier, rs, n);
     int released = release_lock(lock);
     Py_DECREF(lock);
-    Py_DECREF(records);
+    Py_DECREF(recs);
     if (released < 0) return NULL;
     return PyBool_FromLong(rc);
 }
+
+static int removed_from(PyObject *pub, PyObject *held, PyObject *tier, PyObject **hs, Py_ssize_t n);
 
 /* on_tier_removed's work under the lock: 0 done, -1 error. */
 static int removed_locked(PyObject *pub, PyObject *tier, PyObject **hs, Py_ssize_t n) {
     PyObject *sh = shadow_of(pub, tier);
     if (!sh) return -1;
-    PyObject *held = SLOT(sh, s_held);
+    PyObject *held = Py_NewRef(SLOT(sh, s_held));
+    int rc = removed_from(pub, held, tier, hs, n);
+    Py_DECREF(held);
+    return rc;
+}
+
+static int removed_from(PyObject *pub, PyObject *held, PyObject *tier, PyObject **hs, Py_ssize_t n) {
     long long last = int_slot(pub, p_last_id);
     if (last == -1 && PyErr_Occurred()) return -1;
     PyObject *item = PyTuple_New(4 + n);
@@ -417,7 +463,7 @@ static int removed_locked(PyObject *pub, PyObject *tier, PyObject **hs, Py_ssize
 static PyObject *hook_removed(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3) { PyErr_SetString(PyExc_TypeError, "removed(publisher, tier, hashes)"); return NULL; }
     PyObject *pub = args[0], *tier = args[1];
-    if (!usable(pub)) { PyErr_SetString(PyExc_TypeError, "removed: not a configured EventPublisher"); return NULL; }
+    if (!usable(pub)) Py_RETURN_FALSE;       /* the Python code handles it */
     PyObject *seq = PySequence_Fast(args[2], "removed: hashes must be a sequence");
     if (!seq) return NULL;
     PyObject *lock = SLOT(pub, p_lock);
@@ -428,7 +474,7 @@ static PyObject *hook_removed(PyObject *mod, PyObject *const *args, Py_ssize_t n
     Py_DECREF(lock);
     Py_DECREF(seq);
     if (released < 0) return NULL;
-    Py_RETURN_NONE;
+    Py_RETURN_TRUE;
 }
 
 static PyMethodDef module_methods[] = {

@@ -55,7 +55,8 @@ DEFAULT_MAX_BATCH = 1024
 DEFAULT_MAX_DELAY = 0.010
 DEFAULT_BUFFER_EVENTS = 65536
 TS_RESOLUTION = 0.001
-"""Events within this many seconds of the previous distinct ``ts`` reuse it (cheaper to encode)."""
+"""Events within this many seconds of the previous distinct ``ts`` reuse it (cheaper to encode).
+A constant: the native hooks take it once, at import."""
 COMPACT_SLACK = 16384
 """The background thread compacts a tier's log past ``2 * held + COMPACT_SLACK`` blocks."""
 HARD_SLACK = 262144
@@ -366,9 +367,8 @@ class EventPublisher(RegistryObserver):
         return len(items)
 
     def on_tier_removed(self, tier: str, sequence_hashes: Sequence[int]) -> None:
-        if _native_hooks is not None:
-            _native_hooks.removed(self, tier, sequence_hashes)   # this method, in C
-            return
+        if _native_hooks is not None and _native_hooks.removed(self, tier, sequence_hashes):
+            return   # this method, in C (it declines, changing nothing, for a class it does not know)
         with self._lock:
             held = self._tiers[tier].held
             if len(sequence_hashes) == 1:
@@ -654,10 +654,12 @@ def _load_native_hooks():
         return None
     try:
         from kvstrata.events import _hooks
-    except ImportError:
+
+        _hooks.configure(EventPublisher, _TierShadow, BlockRecord, STORED, REMOVED, NO_PARENT,
+                         TS_RESOLUTION)
+    except (ImportError, TypeError, AttributeError) as exc:   # not built, or a stale build
+        log.debug("native publisher hooks unavailable: %s", exc)
         return None
-    _hooks.configure(EventPublisher, _TierShadow, BlockRecord, STORED, REMOVED, NO_PARENT,
-                     TS_RESOLUTION)
     return _hooks
 
 
