@@ -227,10 +227,6 @@ def test_a_new_server_reads_the_shared_g4_on_its_first_request(model, tmp_path, 
         second.stop()
 
 
-@pytest.mark.xfail(strict=True, reason="known bug: the NIXL read into vLLM's KV cache from "
-                   "inside a vLLM CPU worker process never completes here (the same read from "
-                   "a plain process, into the same layout, takes 1 ms); the load times out "
-                   "after 5 s and is recomputed")
 def test_an_engine_loads_a_prefix_from_another_engines_g2_over_nixl(model, tmp_path):
     """Two `vllm serve` processes: A exports its G2, B names A as a peer. A prompt only A
     computed is answered by B from A's memory (NIXL reads into B's KV cache, verified):

@@ -5,22 +5,35 @@ NIXL is imported on first use (``RemoteUnavailableError`` if missing). UCX is to
 InfiniBand modules (``UCX_MODULES=^ib``) before NIXL loads it: without that, processes on
 machines without IB may crash at exit. Only host memory (NIXL ``DRAM``) is registered on a
 CPU machine; device memory (``VRAM``) goes through the same calls where CUDA exists.
+
+The agent's UCX progress thread sleeps until its worker has something to do
+(:data:`PROGRESS_WAIT_US`). NIXL's Python API starts it with a wait of 0, which makes it
+busy-poll: one core per agent, for the life of the process. Where a host pins its threads to
+one core (vLLM's CPU worker), that thread starves every other thread on the core, including the
+ones that connect UCX endpoints, and reads between two such processes time out.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+import threading
 import time
 from typing import Sequence
 
 from .errors import RemoteReadError, RemoteUnavailableError
 
-__all__ = ["NixlAgent", "nixl_available"]
+__all__ = ["NixlAgent", "nixl_available", "PROGRESS_WAIT_US"]
 
 _MEM = {"host": "DRAM", "pinned": "DRAM", "device": "VRAM"}
 _SPIN_SECONDS = 0.002
 """A read is polled without sleeping this long (a small copy is over by then), then with
 short sleeps: no core is burned waiting on a stalled peer."""
+PROGRESS_WAIT_US = 10_000
+"""The longest the agent's progress thread sleeps in ``poll()`` on its UCX worker's event
+descriptor; it wakes at once when the worker has an event (an incoming connection, a message),
+so this only bounds the wait for one the descriptor does not signal."""
+_CREATE_LOCK = threading.Lock()
 
 
 def _nixl():
@@ -42,13 +55,37 @@ def nixl_available() -> bool:
         return False
 
 
+def _waiting_agent(nixl_agent, name: str, config):
+    """``nixl_agent(name, config)`` whose progress thread waits :data:`PROGRESS_WAIT_US`
+    instead of busy-polling. The Python API sets the wait to 0 right before it creates the
+    native agent and has no option for it, so the native constructor is wrapped while this
+    agent is made (under a lock; an agent another library makes in that instant gets the
+    same wait)."""
+    bindings = getattr(sys.modules.get(nixl_agent.__module__), "nixlBind", None)
+    create = getattr(bindings, "nixlAgent", None)
+    if create is None:                    # another NIXL layout: take its default
+        return nixl_agent(name, config)
+
+    def create_waiting(agent_name, agent_config):
+        agent_config.pthrDelay = PROGRESS_WAIT_US
+        return create(agent_name, agent_config)
+
+    with _CREATE_LOCK:
+        bindings.nixlAgent = create_waiting
+        try:
+            return nixl_agent(name, config)
+        finally:
+            bindings.nixlAgent = create
+
+
 class NixlAgent:
     """One NIXL agent named ``name`` with the ``UCX`` backend (see the module docstring)."""
 
     def __init__(self, name: str, backends: Sequence[str] = ("UCX",)) -> None:
         nixl_agent, nixl_agent_config = _nixl()
         try:
-            self._agent = nixl_agent(name, nixl_agent_config(backends=list(backends)))
+            self._agent = _waiting_agent(nixl_agent, name,
+                                         nixl_agent_config(backends=list(backends)))
         except Exception as exc:
             raise RemoteUnavailableError(f"NIXL agent {name!r} did not start: {exc}") from None
         self.name = name

@@ -1,11 +1,14 @@
 """Two engines sharing G2 over NIXL (``export`` / ``peers``), driven as vLLM drives the
 connector, with real NIXL agents: engine B loads into its KV cache, byte-exact, a prefix only
 engine A computed; what B does not get from A it recomputes; A's leased slots are never
-overwritten mid-read; bad settings are refused."""
+overwritten mid-read; bad settings are refused; the threads that talk to peers are not held
+to the core vLLM binds its worker to."""
 
 from __future__ import annotations
 
+import os
 import socket
+import threading
 import time
 
 import pytest
@@ -110,6 +113,58 @@ def test_a_pinned_slot_is_not_overwritten():
     assert not g2.check_readable([0, 1], [11, 12])                  # untouched
     g2.unpin([0, 1])
     g2.begin_write([1])
+
+
+def _threads() -> set[int]:
+    return {int(t) for t in os.listdir("/proc/self/task")}
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_the_threads_that_talk_to_peers_are_not_bound_to_the_workers_core(tmp_path):
+    """vLLM's CPU worker binds itself to its OpenMP cores and every thread it starts inherits
+    that. The threads serving and reading peers (NIXL's and UCX's, ZMQ's, the exporter's, the
+    loader's) must not: held on that core next to vLLM's busy-waiting thread and another
+    engine's threads, they waited seconds for the CPU and remote loads timed out."""
+    from kvstrata.connectors.vllm.sharing import HOST, G2Export, RemoteLoader
+    from kvstrata.tiers import TOP_TIER
+
+    sim = SimEngine(tmp_path / "sim", g3_blocks=0)
+    storages = sim.workers[0].storages.by_tier
+    geometry = KvGeometry(BS, LAYERS, HEADS, HEAD_DIM, "bfloat16", 64)
+    address = f"tcp://127.0.0.1:{free_port()}"
+    exporting = settings_from({"disk_dir": str(tmp_path), "export": address}, geometry, env={})
+    reading = settings_from({"disk_dir": str(tmp_path), "peers": [address]}, geometry, env={})
+    everywhere = os.sched_getaffinity(0)
+    seen: dict = {}
+
+    def worker_thread():                                  # bound as vLLM binds its worker
+        os.sched_setaffinity(0, {min(everywhere)})
+        before = _threads()
+        seen["export"] = G2Export(exporting, storages[HOST], 0, 1)
+        seen["loader"] = RemoteLoader(reading, storages[TOP_TIER], 0, 1)
+        seen["load thread"] = seen["loader"]._pool.submit(os.sched_getaffinity, 0).result()
+        seen["started"] = _threads() - before
+
+    thread = threading.Thread(target=worker_thread)
+    thread.start()
+    thread.join()
+    try:
+        bound = {}
+        for tid in seen["started"]:
+            try:
+                affinity = os.sched_getaffinity(tid)
+            except OSError:                               # ended since
+                continue
+            if affinity != everywhere:
+                bound[tid] = affinity
+        assert len(seen["started"]) >= 3                  # NIXL's, the exporter's, ...
+        assert not bound
+        assert seen["load thread"] == everywhere
+    finally:
+        seen["loader"].close()
+        seen["export"].close()
+        sim.workers[0].shutdown()
+        sim.scheduler.close()
 
 
 @pytest.mark.parametrize("extra, match", [

@@ -16,6 +16,13 @@ An engine with ``peers`` reads prefixes from them straight into vLLM's KV cache:
   the engine's blocks, verified against the peer's checksums, and reports the request
   loaded; blocks that could not be read are reported as load errors (vLLM recomputes them).
 
+The exporter and the loader start their threads (NIXL's and UCX's, ZMQ's, their own) unbound
+from vLLM's CPU binding (:func:`_unbound`). vLLM's CPU worker binds itself to its OpenMP
+cores and every thread it starts inherits that, so two engines on one machine may hold all
+their threads on the same core, next to vLLM's busy-waiting worker thread; there the threads
+that connect UCX endpoints and answer peers waited seconds for the CPU and remote loads timed
+out. They mostly sleep and do little when they wake: any core the process may use will do.
+
 One worker per engine for now (tensor parallelism would pair each rank with the peer's same
 rank).
 """
@@ -23,11 +30,12 @@ rank).
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence, TypeVar
 
 from ...compat import compatibility_of
 from ...remote.exporter import BlockExporter
@@ -40,6 +48,7 @@ HOST = first_of_kind(TierKind.HOST)
 __all__ = ["RemoteLoad", "G2Export", "RemoteLoader", "PeerDirectory", "ASK_TIMEOUT"]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 ASK_TIMEOUT = 0.2
 """Seconds a request waits for the peers' answers before it is scheduled without them."""
@@ -62,6 +71,22 @@ def _fingerprint(settings: ConnectorSettings, rank: int, world_size: int) -> str
                             block_layout=settings.block_layout).fingerprint
 
 
+def _unbind_this_thread() -> None:
+    """Allow the calling thread on every CPU the process may use (the kernel keeps it within
+    the process's cpuset); threads it starts inherit that."""
+    try:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    except (AttributeError, OSError):           # no affinity API here: nothing was bound
+        pass
+
+
+def _unbound(make: Callable[[], T]) -> T:
+    """``make()`` run on a thread unbound from the caller's CPU binding, so that the threads
+    it starts (NIXL's progress thread, UCX's, ZMQ's I/O threads, an exporter's) are too."""
+    with ThreadPoolExecutor(1, initializer=_unbind_this_thread) as pool:
+        return pool.submit(make).result()
+
+
 def _host_port(address: str) -> tuple[str, int]:
     host, port = address.removeprefix("tcp://").rsplit(":", 1)
     return host, int(port)
@@ -73,10 +98,10 @@ class G2Export:
     def __init__(self, settings: ConnectorSettings, g2, rank: int, world_size: int) -> None:
         self.storage = g2
         host, port = _host_port(settings.export)
-        self.exporter = BlockExporter(
+        self.exporter = _unbound(lambda: BlockExporter(
             f"kvstrata-vllm-{settings.worker_id}-{rank}-{port}", HOST, g2, self._pin,
             self._unpin, fingerprint=_fingerprint(settings, rank, world_size), host=host,
-            port=port)
+            port=port))
         log.info("kvstrata: serving G2 to other engines at %s", self.exporter.control)
 
     def _pin(self, hashes: Sequence[int]):
@@ -95,10 +120,11 @@ class RemoteLoader:
     on a thread; :meth:`finished` gives ``(request id, engine block ids not loaded)``."""
 
     def __init__(self, settings: ConnectorSettings, g1, rank: int, world_size: int) -> None:
-        self.importer = BlockSetImporter(g1, fingerprint=_fingerprint(settings, rank,
-                                                                       world_size))
+        fingerprint = _fingerprint(settings, rank, world_size)
+        self.importer = _unbound(lambda: BlockSetImporter(g1, fingerprint=fingerprint))
         self._peers: dict[str, RemotePeer] = {}
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-remote-load")
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-remote-load",
+                                        initializer=_unbind_this_thread)
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self.pending = 0
 
