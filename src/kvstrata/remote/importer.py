@@ -7,9 +7,9 @@ it and checks it against the local layout and fingerprint *before* any byte move
 returns a :class:`RemotePeer`.
 
 A read goes: :meth:`RemotePeer.lease` (the exporter pins the longest prefix it holds and
-names each block's slot and checksum), :meth:`RemotePeer.read` (one NIXL read of every piece,
-then each block's bytes hashed and compared with the lease's checksum; the local slots are
-invalidated before and sealed only after a block verified), :meth:`RemotePeer.release`. A
+names each block's slot and checksum), :meth:`RemotePeer.read` (NIXL reads of a few MiB at a time,
+each block's bytes hashed as they arrive and compared with the lease's checksum; the local
+slots are invalidated before and sealed only after a block verified), :meth:`RemotePeer.release`. A
 read that fails -- the exporter died or disconnected, the lease ran out first, a checksum
 differs -- raises :class:`~.errors.RemoteReadError` and seals nothing: wrong bytes are never
 handed on.
@@ -20,11 +20,8 @@ from __future__ import annotations
 import ctypes
 import itertools
 import os
-from bisect import bisect_right
 import time
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
-from concurrent.futures import wait as wait_futures
+from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -42,10 +39,9 @@ from .nixl_agent import NixlAgent
 __all__ = ["BlockSetImporter", "RemotePeer", "RemoteLease", "pack_hashes", "ask"]
 
 _names = itertools.count(1)
-BATCH_BYTES = 8 << 20
-"""A read is copied and verified in batches of about this many bytes."""
-COPY_THREADS = 2
-"""Threads copying and verifying the batches of one large read."""
+BATCH_BYTES = 4 << 20
+"""A verified read is copied and hashed in batches of about this many bytes (at least one
+block): small enough to be hashed from the CPU's cache right after it arrives."""
 
 
 @dataclass(frozen=True)
@@ -79,7 +75,6 @@ class BlockSetImporter:
         self._agent.register([(r.address, r.size) for r in regions], regions[0].memory_kind,
                              regions[0].device_id or 0)
         self._peers: list[RemotePeer] = []
-        self._copier: ThreadPoolExecutor | None = None
 
     def connect(self, control: str, timeout: float = 5.0) -> "RemotePeer":
         """Fetch the block set served at ``control`` (``tcp://host:port``) and import it."""
@@ -119,53 +114,38 @@ class BlockSetImporter:
                        checksums: Sequence[int] | None, timeout: float,
                        memory_kind: str) -> list[int]:
         """Copy ``remote`` into ``local`` (``per_block`` ranges a block) and return the
-        indices of the blocks whose bytes do not hash to ``checksums`` (None: not checked). Work goes in batches
-        of about :data:`BATCH_BYTES`, each copied then hashed; with more than one batch they
-        run on :data:`COPY_THREADS` threads (NIXL and xxhash both release the GIL), so one
-        batch is hashed while another moves. :class:`RemoteReadError` from the first batch
-        whose copy failed; no copy still runs when this returns or raises."""
+        indices of the blocks whose bytes do not hash to ``checksums`` (None: not checked).
+
+        Unchecked, it is one transfer. Checked, it goes in batches of about
+        :data:`BATCH_BYTES`, each hashed as soon as it has arrived, while its bytes are still
+        in the CPU's cache. Measured alternatives: hashing after the whole copy, from memory,
+        cost half as much again (4.1 ms against 2.6 for 128 MiB); a second thread hashing
+        while this one copies the next batch saves nothing, because the copy then slows down
+        by as much (both are bound by the memory bus). :class:`RemoteReadError` from the
+        first batch whose copy failed."""
         blocks = len(local) // per_block
+        if checksums is None:
+            self._agent.read(peer, local, remote, timeout, memory_kind)
+            return []
         block_bytes = sum(n for _, n in local[:per_block])
-        # nothing to verify: one transfer (batches only exist to hash one while another moves)
-        step = blocks if checksums is None else max(1, BATCH_BYTES // max(1, block_bytes))
-        batches = [(b, min(b + step, blocks)) for b in range(0, blocks, step)]
+        step = max(1, BATCH_BYTES // max(1, block_bytes))
         deadline = time.monotonic() + timeout
         checksum = self._memory.checksum
-
-        def batch(first: int, stop: int) -> list[int]:
+        bad: list[int] = []
+        for first in range(0, blocks, step):
+            stop = min(first + step, blocks)
             lo, hi = first * per_block, stop * per_block
             self._agent.read(peer, local[lo:hi], remote[lo:hi],
                              max(1e-3, deadline - time.monotonic()), memory_kind)
-            if checksums is None:
-                return []
-            return [i for i in range(first, stop)
-                    if checksum(local[i * per_block:(i + 1) * per_block]) != checksums[i]]
-
-        if len(batches) == 1:
-            return batch(*batches[0])
-        if self._copier is None:
-            self._copier = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="kvstrata-import")
-        futures = [self._copier.submit(batch, first, stop) for first, stop in batches]
-        try:
-            bad: list[int] = []
-            for future in futures:
-                bad.extend(future.result(timeout=max(1e-3, deadline - time.monotonic()) + 1.0))
-            return bad
-        except FutureTimeout:
-            raise RemoteReadError(f"read from {peer!r} timed out") from None
-        finally:
-            for future in futures:
-                future.cancel()
-            wait_futures(futures)       # no copy may still write once the caller moves on
+            bad.extend(i for i in range(first, stop)
+                       if checksum(local[i * per_block:(i + 1) * per_block]) != checksums[i])
+        return bad
 
     def close(self) -> None:
         """Close every peer and the agent. Idempotent."""
         for peer in self._peers:
             peer.close()
         self._peers = []
-        if self._copier is not None:
-            self._copier.shutdown(wait=True)
-            self._copier = None
         self._agent.close()
         self._memory = None             # views into the storage: not past its lifetime
 

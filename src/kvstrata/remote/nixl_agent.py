@@ -146,8 +146,9 @@ class NixlAgent:
                 now = time.monotonic()
                 if now > deadline:
                     raise RemoteReadError(f"read from {peer!r} timed out after {timeout:.1f} s")
-                if now > spin_until:
-                    time.sleep(0.0002)
+                # sleep(0) still lets go of the GIL: a thread hashing what already arrived
+                # must not wait a whole switch interval for this loop
+                time.sleep(0.0002 if now > spin_until else 0)
                 state = agent.check_xfer_state(handle)
             if state == "ERR":
                 raise RemoteReadError(f"NIXL reported an error reading from {peer!r}")
