@@ -19,6 +19,7 @@
  * mark(blocks, state)                 state = state on each
  * register_new(blocks, by_hash, tiers, bit, remove) -> (records, tiers_done) or None: below
  * lfu_insert(...), lfu_victims(...)  the aged-LFU order's insert_many and victims, below
+ * recent_victims(...), recent_prune(...)  the adaptive order's recency queue, below
  * lfu_shadow_serve(...)               the duel's aged-LFU shadow cache serving a request
  */
 #define PY_SSIZE_T_CLEAN
@@ -351,17 +352,24 @@ error:
     return NULL;
 }
 
-/* lfu_insert(blocks, key_of, buckets, keys, age, last_tick, bucket_type, heappush)
+/* lfu_insert(blocks, key_of, buckets, keys, age, last_tick, bucket_type, heappush[, queue])
  *   -> the new last tick, or None having changed nothing.
  * AgedFrequencyEviction.insert_many when no block is in the order yet and their release
  * ticks are increasing and newer than last_tick (the common case): each block goes at the
  * end of the bucket of key age + policy_state (made, and its key pushed on the heap, if
- * new), key_of[block_id] = key. */
+ * new), key_of[block_id] = key. With queue (a list: adaptive.DuelingEviction's recency
+ * queue), each block's release tick and the block are appended to it too. */
 static PyObject *py_lfu_insert(PyObject *self, PyObject *args) {
     PyObject *blocks, *key_of, *buckets, *keys, *age, *last, *bucket_type, *heappush;
-    if (!PyArg_ParseTuple(args, "OO!O!O!OOOO", &blocks, &PyDict_Type, &key_of, &PyDict_Type,
-                          &buckets, &PyList_Type, &keys, &age, &last, &bucket_type, &heappush))
+    PyObject *queue = Py_None;
+    if (!PyArg_ParseTuple(args, "OO!O!O!OOOO|O", &blocks, &PyDict_Type, &key_of, &PyDict_Type,
+                          &buckets, &PyList_Type, &keys, &age, &last, &bucket_type, &heappush,
+                          &queue))
         return NULL;
+    if (queue != Py_None && !PyList_Check(queue)) {
+        PyErr_SetString(PyExc_TypeError, "queue must be a list or None");
+        return NULL;
+    }
     if (check_blocks(blocks) < 0) return NULL;
     Py_ssize_t n = PyList_GET_SIZE(blocks);
     PyObject *prev = last;
@@ -399,8 +407,28 @@ static PyObject *py_lfu_insert(PyObject *self, PyObject *args) {
             return NULL;
         }
         Py_DECREF(key);
+        if (queue != Py_None && (PyList_Append(queue, SLOT(b, boff[B_RELEASE_TICK])) < 0 ||
+                                 PyList_Append(queue, b) < 0))
+            return NULL;
     }
     return Py_NewRef(prev);
+}
+
+/* ghost[h] = count, h moved last (an ordered dict: a new key goes last); the oldest entry
+ * dropped beyond ghost_size. AgedFrequencyEviction.remember's stores. */
+static int ghost_remember(PyObject *ghost, PyObject *h, PyObject *count, Py_ssize_t ghost_size) {
+    int known = PyDict_Contains(ghost, h);
+    if (known < 0 || PyObject_SetItem(ghost, h, count) < 0) return -1;
+    PyObject *r;
+    if (known) {
+        if (!(r = PyObject_CallMethodOneArg(ghost, s_move_to_end, h))) return -1;
+        Py_DECREF(r);
+    }
+    if (PyDict_GET_SIZE(ghost) > ghost_size) {
+        if (!(r = PyObject_CallMethodOneArg(ghost, s_popitem, Py_False))) return -1;
+        Py_DECREF(r);
+    }
+    return 0;
 }
 
 /* lfu_victims(count, keys, buckets, key_of, ghost, ghost_size, heappop) -> (victims, key)
@@ -449,22 +477,11 @@ static PyObject *py_lfu_victims(PyObject *self, PyObject *args) {
             Py_DECREF(item); Py_DECREF(key); goto error;
         }
         Py_SETREF(last_key, key);
-        PyObject *h = SLOT(b, boff[B_SEQUENCE_HASH]);
-        int known = PyDict_Contains(ghost, h);     /* an ordered dict: a new key goes last */
-        if (known < 0) { Py_DECREF(item); goto error; }
-        if (PyObject_SetItem(ghost, h, SLOT(b, boff[B_POLICY_STATE])) < 0) { Py_DECREF(item); goto error; }
-        PyObject *r;
-        if (known) {
-            r = PyObject_CallMethodOneArg(ghost, s_move_to_end, h);
-            if (!r) { Py_DECREF(item); goto error; }
-            Py_DECREF(r);
+        if (ghost_remember(ghost, SLOT(b, boff[B_SEQUENCE_HASH]), SLOT(b, boff[B_POLICY_STATE]),
+                           ghost_size) < 0 || PyList_Append(out, b) < 0) {
+            Py_DECREF(item);
+            goto error;
         }
-        if (PyDict_GET_SIZE(ghost) > ghost_size) {
-            r = PyObject_CallMethodOneArg(ghost, s_popitem, Py_False);
-            if (!r) { Py_DECREF(item); goto error; }
-            Py_DECREF(r);
-        }
-        if (PyList_Append(out, b) < 0) { Py_DECREF(item); goto error; }
         Py_DECREF(item);
     }
     return Py_BuildValue("(NN)", out, last_key);
@@ -472,6 +489,101 @@ error:
     Py_DECREF(out);
     Py_DECREF(last_key);
     return NULL;
+}
+
+/* The pair queue[i], queue[i + 1] (a tick, a block) of adaptive.DuelingEviction's recency
+ * queue is live if the block is in the order (key_of) at that release tick: 1 live, 0 stale,
+ * -1 error. *key gets the block's key (borrowed) when live. */
+static int recent_live(PyObject *queue, Py_ssize_t i, PyObject *key_of, PyObject **key) {
+    PyObject *tick = PyList_GET_ITEM(queue, i), *b = PyList_GET_ITEM(queue, i + 1);
+    if (!PyObject_TypeCheck(b, block_type)) {
+        PyErr_SetString(PyExc_TypeError, "the recency queue holds a non-Block");
+        return -1;
+    }
+    PyObject *t = SLOT(b, boff[B_RELEASE_TICK]);
+    if (t != tick) {
+        int eq = PyObject_RichCompareBool(t, tick, Py_EQ);
+        if (eq <= 0) return eq;
+    }
+    *key = PyDict_GetItemWithError(key_of, SLOT(b, boff[B_BLOCK_ID]));
+    return *key ? 1 : (PyErr_Occurred() ? -1 : 0);
+}
+
+/* recent_victims(count, queue, head, key_of, buckets, ghost, ghost_size) -> (victims, head)
+ * adaptive.DuelingEviction._recent_victims: up to count blocks of the live pairs of queue
+ * from head on, oldest first; each leaves the aged-LFU order (key_of, its bucket, emptied
+ * buckets deleted) and its count goes to the ghost, as remove and remember. head: the index
+ * after the last pair consumed. */
+static PyObject *py_recent_victims(PyObject *self, PyObject *args) {
+    Py_ssize_t count, head, ghost_size;
+    PyObject *queue, *key_of, *buckets, *ghost;
+    if (!PyArg_ParseTuple(args, "nO!nO!O!O!n", &count, &PyList_Type, &queue, &head, &PyDict_Type,
+                          &key_of, &PyDict_Type, &buckets, &PyDict_Type, &ghost, &ghost_size))
+        return NULL;
+    if (!block_type) {
+        PyErr_SetString(PyExc_RuntimeError, "_blockops.setup() was not called");
+        return NULL;
+    }
+    if (head < 0) head = 0;
+    PyObject *out = PyList_New(0);
+    if (!out) return NULL;
+    while (PyList_GET_SIZE(out) < count && head + 1 < PyList_GET_SIZE(queue)) {
+        PyObject *key = NULL;
+        int live = recent_live(queue, head, key_of, &key);
+        PyObject *b = PyList_GET_ITEM(queue, head + 1);
+        head += 2;
+        if (live < 0) goto error;
+        if (!live) continue;
+        PyObject *id = SLOT(b, boff[B_BLOCK_ID]);
+        Py_INCREF(b);
+        Py_INCREF(key);
+        PyObject *bucket = PyDict_GetItemWithError(buckets, key);
+        int bad = !bucket;
+        if (bad && !PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, key);
+        if (!bad) {
+            Py_INCREF(bucket);
+            Py_ssize_t left = -1;
+            bad = PyObject_DelItem(bucket, id) < 0 || (left = PyObject_Length(bucket)) < 0 ||
+                  (left == 0 && PyDict_DelItem(buckets, key) < 0);
+            Py_DECREF(bucket);
+        }
+        bad = bad || PyDict_DelItem(key_of, id) < 0 ||
+              ghost_remember(ghost, SLOT(b, boff[B_SEQUENCE_HASH]), SLOT(b, boff[B_POLICY_STATE]),
+                             ghost_size) < 0 ||
+              PyList_Append(out, b) < 0;
+        Py_DECREF(key);
+        Py_DECREF(b);
+        if (bad) goto error;
+    }
+    return Py_BuildValue("(Nn)", out, head);
+error:
+    Py_DECREF(out);
+    return NULL;
+}
+
+/* recent_prune(queue, head, key_of) -> list: the live pairs of queue from head on, in order
+ * (adaptive.DuelingEviction._live_pairs). */
+static PyObject *py_recent_prune(PyObject *self, PyObject *args) {
+    Py_ssize_t head;
+    PyObject *queue, *key_of;
+    if (!PyArg_ParseTuple(args, "O!nO!", &PyList_Type, &queue, &head, &PyDict_Type, &key_of))
+        return NULL;
+    if (!block_type) {
+        PyErr_SetString(PyExc_RuntimeError, "_blockops.setup() was not called");
+        return NULL;
+    }
+    PyObject *out = PyList_New(0);
+    if (!out) return NULL;
+    for (Py_ssize_t i = head < 0 ? 0 : head; i + 1 < PyList_GET_SIZE(queue); i += 2) {
+        PyObject *key;
+        int live = recent_live(queue, i, key_of, &key);
+        if (live < 0 || (live && (PyList_Append(out, PyList_GET_ITEM(queue, i)) < 0 ||
+                                  PyList_Append(out, PyList_GET_ITEM(queue, i + 1)) < 0))) {
+            Py_DECREF(out);
+            return NULL;
+        }
+    }
+    return out;
 }
 
 /* lfu_shadow_serve(hashes, count, key_of, buckets, keys, age, ghost, ghost_size, capacity,
@@ -622,8 +734,10 @@ static PyMethodDef methods[] = {
     {"apply", py_apply, METH_VARARGS, "apply(blocks, records, size) -> applied"},
     {"release", py_release, METH_VARARGS, "release(blocks, tick) -> (tick, idle) or None"},
     {"mark", py_mark, METH_VARARGS, "mark(blocks, state)"},
-    {"lfu_insert", py_lfu_insert, METH_VARARGS, "lfu_insert(blocks, key_of, buckets, keys, age, last_tick, bucket_type, heappush)"},
+    {"lfu_insert", py_lfu_insert, METH_VARARGS, "lfu_insert(blocks, key_of, buckets, keys, age, last_tick, bucket_type, heappush[, queue])"},
     {"lfu_victims", py_lfu_victims, METH_VARARGS, "lfu_victims(count, keys, buckets, key_of, ghost, ghost_size, heappop)"},
+    {"recent_victims", py_recent_victims, METH_VARARGS, "recent_victims(count, queue, head, key_of, buckets, ghost, ghost_size) -> (victims, head)"},
+    {"recent_prune", py_recent_prune, METH_VARARGS, "recent_prune(queue, head, key_of) -> live pairs"},
     {"lfu_shadow_serve", py_lfu_shadow_serve, METH_VARARGS, "lfu_shadow_serve(hashes, count, key_of, buckets, keys, age, ghost, ghost_size, capacity, admit, bucket_type, heappush, heappop) -> (hits, age)"},
     {"register_new", py_register_new, METH_VARARGS, "register_new(blocks, by_hash, tiers, bit, remove) -> (records, tiers_done) or None"},
     {NULL, NULL, 0, NULL},

@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 from . import blockops
 from .admission import ADMISSION_FILTERS, AdmissionPolicy, SecondOfferAdmission
 from .block import Block
-from .eviction import EVICTION_ORDERS, AgedFrequencyEviction, EvictionPolicy, LruEviction
+from .eviction import EVICTION_ORDERS, AgedFrequencyEviction, EvictionPolicy
 
 ADAPTIVE = "adaptive"
 """Policy name (eviction or admission) whose choice is made online by set dueling."""
@@ -222,82 +222,112 @@ class PolicyDuel:
         self.leader = best
 
 
-class DuelingEviction(EvictionPolicy):
-    """LRU and aged-LFU orders over the same blocks; victims come from the duel's leader."""
+class DuelingEviction(AgedFrequencyEviction):
+    """LRU and aged-LFU orders over the same blocks; victims come from the duel's leader.
+
+    It is the aged-LFU order (inherited: buckets, counts, ghost) plus a *recency queue* for
+    the LRU side: the blocks in release order, as flat ``tick, block`` pairs, appended on
+    every insert and never searched. A pair is live while its block is in the order with
+    that very release tick; a removal, or a re-insert at a newer tick, leaves the old pair
+    stale, to be skipped when it reaches the front or dropped when the queue is pruned (once
+    it holds over twice the order's blocks). So the LRU side costs one append per insert,
+    where an ordered dict cost an insert and a removal, both in Python.
+
+    The LRU victim is the least recently released block: what :class:`LruEviction` picks
+    (its insertion order) for every insert a pool makes, since a pool stamps a newer release
+    tick on each. An insert at a tick no newer than the last one (not a pool's) re-sorts the
+    queue by (tick, block id), as the aged-LFU order re-sorts a bucket.
+    """
 
     name = ADAPTIVE
 
     def __init__(self, capacity: int, duel: PolicyDuel) -> None:
+        super().__init__(capacity)
         self._duel = duel
-        self._lru = LruEviction(capacity)
-        self._lfu = AgedFrequencyEviction(capacity)
-        self._orders: tuple[EvictionPolicy, EvictionPolicy] = (self._lru, self._lfu)
-
-    def registered(self, block: Block) -> None:
-        self._lfu.registered(block)
-
-    def registered_many(self, blocks: list[Block]) -> None:
-        self._lfu.registered_many(blocks)
-
-    def record_hit(self, block: Block) -> None:
-        self._lfu.record_hit(block)
-
-    def record_hits(self, blocks: list[Block]) -> None:
-        self._lfu.record_hits(blocks)
-
-    def insert(self, block: Block) -> None:
-        for order in self._orders:
-            order.insert(block)
+        self._recent: list = []     # tick, block, tick, block, ... in release order
+        self._head = 0              # index of the first pair not yet consumed
 
     def insert_many(self, blocks: list[Block]) -> None:
-        for order in self._orders:
-            order.insert_many(blocks)
-
-    def remove(self, block: Block) -> None:
-        for order in self._orders:
-            order.remove(block)
-
-    def remove_many(self, blocks: list[Block]) -> None:
-        for order in self._orders:
-            order.remove_many(blocks)
-
-    def touch(self, block: Block) -> None:
-        for order in self._orders:
-            order.touch(block)
-
-    def victim(self) -> Block | None:
-        if self._duel.eviction == "lfu":
-            block = self._lfu.victim()
-            if block is not None:
-                self._lru.remove(block)
-        else:
-            block = self._lru.victim()
-            if block is not None:
-                self._lfu.remove(block)
-                self._lfu.remember(block)
-        return block
+        ops = blockops.native()
+        if ops is not None:         # new blocks at the newest ticks: both sides in one call
+            last = ops.lfu_insert(blocks, self._key_of, self._buckets, self._keys, self._age,
+                                  self._last_tick, OrderedDict, heapq.heappush, self._recent)
+            if last is not None:
+                self._last_tick = last
+                self._tidy_keys()
+                self._tidy_recent()
+                return
+        last = self._last_tick
+        self._insert_python(blocks)
+        recent = self._recent
+        for block in blocks:
+            tick = block.release_tick
+            if tick <= last:
+                self._requeue()
+                return
+            recent += (tick, block)
+            last = tick
+        self._tidy_recent()
 
     def victims(self, count: int) -> list[Block]:
-        # As ``count`` calls of ``victim``: the other order's removals do not change the
-        # leader's choices, so each order works in one batch.
         if self._duel.eviction == "lfu":
-            blocks = self._lfu.victims(count)
-            self._lru.remove_many(blocks)
-        else:
-            blocks = self._lru.victims(count)
-            lfu = self._lfu
-            lfu.remove_many(blocks)
-            for block in blocks:
-                lfu.remember(block)
-        return blocks
+            return super().victims(count)
+        ops = blockops.native()
+        if ops is not None:
+            blocks, self._head = ops.recent_victims(count, self._recent, self._head,
+                                                    self._key_of, self._buckets, self._ghost,
+                                                    self._ghost_size)
+            return blocks
+        return self._recent_victims(count)
 
-    def __len__(self) -> int:
-        return len(self._lru)
+    def _recent_victims(self, count: int) -> list[Block]:
+        """The next ``count`` live blocks of the recency queue (fewer if it runs dry), each
+        leaving the aged-LFU order as ``remove`` then ``remember`` would."""
+        recent, head, key_of = self._recent, self._head, self._key_of
+        out: list[Block] = []
+        end = len(recent)
+        while len(out) < count and head < end:
+            tick, block = recent[head], recent[head + 1]
+            head += 2
+            if block.release_tick == tick and block.block_id in key_of:
+                self.remove(block)
+                self.remember(block)
+                out.append(block)
+        self._head = head
+        return out
+
+    def _tidy_recent(self) -> None:
+        """Drop consumed and stale pairs once the queue holds over twice the order's blocks."""
+        if len(self._recent) > 4 * len(self._key_of) + 128:
+            ops = blockops.native()
+            if ops is not None:
+                self._recent = ops.recent_prune(self._recent, self._head, self._key_of)
+            else:
+                self._recent = self._live_pairs()
+            self._head = 0
+
+    def _live_pairs(self) -> list:
+        recent, key_of = self._recent, self._key_of
+        out: list = []
+        for i in range(self._head, len(recent), 2):
+            tick, block = recent[i], recent[i + 1]
+            if block.release_tick == tick and block.block_id in key_of:
+                out += (tick, block)
+        return out
+
+    def _requeue(self) -> None:
+        """Rebuild the queue from the order's blocks, by (release tick, block id)."""
+        blocks = [b for bucket in self._buckets.values() for b in bucket.values()]
+        blocks.sort(key=lambda b: (b.release_tick, b.block_id))
+        self._recent = [x for b in blocks for x in (b.release_tick, b)]
+        self._head = 0
 
     def members(self) -> set[int]:
-        lru, lfu = self._lru.members(), self._lfu.members()
-        assert lru == lfu, f"adaptive orders drifted: {sorted(lru ^ lfu)[:8]}"
-        return lru
+        members = super().members()
+        live = [block.block_id for block in self._live_pairs()[1::2]]
+        assert len(live) == len(members) and set(live) == members, (
+            f"adaptive recency queue drifted: {sorted(set(live) ^ members)[:8]}")
+        return members
 
 
 class DuelingAdmission(AdmissionPolicy):
