@@ -89,7 +89,12 @@ static PyObject *py_setup(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static int check_blocks(PyObject *blocks) {
+#define BIT(k) (1u << (k))
+
+/* blocks is a list of Blocks whose slots named in read (BIT(B_...) | ...) are set: those the
+ * caller reads; the others it only overwrites (put() takes an unset slot). A Block's slots
+ * are all set unless deleted. */
+static int check_blocks(PyObject *blocks, unsigned read) {
     if (!block_type) {
         PyErr_SetString(PyExc_RuntimeError, "_blockops.setup() was not called");
         return -1;
@@ -98,6 +103,9 @@ static int check_blocks(PyObject *blocks) {
         PyErr_SetString(PyExc_TypeError, "blocks must be a list");
         return -1;
     }
+    int slots[B_COUNT], m = 0;
+    for (int k = 0; k < B_COUNT; k++)
+        if (read & BIT(k)) slots[m++] = k;
     Py_ssize_t n = PyList_GET_SIZE(blocks);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *b = PyList_GET_ITEM(blocks, i);
@@ -105,9 +113,9 @@ static int check_blocks(PyObject *blocks) {
             PyErr_Format(PyExc_TypeError, "not a Block: %R", b);
             return -1;
         }
-        for (int k = 0; k < B_COUNT; k++)          /* every slot set (a Block's always are) */
-            if (!SLOT(b, boff[k])) {
-                PyErr_Format(PyExc_AttributeError, "Block slot %s is unset", block_slots[k]);
+        for (int j = 0; j < m; j++)
+            if (!SLOT(b, boff[slots[j]])) {
+                PyErr_Format(PyExc_AttributeError, "Block slot %s is unset", block_slots[slots[j]]);
                 return -1;
             }
     }
@@ -118,7 +126,7 @@ static PyObject *py_reset(PyObject *self, PyObject *args) {
     PyObject *blocks, *ref_count;
     int plain;
     if (!PyArg_ParseTuple(args, "OOp", &blocks, &ref_count, &plain)) return NULL;
-    if (check_blocks(blocks) < 0) return NULL;
+    if (check_blocks(blocks, 0) < 0) return NULL;
     Py_ssize_t n = PyList_GET_SIZE(blocks);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *b = PyList_GET_ITEM(blocks, i);
@@ -145,7 +153,7 @@ static PyObject *py_reset(PyObject *self, PyObject *args) {
 static PyObject *py_apply(PyObject *self, PyObject *args) {
     PyObject *blocks, *records, *size;
     if (!PyArg_ParseTuple(args, "OOO", &blocks, &records, &size)) return NULL;
-    if (check_blocks(blocks) < 0) return NULL;
+    if (check_blocks(blocks, 0) < 0) return NULL;
     if (!PyList_Check(records) && !PyTuple_Check(records)) return PyLong_FromLong(0);
     PyObject *fast = PySequence_Fast(records, "records");
     if (!fast) return NULL;
@@ -202,7 +210,7 @@ static PyObject *py_release(PyObject *self, PyObject *args) {
     PyObject *blocks;
     long long tick;
     if (!PyArg_ParseTuple(args, "OL", &blocks, &tick)) return NULL;
-    if (check_blocks(blocks) < 0) return NULL;
+    if (check_blocks(blocks, BIT(B_REF_COUNT)) < 0) return NULL;
     Py_ssize_t n = PyList_GET_SIZE(blocks);
     for (Py_ssize_t i = 0; i < n; i++) {     /* plain ints only; else the Python path */
         PyObject *refs = SLOT(PyList_GET_ITEM(blocks, i), boff[B_REF_COUNT]);
@@ -245,7 +253,7 @@ error:
 static PyObject *py_mark(PyObject *self, PyObject *args) {
     PyObject *blocks, *state;
     if (!PyArg_ParseTuple(args, "OO", &blocks, &state)) return NULL;
-    if (check_blocks(blocks) < 0) return NULL;
+    if (check_blocks(blocks, 0) < 0) return NULL;
     Py_ssize_t n = PyList_GET_SIZE(blocks);
     for (Py_ssize_t i = 0; i < n; i++) put(PyList_GET_ITEM(blocks, i), boff[B_STATE], state);
     Py_RETURN_NONE;
@@ -263,7 +271,9 @@ static PyObject *py_register_new(PyObject *self, PyObject *args) {
     PyObject *blocks, *by_hash, *tiers, *bit, *remove;
     if (!PyArg_ParseTuple(args, "OO!OOO", &blocks, &PyDict_Type, &by_hash, &tiers, &bit, &remove))
         return NULL;
-    if (check_blocks(blocks) < 0) return NULL;
+    if (check_blocks(blocks, BIT(B_STATE) | BIT(B_CACHED_RECORD) | BIT(B_SEQUENCE_HASH) |
+                             BIT(B_PARENT_HASH)) < 0)
+        return NULL;
     int tiers_new = PyDict_Check(tiers);
     int link = remove != Py_None;
     Py_ssize_t n = PyList_GET_SIZE(blocks);
@@ -370,7 +380,8 @@ static PyObject *py_lfu_insert(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_TypeError, "queue must be a list or None");
         return NULL;
     }
-    if (check_blocks(blocks) < 0) return NULL;
+    if (check_blocks(blocks, BIT(B_BLOCK_ID) | BIT(B_RELEASE_TICK) | BIT(B_POLICY_STATE)) < 0)
+        return NULL;
     Py_ssize_t n = PyList_GET_SIZE(blocks);
     PyObject *prev = last;
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -417,6 +428,10 @@ static PyObject *py_lfu_insert(PyObject *self, PyObject *args) {
 /* ghost[h] = count, h moved last (an ordered dict: a new key goes last); the oldest entry
  * dropped beyond ghost_size. AgedFrequencyEviction.remember's stores. */
 static int ghost_remember(PyObject *ghost, PyObject *h, PyObject *count, Py_ssize_t ghost_size) {
+    if (!h || !count) {                        /* a Block slot deleted since it was checked */
+        PyErr_SetString(PyExc_AttributeError, "Block slot sequence_hash or policy_state is unset");
+        return -1;
+    }
     int known = PyDict_Contains(ghost, h);
     if (known < 0 || PyObject_SetItem(ghost, h, count) < 0) return -1;
     PyObject *r;
@@ -500,12 +515,16 @@ static int recent_live(PyObject *queue, Py_ssize_t i, PyObject *key_of, PyObject
         PyErr_SetString(PyExc_TypeError, "the recency queue holds a non-Block");
         return -1;
     }
-    PyObject *t = SLOT(b, boff[B_RELEASE_TICK]);
+    PyObject *t = SLOT(b, boff[B_RELEASE_TICK]), *id = SLOT(b, boff[B_BLOCK_ID]);
+    if (!t || !id) {
+        PyErr_SetString(PyExc_AttributeError, "Block slot release_tick or block_id is unset");
+        return -1;
+    }
     if (t != tick) {
         int eq = PyObject_RichCompareBool(t, tick, Py_EQ);
         if (eq <= 0) return eq;
     }
-    *key = PyDict_GetItemWithError(key_of, SLOT(b, boff[B_BLOCK_ID]));
+    *key = PyDict_GetItemWithError(key_of, id);
     return *key ? 1 : (PyErr_Occurred() ? -1 : 0);
 }
 
