@@ -215,8 +215,12 @@ def test_shadow_caches_serve_exactly_as_a_pool(requests, capacity, eviction, adm
     fast = _shadow(capacity, eviction, admission)
     for hashes in requests:
         assert fast.serve(hashes) == ref.serve(hashes)
-    held = set(fast._order) if eviction == "lru" else set(fast._count)
-    if eviction == "lfu":
+    held = fast.held()
+    if eviction == "lru":
+        live = [h for s, h in zip(fast._queue[fast._head::2], fast._queue[fast._head + 1::2])
+                if fast._stamp.get(h) == s]
+        assert sorted(live) == sorted(held)      # each held hash once in the queue
+    else:
         assert set(fast._key) == held == {h for b in fast._buckets.values() for h in b}
     assert held == ref.held()
 

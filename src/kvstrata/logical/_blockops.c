@@ -20,7 +20,7 @@
  * register_new(blocks, by_hash, tiers, bit, remove) -> (records, tiers_done) or None: below
  * lfu_insert(...), lfu_victims(...)  the aged-LFU order's insert_many and victims, below
  * recent_victims(...), recent_prune(...)  the adaptive order's recency queue, below
- * lfu_shadow_serve(...)               the duel's aged-LFU shadow cache serving a request
+ * lru_shadow_serve(...), lfu_shadow_serve(...)  the duel's shadow caches serving a request
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -605,6 +605,90 @@ static PyObject *py_recent_prune(PyObject *self, PyObject *args) {
     return out;
 }
 
+/* lru_shadow_serve(hashes, stamp, queue, head, clock, capacity, admit) -> (hits, clock, head)
+ * adaptive._LruShadow._serve (see there) over its dict and queue: hits of the longest held
+ * prefix, then each hash held or admitted (admit None: everything) stamped with the next
+ * clock value, stamp[h] = clock, and "clock, h" appended to the queue, the least recently
+ * used hash (the first pair still carrying its hash's stamp) evicted when full. Then, if the
+ * queue holds over twice the cache, it is cut to its live pairs in place (head 0). */
+static PyObject *py_lru_shadow_serve(PyObject *self, PyObject *args) {
+    PyObject *hashes, *stamp, *queue, *admit;
+    Py_ssize_t head, capacity;
+    long long clock;
+    if (!PyArg_ParseTuple(args, "O!O!O!nLnO", &PyList_Type, &hashes, &PyDict_Type, &stamp,
+                          &PyList_Type, &queue, &head, &clock, &capacity, &admit))
+        return NULL;
+    if (head < 0) head = 0;
+    Py_ssize_t hits = 0;
+    for (; hits < PyList_GET_SIZE(hashes); hits++) {
+        int in = PyDict_Contains(stamp, PyList_GET_ITEM(hashes, hits));
+        if (in < 0) return NULL;
+        if (!in) break;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(hashes); i++) {
+        PyObject *h = Py_NewRef(PyList_GET_ITEM(hashes, i));
+        int in = PyDict_Contains(stamp, h);
+        if (in < 0) goto fail;
+        if (!in && admit != Py_None) {
+            PyObject *r = PyObject_CallOneArg(admit, h);
+            int yes = r ? PyObject_IsTrue(r) : -1;
+            Py_XDECREF(r);
+            if (yes < 0) goto fail;
+            if (!yes) { Py_DECREF(h); continue; }
+        }
+        if (!in && PyDict_GET_SIZE(stamp) >= capacity) {          /* evict */
+            for (;;) {
+                if (head + 1 >= PyList_GET_SIZE(queue)) {
+                    PyErr_SetString(PyExc_RuntimeError, "LRU shadow queue ran dry");
+                    goto fail;
+                }
+                PyObject *s = PyList_GET_ITEM(queue, head), *old = PyList_GET_ITEM(queue, head + 1);
+                head += 2;
+                PyObject *cur = PyDict_GetItemWithError(stamp, old);
+                if (!cur) {
+                    if (PyErr_Occurred()) goto fail;
+                    continue;
+                }
+                int eq = cur == s ? 1 : PyObject_RichCompareBool(cur, s, Py_EQ);
+                if (eq < 0) goto fail;
+                if (eq) {
+                    if (PyDict_DelItem(stamp, old) < 0) goto fail;      /* the queue holds old */
+                    break;
+                }
+            }
+        }
+        PyObject *t = PyLong_FromLongLong(++clock);
+        int bad = !t || PyDict_SetItem(stamp, h, t) < 0 || PyList_Append(queue, t) < 0 ||
+                  PyList_Append(queue, h) < 0;
+        Py_XDECREF(t);
+        Py_DECREF(h);
+        if (bad) return NULL;
+        continue;
+    fail:
+        Py_DECREF(h);
+        return NULL;
+    }
+    if (PyList_GET_SIZE(queue) > 4 * PyDict_GET_SIZE(stamp) + 128) {
+        PyObject *live = PyList_New(0);
+        if (!live) return NULL;
+        for (Py_ssize_t i = head; i + 1 < PyList_GET_SIZE(queue); i += 2) {
+            PyObject *s = PyList_GET_ITEM(queue, i), *h = PyList_GET_ITEM(queue, i + 1);
+            PyObject *cur = PyDict_GetItemWithError(stamp, h);
+            int eq = cur ? (cur == s ? 1 : PyObject_RichCompareBool(cur, s, Py_EQ))
+                         : (PyErr_Occurred() ? -1 : 0);
+            if (eq < 0 || (eq && (PyList_Append(live, s) < 0 || PyList_Append(live, h) < 0))) {
+                Py_DECREF(live);
+                return NULL;
+            }
+        }
+        int bad = PyList_SetSlice(queue, 0, PyList_GET_SIZE(queue), live);
+        Py_DECREF(live);
+        if (bad < 0) return NULL;
+        head = 0;
+    }
+    return Py_BuildValue("(nLn)", hits, clock, head);
+}
+
 /* lfu_shadow_serve(hashes, count, key_of, buckets, keys, age, ghost, ghost_size, capacity,
  *                  admit, bucket_type, heappush, heappop) -> (hits, age)
  * adaptive._LfuShadow.serve (see there) over its own dicts: hits of the longest held prefix,
@@ -757,6 +841,7 @@ static PyMethodDef methods[] = {
     {"lfu_victims", py_lfu_victims, METH_VARARGS, "lfu_victims(count, keys, buckets, key_of, ghost, ghost_size, heappop)"},
     {"recent_victims", py_recent_victims, METH_VARARGS, "recent_victims(count, queue, head, key_of, buckets, ghost, ghost_size) -> (victims, head)"},
     {"recent_prune", py_recent_prune, METH_VARARGS, "recent_prune(queue, head, key_of) -> live pairs"},
+    {"lru_shadow_serve", py_lru_shadow_serve, METH_VARARGS, "lru_shadow_serve(hashes, stamp, queue, head, clock, capacity, admit) -> (hits, clock, head)"},
     {"lfu_shadow_serve", py_lfu_shadow_serve, METH_VARARGS, "lfu_shadow_serve(hashes, count, key_of, buckets, keys, age, ghost, ghost_size, capacity, admit, bucket_type, heappush, heappop) -> (hits, age)"},
     {"register_new", py_register_new, METH_VARARGS, "register_new(blocks, by_hash, tiers, bit, remove) -> (records, tiers_done) or None"},
     {NULL, NULL, 0, NULL},

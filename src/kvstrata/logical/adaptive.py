@@ -47,35 +47,75 @@ class _LruShadow:
 
     Exactly what a :class:`BlockPool` with :class:`LruEviction` of the same capacity does
     when served a request (longest held prefix; each block touched if held, else allocated,
-    registered and released if admitted, the least recently used evicted when full), as a
-    bare ordered dict of hashes: the per-block pool calls were most of the duel's cost.
+    registered and released if admitted, the least recently used evicted when full), as
+    bare hashes: the per-block pool calls were most of the duel's cost.
     ``tests/logical/test_policy.py`` checks it against such a pool.
+
+    Kept as :class:`DuelingEviction` keeps its recency: each use of a hash stamps it with a
+    new clock value and appends ``stamp, hash`` to a queue; the least recently used hash is
+    the first pair still carrying its hash's stamp. Stale pairs are pruned once the queue
+    holds over twice the cache. (An ordered dict's insert, move and pop cost several times
+    a dict store and two list appends.)
     """
 
     def __init__(self, capacity: int, admission: AdmissionPolicy) -> None:
         self.capacity = capacity
         self.admission = admission
-        self._order: OrderedDict[int, None] = OrderedDict()
+        self._stamp: dict[int, int] = {}      # held hash -> the clock value of its last use
+        self._queue: list[int] = []           # stamp, hash, stamp, hash, ... oldest first
+        self._head = 0                        # index of the first pair not yet consumed
+        self._clock = 0
+
+    def held(self) -> set[int]:
+        """The hashes the shadow holds (tests)."""
+        return set(self._stamp)
 
     def serve(self, sequence_hashes: Sequence[int]) -> int:
         """Prefix hits of one request; then touch what is held and offer the rest."""
-        order = self._order
+        admit = None if type(self.admission) is AdmissionPolicy else self.admission.admit
+        ops = blockops.native()
+        if ops is not None and type(sequence_hashes) is list and self._clock < 2**62:
+            hits, self._clock, self._head = ops.lru_shadow_serve(
+                sequence_hashes, self._stamp, self._queue, self._head, self._clock,
+                self.capacity, admit)
+        else:
+            hits = self._serve(sequence_hashes, admit)
+        if len(self._queue) > 4 * len(self._stamp) + 128:    # the native path prunes itself
+            self._prune()
+        return hits
+
+    def _serve(self, sequence_hashes: Sequence[int], admit) -> int:
+        stamp, queue = self._stamp, self._queue
         hits = 0
         for h in sequence_hashes:
-            if h not in order:
+            if h not in stamp:
                 break
             hits += 1
-        move, admit, capacity = order.move_to_end, self.admission.admit, self.capacity
-        if type(self.admission) is AdmissionPolicy:     # admits everything: no call per block
-            admit = _admit_all
+        capacity, clock = self.capacity, self._clock
         for h in sequence_hashes:
-            if h in order:
-                move(h)
-            elif admit is _admit_all or admit(h):
-                if len(order) >= capacity:
-                    order.popitem(last=False)
-                order[h] = None
+            if h not in stamp:
+                if admit is not None and not admit(h):
+                    continue
+                if len(stamp) >= capacity:      # evict the least recently used
+                    head = self._head
+                    while stamp.get(queue[head + 1]) != queue[head]:
+                        head += 2
+                    del stamp[queue[head + 1]]
+                    self._head = head + 2
+            clock += 1
+            stamp[h] = clock
+            queue += (clock, h)
+        self._clock = clock
         return hits
+
+    def _prune(self) -> None:
+        stamp, queue = self._stamp, self._queue
+        live: list[int] = []
+        for i in range(self._head, len(queue), 2):
+            if stamp.get(queue[i + 1]) == queue[i]:
+                live += (queue[i], queue[i + 1])
+        self._queue = live
+        self._head = 0
 
 
 class _LfuShadow:
@@ -98,6 +138,10 @@ class _LfuShadow:
         self._age = 0
         self._ghost: OrderedDict[int, int] = OrderedDict()
         self._ghost_size = max(1, ghost_factor * capacity)
+
+    def held(self) -> set[int]:
+        """The hashes the shadow holds (tests)."""
+        return set(self._count)
 
     def serve(self, sequence_hashes: Sequence[int]) -> int:
         ops = blockops.native()

@@ -24,7 +24,8 @@ _RESET, _COMPLETE, _REGISTERED = BlockState.RESET, BlockState.COMPLETE, BlockSta
 
 
 _FUNCTIONS = ("setup", "reset", "apply", "release", "mark", "register_new", "lfu_insert",
-              "lfu_victims", "recent_victims", "recent_prune", "lfu_shadow_serve")
+              "lfu_victims", "recent_victims", "recent_prune", "lru_shadow_serve",
+              "lfu_shadow_serve")
 
 
 def _load():
