@@ -220,6 +220,8 @@ def test_shadow_caches_serve_exactly_as_a_pool(requests, capacity, eviction, adm
         live = [h for s, h in zip(fast._queue[fast._head::2], fast._queue[fast._head + 1::2])
                 if fast._stamp.get(h) == s]
         assert sorted(live) == sorted(held)      # each held hash once in the queue
+        fast._prune()
+        assert len(fast._queue) == 2 * len(held)  # pruned to the live pairs
     else:
         assert set(fast._key) == held == {h for b in fast._buckets.values() for h in b}
     assert held == ref.held()

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
+from itertools import compress
+from operator import attrgetter, eq
 from typing import Callable, Sequence
 
 from . import blockops
@@ -40,6 +42,17 @@ ADMISSION_CANDIDATES = ("always", "second-offer")
 
 def _admit_all(sequence_hash: int) -> bool:
     return True
+
+
+_release_tick = attrgetter("release_tick")
+
+
+def _pairs(firsts: list, seconds: list) -> list:
+    """``[firsts[0], seconds[0], firsts[1], seconds[1], ...]`` (lists of one length)."""
+    out = [None] * (2 * len(firsts))
+    out[::2] = firsts
+    out[1::2] = seconds
+    return out
 
 
 class _LruShadow:
@@ -91,7 +104,7 @@ class _LruShadow:
             if h not in stamp:
                 break
             hits += 1
-        capacity, clock = self.capacity, self._clock
+        capacity, clock, append = self.capacity, self._clock, queue.append
         for h in sequence_hashes:
             if h not in stamp:
                 if admit is not None and not admit(h):
@@ -104,17 +117,16 @@ class _LruShadow:
                     self._head = head + 2
             clock += 1
             stamp[h] = clock
-            queue += (clock, h)
+            append(clock)
+            append(h)
         self._clock = clock
         return hits
 
     def _prune(self) -> None:
-        stamp, queue = self._stamp, self._queue
-        live: list[int] = []
-        for i in range(self._head, len(queue), 2):
-            if stamp.get(queue[i + 1]) == queue[i]:
-                live += (queue[i], queue[i + 1])
-        self._queue = live
+        stamp, queue, head = self._stamp, self._queue, self._head
+        stamps, hashes = queue[head::2], queue[head + 1::2]
+        live = list(map(eq, stamps, map(stamp.get, hashes)))
+        self._queue = _pairs(list(compress(stamps, live)), list(compress(hashes, live)))
         self._head = 0
 
 
@@ -303,14 +315,11 @@ class DuelingEviction(AgedFrequencyEviction):
                 return
         last = self._last_tick
         self._insert_python(blocks)
-        recent = self._recent
-        for block in blocks:
-            tick = block.release_tick
-            if tick <= last:
-                self._requeue()
-                return
-            recent += (tick, block)
-            last = tick
+        ticks = list(map(_release_tick, blocks))
+        if ticks and (ticks[0] <= last or ticks != sorted(set(ticks))):   # not increasing
+            self._requeue()
+            return
+        self._recent += _pairs(ticks, blocks)
         self._tidy_recent()
 
     def victims(self, count: int) -> list[Block]:
@@ -351,19 +360,16 @@ class DuelingEviction(AgedFrequencyEviction):
             self._head = 0
 
     def _live_pairs(self) -> list:
-        recent, key_of = self._recent, self._key_of
-        out: list = []
-        for i in range(self._head, len(recent), 2):
-            tick, block = recent[i], recent[i + 1]
-            if block.release_tick == tick and block.block_id in key_of:
-                out += (tick, block)
-        return out
+        recent, key_of, head = self._recent, self._key_of, self._head
+        ticks, blocks = recent[head::2], recent[head + 1::2]
+        live = [b.release_tick == t and b.block_id in key_of for t, b in zip(ticks, blocks)]
+        return _pairs(list(compress(ticks, live)), list(compress(blocks, live)))
 
     def _requeue(self) -> None:
         """Rebuild the queue from the order's blocks, by (release tick, block id)."""
         blocks = [b for bucket in self._buckets.values() for b in bucket.values()]
         blocks.sort(key=lambda b: (b.release_tick, b.block_id))
-        self._recent = [x for b in blocks for x in (b.release_tick, b)]
+        self._recent = _pairs(list(map(_release_tick, blocks)), blocks)
         self._head = 0
 
     def members(self) -> set[int]:
