@@ -81,3 +81,15 @@ def test_reset_from_any_state():
         prepare(block)
         block.reset()
         assert block.state is BlockState.RESET and block.tokens is None
+
+
+def test_block_loops_take_a_deleted_slot_they_only_write_and_refuse_one_they_read():
+    from kvstrata.logical.blockops import release_registered, reset_all
+
+    block = Block(0, 4)
+    del block.tokens                      # reset writes it: fine on both paths
+    reset_all([block], 1)
+    assert block.tokens is None and block.ref_count == 1
+    del block.ref_count                   # release reads it: an error, not a crash
+    with pytest.raises(AttributeError):
+        release_registered([block], 0)

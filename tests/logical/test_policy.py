@@ -215,7 +215,133 @@ def test_shadow_caches_serve_exactly_as_a_pool(requests, capacity, eviction, adm
     fast = _shadow(capacity, eviction, admission)
     for hashes in requests:
         assert fast.serve(hashes) == ref.serve(hashes)
-    held = set(fast._order) if eviction == "lru" else set(fast._count)
-    if eviction == "lfu":
+    held = fast.held()
+    if eviction == "lru":
+        live = [h for s, h in zip(fast._queue[fast._head::2], fast._queue[fast._head + 1::2])
+                if fast._stamp.get(h) == s]
+        assert sorted(live) == sorted(held)      # each held hash once in the queue
+        fast._prune()
+        assert len(fast._queue) == 2 * len(held)  # pruned to the live pairs
+    else:
         assert set(fast._key) == held == {h for b in fast._buckets.values() for h in b}
     assert held == ref.held()
+
+
+# -- the adaptive order evicts exactly as two separate orders would ----------------------------
+
+from kvstrata.logical.adaptive import DuelingEviction  # noqa: E402
+from kvstrata.logical.block import Block  # noqa: E402
+from kvstrata.logical.eviction import AgedFrequencyEviction, EvictionPolicy, LruEviction  # noqa: E402
+
+
+class _Leader:
+    """A duel stand-in whose leader the test sets."""
+
+    eviction = "lru"
+
+
+class _TwoOrders(EvictionPolicy):
+    """The reference: an LRU and an aged-LFU order kept side by side, victims from the
+    leader's, the other one kept in step (the design DuelingEviction replaced)."""
+
+    def __init__(self, capacity, leader):
+        self.leader = leader
+        self.lru, self.lfu = LruEviction(capacity), AgedFrequencyEviction(capacity)
+
+    def registered(self, block):
+        self.lfu.registered(block)
+
+    def record_hit(self, block):
+        self.lfu.record_hit(block)
+
+    def insert(self, block):
+        self.lru.insert(block)
+        self.lfu.insert(block)
+
+    def remove(self, block):
+        self.lru.remove(block)
+        self.lfu.remove(block)
+
+    def touch(self, block):
+        self.lru.touch(block)
+        self.lfu.touch(block)
+
+    def victim(self):
+        if self.leader.eviction == "lfu":
+            block = self.lfu.victim()
+            if block is not None:
+                self.lru.remove(block)
+        else:
+            block = self.lru.victim()
+            if block is not None:
+                self.lfu.remove(block)
+                self.lfu.remember(block)
+        return block
+
+    def __len__(self):
+        return len(self.lru)
+
+    def members(self):
+        return self.lru.members()
+
+
+_hashes = st.lists(st.integers(1, 24), max_size=6)
+_ops = st.lists(st.one_of(
+    st.tuples(st.just("store"), _hashes),
+    st.tuples(st.just("touch"), _hashes),
+    st.tuples(st.just("match"), _hashes),
+    st.tuples(st.just("release"), st.integers(0, 100)),
+    st.tuples(st.just("lead"), st.sampled_from(["lru", "lfu"])),
+    st.tuples(st.just("reset"), _hashes),
+), max_size=80)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=_ops, capacity=st.integers(1, 8))
+def test_adaptive_evicts_as_two_separate_orders(ops, capacity):
+    leader = _Leader()
+    pools = [BlockPool("G1", capacity, 1, eviction=order)
+             for order in (DuelingEviction(capacity, leader), _TwoOrders(capacity, leader))]
+    held = [[], []]
+    for op, arg in ops:
+        if op == "lead":
+            leader.eviction = arg
+            continue
+        for pool, handles in zip(pools, held):
+            if op == "store":
+                new = list(dict.fromkeys(h for h in arg if h not in pool))
+                if new and pool.can_allocate(len(new)):
+                    handle = pool.allocate(len(new))
+                    handle.apply_token_blocks([BlockRecord(h, h, None, 1) for h in new])
+                    pool.release(pool.register(handle))
+            elif op == "touch":
+                pool.touch(arg)
+            elif op == "match":
+                handles.append(pool.match(arg))
+            elif op == "release" and handles:
+                pool.release(handles.pop(arg % len(handles)))
+            elif op == "reset":
+                pool.reset_blocks(arg)
+        ours, ref = pools
+        ours.check_invariants()
+        assert [(h, b.block_id, b.policy_state) for h, b in ours._by_hash.items()] == \
+            [(h, b.block_id, b.policy_state) for h, b in ref._by_hash.items()]
+        assert ours.evictions == ref.evictions
+
+
+def test_adaptive_recency_is_release_order_whatever_the_insert_order():
+    leader = _Leader()
+    order = DuelingEviction(8, leader)
+    blocks = [Block(i, 1) for i in range(6)]
+    for block, tick in zip(blocks, (5, 3, 9, 1, 7, 2)):
+        block.release_tick = tick
+        block.sequence_hash = 100 + block.block_id
+        order.registered(block)
+    order.insert_many(blocks[:3])
+    order.insert_many(blocks[3:])              # older ticks than those already in
+    order.insert(blocks[0])                    # a re-insert at the same tick
+    assert order.members() == set(range(6))
+    assert [b.release_tick for b in order.victims(4)] == [1, 2, 3, 5]
+    leader.eviction = "lfu"
+    assert [b.release_tick for b in order.victims(4)] == [7, 9]
+    assert len(order) == 0 and order.members() == set()

@@ -19,7 +19,8 @@
  * mark(blocks, state)                 state = state on each
  * register_new(blocks, by_hash, tiers, bit, remove) -> (records, tiers_done) or None: below
  * lfu_insert(...), lfu_victims(...)  the aged-LFU order's insert_many and victims, below
- * lfu_shadow_serve(...)               the duel's aged-LFU shadow cache serving a request
+ * recent_victims(...), recent_prune(...)  the adaptive order's recency queue, below
+ * lru_shadow_serve(...), lfu_shadow_serve(...)  the duel's shadow caches serving a request
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -88,7 +89,12 @@ static PyObject *py_setup(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static int check_blocks(PyObject *blocks) {
+#define BIT(k) (1u << (k))
+
+/* blocks is a list of Blocks whose slots named in read (BIT(B_...) | ...) are set: those the
+ * caller reads; the others it only overwrites (put() takes an unset slot). A Block's slots
+ * are all set unless deleted. */
+static int check_blocks(PyObject *blocks, unsigned read) {
     if (!block_type) {
         PyErr_SetString(PyExc_RuntimeError, "_blockops.setup() was not called");
         return -1;
@@ -97,6 +103,9 @@ static int check_blocks(PyObject *blocks) {
         PyErr_SetString(PyExc_TypeError, "blocks must be a list");
         return -1;
     }
+    int slots[B_COUNT], m = 0;
+    for (int k = 0; k < B_COUNT; k++)
+        if (read & BIT(k)) slots[m++] = k;
     Py_ssize_t n = PyList_GET_SIZE(blocks);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *b = PyList_GET_ITEM(blocks, i);
@@ -104,9 +113,9 @@ static int check_blocks(PyObject *blocks) {
             PyErr_Format(PyExc_TypeError, "not a Block: %R", b);
             return -1;
         }
-        for (int k = 0; k < B_COUNT; k++)          /* every slot set (a Block's always are) */
-            if (!SLOT(b, boff[k])) {
-                PyErr_Format(PyExc_AttributeError, "Block slot %s is unset", block_slots[k]);
+        for (int j = 0; j < m; j++)
+            if (!SLOT(b, boff[slots[j]])) {
+                PyErr_Format(PyExc_AttributeError, "Block slot %s is unset", block_slots[slots[j]]);
                 return -1;
             }
     }
@@ -117,7 +126,7 @@ static PyObject *py_reset(PyObject *self, PyObject *args) {
     PyObject *blocks, *ref_count;
     int plain;
     if (!PyArg_ParseTuple(args, "OOp", &blocks, &ref_count, &plain)) return NULL;
-    if (check_blocks(blocks) < 0) return NULL;
+    if (check_blocks(blocks, 0) < 0) return NULL;
     Py_ssize_t n = PyList_GET_SIZE(blocks);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *b = PyList_GET_ITEM(blocks, i);
@@ -144,7 +153,7 @@ static PyObject *py_reset(PyObject *self, PyObject *args) {
 static PyObject *py_apply(PyObject *self, PyObject *args) {
     PyObject *blocks, *records, *size;
     if (!PyArg_ParseTuple(args, "OOO", &blocks, &records, &size)) return NULL;
-    if (check_blocks(blocks) < 0) return NULL;
+    if (check_blocks(blocks, 0) < 0) return NULL;
     if (!PyList_Check(records) && !PyTuple_Check(records)) return PyLong_FromLong(0);
     PyObject *fast = PySequence_Fast(records, "records");
     if (!fast) return NULL;
@@ -201,7 +210,7 @@ static PyObject *py_release(PyObject *self, PyObject *args) {
     PyObject *blocks;
     long long tick;
     if (!PyArg_ParseTuple(args, "OL", &blocks, &tick)) return NULL;
-    if (check_blocks(blocks) < 0) return NULL;
+    if (check_blocks(blocks, BIT(B_REF_COUNT)) < 0) return NULL;
     Py_ssize_t n = PyList_GET_SIZE(blocks);
     for (Py_ssize_t i = 0; i < n; i++) {     /* plain ints only; else the Python path */
         PyObject *refs = SLOT(PyList_GET_ITEM(blocks, i), boff[B_REF_COUNT]);
@@ -244,7 +253,7 @@ error:
 static PyObject *py_mark(PyObject *self, PyObject *args) {
     PyObject *blocks, *state;
     if (!PyArg_ParseTuple(args, "OO", &blocks, &state)) return NULL;
-    if (check_blocks(blocks) < 0) return NULL;
+    if (check_blocks(blocks, 0) < 0) return NULL;
     Py_ssize_t n = PyList_GET_SIZE(blocks);
     for (Py_ssize_t i = 0; i < n; i++) put(PyList_GET_ITEM(blocks, i), boff[B_STATE], state);
     Py_RETURN_NONE;
@@ -262,7 +271,9 @@ static PyObject *py_register_new(PyObject *self, PyObject *args) {
     PyObject *blocks, *by_hash, *tiers, *bit, *remove;
     if (!PyArg_ParseTuple(args, "OO!OOO", &blocks, &PyDict_Type, &by_hash, &tiers, &bit, &remove))
         return NULL;
-    if (check_blocks(blocks) < 0) return NULL;
+    if (check_blocks(blocks, BIT(B_STATE) | BIT(B_CACHED_RECORD) | BIT(B_SEQUENCE_HASH) |
+                             BIT(B_PARENT_HASH)) < 0)
+        return NULL;
     int tiers_new = PyDict_Check(tiers);
     int link = remove != Py_None;
     Py_ssize_t n = PyList_GET_SIZE(blocks);
@@ -351,18 +362,26 @@ error:
     return NULL;
 }
 
-/* lfu_insert(blocks, key_of, buckets, keys, age, last_tick, bucket_type, heappush)
+/* lfu_insert(blocks, key_of, buckets, keys, age, last_tick, bucket_type, heappush[, queue])
  *   -> the new last tick, or None having changed nothing.
  * AgedFrequencyEviction.insert_many when no block is in the order yet and their release
  * ticks are increasing and newer than last_tick (the common case): each block goes at the
  * end of the bucket of key age + policy_state (made, and its key pushed on the heap, if
- * new), key_of[block_id] = key. */
+ * new), key_of[block_id] = key. With queue (a list: adaptive.DuelingEviction's recency
+ * queue), each block's release tick and the block are appended to it too. */
 static PyObject *py_lfu_insert(PyObject *self, PyObject *args) {
     PyObject *blocks, *key_of, *buckets, *keys, *age, *last, *bucket_type, *heappush;
-    if (!PyArg_ParseTuple(args, "OO!O!O!OOOO", &blocks, &PyDict_Type, &key_of, &PyDict_Type,
-                          &buckets, &PyList_Type, &keys, &age, &last, &bucket_type, &heappush))
+    PyObject *queue = Py_None;
+    if (!PyArg_ParseTuple(args, "OO!O!O!OOOO|O", &blocks, &PyDict_Type, &key_of, &PyDict_Type,
+                          &buckets, &PyList_Type, &keys, &age, &last, &bucket_type, &heappush,
+                          &queue))
         return NULL;
-    if (check_blocks(blocks) < 0) return NULL;
+    if (queue != Py_None && !PyList_Check(queue)) {
+        PyErr_SetString(PyExc_TypeError, "queue must be a list or None");
+        return NULL;
+    }
+    if (check_blocks(blocks, BIT(B_BLOCK_ID) | BIT(B_RELEASE_TICK) | BIT(B_POLICY_STATE)) < 0)
+        return NULL;
     Py_ssize_t n = PyList_GET_SIZE(blocks);
     PyObject *prev = last;
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -399,8 +418,32 @@ static PyObject *py_lfu_insert(PyObject *self, PyObject *args) {
             return NULL;
         }
         Py_DECREF(key);
+        if (queue != Py_None && (PyList_Append(queue, SLOT(b, boff[B_RELEASE_TICK])) < 0 ||
+                                 PyList_Append(queue, b) < 0))
+            return NULL;
     }
     return Py_NewRef(prev);
+}
+
+/* ghost[h] = count, h moved last (an ordered dict: a new key goes last); the oldest entry
+ * dropped beyond ghost_size. AgedFrequencyEviction.remember's stores. */
+static int ghost_remember(PyObject *ghost, PyObject *h, PyObject *count, Py_ssize_t ghost_size) {
+    if (!h || !count) {                        /* a Block slot deleted since it was checked */
+        PyErr_SetString(PyExc_AttributeError, "Block slot sequence_hash or policy_state is unset");
+        return -1;
+    }
+    int known = PyDict_Contains(ghost, h);
+    if (known < 0 || PyObject_SetItem(ghost, h, count) < 0) return -1;
+    PyObject *r;
+    if (known) {
+        if (!(r = PyObject_CallMethodOneArg(ghost, s_move_to_end, h))) return -1;
+        Py_DECREF(r);
+    }
+    if (PyDict_GET_SIZE(ghost) > ghost_size) {
+        if (!(r = PyObject_CallMethodOneArg(ghost, s_popitem, Py_False))) return -1;
+        Py_DECREF(r);
+    }
+    return 0;
 }
 
 /* lfu_victims(count, keys, buckets, key_of, ghost, ghost_size, heappop) -> (victims, key)
@@ -449,22 +492,11 @@ static PyObject *py_lfu_victims(PyObject *self, PyObject *args) {
             Py_DECREF(item); Py_DECREF(key); goto error;
         }
         Py_SETREF(last_key, key);
-        PyObject *h = SLOT(b, boff[B_SEQUENCE_HASH]);
-        int known = PyDict_Contains(ghost, h);     /* an ordered dict: a new key goes last */
-        if (known < 0) { Py_DECREF(item); goto error; }
-        if (PyObject_SetItem(ghost, h, SLOT(b, boff[B_POLICY_STATE])) < 0) { Py_DECREF(item); goto error; }
-        PyObject *r;
-        if (known) {
-            r = PyObject_CallMethodOneArg(ghost, s_move_to_end, h);
-            if (!r) { Py_DECREF(item); goto error; }
-            Py_DECREF(r);
+        if (ghost_remember(ghost, SLOT(b, boff[B_SEQUENCE_HASH]), SLOT(b, boff[B_POLICY_STATE]),
+                           ghost_size) < 0 || PyList_Append(out, b) < 0) {
+            Py_DECREF(item);
+            goto error;
         }
-        if (PyDict_GET_SIZE(ghost) > ghost_size) {
-            r = PyObject_CallMethodOneArg(ghost, s_popitem, Py_False);
-            if (!r) { Py_DECREF(item); goto error; }
-            Py_DECREF(r);
-        }
-        if (PyList_Append(out, b) < 0) { Py_DECREF(item); goto error; }
         Py_DECREF(item);
     }
     return Py_BuildValue("(NN)", out, last_key);
@@ -472,6 +504,189 @@ error:
     Py_DECREF(out);
     Py_DECREF(last_key);
     return NULL;
+}
+
+/* The pair queue[i], queue[i + 1] (a tick, a block) of adaptive.DuelingEviction's recency
+ * queue is live if the block is in the order (key_of) at that release tick: 1 live, 0 stale,
+ * -1 error. *key gets the block's key (borrowed) when live. */
+static int recent_live(PyObject *queue, Py_ssize_t i, PyObject *key_of, PyObject **key) {
+    PyObject *tick = PyList_GET_ITEM(queue, i), *b = PyList_GET_ITEM(queue, i + 1);
+    if (!PyObject_TypeCheck(b, block_type)) {
+        PyErr_SetString(PyExc_TypeError, "the recency queue holds a non-Block");
+        return -1;
+    }
+    PyObject *t = SLOT(b, boff[B_RELEASE_TICK]), *id = SLOT(b, boff[B_BLOCK_ID]);
+    if (!t || !id) {
+        PyErr_SetString(PyExc_AttributeError, "Block slot release_tick or block_id is unset");
+        return -1;
+    }
+    if (t != tick) {
+        int eq = PyObject_RichCompareBool(t, tick, Py_EQ);
+        if (eq <= 0) return eq;
+    }
+    *key = PyDict_GetItemWithError(key_of, id);
+    return *key ? 1 : (PyErr_Occurred() ? -1 : 0);
+}
+
+/* recent_victims(count, queue, head, key_of, buckets, ghost, ghost_size) -> (victims, head)
+ * adaptive.DuelingEviction._recent_victims: up to count blocks of the live pairs of queue
+ * from head on, oldest first; each leaves the aged-LFU order (key_of, its bucket, emptied
+ * buckets deleted) and its count goes to the ghost, as remove and remember. head: the index
+ * after the last pair consumed. */
+static PyObject *py_recent_victims(PyObject *self, PyObject *args) {
+    Py_ssize_t count, head, ghost_size;
+    PyObject *queue, *key_of, *buckets, *ghost;
+    if (!PyArg_ParseTuple(args, "nO!nO!O!O!n", &count, &PyList_Type, &queue, &head, &PyDict_Type,
+                          &key_of, &PyDict_Type, &buckets, &PyDict_Type, &ghost, &ghost_size))
+        return NULL;
+    if (!block_type) {
+        PyErr_SetString(PyExc_RuntimeError, "_blockops.setup() was not called");
+        return NULL;
+    }
+    if (head < 0) head = 0;
+    PyObject *out = PyList_New(0);
+    if (!out) return NULL;
+    while (PyList_GET_SIZE(out) < count && head + 1 < PyList_GET_SIZE(queue)) {
+        PyObject *key = NULL;
+        int live = recent_live(queue, head, key_of, &key);
+        PyObject *b = PyList_GET_ITEM(queue, head + 1);
+        head += 2;
+        if (live < 0) goto error;
+        if (!live) continue;
+        PyObject *id = SLOT(b, boff[B_BLOCK_ID]);
+        Py_INCREF(b);
+        Py_INCREF(key);
+        PyObject *bucket = PyDict_GetItemWithError(buckets, key);
+        int bad = !bucket;
+        if (bad && !PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, key);
+        if (!bad) {
+            Py_INCREF(bucket);
+            Py_ssize_t left = -1;
+            bad = PyObject_DelItem(bucket, id) < 0 || (left = PyObject_Length(bucket)) < 0 ||
+                  (left == 0 && PyDict_DelItem(buckets, key) < 0);
+            Py_DECREF(bucket);
+        }
+        bad = bad || PyDict_DelItem(key_of, id) < 0 ||
+              ghost_remember(ghost, SLOT(b, boff[B_SEQUENCE_HASH]), SLOT(b, boff[B_POLICY_STATE]),
+                             ghost_size) < 0 ||
+              PyList_Append(out, b) < 0;
+        Py_DECREF(key);
+        Py_DECREF(b);
+        if (bad) goto error;
+    }
+    return Py_BuildValue("(Nn)", out, head);
+error:
+    Py_DECREF(out);
+    return NULL;
+}
+
+/* recent_prune(queue, head, key_of) -> list: the live pairs of queue from head on, in order
+ * (adaptive.DuelingEviction._live_pairs). */
+static PyObject *py_recent_prune(PyObject *self, PyObject *args) {
+    Py_ssize_t head;
+    PyObject *queue, *key_of;
+    if (!PyArg_ParseTuple(args, "O!nO!", &PyList_Type, &queue, &head, &PyDict_Type, &key_of))
+        return NULL;
+    if (!block_type) {
+        PyErr_SetString(PyExc_RuntimeError, "_blockops.setup() was not called");
+        return NULL;
+    }
+    PyObject *out = PyList_New(0);
+    if (!out) return NULL;
+    for (Py_ssize_t i = head < 0 ? 0 : head; i + 1 < PyList_GET_SIZE(queue); i += 2) {
+        PyObject *key;
+        int live = recent_live(queue, i, key_of, &key);
+        if (live < 0 || (live && (PyList_Append(out, PyList_GET_ITEM(queue, i)) < 0 ||
+                                  PyList_Append(out, PyList_GET_ITEM(queue, i + 1)) < 0))) {
+            Py_DECREF(out);
+            return NULL;
+        }
+    }
+    return out;
+}
+
+/* lru_shadow_serve(hashes, stamp, queue, head, clock, capacity, admit) -> (hits, clock, head)
+ * adaptive._LruShadow._serve (see there) over its dict and queue: hits of the longest held
+ * prefix, then each hash held or admitted (admit None: everything) stamped with the next
+ * clock value, stamp[h] = clock, and "clock, h" appended to the queue, the least recently
+ * used hash (the first pair still carrying its hash's stamp) evicted when full. Then, if the
+ * queue holds over twice the cache, it is cut to its live pairs in place (head 0). */
+static PyObject *py_lru_shadow_serve(PyObject *self, PyObject *args) {
+    PyObject *hashes, *stamp, *queue, *admit;
+    Py_ssize_t head, capacity;
+    long long clock;
+    if (!PyArg_ParseTuple(args, "O!O!O!nLnO", &PyList_Type, &hashes, &PyDict_Type, &stamp,
+                          &PyList_Type, &queue, &head, &clock, &capacity, &admit))
+        return NULL;
+    if (head < 0) head = 0;
+    Py_ssize_t hits = 0;
+    for (; hits < PyList_GET_SIZE(hashes); hits++) {
+        int in = PyDict_Contains(stamp, PyList_GET_ITEM(hashes, hits));
+        if (in < 0) return NULL;
+        if (!in) break;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(hashes); i++) {
+        PyObject *h = Py_NewRef(PyList_GET_ITEM(hashes, i));
+        int in = PyDict_Contains(stamp, h);
+        if (in < 0) goto fail;
+        if (!in && admit != Py_None) {
+            PyObject *r = PyObject_CallOneArg(admit, h);
+            int yes = r ? PyObject_IsTrue(r) : -1;
+            Py_XDECREF(r);
+            if (yes < 0) goto fail;
+            if (!yes) { Py_DECREF(h); continue; }
+        }
+        if (!in && PyDict_GET_SIZE(stamp) >= capacity) {          /* evict */
+            for (;;) {
+                if (head + 1 >= PyList_GET_SIZE(queue)) {
+                    PyErr_SetString(PyExc_RuntimeError, "LRU shadow queue ran dry");
+                    goto fail;
+                }
+                PyObject *s = PyList_GET_ITEM(queue, head), *old = PyList_GET_ITEM(queue, head + 1);
+                head += 2;
+                PyObject *cur = PyDict_GetItemWithError(stamp, old);
+                if (!cur) {
+                    if (PyErr_Occurred()) goto fail;
+                    continue;
+                }
+                int eq = cur == s ? 1 : PyObject_RichCompareBool(cur, s, Py_EQ);
+                if (eq < 0) goto fail;
+                if (eq) {
+                    if (PyDict_DelItem(stamp, old) < 0) goto fail;      /* the queue holds old */
+                    break;
+                }
+            }
+        }
+        PyObject *t = PyLong_FromLongLong(++clock);
+        int bad = !t || PyDict_SetItem(stamp, h, t) < 0 || PyList_Append(queue, t) < 0 ||
+                  PyList_Append(queue, h) < 0;
+        Py_XDECREF(t);
+        Py_DECREF(h);
+        if (bad) return NULL;
+        continue;
+    fail:
+        Py_DECREF(h);
+        return NULL;
+    }
+    if (PyList_GET_SIZE(queue) > 4 * PyDict_GET_SIZE(stamp) + 128) {
+        PyObject *live = PyList_New(0);
+        if (!live) return NULL;
+        for (Py_ssize_t i = head; i + 1 < PyList_GET_SIZE(queue); i += 2) {
+            PyObject *s = PyList_GET_ITEM(queue, i), *h = PyList_GET_ITEM(queue, i + 1);
+            PyObject *cur = PyDict_GetItemWithError(stamp, h);
+            int eq = cur ? (cur == s ? 1 : PyObject_RichCompareBool(cur, s, Py_EQ))
+                         : (PyErr_Occurred() ? -1 : 0);
+            if (eq < 0 || (eq && (PyList_Append(live, s) < 0 || PyList_Append(live, h) < 0))) {
+                Py_DECREF(live);
+                return NULL;
+            }
+        }
+        int bad = PyList_SetSlice(queue, 0, PyList_GET_SIZE(queue), live);
+        Py_DECREF(live);
+        if (bad < 0) return NULL;
+        head = 0;
+    }
+    return Py_BuildValue("(nLn)", hits, clock, head);
 }
 
 /* lfu_shadow_serve(hashes, count, key_of, buckets, keys, age, ghost, ghost_size, capacity,
@@ -622,8 +837,11 @@ static PyMethodDef methods[] = {
     {"apply", py_apply, METH_VARARGS, "apply(blocks, records, size) -> applied"},
     {"release", py_release, METH_VARARGS, "release(blocks, tick) -> (tick, idle) or None"},
     {"mark", py_mark, METH_VARARGS, "mark(blocks, state)"},
-    {"lfu_insert", py_lfu_insert, METH_VARARGS, "lfu_insert(blocks, key_of, buckets, keys, age, last_tick, bucket_type, heappush)"},
+    {"lfu_insert", py_lfu_insert, METH_VARARGS, "lfu_insert(blocks, key_of, buckets, keys, age, last_tick, bucket_type, heappush[, queue])"},
     {"lfu_victims", py_lfu_victims, METH_VARARGS, "lfu_victims(count, keys, buckets, key_of, ghost, ghost_size, heappop)"},
+    {"recent_victims", py_recent_victims, METH_VARARGS, "recent_victims(count, queue, head, key_of, buckets, ghost, ghost_size) -> (victims, head)"},
+    {"recent_prune", py_recent_prune, METH_VARARGS, "recent_prune(queue, head, key_of) -> live pairs"},
+    {"lru_shadow_serve", py_lru_shadow_serve, METH_VARARGS, "lru_shadow_serve(hashes, stamp, queue, head, clock, capacity, admit) -> (hits, clock, head)"},
     {"lfu_shadow_serve", py_lfu_shadow_serve, METH_VARARGS, "lfu_shadow_serve(hashes, count, key_of, buckets, keys, age, ghost, ghost_size, capacity, admit, bucket_type, heappush, heappop) -> (hits, age)"},
     {"register_new", py_register_new, METH_VARARGS, "register_new(blocks, by_hash, tiers, bit, remove) -> (records, tiers_done) or None"},
     {NULL, NULL, 0, NULL},

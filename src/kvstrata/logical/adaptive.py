@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
+from itertools import compress
+from operator import attrgetter, eq
 from typing import Callable, Sequence
 
 from . import blockops
 from .admission import ADMISSION_FILTERS, AdmissionPolicy, SecondOfferAdmission
 from .block import Block
-from .eviction import EVICTION_ORDERS, AgedFrequencyEviction, EvictionPolicy, LruEviction
+from .eviction import EVICTION_ORDERS, AgedFrequencyEviction, EvictionPolicy
 
 ADAPTIVE = "adaptive"
 """Policy name (eviction or admission) whose choice is made online by set dueling."""
@@ -42,40 +44,90 @@ def _admit_all(sequence_hash: int) -> bool:
     return True
 
 
+_release_tick = attrgetter("release_tick")
+
+
+def _pairs(firsts: list, seconds: list) -> list:
+    """``[firsts[0], seconds[0], firsts[1], seconds[1], ...]`` (lists of one length)."""
+    out = [None] * (2 * len(firsts))
+    out[::2] = firsts
+    out[1::2] = seconds
+    return out
+
+
 class _LruShadow:
     """A metadata-only one-tier LRU cache scoring one (lru, admission) candidate.
 
     Exactly what a :class:`BlockPool` with :class:`LruEviction` of the same capacity does
     when served a request (longest held prefix; each block touched if held, else allocated,
-    registered and released if admitted, the least recently used evicted when full), as a
-    bare ordered dict of hashes: the per-block pool calls were most of the duel's cost.
+    registered and released if admitted, the least recently used evicted when full), as
+    bare hashes: the per-block pool calls were most of the duel's cost.
     ``tests/logical/test_policy.py`` checks it against such a pool.
+
+    Kept as :class:`DuelingEviction` keeps its recency: each use of a hash stamps it with a
+    new clock value and appends ``stamp, hash`` to a queue; the least recently used hash is
+    the first pair still carrying its hash's stamp. Stale pairs are pruned once the queue
+    holds over twice the cache. (An ordered dict's insert, move and pop cost several times
+    a dict store and two list appends.)
     """
 
     def __init__(self, capacity: int, admission: AdmissionPolicy) -> None:
         self.capacity = capacity
         self.admission = admission
-        self._order: OrderedDict[int, None] = OrderedDict()
+        self._stamp: dict[int, int] = {}      # held hash -> the clock value of its last use
+        self._queue: list[int] = []           # stamp, hash, stamp, hash, ... oldest first
+        self._head = 0                        # index of the first pair not yet consumed
+        self._clock = 0
+
+    def held(self) -> set[int]:
+        """The hashes the shadow holds (tests)."""
+        return set(self._stamp)
 
     def serve(self, sequence_hashes: Sequence[int]) -> int:
         """Prefix hits of one request; then touch what is held and offer the rest."""
-        order = self._order
+        admit = None if type(self.admission) is AdmissionPolicy else self.admission.admit
+        ops = blockops.native()
+        if ops is not None and type(sequence_hashes) is list and self._clock < 2**62:
+            hits, self._clock, self._head = ops.lru_shadow_serve(
+                sequence_hashes, self._stamp, self._queue, self._head, self._clock,
+                self.capacity, admit)
+        else:
+            hits = self._serve(sequence_hashes, admit)
+        if len(self._queue) > 4 * len(self._stamp) + 128:    # the native path prunes itself
+            self._prune()
+        return hits
+
+    def _serve(self, sequence_hashes: Sequence[int], admit) -> int:
+        stamp, queue = self._stamp, self._queue
         hits = 0
         for h in sequence_hashes:
-            if h not in order:
+            if h not in stamp:
                 break
             hits += 1
-        move, admit, capacity = order.move_to_end, self.admission.admit, self.capacity
-        if type(self.admission) is AdmissionPolicy:     # admits everything: no call per block
-            admit = _admit_all
+        capacity, clock, append = self.capacity, self._clock, queue.append
         for h in sequence_hashes:
-            if h in order:
-                move(h)
-            elif admit is _admit_all or admit(h):
-                if len(order) >= capacity:
-                    order.popitem(last=False)
-                order[h] = None
+            if h not in stamp:
+                if admit is not None and not admit(h):
+                    continue
+                if len(stamp) >= capacity:      # evict the least recently used
+                    head = self._head
+                    while stamp.get(queue[head + 1]) != queue[head]:
+                        head += 2
+                    del stamp[queue[head + 1]]
+                    self._head = head + 2
+            clock += 1
+            stamp[h] = clock
+            append(clock)
+            append(h)
+        self._clock = clock
         return hits
+
+    def _prune(self) -> None:
+        stamp, queue, head = self._stamp, self._queue, self._head
+        stamps, hashes = queue[head::2], queue[head + 1::2]
+        live = list(map(eq, stamps, map(stamp.get, hashes)))
+        self._queue = _pairs(list(compress(stamps, live)), list(compress(hashes, live)))
+        self._head = 0
 
 
 class _LfuShadow:
@@ -98,6 +150,10 @@ class _LfuShadow:
         self._age = 0
         self._ghost: OrderedDict[int, int] = OrderedDict()
         self._ghost_size = max(1, ghost_factor * capacity)
+
+    def held(self) -> set[int]:
+        """The hashes the shadow holds (tests)."""
+        return set(self._count)
 
     def serve(self, sequence_hashes: Sequence[int]) -> int:
         ops = blockops.native()
@@ -222,82 +278,106 @@ class PolicyDuel:
         self.leader = best
 
 
-class DuelingEviction(EvictionPolicy):
-    """LRU and aged-LFU orders over the same blocks; victims come from the duel's leader."""
+class DuelingEviction(AgedFrequencyEviction):
+    """LRU and aged-LFU orders over the same blocks; victims come from the duel's leader.
+
+    It is the aged-LFU order (inherited: buckets, counts, ghost) plus a *recency queue* for
+    the LRU side: the blocks in release order, as flat ``tick, block`` pairs, appended on
+    every insert and never searched. A pair is live while its block is in the order with
+    that very release tick; a removal, or a re-insert at a newer tick, leaves the old pair
+    stale, to be skipped when it reaches the front or dropped when the queue is pruned (once
+    it holds over twice the order's blocks). So the LRU side costs one append per insert,
+    where an ordered dict cost an insert and a removal, both in Python.
+
+    The LRU victim is the least recently released block: what :class:`LruEviction` picks
+    (its insertion order) for every insert a pool makes, since a pool stamps a newer release
+    tick on each. An insert at a tick no newer than the last one (not a pool's) re-sorts the
+    queue by (tick, block id), as the aged-LFU order re-sorts a bucket.
+    """
 
     name = ADAPTIVE
 
     def __init__(self, capacity: int, duel: PolicyDuel) -> None:
+        super().__init__(capacity)
         self._duel = duel
-        self._lru = LruEviction(capacity)
-        self._lfu = AgedFrequencyEviction(capacity)
-        self._orders: tuple[EvictionPolicy, EvictionPolicy] = (self._lru, self._lfu)
-
-    def registered(self, block: Block) -> None:
-        self._lfu.registered(block)
-
-    def registered_many(self, blocks: list[Block]) -> None:
-        self._lfu.registered_many(blocks)
-
-    def record_hit(self, block: Block) -> None:
-        self._lfu.record_hit(block)
-
-    def record_hits(self, blocks: list[Block]) -> None:
-        self._lfu.record_hits(blocks)
-
-    def insert(self, block: Block) -> None:
-        for order in self._orders:
-            order.insert(block)
+        self._recent: list = []     # tick, block, tick, block, ... in release order
+        self._head = 0              # index of the first pair not yet consumed
 
     def insert_many(self, blocks: list[Block]) -> None:
-        for order in self._orders:
-            order.insert_many(blocks)
-
-    def remove(self, block: Block) -> None:
-        for order in self._orders:
-            order.remove(block)
-
-    def remove_many(self, blocks: list[Block]) -> None:
-        for order in self._orders:
-            order.remove_many(blocks)
-
-    def touch(self, block: Block) -> None:
-        for order in self._orders:
-            order.touch(block)
-
-    def victim(self) -> Block | None:
-        if self._duel.eviction == "lfu":
-            block = self._lfu.victim()
-            if block is not None:
-                self._lru.remove(block)
-        else:
-            block = self._lru.victim()
-            if block is not None:
-                self._lfu.remove(block)
-                self._lfu.remember(block)
-        return block
+        ops = blockops.native()
+        if ops is not None:         # new blocks at the newest ticks: both sides in one call
+            last = ops.lfu_insert(blocks, self._key_of, self._buckets, self._keys, self._age,
+                                  self._last_tick, OrderedDict, heapq.heappush, self._recent)
+            if last is not None:
+                self._last_tick = last
+                self._tidy_keys()
+                self._tidy_recent()
+                return
+        last = self._last_tick
+        self._insert_python(blocks)
+        ticks = list(map(_release_tick, blocks))
+        if ticks and (ticks[0] <= last or ticks != sorted(set(ticks))):   # not increasing
+            self._requeue()
+            return
+        self._recent += _pairs(ticks, blocks)
+        self._tidy_recent()
 
     def victims(self, count: int) -> list[Block]:
-        # As ``count`` calls of ``victim``: the other order's removals do not change the
-        # leader's choices, so each order works in one batch.
         if self._duel.eviction == "lfu":
-            blocks = self._lfu.victims(count)
-            self._lru.remove_many(blocks)
-        else:
-            blocks = self._lru.victims(count)
-            lfu = self._lfu
-            lfu.remove_many(blocks)
-            for block in blocks:
-                lfu.remember(block)
-        return blocks
+            return super().victims(count)
+        ops = blockops.native()
+        if ops is not None:
+            blocks, self._head = ops.recent_victims(count, self._recent, self._head,
+                                                    self._key_of, self._buckets, self._ghost,
+                                                    self._ghost_size)
+            return blocks
+        return self._recent_victims(count)
 
-    def __len__(self) -> int:
-        return len(self._lru)
+    def _recent_victims(self, count: int) -> list[Block]:
+        """The next ``count`` live blocks of the recency queue (fewer if it runs dry), each
+        leaving the aged-LFU order as ``remove`` then ``remember`` would."""
+        recent, head, key_of = self._recent, self._head, self._key_of
+        out: list[Block] = []
+        end = len(recent)
+        while len(out) < count and head < end:
+            tick, block = recent[head], recent[head + 1]
+            head += 2
+            if block.release_tick == tick and block.block_id in key_of:
+                self.remove(block)
+                self.remember(block)
+                out.append(block)
+        self._head = head
+        return out
+
+    def _tidy_recent(self) -> None:
+        """Drop consumed and stale pairs once the queue holds over twice the order's blocks."""
+        if len(self._recent) > 4 * len(self._key_of) + 128:
+            ops = blockops.native()
+            if ops is not None:
+                self._recent = ops.recent_prune(self._recent, self._head, self._key_of)
+            else:
+                self._recent = self._live_pairs()
+            self._head = 0
+
+    def _live_pairs(self) -> list:
+        recent, key_of, head = self._recent, self._key_of, self._head
+        ticks, blocks = recent[head::2], recent[head + 1::2]
+        live = [b.release_tick == t and b.block_id in key_of for t, b in zip(ticks, blocks)]
+        return _pairs(list(compress(ticks, live)), list(compress(blocks, live)))
+
+    def _requeue(self) -> None:
+        """Rebuild the queue from the order's blocks, by (release tick, block id)."""
+        blocks = [b for bucket in self._buckets.values() for b in bucket.values()]
+        blocks.sort(key=lambda b: (b.release_tick, b.block_id))
+        self._recent = _pairs(list(map(_release_tick, blocks)), blocks)
+        self._head = 0
 
     def members(self) -> set[int]:
-        lru, lfu = self._lru.members(), self._lfu.members()
-        assert lru == lfu, f"adaptive orders drifted: {sorted(lru ^ lfu)[:8]}"
-        return lru
+        members = super().members()
+        live = [block.block_id for block in self._live_pairs()[1::2]]
+        assert len(live) == len(members) and set(live) == members, (
+            f"adaptive recency queue drifted: {sorted(set(live) ^ members)[:8]}")
+        return members
 
 
 class DuelingAdmission(AdmissionPolicy):

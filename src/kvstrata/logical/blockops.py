@@ -24,7 +24,8 @@ _RESET, _COMPLETE, _REGISTERED = BlockState.RESET, BlockState.COMPLETE, BlockSta
 
 
 _FUNCTIONS = ("setup", "reset", "apply", "release", "mark", "register_new", "lfu_insert",
-              "lfu_victims", "lfu_shadow_serve")
+              "lfu_victims", "recent_victims", "recent_prune", "lru_shadow_serve",
+              "lfu_shadow_serve")
 
 
 def _load():
@@ -44,8 +45,9 @@ NATIVE = _native is not None
 
 
 def native():
-    """The native module when it is in use, else None (for the aged-LFU order's loops,
-    which keep their Python versions next to their data structure in eviction.py)."""
+    """The native module when it is in use, else None (for the aged-LFU and adaptive
+    orders' loops, which keep their Python versions next to their data structures in
+    eviction.py and adaptive.py)."""
     return _native
 
 

@@ -376,10 +376,12 @@ class AgedFrequencyEviction(EvictionPolicy):
                                   self._last_tick, OrderedDict, heapq.heappush)
             if last is not None:
                 self._last_tick = last
-                if len(self._keys) > 2 * len(self._buckets) + 16:
-                    self._keys = list(self._buckets)
-                    heapq.heapify(self._keys)
+                self._tidy_keys()
                 return
+        self._insert_python(blocks)
+
+    def _insert_python(self, blocks: list[Block]) -> None:
+        """``insert_many``'s Python path: any blocks, in the order or not, any ticks."""
         key_of, buckets, age = self._key_of, self._buckets, self._age
         last = self._last_tick
         for block in blocks:
@@ -402,8 +404,12 @@ class AgedFrequencyEviction(EvictionPolicy):
                 bucket.clear()
                 bucket.update((b.block_id, b) for b in ordered)
         self._last_tick = last
-        if len(self._keys) > 2 * len(buckets) + 16:
-            self._keys = list(buckets)
+        self._tidy_keys()
+
+    def _tidy_keys(self) -> None:
+        """Rebuild the key heap once stale keys (of emptied buckets) outnumber live ones."""
+        if len(self._keys) > 2 * len(self._buckets) + 16:
+            self._keys = list(self._buckets)
             heapq.heapify(self._keys)
 
     def _drop(self, block_id: int, key: int) -> None:
