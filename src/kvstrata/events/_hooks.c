@@ -24,6 +24,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
+#include <time.h>
 
 #define SLOT(obj, off) (*(PyObject **)((char *)(obj) + (off)))
 
@@ -225,6 +226,30 @@ static int cmp_len(Py_ssize_t n, PyObject *pub, Py_ssize_t off, int op) {
     return r;
 }
 
+/* Set when a hook filled a batch and woke the batching thread: the hook lets go of the GIL
+ * for a moment once it has released the lock (see hand_over). */
+static int sender_woken = 0;
+
+static int wake_sender(PyObject *pub) {
+    sender_woken = 1;
+    return call_method0(SLOT(pub, p_cond), str_notify);
+}
+
+/* After a full batch woke the batching thread: let it take the GIL now. Hooks called in a
+ * tight loop (a burst of registrations) would otherwise keep the GIL until the interpreter's
+ * switch interval (5 ms) forced it out, for each thread a batch passes through, and events
+ * would reach the sink late and in bursts. HAND_OVER_NS is long enough for the woken thread
+ * to take the GIL; it is paid once per full batch, never by a hook that did not fill one. */
+#define HAND_OVER_NS 50000
+static void hand_over(void) {
+    if (!sender_woken) return;
+    sender_woken = 0;
+    struct timespec pause = {0, HAND_OVER_NS};
+    Py_BEGIN_ALLOW_THREADS
+    nanosleep(&pause, NULL);
+    Py_END_ALLOW_THREADS
+}
+
 /* EventPublisher._enqueue1_locked(item), ``eid`` being the item's event id (== _last_id). */
 static int enqueue1(PyObject *pub, PyObject *item, long long eid) {
     if (add_to_int_slot(pub, p_enqueued, 1) < 0) return -1;
@@ -253,7 +278,7 @@ static int enqueue1(PyObject *pub, PyObject *item, long long eid) {
     }
     int at_batch = cmp_len(n, pub, p_max_batch, Py_EQ);
     if (at_batch < 0) return -1;
-    return at_batch ? call_method0(SLOT(pub, p_cond), str_notify) : 0;
+    return at_batch ? wake_sender(pub) : 0;
 }
 
 /* Whether ``records`` may take the fast path, judged on the records alone (no lock needed:
@@ -414,6 +439,7 @@ static PyObject *hook_stored(PyObject *mod, PyObject *const *args, Py_ssize_t na
     Py_DECREF(lock);
     Py_DECREF(recs);
     if (released < 0) return NULL;
+    hand_over();
     return PyBool_FromLong(rc);
 }
 
@@ -474,6 +500,7 @@ static PyObject *hook_removed(PyObject *mod, PyObject *const *args, Py_ssize_t n
     Py_DECREF(lock);
     Py_DECREF(seq);
     if (released < 0) return NULL;
+    hand_over();
     Py_RETURN_TRUE;
 }
 
