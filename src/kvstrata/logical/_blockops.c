@@ -94,11 +94,15 @@ static PyObject *py_setup(PyObject *self, PyObject *args) {
 /* blocks is a list of Blocks whose slots named in read (BIT(B_...) | ...) are set: those the
  * caller reads; the others it only overwrites (put() takes an unset slot). A Block's slots
  * are all set unless deleted. */
+/* 0 once setup() has learned the Block class, else -1 with RuntimeError. */
+static int require_setup(void) {
+    if (block_type) return 0;
+    PyErr_SetString(PyExc_RuntimeError, "_blockops.setup() was not called");
+    return -1;
+}
+
 static int check_blocks(PyObject *blocks, unsigned read) {
-    if (!block_type) {
-        PyErr_SetString(PyExc_RuntimeError, "_blockops.setup() was not called");
-        return -1;
-    }
+    if (require_setup() < 0) return -1;
     if (!PyList_CheckExact(blocks)) {
         PyErr_SetString(PyExc_TypeError, "blocks must be a list");
         return -1;
@@ -456,10 +460,7 @@ static PyObject *py_lfu_victims(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "nO!O!O!O!nO", &count, &PyList_Type, &keys, &PyDict_Type, &buckets,
                           &PyDict_Type, &key_of, &PyDict_Type, &ghost, &ghost_size, &heappop))
         return NULL;
-    if (!block_type) {
-        PyErr_SetString(PyExc_RuntimeError, "_blockops.setup() was not called");
-        return NULL;
-    }
+    if (require_setup() < 0) return NULL;
     PyObject *out = PyList_New(0);
     if (!out) return NULL;
     PyObject *last_key = Py_NewRef(Py_None);
@@ -539,10 +540,7 @@ static PyObject *py_recent_victims(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "nO!nO!O!O!n", &count, &PyList_Type, &queue, &head, &PyDict_Type,
                           &key_of, &PyDict_Type, &buckets, &PyDict_Type, &ghost, &ghost_size))
         return NULL;
-    if (!block_type) {
-        PyErr_SetString(PyExc_RuntimeError, "_blockops.setup() was not called");
-        return NULL;
-    }
+    if (require_setup() < 0) return NULL;
     if (head < 0) head = 0;
     PyObject *out = PyList_New(0);
     if (!out) return NULL;
@@ -587,10 +585,7 @@ static PyObject *py_recent_prune(PyObject *self, PyObject *args) {
     PyObject *queue, *key_of;
     if (!PyArg_ParseTuple(args, "O!nO!", &PyList_Type, &queue, &head, &PyDict_Type, &key_of))
         return NULL;
-    if (!block_type) {
-        PyErr_SetString(PyExc_RuntimeError, "_blockops.setup() was not called");
-        return NULL;
-    }
+    if (require_setup() < 0) return NULL;
     PyObject *out = PyList_New(0);
     if (!out) return NULL;
     for (Py_ssize_t i = head < 0 ? 0 : head; i + 1 < PyList_GET_SIZE(queue); i += 2) {
