@@ -16,9 +16,9 @@ is its own engine in its own process, all in one run:
 * ``mixed-on`` / ``mixed-off`` -- the same slow G4 under a G2 that holds about two
   conversations: a returning prefix is partly in G2, partly in G4.
 
-SeaweedFS and the slow link stand for a remote store: they run at the lowest CPU priority
-(nice 19) so that, on a machine of two cores, they do not take the cores the engine computes
-on (a real store is not on the engine's host).
+SeaweedFS and the slow link stand for a remote store: they run in the idle scheduling class
+(``SCHED_IDLE``) so that, on a machine of two cores, they do not take the cores the engine
+computes on (a real store is not on the engine's host).
 
 ``-off`` sets ``cost_aware: false`` (load every held block: "always load"); ``-on`` is the
 default. Optional: ``g4fast-on`` / ``g4fast-off``, the small G2 over G4 with no proxy (loading
@@ -73,14 +73,21 @@ def kv_transfer_config(name: str, args: argparse.Namespace, g4_url: str | None) 
 
 
 def background_priority(on: bool) -> None:
-    """This thread's CPU priority: lowest (what it starts inherits it) or normal again
-    (raising it back needs root; without it the engines would run niced too, and the bench
-    says so)."""
+    """This thread's CPU priority: the idle class (``SCHED_IDLE``, and nice 19 where that is
+    refused; what it starts inherits it) or normal again (leaving either needs root; without
+    it the engines would run at the low priority too, and the bench says so). At nice 19
+    SeaweedFS's threads still took 10-20 % of a core while the engine computed (sampled per
+    thread from /proc): the idle class runs them only on a core the engine leaves idle."""
     try:
-        os.setpriority(os.PRIO_PROCESS, 0, 19 if on else 0)
-    except PermissionError:
+        if on:
+            os.setpriority(os.PRIO_PROCESS, 0, 19)
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        else:
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+            os.setpriority(os.PRIO_PROCESS, 0, 0)
+    except (PermissionError, AttributeError, OSError):
         if not on:
-            say("cannot restore normal CPU priority (not root): engines run at nice 19 too")
+            say("cannot restore normal CPU priority (not root): engines run at low priority too")
 
 
 def returning(result: dict) -> dict[tuple[int, int], dict]:
