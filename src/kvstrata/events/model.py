@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, NamedTuple, Sequence
 
-from ..tiers import TIER_NAMES, TIERS, TOP_TIER
+from ..tiers import TIER_NAMES, TIERS
 from ..types import BlockRecord
 
 STORAGE_TIER = {s.name: s.router_name for s in TIERS}
