@@ -97,8 +97,12 @@ def run(block_bytes: int, blocks: int, repeats: int) -> dict:
         best = {name: float("inf") for name, _ in runs}
         for _, fn in runs:                              # warm-up
             fn()
-        for _ in range(repeats):
-            for name, fn in runs:
+        for repeat in range(repeats):
+            # rotated each round, so each kind follows every other one equally often (the
+            # memcpy evicts the caches and the TLB: a fixed order would favour whichever kind
+            # runs right after the one that touched the same buffers)
+            shift = repeat % len(runs)
+            for name, fn in runs[shift:] + runs[:shift]:
                 start = time.perf_counter()
                 fn()
                 best[name] = min(best[name], time.perf_counter() - start)

@@ -263,3 +263,60 @@ def test_an_unverified_read_seals_with_the_exporters_checksums(exporter):
         peer.release(lease, wait=True)
     finally:
         importer.close()
+
+
+def test_a_block_failing_its_checksum_in_a_later_batch_fails_the_whole_read(exporter,
+                                                                             monkeypatch):
+    """Batches are hashed on the importer's verifying thread while the next one is copied:
+    a bad block in any batch fails the read, nothing is sealed, and the thread goes on
+    serving later reads."""
+    import kvstrata.remote.importer as importer_module
+    from kvstrata.remote.importer import RemoteLease
+
+    monkeypatch.setattr(importer_module, "BATCH_BYTES", 1)     # one block a batch
+    local = host_storage()
+    importer = BlockSetImporter(local)
+    try:
+        peer = importer.connect(exporter.control)
+        chain = exporter.chains[2]
+        lease = peer.lease(chain)
+        slots = list(range(len(chain)))
+        forged = RemoteLease(lease.lease_id, tuple(
+            (h, slot, checksum ^ (i == 5)) for i, (h, slot, checksum) in
+            enumerate(lease.blocks)), lease.expires)
+        with pytest.raises(RemoteReadError, match="1 block.*position 5"):
+            peer.read(forged, slots)
+        assert local.check_readable(slots, chain)            # failures: nothing sealed
+        assert peer.read(lease, slots) == [b[2] for b in lease.blocks]
+        for slot, h in zip(slots, chain):
+            assert local_bytes(local, slot) == payload_of(h, exporter.block_bytes).tobytes()
+        peer.release(lease, wait=True)
+    finally:
+        importer.close()
+
+
+def test_a_verifying_thread_that_fails_is_a_read_error_not_a_pass(exporter, monkeypatch):
+    import kvstrata.remote.importer as importer_module
+
+    monkeypatch.setattr(importer_module, "BATCH_BYTES", 1)
+    local = host_storage()
+    importer = BlockSetImporter(local)
+    try:
+        peer = importer.connect(exporter.control)
+        lease = peer.lease(exporter.chains[3])
+        slots = list(range(len(lease.blocks)))
+        calls = []
+
+        def failing(ranges):
+            calls.append(ranges)
+            if len(calls) == 3:
+                raise MemoryError("injected")
+            return 0
+
+        monkeypatch.setattr(importer._memory, "checksum", failing)
+        with pytest.raises(RemoteReadError, match="verifying.*MemoryError"):
+            peer.read(lease, slots)
+        assert local.check_readable(slots, lease.sequence_hashes)
+        peer.release(lease, wait=True)
+    finally:
+        importer.close()
