@@ -265,17 +265,21 @@ def test_an_unverified_read_seals_with_the_exporters_checksums(exporter):
         importer.close()
 
 
+@pytest.mark.parametrize("verifier", ["running", "starved"])
 def test_a_block_failing_its_checksum_in_a_later_batch_fails_the_whole_read(exporter,
-                                                                             monkeypatch):
-    """Batches are hashed on the importer's verifying thread while the next one is copied:
-    a bad block in any batch fails the read, nothing is sealed, and the thread goes on
-    serving later reads."""
+                                                                             monkeypatch,
+                                                                             verifier):
+    """Batches are hashed on the importer's verifying thread while the next one is copied
+    (or, when that thread gets no CPU, by the reading thread itself): a bad block in any
+    batch fails the read, nothing is sealed, and later reads are served."""
     import kvstrata.remote.importer as importer_module
     from kvstrata.remote.importer import RemoteLease
 
     monkeypatch.setattr(importer_module, "BATCH_BYTES", 1)     # one block a batch
     local = host_storage()
     importer = BlockSetImporter(local)
+    if verifier == "starved":                                   # never woken: never runs
+        monkeypatch.setattr(importer._verifier, "wake", lambda job: None)
     try:
         peer = importer.connect(exporter.control)
         chain = exporter.chains[2]

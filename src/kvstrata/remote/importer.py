@@ -17,6 +17,7 @@ handed on.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import itertools
 import os
@@ -79,7 +80,7 @@ class BlockSetImporter:
         self._peers: list[RemotePeer] = []
         # started now, on the constructing thread: it inherits that thread's CPU binding,
         # not that of whichever thread reads first (an engine's worker may be pinned)
-        self._verifier = _Verifier(self._memory, self.name)
+        self._verifier = _Verifier(self.name)
 
     def connect(self, control: str, timeout: float = 5.0) -> "RemotePeer":
         """Fetch the block set served at ``control`` (``tcp://host:port``) and import it."""
@@ -122,11 +123,12 @@ class BlockSetImporter:
         indices of the blocks whose bytes do not hash to ``checksums`` (None: not checked).
 
         Unchecked, it is one transfer. Checked, it goes in batches of about
-        :data:`BATCH_BYTES`; each batch is hashed on the importer's verifying thread while
-        this thread copies the next one (the copy runs on the thread that polls NIXL), so
-        the hash pass hides behind the copy where a second core is free; the batch is still
-        in the CPU's cache when it is hashed. Every batch handed to the verifying thread is
-        waited for before this returns or raises, so nothing reads the slots afterwards.
+        :data:`BATCH_BYTES` (a :class:`_VerifyJob`): the importer's verifying thread hashes
+        each batch that has arrived while this thread copies the next one (NIXL copies on
+        the thread that posts), so the hash pass hides behind the copy where a second core
+        is free. Where it is not, the verifying thread falls behind and this thread hashes
+        the batch it has just copied itself, from its cache, before copying the next. Every
+        batch is hashed before this returns or raises, so nothing reads the slots afterwards.
         :class:`RemoteReadError` from the first batch whose copy failed."""
         blocks = len(local) // per_block
         if checksums is None:
@@ -135,25 +137,24 @@ class BlockSetImporter:
         block_bytes = sum(n for _, n in local[:per_block])
         step = max(1, BATCH_BYTES // max(1, block_bytes))
         deadline = time.monotonic() + timeout
-        results: queue.SimpleQueue = queue.SimpleQueue()
-        batches = 0
+        job = _VerifyJob(self._memory.checksum, local, per_block, checksums)
         try:
             for first in range(0, blocks, step):
                 stop = min(first + step, blocks)
                 lo, hi = first * per_block, stop * per_block
                 self._agent.read(peer, local[lo:hi], remote[lo:hi],
                                  max(1e-3, deadline - time.monotonic()), memory_kind)
-                self._verifier.submit(results, local, per_block, checksums, first, stop)
-                batches += 1
+                job.add(first, stop)
+                if job.waiting() > 1:           # the verifying thread is behind: help it
+                    job.hash_newest()
+                else:
+                    self._verifier.wake(job)
         finally:
-            answers = [results.get() for _ in range(batches)]
-        bad: list[int] = []
-        for answer in answers:
-            if isinstance(answer, BaseException):
-                raise RemoteReadError(f"verifying a read from {peer!r} failed: "
-                                      f"{type(answer).__name__}: {answer}")
-            bad.extend(answer)
-        return sorted(bad)
+            job.finish()
+        if job.error is not None:
+            raise RemoteReadError(f"verifying a read from {peer!r} failed: "
+                                  f"{type(job.error).__name__}: {job.error}")
+        return sorted(job.bad)
 
     def close(self) -> None:
         """Close every peer and the agent. Idempotent."""
@@ -330,43 +331,93 @@ class _LocalMemory:
         return h.intdigest()
 
 
+class _VerifyJob:
+    """The batches of one verified read that have arrived and are not hashed yet, shared by
+    the reading thread and the importer's verifying thread. The verifying thread takes the
+    oldest batch; the reading thread, when the verifier falls behind (no spare core), takes
+    the newest, which it has just copied and still holds in its cache."""
+
+    def __init__(self, checksum, local: list, per_block: int,
+                 checksums: Sequence[int]) -> None:
+        self._checksum, self._local, self._per_block = checksum, local, per_block
+        self._checksums = checksums
+        self._todo: collections.deque[tuple[int, int]] = collections.deque()
+        self._busy = 0                              # batches taken and not yet hashed
+        self._idle = threading.Condition()
+        self.bad: list[int] = []
+        self.error: BaseException | None = None
+
+    def add(self, first: int, stop: int) -> None:
+        """Blocks ``[first, stop)`` have arrived."""
+        self._todo.append((first, stop))
+
+    def waiting(self) -> int:
+        """Batches arrived and not taken by either thread."""
+        return len(self._todo)
+
+    def hash_oldest(self) -> None:
+        """Hash the oldest waiting batch, if any (the verifying thread)."""
+        self._hash(self._todo.popleft)
+
+    def hash_newest(self) -> None:
+        """Hash the newest waiting batch, if any (the reading thread)."""
+        self._hash(self._todo.pop)
+
+    def finish(self) -> None:
+        """Hash what is still waiting on this thread, then wait for the batch the verifying
+        thread may be hashing."""
+        while self._todo:
+            self.hash_newest()
+        with self._idle:
+            self._idle.wait_for(lambda: not self._busy)
+
+    def _hash(self, take) -> None:
+        with self._idle:
+            try:
+                first, stop = take()
+            except IndexError:                      # the other thread took it
+                return
+            self._busy += 1
+        try:
+            if self.error is None:
+                checksum, local, per = self._checksum, self._local, self._per_block
+                self.bad.extend(i for i in range(first, stop)
+                                if checksum(local[i * per:(i + 1) * per]) != self._checksums[i])
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            with self._idle:
+                self._busy -= 1
+                self._idle.notify_all()
+
+
 class _Verifier:
-    """The importer's verifying thread: hashes batches of blocks that have just arrived while
-    the reading thread copies the next batch (NIXL's copy runs on the thread that polls it).
+    """The importer's verifying thread: hashes the batches of verified reads
+    (:class:`_VerifyJob`) that have arrived while the reading thread copies the next one.
+    A plain thread woken through a queue: an executor's hand-over cost a few microseconds
+    more, and a read hands over a batch every few hundred microseconds."""
 
-    A plain thread fed by a queue rather than an executor: each hand-over costs a few
-    microseconds less, and a read hands over one batch every few hundred microseconds."""
-
-    def __init__(self, memory: "_LocalMemory", name: str) -> None:
-        self._memory = memory
-        self._work: queue.SimpleQueue = queue.SimpleQueue()
+    def __init__(self, name: str) -> None:
+        self._wakeups: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"{name}-verify", daemon=True)
         self._thread.start()
 
-    def submit(self, results: queue.SimpleQueue, local: list, per_block: int,
-               checksums: Sequence[int], first: int, stop: int) -> None:
-        """Hash blocks ``[first, stop)`` (``per_block`` ranges each in ``local``); put the
-        indices of those that differ from ``checksums`` (or the exception) on ``results``."""
-        self._work.put((results, local, per_block, checksums, first, stop))
+    def wake(self, job: _VerifyJob) -> None:
+        """Hash ``job``'s oldest waiting batch, if one is still waiting when this thread
+        gets to it."""
+        self._wakeups.put(job)
 
     def _run(self) -> None:
         while True:
-            job = self._work.get()
+            job = self._wakeups.get()
             if job is None:
                 return
-            results, local, per_block, checksums, first, stop = job
-            checksum = self._memory.checksum
-            try:
-                results.put([i for i in range(first, stop)
-                             if checksum(local[i * per_block:(i + 1) * per_block])
-                             != checksums[i]])
-            except BaseException as exc:
-                results.put(exc)
+            job.hash_oldest()
 
     def close(self) -> None:
-        """Stop the thread after the batches already handed over. Idempotent."""
+        """Stop the thread after the wake-ups already given. Idempotent."""
         if self._thread.is_alive():
-            self._work.put(None)
+            self._wakeups.put(None)
             self._thread.join()
 
 
