@@ -1,4 +1,5 @@
-/* Native block hashing for kvstrata.tokens (optional; the pure-Python path is the fallback).
+/* Native xxh3 for kvstrata (optional; the pure-Python paths are the fallback): block hashing
+ * for kvstrata.tokens, and checksums of memory ranges for verified remote reads.
  *
  * hash_blocks(tokens, block_size, seed, parent) -> (local_hashes, sequence_hashes) or None
  *
@@ -18,10 +19,20 @@
  * chain_hashes(local_hashes, seed, parent) -> list or None: sequence hashes of a list of
  * local hashes (exact ints in [0, 2**64)); None for anything else.
  *
+ * checksum_ranges(addresses, lengths, per_block) -> bytes or None: the xxh3-64 (seed 0)
+ * checksum of each block of bytes in this process's memory, a block being `per_block`
+ * consecutive (address, length) ranges hashed as one stream; `addresses` and `lengths` are
+ * C-contiguous buffers of uint64 of equal size. Returns the checksums as native uint64s,
+ * hashed with the GIL let go (a verifying thread hashes while another copies). The caller
+ * vouches that every range is readable memory it owns. None until bound, or when a buffer
+ * is not uint64 or the counts do not divide.
+ *
  * xxh3 itself is not compiled here: bind(address) hands in the address of
  * XXH3_64bits_withSeed as exported by the pinned `xxhash` package's own extension module
- * (tokens.py looks it up with ctypes and checks it against a known value); until bound, both
- * functions return None and the Python path runs.
+ * (tokens.py looks it up with ctypes and checks it against a known value); until bound, the
+ * functions return None and the Python path runs. bind_stream(create, reset, update, digest,
+ * free) hands in the addresses of the library's XXH3 streaming functions, for blocks of more
+ * than one range.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -187,6 +198,118 @@ static PyObject *py_chain_hashes(PyObject *self, PyObject *const *args, Py_ssize
     return out;
 }
 
+/* XXH3 streaming functions of the same library (opaque state). */
+typedef void *(*xxh3_create_fn)(void);
+typedef int (*xxh3_reset_fn)(void *state);
+typedef int (*xxh3_update_fn)(void *state, const void *input, size_t length);
+typedef uint64_t (*xxh3_digest_fn)(const void *state);
+typedef int (*xxh3_free_fn)(void *state);
+static xxh3_create_fn xxh3_create = NULL;
+static xxh3_reset_fn xxh3_reset = NULL;
+static xxh3_update_fn xxh3_update = NULL;
+static xxh3_digest_fn xxh3_digest = NULL;
+static xxh3_free_fn xxh3_free = NULL;
+
+/* A C-contiguous buffer of n uint64 items, or -1 (the caller falls back). */
+static Py_ssize_t get_u64_buffer(PyObject *obj, Py_buffer *view) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        return -1;
+    }
+    const char *fmt = view->format ? view->format : "B";
+    int u64 = view->itemsize == 8 && (strcmp(fmt, "Q") == 0 || strcmp(fmt, "=Q") == 0 ||
+                                      strcmp(fmt, "<Q") == 0 ||
+                                      (sizeof(unsigned long) == 8 &&
+                                       (strcmp(fmt, "L") == 0 || strcmp(fmt, "<L") == 0)));
+    if (!u64) {
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return view->len / 8;
+}
+
+static PyObject *py_checksum_ranges(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "checksum_ranges(addresses, lengths, per_block)");
+        return NULL;
+    }
+    if (xxh3_seeded == NULL) Py_RETURN_NONE;
+    Py_ssize_t per_block = PyLong_AsSsize_t(args[2]);
+    if (per_block == -1 && PyErr_Occurred()) return NULL;
+    if (per_block <= 0 || (per_block > 1 && xxh3_create == NULL)) Py_RETURN_NONE;
+    Py_buffer addr_view, len_view;
+    Py_ssize_t n = get_u64_buffer(args[0], &addr_view);
+    if (n < 0) Py_RETURN_NONE;
+    Py_ssize_t m = get_u64_buffer(args[1], &len_view);
+    if (m < 0) {
+        PyBuffer_Release(&addr_view);
+        Py_RETURN_NONE;
+    }
+    if (m != n || n % per_block) {
+        PyBuffer_Release(&addr_view);
+        PyBuffer_Release(&len_view);
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t blocks = n / per_block;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, blocks * 8);
+    if (!out) {
+        PyBuffer_Release(&addr_view);
+        PyBuffer_Release(&len_view);
+        return NULL;
+    }
+    const uint64_t *addresses = (const uint64_t *)addr_view.buf;
+    const uint64_t *lengths = (const uint64_t *)len_view.buf;
+    uint64_t *sums = (uint64_t *)PyBytes_AS_STRING(out);
+    int failed = 0;
+    Py_BEGIN_ALLOW_THREADS
+    if (per_block == 1) {
+        for (Py_ssize_t b = 0; b < blocks; b++)
+            sums[b] = xxh3_seeded((const void *)(uintptr_t)addresses[b], (size_t)lengths[b], 0);
+    } else {
+        void *state = xxh3_create();
+        if (state == NULL) {
+            failed = 1;
+        } else {
+            for (Py_ssize_t b = 0; b < blocks; b++) {
+                xxh3_reset(state);
+                for (Py_ssize_t r = b * per_block; r < (b + 1) * per_block; r++)
+                    xxh3_update(state, (const void *)(uintptr_t)addresses[r], (size_t)lengths[r]);
+                sums[b] = xxh3_digest(state);
+            }
+            xxh3_free(state);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&addr_view);
+    PyBuffer_Release(&len_view);
+    if (failed) {
+        Py_DECREF(out);
+        return PyErr_NoMemory();
+    }
+    return out;
+}
+
+static PyObject *py_bind_stream(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "bind_stream(create, reset, update, digest, free)");
+        return NULL;
+    }
+    void *fns[5];
+    for (int i = 0; i < 5; i++) {
+        fns[i] = PyLong_AsVoidPtr(args[i]);
+        if (fns[i] == NULL) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "null function address");
+            return NULL;
+        }
+    }
+    xxh3_create = (xxh3_create_fn)fns[0];
+    xxh3_reset = (xxh3_reset_fn)fns[1];
+    xxh3_update = (xxh3_update_fn)fns[2];
+    xxh3_digest = (xxh3_digest_fn)fns[3];
+    xxh3_free = (xxh3_free_fn)fns[4];
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_bind(PyObject *self, PyObject *address) {
     void *fn = PyLong_AsVoidPtr(address);
     if (fn == NULL) {
@@ -204,12 +327,16 @@ static PyMethodDef methods[] = {
      "hash_blocks(tokens, block_size, seed, parent) -> (local_hashes, sequence_hashes) or None"},
     {"chain_hashes", (PyCFunction)(void (*)(void))py_chain_hashes, METH_FASTCALL,
      "chain_hashes(local_hashes, seed, parent) -> sequence_hashes or None"},
+    {"bind_stream", (PyCFunction)(void (*)(void))py_bind_stream, METH_FASTCALL,
+     "bind_stream(create, reset, update, digest, free): the XXH3 streaming functions"},
+    {"checksum_ranges", (PyCFunction)(void (*)(void))py_checksum_ranges, METH_FASTCALL,
+     "checksum_ranges(addresses, lengths, per_block) -> bytes of uint64 checksums or None"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_tokenhash",
-    "Native block hashing for kvstrata.tokens (xxh3-64 chains); see tokens.py.", -1, methods,
+    "Native xxh3 for kvstrata: block hash chains (tokens.py) and checksums of memory ranges.", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__tokenhash(void) { return PyModule_Create(&module); }

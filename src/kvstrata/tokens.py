@@ -41,7 +41,7 @@ def _load_native():
     if not all(hasattr(_tokenhash, n) for n in (*_NATIVE_FUNCTIONS, "bind")):
         return None
     try:
-        _tokenhash.bind(_xxh3_address())
+        _tokenhash.bind(xxhash_function_address())
         probe = _tokenhash.hash_blocks([1, 2, 3, 4], 4, DEFAULT_SEED, None)
     except Exception:       # no such symbol, another ABI: the Python path runs
         return None
@@ -49,15 +49,15 @@ def _load_native():
     return _tokenhash if probe is not None and probe[0] == [expected] else None
 
 
-def _xxh3_address() -> int:
-    """Address of ``XXH3_64bits_withSeed`` in the pinned ``xxhash`` package's own extension
-    (it exports the library's C functions): the native path calls it, so no xxh3 code is
-    compiled into kvstrata."""
+def xxhash_function_address(name: str = "XXH3_64bits_withSeed") -> int:
+    """Address of the C function ``name`` of the xxhash library in the pinned ``xxhash``
+    package's own extension (it exports the library's functions): kvstrata's native paths
+    call these, so no xxh3 code is compiled into kvstrata."""
     import ctypes
 
     import xxhash._xxhash as module
 
-    function = ctypes.CDLL(module.__file__).XXH3_64bits_withSeed
+    function = getattr(ctypes.CDLL(module.__file__), name)
     return ctypes.cast(function, ctypes.c_void_p).value
 
 

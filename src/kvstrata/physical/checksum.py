@@ -24,12 +24,58 @@ import xxhash
 
 from .errors import BlockFailure, FailureKind
 
-__all__ = ["block_checksum", "ChecksumTable"]
+__all__ = ["block_checksum", "ChecksumTable", "native_range_checksums"]
 
 
 def block_checksum(data) -> int:
     """xxh3-64 (seed 0) of a bytes-like object (bytes, memoryview, contiguous numpy array)."""
     return xxhash.xxh3_64_intdigest(data)
+
+
+def _load_range_checksums():
+    """``kvstrata._tokenhash.checksum_ranges`` bound to the xxhash library's own functions
+    and checked against :func:`block_checksum`, or None (not built, a stale build, another
+    ABI): callers then hash range by range in Python, with the same results."""
+    try:
+        from .. import _tokenhash
+        from ..tokens import xxhash_function_address
+    except ImportError:
+        return None
+    if not all(hasattr(_tokenhash, n) for n in ("bind", "bind_stream", "checksum_ranges")):
+        return None
+    probe = np.frombuffer(b"kvstrata checksum probe, in two ranges", dtype=np.uint8)
+    base = probe.ctypes.data
+    try:
+        _tokenhash.bind(xxhash_function_address())
+        _tokenhash.bind_stream(*(xxhash_function_address(f"XXH3_{n}") for n in (
+            "createState", "64bits_reset", "64bits_update", "64bits_digest", "freeState")))
+        addresses = np.array([base, base + 9, base, base + 9], dtype=np.uint64)
+        lengths = np.array([9, probe.size - 9, 9, probe.size - 9], dtype=np.uint64)
+        whole = _tokenhash.checksum_ranges(addresses[:1], np.array([probe.size], np.uint64), 1)
+        split = _tokenhash.checksum_ranges(addresses, lengths, 2)
+    except Exception:
+        return None
+    expected = block_checksum(probe)
+    if whole is None or split is None or np.frombuffer(whole, np.uint64).tolist() != [expected] \
+            or np.frombuffer(split, np.uint64).tolist() != [expected, expected]:
+        return None
+    return _tokenhash.checksum_ranges
+
+
+_range_checksums = _load_range_checksums()
+
+
+def native_range_checksums(addresses: np.ndarray, lengths: np.ndarray,
+                           per_block: int) -> np.ndarray | None:
+    """The xxh3-64 checksum of each block of memory, a block being ``per_block`` consecutive
+    ranges (``addresses[i]``, ``lengths[i]``: contiguous uint64 arrays) hashed as one
+    stream, computed natively with the GIL let go; None where the native path is not built
+    (then hash the ranges with :func:`block_checksum`). The caller vouches that every range
+    is readable memory of this process: nothing is checked here."""
+    if _range_checksums is None:
+        return None
+    out = _range_checksums(addresses, lengths, per_block)
+    return None if out is None else np.frombuffer(out, dtype=np.uint64)
 
 
 class ChecksumTable:

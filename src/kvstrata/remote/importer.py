@@ -33,6 +33,7 @@ import numpy as np
 import xxhash
 import zmq
 
+from ..physical.checksum import native_range_checksums
 from ..physical.storage.base import MemoryStorage
 from ..protocol.layout_codec import SharedLayout
 from .blockset import BlockSet, byte_ranges, decode
@@ -137,7 +138,7 @@ class BlockSetImporter:
         block_bytes = sum(n for _, n in local[:per_block])
         step = max(1, BATCH_BYTES // max(1, block_bytes))
         deadline = time.monotonic() + timeout
-        job = _VerifyJob(self._memory.checksum, local, per_block, checksums)
+        job = _VerifyJob(self._memory.checksums, local, per_block, checksums)
         try:
             for first in range(0, blocks, step):
                 stop = min(first + step, blocks)
@@ -313,6 +314,8 @@ class _LocalMemory:
     def __init__(self, shared: SharedLayout) -> None:
         regions = sorted((r.address, r.size) for r in shared.regions)
         self._bases = [a for a, _ in regions]
+        self._base_array = np.array(self._bases, dtype=np.uint64)
+        self._size_array = np.array([n for _, n in regions], dtype=np.uint64)
         self._views = [memoryview((ctypes.c_char * n).from_address(a)).cast("B")
                        for a, n in regions]
 
@@ -320,6 +323,28 @@ class _LocalMemory:
         i = bisect_right(self._bases, address) - 1
         offset = address - self._bases[i]
         return self._views[i][offset:offset + length]
+
+    def checksums(self, ranges: Sequence[tuple[int, int]], per_block: int) -> list[int]:
+        """xxh3-64 of each block's bytes, a block being ``per_block`` consecutive ``ranges``
+        concatenated: in one native call with the GIL let go where it is built (after
+        checking that every range lies inside a registered region: ``ValueError`` if not),
+        else range by range."""
+        if ranges:
+            pairs = np.array(ranges, dtype=np.uint64).reshape(-1, 2)
+            addresses = np.ascontiguousarray(pairs[:, 0])
+            lengths = np.ascontiguousarray(pairs[:, 1])
+            region = np.searchsorted(self._base_array, addresses, side="right") - 1
+            inside = region >= 0
+            region = np.maximum(region, 0)
+            offsets = addresses - self._base_array[region]
+            sizes = self._size_array[region]
+            if not (inside & (offsets <= sizes) & (lengths <= sizes - offsets)).all():
+                raise ValueError("a range to hash lies outside the registered memory")
+            sums = native_range_checksums(addresses, lengths, per_block)
+            if sums is not None:
+                return sums.tolist()
+        return [self.checksum(ranges[i:i + per_block])
+                for i in range(0, len(ranges), per_block)]
 
     def checksum(self, ranges: Sequence[tuple[int, int]]) -> int:
         """xxh3-64 of the bytes at ``ranges``, concatenated in order."""
@@ -337,9 +362,9 @@ class _VerifyJob:
     oldest batch; the reading thread, when the verifier falls behind (no spare core), takes
     the newest, which it has just copied and still holds in its cache."""
 
-    def __init__(self, checksum, local: list, per_block: int,
+    def __init__(self, checksums_of, local: list, per_block: int,
                  checksums: Sequence[int]) -> None:
-        self._checksum, self._local, self._per_block = checksum, local, per_block
+        self._checksums_of, self._local, self._per_block = checksums_of, local, per_block
         self._checksums = checksums
         self._todo: collections.deque[tuple[int, int]] = collections.deque()
         self._busy = 0                              # batches taken and not yet hashed
@@ -380,9 +405,11 @@ class _VerifyJob:
             self._busy += 1
         try:
             if self.error is None:
-                checksum, local, per = self._checksum, self._local, self._per_block
-                self.bad.extend(i for i in range(first, stop)
-                                if checksum(local[i * per:(i + 1) * per]) != self._checksums[i])
+                per = self._per_block
+                sums = self._checksums_of(self._local[first * per:stop * per], per)
+                self.bad.extend(i for i, got, want in zip(range(first, stop), sums,
+                                                          self._checksums[first:stop])
+                                if got != want)
         except BaseException as exc:
             self.error = exc
         finally:
