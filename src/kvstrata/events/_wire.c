@@ -2,7 +2,6 @@
  *
  *   send_nowait(sock, buffers) -> int
  *       Writes the bytes-like objects of ``buffers`` (a list), in order, to the socket ``sock``
- *       (a socket object or its file descriptor)
  *       with sendmsg(MSG_DONTWAIT | MSG_NOSIGNAL) and returns how many bytes the kernel took:
  *       all of them, fewer when its send buffer filled up, 0 if it was already full. Raises
  *       OSError for any other failure (EPIPE, ECONNRESET, ...).
@@ -31,7 +30,7 @@ static PyObject *send_nowait(PyObject *mod, PyObject *const *args, Py_ssize_t na
         PyErr_SetString(PyExc_TypeError, "send_nowait(sock, buffers: list)");
         return NULL;
     }
-    int fd = PyObject_AsFileDescriptor(args[0]);   /* an int or an object with fileno() */
+    int fd = PyObject_AsFileDescriptor(args[0]);
     if (fd < 0) return NULL;
     PyObject *list = args[1];
     Py_ssize_t count = PyList_GET_SIZE(list);
