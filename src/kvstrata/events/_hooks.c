@@ -226,6 +226,26 @@ static int cmp_len(Py_ssize_t n, PyObject *pub, Py_ssize_t off, int op) {
     return r;
 }
 
+/* Whether a buffer of ``n`` items just reached a whole number of batches (``n % max_batch ==
+ * 0``, as the Python code computes it for any number); 1, 0, or -1 with an exception. */
+static int at_batch_boundary(Py_ssize_t n, PyObject *pub) {
+    PyObject *v = SLOT(pub, p_max_batch);
+    if (!v) { PyErr_SetString(PyExc_AttributeError, "publisher setting is unset"); return -1; }
+    if (PyLong_CheckExact(v)) {
+        int overflow;
+        long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+        if (x == -1 && PyErr_Occurred()) return -1;
+        if (!overflow && x > 0) return (long long)n % x == 0;
+    }
+    PyObject *len = PyLong_FromSsize_t(n);
+    PyObject *rem = len ? PyNumber_Remainder(len, v) : NULL;
+    Py_XDECREF(len);
+    if (!rem) return -1;
+    int r = PyObject_Not(rem);
+    Py_DECREF(rem);
+    return r;
+}
+
 /* Set when a hook filled a batch and woke the batching thread: the hook lets go of the GIL
  * for a moment once it has released the lock (see hand_over). */
 static int sender_woken = 0;
@@ -276,7 +296,7 @@ static int enqueue1(PyObject *pub, PyObject *item, long long eid) {
         set_slot(pub, p_first_pending_at, t);
         return call_method0(SLOT(pub, p_cond), str_notify);
     }
-    int at_batch = cmp_len(n, pub, p_max_batch, Py_EQ);
+    int at_batch = at_batch_boundary(n, pub);
     if (at_batch < 0) return -1;
     return at_batch ? wake_sender(pub) : 0;
 }
