@@ -195,3 +195,26 @@ def test_close_leaves_no_thread_and_does_not_hang_with_the_server_gone(own_serve
     assert time.monotonic() - t0 < 10  # bounded (generous: the point is it returns)
     assert _wait(lambda: set(threading.enumerate()) <= before, 5), set(threading.enumerate()) - before
     assert pub.metrics()["dropped"] == 20
+
+
+def test_credentials_from_the_url_and_a_refused_publish_is_reported(own_server, caplog):
+    server = own_server('authorization { users = [ {user: "kv", password: "s3cret", '
+                        'permissions: {publish: {deny: ["denied.>"]}}} ] }\n')
+    url = server.url.replace("nats://", "nats://kv:s3cret@")
+    subj = subject()
+    with NatsFollower(url, subj, WorkerStates()) as nf:
+        pub = _publisher(url, subj)
+        _produce(pub, 0, 10)
+        assert pub.flush(5) and _caught_up(nf, pub)
+        pub.close()
+    refused = _publisher(url, "denied.events")
+    with caplog.at_level("WARNING", logger="kvstrata.events.natswire"):
+        _produce(refused, 0, 10)
+        assert refused.flush(5)  # written and read by the server, which dropped the messages
+        assert _wait(lambda: refused.sink._wire.server_errors > 0)
+    assert "Permissions Violation" in caplog.text and refused.sink._wire.connects == 1
+    refused.close()
+    wrong = EventPublisher(NatsSink(server.url.replace("nats://", "nats://kv:wrong@"), subject())).start()
+    assert _wait(lambda: wrong.sink._wire.last_error is not None)
+    assert not wrong.sink._wire.connected and "Authorization" in str(wrong.sink._wire.last_error)
+    wrong.close(timeout=0.5)

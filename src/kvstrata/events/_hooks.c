@@ -257,9 +257,11 @@ static int wake_sender(PyObject *pub) {
 
 /* After a full batch woke the batching thread: let it take the GIL now. Hooks called in a
  * tight loop (a burst of registrations) would otherwise keep the GIL until the interpreter's
- * switch interval (5 ms) forced it out, for each thread a batch passes through, and events
- * would reach the sink late and in bursts. HAND_OVER_NS is long enough for the woken thread
- * to take the GIL; it is paid once per full batch, never by a hook that did not fill one. */
+ * switch interval (5 ms) forced it out, and events would reach the sink late and in bursts.
+ * HAND_OVER_NS is long enough for the woken thread to take the GIL; it is paid once per whole
+ * batch in the buffer, never by a hook that did not complete one. The batching thread then
+ * encodes and writes the batch (the NATS sink's own connection: natswire.py) without letting
+ * go of the GIL, so the hook gets it back when that thread waits for the next batch. */
 #define HAND_OVER_NS 50000
 static void hand_over(void) {
     if (!sender_woken) return;

@@ -41,6 +41,8 @@ DEFAULT_MAX_PAYLOAD = 1 << 20
 MAX_LINE = 1 << 20
 """Longest protocol line read from the server (INFO can list a cluster's URLs)."""
 _IOV_CHUNK = 512
+WARN_EVERY = 60.0
+"""Seconds between two warnings about the server's ``-ERR`` lines (the count says how many)."""
 
 
 def py_send_nowait(sock: socket.socket, buffers: list) -> int:
@@ -113,6 +115,8 @@ class NatsPublishConnection:
         self.unsupported: str | None = None
         self.last_error: BaseException | None = None
         self.connects = 0
+        self.server_errors = 0  # -ERR lines received
+        self._warned_at = float("-inf")
 
     # -- lifecycle (any thread) -----------------------------------------------------------------
     def start(self) -> None:
@@ -351,8 +355,13 @@ class NatsPublishConnection:
             with self._acks:
                 self._pongs += 1
                 self._acks.notify_all()
-        elif line.startswith(b"-ERR"):
-            log.warning("NATS server %s:%d: %s", self.host, self.port, line.decode(errors="replace"))
+        elif line.startswith(b"-ERR"):  # e.g. a permissions violation: that message is lost
+            self.server_errors += 1
+            now = time.monotonic()
+            if now - self._warned_at >= WARN_EVERY:
+                self._warned_at = now
+                log.warning("NATS server %s:%d: %s (%d errors so far)", self.host, self.port,
+                            line.decode(errors="replace"), self.server_errors)
         elif line.startswith(b"INFO "):
             try:
                 payload = int(json.loads(line[5:]).get("max_payload") or 0)
