@@ -79,3 +79,43 @@ def test_a_closed_peer_is_an_error(send_nowait, pair):
     with pytest.raises(OSError):
         send_nowait(a, [b"PUB x 1\r\n", b"y", b"\r\n"])
 
+
+
+def test_a_server_that_requires_tls_leaves_publishing_to_nats_py():
+    """Fault injection: a listener that greets like a TLS-only NATS server. The sink's own
+    connection gives up on it (it does not do TLS) and the sink publishes through nats-py."""
+    import threading
+    import time
+
+    from kvstrata.events import EventPublisher
+    from kvstrata.events.sinks import NatsSink
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    greeted = []
+
+    def greet():
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            conn.sendall(b'INFO {"server_id":"x","max_payload":1048576,"tls_required":true}\r\n')
+            greeted.append(conn)
+
+    thread = threading.Thread(target=greet, daemon=True)
+    thread.start()
+    pub = EventPublisher(NatsSink(f"nats://127.0.0.1:{port}", "kv.tls")).start()
+    wire = pub.sink._wire
+    deadline = time.monotonic() + 10
+    while wire.unsupported is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert wire.unsupported == "the server requires TLS" and not wire.connected
+    assert pub.sink._direct_wire() is None  # from now on: nats-py's connection
+    pub.close(timeout=0.5)
+    listener.shutdown(socket.SHUT_RDWR)  # wakes the accept
+    listener.close()
+    thread.join(5)
+    assert not thread.is_alive()
+    for conn in greeted:
+        conn.close()
