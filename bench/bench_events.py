@@ -91,9 +91,10 @@ def run_ours(url: str, subject: str, chains, max_batch: int) -> tuple[float, lis
             super().__init__(*a, **kw)
             self.payloads: list[bytes] = []
 
-        async def _publish(self, payloads, ids, publisher_id):
+        def encode(self, batch, max_payload):
+            payloads, ids = super().encode(batch, max_payload)
             self.payloads.extend(payloads)
-            await super()._publish(payloads, ids, publisher_id)
+            return payloads, ids
 
     n_events = 2 * len(chains)
     sink = RecordingNatsSink(url, subject, serve_snapshots=False)

@@ -18,6 +18,8 @@ from kvstrata.events import publisher as publisher_module
 from kvstrata.events.publisher import EventPublisher, Sink
 from kvstrata.types import BlockRecord
 
+from .helpers import CountingCondition
+
 pytestmark = pytest.mark.skipif(publisher_module._native_hooks is None,
                                 reason="the native hooks are not built (_hooks.c)")
 
@@ -72,11 +74,13 @@ def run(ops, native: bool, monkeypatch, buffer_events: int) -> EventPublisher:
     monkeypatch.setattr(publisher_module, "_native_hooks",
                         publisher_module._load_native_hooks() if native else None)
     pub = EventPublisher(Keep(), max_batch=4, buffer_events=buffer_events, keep_tokens=True)
+    pub._cond = CountingCondition(pub._lock)
     for op, tier, arg in ops:
         if op == "stored":
             pub.on_tier_stored(tier, arg)
         else:
             pub.on_tier_removed(tier, arg)
+    pub.wakeups = pub._cond.notified
     pub.start()
     assert pub.flush(5)
     pub.close()
@@ -107,6 +111,7 @@ def test_native_hooks_make_the_python_hooks_events(seed, buffer_events):
     assert [comparable(i) for i in c.sink.items] == [comparable(i) for i in p.sink.items]
     assert c.state() == p.state()
     assert (c.last_event_id, c.enqueued, c.dropped) == (p.last_event_id, p.enqueued, p.dropped)
+    assert c.wakeups == p.wakeups  # the batching thread is woken at the same points
     assert [comparable(e) for e in c._tiers["G1"].log] == [comparable(e) for e in p._tiers["G1"].log]
 
 

@@ -12,7 +12,7 @@ from kvstrata.events.sinks import CallbackSink, MemorySink
 from kvstrata.events.publisher import Sink
 from kvstrata.logical.registry import BlockRegistry
 
-from .helpers import chain, random_ops, registry_state
+from .helpers import CountingCondition, chain, random_ops, registry_state
 from .native import native_or_python
 
 
@@ -59,6 +59,16 @@ def test_batches_by_count():
     sizes = [len(b.events) for b in pub.sink.batches]
     assert sizes == [4, 4], sizes  # full batches went out without waiting for the 10 s window
     pub.close()
+
+
+def test_a_backlog_still_wakes_the_sender_at_every_whole_batch():
+    pub = EventPublisher(MemorySink(), max_batch=4)  # not started: everything stays buffered
+    pub._cond = CountingCondition(pub._lock)
+    for s in range(6):
+        c = chain(s, 2)
+        pub.on_tier_stored("G1", c)
+        pub.on_tier_removed("G1", [c[1].sequence_hash])
+    assert len(pub._buffer) == 12 and pub._cond.notified == 4  # at 1, 4, 8 and 12 items
 
 
 def test_batches_by_time_window():

@@ -21,6 +21,7 @@ from kvstrata.events.spec import make_sink
             "a.b",
             {"format": "dynamo", "jetstream": "1"},
         ),
+        ("nats://h:1/x?direct=0", "nats", "nats://h:1", "x", {"direct": "0"}),
         ("zmq://tcp://127.0.0.1:5557", "zmq", "tcp://127.0.0.1:5557", "", {}),
         ("zmq://tcp://*:5557?topic=kv-events&layout=array", "zmq", "tcp://*:5557", "", {"topic": "kv-events", "layout": "array"}),
         ("zmq://ipc:///tmp/kv.sock", "zmq", "ipc:///tmp/kv.sock", "", {}),
@@ -67,6 +68,8 @@ def test_make_sink_kinds(tmp_path):
     assert make_sink(f"dynamo-json:{tmp_path}/a.jsonl").format == "dynamo"
     nats = make_sink("nats://127.0.0.1:1/x.y?jetstream=1&format=dynamo")
     assert isinstance(nats, NatsSink) and nats.jetstream and nats.format == "dynamo" and nats.stream == "KVSTRATA_X_Y"
+    assert not nats.direct  # JetStream waits for acks: always through nats-py
+    assert make_sink("nats://127.0.0.1:1/x.y").direct and not make_sink("nats://127.0.0.1:1/x.y?direct=0").direct
     z = make_sink("zmq://tcp://127.0.0.1:1?layout=array&connect=1")
     assert isinstance(z, ZmqSink) and z.layout == "array" and z.connect
 

@@ -25,12 +25,18 @@ def subject() -> str:
     return f"kvtest.{uuid.uuid4().hex[:10]}"
 
 
-def test_events_arrive_complete_and_in_order(nats_server):
+@pytest.fixture(params=["1", "0"], ids=["direct", "nats-py"])
+def direct(request):
+    """Core NATS tests run on the sink's own publishing connection and through nats-py."""
+    return request.param
+
+
+def test_events_arrive_complete_and_in_order(nats_server, direct):
     subj = subject()
     seen = []
     target = WorkerStates()
     with NatsFollower(nats_server.url, subj, target, on_batch=seen.append) as nf:
-        pub = make_publisher(f"{nats_server.url}/{subj}", max_batch=64, worker_id=1)
+        pub = make_publisher(f"{nats_server.url}/{subj}?direct={direct}", max_batch=64, worker_id=1)
         assert nf.wait_for(lambda: pub.sink.connected, 5)
         reg = BlockRegistry()
         reg.add_observer(pub)
@@ -45,11 +51,11 @@ def test_events_arrive_complete_and_in_order(nats_server):
         pub.close()
 
 
-def test_dynamo_format_over_nats(nats_server):
+def test_dynamo_format_over_nats(nats_server, direct):
     subj = subject()
     target = WorkerStates()
     with NatsFollower(nats_server.url, subj, target, format="dynamo") as nf:
-        pub = make_publisher(f"{nats_server.url}/{subj}?format=dynamo", worker_id=77)
+        pub = make_publisher(f"{nats_server.url}/{subj}?format=dynamo&direct={direct}", worker_id=77)
         assert nf.wait_for(lambda: pub.sink.connected, 5)
         reg = BlockRegistry()
         reg.add_observer(pub)
@@ -60,10 +66,10 @@ def test_dynamo_format_over_nats(nats_server):
         pub.close()
 
 
-def test_late_joiner_snapshot_plus_stream_equals_live_state(nats_server):
+def test_late_joiner_snapshot_plus_stream_equals_live_state(nats_server, direct):
     subj = subject()
     reg = BlockRegistry()
-    pub = make_publisher(f"{nats_server.url}/{subj}", max_batch=32, max_delay=0.002, worker_id=5)
+    pub = make_publisher(f"{nats_server.url}/{subj}?direct={direct}", max_batch=32, max_delay=0.002, worker_id=5)
     reg.add_observer(pub)
     rng = random.Random(3)
     random_ops(reg, rng, 500)  # history the late joiner never sees live

@@ -23,6 +23,7 @@ class LoopThread:
             t.cancel()
         if pending:
             self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        self.loop.run_until_complete(self.loop.shutdown_default_executor())  # resolver threads
         self.loop.close()
 
     def submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future:

@@ -208,21 +208,46 @@ static PyObject *now_text(PyObject *pub) {
     return text;
 }
 
-/* ``n >= setting`` (op Py_GE) or ``n == setting`` (Py_EQ) as the Python code compares them
- * (any number: int beyond 64 bits, float('inf'), numpy ints); 1, 0, or -1 with an exception. */
-static int cmp_len(Py_ssize_t n, PyObject *pub, Py_ssize_t off, int op) {
-    PyObject *v = SLOT(pub, off);
-    if (!v) { PyErr_SetString(PyExc_AttributeError, "publisher setting is unset"); return -1; }
-    if (PyLong_CheckExact(v)) {
-        int overflow;
-        long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
-        if (x == -1 && PyErr_Occurred()) return -1;
-        if (!overflow) return op == Py_GE ? (long long)n >= x : (long long)n == x;
-    }
+/* A publisher setting (a slot), and its value as a C long long when it is an exact int that
+ * fits: 1 (``*x`` set), 0 (the caller computes as Python does: int beyond 64 bits,
+ * float('inf'), numpy ints), or -1 with an exception. */
+static int setting(PyObject *pub, Py_ssize_t off, PyObject **v, long long *x) {
+    *v = SLOT(pub, off);
+    if (!*v) { PyErr_SetString(PyExc_AttributeError, "publisher setting is unset"); return -1; }
+    if (!PyLong_CheckExact(*v)) return 0;
+    int overflow;
+    *x = PyLong_AsLongLongAndOverflow(*v, &overflow);
+    if (*x == -1 && PyErr_Occurred()) return -1;
+    return !overflow;
+}
+
+/* ``n >= buffer_events`` as the Python code compares them; 1, 0, or -1 with an exception. */
+static int buffer_full(Py_ssize_t n, PyObject *pub) {
+    PyObject *v;
+    long long x;
+    int exact = setting(pub, p_buffer_events, &v, &x);
+    if (exact) return exact < 0 ? -1 : (long long)n >= x;
     PyObject *len = PyLong_FromSsize_t(n);
     if (!len) return -1;
-    int r = PyObject_RichCompareBool(len, v, op);
+    int r = PyObject_RichCompareBool(len, v, Py_GE);
     Py_DECREF(len);
+    return r;
+}
+
+/* Whether a buffer of ``n`` items just reached a whole number of batches (``n % max_batch ==
+ * 0``, as the Python code computes it); 1, 0, or -1 with an exception. */
+static int at_batch_boundary(Py_ssize_t n, PyObject *pub) {
+    PyObject *v;
+    long long x;
+    int exact = setting(pub, p_max_batch, &v, &x);
+    if (exact < 0) return -1;
+    if (exact && x > 0) return (long long)n % x == 0;
+    PyObject *len = PyLong_FromSsize_t(n);
+    PyObject *rem = len ? PyNumber_Remainder(len, v) : NULL;
+    Py_XDECREF(len);
+    if (!rem) return -1;
+    int r = PyObject_Not(rem);
+    Py_DECREF(rem);
     return r;
 }
 
@@ -237,9 +262,11 @@ static int wake_sender(PyObject *pub) {
 
 /* After a full batch woke the batching thread: let it take the GIL now. Hooks called in a
  * tight loop (a burst of registrations) would otherwise keep the GIL until the interpreter's
- * switch interval (5 ms) forced it out, for each thread a batch passes through, and events
- * would reach the sink late and in bursts. HAND_OVER_NS is long enough for the woken thread
- * to take the GIL; it is paid once per full batch, never by a hook that did not fill one. */
+ * switch interval (5 ms) forced it out, and events would reach the sink late and in bursts.
+ * HAND_OVER_NS is long enough for the woken thread to take the GIL; it is paid once per whole
+ * batch in the buffer, never by a hook that did not complete one. The batching thread then
+ * encodes and writes the batch (the NATS sink's own connection: natswire.py) without letting
+ * go of the GIL, so the hook gets it back when that thread waits for the next batch. */
 #define HAND_OVER_NS 50000
 static void hand_over(void) {
     if (!sender_woken) return;
@@ -258,7 +285,7 @@ static int enqueue1(PyObject *pub, PyObject *item, long long eid) {
     Py_ssize_t n = PyObject_Size(buf);
     if (n < 0) return -1;
     int full = SLOT(pub, p_closing) ? PyObject_IsTrue(SLOT(pub, p_closing)) : 0;
-    if (full == 0) full = cmp_len(n, pub, p_buffer_events, Py_GE);
+    if (full == 0) full = buffer_full(n, pub);
     if (full < 0) return -1;
     if (full) {
         if (add_to_int_slot(pub, p_dropped, 1) < 0) return -1;
@@ -276,7 +303,7 @@ static int enqueue1(PyObject *pub, PyObject *item, long long eid) {
         set_slot(pub, p_first_pending_at, t);
         return call_method0(SLOT(pub, p_cond), str_notify);
     }
-    int at_batch = cmp_len(n, pub, p_max_batch, Py_EQ);
+    int at_batch = at_batch_boundary(n, pub);
     if (at_batch < 0) return -1;
     return at_batch ? wake_sender(pub) : 0;
 }

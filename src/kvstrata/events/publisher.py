@@ -400,7 +400,7 @@ class EventPublisher(RegistryObserver):
             if len(buf) == 1:
                 self._first_pending_at = time.monotonic()
                 self._cond.notify()
-            elif len(buf) == self.max_batch:
+            elif len(buf) % self.max_batch == 0:
                 self._cond.notify()
 
     def on_tier_cleared(self, tier: str) -> None:
@@ -462,7 +462,7 @@ class EventPublisher(RegistryObserver):
         if n == 1:
             self._first_pending_at = time.monotonic()
             self._cond.notify()
-        elif n == self.max_batch:
+        elif n % self.max_batch == 0:  # every whole batch, also behind a backlog
             self._cond.notify()
 
     def _enqueue_locked(self, items: list) -> None:
@@ -479,7 +479,7 @@ class EventPublisher(RegistryObserver):
         if was_empty:
             self._first_pending_at = time.monotonic()
             self._cond.notify()
-        elif len(buf) >= self.max_batch and len(buf) - n < self.max_batch:
+        elif (len(buf) - n) // self.max_batch < len(buf) // self.max_batch:
             self._cond.notify()
 
     # -- shadow log compaction ---------------------------------------------------------------

@@ -17,6 +17,7 @@ from typing import Callable
 
 from kvstrata.events import formats
 from kvstrata.events.model import EventBatch
+from kvstrata.events.natswire import PayloadTooLargeError
 from kvstrata.events.publisher import EventPublisher, Sink, SinkUnavailableError
 
 log = logging.getLogger(__name__)
@@ -244,6 +245,13 @@ class NatsSink(Sink):
     subject and waits for the server's ack of every message (with a ``Nats-Msg-Id`` so a retried
     batch is stored once). Connection happens in the background and never blocks the caller;
     until it succeeds ``send`` raises :class:`SinkUnavailableError` (the publisher retries).
+
+    Core NATS messages (no JetStream) go out on a connection of the sink's own that the
+    publisher's thread writes itself (:mod:`kvstrata.events.natswire`: no hand-over to nats-py's
+    event-loop thread per batch); nats-py's connection serves snapshots. ``direct=False``
+    publishes through nats-py instead, as JetStream always does and as the sink does when the
+    server requires TLS. A message over the server's ``max_payload`` (one event larger than it)
+    is never sent: that batch fails with :class:`PayloadTooLargeError` (dropped and counted).
     """
 
     kind = "nats"
@@ -259,6 +267,7 @@ class NatsSink(Sink):
         serve_snapshots: bool = True,
         send_timeout: float = 2.0,
         dp_rank: int = 0,
+        direct: bool = True,
     ) -> None:
         if format not in EVENT_FORMATS:
             raise ValueError(f"NATS event format must be one of {EVENT_FORMATS}, got {format!r}")
@@ -270,8 +279,11 @@ class NatsSink(Sink):
         self.serve_snapshots = serve_snapshots
         self.send_timeout = send_timeout
         self.dp_rank = dp_rank
+        self._subject_bytes = self.subject.encode()
+        self.direct = direct and not jetstream
         self._publisher: EventPublisher | None = None
         self._aio = None
+        self._wire = None
         self._nc = None
         self._js = None
         self._ready = threading.Event()
@@ -285,6 +297,13 @@ class NatsSink(Sink):
         self._publisher = publisher
         self._aio = LoopThread(f"kvstrata-nats-{self.subject}")
         self._connect_task = self._aio.submit(self._connect())
+        if self.direct:
+            from kvstrata.events.natswire import NatsPublishConnection
+
+            self._wire = NatsPublishConnection(
+                self.url, f"kvstrata-publisher-{publisher.identity.worker_id}", self._aio,
+                send_timeout=self.send_timeout)
+            self._wire.start()
 
     async def _connect(self) -> None:
         try:
@@ -319,7 +338,15 @@ class NatsSink(Sink):
                 StreamConfig(name=self.stream, subjects=[self.subject], storage=StorageType.FILE)
             )
 
+    def _direct_wire(self):
+        """The sink's own publishing connection, or None when publishing through nats-py."""
+        wire = self._wire
+        return wire if wire is not None and not wire.unsupported else None
+
     def flush(self, timeout: float) -> bool:
+        wire = self._direct_wire()
+        if wire is not None:
+            return wire.flush(timeout)
         if not self._ready.is_set() or self._nc is None or not self._nc.is_connected:
             return False
         try:
@@ -333,6 +360,8 @@ class NatsSink(Sink):
             return
         if self._connect_task is not None and not self._connect_task.done():
             self._connect_task.cancel()
+        if self._wire is not None:
+            self._wire.close(timeout)
         if self._nc is not None:
             try:
                 self._aio.run(self._nc.close(), max(timeout, 0.2))
@@ -342,21 +371,33 @@ class NatsSink(Sink):
 
     @property
     def connected(self) -> bool:
-        return self._ready.is_set() and self._nc is not None and self._nc.is_connected
+        """Both connections up (events can go out, snapshots are served)."""
+        wire = self._direct_wire()
+        return (wire is None or wire.connected) and self._ready.is_set() and self._nc is not None \
+            and self._nc.is_connected
 
     def describe(self) -> str:
         return f"nats:{self.url}/{self.subject}"
 
     # -- data path ---------------------------------------------------------------------------
+    def encode(self, batch: EventBatch, max_payload: int) -> tuple[list[bytes], list[int]]:
+        """The batch's messages (at most ``max_payload`` bytes each where an event allows) and
+        the first event id of each."""
+        if self.format == "kvstrata":
+            return formats.encode_batch_messages(batch, max_payload)
+        return formats.encode_dynamo_messages(batch, self.dp_rank), [item[0] for item in batch.items]
+
     def send(self, batch: EventBatch) -> None:
+        wire = self._direct_wire()
+        if wire is not None:
+            wire.publish(self._subject_bytes, self.encode(batch, wire.max_payload)[0])
+            return
         if not self._ready.is_set():
             raise SinkUnavailableError(f"not connected to {self.url}" + (f": {self.connect_error}" if self.connect_error else ""))
-        if self.format == "kvstrata":
-            limit = getattr(self._nc, "max_payload", 1 << 20) or (1 << 20)
-            payloads, ids = formats.encode_batch_messages(batch, limit)
-        else:
-            payloads = formats.encode_dynamo_messages(batch, self.dp_rank)
-            ids = [item[0] for item in batch.items]
+        limit = getattr(self._nc, "max_payload", 1 << 20) or (1 << 20)
+        payloads, ids = self.encode(batch, limit)
+        if max(map(len, payloads)) > limit:  # nats-py would refuse it on every retry
+            raise PayloadTooLargeError(f"a message is over the server's max_payload ({limit})")
         try:
             self._aio.run(self._publish(payloads, ids, batch.identity.publisher_id), self.send_timeout + 1.0)
         except SinkUnavailableError:

@@ -9,7 +9,7 @@ spec                                                   sink
 ``jsonl:PATH``                                         kvstrata JSON lines appended to PATH
 ``dynamo-json:PATH``                                   Dynamo RouterEvent JSON lines to PATH
 ``nats://HOST:PORT[/SUBJECT][?format=kvstrata|dynamo   NATS (default subject ``kvstrata.events``)
-&jetstream=1&stream=NAME]``
+&jetstream=1&stream=NAME&snapshots=0&direct=0]``
 ``zmq://tcp://HOST:PORT[?topic=T&layout=map|array      ZMQ PUB, vLLM KVEventBatch msgpack
 &connect=1]``  (also ``zmq://ipc://...``)
 =====================================================  ==========================================
@@ -26,7 +26,7 @@ from kvstrata.events.publisher import EventPublisher, Sink
 DEFAULT_SUBJECT = "kvstrata.events"
 
 _PARAMS = {
-    "nats": {"format", "jetstream", "stream", "snapshots"},
+    "nats": {"format", "jetstream", "stream", "snapshots", "direct"},
     "zmq": {"topic", "layout", "connect", "hwm"},
 }
 
@@ -106,6 +106,7 @@ def parse_sink_spec(spec: str) -> SinkSpec:
             raise SinkSpecError(f"sink spec {spec!r}: format must be kvstrata or dynamo, got {params['format']!r}")
         _flag(spec, params, "jetstream")
         _flag(spec, params, "snapshots")
+        _flag(spec, params, "direct")
         auth = f"{parts.username}:{parts.password}@" if parts.username else ""
         url = f"nats://{auth}{parts.hostname}:{port or 4222}"
         return SinkSpec("nats", url, subject, params)
@@ -150,6 +151,7 @@ def make_sink(spec: str | SinkSpec, callback: Callable | None = None) -> Sink:
             jetstream=_flag("", s.params, "jetstream"),
             stream=s.params.get("stream"),
             serve_snapshots=_flag("", {"snapshots": s.params.get("snapshots", "1")}, "snapshots"),
+            direct=_flag("", {"direct": s.params.get("direct", "1")}, "direct"),
         )
     if s.kind == "zmq":
         return sinks.ZmqSink(
