@@ -22,6 +22,9 @@ from kvstrata.events.spec import make_sink
             {"format": "dynamo", "jetstream": "1"},
         ),
         ("nats://h:1/x?direct=0", "nats", "nats://h:1", "x", {"direct": "0"}),
+        ("nats://tok@h:1/x", "nats", "nats://tok@h:1", "x", {}),            # a token alone
+        ("nats://u:p%40ss@h/x", "nats", "nats://u:p%40ss@h:4222", "x", {}),
+        ("nats://[::1]:4222/x", "nats", "nats://[::1]:4222", "x", {}),
         ("zmq://tcp://127.0.0.1:5557", "zmq", "tcp://127.0.0.1:5557", "", {}),
         ("zmq://tcp://*:5557?topic=kv-events&layout=array", "zmq", "tcp://*:5557", "", {"topic": "kv-events", "layout": "array"}),
         ("zmq://ipc:///tmp/kv.sock", "zmq", "ipc:///tmp/kv.sock", "", {}),

@@ -218,3 +218,19 @@ def test_credentials_from_the_url_and_a_refused_publish_is_reported(own_server, 
     assert _wait(lambda: wrong.sink._wire.last_error is not None)
     assert not wrong.sink._wire.connected and "Authorization" in str(wrong.sink._wire.last_error)
     wrong.close(timeout=0.5)
+
+
+def test_a_token_in_the_sink_spec_authenticates(own_server):
+    """``nats://TOKEN@host:port/subject``: a token alone (no password) is sent as the
+    server's auth token, by the sink's own connection and by the spec parser alike."""
+    from kvstrata.events import make_publisher
+
+    server = own_server('authorization { token: "s3cret-tok" }\n')
+    subj = subject()
+    url = server.url.replace("nats://", "nats://s3cret-tok@")
+    with NatsFollower(url, subj, WorkerStates()) as nf:
+        pub = make_publisher(f"{url}/{subj}", worker_id=7, max_batch=64)
+        assert _wait(lambda: pub.sink.connected), "a token-only spec did not connect"
+        _produce(pub, 0, 10)
+        assert pub.flush(5) and _caught_up(nf, pub)
+        pub.close()

@@ -107,8 +107,11 @@ def parse_sink_spec(spec: str) -> SinkSpec:
         _flag(spec, params, "jetstream")
         _flag(spec, params, "snapshots")
         _flag(spec, params, "direct")
-        auth = f"{parts.username}:{parts.password}@" if parts.username else ""
-        url = f"nats://{auth}{parts.hostname}:{port or 4222}"
+        # kept as written (still percent-encoded): user:password@, or a token alone as token@
+        userinfo, at, _ = parts.netloc.rpartition("@")
+        auth = f"{userinfo}{at}" if userinfo else ""
+        host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+        url = f"nats://{auth}{host}:{port or 4222}"
         return SinkSpec("nats", url, subject, params)
     if spec.startswith("zmq://"):
         rest = spec[len("zmq://") :]
