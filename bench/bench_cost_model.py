@@ -22,7 +22,9 @@ computes on (a real store is not on the engine's host).
 
 ``-off`` sets ``cost_aware: false`` (load every held block: "always load"); ``-on`` is the
 default. Optional: ``g4fast-on`` / ``g4fast-off``, the small G2 over G4 with no proxy (loading
-from a local SeaweedFS still beats recompute); ``recompute-again``, a second null-connector
+from a local SeaweedFS still beats recompute); ``g2only-on``, slow's G2 with no G4 under it
+(returning turns find nothing and recompute, as slow's do; beside ``slow-on`` it shows what
+the G4 tier's uploads cost a recompute); ``recompute-again``, a second null-connector
 engine run last: the same turns recomputed twice in one run, whose worst per-turn ratio is
 what the machine alone moves a turn (the per-turn goal cannot be judged finer than that).
 
@@ -52,7 +54,7 @@ import bench_vllm_connector as base
 
 SETTINGS = ("fast", "slow", "mixed")
 CONFIGS = ("recompute", *(f"{s}-{m}" for s in SETTINGS for m in ("on", "off")))
-EXTRA_CONFIGS = ("g4fast-on", "g4fast-off", "recompute-again")
+EXTRA_CONFIGS = ("g4fast-on", "g4fast-off", "g2only-on", "recompute-again")
 GOAL_TURN = 1.10        # a returning turn with the cost model on <= 1.10x its recompute
 GOAL_MEDIAN = 1.10      # median with it on <= 1.10x the better of always and never load
 
@@ -68,9 +70,9 @@ def kv_transfer_config(name: str, args: argparse.Namespace, g4_url: str | None) 
                 "kv_role": "kv_both"}
     setting, mode = name.rsplit("-", 1)
     g2 = {"fast": args.g2, "slow": args.g2_small, "g4fast": args.g2_small,
-          "mixed": args.g2_mixed}[setting]
+          "g2only": args.g2_small, "mixed": args.g2_mixed}[setting]
     tiers: dict = {"G2": {"bytes": g2}}
-    if setting != "fast":
+    if setting not in ("fast", "g2only"):
         tiers["G4"] = {"bytes": args.g4, "url": g4_url}
     return {"kv_connector": "KvStrataConnector",
             "kv_connector_module_path": "kvstrata.connectors.vllm", "kv_role": "kv_both",
@@ -246,7 +248,7 @@ def main() -> None:
     temp = args.work_dir is None
     work = Path(tempfile.mkdtemp(prefix="kvstrata-bench-cost-") if temp else args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
-    needs_g4 = any(not n.startswith(("recompute", "fast")) for n in names)
+    needs_g4 = any(not n.startswith(("recompute", "fast", "g2only")) for n in names)
     weed = None
     if needs_g4:
         if find_weed() is None:
@@ -270,7 +272,7 @@ def main() -> None:
         for name in names:
             link = None
             url = None
-            if weed is not None and not name.startswith(("recompute", "fast")):
+            if weed is not None and not name.startswith(("recompute", "fast", "g2only")):
                 if name.startswith("g4fast"):
                     url = f"{weed.endpoint_url}/{weed.bucket}"
                 else:
