@@ -22,7 +22,15 @@ computes on (a real store is not on the engine's host).
 
 ``-off`` sets ``cost_aware: false`` (load every held block: "always load"); ``-on`` is the
 default. Optional: ``g4fast-on`` / ``g4fast-off``, the small G2 over G4 with no proxy (loading
-from a local SeaweedFS still beats recompute).
+from a local SeaweedFS still beats recompute); ``g2only-on``, slow's G2 with no G4 under it
+(returning turns find nothing and recompute, as slow's do; beside ``slow-on`` it shows what
+the G4 tier's uploads cost a recompute); ``recompute-again``, a second null-connector
+engine run last: the same turns recomputed twice in one run, whose worst per-turn ratio is
+what the machine alone moves a turn (the per-turn goal cannot be judged finer than that).
+
+Each turn also records where the machine's CPU went while it ran (``turn_cpu``: the engine's
+processes, the stand-in store and link, every other process); a turn over the goal is listed
+with the share other processes took during it and during its recompute.
 
 Goals (issue 14): with the cost model on, no returning turn slower than the same turn
 recomputed by more than 10 %, and the median returning TTFT within 10 % of the better of
@@ -46,7 +54,7 @@ import bench_vllm_connector as base
 
 SETTINGS = ("fast", "slow", "mixed")
 CONFIGS = ("recompute", *(f"{s}-{m}" for s in SETTINGS for m in ("on", "off")))
-EXTRA_CONFIGS = ("g4fast-on", "g4fast-off")
+EXTRA_CONFIGS = ("g4fast-on", "g4fast-off", "g2only-on", "recompute-again")
 GOAL_TURN = 1.10        # a returning turn with the cost model on <= 1.10x its recompute
 GOAL_MEDIAN = 1.10      # median with it on <= 1.10x the better of always and never load
 
@@ -56,15 +64,15 @@ def say(msg: str) -> None:
 
 
 def kv_transfer_config(name: str, args: argparse.Namespace, g4_url: str | None) -> dict:
-    if name == "recompute":
+    if name.startswith("recompute"):
         return {"kv_connector": "NullConnector",
                 "kv_connector_module_path": "kvstrata.connectors.vllm.baseline",
                 "kv_role": "kv_both"}
     setting, mode = name.rsplit("-", 1)
     g2 = {"fast": args.g2, "slow": args.g2_small, "g4fast": args.g2_small,
-          "mixed": args.g2_mixed}[setting]
+          "g2only": args.g2_small, "mixed": args.g2_mixed}[setting]
     tiers: dict = {"G2": {"bytes": g2}}
-    if setting != "fast":
+    if setting not in ("fast", "g2only"):
         tiers["G4"] = {"bytes": args.g4, "url": g4_url}
     return {"kv_connector": "KvStrataConnector",
             "kv_connector_module_path": "kvstrata.connectors.vllm", "kv_role": "kv_both",
@@ -106,7 +114,7 @@ def report(results: dict[str, dict], args: argparse.Namespace) -> dict:
     if rec_median:
         print(f"{'recompute':<12} {rec_median * 1e3:>9,.0f} ms {1.0:>12.2f} {0:>14}")
     for name, r in results.items():
-        if name == "recompute":
+        if name.startswith("recompute"):
             continue
         turns = returning(r)
         if not turns:
@@ -147,6 +155,10 @@ def report(results: dict[str, dict], args: argparse.Namespace) -> dict:
               f"{'met' if on['turns_over_goal'] == 0 else 'NOT met'}")
         print(base.result_line(f"cost_model_{setting}_median", on["median_ms"], better, "ms",
                                goal=f"<={GOAL_MEDIAN}"))
+    for name, r in results.items():
+        if name.endswith("-on"):
+            over_goal(name, returning(r), rec)
+    same_turns_twice(returning(results.get("recompute-again", {})), rec, summary)
     noisy = {n: r["other_cpu_share"] for n, r in results.items()
              if r.get("other_cpu_share", 0) > base.NOISY}
     if noisy:
@@ -157,6 +169,38 @@ def report(results: dict[str, dict], args: argparse.Namespace) -> dict:
         if issues or r.get("rc"):
             print(f"{name}: exit {r.get('rc')}, log {r.get('log')}: {issues}")
     return summary
+
+
+def same_turns_twice(again: dict, rec: dict, summary: dict) -> None:
+    """The control: each returning turn recomputed by a second null-connector engine over the
+    first one's time. Its worst ratio is what the machine alone did to a turn in this run."""
+    ratios = {k: t["ttft_s"] / rec[k]["ttft_s"] for k, t in again.items() if k in rec}
+    if not ratios:
+        return
+    worst = max(ratios, key=ratios.get)
+    summary["recompute_twice"] = {"worst": ratios[worst], "best": min(ratios.values()),
+                                  "over_goal": sum(x > GOAL_TURN for x in ratios.values())}
+    print(f"control, the same turns recomputed twice (recompute-again / recompute): worst "
+          f"{ratios[worst]:.2f}x (conv {worst[0]} turn {worst[1]}), best "
+          f"{min(ratios.values()):.2f}x, {summary['recompute_twice']['over_goal']} of "
+          f"{len(ratios)} over {GOAL_TURN:.2f}x")
+
+
+def over_goal(name: str, turns: dict, rec: dict) -> None:
+    """List the returning turns over :data:`GOAL_TURN` their recompute, each with the share
+    of the machine's CPU that other processes took while it ran and while its recompute ran
+    (``turn_cpu``), and the stand-in store's CPU."""
+    share = lambda t: (t.get("turn_cpu") or {}).get("others_share", float("nan"))
+    for key, t in sorted(turns.items()):
+        base = rec.get(key)
+        if base is None or t["ttft_s"] <= GOAL_TURN * base["ttft_s"]:
+            continue
+        standin = (t.get("turn_cpu") or {}).get("standin_s", float("nan"))
+        print(f"  {name} conv {key[0]} turn {key[1]} ({t['prompt_len']} tokens): "
+              f"{t['ttft_s'] * 1e3:,.0f} ms vs recompute {base['ttft_s'] * 1e3:,.0f} ms "
+              f"({t['ttft_s'] / base['ttft_s']:.2f}x); other processes took {share(t):.0%} of "
+              f"the CPU during it, {share(base):.0%} during the recompute; stand-in store and "
+              f"link {standin * 1e3:.0f} ms of CPU")
 
 
 def main() -> None:
@@ -204,7 +248,7 @@ def main() -> None:
     temp = args.work_dir is None
     work = Path(tempfile.mkdtemp(prefix="kvstrata-bench-cost-") if temp else args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
-    needs_g4 = any(not n.startswith(("recompute", "fast")) for n in names)
+    needs_g4 = any(not n.startswith(("recompute", "fast", "g2only")) for n in names)
     weed = None
     if needs_g4:
         if find_weed() is None:
@@ -217,6 +261,8 @@ def main() -> None:
         weed = SeaweedServer().start()
         os.environ.update(AWS_ACCESS_KEY_ID=weed.access_key,
                           AWS_SECRET_ACCESS_KEY=weed.secret_key)
+        # the link runs in this process: both are the stand-ins of a turn's CPU accounting
+        os.environ[base.STANDIN_PIDS] = f"{weed.proc.pid},{os.getpid()}"
         background_priority(False)
     say(f"{args.conversations} conversations x {turns} turns; configurations "
         f"{', '.join(names)}; work dir {work}")
@@ -226,7 +272,7 @@ def main() -> None:
         for name in names:
             link = None
             url = None
-            if weed is not None and not name.startswith(("recompute", "fast")):
+            if weed is not None and not name.startswith(("recompute", "fast", "g2only")):
                 if name.startswith("g4fast"):
                     url = f"{weed.endpoint_url}/{weed.bucket}"
                 else:
@@ -255,7 +301,8 @@ def main() -> None:
     print(f"wall {time.perf_counter() - started:.0f} s")
     if args.json:
         Path(args.json).write_text(json.dumps({
-            "args": vars(args), "summary": summary, "results": results}, indent=1))
+            "args": vars(args), "summary": summary, "results": results,
+            "standin_pids": os.environ.get(base.STANDIN_PIDS, "")}, indent=1))
     base.tidy_work_dir(work, temp, results)
 
 

@@ -153,6 +153,57 @@ def tree_cpu_seconds() -> float | None:
         return None
 
 
+def tree_pids() -> list[int]:
+    """This process and its descendants (the engine's processes), for a scheduler trace."""
+    try:
+        import psutil
+
+        me = psutil.Process()
+        return [me.pid, *(p.pid for p in me.children(recursive=True))]
+    except Exception:
+        return [os.getpid()]
+
+
+STANDIN_PIDS = "KVSTRATA_BENCH_STANDIN_PIDS"
+"""Environment variable: pids of processes that stand for a remote service (a bench's object
+store, its slow link), whose CPU each turn's accounting shows apart (``turn_cpu``)."""
+
+
+def pids_cpu_seconds(pids: list[int]) -> float:
+    """CPU seconds used so far by the processes ``pids`` (all their threads); gone: 0."""
+    total = 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            pass
+    return total
+
+
+class TurnCpu:
+    """Where the machine's CPU went while one turn ran: this engine's processes, the stand-in
+    services (:data:`STANDIN_PIDS`), and everything else (other users of a shared machine).
+    A turn slower than its same-run counterpart while others took more CPU says more about
+    the machine than about the connector. Clock-tick resolution (10 ms)."""
+
+    def __init__(self) -> None:
+        self.standins = [int(x) for x in os.environ.get(STANDIN_PIDS, "").split(",") if x]
+
+    def sample(self) -> tuple[float, float, float]:
+        return busy_cpu_seconds(), tree_cpu_seconds() or 0.0, \
+            pids_cpu_seconds(self.standins)
+
+    @staticmethod
+    def between(before: tuple[float, float, float], after: tuple[float, float, float],
+                wall: float) -> dict:
+        busy, own, standin = (b - a for a, b in zip(before, after))
+        cores = os.cpu_count() or 1
+        return {"own_s": own, "standin_s": standin, "others_s": max(0.0, busy - own - standin),
+                "others_share": max(0.0, busy - own - standin) / (wall * cores)}
+
+
 def run_child(name: str, spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec["kv_cache_gib"]))
@@ -180,6 +231,7 @@ def run_child(name: str, spec_path: str, out_path: str) -> None:
     run(warm, answer)
     run(warm + warm[:250], first)
     reset_prefix_cache(llm)
+    accounting = TurnCpu()
     work = spec["workload"]
     prompts = [c["first"] for c in work["conversations"]]
     prev_total = [0] * len(prompts)
@@ -187,7 +239,11 @@ def run_child(name: str, spec_path: str, out_path: str) -> None:
     for t in range(work["turns"]):
         for c, conv in enumerate(work["conversations"]):
             tries, waited = reset_prefix_cache(llm) if reset else (0, 0.0)
+            before = accounting.sample()
+            started_at = time.monotonic()
             ttft, out = run(prompts[c], first)
+            cpu = accounting.between(before, accounting.sample(), ttft)
+            cpu["monotonic"] = (started_at, started_at + ttft)    # for a scheduler trace
             _, ans = run(prompts[c], answer)
             tokens = list(ans.outputs[0].token_ids)
             # full blocks the previous turn computed (its last answer token never was)
@@ -196,16 +252,17 @@ def run_child(name: str, spec_path: str, out_path: str) -> None:
                           "ttft_s": ttft, "first_token": out.outputs[0].token_ids[0],
                           "answer": tokens, "num_cached_tokens": out.num_cached_tokens,
                           "reusable_tokens": reusable, "reset_attempts": tries,
-                          "reset_wait_s": waited})
+                          "reset_wait_s": waited, "turn_cpu": cpu})
             say(f"{name}: conv {c} turn {t + 1} ({len(prompts[c])} tokens): "
-                f"TTFT {ttft * 1e3:,.0f} ms, cached {out.num_cached_tokens}/{reusable}")
+                f"TTFT {ttft * 1e3:,.0f} ms, cached {out.num_cached_tokens}/{reusable}, "
+                f"other processes {cpu['others_share']:.0%} of the CPU")
             prev_total[c] = len(prompts[c]) + len(tokens)
             if t + 1 < work["turns"]:
                 prompts[c] = prompts[c] + tokens + conv["user"][t]
     time.sleep(0.5)                                  # let the last stats reach the frontend
     Path(out_path).write_text(json.dumps({"config": name, "engine_start_s": engine_s,
                                           "turns": turns, "metrics": connector_metrics(llm),
-                                          "cpu_s": tree_cpu_seconds()}))
+                                          "cpu_s": tree_cpu_seconds(), "pids": tree_pids()}))
     say(f"{name}: done in {time.perf_counter() - started:.0f} s")
 
 
