@@ -305,7 +305,7 @@ class PoolMachine(RuleBasedStateMachine):
         free = set(self.pool._free)
         assert not held & free, "a block is both free and in use"
         # A registered hash maps to exactly one live block in this pool.
-        hashes = [b.sequence_hash for b in self.pool._blocks if b.state is BlockState.REGISTERED]
+        hashes = self.pool.hashes()
         assert len(hashes) == len(set(hashes))
         assert self.pool.registry.hashes_in("G1") == set(hashes)
 
