@@ -14,6 +14,8 @@ The tests of ``tests/logical`` run on both paths (``use_native``).
 
 from __future__ import annotations
 
+from ..types import BlockRecord
+
 __all__ = ["NATIVE", "use_native", "native", "native_slots"]
 
 _SHADOW_FUNCTIONS = ("lru_shadow_serve", "lfu_shadow_serve")
@@ -27,7 +29,8 @@ def _load():
             getattr(_blockops, name)
         for name in _SLOT_NAMES:
             getattr(_slots, name)
-    except (ImportError, AttributeError):
+        _slots.setup(BlockRecord)
+    except (ImportError, AttributeError, TypeError):
         return None
     return _blockops, _slots
 
