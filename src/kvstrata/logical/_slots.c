@@ -944,6 +944,145 @@ static PyObject *so_members(SlotOps *o, PyObject *arg) {
     return out;
 }
 
+/* -- the aged-LFU and adaptive orders' common cases (eviction.py, adaptive.py) ---------- */
+
+/* lfu_insert(ids, age, last_tick, buckets, recent) -> last tick, a list of the keys that
+ * have no bucket yet (nothing changed: make them, call again), or None (nothing changed:
+ * some slot is in a list already, or the ticks do not rise past last_tick; the Python loop
+ * takes those). Appends each slot to the bucket of key age + count; with recent (a list),
+ * "tick, slot" pairs to it too. */
+static PyObject *so_lfu_insert(SlotOps *o, PyObject *args) {
+    PyObject *ids, *buckets, *recent;
+    long long age, last;
+    if (!PyArg_ParseTuple(args, "OLLO!O", &ids, &age, &last, &PyDict_Type, &buckets, &recent) ||
+        check_ids(o, ids) < 0)
+        return NULL;
+    if (recent != Py_None && !PyList_CheckExact(recent)) {
+        PyErr_SetString(PyExc_TypeError, "recent must be a list or None");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(ids);
+    long long t = last;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t s = ID(ids, i);
+        if (o->owner[s] || o->tick[s] <= t) Py_RETURN_NONE;
+        t = o->tick[s];
+    }
+    PyObject *missing = NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *key = PyLong_FromLongLong(age + o->count[ID(ids, i)]);
+        if (!key) goto error;
+        PyObject *l = PyDict_GetItemWithError(buckets, key);
+        if (!l && !PyErr_Occurred()) {
+            int bad = (!missing && !(missing = PyList_New(0)));
+            if (!bad) {
+                int has = PySequence_Contains(missing, key);
+                bad = has < 0 || (!has && PyList_Append(missing, key) < 0);
+            }
+            if (bad) {
+                Py_DECREF(key);
+                goto error;
+            }
+        }
+        Py_DECREF(key);
+        if (PyErr_Occurred()) goto error;
+    }
+    if (missing) return missing;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t s = ID(ids, i);
+        PyObject *key = PyLong_FromLongLong(age + o->count[s]);
+        if (!key) return NULL;
+        PyObject *l = PyDict_GetItemWithError(buckets, key);
+        Py_DECREF(key);
+        Py_ssize_t lid = l ? PyLong_AsSsize_t(l) : -1;
+        if (lid < 0 || check_list(o, lid) < 0) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "bucket vanished");
+            return NULL;
+        }
+        append_slot(o, lid, s);
+        if (recent != Py_None) {
+            PyObject *tk = PyLong_FromLongLong(o->tick[s]);
+            int bad = !tk || PyList_Append(recent, tk) < 0 ||
+                      PyList_Append(recent, PyList_GET_ITEM(ids, i)) < 0;
+            Py_XDECREF(tk);
+            if (bad) return NULL;
+        }
+    }
+    return PyLong_FromLongLong(t);
+error:
+    Py_XDECREF(missing);
+    return NULL;
+}
+
+/* remember(ids, ghost, ghost_size): each evicted slot's count into the ghost (an ordered
+ * dict of hash -> count, oldest first, at most ghost_size), as AgedFrequencyEviction.remember. */
+static PyObject *s_move_to_end = NULL, *s_popitem = NULL;
+
+static PyObject *so_remember(SlotOps *o, PyObject *args) {
+    PyObject *ids, *ghost;
+    Py_ssize_t size;
+    if (!PyArg_ParseTuple(args, "OOn", &ids, &ghost, &size) || check_ids(o, ids) < 0)
+        return NULL;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(ids); i++) {
+        Py_ssize_t s = ID(ids, i);
+        PyObject *h = PyLong_FromUnsignedLongLong(o->seq[s]), *c = PyLong_FromLongLong(o->count[s]);
+        int bad = !h || !c;
+        if (!bad) {
+            int has = PySequence_Contains(ghost, h);
+            bad = has < 0;
+            if (has > 0) {
+                PyObject *r = PyObject_CallMethodOneArg(ghost, s_move_to_end, h);
+                bad = !r;
+                Py_XDECREF(r);
+            }
+        }
+        bad = bad || PyObject_SetItem(ghost, h, c) < 0;
+        Py_XDECREF(h);
+        Py_XDECREF(c);
+        if (bad) return NULL;
+        Py_ssize_t len = PyObject_Length(ghost);
+        if (len < 0) return NULL;
+        if (len > size) {
+            PyObject *r = PyObject_CallMethodOneArg(ghost, s_popitem, Py_False);
+            if (!r) return NULL;
+            Py_DECREF(r);
+        }
+    }
+    Py_RETURN_NONE;
+}
+
+/* recent_take(recent, head, count) -> (slots, head, emptied lists): the next count live
+ * pairs of the recency queue from head (live: the slot is in a list, with that tick), each
+ * slot taken out of its list; as DuelingEviction._recent_victims. */
+static PyObject *so_recent_take(SlotOps *o, PyObject *args) {
+    PyObject *recent;
+    Py_ssize_t head, count;
+    if (!PyArg_ParseTuple(args, "O!nn", &PyList_Type, &recent, &head, &count)) return NULL;
+    PyObject *out = PyList_New(0), *emptied = PyList_New(0);
+    if (!out || !emptied) goto error;
+    Py_ssize_t end = PyList_GET_SIZE(recent);
+    while (PyList_GET_SIZE(out) < count && head + 1 < end) {
+        PyObject *tk = PyList_GET_ITEM(recent, head), *sl = PyList_GET_ITEM(recent, head + 1);
+        head += 2;
+        long long t = PyLong_AsLongLong(tk);
+        Py_ssize_t s = PyLong_AsSsize_t(sl);
+        if (PyErr_Occurred()) goto error;
+        if (s < 0 || s >= o->n) {
+            PyErr_Format(PyExc_IndexError, "no slot %zd", s);
+            goto error;
+        }
+        if (o->tick[s] != t || !o->owner[s]) continue;
+        int32_t l = unlink_slot(o, s);
+        if (PyList_Append(out, sl) < 0 || (!o->size[l] && append_long(emptied, l) < 0))
+            goto error;
+    }
+    return Py_BuildValue("(NnN)", out, head, emptied);
+error:
+    Py_XDECREF(out);
+    Py_XDECREF(emptied);
+    return NULL;
+}
+
 static PyMethodDef so_methods[] = {
     {"prefix", (PyCFunction)so_prefix, METH_O, "prefix(hashes) -> slots"},
     {"find", (PyCFunction)so_find, METH_O, "find(hashes) -> slots"},
@@ -961,6 +1100,9 @@ static PyMethodDef so_methods[] = {
     {"unlink", (PyCFunction)so_unlink, METH_O, "unlink(ids) -> (taken, emptied lists)"},
     {"pop_front", (PyCFunction)so_pop_front, METH_VARARGS, "pop_front(list_id, count) -> slots"},
     {"members", (PyCFunction)so_members, METH_O, "members(list_id) -> slots"},
+    {"lfu_insert", (PyCFunction)so_lfu_insert, METH_VARARGS, "lfu_insert(ids, age, last_tick, buckets, recent) -> last tick, missing keys or None"},
+    {"remember", (PyCFunction)so_remember, METH_VARARGS, "remember(ids, ghost, ghost_size)"},
+    {"recent_take", (PyCFunction)so_recent_take, METH_VARARGS, "recent_take(recent, head, count) -> (slots, head, emptied)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -989,6 +1131,9 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__slots(void) {
     for (int i = 0; i < R_COUNT; i++)
         if (!(rnames[i] = PyUnicode_InternFromString(record_fields[i]))) return NULL;
+    if (!(s_move_to_end = PyUnicode_InternFromString("move_to_end")) ||
+        !(s_popitem = PyUnicode_InternFromString("popitem")))
+        return NULL;
     if (PyType_Ready(&HashIndexType) < 0 || PyType_Ready(&SlotOpsType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;

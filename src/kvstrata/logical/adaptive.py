@@ -299,8 +299,11 @@ class DuelingEviction(AgedFrequencyEviction):
         self._head = 0              # index of the first pair not yet consumed
 
     def insert_many(self, ids: list[int]) -> None:
+        if self._insert_in_order(ids, self._recent):   # both sides in one loop
+            self._tidy_recent()
+            return
         last = self._last_tick
-        super().insert_many(ids)
+        self._insert_any(ids)
         ticks = list(map(self._ticks.__getitem__, ids))
         if ticks and (ticks[0] <= last or ticks != sorted(set(ticks))):   # not increasing
             self._requeue()
@@ -316,17 +319,10 @@ class DuelingEviction(AgedFrequencyEviction):
     def _recent_victims(self, count: int) -> list[int]:
         """The next ``count`` live slots of the recency queue (fewer if it runs dry), each
         leaving the aged-LFU order as ``remove`` then ``remember`` would."""
-        recent, head, ticks, owner = self._recent, self._head, self._ticks, self._owner
-        out: list[int] = []
-        end = len(recent)
-        while len(out) < count and head < end:
-            tick, slot = recent[head], recent[head + 1]
-            head += 2
-            if ticks[slot] == tick and owner[slot]:
-                self._drop([slot])
-                self.remember(slot)
-                out.append(slot)
-        self._head = head
+        out, self._head, emptied = self._ops.recent_take(self._recent, self._head, count)
+        self._size -= len(out)
+        self._free_buckets(emptied)
+        self._ops.remember(out, self._ghost, self._ghost_size)
         return out
 
     def _tidy_recent(self) -> None:

@@ -383,6 +383,33 @@ class AgedFrequencyEviction(EvictionPolicy):
         self.insert_many([slot])
 
     def insert_many(self, ids: list[int]) -> None:
+        if self._insert_in_order(ids, None):
+            return
+        self._insert_any(ids)
+
+    def _insert_in_order(self, ids: list[int], recent: list | None) -> bool:
+        """The common case in one loop of the store's ops (natively when built): no slot in
+        the order yet, ticks rising past the newest. Whether it applied."""
+        got = self._ops.lfu_insert(ids, self._age, self._last_tick, self._buckets, recent)
+        if type(got) is list:                      # keys without a bucket: make them
+            for key in got:
+                self._new_bucket(key)
+            got = self._ops.lfu_insert(ids, self._age, self._last_tick, self._buckets, recent)
+        if got is None:
+            return False
+        self._last_tick = got
+        self._size += len(ids)
+        self._tidy_keys()
+        return True
+
+    def _new_bucket(self, key: int) -> int:
+        list_id = self._buckets[key] = self._store.new_list()   # type: ignore[union-attr]
+        self._key_of_list[list_id] = key
+        heapq.heappush(self._keys, key)
+        return list_id
+
+    def _insert_any(self, ids: list[int]) -> None:
+        """``insert_many`` for any slots, in the order or not, at any ticks."""
         buckets, age, count, ticks = self._buckets, self._age, self._count, self._ticks
         owner, push = self._owner, self._ops.push_back
         last = self._last_tick
@@ -393,9 +420,7 @@ class AgedFrequencyEviction(EvictionPolicy):
             key = age + count[slot]
             list_id = buckets.get(key)
             if list_id is None:
-                list_id = buckets[key] = self._store.new_list()   # type: ignore[union-attr]
-                self._key_of_list[list_id] = key
-                heapq.heappush(self._keys, key)
+                list_id = self._new_bucket(key)
             push(list_id, [slot])
             tick = ticks[slot]
             if tick > last:                        # the newest release: in order at the end
@@ -416,9 +441,7 @@ class AgedFrequencyEviction(EvictionPolicy):
         """Take ``ids`` (in the order) out of their buckets; empty buckets go."""
         taken, emptied = self._ops.unlink(ids)
         self._size -= taken
-        for list_id in emptied:
-            del self._buckets[self._key_of_list.pop(list_id)]
-            self._store.free_list(list_id)         # type: ignore[union-attr]
+        self._free_buckets(emptied)
 
     def remove(self, slot: int) -> None:
         self.remove_many([slot])
@@ -443,8 +466,7 @@ class AgedFrequencyEviction(EvictionPolicy):
             got = self._ops.pop_front(list_id, count - len(out))
             self._size -= len(got)
             self._age = key
-            for slot in got:
-                self.remember(slot)
+            self._ops.remember(got, self._ghost, self._ghost_size)
             out += got
             if not lsize[list_id]:
                 del buckets[key]
@@ -455,12 +477,12 @@ class AgedFrequencyEviction(EvictionPolicy):
 
     def remember(self, slot: int) -> None:
         """Keep an evicted block's count in the ghost (also used when another order evicted it)."""
-        ghost, h = self._ghost, self._seq[slot]
-        if h in ghost:
-            ghost.move_to_end(h)
-        ghost[h] = self._count[slot]
-        if len(ghost) > self._ghost_size:
-            ghost.popitem(last=False)
+        self._ops.remember([slot], self._ghost, self._ghost_size)
+
+    def _free_buckets(self, emptied: list[int]) -> None:
+        for list_id in emptied:
+            del self._buckets[self._key_of_list.pop(list_id)]
+            self._store.free_list(list_id)         # type: ignore[union-attr]
 
     def __len__(self) -> int:
         return self._size

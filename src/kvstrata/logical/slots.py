@@ -383,3 +383,62 @@ class PySlotOps:
             out.append(slot)
             slot = s.next[slot]
         return out
+
+    # -- the aged-LFU and adaptive orders' common cases ------------------------------------
+    def lfu_insert(self, ids: list[int], age: int, last_tick: int, buckets: dict,
+                   recent: list | None):
+        """Append each slot to the list of its key ``age + count`` (``buckets``: key ->
+        list id), and with ``recent`` its ``tick, slot`` pair to that queue. Only when no
+        slot is in a list and the ticks rise past ``last_tick``; returns the last tick, or
+        (nothing changed) the keys without a bucket yet, or None for any other case."""
+        s = self._s
+        owner, ticks, count = s.owner, s.tick, s.count
+        t = last_tick
+        for slot in ids:
+            if owner[slot] or ticks[slot] <= t:
+                return None
+            t = ticks[slot]
+        missing: list[int] = []
+        for slot in ids:
+            key = age + count[slot]
+            if key not in buckets and key not in missing:
+                missing.append(key)
+        if missing:
+            return missing
+        for slot in ids:
+            self.push_back(buckets[age + count[slot]], [slot])
+            if recent is not None:
+                recent += (ticks[slot], slot)
+        return t
+
+    def remember(self, ids: list[int], ghost, ghost_size: int) -> None:
+        """Each slot's count into the ghost (hash -> count, oldest first, at most
+        ``ghost_size``), as ``AgedFrequencyEviction.remember``."""
+        seq, count = self._s.seq, self._s.count
+        for slot in ids:
+            h = seq[slot]
+            if h in ghost:
+                ghost.move_to_end(h)
+            ghost[h] = count[slot]
+            if len(ghost) > ghost_size:
+                ghost.popitem(last=False)
+
+    def recent_take(self, recent: list, head: int, count: int) -> tuple[list[int], int, list[int]]:
+        """The next ``count`` live pairs of a recency queue from ``head`` (live: the slot is
+        in a list with that tick), each slot taken out of its list. Returns the slots, the
+        new head and the lists left empty."""
+        s = self._s
+        ticks, owner, size = s.tick, s.owner, s.size
+        out: list[int] = []
+        emptied: list[int] = []
+        end = len(recent)
+        while len(out) < count and head + 1 < end:
+            tick, slot = recent[head], recent[head + 1]
+            head += 2
+            if ticks[slot] != tick or not owner[slot]:
+                continue
+            list_id = self._unlink(slot)
+            out.append(slot)
+            if not size[list_id]:
+                emptied.append(list_id)
+        return out, head, emptied
