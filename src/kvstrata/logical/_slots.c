@@ -857,17 +857,22 @@ static inline int32_t unlink_slot(SlotOps *o, Py_ssize_t s) {
     return l;
 }
 
-static inline void append_slot(SlotOps *o, Py_ssize_t l, Py_ssize_t s) {
+/* s becomes the last (front: the first) slot of list l, leaving its list if in one */
+static inline void link_slot(SlotOps *o, Py_ssize_t l, Py_ssize_t s, int front) {
     if (o->owner[s]) unlink_slot(o, s);
-    int32_t last = o->size[l] ? o->tail[l] : -1;
-    o->prev[s] = last;
-    o->next[s] = -1;
-    if (last >= 0) o->next[last] = (int32_t)s;
-    else o->head[l] = (int32_t)s;
-    o->tail[l] = (int32_t)s;
+    int32_t *towards = front ? o->next : o->prev, *away = front ? o->prev : o->next;
+    int32_t *end = front ? o->head : o->tail, *other_end = front ? o->tail : o->head;
+    int32_t old = o->size[l] ? end[l] : -1;
+    towards[s] = old;
+    away[s] = -1;
+    if (old >= 0) away[old] = (int32_t)s;
+    else other_end[l] = (int32_t)s;
+    end[l] = (int32_t)s;
     o->size[l]++;
     o->owner[s] = (int32_t)l;
 }
+
+#define append_slot(o, l, s) link_slot(o, l, s, 0)
 
 static PyObject *so_push_back(SlotOps *o, PyObject *args) {
     Py_ssize_t l;
@@ -885,15 +890,7 @@ static PyObject *so_push_front(SlotOps *o, PyObject *args) {
         PyErr_Format(PyExc_IndexError, "no slot %zd", s);
         return NULL;
     }
-    if (o->owner[s]) unlink_slot(o, s);
-    int32_t first = o->size[l] ? o->head[l] : -1;
-    o->next[s] = first;
-    o->prev[s] = -1;
-    if (first >= 0) o->prev[first] = (int32_t)s;
-    else o->tail[l] = (int32_t)s;
-    o->head[l] = (int32_t)s;
-    o->size[l]++;
-    o->owner[s] = (int32_t)l;
+    link_slot(o, l, s, 1);
     Py_RETURN_NONE;
 }
 

@@ -301,38 +301,30 @@ class PySlotOps:
     # -- intrusive lists ---------------------------------------------------------------------
     def push_back(self, list_id: int, ids: list[int]) -> None:
         """Append each slot to the list (a slot already in a list leaves it first)."""
-        s = self._s
-        owner, prev, next_, head, tail, size = s.owner, s.prev, s.next, s.head, s.tail, s.size
         for slot in ids:
-            if owner[slot]:
-                self._unlink(slot)
-            last = tail[list_id] if size[list_id] else -1
-            prev[slot] = last
-            next_[slot] = -1
-            if last >= 0:
-                next_[last] = slot
-            else:
-                head[list_id] = slot
-            tail[list_id] = slot
-            size[list_id] += 1
-            owner[slot] = list_id
+            self._link(list_id, slot, False)
 
     def push_front(self, list_id: int, slot: int) -> None:
         """Put the slot first in the list (leaving the list it is in, if any)."""
+        self._link(list_id, slot, True)
+
+    def _link(self, list_id: int, slot: int, front: bool) -> None:
         s = self._s
-        owner, prev, next_, head, tail, size = s.owner, s.prev, s.next, s.head, s.tail, s.size
-        if owner[slot]:
+        if s.owner[slot]:
             self._unlink(slot)
-        first = head[list_id] if size[list_id] else -1
-        next_[slot] = first
-        prev[slot] = -1
-        if first >= 0:
-            prev[first] = slot
+        # towards: the link from the new end to the old one; away: back from the old end
+        towards, away = (s.next, s.prev) if front else (s.prev, s.next)
+        end, other_end = (s.head, s.tail) if front else (s.tail, s.head)
+        old = end[list_id] if s.size[list_id] else -1
+        towards[slot] = old
+        away[slot] = -1
+        if old >= 0:
+            away[old] = slot
         else:
-            tail[list_id] = slot
-        head[list_id] = slot
-        size[list_id] += 1
-        owner[slot] = list_id
+            other_end[list_id] = slot
+        end[list_id] = slot
+        s.size[list_id] += 1
+        s.owner[slot] = list_id
 
     def _unlink(self, slot: int) -> int:
         s = self._s
