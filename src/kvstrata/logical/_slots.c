@@ -1080,6 +1080,32 @@ error:
     return NULL;
 }
 
+/* recent_prune(recent, head) -> list: the live pairs of the queue from head on, in order. */
+static PyObject *so_recent_prune(SlotOps *o, PyObject *args) {
+    PyObject *recent;
+    Py_ssize_t head;
+    if (!PyArg_ParseTuple(args, "O!n", &PyList_Type, &recent, &head)) return NULL;
+    PyObject *out = PyList_New(0);
+    if (!out) return NULL;
+    for (Py_ssize_t i = head < 0 ? 0 : head; i + 1 < PyList_GET_SIZE(recent); i += 2) {
+        PyObject *tk = PyList_GET_ITEM(recent, i), *sl = PyList_GET_ITEM(recent, i + 1);
+        long long t = PyLong_AsLongLong(tk);
+        Py_ssize_t s = PyLong_AsSsize_t(sl);
+        if (PyErr_Occurred()) goto error;
+        if (s < 0 || s >= o->n) {
+            PyErr_Format(PyExc_IndexError, "no slot %zd", s);
+            goto error;
+        }
+        if (o->tick[s] == t && o->owner[s] &&
+            (PyList_Append(out, tk) < 0 || PyList_Append(out, sl) < 0))
+            goto error;
+    }
+    return out;
+error:
+    Py_DECREF(out);
+    return NULL;
+}
+
 static PyMethodDef so_methods[] = {
     {"prefix", (PyCFunction)so_prefix, METH_O, "prefix(hashes) -> slots"},
     {"find", (PyCFunction)so_find, METH_O, "find(hashes) -> slots"},
@@ -1099,6 +1125,7 @@ static PyMethodDef so_methods[] = {
     {"members", (PyCFunction)so_members, METH_O, "members(list_id) -> slots"},
     {"lfu_insert", (PyCFunction)so_lfu_insert, METH_VARARGS, "lfu_insert(ids, age, last_tick, buckets, recent) -> last tick, missing keys or None"},
     {"remember", (PyCFunction)so_remember, METH_VARARGS, "remember(ids, ghost, ghost_size)"},
+    {"recent_prune", (PyCFunction)so_recent_prune, METH_VARARGS, "recent_prune(recent, head) -> live pairs"},
     {"recent_take", (PyCFunction)so_recent_take, METH_VARARGS, "recent_take(recent, head, count) -> (slots, head, emptied)"},
     {NULL, NULL, 0, NULL},
 };

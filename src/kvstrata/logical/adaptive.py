@@ -332,10 +332,7 @@ class DuelingEviction(AgedFrequencyEviction):
             self._head = 0
 
     def _live_pairs(self) -> list:
-        recent, head, ticks, owner = self._recent, self._head, self._ticks, self._owner
-        stamps, ids = recent[head::2], recent[head + 1::2]
-        live = [ticks[s] == t and owner[s] != 0 for t, s in zip(stamps, ids)]
-        return _pairs(list(compress(stamps, live)), list(compress(ids, live)))
+        return self._ops.recent_prune(self._recent, self._head)
 
     def _requeue(self) -> None:
         """Rebuild the queue from the order's slots, by (release tick, slot)."""

@@ -434,3 +434,14 @@ class PySlotOps:
             if not size[list_id]:
                 emptied.append(list_id)
         return out, head, emptied
+
+    def recent_prune(self, recent: list, head: int) -> list:
+        """The live pairs of a recency queue from ``head`` on, in order."""
+        s = self._s
+        ticks, owner = s.tick, s.owner
+        stamps, ids = recent[head::2], recent[head + 1::2]
+        out: list = []
+        for tick, slot in zip(stamps, ids):
+            if ticks[slot] == tick and owner[slot]:
+                out += (tick, slot)
+        return out
