@@ -144,10 +144,12 @@ def test_an_unclosed_manager_is_closed_at_exit(tmp_path):
 def test_a_huge_empty_pool_costs_next_to_nothing():
     from kvstrata.logical.pool import BlockPool
 
-    pool = BlockPool("G1", 10 ** 23, 16)
-    assert pool.status().reset == 10 ** 23 and len(pool._blocks) == 0
+    with pytest.raises(ValueError, match="num_blocks"):     # slot ids are int32
+        BlockPool("G1", 10 ** 23, 16)
+    pool = BlockPool("G1", 10 ** 7, 16)          # columns reserved, pages untouched
+    assert pool.status().reset == 10 ** 7 and pool._made == 0
     blocks = pool.allocate(3)
-    assert blocks.block_ids == [0, 1, 2] and len(pool._blocks) == 3
+    assert blocks.block_ids == [0, 1, 2] and pool._made == 3
     pool.release(blocks)
     again = pool.allocate(2)
     assert sorted(again.block_ids) == [1, 2]          # slots that came back are reused first
