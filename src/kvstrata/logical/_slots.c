@@ -7,7 +7,8 @@
  *   bucket (a dict of int objects costs ~100 bytes an entry). Keys that are not u64 ints
  *   are never held (look-ups miss; storing one raises).
  * SlotOps(arrays, index, pending, tokens, seeds, block_size): the methods of
- *   slots.PySlotOps over the store's columns (numpy arrays, whose buffers it holds).
+ *   slots.PySlotOps over the store's columns (a tuple of numpy arrays, whose buffers it
+ *   holds; integers of the sizes and signedness of slots.SLOT_COLUMNS / LIST_COLUMNS).
  * setup(BlockRecord): learn the record class's slot offsets (read straight, as Python's
  *   own member descriptors do; another class is read through getattr).
  */
@@ -83,8 +84,30 @@ static int hi_resize(HashIndex *t, Py_ssize_t cap) {
     return 0;
 }
 
+/* Grow the table (if needed) so that `more` new keys fit within the load limit: after it
+ * succeeds, that many hi_put calls cannot fail. 0, or -1 with MemoryError (table unchanged). */
+static int hi_reserve(HashIndex *t, Py_ssize_t more) {
+    if (more < 0 || t->used > PY_SSIZE_T_MAX / 8 - more) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    Py_ssize_t need = t->used + more, cap = t->cap ? t->cap : 8;
+    while (need * 4 > cap * 3) {
+        if (cap > PY_SSIZE_T_MAX / 32) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        cap *= 2;
+    }
+    return cap == t->cap ? 0 : hi_resize(t, cap);
+}
+
 static int hi_put(HashIndex *t, uint64_t k, int32_t v) {
-    if ((t->used + 1) * 4 > t->cap * 3 && hi_resize(t, t->cap ? 2 * t->cap : 8) < 0) return -1;
+    if (v < 0) {                     /* -1 marks an empty bucket: never stored */
+        PyErr_Format(PyExc_ValueError, "HashIndex values are in [0, 2**31), got %d", (int)v);
+        return -1;
+    }
+    if ((t->used + 1) * 4 > t->cap * 3 && hi_reserve(t, 1) < 0) return -1;
     size_t m = (size_t)t->cap - 1, i = (size_t)mix(k) & m;
     while (t->vals[i] >= 0) {
         if (t->keys[i] == k) {
@@ -361,6 +384,18 @@ static inline PyObject *rec_get(PyObject *r, int field) {
 enum { C_STATE, C_FLAGS, C_REFS, C_TICK, C_SEQ, C_LOCAL, C_PARENT, C_UP, C_KIDS, C_PRIO,
        C_COUNT, C_PREV, C_NEXT, C_OWNER, C_HEAD, C_TAIL, C_SIZE, C_N };
 static const Py_ssize_t col_itemsize[C_N] = {1, 1, 4, 8, 8, 8, 8, 4, 4, 4, 8, 4, 4, 4, 4, 4, 4};
+/* 1: the column holds unsigned integers, 0: signed ones (slots.SLOT_COLUMNS, LIST_COLUMNS) */
+static const int col_unsigned[C_N] = {1, 1, 0, 0, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+
+/* Whether a buffer's struct format is one integer of the column's signedness (its size is
+ * checked apart): "B", "<q", "=L", ... */
+static int integer_format(const char *format, int is_unsigned) {
+    if (!format) return 0;
+    if (*format == '@' || *format == '=' || *format == '<' || *format == '>' || *format == '!')
+        format++;
+    if (!format[0] || format[1]) return 0;
+    return strchr(is_unsigned ? "BHILQN" : "bhilqn", format[0]) != NULL;
+}
 
 typedef struct {
     PyObject_HEAD
@@ -388,11 +423,11 @@ static void so_dealloc(SlotOps *o) {
 static PyObject *so_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     PyObject *arrays, *index, *pending, *tokens, *seeds;
     Py_ssize_t block_size;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!O!n", &PyList_Type, &arrays, &HashIndexType, &index,
+    if (!PyArg_ParseTuple(args, "O!O!O!O!O!n", &PyTuple_Type, &arrays, &HashIndexType, &index,
                           &PyDict_Type, &pending, &PyDict_Type, &tokens, &PyDict_Type, &seeds,
                           &block_size))
         return NULL;
-    if (PyList_GET_SIZE(arrays) != C_N) {
+    if (PyTuple_GET_SIZE(arrays) != C_N) {
         PyErr_Format(PyExc_ValueError, "SlotOps needs %d columns", C_N);
         return NULL;
     }
@@ -400,21 +435,30 @@ static PyObject *so_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     if (!o) return NULL;
     for (int i = 0; i < C_N; i++) {
         Py_buffer *b = &o->bufs[i];
-        if (PyObject_GetBuffer(PyList_GET_ITEM(arrays, i), b,
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(arrays, i), b,
                                PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
             Py_DECREF(o);
             return NULL;
         }
         o->nbufs = i + 1;
-        if (b->itemsize != col_itemsize[i]) {
-            PyErr_Format(PyExc_ValueError, "column %d has items of %zd bytes, not %zd", i,
-                         b->itemsize, col_itemsize[i]);
+        if (b->itemsize != col_itemsize[i] || !integer_format(b->format, col_unsigned[i])) {
+            PyErr_Format(PyExc_ValueError, "column %d holds %zd-byte items of format %s, not "
+                         "%zd-byte %s integers", i, b->itemsize, b->format ? b->format : "?",
+                         col_itemsize[i], col_unsigned[i] ? "unsigned" : "signed");
             Py_DECREF(o);
             return NULL;
         }
     }
     o->n = o->bufs[C_STATE].len;
     o->nlists = o->bufs[C_HEAD].len / 4;
+    /* slot ids and list ids are int32 in the columns and the index: list ids run to
+     * n + 1, so n + 2 lists must fit */
+    if (o->n > INT32_MAX - 2 || o->nlists != o->n + 2) {
+        PyErr_Format(PyExc_ValueError, "SlotOps takes at most 2**31 - 3 slots and n + 2 "
+                     "lists, got %zd slots and %zd lists", o->n, o->nlists);
+        Py_DECREF(o);
+        return NULL;
+    }
     for (int i = 0; i < C_N; i++) {
         Py_ssize_t want = i >= C_HEAD ? o->nlists : o->n;
         if (o->bufs[i].len / o->bufs[i].itemsize != want) {
@@ -476,17 +520,20 @@ static inline int append_long(PyObject *out, long long v) {
 
 /* -- the index ---------------------------------------------------------------------------- */
 
+/* The index is writable from Python too: a slot it gives is checked before it is used. */
+static void index_past_slots(int32_t s) {
+    PyErr_Format(PyExc_RuntimeError, "the hash index names slot %d, past the pool's slots", s);
+}
+
 /* stop_at_miss: prefix(), else find() */
 static PyObject *lookup(SlotOps *o, PyObject *hashes, int stop_at_miss) {
     PyObject *seq = PySequence_Fast(hashes, "hashes must be a sequence");
     if (!seq) return NULL;
     PyObject *out = PyList_New(0);
     if (!out) goto error;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    for (Py_ssize_t i = 0; i < n; i++) {
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
         uint64_t k;
-        int ok = as_key(items[i], &k);
+        int ok = as_key(PySequence_Fast_GET_ITEM(seq, i), &k);
         if (ok < 0) goto error;
         int32_t slot = ok ? hi_get(o->index, k) : -1;
         if (slot < 0) {
@@ -519,13 +566,26 @@ static PyObject *so_unindex(SlotOps *o, PyObject *ids) {
         }
         PyList_SET_ITEM(out, i, h);
     }
+    int32_t *was = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(int32_t));
+    if (!was) {
+        Py_DECREF(out);
+        return PyErr_NoMemory();
+    }
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (!hi_del(o->index, o->seq[ID(ids, i)])) {
+        uint64_t h = o->seq[ID(ids, i)];
+        was[i] = hi_get(o->index, h);
+        if (was[i] < 0) {
+            /* not indexed (or twice in ids): put back what went, as it was (no growth:
+             * the table holds fewer keys than before), and raise */
+            for (Py_ssize_t j = i - 1; j >= 0; j--) hi_put(o->index, o->seq[ID(ids, j)], was[j]);
+            PyMem_Free(was);
             PyErr_SetObject(PyExc_KeyError, PyList_GET_ITEM(out, i));
             Py_DECREF(out);
             return NULL;
         }
+        hi_del(o->index, h);
     }
+    PyMem_Free(was);
     return out;
 }
 
@@ -703,22 +763,30 @@ static PyObject *so_apply(SlotOps *o, PyObject *args) {
     Py_ssize_t size;
     if (!PyArg_ParseTuple(args, "OOn", &ids, &records, &size) || check_ids(o, ids) < 0)
         return NULL;
-    PyObject *recs = PySequence_Fast(records, "records must be a sequence");
-    if (!recs) return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(ids), done = 0;
-    if (PySequence_Fast_GET_SIZE(recs) < n) n = PySequence_Fast_GET_SIZE(recs);
+    /* reading a record may run Python code (a property, __len__, __iter__), which could
+     * change either list: both are copies */
+    PyObject *fixed = PyList_AsTuple(ids), *recs = fixed ? PySequence_Tuple(records) : NULL;
+    if (!recs) {
+        Py_XDECREF(fixed);
+        return NULL;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(fixed), done = 0;
+    if (PyTuple_GET_SIZE(recs) < n) n = PyTuple_GET_SIZE(recs);
     for (; done < n; done++) {
-        int r = apply_one(o, ID(ids, done), PyList_GET_ITEM(ids, done),
-                          PySequence_Fast_GET_ITEM(recs, done), size);
+        PyObject *slot = PyTuple_GET_ITEM(fixed, done);
+        int r = apply_one(o, PyLong_AsSsize_t(slot), slot, PyTuple_GET_ITEM(recs, done), size);
         if (r < 0) {
-            Py_DECREF(recs);
-            return NULL;
+            done = -1;
+            break;
         }
         if (!r) break;
     }
+    Py_DECREF(fixed);
     Py_DECREF(recs);
-    return PyLong_FromSsize_t(done);
+    return done < 0 ? NULL : PyLong_FromSsize_t(done);
 }
+
+static PyObject *register_ids(SlotOps *o, PyObject *ids, PyObject *tiers, int32_t bit, int link);
 
 static PyObject *so_register_new(SlotOps *o, PyObject *args) {
     PyObject *ids, *tiers;
@@ -726,72 +794,103 @@ static PyObject *so_register_new(SlotOps *o, PyObject *args) {
     int link;
     if (!PyArg_ParseTuple(args, "OOlp", &ids, &tiers, &bit, &link) || check_ids(o, ids) < 0)
         return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(ids);
+    if (tiers != Py_None && (bit < 0 || bit > INT32_MAX)) {
+        PyErr_Format(PyExc_ValueError, "a tier bit is in [0, 2**31), got %ld", bit);
+        return NULL;
+    }
+    /* tiers is any mapping (its methods may run Python code): the ids are a copy */
+    PyObject *fixed = PyList_AsTuple(ids);
+    if (!fixed) return NULL;
+    PyObject *result = register_ids(o, fixed, tiers, (int32_t)bit, link);
+    Py_DECREF(fixed);
+    return result;
+}
+
+/* Whether the tiers map holds none of the batch's hashes: 1 / 0, or -1 with an error. */
+static int tiers_hold_none(SlotOps *o, PyObject *ids, PyObject *tiers) {
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(ids); i++) {
+        uint64_t h = o->seq[PyLong_AsSsize_t(PyTuple_GET_ITEM(ids, i))];
+        if (Py_IS_TYPE(tiers, &HashIndexType)) {
+            if (hi_find((HashIndex *)tiers, h) >= 0) return 0;
+            continue;
+        }
+        PyObject *key = PyLong_FromUnsignedLongLong(h);
+        int has = key ? PySequence_Contains(tiers, key) : -1;
+        Py_XDECREF(key);
+        if (has) return has < 0 ? -1 : 0;
+    }
+    return 1;
+}
+
+/* register_new on a tuple of ids in range. Everything that can fail for want of memory or
+ * in the tiers map's own methods (the result lists, the tables' growth, the look-ups in the
+ * map) is done before the first change. */
+static PyObject *register_ids(SlotOps *o, PyObject *ids, PyObject *tiers, int32_t bit, int link) {
+    Py_ssize_t n = PyTuple_GET_SIZE(ids);
+#define TID(i) PyLong_AsSsize_t(PyTuple_GET_ITEM(ids, i))
     for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t s = ID(ids, i);
+        Py_ssize_t s = TID(i);
         if (o->state[s] != COMPLETE) Py_RETURN_NONE;
-        int has = PyDict_Contains(o->pending, PyList_GET_ITEM(ids, i));
+        int has = PyDict_Contains(o->pending, PyTuple_GET_ITEM(ids, i));
         if (has < 0) return NULL;
         if (!has || hi_find(o->index, o->seq[s]) >= 0) Py_RETURN_NONE;
     }
-    /* index the batch; a hash twice in it is found at its second block: undo, decline */
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t s = ID(ids, i);
-        int dup = hi_find(o->index, o->seq[s]) >= 0;
-        if (dup || hi_put(o->index, o->seq[s], (int32_t)s) < 0) {
-            for (Py_ssize_t j = 0; j < i; j++) hi_del(o->index, o->seq[ID(ids, j)]);
-            if (dup) Py_RETURN_NONE;
-            return NULL;
-        }
-    }
+    int tiers_new = 0;
+    if (tiers != Py_None && (tiers_new = tiers_hold_none(o, ids, tiers)) < 0) return NULL;
     PyObject *records = PyList_New(n), *leaving = PyList_New(0);
-    if (!records || !leaving) goto error;
+    if (!records || !leaving || hi_reserve(o->index, n) < 0 ||
+        (tiers_new && Py_IS_TYPE(tiers, &HashIndexType) && hi_reserve((HashIndex *)tiers, n) < 0))
+        goto error;
+    /* index the batch (no growth now: cannot fail); a hash twice in it is found at its
+     * second block: undo, decline */
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *key = PyList_GET_ITEM(ids, i);
+        Py_ssize_t s = TID(i);
+        if (hi_find(o->index, o->seq[s]) >= 0) {
+            for (Py_ssize_t j = 0; j < i; j++) hi_del(o->index, o->seq[TID(j)]);
+            Py_DECREF(records);
+            Py_DECREF(leaving);
+            Py_RETURN_NONE;
+        }
+        hi_put(o->index, o->seq[s], (int32_t)s);
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {     /* every slot is in pending (checked above) */
+        PyObject *key = PyTuple_GET_ITEM(ids, i);
         PyObject *r = PyDict_GetItemWithError(o->pending, key);
-        if (!r) goto error;
+        if (!r) {
+            if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, key);
+            goto error;
+        }
         PyList_SET_ITEM(records, i, Py_NewRef(r));
         if (PyDict_DelItem(o->pending, key) < 0) goto error;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t s = ID(ids, i);
+        Py_ssize_t s = TID(i);
         o->state[s] = REGISTERED;
         if (!link || !(o->flags[s] & HAS_PARENT)) continue;
         /* as the Python loop, which indexes block by block: a parent later in the batch
          * (still Complete here) is not linked */
         int32_t p = hi_get(o->index, o->parent[s]);
+        if (p >= o->n) {
+            index_past_slots(p);
+            goto error;
+        }
         if (p < 0 || p == s || o->state[p] != REGISTERED) continue;
         o->up[s] = p + 1;
         if (++o->kids[p] == 1 && o->refs[p] == 0 && append_long(leaving, p) < 0) goto error;
     }
-    int tiers_new = 0;
-    if (tiers != Py_None) {
-        tiers_new = 1;
-        for (Py_ssize_t i = 0; i < n && tiers_new; i++) {
-            uint64_t h = o->seq[ID(ids, i)];
-            if (Py_IS_TYPE(tiers, &HashIndexType)) {
-                tiers_new = hi_find((HashIndex *)tiers, h) < 0;
-            } else {
-                PyObject *key = PyLong_FromUnsignedLongLong(h);
-                int has = key ? PySequence_Contains(tiers, key) : -1;
-                Py_XDECREF(key);
-                if (has < 0) goto error;
-                tiers_new = !has;
-            }
-        }
-        for (Py_ssize_t i = 0; i < n && tiers_new; i++) {
-            uint64_t h = o->seq[ID(ids, i)];
-            if (Py_IS_TYPE(tiers, &HashIndexType)) {
-                if (hi_put((HashIndex *)tiers, h, (int32_t)bit) < 0) goto error;
-            } else {
-                PyObject *key = PyLong_FromUnsignedLongLong(h), *v = PyLong_FromLong(bit);
-                int bad = !key || !v || PyObject_SetItem(tiers, key, v) < 0;
-                Py_XDECREF(key);
-                Py_XDECREF(v);
-                if (bad) goto error;
-            }
+    for (Py_ssize_t i = 0; i < n && tiers_new; i++) {
+        uint64_t h = o->seq[TID(i)];
+        if (Py_IS_TYPE(tiers, &HashIndexType)) {
+            hi_put((HashIndex *)tiers, h, bit);          /* reserved: cannot fail */
+        } else {
+            PyObject *key = PyLong_FromUnsignedLongLong(h), *v = PyLong_FromLong(bit);
+            int bad = !key || !v || PyObject_SetItem(tiers, key, v) < 0;
+            Py_XDECREF(key);
+            Py_XDECREF(v);
+            if (bad) goto error;
         }
     }
+#undef TID
     return Py_BuildValue("(NON)", records, tiers_new ? Py_True : Py_False, leaving);
 error:
     Py_XDECREF(records);
@@ -814,14 +913,17 @@ static PyObject *so_touch(SlotOps *o, PyObject *args) {
     if (!seq) return NULL;
     PyObject *movers = PyList_New(0);
     if (!movers) goto error;
-    Py_ssize_t touched = 0, n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    for (Py_ssize_t i = 0; i < n; i++) {
+    Py_ssize_t touched = 0;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
         uint64_t k;
-        int ok = as_key(items[i], &k);
+        int ok = as_key(PySequence_Fast_GET_ITEM(seq, i), &k);
         if (ok < 0) goto error;
         int32_t s = ok ? hi_get(o->index, k) : -1;
         if (s < 0) continue;
+        if (s >= o->n) {
+            index_past_slots(s);
+            goto error;
+        }
         o->tick[s] = ++tick;
         if (hits) count_hit(o, s, cap);
         if (o->refs[s] == 0 && !(leaf_first && o->kids[s]) && append_long(movers, s) < 0)
@@ -846,8 +948,24 @@ static PyObject *so_count_hits(SlotOps *o, PyObject *args) {
 
 /* -- intrusive lists ---------------------------------------------------------------------- */
 
+/* The columns are writable from Python (memoryviews), so a link read from them is checked
+ * before it is followed: a damaged list raises RuntimeError instead of reaching outside
+ * the arrays. */
+static int corrupt(Py_ssize_t at, const char *what, long long value) {
+    PyErr_Format(PyExc_RuntimeError, "slot lists are damaged (at %zd: %s %lld)", at, what,
+                 value);
+    return -1;
+}
+
+#define SLOT_IN(o, s) ((s) >= 0 && (s) < (o)->n)
+#define LINK_IN(o, s) ((s) >= -1 && (s) < (o)->n)
+
+/* Take s out of its list: the list's id, or -1 with RuntimeError (a damaged link). */
 static inline int32_t unlink_slot(SlotOps *o, Py_ssize_t s) {
     int32_t l = o->owner[s], p = o->prev[s], nx = o->next[s];
+    if (l < 1 || l >= o->nlists) return corrupt(s, "owner", l);
+    if (!LINK_IN(o, p)) return corrupt(s, "prev", p);
+    if (!LINK_IN(o, nx)) return corrupt(s, "next", nx);
     if (p >= 0) o->next[p] = nx;
     else o->head[l] = nx;
     if (nx >= 0) o->prev[nx] = p;
@@ -857,12 +975,14 @@ static inline int32_t unlink_slot(SlotOps *o, Py_ssize_t s) {
     return l;
 }
 
-/* s becomes the last (front: the first) slot of list l, leaving its list if in one */
-static inline void link_slot(SlotOps *o, Py_ssize_t l, Py_ssize_t s, int front) {
-    if (o->owner[s]) unlink_slot(o, s);
+/* s becomes the last (front: the first) slot of list l, leaving its list if in one;
+ * 0, or -1 with RuntimeError (a damaged link). */
+static inline int link_slot(SlotOps *o, Py_ssize_t l, Py_ssize_t s, int front) {
+    if (o->owner[s] && unlink_slot(o, s) < 0) return -1;
     int32_t *towards = front ? o->next : o->prev, *away = front ? o->prev : o->next;
     int32_t *end = front ? o->head : o->tail, *other_end = front ? o->tail : o->head;
     int32_t old = o->size[l] ? end[l] : -1;
+    if (o->size[l] && !SLOT_IN(o, old)) return corrupt(s, front ? "list head" : "list tail", old);
     towards[s] = old;
     away[s] = -1;
     if (old >= 0) away[old] = (int32_t)s;
@@ -870,6 +990,7 @@ static inline void link_slot(SlotOps *o, Py_ssize_t l, Py_ssize_t s, int front) 
     end[l] = (int32_t)s;
     o->size[l]++;
     o->owner[s] = (int32_t)l;
+    return 0;
 }
 
 #define append_slot(o, l, s) link_slot(o, l, s, 0)
@@ -879,7 +1000,8 @@ static PyObject *so_push_back(SlotOps *o, PyObject *args) {
     PyObject *ids;
     if (!PyArg_ParseTuple(args, "nO", &l, &ids) || check_list(o, l) < 0 || check_ids(o, ids) < 0)
         return NULL;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(ids); i++) append_slot(o, l, ID(ids, i));
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(ids); i++)
+        if (append_slot(o, l, ID(ids, i)) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
@@ -890,7 +1012,7 @@ static PyObject *so_push_front(SlotOps *o, PyObject *args) {
         PyErr_Format(PyExc_IndexError, "no slot %zd", s);
         return NULL;
     }
-    link_slot(o, l, s, 1);
+    if (link_slot(o, l, s, 1) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
@@ -904,7 +1026,7 @@ static PyObject *so_unlink(SlotOps *o, PyObject *ids) {
         if (!o->owner[s]) continue;
         int32_t l = unlink_slot(o, s);
         taken++;
-        if (!o->size[l] && append_long(emptied, l) < 0) {
+        if (l < 0 || (!o->size[l] && append_long(emptied, l) < 0)) {
             Py_DECREF(emptied);
             return NULL;
         }
@@ -917,10 +1039,10 @@ static PyObject *so_pop_front(SlotOps *o, PyObject *args) {
     if (!PyArg_ParseTuple(args, "nn", &l, &count) || check_list(o, l) < 0) return NULL;
     PyObject *out = PyList_New(0);
     if (!out) return NULL;
-    while (PyList_GET_SIZE(out) < count && o->size[l]) {
+    while (PyList_GET_SIZE(out) < count && o->size[l] > 0) {
         int32_t s = o->head[l];
-        unlink_slot(o, s);
-        if (append_long(out, s) < 0) {
+        if ((!SLOT_IN(o, s) && corrupt(l, "head", s) < 0) || unlink_slot(o, s) < 0 ||
+            append_long(out, s) < 0) {
             Py_DECREF(out);
             return NULL;
         }
@@ -933,12 +1055,23 @@ static PyObject *so_members(SlotOps *o, PyObject *arg) {
     if ((l == -1 && PyErr_Occurred()) || check_list(o, l) < 0) return NULL;
     PyObject *out = PyList_New(0);
     if (!out) return NULL;
-    for (int32_t s = o->size[l] ? o->head[l] : -1; s >= 0; s = o->next[s])
-        if (append_long(out, s) < 0) {
-            Py_DECREF(out);
-            return NULL;
+    /* at most size[l] steps: a damaged list (a cycle, a link out of range) raises */
+    Py_ssize_t left = o->size[l];
+    for (int32_t s = left > 0 ? o->head[l] : -1; s >= 0; s = o->next[s]) {
+        if (!SLOT_IN(o, s) || left-- <= 0 || o->owner[s] != l) {
+            corrupt(l, "member", s);
+            goto error;
         }
+        if (append_long(out, s) < 0) goto error;
+    }
+    if (left) {
+        corrupt(l, "size past its members", left);
+        goto error;
+    }
     return out;
+error:
+    Py_DECREF(out);
+    return NULL;
 }
 
 /* -- the aged-LFU and adaptive orders' common cases (eviction.py, adaptive.py) ---------- */
@@ -967,10 +1100,21 @@ static PyObject *so_lfu_insert(SlotOps *o, PyObject *args) {
     }
     PyObject *missing = NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *key = PyLong_FromLongLong(age + o->count[ID(ids, i)]);
+        long long k;
+        if (__builtin_add_overflow(age, o->count[ID(ids, i)], &k)) {
+            PyErr_SetString(PyExc_OverflowError, "lfu key beyond 64 bits");
+            goto error;
+        }
+        PyObject *key = PyLong_FromLongLong(k);
         if (!key) goto error;
         PyObject *l = PyDict_GetItemWithError(buckets, key);
-        if (!l && !PyErr_Occurred()) {
+        if (l) {                    /* a bucket: its list must exist before anything moves */
+            Py_ssize_t lid = PyLong_Check(l) ? PyLong_AsSsize_t(l) : -1;
+            if ((lid == -1 && PyErr_Occurred()) || check_list(o, lid) < 0) {
+                Py_DECREF(key);
+                goto error;
+            }
+        } else if (!PyErr_Occurred()) {
             int bad = (!missing && !(missing = PyList_New(0)));
             if (!bad) {
                 int has = PySequence_Contains(missing, key);
@@ -996,7 +1140,7 @@ static PyObject *so_lfu_insert(SlotOps *o, PyObject *args) {
             if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "bucket vanished");
             return NULL;
         }
-        append_slot(o, lid, s);
+        if (append_slot(o, lid, s) < 0) return NULL;
         if (recent != Py_None) {
             PyObject *tk = PyLong_FromLongLong(o->tick[s]);
             int bad = !tk || PyList_Append(recent, tk) < 0 ||
@@ -1014,14 +1158,24 @@ error:
 /* remember(ids, ghost, ghost_size): each evicted slot's count into the ghost (an ordered
  * dict of hash -> count, oldest first, at most ghost_size), as AgedFrequencyEviction.remember. */
 static PyObject *s_move_to_end = NULL, *s_popitem = NULL;
+static PyObject *remember_ids(SlotOps *o, PyObject *ids, PyObject *ghost, Py_ssize_t size);
 
 static PyObject *so_remember(SlotOps *o, PyObject *args) {
     PyObject *ids, *ghost;
     Py_ssize_t size;
     if (!PyArg_ParseTuple(args, "OOn", &ids, &ghost, &size) || check_ids(o, ids) < 0)
         return NULL;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(ids); i++) {
-        Py_ssize_t s = ID(ids, i);
+    /* the ghost is any mapping: its methods may run Python code, so the ids are a copy */
+    PyObject *fixed = PyList_AsTuple(ids);
+    if (!fixed) return NULL;
+    PyObject *result = remember_ids(o, fixed, ghost, size);
+    Py_DECREF(fixed);
+    return result;
+}
+
+static PyObject *remember_ids(SlotOps *o, PyObject *ids, PyObject *ghost, Py_ssize_t size) {
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(ids); i++) {
+        Py_ssize_t s = PyLong_AsSsize_t(PyTuple_GET_ITEM(ids, i));
         PyObject *h = PyLong_FromUnsignedLongLong(o->seq[s]), *c = PyLong_FromLongLong(o->count[s]);
         int bad = !h || !c;
         if (!bad) {
@@ -1048,6 +1202,23 @@ static PyObject *so_remember(SlotOps *o, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* A recency queue's pair: its tick and slot (ints only: nothing runs Python code while a
+ * loop holds the list's items), the slot in range. 0, or -1 with an error. */
+static int queue_pair(SlotOps *o, PyObject *tk, PyObject *sl, long long *t, Py_ssize_t *s) {
+    if (!PyLong_Check(tk) || !PyLong_Check(sl)) {
+        PyErr_SetString(PyExc_TypeError, "a recency queue holds ints");
+        return -1;
+    }
+    *t = PyLong_AsLongLong(tk);
+    *s = PyLong_AsSsize_t(sl);
+    if (PyErr_Occurred()) return -1;
+    if (*s < 0 || *s >= o->n) {
+        PyErr_Format(PyExc_IndexError, "no slot %zd", *s);
+        return -1;
+    }
+    return 0;
+}
+
 /* recent_take(recent, head, count) -> (slots, head, emptied lists): the next count live
  * pairs of the recency queue from head (live: the slot is in a list, with that tick), each
  * slot taken out of its list; as DuelingEviction._recent_victims. */
@@ -1055,22 +1226,21 @@ static PyObject *so_recent_take(SlotOps *o, PyObject *args) {
     PyObject *recent;
     Py_ssize_t head, count;
     if (!PyArg_ParseTuple(args, "O!nn", &PyList_Type, &recent, &head, &count)) return NULL;
+    if (head < 0) {
+        PyErr_Format(PyExc_IndexError, "recency queue head %zd < 0", head);
+        return NULL;
+    }
     PyObject *out = PyList_New(0), *emptied = PyList_New(0);
     if (!out || !emptied) goto error;
-    Py_ssize_t end = PyList_GET_SIZE(recent);
-    while (PyList_GET_SIZE(out) < count && head + 1 < end) {
+    while (PyList_GET_SIZE(out) < count && head + 1 < PyList_GET_SIZE(recent)) {
         PyObject *tk = PyList_GET_ITEM(recent, head), *sl = PyList_GET_ITEM(recent, head + 1);
         head += 2;
-        long long t = PyLong_AsLongLong(tk);
-        Py_ssize_t s = PyLong_AsSsize_t(sl);
-        if (PyErr_Occurred()) goto error;
-        if (s < 0 || s >= o->n) {
-            PyErr_Format(PyExc_IndexError, "no slot %zd", s);
-            goto error;
-        }
+        long long t;
+        Py_ssize_t s;
+        if (queue_pair(o, tk, sl, &t, &s) < 0) goto error;
         if (o->tick[s] != t || !o->owner[s]) continue;
         int32_t l = unlink_slot(o, s);
-        if (PyList_Append(out, sl) < 0 || (!o->size[l] && append_long(emptied, l) < 0))
+        if (l < 0 || PyList_Append(out, sl) < 0 || (!o->size[l] && append_long(emptied, l) < 0))
             goto error;
     }
     return Py_BuildValue("(NnN)", out, head, emptied);
@@ -1085,17 +1255,17 @@ static PyObject *so_recent_prune(SlotOps *o, PyObject *args) {
     PyObject *recent;
     Py_ssize_t head;
     if (!PyArg_ParseTuple(args, "O!n", &PyList_Type, &recent, &head)) return NULL;
+    if (head < 0) {
+        PyErr_Format(PyExc_IndexError, "recency queue head %zd < 0", head);
+        return NULL;
+    }
     PyObject *out = PyList_New(0);
     if (!out) return NULL;
-    for (Py_ssize_t i = head < 0 ? 0 : head; i + 1 < PyList_GET_SIZE(recent); i += 2) {
+    for (Py_ssize_t i = head; i + 1 < PyList_GET_SIZE(recent); i += 2) {
         PyObject *tk = PyList_GET_ITEM(recent, i), *sl = PyList_GET_ITEM(recent, i + 1);
-        long long t = PyLong_AsLongLong(tk);
-        Py_ssize_t s = PyLong_AsSsize_t(sl);
-        if (PyErr_Occurred()) goto error;
-        if (s < 0 || s >= o->n) {
-            PyErr_Format(PyExc_IndexError, "no slot %zd", s);
-            goto error;
-        }
+        long long t;
+        Py_ssize_t s;
+        if (queue_pair(o, tk, sl, &t, &s) < 0) goto error;
         if (o->tick[s] == t && o->owner[s] &&
             (PyList_Append(out, tk) < 0 || PyList_Append(out, sl) < 0))
             goto error;

@@ -29,11 +29,15 @@ import numpy as np
 from . import blockops
 
 __all__ = ["SlotStore", "PySlotOps", "RESET", "PARTIAL", "COMPLETE", "REGISTERED",
-           "HAS_PARENT", "U64_MAX", "is_u64"]
+           "HAS_PARENT", "U64_MAX", "MAX_SLOTS", "is_u64"]
 
 RESET, PARTIAL, COMPLETE, REGISTERED = 0, 1, 2, 3
 HAS_PARENT = 1
 U64_MAX = 2**64 - 1
+_INT32_MAX = 2**31 - 1
+MAX_SLOTS = _INT32_MAX - 2
+"""The most slots a store (so a pool) holds: slot ids are int32 in the columns and the
+hash tables, and list ids run to ``capacity + 1``."""
 
 SLOT_COLUMNS = (
     ("state", np.uint8), ("flags", np.uint8), ("refs", np.int32), ("tick", np.int64),
@@ -57,10 +61,17 @@ class SlotStore:
     block not yet registered) and the ops over them (native or Python, chosen now)."""
 
     def __init__(self, capacity: int, block_size: int) -> None:
+        if not 0 <= capacity <= MAX_SLOTS:
+            raise ValueError(f"a slot store holds 0 to {MAX_SLOTS:,} (2**31 - 3) slots, "
+                             f"got {capacity:,}")
         self.capacity = capacity
         self.block_size = block_size
-        self.arrays = [np.zeros(capacity, dtype) for _, dtype in SLOT_COLUMNS]
-        self.arrays += [np.zeros(capacity + 2, dtype) for _, dtype in LIST_COLUMNS]
+        # Views of the zeroed arrays: a view does not own its memory, so it cannot be
+        # resized (``ndarray.resize(..., refcheck=False)`` would move the data the
+        # memoryviews and the native ops point at). A tuple: the columns are fixed.
+        columns = [np.zeros(capacity, dtype) for _, dtype in SLOT_COLUMNS]
+        columns += [np.zeros(capacity + 2, dtype) for _, dtype in LIST_COLUMNS]
+        self.arrays = tuple(column.view() for column in columns)
         for (name, _), array in zip(SLOT_COLUMNS + LIST_COLUMNS, self.arrays):
             setattr(self, name, array.data)      # a memoryview: Python ints in and out
         self.pending: dict = {}     # slot -> BlockRecord applied, until registered or reset
@@ -117,11 +128,18 @@ class PySlotOps:
         return [slot for slot in map(self._s.index.get, hashes) if slot is not None]
 
     def unindex(self, ids: list[int]) -> list[int]:
-        """Drop each slot's sequence hash from the index; returns the hashes."""
+        """Drop each slot's sequence hash from the index; returns the hashes. A hash not
+        indexed (or given twice) raises ``KeyError`` with the index as it was."""
         seq, index = self._s.seq, self._s.index
         out = [seq[slot] for slot in ids]
+        gone: list[tuple[int, int]] = []
         for h in out:
-            del index[h]
+            slot = index.pop(h, None)
+            if slot is None:
+                for back, was in reversed(gone):
+                    index[back] = was
+                raise KeyError(h)
+            gone.append((h, slot))
         return out
 
     # -- references --------------------------------------------------------------------------
@@ -237,7 +255,10 @@ class PySlotOps:
         to its parent indexed here. If ``tiers`` (a registry's map) holds none of the hashes
         either, set ``tiers[h] = bit`` too. Returns (the records, whether ``tiers`` was
         updated, the parents that gained their first child while idle); None, with nothing
-        changed, otherwise."""
+        changed, otherwise (``ValueError`` for a ``bit`` outside [0, 2**31) with
+        ``tiers``)."""
+        if tiers is not None and not 0 <= bit <= _INT32_MAX:
+            raise ValueError(f"a tier bit is in [0, 2**31), got {bit}")
         s = self._s
         state, seq, pending, index = s.state, s.seq, s.pending, s.index
         if any(state[slot] != COMPLETE or slot not in pending for slot in ids):
@@ -419,6 +440,8 @@ class PySlotOps:
         """The next ``count`` live pairs of a recency queue from ``head`` (live: the slot is
         in a list with that tick), each slot taken out of its list. Returns the slots, the
         new head and the lists left empty."""
+        if head < 0:
+            raise IndexError(f"recency queue head {head} < 0")
         s = self._s
         ticks, owner, size = s.tick, s.owner, s.size
         out: list[int] = []
@@ -437,6 +460,8 @@ class PySlotOps:
 
     def recent_prune(self, recent: list, head: int) -> list:
         """The live pairs of a recency queue from ``head`` on, in order."""
+        if head < 0:
+            raise IndexError(f"recency queue head {head} < 0")
         s = self._s
         ticks, owner = s.tick, s.owner
         stamps, ids = recent[head::2], recent[head + 1::2]
