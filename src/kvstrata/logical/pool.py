@@ -84,8 +84,9 @@ class BlockPool:
     ) -> None:
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
-        if num_blocks >= 2**31 - 2:
-            raise ValueError(f"num_blocks must be < 2**31 - 2, got {num_blocks}")
+        if num_blocks > slots.MAX_SLOTS:
+            raise ValueError(f"num_blocks must be at most {slots.MAX_SLOTS:,} (2**31 - 3: "
+                             f"slot ids are 32-bit), got {num_blocks:,}")
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.tier = tier
