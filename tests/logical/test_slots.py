@@ -7,6 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 from kvstrata.logical.policy import make_tier_policies
 from kvstrata.logical.pool import BlockPool, PoolExhaustedError
+from kvstrata.placement.cascade import allocate_up_to
 from kvstrata.logical.registry import BlockRecord, BlockRegistry, RegistryObserver
 from kvstrata.tokens import chain_hashes
 from native_paths import NATIVE_BUILT, restore_native, set_native
@@ -90,8 +91,8 @@ _universe += [BlockRecord(100 + i, 100 + i, None, 4) for i in range(6)]
 
 _steps = st.lists(st.tuples(
     st.sampled_from(["store", "match", "touch", "acquire", "release", "reset", "alloc",
-                     "clear", "observe"]),
-    st.integers(0, 17), st.integers(1, 6), st.integers(0, 2)), max_size=60)
+                     "clear", "observe", "restore", "drop", "learn"]),
+    st.integers(0, 17), st.integers(1, 6), st.integers(-1, 2)), max_size=60)
 
 
 def _apply(pool, observe, handles, step):
@@ -124,16 +125,35 @@ def _apply(pool, observe, handles, step):
             return pool.clear()
         if op == "observe" and observe is not None:
             observe(hashes)
+        if op == "restore":          # a durable tier's recovery: (slot, record), oldest first
+            slots_ = [(start + 3 * i + extra) % pool.capacity for i in range(len(records))]
+            entries = list(dict(zip(slots_, records)).items())
+            return pool.restore(entries)
+        if op == "drop":
+            return pool.drop_with_descendants(hashes[extra % len(hashes):][:2])
+        if op == "learn":            # a G4 catalog learning blocks: as Planner.learn
+            new = [r for r in records if r.sequence_hash not in pool]
+            handle = allocate_up_to(pool, len(new)) if new else None
+            if handle is not None:
+                handle.apply_token_blocks(new[:len(handle.block_ids)])
+                held = pool.register(handle)
+                ids = held.block_ids
+                pool.release(held)
+                return ids
     except PoolExhaustedError as err:
         return ("exhausted", err.available)
+    except ValueError as err:
+        return ("refused", str(err))
     return None
 
 
 @needs_native
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(steps=_steps, capacity=st.integers(1, 9),
        policy=st.sampled_from(["lru", "default", "lfu", "adaptive"]))
 def test_native_and_python_pools_agree_on_every_column_and_event(steps, capacity, policy):
+    """Under pressure (at most 9 slots for 18 blocks), with priorities (-1 .. 2), clear(),
+    restore() (a durable tier's recovery), a catalog's learning and leaf-first drops."""
     native, native_events, native_observe = _pool(True, capacity, policy)
     python, python_events, python_observe = _pool(False, capacity, policy)
     held = ([], [])
