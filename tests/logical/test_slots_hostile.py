@@ -55,11 +55,11 @@ def test_a_tier_bit_outside_int32_is_refused_and_changes_nothing(bit):
     _complete(store, [0, 1])
     tiers = type(store.index)()
     with pytest.raises(ValueError):
-        store.ops.register_new([0, 1], tiers, bit, False)
+        store.ops.register_new([0, 1], tiers, bit, False, 0)
     assert len(tiers) == 0 and len(store.index) == 0
     assert store.state[0] == slots.COMPLETE and set(store.pending) == {0, 1}
     # the same batch with a valid bit goes through, and the map is sound
-    records, tiers_new, _ = store.ops.register_new([0, 1], tiers, 4, False)
+    records, tiers_new, _ = store.ops.register_new([0, 1], tiers, 4, False, 0)
     assert tiers_new and sorted(tiers.items()) == [(100, 4), (101, 4)]
 
 
@@ -68,19 +68,19 @@ def test_bulk_register_grows_both_tables_and_declines_a_batch_with_a_hash_twice(
     tiers = type(store.index)()
     tiers[7] = 1                              # not in the batch: the map is still "new"
     _complete(store, range(60))
-    assert store.ops.register_new(list(range(60)), tiers, 2, False)[1]
+    assert store.ops.register_new(list(range(60)), tiers, 2, False, 0)[1]
     assert len(store.index) == 60 and len(tiers) == 61
     assert all(store.index[100 + i] == i and tiers[100 + i] == 2 for i in range(60))
     # a batch holding one hash twice: declined, nothing indexed, everything still pending
     store.ops.apply([60, 61], [BlockRecord(5, 5, None, 4)] * 2, 4)
-    assert store.ops.register_new([60, 61], tiers, 2, False) is None
+    assert store.ops.register_new([60, 61], tiers, 2, False, 60) is None
     assert 5 not in store.index and 5 not in tiers and {60, 61} <= set(store.pending)
 
 
 def test_unindex_of_a_hash_not_indexed_raises_and_leaves_the_index_as_it_was():
     store = SlotStore(8, 4)
     _complete(store, range(4))
-    store.ops.register_new([0, 1, 2, 3], None, 0, False)
+    store.ops.register_new([0, 1, 2, 3], None, 0, False, 0)
     before = sorted(store.index.items())
     with pytest.raises(KeyError):
         store.ops.unindex([0, 1, 4])          # slot 4's hash (0) is not indexed
@@ -133,7 +133,7 @@ def test_index_values_past_the_slots_raise_instead_of_writing_outside():
     # a bulk registration linking to such a "parent"
     store.ops.apply([0], [BlockRecord(9, 9, 5, 4)], 4)
     with pytest.raises(RuntimeError):
-        store.ops.register_new([0], None, 0, True)
+        store.ops.register_new([0], None, 0, True, 0)
     assert not any(store.tick)
 
 

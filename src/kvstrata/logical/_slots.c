@@ -382,10 +382,10 @@ static inline PyObject *rec_get(PyObject *r, int field) {
 /* SlotOps                                                                                  */
 
 enum { C_STATE, C_FLAGS, C_REFS, C_TICK, C_SEQ, C_LOCAL, C_PARENT, C_UP, C_KIDS, C_PRIO,
-       C_COUNT, C_PREV, C_NEXT, C_OWNER, C_HEAD, C_TAIL, C_SIZE, C_N };
-static const Py_ssize_t col_itemsize[C_N] = {1, 1, 4, 8, 8, 8, 8, 4, 4, 4, 8, 4, 4, 4, 4, 4, 4};
+       C_COUNT, C_PREV, C_NEXT, C_OWNER, C_BORN, C_HEAD, C_TAIL, C_SIZE, C_N };
+static const Py_ssize_t col_itemsize[C_N] = {1, 1, 4, 8, 8, 8, 8, 4, 4, 4, 8, 4, 4, 4, 4, 4, 4, 4};
 /* 1: the column holds unsigned integers, 0: signed ones (slots.SLOT_COLUMNS, LIST_COLUMNS) */
-static const int col_unsigned[C_N] = {1, 1, 0, 0, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+static const int col_unsigned[C_N] = {1, 1, 0, 0, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0};
 
 /* Whether a buffer's struct format is one integer of the column's signedness (its size is
  * checked apart): "B", "<q", "=L", ... */
@@ -404,6 +404,7 @@ typedef struct {
     uint8_t *state, *flags;
     int32_t *refs, *up, *kids, *prio, *prev, *next, *owner, *head, *tail, *size;
     int64_t *tick, *count;
+    uint32_t *born;
     uint64_t *seq, *local, *parent;
     Py_ssize_t n, nlists;
     HashIndex *index;
@@ -472,7 +473,7 @@ static PyObject *so_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     o->tick = COL(C_TICK); o->seq = COL(C_SEQ); o->local = COL(C_LOCAL);
     o->parent = COL(C_PARENT); o->up = COL(C_UP); o->kids = COL(C_KIDS); o->prio = COL(C_PRIO);
     o->count = COL(C_COUNT); o->prev = COL(C_PREV); o->next = COL(C_NEXT);
-    o->owner = COL(C_OWNER); o->head = COL(C_HEAD); o->tail = COL(C_TAIL); o->size = COL(C_SIZE);
+    o->owner = COL(C_OWNER); o->born = COL(C_BORN); o->head = COL(C_HEAD); o->tail = COL(C_TAIL); o->size = COL(C_SIZE);
 #undef COL
     o->index = (HashIndex *)Py_NewRef(index);
     o->pending = Py_NewRef(pending);
@@ -786,22 +787,29 @@ static PyObject *so_apply(SlotOps *o, PyObject *args) {
     return done < 0 ? NULL : PyLong_FromSsize_t(done);
 }
 
-static PyObject *register_ids(SlotOps *o, PyObject *ids, PyObject *tiers, int32_t bit, int link);
+static PyObject *register_ids(SlotOps *o, PyObject *ids, PyObject *tiers, int32_t bit, int link,
+                              uint32_t born);
 
 static PyObject *so_register_new(SlotOps *o, PyObject *args) {
     PyObject *ids, *tiers;
     long bit;
     int link;
-    if (!PyArg_ParseTuple(args, "OOlp", &ids, &tiers, &bit, &link) || check_ids(o, ids) < 0)
+    long long born;
+    if (!PyArg_ParseTuple(args, "OOlpL", &ids, &tiers, &bit, &link, &born) ||
+        check_ids(o, ids) < 0)
         return NULL;
     if (tiers != Py_None && (bit < 0 || bit > INT32_MAX)) {
         PyErr_Format(PyExc_ValueError, "a tier bit is in [0, 2**31), got %ld", bit);
         return NULL;
     }
+    if (born < 0 || born + PyList_GET_SIZE(ids) > (long long)UINT32_MAX + 1) {
+        PyErr_Format(PyExc_ValueError, "registration stamps %lld.. do not fit 32 bits", born);
+        return NULL;
+    }
     /* tiers is any mapping (its methods may run Python code): the ids are a copy */
     PyObject *fixed = PyList_AsTuple(ids);
     if (!fixed) return NULL;
-    PyObject *result = register_ids(o, fixed, tiers, (int32_t)bit, link);
+    PyObject *result = register_ids(o, fixed, tiers, (int32_t)bit, link, (uint32_t)born);
     Py_DECREF(fixed);
     return result;
 }
@@ -825,7 +833,8 @@ static int tiers_hold_none(SlotOps *o, PyObject *ids, PyObject *tiers) {
 /* register_new on a tuple of ids in range. Everything that can fail for want of memory or
  * in the tiers map's own methods (the result lists, the tables' growth, the look-ups in the
  * map) is done before the first change. */
-static PyObject *register_ids(SlotOps *o, PyObject *ids, PyObject *tiers, int32_t bit, int link) {
+static PyObject *register_ids(SlotOps *o, PyObject *ids, PyObject *tiers, int32_t bit, int link,
+                              uint32_t born) {
     Py_ssize_t n = PyTuple_GET_SIZE(ids);
 #define TID(i) PyLong_AsSsize_t(PyTuple_GET_ITEM(ids, i))
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -866,6 +875,7 @@ static PyObject *register_ids(SlotOps *o, PyObject *ids, PyObject *tiers, int32_
     for (Py_ssize_t i = 0; i < n; i++) {
         Py_ssize_t s = TID(i);
         o->state[s] = REGISTERED;
+        o->born[s] = born + (uint32_t)i;
         if (!link || !(o->flags[s] & HAS_PARENT)) continue;
         /* as the Python loop, which indexes block by block: a parent later in the batch
          * (still Complete here) is not linked */
@@ -1285,7 +1295,7 @@ static PyMethodDef so_methods[] = {
     {"release", (PyCFunction)so_release, METH_VARARGS, "release(ids, tick, active) -> (tick, idle, parked)"},
     {"reset", (PyCFunction)so_reset, METH_VARARGS, "reset(ids, ref_count, plain)"},
     {"apply", (PyCFunction)so_apply, METH_VARARGS, "apply(ids, records, size) -> applied"},
-    {"register_new", (PyCFunction)so_register_new, METH_VARARGS, "register_new(ids, tiers, bit, link) -> (records, tiers_done, leaving) or None"},
+    {"register_new", (PyCFunction)so_register_new, METH_VARARGS, "register_new(ids, tiers, bit, link, born) -> (records, tiers_done, leaving) or None"},
     {"touch", (PyCFunction)so_touch, METH_VARARGS, "touch(hashes, tick, leaf_first, hits, cap) -> (tick, movers, touched)"},
     {"count_hits", (PyCFunction)so_count_hits, METH_VARARGS, "count_hits(ids, cap)"},
     {"push_back", (PyCFunction)so_push_back, METH_VARARGS, "push_back(list_id, ids)"},

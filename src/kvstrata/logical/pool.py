@@ -67,6 +67,7 @@ class PoolStatus:
 
 
 _PRIORITY_MIN, _PRIORITY_MAX = -2**31, 2**31 - 1
+_BORN_LIMIT = 2**32
 
 
 class BlockPool:
@@ -103,6 +104,9 @@ class BlockPool:
         # are handed out from the free stack first (ids that came back, the last one
         # first), then the lowest never-used id: deterministic allocation.
         self._made = 0
+        # Registration stamps (the store's ``born``): registered slots in the order a dict
+        # of them would iterate (registration order), for clear() and the like.
+        self._born = 0
         self._free: list[int] = []
         self._inactive = 0
         self._tick = 0
@@ -172,7 +176,8 @@ class BlockPool:
         return Block(block_id, store=self._store)
 
     def hashes(self) -> list[int]:
-        """The hashes registered here, in slot order (O(slots used); tests and snapshots)."""
+        """The hashes registered here, in registration order (O(slots used); tests and
+        snapshots)."""
         seq = self._store.seq
         return [seq[slot] for slot in self._registered()]
 
@@ -289,6 +294,8 @@ class BlockPool:
             raise ValueError(f"priority must be an int32, got {priority!r}")
         ids = handle._ids
         store, ops = self._store, self._ops
+        if self._born + len(ids) > _BORN_LIMIT:
+            self._renumber()
         leaf_first = self._leaf_first
         if not self.keep_tokens and not (leaf_first and self._tracks_registration):
             # Fast path: every block Complete with its record at hand, no hash held yet, none
@@ -296,8 +303,9 @@ class BlockPool:
             # leaf-first pools linking each block to its parent in order (natively when built).
             registry = self.registry
             tiers, bit = registry.bulk_target(self.tier)
-            done = ops.register_new(ids, tiers, bit, leaf_first)
+            done = ops.register_new(ids, tiers, bit, leaf_first, self._born)
             if done is not None:
+                self._born += len(ids)
                 handle._take()
                 stored, tiers_done, leaving = done
                 if leaving:
@@ -325,7 +333,7 @@ class BlockPool:
         stored = []
         keep_tokens = self.keep_tokens
         registered = self.eviction.registered if self._tracks_registration else None
-        seq, prio = store.seq, store.prio
+        seq, prio, born = store.seq, store.prio, store.born
         out = ids                  # replaced by a copy at the first deduplicated block
         for i, slot in enumerate(ids):
             h = seq[slot]
@@ -344,6 +352,8 @@ class BlockPool:
             state[slot] = slots.REGISTERED
             prio[slot] = priority
             index[h] = slot
+            born[slot] = self._born
+            self._born += 1
             if leaf_first:
                 self._link_parent(slot)
                 self._active_registered.add(slot)  # type: ignore[union-attr]
@@ -395,11 +405,15 @@ class BlockPool:
         restored = [slot for slot, _ in take]
         ops, store = self._ops, self._store
         ops.apply(restored, [record for _, record in take], self.block_size)
-        state = store.state
+        state, born = store.state, store.born
+        if self._born + len(take) > _BORN_LIMIT:
+            self._renumber()
         for slot, record in take:
             store.pending.pop(slot, None)
             state[slot] = slots.REGISTERED
             index[record.sequence_hash] = slot
+            born[slot] = self._born
+            self._born += 1
         if self._leaf_first:
             for slot in restored:
                 self._link_parent(slot)
@@ -565,9 +579,20 @@ class BlockPool:
         return dropped
 
     def _registered(self) -> list[int]:
-        """Registered slots, in slot order (O(slots made))."""
+        """Registered slots in registration order (O(slots made)): the order events and the
+        free list see them in (a dict of the blocks, as the pool once kept, iterates so)."""
         state = self._store.state
-        return [i for i in range(self._made) if state[i] == slots.REGISTERED]
+        return sorted((i for i in range(self._made) if state[i] == slots.REGISTERED),
+                      key=self._store.born.__getitem__)
+
+    def _renumber(self) -> None:
+        """Registration stamps are 32-bit: before they would run out, number the registered
+        slots again from 0, in their order (once every ~4 billion registrations)."""
+        born = self._store.born
+        held = self._registered()
+        for i, slot in enumerate(held):
+            born[slot] = i
+        self._born = len(held)
 
     def clear(self) -> int:
         """Drop every inactive block (a "cleared" event when nothing is in use); returns count."""

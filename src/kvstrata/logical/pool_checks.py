@@ -46,6 +46,9 @@ def check_pool_invariants(pool: "BlockPool") -> None:
     assert inactive == pool._inactive, f"inactive count {pool._inactive} != {inactive}"
     assert len(pool._index) == len(registered), (
         f"the index holds {len(pool._index)} hashes for {len(registered)} registered blocks")
+    stamps = [store.born[slot] for slot in registered]
+    assert len(set(stamps)) == len(stamps) and all(b < pool._born for b in stamps), (
+        "registration stamps drifted (two alike, or one not yet handed out)")
     if pool._leaf_first:
         counted: dict[int, int] = {}
         for slot in registered:

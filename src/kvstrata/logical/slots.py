@@ -19,7 +19,9 @@ unsigned 64-bit keys and int32 values (12 bytes a bucket, at most 3/4 full).
 Encodings: ``state`` 0-3 is :class:`~kvstrata.logical.block.BlockState`; ``flags`` bit 0 says
 ``parent`` holds a parent hash; ``up`` is the parent's slot + 1 (0: none); ``owner`` the
 list a slot is linked in (0: none); ``count`` is the policy's per-block value
-(``Block.policy_state``). Hashes are unsigned 64-bit integers.
+(``Block.policy_state``); ``born`` a registered slot's registration stamp (the pool's
+counter: registered slots in registration order, as a dict of them would iterate). Hashes
+are unsigned 64-bit integers.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ SLOT_COLUMNS = (
     ("state", np.uint8), ("flags", np.uint8), ("refs", np.int32), ("tick", np.int64),
     ("seq", np.uint64), ("local", np.uint64), ("parent", np.uint64),
     ("up", np.int32), ("kids", np.int32), ("prio", np.int32), ("count", np.int64),
-    ("prev", np.int32), ("next", np.int32), ("owner", np.int32),
+    ("prev", np.int32), ("next", np.int32), ("owner", np.int32), ("born", np.uint32),
 )
 """Per-slot columns, in the order the native ops take them."""
 LIST_COLUMNS = (("head", np.int32), ("tail", np.int32), ("size", np.int32))
@@ -248,17 +250,20 @@ class PySlotOps:
             done += 1
         return done
 
-    def register_new(self, ids: list[int], tiers, bit: int, link: bool):
+    def register_new(self, ids: list[int], tiers, bit: int, link: bool, born: int):
         """Register a batch in bulk when nothing is deduplicated: if every slot is Complete
         with its applied record at hand and no hash is indexed or twice in the batch, index
-        each and mark it Registered, in order; with ``link`` (a leaf-first pool), link each
-        to its parent indexed here. If ``tiers`` (a registry's map) holds none of the hashes
+        each and mark it Registered with stamp ``born``, ``born + 1``, ... (they must fit 32
+        bits), in order; with ``link`` (a leaf-first pool), link each to its parent indexed
+        here. If ``tiers`` (a registry's map) holds none of the hashes
         either, set ``tiers[h] = bit`` too. Returns (the records, whether ``tiers`` was
         updated, the parents that gained their first child while idle); None, with nothing
         changed, otherwise (``ValueError`` for a ``bit`` outside [0, 2**31) with
         ``tiers``)."""
         if tiers is not None and not 0 <= bit <= _INT32_MAX:
             raise ValueError(f"a tier bit is in [0, 2**31), got {bit}")
+        if not 0 <= born <= 2**32 - len(ids):
+            raise ValueError(f"registration stamps {born}.. do not fit 32 bits")
         s = self._s
         state, seq, pending, index = s.state, s.seq, s.pending, s.index
         if any(state[slot] != COMPLETE or slot not in pending for slot in ids):
@@ -268,10 +273,12 @@ class PySlotOps:
             return None
         records = [pending.pop(slot) for slot in ids]
         leaving: list[int] = []
-        flags, parent, up, kids, refs = s.flags, s.parent, s.up, s.kids, s.refs
+        flags, parent, up, kids, refs, stamps = s.flags, s.parent, s.up, s.kids, s.refs, s.born
         for slot, h in zip(ids, hashes):
             index[h] = slot
             state[slot] = REGISTERED
+            stamps[slot] = born
+            born += 1
             if link and flags[slot] & HAS_PARENT:
                 p = index.get(parent[slot])
                 if p is not None and p != slot:
