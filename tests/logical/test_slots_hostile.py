@@ -320,3 +320,31 @@ def test_hash_index_through_many_deletions_keeps_its_size_and_entries():
                              if not k % 3)
     assert all(table[k] == k for k in range(0, 50_000, 3))
     assert table.nbytes <= 12 * 4 * len(table)   # at least 1/4 full: it did not bloat
+
+
+def test_numpy_integer_hashes_are_found_as_the_ints_they_equal_on_both_paths():
+    """A dict (the Python path, and the pool before the columns) finds int keys by numpy
+    integers equal to them; the native table missed them. A block's own hashes stay ints."""
+    from kvstrata.logical.block import BlockHashError
+    from kvstrata.logical.pool import BlockPool
+
+    pool = BlockPool("G1", 4, 4)
+    big = 2**64 - 5
+    handle = pool.allocate(2)
+    handle.apply_token_blocks([BlockRecord(big, 1, None, 4), BlockRecord(7, 2, big, 4)])
+    pool.register(handle).release()
+    keys = [np.uint64(big), np.int64(7)]
+    assert all(k in pool for k in keys) and pool.held(keys) == [True, True]
+    assert pool.match_length(keys) == 2 and pool.lookup(keys[0]).block_id == 0
+    assert pool.registry.tiers_of(keys[1]) == {"G1"}
+    assert pool.touch(keys) == 2
+    held = pool.acquire(keys)
+    assert held.block_ids == [0, 1]
+    held.release()
+    for miss in (np.int64(-1), 7.0, np.float64(7), "7"):
+        assert miss not in pool._index or miss == 7.0 and not pool._store.native
+    fresh = pool.allocate(1)
+    with pytest.raises(BlockHashError):
+        fresh.apply_token_blocks([BlockRecord(np.uint64(9), 9, None, 4)])
+    pool.release(fresh)
+    pool.check_invariants()

@@ -142,8 +142,19 @@ static int hi_del(HashIndex *t, uint64_t k) {
     return 1;
 }
 
-/* 1 and *out set: o is an int in [0, 2**64); 0: it is not (no error); -1: an error. */
+static int index_key(PyObject *o, uint64_t *out);
+static inline int int_key(PyObject *o, uint64_t *out);
+
+/* 1 and *out set: o is an int in [0, 2**64); 0: it is not (no error); -1: an error.
+ * An integer of another type (numpy's) counts as the int it equals, as a dict's look-up
+ * finds it; floats and other numbers are not keys here. */
 static inline int as_key(PyObject *o, uint64_t *out) {
+    if (!PyLong_Check(o)) return index_key(o, out);
+    return int_key(o, out);
+}
+
+/* as_key for an int only (a block's own hashes: slots.is_u64) */
+static inline int int_key(PyObject *o, uint64_t *out) {
     if (!PyLong_Check(o)) return 0;
     unsigned long long v = PyLong_AsUnsignedLongLong(o);
     if (v == (unsigned long long)-1 && PyErr_Occurred()) {
@@ -153,6 +164,19 @@ static inline int as_key(PyObject *o, uint64_t *out) {
     }
     *out = v;
     return 1;
+}
+
+static int index_key(PyObject *o, uint64_t *out) {
+    if (!PyIndex_Check(o)) return 0;
+    PyObject *i = PyNumber_Index(o);
+    if (!i) {
+        if (!PyErr_ExceptionMatches(PyExc_TypeError)) return -1;
+        PyErr_Clear();
+        return 0;
+    }
+    int ok = PyLong_Check(i) ? as_key(i, out) : 0;
+    Py_DECREF(i);
+    return ok;
 }
 
 static int as_value(PyObject *o, int32_t *out) {
@@ -726,8 +750,8 @@ static int apply_one(SlotOps *o, Py_ssize_t s, PyObject *slot_obj, PyObject *rec
     }
     uint64_t h, local, parent = 0;
     int ok;
-    if ((ok = as_key(f[R_SEQ], &h)) <= 0 || (ok = as_key(f[R_LOCAL], &local)) <= 0 ||
-        (f[R_PARENT] != Py_None && (ok = as_key(f[R_PARENT], &parent)) <= 0)) {
+    if ((ok = int_key(f[R_SEQ], &h)) <= 0 || (ok = int_key(f[R_LOCAL], &local)) <= 0 ||
+        (f[R_PARENT] != Py_None && (ok = int_key(f[R_PARENT], &parent)) <= 0)) {
         result = ok;
         goto done;
     }
