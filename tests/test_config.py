@@ -1,6 +1,7 @@
 import pytest
 
 from kvstrata.config import (
+    MAX_TIER_BLOCKS,
     ConfigError,
     KvConfig,
     ModelGeometry,
@@ -160,3 +161,18 @@ def test_a_tier_named_twice_in_the_flag_is_refused():
 
     with pytest.raises(ConfigError, match="twice"):
         parse_tiers_flag("G1=1,G1=2")
+
+
+@pytest.mark.parametrize("tier, size", [
+    ("G1", TierConfig(blocks=2**31 - 2)),
+    ("G2", TierConfig(blocks=10**23)),
+    ("G4", TierConfig(bytes=(2**31 - 2) * 131072)),      # 128 KiB blocks at the defaults
+])
+def test_a_tier_of_more_blocks_than_a_pool_holds_is_refused_naming_it(tier, size):
+    tiers = {"G1": TierConfig(blocks=8), tier: size}
+    with pytest.raises(ConfigError, match=f"tier {tier}: .* more than a tier holds"):
+        KvConfig(tiers=tiers).validate()
+    ok = {"G1": TierConfig(blocks=8), tier: TierConfig(blocks=MAX_TIER_BLOCKS)}
+    assert KvConfig(tiers=ok).validate().tier_blocks(tier) == 2**31 - 3
+    assert KvConfig(tiers={**ok, tier: TierConfig(bytes=MAX_TIER_BLOCKS * 131072)}
+                    ).validate().tier_blocks(tier) == MAX_TIER_BLOCKS

@@ -144,10 +144,12 @@ def test_an_unclosed_manager_is_closed_at_exit(tmp_path):
 def test_a_huge_empty_pool_costs_next_to_nothing():
     from kvstrata.logical.pool import BlockPool
 
-    pool = BlockPool("G1", 10 ** 23, 16)
-    assert pool.status().reset == 10 ** 23 and len(pool._blocks) == 0
+    with pytest.raises(ValueError, match="num_blocks"):     # slot ids are int32
+        BlockPool("G1", 10 ** 23, 16)
+    pool = BlockPool("G1", 10 ** 7, 16)          # columns reserved, pages untouched
+    assert pool.status().reset == 10 ** 7 and pool._made == 0
     blocks = pool.allocate(3)
-    assert blocks.block_ids == [0, 1, 2] and len(pool._blocks) == 3
+    assert blocks.block_ids == [0, 1, 2] and pool._made == 3
     pool.release(blocks)
     again = pool.allocate(2)
     assert sorted(again.block_ids) == [1, 2]          # slots that came back are reused first
@@ -155,18 +157,25 @@ def test_a_huge_empty_pool_costs_next_to_nothing():
     pool.check_invariants()
 
 
-def test_replay_with_an_absurd_tier_runs_in_bounded_memory():
-    import resource
-
+def test_replay_with_an_absurd_tier_is_a_one_line_error_and_a_big_one_runs_in_bounded_memory():
+    """A tier of more blocks than a pool holds (2**31 - 3: slot ids are 32-bit) is a config
+    error naming the tier (exit 2, no traceback); a big tier within the limit replays with
+    its columns reserved but untouched."""
     code = ("import resource, sys\n"
             "from kvstrata.cli import main\n"
-            "rc = main(['replay', '--tiers', 'G1=99999999999999999999999', '--limit', '200',"
+            "rc = main(['replay', '--tiers', sys.argv[1], '--limit', '200',"
             " '--json', '--no-progress'])\n"
             "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\n"
             "sys.exit(rc)\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr.decode()[-2000:]
-    peak_kib = int(proc.stderr.decode().strip().splitlines()[-1])
+    absurd = subprocess.run([sys.executable, "-c", code, "G1=99999999999999999999999"],
+                            capture_output=True, timeout=300, text=True)
+    assert absurd.returncode == 2
+    message = absurd.stderr.strip().splitlines()[0]
+    assert "tier G1" in message and "2,147,483,645" in message and "Traceback" not in absurd.stderr
+    big = subprocess.run([sys.executable, "-c", code, "G1=100000000,G2=200000000"],
+                         capture_output=True, timeout=300, text=True)
+    assert big.returncode == 0, big.stderr[-2000:]
+    peak_kib = int(big.stderr.strip().splitlines()[-1])
     assert peak_kib < 2 * 1024 * 1024, f"peak RSS {peak_kib} KiB"
 
 
@@ -175,11 +184,20 @@ def test_a_manager_no_machine_can_hold_is_a_config_error_naming_the_tier(tmp_pat
     from kvstrata.config import KvConfig, ModelGeometry, TierConfig
     from kvstrata.manager import KvBlockManager, ManagerConfigError
 
-    model = ModelGeometry(num_layers=1, kv_heads=1, head_dim=8)
+    from kvstrata.config import ConfigError
+
+    model = ModelGeometry(num_layers=64, kv_heads=8, head_dim=128)     # 4 MiB blocks
+    big = 2 * 10 ** 9          # within the blocks a pool holds; no machine's RAM or disk
+    for tiers, tier in (({"G1": TierConfig(blocks=big)}, "G1"),
+                        ({"G1": TierConfig(blocks=8), "G2": TierConfig(blocks=big)}, "G2"),
+                        ({"G1": TierConfig(blocks=8), "G2": TierConfig(blocks=8),
+                          "G3": TierConfig(blocks=big)}, "G3")):
+        with pytest.raises(ManagerConfigError, match=f"tier {tier} needs"):
+            KvBlockManager(KvConfig(tiers=tiers, model=model), disk_dir=str(tmp_path))
+    # more blocks than a pool holds: the config itself is refused, naming the tier
     for tiers, tier in (({"G1": TierConfig(blocks=10 ** 12)}, "G1"),
-                        ({"G1": TierConfig(blocks=8), "G2": TierConfig(blocks=10 ** 12)}, "G2"),
                         ({"G1": TierConfig(blocks=8), "G2": TierConfig(blocks=8),
                           "G3": TierConfig(blocks=10 ** 15)}, "G3")):
-        with pytest.raises(ManagerConfigError, match=f"tier {tier} needs"):
+        with pytest.raises(ConfigError, match=f"tier {tier}: .* more than a tier holds"):
             KvBlockManager(KvConfig(tiers=tiers, model=model), disk_dir=str(tmp_path))
     assert list(tmp_path.iterdir()) == []

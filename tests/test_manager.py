@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvstrata.config import KvConfig, ModelGeometry, TierConfig
+from kvstrata.logical.block import BlockHashError
 from kvstrata.logical.registry import BlockRecord
 from kvstrata.manager import owner as owner_module
 from kvstrata.physical import FileOps
@@ -247,9 +248,11 @@ def test_register_refuses_a_bad_hash_and_changes_nothing(tmp_path, bad):
         blocks = mgr.allocate(1).result(HANG_GUARD)
         size = mgr.storage("G1").config.block_bytes
         mgr.write_g1(blocks.block_ids, [np.zeros(size, np.uint8)])
-        blocks.apply_token_blocks([BlockRecord(bad, 1, None, BS)])
-        with pytest.raises(InvalidBlockError, match="sequence_hash"):
-            mgr.register(blocks).result(HANG_GUARD)
+        # A pool's slots hold u64 hashes: the handle refuses the record itself now (before,
+        # register did, with InvalidBlockError); the block stays Reset, the handle usable.
+        with pytest.raises(BlockHashError, match="sequence_hash"):
+            blocks.apply_token_blocks([BlockRecord(bad, 1, None, BS)])
+        assert blocks.sequence_hashes == [None]
         assert bad not in mgr.pools["G1"]
         status = mgr.status()
         assert status["transfers_pending"] == 0

@@ -19,6 +19,7 @@ from typing import Any, Mapping
 
 from .dtypes import ALIASES, DTYPE_NAMES, DtypeError, canonical_dtype, itemsize
 from .logical.policy import ADMISSION_NAMES, EVICTION_NAMES
+from .logical.slots import MAX_SLOTS as MAX_TIER_BLOCKS
 from .tiers import TIER_NAMES, TIERS, TOP_TIER, TierKind, first_of_kind
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
@@ -170,6 +171,14 @@ class KvConfig:
                 problems.append(
                     f"tier {name}: {tier.bytes} bytes hold no block of {self.bytes_per_block} bytes"
                 )
+            blocks = None          # the size in blocks, when it is well-formed
+            if tier.bytes is None and type(tier.blocks) is int:
+                blocks = tier.blocks
+            elif tier.blocks is None and type(tier.bytes) is int and self._geometry_ok():
+                blocks = tier.bytes // self.bytes_per_block
+            if blocks is not None and blocks > MAX_TIER_BLOCKS:
+                problems.append(f"tier {name}: {blocks:,} blocks is more than a tier holds "
+                                f"(at most {MAX_TIER_BLOCKS:,}: block ids are 32-bit)")
             if tier.eviction and tier.eviction not in EVICTION_NAMES:
                 problems.append(
                     f"tier {name}: unknown eviction {tier.eviction!r}; one of {sorted(EVICTION_NAMES)}"

@@ -27,7 +27,7 @@ def rec(seq, parent=None, size=BS):
 
 
 def _snapshot(pool: BlockPool):
-    return (pool.status(), {h: b.block_id for h, b in pool._by_hash.items()},
+    return (pool.status(), {h: pool.lookup(h).block_id for h in pool.hashes()},
             sorted(pool.eviction.members()))
 
 

@@ -1,6 +1,6 @@
 import pytest
 
-from kvstrata.logical.block import Block, BlockState, BlockStateError
+from kvstrata.logical.block import Block, BlockHashError, BlockState, BlockStateError
 from kvstrata.logical.registry import BlockRecord
 from kvstrata.tokens import TokenError, hash_blocks
 
@@ -83,13 +83,26 @@ def test_reset_from_any_state():
         assert block.state is BlockState.RESET and block.tokens is None
 
 
-def test_block_loops_take_a_deleted_slot_they_only_write_and_refuse_one_they_read():
-    from kvstrata.logical.blockops import release_registered, reset_all
+def test_views_of_one_slot_share_its_fields():
+    block = Block(1, 4)
+    other = Block(1, store=block._store)
+    block.init_sequence(parent_hash=7)
+    block.add_tokens([1, 2, 3, 4])
+    block.commit()
+    assert other == block and other.state is BlockState.COMPLETE
+    assert (other.sequence_hash, other.parent_hash, other.tokens) == (
+        block.sequence_hash, 7, [1, 2, 3, 4])
 
-    block = Block(0, 4)
-    del block.tokens                      # reset writes it: fine on both paths
-    reset_all([block], 1)
-    assert block.tokens is None and block.ref_count == 1
-    del block.ref_count                   # release reads it: an error, not a crash
-    with pytest.raises(AttributeError):
-        release_registered([block], 0)
+
+@pytest.mark.parametrize("record", [
+    BlockRecord(-1, 1, None, 4), BlockRecord(2**64, 1, None, 4), BlockRecord(1, "x", None, 4),
+    BlockRecord(1, 1, -3, 4), BlockRecord(1.5, 1, None, 4),
+])
+def test_hashes_outside_u64_are_refused_and_change_nothing(record):
+    block = fresh()
+    with pytest.raises(BlockHashError):
+        block.apply_token_block(record)
+    assert snapshot(block) == (BlockState.RESET, None, None, None)
+    with pytest.raises(BlockHashError):
+        block.init_sequence(parent_hash=-1)
+    assert block.state is BlockState.RESET

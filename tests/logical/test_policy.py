@@ -1,6 +1,5 @@
 import pytest
 
-from kvstrata.logical.block import Block
 from kvstrata.logical.policy import (
     PolicyError,
     SecondOfferAdmission,
@@ -196,7 +195,7 @@ class _PoolShadow:
         return hits
 
     def held(self):
-        return set(self.pool._by_hash)
+        return set(self.pool.hashes())
 
 
 _requests = st.lists(
@@ -230,7 +229,7 @@ def test_shadow_caches_serve_exactly_as_a_pool(requests, capacity, eviction, adm
 # -- the adaptive order evicts exactly as two separate orders would ----------------------------
 
 from kvstrata.logical.adaptive import DuelingEviction  # noqa: E402
-from kvstrata.logical.block import Block  # noqa: E402
+from kvstrata.logical.slots import SlotStore  # noqa: E402
 from kvstrata.logical.eviction import AgedFrequencyEviction, EvictionPolicy, LruEviction  # noqa: E402
 
 
@@ -241,48 +240,56 @@ class _Leader:
 
 
 class _TwoOrders(EvictionPolicy):
-    """The reference: an LRU and an aged-LFU order kept side by side, victims from the
-    leader's, the other one kept in step (the design DuelingEviction replaced)."""
+    """The reference: an LRU order (a dict in release order) and an aged-LFU order (a dict
+    of slot -> (key, tick), its victim found by a scan) kept side by side, victims from the
+    leader's, the other one kept in step."""
 
     def __init__(self, capacity, leader):
         self.leader = leader
-        self.lru, self.lfu = LruEviction(capacity), AgedFrequencyEviction(capacity)
+        self.lru, self.lfu = {}, {}
+        self.age = 0
+        self.ghost, self.ghost_size = {}, 4 * capacity
 
-    def registered(self, block):
-        self.lfu.registered(block)
+    def attach(self, store):
+        super().attach(store)
+        self.count, self.ticks, self.seq = store.count, store.tick, store.seq
 
-    def record_hit(self, block):
-        self.lfu.record_hit(block)
+    def registered(self, slot):
+        self.count[slot] = self.ghost.pop(self.seq[slot], 0) + 1
 
-    def insert(self, block):
-        self.lru.insert(block)
-        self.lfu.insert(block)
+    def record_hit(self, slot):
+        self.count[slot] += 1
 
-    def remove(self, block):
-        self.lru.remove(block)
-        self.lfu.remove(block)
+    def insert(self, slot):
+        self.remove(slot)
+        self.lru[slot] = None
+        self.lfu[slot] = (self.age + self.count[slot], self.ticks[slot])
 
-    def touch(self, block):
-        self.lru.touch(block)
-        self.lfu.touch(block)
+    def remove(self, slot):
+        self.lru.pop(slot, None)
+        self.lfu.pop(slot, None)
 
     def victim(self):
+        if not self.lru:
+            return None
         if self.leader.eviction == "lfu":
-            block = self.lfu.victim()
-            if block is not None:
-                self.lru.remove(block)
+            slot = min(self.lfu, key=lambda s: (*self.lfu[s], s))
+            self.age = self.lfu[slot][0]
         else:
-            block = self.lru.victim()
-            if block is not None:
-                self.lfu.remove(block)
-                self.lfu.remember(block)
-        return block
+            slot = next(iter(self.lru))
+        self.remove(slot)
+        h = self.seq[slot]
+        self.ghost.pop(h, None)
+        self.ghost[h] = self.count[slot]
+        if len(self.ghost) > self.ghost_size:
+            del self.ghost[next(iter(self.ghost))]
+        return slot
 
     def __len__(self):
         return len(self.lru)
 
     def members(self):
-        return self.lru.members()
+        return set(self.lru)
 
 
 _hashes = st.lists(st.integers(1, 24), max_size=6)
@@ -294,6 +301,13 @@ _ops = st.lists(st.one_of(
     st.tuples(st.just("lead"), st.sampled_from(["lru", "lfu"])),
     st.tuples(st.just("reset"), _hashes),
 ), max_size=80)
+
+
+def _slots_of(pool):
+    """(hash, slot, count) of each registered block, in slot order."""
+    count = pool._store.count
+    return [(pool.lookup(h).sequence_hash, pool.lookup(h).block_id, count[pool.lookup(h).block_id])
+            for h in pool.hashes()]
 
 
 @settings(max_examples=200, deadline=None)
@@ -324,24 +338,25 @@ def test_adaptive_evicts_as_two_separate_orders(ops, capacity):
                 pool.reset_blocks(arg)
         ours, ref = pools
         ours.check_invariants()
-        assert [(h, b.block_id, b.policy_state) for h, b in ours._by_hash.items()] == \
-            [(h, b.block_id, b.policy_state) for h, b in ref._by_hash.items()]
+        assert _slots_of(ours) == _slots_of(ref)
         assert ours.evictions == ref.evictions
 
 
 def test_adaptive_recency_is_release_order_whatever_the_insert_order():
     leader = _Leader()
     order = DuelingEviction(8, leader)
-    blocks = [Block(i, 1) for i in range(6)]
-    for block, tick in zip(blocks, (5, 3, 9, 1, 7, 2)):
-        block.release_tick = tick
-        block.sequence_hash = 100 + block.block_id
-        order.registered(block)
-    order.insert_many(blocks[:3])
-    order.insert_many(blocks[3:])              # older ticks than those already in
-    order.insert(blocks[0])                    # a re-insert at the same tick
+    store = SlotStore(8, 1)
+    order.attach(store)
+    ticks = (5, 3, 9, 1, 7, 2)
+    for slot, tick in enumerate(ticks):
+        store.tick[slot] = tick
+        store.seq[slot] = 100 + slot
+        order.registered(slot)
+    order.insert_many([0, 1, 2])
+    order.insert_many([3, 4, 5])               # older ticks than those already in
+    order.insert(0)                            # a re-insert at the same tick
     assert order.members() == set(range(6))
-    assert [b.release_tick for b in order.victims(4)] == [1, 2, 3, 5]
+    assert [ticks[s] for s in order.victims(4)] == [1, 2, 3, 5]
     leader.eviction = "lfu"
-    assert [b.release_tick for b in order.victims(4)] == [7, 9]
+    assert [ticks[s] for s in order.victims(4)] == [7, 9]
     assert len(order) == 0 and order.members() == set()

@@ -305,7 +305,7 @@ class PoolMachine(RuleBasedStateMachine):
         free = set(self.pool._free)
         assert not held & free, "a block is both free and in use"
         # A registered hash maps to exactly one live block in this pool.
-        hashes = [b.sequence_hash for b in self.pool._blocks if b.state is BlockState.REGISTERED]
+        hashes = self.pool.hashes()
         assert len(hashes) == len(set(hashes))
         assert self.pool.registry.hashes_in("G1") == set(hashes)
 
@@ -479,3 +479,59 @@ def test_restore_refuses_bad_entries_and_skips_reused_slots():
     held.release()
     pool.check_invariants()
     assert sorted(pool.allocate(2).block_ids) == [1, 3]
+
+
+class _Removed:
+    """A registry observer keeping the hashes of on_removed, in order."""
+
+    def __init__(self):
+        self.gone = []
+
+    def on_tier_stored(self, tier, records): pass
+    def on_tier_removed(self, tier, hashes): pass
+    def on_tier_cleared(self, tier): pass
+    def on_stored(self, records): pass
+
+    def on_removed(self, hashes):
+        self.gone.append(list(hashes))
+
+
+@pytest.mark.parametrize("policy", ["lru", "default", "lfu", "adaptive"])
+@pytest.mark.parametrize("near_wrap", [False, True])
+def test_clear_announces_and_frees_in_registration_order_not_slot_order(policy, near_wrap):
+    """The pool once kept its blocks in a dict (hash -> block): clear() announced them, and
+    put their slots on the free stack, in registration order. Slot order differs once
+    slots are reused, and so did the events and later slot ids; also across the
+    registration stamps' 32-bit renumbering (``near_wrap``)."""
+    registry, seen = BlockRegistry(), _Removed()
+    registry.add_observer(seen)
+    pool = BlockPool("G2", 4, 4, eviction=make_eviction(policy, 4), registry=registry)
+    if near_wrap:
+        pool._born = 2**32 - 3                     # the next batch renumbers the stamps
+    handle = pool.allocate(4)                      # slots 0 1 2 3
+    recs = [BlockRecord(100 + i, 100 + i, None, 4) for i in range(4)]
+    handle.apply_token_blocks(recs)
+    pool.register(handle).release()
+    for h in (101, 102):                           # free slots 1 and 2 ...
+        assert pool.reset_blocks([h])
+    for h in (202, 201):                           # ... and register in them again
+        store(pool, [BlockRecord(h, h, None, 4)])  # 202 takes slot 2, 201 slot 1
+    assert pool.lookup(202).block_id == 2 and pool.lookup(201).block_id == 1
+    assert pool.hashes() == [100, 103, 202, 201]
+    assert pool.clear() == 4
+    assert seen.gone[-1] == [100, 103, 202, 201]   # slot order would be 100, 201, 202, 103
+    again = pool.allocate(4)
+    assert again.block_ids == [1, 2, 3, 0]         # the free stack, the last one first
+    pool.release(again)
+    pool.check_invariants()
+    assert pool._born < 2**32
+
+
+@pytest.mark.parametrize("born", [-1, 2**32 - 1])
+def test_bulk_registration_stamps_must_fit_32_bits(born):
+    pool = BlockPool("G1", 4, 4)
+    handle = pool.allocate(2)
+    handle.apply_token_blocks([BlockRecord(7, 7, None, 4), BlockRecord(8, 8, None, 4)])
+    with pytest.raises(ValueError, match="32 bits"):
+        pool._ops.register_new(handle._ids, None, 0, False, born)
+    assert len(pool._index) == 0 and set(pool._store.pending) == set(handle._ids)

@@ -25,12 +25,11 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from itertools import compress
-from operator import attrgetter, eq
+from operator import eq
 from typing import Callable, Sequence
 
 from . import blockops
 from .admission import ADMISSION_FILTERS, AdmissionPolicy, SecondOfferAdmission
-from .block import Block
 from .eviction import EVICTION_ORDERS, AgedFrequencyEviction, EvictionPolicy
 
 ADAPTIVE = "adaptive"
@@ -42,9 +41,6 @@ ADMISSION_CANDIDATES = ("always", "second-offer")
 
 def _admit_all(sequence_hash: int) -> bool:
     return True
-
-
-_release_tick = attrgetter("release_tick")
 
 
 def _pairs(firsts: list, seconds: list) -> list:
@@ -282,17 +278,16 @@ class DuelingEviction(AgedFrequencyEviction):
     """LRU and aged-LFU orders over the same blocks; victims come from the duel's leader.
 
     It is the aged-LFU order (inherited: buckets, counts, ghost) plus a *recency queue* for
-    the LRU side: the blocks in release order, as flat ``tick, block`` pairs, appended on
-    every insert and never searched. A pair is live while its block is in the order with
+    the LRU side: the blocks in release order, as flat ``tick, slot`` pairs, appended on
+    every insert and never searched. A pair is live while its slot is in the order with
     that very release tick; a removal, or a re-insert at a newer tick, leaves the old pair
     stale, to be skipped when it reaches the front or dropped when the queue is pruned (once
-    it holds over twice the order's blocks). So the LRU side costs one append per insert,
-    where an ordered dict cost an insert and a removal, both in Python.
+    it holds over twice the order's blocks). So the LRU side costs one append per insert.
 
     The LRU victim is the least recently released block: what :class:`LruEviction` picks
     (its insertion order) for every insert a pool makes, since a pool stamps a newer release
     tick on each. An insert at a tick no newer than the last one (not a pool's) re-sorts the
-    queue by (tick, block id), as the aged-LFU order re-sorts a bucket.
+    queue by (tick, slot), as the aged-LFU order re-sorts a bucket.
     """
 
     name = ADAPTIVE
@@ -300,81 +295,55 @@ class DuelingEviction(AgedFrequencyEviction):
     def __init__(self, capacity: int, duel: PolicyDuel) -> None:
         super().__init__(capacity)
         self._duel = duel
-        self._recent: list = []     # tick, block, tick, block, ... in release order
+        self._recent: list = []     # tick, slot, tick, slot, ... in release order
         self._head = 0              # index of the first pair not yet consumed
 
-    def insert_many(self, blocks: list[Block]) -> None:
-        ops = blockops.native()
-        if ops is not None:         # new blocks at the newest ticks: both sides in one call
-            last = ops.lfu_insert(blocks, self._key_of, self._buckets, self._keys, self._age,
-                                  self._last_tick, OrderedDict, heapq.heappush, self._recent)
-            if last is not None:
-                self._last_tick = last
-                self._tidy_keys()
-                self._tidy_recent()
-                return
+    def insert_many(self, ids: list[int]) -> None:
+        if self._insert_in_order(ids, self._recent):   # both sides in one loop
+            self._tidy_recent()
+            return
         last = self._last_tick
-        self._insert_python(blocks)
-        ticks = list(map(_release_tick, blocks))
+        self._insert_any(ids)
+        ticks = list(map(self._ticks.__getitem__, ids))
         if ticks and (ticks[0] <= last or ticks != sorted(set(ticks))):   # not increasing
             self._requeue()
             return
-        self._recent += _pairs(ticks, blocks)
+        self._recent += _pairs(ticks, ids)
         self._tidy_recent()
 
-    def victims(self, count: int) -> list[Block]:
+    def victims(self, count: int) -> list[int]:
         if self._duel.eviction == "lfu":
             return super().victims(count)
-        ops = blockops.native()
-        if ops is not None:
-            blocks, self._head = ops.recent_victims(count, self._recent, self._head,
-                                                    self._key_of, self._buckets, self._ghost,
-                                                    self._ghost_size)
-            return blocks
         return self._recent_victims(count)
 
-    def _recent_victims(self, count: int) -> list[Block]:
-        """The next ``count`` live blocks of the recency queue (fewer if it runs dry), each
+    def _recent_victims(self, count: int) -> list[int]:
+        """The next ``count`` live slots of the recency queue (fewer if it runs dry), each
         leaving the aged-LFU order as ``remove`` then ``remember`` would."""
-        recent, head, key_of = self._recent, self._head, self._key_of
-        out: list[Block] = []
-        end = len(recent)
-        while len(out) < count and head < end:
-            tick, block = recent[head], recent[head + 1]
-            head += 2
-            if block.release_tick == tick and block.block_id in key_of:
-                self.remove(block)
-                self.remember(block)
-                out.append(block)
-        self._head = head
+        out, self._head, emptied = self._ops.recent_take(self._recent, self._head, count)
+        self._size -= len(out)
+        self._free_buckets(emptied)
+        self._ops.remember(out, self._ghost, self._ghost_size)
         return out
 
     def _tidy_recent(self) -> None:
         """Drop consumed and stale pairs once the queue holds over twice the order's blocks."""
-        if len(self._recent) > 4 * len(self._key_of) + 128:
-            ops = blockops.native()
-            if ops is not None:
-                self._recent = ops.recent_prune(self._recent, self._head, self._key_of)
-            else:
-                self._recent = self._live_pairs()
+        if len(self._recent) > 4 * len(self) + 128:
+            self._recent = self._live_pairs()
             self._head = 0
 
     def _live_pairs(self) -> list:
-        recent, key_of, head = self._recent, self._key_of, self._head
-        ticks, blocks = recent[head::2], recent[head + 1::2]
-        live = [b.release_tick == t and b.block_id in key_of for t, b in zip(ticks, blocks)]
-        return _pairs(list(compress(ticks, live)), list(compress(blocks, live)))
+        return self._ops.recent_prune(self._recent, self._head)
 
     def _requeue(self) -> None:
-        """Rebuild the queue from the order's blocks, by (release tick, block id)."""
-        blocks = [b for bucket in self._buckets.values() for b in bucket.values()]
-        blocks.sort(key=lambda b: (b.release_tick, b.block_id))
-        self._recent = _pairs(list(map(_release_tick, blocks)), blocks)
+        """Rebuild the queue from the order's slots, by (release tick, slot)."""
+        ticks = self._ticks
+        ids = sorted(super().members(), key=lambda s: (ticks[s], s))
+        self._recent = _pairs([ticks[s] for s in ids], ids)
         self._head = 0
 
     def members(self) -> set[int]:
         members = super().members()
-        live = [block.block_id for block in self._live_pairs()[1::2]]
+        live = self._live_pairs()[1::2]
         assert len(live) == len(members) and set(live) == members, (
             f"adaptive recency queue drifted: {sorted(set(live) ^ members)[:8]}")
         return members

@@ -4,7 +4,10 @@ An *eviction policy* orders a pool's evictable blocks (registered, no users, and
 policy asks for ``leaf_first``, no registered children in the pool). The pool tells it when a
 block becomes evictable (``insert``), stops being evictable (``remove``), is touched while idle
 (``touch``) or is used (``record_hit``), and asks it for the next ``victim``. Policies see
-:class:`~kvstrata.logical.block.Block` objects and keep their own structures keyed by block id.
+slot ids: a pool attaches its :class:`~kvstrata.logical.slots.SlotStore`, whose columns
+hold each block's fields (release tick, priority, the policy's per-block value ``count``)
+and whose intrusive lists (``prev`` / ``next`` / ``owner`` per slot) are the orders: no
+Python object per block.
 
 :data:`EVICTION_ORDERS` names the fixed orders; :mod:`kvstrata.logical.policy` builds them (and
 the ``adaptive`` one) by name. docs/configuration.md says what each does, docs/policies.md how
@@ -17,84 +20,99 @@ import heapq
 from collections import OrderedDict
 from typing import Callable
 
-from . import blockops
-from .block import Block
+from .slots import SlotStore
 
 __all__ = ["EvictionPolicy", "LruEviction", "PriorityLruEviction", "AgedFrequencyEviction",
            "EVICTION_ORDERS"]
 
 
 class EvictionPolicy:
-    """Interface of an eviction order over a pool's evictable blocks."""
+    """Interface of an eviction order over a pool's evictable blocks (by slot id)."""
 
     name = "base"
     leaf_first = False
     """If True the pool only offers blocks with no registered children (leaves go first)."""
 
-    def registered(self, block: Block) -> None:
-        """``block`` was newly registered in the pool (not a dedup hit)."""
+    _store: SlotStore | None = None
 
-    def registered_many(self, blocks: list[Block]) -> None:
-        """``registered`` for each of ``blocks``, in order."""
-        for block in blocks:
-            self.registered(block)
+    def attach(self, store: SlotStore) -> None:
+        """Serve the pool whose slots ``store`` holds (once: a policy orders one pool)."""
+        if self._store is not None:
+            raise ValueError(f"eviction policy {self.name!r} already serves a pool; "
+                             f"make one per pool")
+        self._store = store
+        self._ops = store.ops
 
-    def insert(self, block: Block) -> None:
-        """``block`` became evictable (its ``release_tick`` is already stamped)."""
+    def registered(self, slot: int) -> None:
+        """``slot`` was newly registered in the pool (not a dedup hit)."""
+
+    def registered_many(self, ids: list[int]) -> None:
+        """``registered`` for each of ``ids``, in order."""
+        for slot in ids:
+            self.registered(slot)
+
+    def insert(self, slot: int) -> None:
+        """``slot`` became evictable (its release tick is already stamped)."""
         raise NotImplementedError
 
-    def remove(self, block: Block) -> None:
-        """``block`` is no longer evictable (acquired again, reset, or gained a child)."""
+    def remove(self, slot: int) -> None:
+        """``slot`` is no longer evictable (acquired again, reset, or gained a child)."""
         raise NotImplementedError
 
-    def touch(self, block: Block) -> None:
-        """An evictable ``block`` was used without being acquired; default: re-insert."""
-        self.remove(block)
-        self.insert(block)
+    def touch(self, slot: int) -> None:
+        """An evictable ``slot`` was used without being acquired; default: re-insert."""
+        self.remove(slot)
+        self.insert(slot)
 
-    def record_hit(self, block: Block) -> None:
-        """``block`` served a look-up (matched or touched); frequency policies count it."""
+    def touch_many(self, ids: list[int]) -> None:
+        """``touch`` for each of ``ids``, in order."""
+        for slot in ids:
+            self.touch(slot)
 
-    def record_hits(self, blocks: list[Block]) -> None:
-        """``record_hit`` for each of ``blocks``, in order."""
-        for block in blocks:
-            self.record_hit(block)
+    def record_hit(self, slot: int) -> None:
+        """``slot`` served a look-up (matched or touched); frequency policies count it."""
 
-    def is_next(self, block: Block) -> bool:
-        """Whether ``block``, not in the order, would be the very next victim if inserted
+    def hit_cap(self) -> int:
+        """The most uses a block's ``count`` holds (-1: no cap). A pool whose policy
+        overrides :meth:`record_hit` counts uses in its own loops (``count`` + 1, up to the
+        cap): ``record_hit`` must do the same."""
+        return -1
+
+    def is_next(self, slot: int) -> bool:
+        """Whether ``slot``, not in the order, would be the very next victim if inserted
         now. A leaf-first pool then evicts it at once instead of inserting it (the victims
         are the same). Answering False is always correct; it only costs the round trip."""
         return False
 
-    def victim(self) -> Block | None:
-        """Remove and return the next block to evict, or None if nothing is evictable."""
+    def victim(self) -> int | None:
+        """Remove and return the next slot to evict, or None if nothing is evictable."""
         raise NotImplementedError
 
     # Batch forms: the pool calls these on its hot paths; override them when a policy can do
     # a batch faster than one call per block.
-    def insert_many(self, blocks: list[Block]) -> None:
-        for block in blocks:
-            self.insert(block)
+    def insert_many(self, ids: list[int]) -> None:
+        for slot in ids:
+            self.insert(slot)
 
-    def remove_many(self, blocks: list[Block]) -> None:
-        for block in blocks:
-            self.remove(block)
+    def remove_many(self, ids: list[int]) -> None:
+        for slot in ids:
+            self.remove(slot)
 
-    def victims(self, count: int) -> list[Block]:
+    def victims(self, count: int) -> list[int]:
         """Up to ``count`` victims in order (fewer if the order runs dry)."""
-        out: list[Block] = []
+        out: list[int] = []
         for _ in range(count):
-            block = self.victim()
-            if block is None:
+            slot = self.victim()
+            if slot is None:
                 break
-            out.append(block)
+            out.append(slot)
         return out
 
     def __len__(self) -> int:
         raise NotImplementedError
 
     def members(self) -> set[int]:
-        """Ids of the blocks currently in the order (for invariant checks; O(n))."""
+        """Slots currently in the order (for invariant checks; O(n))."""
         raise NotImplementedError
 
 
@@ -102,110 +120,64 @@ class LruEviction(EvictionPolicy):
     """Plain least-recently-released first, ignoring priority and the prefix tree.
 
     This is the exact plain LRU of docs/replay.md, used to check the replay against known
-    counts.
+    counts. One intrusive list of the store, oldest first: 8 bytes a block, O(1) per block.
     """
 
     name = "lru"
 
     def __init__(self, capacity: int = 0) -> None:
-        self._order: OrderedDict[int, Block] = OrderedDict()
+        pass
 
-    def insert(self, block: Block) -> None:
-        self._order[block.block_id] = block
-        self._order.move_to_end(block.block_id)  # a re-insert is the most recent use
+    def attach(self, store: SlotStore) -> None:
+        super().attach(store)
+        self._list = store.new_list()
+        self._size = store.size
 
-    def remove(self, block: Block) -> None:
-        self._order.pop(block.block_id, None)
+    def insert(self, slot: int) -> None:
+        self._ops.push_back(self._list, [slot])   # a re-insert is the most recent use
 
-    def touch(self, block: Block) -> None:
-        self._order.move_to_end(block.block_id)
+    def remove(self, slot: int) -> None:
+        self._ops.unlink([slot])
 
-    def victim(self) -> Block | None:
-        if not self._order:
-            return None
-        return self._order.popitem(last=False)[1]
+    def touch(self, slot: int) -> None:
+        self._ops.push_back(self._list, [slot])
 
-    def insert_many(self, blocks: list[Block]) -> None:
-        order = self._order
-        before = len(order)
-        for block in blocks:
-            order[block.block_id] = block
-        if len(order) != before + len(blocks):    # some were in already: move them last
-            move = order.move_to_end
-            for block in blocks:
-                move(block.block_id)
+    def touch_many(self, ids: list[int]) -> None:
+        self._ops.push_back(self._list, ids)
 
-    def remove_many(self, blocks: list[Block]) -> None:
-        pop = self._order.pop
-        for block in blocks:
-            pop(block.block_id, None)
+    def victim(self) -> int | None:
+        out = self._ops.pop_front(self._list, 1)
+        return out[0] if out else None
 
-    def victims(self, count: int) -> list[Block]:
-        popitem = self._order.popitem
-        return [popitem(False)[1] for _ in range(min(count, len(self._order)))]
+    def insert_many(self, ids: list[int]) -> None:
+        self._ops.push_back(self._list, ids)
+
+    def remove_many(self, ids: list[int]) -> None:
+        self._ops.unlink(ids)
+
+    def victims(self, count: int) -> list[int]:
+        return self._ops.pop_front(self._list, count)
 
     def __len__(self) -> int:
-        return len(self._order)
+        return self._size[self._list] if self._store is not None else 0
 
     def members(self) -> set[int]:
-        return set(self._order)
+        return set(self._ops.members(self._list))
 
 
 class _TickLevel:
-    """Blocks of one priority in release-tick order: an ordered dict for the common case
+    """Slots of one priority in release-tick order: an intrusive list for the common case
     (a release is the newest tick; a parent freed by its last child's eviction is usually
-    the oldest) and a small lazy heap for the rest."""
+    the oldest) and a small lazy heap of ``(tick, slot)`` for the rest."""
 
-    __slots__ = ("ordered", "late", "late_live", "size", "last_tick")
+    __slots__ = ("list_id", "late", "late_live", "size", "last_tick")
 
-    def __init__(self) -> None:
-        self.ordered: OrderedDict[int, Block] = OrderedDict()  # ascending release_tick
-        self.late: list[tuple[int, int, Block]] = []
+    def __init__(self, list_id: int) -> None:
+        self.list_id = list_id                  # ascending release tick
+        self.late: list[tuple[int, int]] = []
         self.late_live: dict[int, int] = {}
         self.size = 0
-        self.last_tick = -1  # tick of the ordered dict's newest entry (-1: empty)
-
-    def add(self, block: Block) -> None:
-        ordered, tick, block_id = self.ordered, block.release_tick, block.block_id
-        self.size += 1
-        if tick >= self.last_tick or not ordered:
-            ordered[block_id] = block
-            self.last_tick = tick
-        elif tick <= ordered[next(iter(ordered))].release_tick:
-            ordered[block_id] = block
-            ordered.move_to_end(block_id, last=False)
-        else:
-            self.late_live[block_id] = tick
-            heapq.heappush(self.late, (tick, block_id, block))
-            if len(self.late) > 4 * len(self.late_live) + 64:
-                live = self.late_live
-                self.late = [e for e in self.late if live.get(e[1]) == e[0]]
-                heapq.heapify(self.late)
-
-    def discard(self, block_id: int) -> None:
-        ordered = self.ordered
-        if ordered.pop(block_id, None) is None:
-            del self.late_live[block_id]
-        elif not ordered:
-            self.last_tick = -1
-        self.size -= 1
-
-    def pop_oldest(self) -> Block:
-        self.size -= 1
-        late = self.late
-        if late:
-            live = self.late_live
-            while late and live.get(late[0][1]) != late[0][0]:
-                heapq.heappop(late)
-            ordered = self.ordered
-            if late and (not ordered or late[0][0] < ordered[next(iter(ordered))].release_tick):
-                tick, block_id, block = heapq.heappop(late)
-                del live[block_id]
-                return block
-        block = self.ordered.popitem(last=False)[1]
-        if not self.ordered:
-            self.last_tick = -1
-        return block
+        self.last_tick = -1  # tick of the list's newest entry (-1: empty)
 
 
 class PriorityLruEviction(EvictionPolicy):
@@ -214,11 +186,11 @@ class PriorityLruEviction(EvictionPolicy):
 
     One :class:`_TickLevel` per priority in use. Releases append in tick order; a parent that
     becomes evictable when its last child is evicted re-enters at its *old* release tick,
-    which is nearly always the oldest of its level (front of the ordered dict); anything else
-    goes to the level's small heap. So the common operations are O(1).
+    which is nearly always the oldest of its level (front of its list); anything else goes to
+    the level's small heap. So the common operations are O(1).
 
-    A block's ``policy_state`` is 1 while it is in the order (its level is its ``priority``,
-    which does not change while it is evictable), 0 otherwise: no side table per block.
+    A slot's ``count`` is 1 while it is in the order (its level is its priority, which does
+    not change while it is evictable), 0 otherwise.
     """
 
     name = "default"
@@ -228,77 +200,117 @@ class PriorityLruEviction(EvictionPolicy):
         self._levels: dict[int, _TickLevel] = {}
         self._size = 0
 
-    def insert(self, block: Block) -> None:
-        if block.policy_state:  # a re-insert (touch): drop the old position
-            self._discard(block)
-        priority = block.priority
-        level = self._levels.get(priority)
-        if level is None:
-            level = self._levels[priority] = _TickLevel()
-        block.policy_state = 1
-        level.add(block)
-        self._size += 1
+    def attach(self, store: SlotStore) -> None:
+        super().attach(store)
+        self._ticks, self._prio, self._in = store.tick, store.prio, store.count
+        self._head, self._lsize = store.head, store.size
 
-    def insert_many(self, blocks: list[Block]) -> None:
-        levels = self._levels
-        for block in blocks:
-            if block.policy_state:
-                self._discard(block)
-            level = levels.get(block.priority)
+    def insert(self, slot: int) -> None:
+        self.insert_many([slot])
+
+    def insert_many(self, ids: list[int]) -> None:
+        levels, member, prio, ticks = self._levels, self._in, self._prio, self._ticks
+        ops, head, lsize = self._ops, self._head, self._lsize
+        for slot in ids:
+            if member[slot]:            # a re-insert (touch): drop the old position
+                self._discard(slot)
+            priority = prio[slot]
+            level = levels.get(priority)
             if level is None:
-                level = levels[block.priority] = _TickLevel()
-            block.policy_state = 1
-            level.add(block)
-        self._size += len(blocks)
+                level = levels[priority] = _TickLevel(self._store.new_list())
+            member[slot] = 1
+            level.size += 1
+            list_id, tick = level.list_id, ticks[slot]
+            if tick >= level.last_tick or not lsize[list_id]:
+                ops.push_back(list_id, [slot])
+                level.last_tick = tick
+            elif tick <= ticks[head[list_id]]:
+                ops.push_front(list_id, slot)
+            else:
+                level.late_live[slot] = tick
+                heapq.heappush(level.late, (tick, slot))
+                if len(level.late) > 4 * len(level.late_live) + 64:
+                    live = level.late_live
+                    level.late = [e for e in level.late if live.get(e[1]) == e[0]]
+                    heapq.heapify(level.late)
+        self._size += len(ids)
 
-    def remove(self, block: Block) -> None:
-        if block.policy_state:
-            self._discard(block)
+    def remove(self, slot: int) -> None:
+        if self._in[slot]:
+            self._discard(slot)
 
-    def remove_many(self, blocks: list[Block]) -> None:
-        for block in blocks:
-            if block.policy_state:
-                self._discard(block)
+    def remove_many(self, ids: list[int]) -> None:
+        member = self._in
+        for slot in ids:
+            if member[slot]:
+                self._discard(slot)
 
-    def _discard(self, block: Block) -> None:
-        level = self._levels[block.priority]
-        level.discard(block.block_id)
-        block.policy_state = 0
+    def _discard(self, slot: int) -> None:
+        priority = self._prio[slot]
+        level = self._levels[priority]
+        if self._store.owner[slot]:     # type: ignore[union-attr]
+            self._ops.unlink([slot])
+            if not self._lsize[level.list_id]:
+                level.last_tick = -1
+        else:
+            del level.late_live[slot]
+        self._in[slot] = 0
         self._size -= 1
+        level.size -= 1
         if not level.size:
-            del self._levels[block.priority]
+            self._drop_level(priority)
 
-    def victim(self) -> Block | None:
+    def _drop_level(self, priority: int) -> None:
+        level = self._levels.pop(priority)
+        self._store.free_list(level.list_id)   # type: ignore[union-attr]
+
+    def _late_front(self, level: _TickLevel) -> tuple[int, int] | None:
+        """The level's oldest live late entry, stale ones popped."""
+        late, live = level.late, level.late_live
+        while late and live.get(late[0][1]) != late[0][0]:
+            heapq.heappop(late)
+        return late[0] if late else None
+
+    def victim(self) -> int | None:
         levels = self._levels
         if not levels:
             return None
         priority = next(iter(levels)) if len(levels) == 1 else min(levels)
         level = levels[priority]
-        block = level.pop_oldest()
-        block.policy_state = 0
+        list_id = level.list_id
+        late = self._late_front(level) if level.late else None
+        if late is not None and (not self._lsize[list_id]
+                                 or late[0] < self._ticks[self._head[list_id]]):
+            heapq.heappop(level.late)
+            slot = late[1]
+            del level.late_live[slot]
+        else:
+            slot = self._ops.pop_front(list_id, 1)[0]
+            if not self._lsize[list_id]:
+                level.last_tick = -1
+        self._in[slot] = 0
         self._size -= 1
+        level.size -= 1
         if not level.size:
-            del levels[priority]
-        return block
+            self._drop_level(priority)
+        return slot
 
-    def is_next(self, block: Block) -> bool:
+    def is_next(self, slot: int) -> bool:
         levels = self._levels
         if not levels:
             return True
         lowest = next(iter(levels)) if len(levels) == 1 else min(levels)
-        if block.priority != lowest:
-            return block.priority < lowest
+        priority = self._prio[slot]
+        if priority != lowest:
+            return priority < lowest
         level = levels[lowest]
-        tick = block.release_tick
-        ordered = level.ordered
-        if ordered and ordered[next(iter(ordered))].release_tick < tick:
+        tick = self._ticks[slot]
+        list_id = level.list_id
+        if self._lsize[list_id] and self._ticks[self._head[list_id]] < tick:
             return False
-        late = level.late
-        if late:
-            live = level.late_live
-            while late and live.get(late[0][1]) != late[0][0]:
-                heapq.heappop(late)
-            if late and late[0][0] < tick:
+        if level.late:
+            late = self._late_front(level)
+            if late is not None and late[0] < tick:
                 return False
         return True
 
@@ -308,7 +320,7 @@ class PriorityLruEviction(EvictionPolicy):
     def members(self) -> set[int]:
         out: set[int] = set()
         for level in self._levels.values():
-            out.update(level.ordered)
+            out.update(self._ops.members(level.list_id))
             out.update(level.late_live)
         return out
 
@@ -316,20 +328,20 @@ class PriorityLruEviction(EvictionPolicy):
 class AgedFrequencyEviction(EvictionPolicy):
     """Least-frequently-used with dynamic aging and a ghost history ("lfu").
 
-    Each block's use count ``f`` lives in ``block.policy_state``: 1 when registered (plus
-    what the ghost remembers of it), +1 per hit. An evictable block's key is ``L + f``, where
-    ``L`` is the key of the last victim; the lowest key goes first, ties by least recently
-    used. Aging through ``L`` lets yesterday's popular blocks give way to today's. Evicted
-    blocks leave their count in a FIFO ghost of ``ghost_factor x capacity`` hashes, so a block
-    that comes back soon resumes its count instead of starting cold.
+    Each block's use count ``f`` is its slot's ``count``: 1 when registered (plus what the
+    ghost remembers of it), +1 per hit. An evictable block's key is ``L + f``, where ``L``
+    is the key of the last victim; the lowest key goes first, ties by least recently used.
+    Aging through ``L`` lets yesterday's popular blocks give way to today's. Evicted blocks
+    leave their count in a FIFO ghost of ``ghost_factor x capacity`` hashes, so a block that
+    comes back soon resumes its count instead of starting cold.
 
     Why: on multi-turn traces most blocks are used once, while a block used twice is likely
     to be used again; LRU cannot tell them apart, frequency can (docs/policies.md).
 
-    Kept as one bucket per key, each an ordered dict in release-tick order (a block enters
-    with the newest tick, so it is appended), and a small heap of the keys in use: every
-    operation is O(1) but for the key heap, which holds a handful of keys. The order is
-    exactly the heap order of ``(key, release_tick, block_id)``.
+    Kept as one bucket per key, each an intrusive list of the store in release-tick order (a
+    block enters with the newest tick, so it is appended), and a small heap of the keys in
+    use: every operation is O(1) but for the key heap, which holds a handful of keys. The
+    order is exactly the heap order of ``(key, release_tick, slot)``.
     """
 
     name = "lfu"
@@ -339,70 +351,83 @@ class AgedFrequencyEviction(EvictionPolicy):
         self._age = 0
         self._ghost: OrderedDict[int, int] = OrderedDict()
         self._ghost_size = max(1, ghost_factor * capacity)
-        self._key_of: dict[int, int] = {}                  # block id -> its key, in the order
-        self._buckets: dict[int, OrderedDict[int, Block]] = {}
+        self._buckets: dict[int, int] = {}                 # key -> its list
+        self._key_of_list: dict[int, int] = {}             # list -> its key
         self._keys: list[int] = []                         # heap of keys (stale ones skipped)
         self._last_tick = -1                               # newest release tick inserted
+        self._size = 0
 
-    def registered(self, block: Block) -> None:
-        block.policy_state = self._ghost.pop(block.sequence_hash, 0) + 1  # type: ignore[arg-type]
+    def attach(self, store: SlotStore) -> None:
+        super().attach(store)
+        self._count, self._ticks, self._seq = store.count, store.tick, store.seq
+        self._owner, self._lsize = store.owner, store.size
 
-    def registered_many(self, blocks: list[Block]) -> None:
-        pop = self._ghost.pop
-        for block in blocks:
-            block.policy_state = pop(block.sequence_hash, 0) + 1  # type: ignore[arg-type]
+    def registered(self, slot: int) -> None:
+        self._count[slot] = self._ghost.pop(self._seq[slot], 0) + 1
 
-    def record_hit(self, block: Block) -> None:
-        if self._max_count is None or block.policy_state < self._max_count:
-            block.policy_state += 1
+    def registered_many(self, ids: list[int]) -> None:
+        pop, count, seq = self._ghost.pop, self._count, self._seq
+        for slot in ids:
+            count[slot] = pop(seq[slot], 0) + 1
 
-    def record_hits(self, blocks: list[Block]) -> None:
-        if self._max_count is not None:
-            EvictionPolicy.record_hits(self, blocks)
+    def record_hit(self, slot: int) -> None:
+        self._ops.count_hits([slot], self.hit_cap())
+
+    def hit_cap(self) -> int:
+        return -1 if self._max_count is None else self._max_count
+
+    def key(self, slot: int) -> int:
+        return self._age + self._count[slot]
+
+    def insert(self, slot: int) -> None:
+        self.insert_many([slot])
+
+    def insert_many(self, ids: list[int]) -> None:
+        if self._insert_in_order(ids, None):
             return
-        for block in blocks:
-            block.policy_state += 1
+        self._insert_any(ids)
 
-    def key(self, block: Block) -> int:
-        return self._age + block.policy_state
+    def _insert_in_order(self, ids: list[int], recent: list | None) -> bool:
+        """The common case in one loop of the store's ops (natively when built): no slot in
+        the order yet, ticks rising past the newest. Whether it applied."""
+        got = self._ops.lfu_insert(ids, self._age, self._last_tick, self._buckets, recent)
+        if type(got) is list:                      # keys without a bucket: make them
+            for key in got:
+                self._new_bucket(key)
+            got = self._ops.lfu_insert(ids, self._age, self._last_tick, self._buckets, recent)
+        if got is None:
+            return False
+        self._last_tick = got
+        self._size += len(ids)
+        self._tidy_keys()
+        return True
 
-    def insert(self, block: Block) -> None:
-        self.insert_many([block])
+    def _new_bucket(self, key: int) -> int:
+        list_id = self._buckets[key] = self._store.new_list()   # type: ignore[union-attr]
+        self._key_of_list[list_id] = key
+        heapq.heappush(self._keys, key)
+        return list_id
 
-    def insert_many(self, blocks: list[Block]) -> None:
-        ops = blockops.native()
-        if ops is not None:     # the common case natively (new blocks, newest ticks)
-            last = ops.lfu_insert(blocks, self._key_of, self._buckets, self._keys, self._age,
-                                  self._last_tick, OrderedDict, heapq.heappush)
-            if last is not None:
-                self._last_tick = last
-                self._tidy_keys()
-                return
-        self._insert_python(blocks)
-
-    def _insert_python(self, blocks: list[Block]) -> None:
-        """``insert_many``'s Python path: any blocks, in the order or not, any ticks."""
-        key_of, buckets, age = self._key_of, self._buckets, self._age
+    def _insert_any(self, ids: list[int]) -> None:
+        """``insert_many`` for any slots, in the order or not, at any ticks."""
+        buckets, age, count, ticks = self._buckets, self._age, self._count, self._ticks
+        owner, push = self._owner, self._ops.push_back
         last = self._last_tick
-        for block in blocks:
-            block_id = block.block_id
-            old = key_of.get(block_id)
-            if old is not None:                    # a re-insert: drop the old position
-                self._drop(block_id, old)
-            key = age + block.policy_state
-            bucket = buckets.get(key)
-            if bucket is None:
-                bucket = buckets[key] = OrderedDict()
-                heapq.heappush(self._keys, key)
-            bucket[block_id] = block
-            key_of[block_id] = key
-            tick = block.release_tick
+        for slot in ids:
+            if owner[slot]:                        # a re-insert: drop the old position
+                self._drop([slot])
+            self._size += 1
+            key = age + count[slot]
+            list_id = buckets.get(key)
+            if list_id is None:
+                list_id = self._new_bucket(key)
+            push(list_id, [slot])
+            tick = ticks[slot]
             if tick > last:                        # the newest release: in order at the end
                 last = tick
-            elif len(bucket) > 1:                  # not newer than everything: re-sort
-                ordered = sorted(bucket.values(), key=lambda b: (b.release_tick, b.block_id))
-                bucket.clear()
-                bucket.update((b.block_id, b) for b in ordered)
+            elif self._lsize[list_id] > 1:         # not newer than everything: re-sort
+                ordered = sorted(self._ops.members(list_id), key=lambda s: (ticks[s], s))
+                push(list_id, ordered)
         self._last_tick = last
         self._tidy_keys()
 
@@ -412,78 +437,61 @@ class AgedFrequencyEviction(EvictionPolicy):
             self._keys = list(self._buckets)
             heapq.heapify(self._keys)
 
-    def _drop(self, block_id: int, key: int) -> None:
-        bucket = self._buckets[key]
-        del bucket[block_id]
-        if not bucket:
-            del self._buckets[key]
+    def _drop(self, ids: list[int]) -> None:
+        """Take ``ids`` (in the order) out of their buckets; empty buckets go."""
+        taken, emptied = self._ops.unlink(ids)
+        self._size -= taken
+        self._free_buckets(emptied)
 
-    def remove(self, block: Block) -> None:
-        key = self._key_of.pop(block.block_id, None)
-        if key is not None:
-            self._drop(block.block_id, key)
+    def remove(self, slot: int) -> None:
+        self.remove_many([slot])
 
-    def remove_many(self, blocks: list[Block]) -> None:
-        pop, buckets = self._key_of.pop, self._buckets
-        for block in blocks:
-            key = pop(block.block_id, None)
-            if key is not None:                   # inlined _drop
-                bucket = buckets[key]
-                del bucket[block.block_id]
-                if not bucket:
-                    del buckets[key]
+    def remove_many(self, ids: list[int]) -> None:
+        self._drop(ids)
 
-    def victim(self) -> Block | None:
+    def victim(self) -> int | None:
         out = self.victims(1)
         return out[0] if out else None
 
-    def victims(self, count: int) -> list[Block]:
+    def victims(self, count: int) -> list[int]:
         """Up to ``count`` victims in order, each evicted as ``victim`` would."""
-        ops = blockops.native()
-        if ops is not None:
-            out, key = ops.lfu_victims(count, self._keys, self._buckets, self._key_of,
-                                       self._ghost, self._ghost_size, heapq.heappop)
-            if key is not None:
-                self._age = key
-            return out
-        out: list[Block] = []
-        keys, buckets, key_of, ghost = self._keys, self._buckets, self._key_of, self._ghost
-        size = self._ghost_size
+        out: list[int] = []
+        keys, buckets, lsize = self._keys, self._buckets, self._lsize
         while len(out) < count and keys:
             key = keys[0]
-            bucket = buckets.get(key)
-            if bucket is None:                     # stale key: its bucket emptied
+            list_id = buckets.get(key)
+            if list_id is None:                    # stale key: its bucket emptied
                 heapq.heappop(keys)
                 continue
-            block_id, block = bucket.popitem(last=False)
-            if not bucket:
-                del buckets[key]
-                heapq.heappop(keys)
-            del key_of[block_id]
+            got = self._ops.pop_front(list_id, count - len(out))
+            self._size -= len(got)
             self._age = key
-            h = block.sequence_hash                # inlined remember
-            if h in ghost:
-                ghost.move_to_end(h)  # type: ignore[arg-type]
-            ghost[h] = block.policy_state  # type: ignore[index]
-            if len(ghost) > size:
-                ghost.popitem(last=False)
-            out.append(block)
+            self._ops.remember(got, self._ghost, self._ghost_size)
+            out += got
+            if not lsize[list_id]:
+                del buckets[key]
+                del self._key_of_list[list_id]
+                self._store.free_list(list_id)     # type: ignore[union-attr]
+                heapq.heappop(keys)
         return out
 
-    def remember(self, block: Block) -> None:
+    def remember(self, slot: int) -> None:
         """Keep an evicted block's count in the ghost (also used when another order evicted it)."""
-        ghost, h = self._ghost, block.sequence_hash
-        if h in ghost:
-            ghost.move_to_end(h)  # type: ignore[arg-type]
-        ghost[h] = block.policy_state  # type: ignore[index]
-        if len(ghost) > self._ghost_size:
-            ghost.popitem(last=False)
+        self._ops.remember([slot], self._ghost, self._ghost_size)
+
+    def _free_buckets(self, emptied: list[int]) -> None:
+        for list_id in emptied:
+            del self._buckets[self._key_of_list.pop(list_id)]
+            self._store.free_list(list_id)         # type: ignore[union-attr]
 
     def __len__(self) -> int:
-        return len(self._key_of)
+        return self._size
 
     def members(self) -> set[int]:
-        return set(self._key_of)
+        out: set[int] = set()
+        for list_id in self._buckets.values():
+            out.update(self._ops.members(list_id))
+        return out
 
 
 EVICTION_ORDERS: dict[str, Callable[[int], EvictionPolicy]] = {

@@ -9,14 +9,15 @@ thread (the garbage collector never mutates a pool).
   Registered; fill them (``init_sequence``/``add_tokens``/``commit`` or ``apply_token_block``)
   and hand them to ``register``. Releasing them unregistered returns them to the free list.
 * :class:`ImmutableBlocks` come from ``register`` and ``match``: shared, registered blocks.
+
+A handle holds its blocks' slot ids; :class:`Block` views of them are made when asked for.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterator, Sequence
 
-from .block import Block, BlockState
-from .blockops import apply_records
+from .block import Block
 from ..types import BlockRecord
 
 if TYPE_CHECKING:
@@ -28,18 +29,18 @@ class HandleReleasedError(RuntimeError):
 
 
 class _Blocks:
-    __slots__ = ("_pool", "_blocks")
+    __slots__ = ("_pool", "_ids")
 
-    def __init__(self, pool: "BlockPool", blocks: list[Block]) -> None:
+    def __init__(self, pool: "BlockPool", ids: list[int]) -> None:
         self._pool = pool
-        self._blocks: list[Block] | None = blocks
+        self._ids: list[int] | None = ids
 
     def __del__(self) -> None:
         # Safety net only: queue the blocks for the pool's owner; never touch the pool here.
-        blocks = getattr(self, "_blocks", None)
-        if blocks:
+        ids = getattr(self, "_ids", None)
+        if ids:
             try:
-                self._pool._post_orphans([b.block_id for b in blocks], self._mutable)
+                self._pool._post_orphans(ids, self._mutable)
             except Exception:  # interpreter shutdown: nothing left to return blocks to
                 pass
 
@@ -51,48 +52,56 @@ class _Blocks:
 
     @property
     def blocks(self) -> list[Block]:
-        """The blocks (raises once released)."""
-        if self._blocks is None:
-            raise HandleReleasedError("handle already released")
-        return self._blocks
+        """Views of the blocks (raises once released)."""
+        store = self._pool._store
+        return [Block(i, store=store) for i in self.block_ids]
 
     @property
     def block_ids(self) -> list[int]:
-        return [b.block_id for b in self.blocks]
+        """The blocks' slot ids (raises once released)."""
+        if self._ids is None:
+            raise HandleReleasedError("handle already released")
+        return list(self._ids)
 
     @property
     def sequence_hashes(self) -> list[int | None]:
-        return [b.sequence_hash for b in self.blocks]
+        store = self._pool._store
+        state, seq = store.state, store.seq
+        return [seq[i] if state[i] >= 2 else None for i in self.block_ids]
 
     @property
     def released(self) -> bool:
-        return self._blocks is None
+        return self._ids is None
 
     def __len__(self) -> int:
-        return len(self._blocks) if self._blocks is not None else 0
+        return len(self._ids) if self._ids is not None else 0
 
     def __iter__(self) -> Iterator[Block]:
         return iter(self.blocks)
 
     def __getitem__(self, index: int) -> Block:
-        return self.blocks[index]
+        if self._ids is None:
+            raise HandleReleasedError("handle already released")
+        return Block(self._ids[index], store=self._pool._store)
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        if self._blocks is not None:
+        if self._ids is not None:
             self.release()
 
     def release(self) -> None:
         """Give the blocks back to the pool; a second release raises HandleReleasedError."""
         self._pool.release(self)
 
-    def _take(self) -> list[Block]:
-        """Detach the blocks from this handle (the pool calls this when it takes them back)."""
-        blocks = self.blocks
-        self._blocks = None
-        return blocks
+    def _take(self) -> list[int]:
+        """Detach the slot ids from this handle (the pool calls this when it takes them)."""
+        if self._ids is None:
+            raise HandleReleasedError("handle already released")
+        ids = self._ids
+        self._ids = None
+        return ids
 
 
 class MutableBlocks(_Blocks):
@@ -103,19 +112,19 @@ class MutableBlocks(_Blocks):
 
     def apply_token_blocks(self, records: Sequence[BlockRecord]) -> None:
         """``apply_token_block`` on each block with the matching record; all or nothing."""
-        blocks = self.blocks
-        if len(records) != len(blocks):
-            raise ValueError(f"{len(records)} records for {len(blocks)} blocks")
-        size = blocks[0].block_size if blocks else 0
-        # Inlined Block.apply_token_block for each pair (the offload hot path; natively
-        # when built), then all or nothing: an invalid pair undoes what was applied.
-        done = apply_records(blocks, records, size)
-        if done < len(blocks):
-            for block in blocks[:done]:
-                block.reset()
-            blocks[done].apply_token_block(records[done])  # raises the precise error
+        ids = self._ids
+        if ids is None:
+            raise HandleReleasedError("handle already released")
+        if len(records) != len(ids):
+            raise ValueError(f"{len(records)} records for {len(ids)} blocks")
+        store = self._pool._store
+        # The stores of Block.apply_token_block for each pair in one loop (natively when
+        # built), then all or nothing: an invalid pair undoes what was applied.
+        done = store.ops.apply(ids, records, store.block_size)
+        if done < len(ids):
+            store.ops.reset(ids[:done], 1, False)
+            Block(ids[done], store=store).apply_token_block(records[done])  # the precise error
             raise AssertionError("apply_token_blocks: a record was refused, then accepted")
-
 
     def split(self, keep: Sequence[bool]) -> tuple["MutableBlocks | None", "MutableBlocks | None"]:
         """Split into (kept, rest) handles of the same pool; either may be None.
@@ -124,24 +133,24 @@ class MutableBlocks(_Blocks):
         or none is (then it is returned as ``rest``). Used when part of a batch failed, so
         only the good blocks get registered.
         """
-        blocks = self.blocks
-        if len(keep) != len(blocks):
-            raise ValueError(f"{len(keep)} flags for {len(blocks)} blocks")
+        ids = self.block_ids
+        if len(keep) != len(ids):
+            raise ValueError(f"{len(keep)} flags for {len(ids)} blocks")
         if all(keep):
             return self, None
         if not any(keep):
             return None, self
         self._take()
-        kept = MutableBlocks(self._pool, [b for b, k in zip(blocks, keep) if k])
-        rest = MutableBlocks(self._pool, [b for b, k in zip(blocks, keep) if not k])
+        kept = MutableBlocks(self._pool, [i for i, k in zip(ids, keep) if k])
+        rest = MutableBlocks(self._pool, [i for i, k in zip(ids, keep) if not k])
         return kept, rest
 
 
 class ImmutableBlocks(_Blocks):
     """Shared handles on registered blocks.
 
-    The :class:`Block` objects are the pool's own: read them, never call their lifecycle
-    methods (``reset`` on a registered block would corrupt the pool's bookkeeping).
+    The :class:`Block` views show the pool's own slots: read them, never call their
+    lifecycle methods (``reset`` on a registered block would corrupt the pool's bookkeeping).
     """
 
     __slots__ = ()

@@ -14,21 +14,24 @@ slots). Every slot is in exactly one place:
 ``allocate`` takes reset slots first, then evicts inactive blocks in the policy's order.
 A pool is mutated only by its owner thread (one owner per pool: no locks); handles dropped
 without ``release`` are returned through a queue that the owner drains on its next call.
+
+The slots' fields are columns of a :class:`~kvstrata.logical.slots.SlotStore` (no Python
+object per block); the pool's loops over a batch are the store's ops (native when built).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from operator import attrgetter
 from queue import SimpleQueue, Empty
 from typing import Iterable, Sequence
 
+from . import slots
 from .block import Block, BlockState, BlockStateError
-from .blockops import register_new, release_registered, reset_all
 from .handles import HandleReleasedError, ImmutableBlocks, MutableBlocks, _Blocks
 from ..types import BlockRecord
 from .eviction import EvictionPolicy, LruEviction, PriorityLruEviction
 from .pool_checks import check_pool_invariants
+from .slots import SlotStore
 from .registry import BlockRegistry
 
 
@@ -63,6 +66,10 @@ class PoolStatus:
     evictions: int
 
 
+_PRIORITY_MIN, _PRIORITY_MAX = -2**31, 2**31 - 1
+_BORN_LIMIT = 2**32
+
+
 class BlockPool:
     """The blocks of one tier. See the module docstring for the model."""
 
@@ -78,6 +85,9 @@ class BlockPool:
     ) -> None:
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        if num_blocks > slots.MAX_SLOTS:
+            raise ValueError(f"num_blocks must be at most {slots.MAX_SLOTS:,} (2**31 - 3: "
+                             f"slot ids are 32-bit), got {num_blocks:,}")
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.tier = tier
@@ -86,13 +96,18 @@ class BlockPool:
         self.eviction = eviction if eviction is not None else PriorityLruEviction(num_blocks)
         self.registry = registry if registry is not None else BlockRegistry()
         self.keep_tokens = keep_tokens
-        # Slots are made on first use: an empty pool of any capacity costs next to nothing.
-        # _blocks[i] is slot i for i < len(_blocks); slots from len(_blocks) on were never
-        # used. Reset slots are handed out from the free stack first (ids that came back,
-        # the last one first), then the lowest never-used id: deterministic allocation.
-        self._blocks: list[Block] = []
+        self._store = SlotStore(num_blocks, block_size)
+        self._ops = self._store.ops
+        self._index = self._store.index
+        self.eviction.attach(self._store)
+        # Slots are made on first use: slots from _made on were never used. Reset slots
+        # are handed out from the free stack first (ids that came back, the last one
+        # first), then the lowest never-used id: deterministic allocation.
+        self._made = 0
+        # Registration stamps (the store's ``born``): registered slots in the order a dict
+        # of them would iterate (registration order), for clear() and the like.
+        self._born = 0
         self._free: list[int] = []
-        self._by_hash: dict[int, Block] = {}
         self._inactive = 0
         self._tick = 0
         self._orphans: SimpleQueue[tuple[list[int], bool]] = SimpleQueue()
@@ -101,29 +116,31 @@ class BlockPool:
         policy_type = type(self.eviction)
         # Skip per-block hook calls the policy does not use (the base versions do nothing).
         self._counts_hits = policy_type.record_hit is not EvictionPolicy.record_hit
+        self._hit_cap = self.eviction.hit_cap() if self._counts_hits else -1
         self._tracks_registration = policy_type.registered is not EvictionPolicy.registered
-        # Plain LRU pools never set a block's tree links or policy state: resets skip them.
+        # Plain LRU pools never set a slot's tree links or policy value: resets skip them.
         self._plain_reset = type(self.eviction) is LruEviction
-        # Registered blocks in use; leaf-first pools need them to count what eviction can reach.
-        self._active_registered: set[int] = set()
+        # Registered blocks in use; leaf-first pools need them to count what eviction can
+        # reach (None in other pools: the ops skip it).
+        self._active_registered: set[int] | None = set() if self._leaf_first else None
 
     # -- side-effect-free queries ----------------------------------------------------------
     def __contains__(self, sequence_hash: int) -> bool:
-        return sequence_hash in self._by_hash
+        return sequence_hash in self._index
 
     def match_length(self, sequence_hashes: Sequence[int]) -> int:
         """Length of the longest prefix of ``sequence_hashes`` registered here (no side effect)."""
-        by_hash = self._by_hash
+        index = self._index
         n = 0
         for h in sequence_hashes:
-            if h not in by_hash:
+            if h not in index:
                 break
             n += 1
         return n
 
     def held(self, sequence_hashes: Sequence[int]) -> list[bool]:
         """Whether each of ``sequence_hashes`` is registered here (no side effect)."""
-        return list(map(self._by_hash.__contains__, sequence_hashes))
+        return list(map(self._index.__contains__, sequence_hashes))
 
     def can_allocate(self, count: int) -> bool:
         """Whether ``allocate(count)`` would succeed now.
@@ -137,7 +154,7 @@ class BlockPool:
 
     def _reset_count(self) -> int:
         """Reset slots: those on the free stack plus those never used."""
-        return len(self._free) + self.capacity - len(self._blocks)
+        return len(self._free) + self.capacity - self._made
 
     def status(self) -> PoolStatus:
         """Counts of slots by place (after taking back dropped handles' blocks)."""
@@ -153,16 +170,21 @@ class BlockPool:
         )
 
     def block(self, block_id: int) -> Block:
-        """The slot ``block_id`` (for the physical layer and tests; do not mutate)."""
+        """A view of slot ``block_id`` (for the physical layer and tests; do not mutate)."""
         if not 0 <= block_id < self.capacity:
             raise IndexError(f"pool {self.tier}: no slot {block_id}")
-        if block_id >= len(self._blocks):
-            return Block(block_id, self.block_size)      # never used: Reset, not kept
-        return self._blocks[block_id]
+        return Block(block_id, store=self._store)
+
+    def hashes(self) -> list[int]:
+        """The hashes registered here, in registration order (O(slots used); tests and
+        snapshots)."""
+        seq = self._store.seq
+        return [seq[slot] for slot in self._registered()]
 
     def lookup(self, sequence_hash: int) -> Block | None:
-        """The registered block holding ``sequence_hash``, if any (no side effect)."""
-        return self._by_hash.get(sequence_hash)
+        """A view of the registered block holding ``sequence_hash``, if any (no side effect)."""
+        slot = self._index.get(sequence_hash)
+        return None if slot is None else Block(slot, store=self._store)
 
     # -- allocation ------------------------------------------------------------------------
     def allocate(self, count: int) -> MutableBlocks:
@@ -173,72 +195,64 @@ class BlockPool:
                 or count < 0:
             raise ValueError(f"cannot allocate {count!r} blocks: an integer >= 0 is needed")
         free = self._free
-        blocks = self._blocks
-        if count > len(free) + self.capacity - len(blocks) + len(self.eviction):
+        made = self._made
+        if count > len(free) + self.capacity - made + len(self.eviction):
             available = self._evictable_total()
             if count > available:
                 raise PoolExhaustedError(self.tier, count, available)
-        taken: list[Block] = []
+        taken: list[int] = []
         if free:
             while len(taken) < count and free:
-                taken.append(blocks[free.pop()])
-        if len(taken) < count and len(blocks) < self.capacity:
-            first = len(blocks)
-            fresh = [Block(i, self.block_size)
-                     for i in range(first, min(first + count - len(taken), self.capacity))]
-            blocks.extend(fresh)
-            taken.extend(fresh)
-        for block in taken:
-            block.ref_count = 1
-        if len(taken) < count:       # victims come back Reset with ref_count 1
+                taken.append(free.pop())
+        if len(taken) < count and made < self.capacity:
+            stop = min(made + count - len(taken), self.capacity)
+            taken.extend(range(made, stop))
+            self._made = stop
+        self._ops.claim(taken)
+        if len(taken) < count:       # victims come back Reset with one reference
             if taken:
                 taken.extend(self._evict(count - len(taken)))
             else:
                 taken = self._evict(count)
         return MutableBlocks(self, taken)
 
-    def _evict(self, count: int) -> list[Block]:
-        victims: list[Block] = []
-        removed: list[int] = []
+    def _evict(self, count: int) -> list[int]:
         eviction = self.eviction
-        by_hash = self._by_hash
+        ops = self._ops
         if self._leaf_first:
             # One at a time: each eviction may make its parent evictable, and that parent
             # must compete for the next slot in its rightful place.
             # A parent freed this way that would be the very next victim anyway (the common
             # case: a chain goes tail first) is taken at once instead of entering the order
             # and leaving it again (``is_next``); the victims are the same.
-            victim, insert, blocks = eviction.victim, eviction.insert, self._blocks
-            is_next = eviction.is_next
-            block = None
+            victims: list[int] = []
+            victim, insert, is_next = eviction.victim, eviction.insert, eviction.is_next
+            up, kids, refs = self._store.up, self._store.kids, self._store.refs
+            slot = None
             while len(victims) < count:
-                if block is None:
-                    block = victim()
-                    if block is None:  # cannot happen: allocate checked the evictable total
+                if slot is None:
+                    slot = victim()
+                    if slot is None:  # cannot happen: allocate checked the evictable total
                         raise AssertionError(f"pool {self.tier}: eviction order ran dry")
-                h = block.sequence_hash
-                removed.append(h)  # type: ignore[arg-type]
-                del by_hash[h]
-                victims.append(block)
-                parent_id = block.parent_id
-                block = None
-                if parent_id >= 0:  # inlined _unlink_parent (hot path)
-                    parent = blocks[parent_id]
-                    parent.children -= 1
-                    if parent.children == 0 and parent.ref_count == 0:
+                victims.append(slot)
+                parent = up[slot] - 1
+                slot = None
+                if parent >= 0:  # inlined _unlink_parent (hot path)
+                    left = kids[parent] - 1
+                    kids[parent] = left
+                    if left == 0 and refs[parent] == 0:
                         if len(victims) < count and is_next(parent):
-                            block = parent
+                            slot = parent
                         else:
                             insert(parent)
-            reset_all(victims, 1)
+            removed = ops.unindex(victims)
+            ops.reset(victims, 1, False)
         else:
             victims = eviction.victims(count)
             if len(victims) < count:  # cannot happen: allocate checked the evictable total
                 raise AssertionError(f"pool {self.tier}: eviction order ran dry")
-            removed = [block.sequence_hash for block in victims]  # type: ignore[misc]
-            for h in removed:
-                del by_hash[h]
-            reset_all(victims, 1, self._plain_reset)
+            removed = ops.unindex(victims)
+            ops.reset(victims, 1, self._plain_reset)
         self._inactive -= len(victims)
         self.evictions += len(victims)
         self.registry.record_removed(self.tier, removed)
@@ -253,13 +267,13 @@ class BlockPool:
         if not self._leaf_first:
             return self._reset_count() + len(self.eviction)
         pinned: set[int] = set()
-        blocks = self._blocks
-        for block_id in self._active_registered:
-            parent = blocks[block_id].parent_id
+        up, refs = self._store.up, self._store.refs
+        for slot in self._active_registered:  # type: ignore[union-attr]
+            parent = up[slot] - 1
             while parent >= 0 and parent not in pinned:
                 pinned.add(parent)
-                parent = blocks[parent].parent_id
-        pinned_inactive = sum(1 for i in pinned if blocks[i].ref_count == 0)
+                parent = up[parent] - 1
+        pinned_inactive = sum(1 for i in pinned if refs[i] == 0)
         return self._reset_count() + self._inactive - pinned_inactive
 
     # -- registration ----------------------------------------------------------------------
@@ -268,13 +282,20 @@ class BlockPool:
 
         A hash already registered here is deduplicated: the handle points at the existing
         block and the new slot goes back to the free list. ``handle`` is consumed. If any
-        block is not Complete, nothing changes and :class:`BlockStateError` is raised.
+        block is not Complete, nothing changes and :class:`BlockStateError` is raised (a
+        priority outside the int32 range: ``ValueError``).
         """
         self._check_owner(handle)
         if not self._orphans.empty():
             self._drain_orphans()
-        blocks = handle.blocks
-        by_hash = self._by_hash
+        if type(priority) is not int and (isinstance(priority, bool)
+                                          or not isinstance(priority, int)) \
+                or not _PRIORITY_MIN <= priority <= _PRIORITY_MAX:
+            raise ValueError(f"priority must be an int32, got {priority!r}")
+        ids = handle._ids
+        store, ops = self._store, self._ops
+        if self._born + len(ids) > _BORN_LIMIT:
+            self._renumber()
         leaf_first = self._leaf_first
         if not self.keep_tokens and not (leaf_first and self._tracks_registration):
             # Fast path: every block Complete with its record at hand, no hash held yet, none
@@ -282,63 +303,65 @@ class BlockPool:
             # leaf-first pools linking each block to its parent in order (natively when built).
             registry = self.registry
             tiers, bit = registry.bulk_target(self.tier)
-            done = register_new(blocks, by_hash, tiers, bit,
-                                self.eviction.remove if leaf_first else None)
+            done = ops.register_new(ids, tiers, bit, leaf_first, self._born)
             if done is not None:
+                self._born += len(ids)
                 handle._take()
-                stored, tiers_done = done
+                stored, tiers_done, leaving = done
+                if leaving:
+                    self.eviction.remove_many(leaving)
                 if priority:                   # Complete blocks have priority 0
-                    for block in blocks:
-                        block.priority = priority
+                    prio = store.prio
+                    for slot in ids:
+                        prio[slot] = priority
                 if leaf_first:
-                    self._active_registered.update(map(_id_of, blocks))
+                    self._active_registered.update(ids)  # type: ignore[union-attr]
                 if self._tracks_registration:
-                    self.eviction.registered_many(blocks)
+                    self.eviction.registered_many(ids)
                 if tiers_done:
                     registry.stored_new(self.tier, stored)
                 else:
                     registry.record_stored(self.tier, stored)
-                return ImmutableBlocks(self, blocks)
-        complete = BlockState.COMPLETE
-        if list(map(_state_of, blocks)).count(complete) != len(blocks):
-            for block in blocks:
-                if block.state is not complete:
-                    raise BlockStateError(block.block_id, block.state, "register",
-                                          "must be Complete")
+                return ImmutableBlocks(self, ids)
+        state = store.state
+        for slot in ids:
+            if state[slot] != slots.COMPLETE:
+                raise BlockStateError(slot, BlockState(state[slot]), "register",
+                                      "must be Complete")
         handle._take()
-        get = by_hash.get
+        index = self._index
         stored = []
         keep_tokens = self.keep_tokens
-        leaf_first = self._leaf_first
         registered = self.eviction.registered if self._tracks_registration else None
-        state_registered = BlockState.REGISTERED
-        out = blocks               # replaced by a copy at the first deduplicated block
-        for i, block in enumerate(blocks):
-            h = block.sequence_hash
-            existing = get(h)  # type: ignore[arg-type]
+        seq, prio, born = store.seq, store.prio, store.born
+        out = ids                  # replaced by a copy at the first deduplicated block
+        for i, slot in enumerate(ids):
+            h = seq[slot]
+            existing = index.get(h)
             if existing is not None:
-                if out is blocks:
-                    out = blocks[:i]
-                self._acquire(existing)
-                block.reset()
-                block.ref_count = 0
-                self._free.append(block.block_id)
+                if out is ids:
+                    out = ids[:i]
+                self._acquire([existing])
+                ops.reset([slot], 0, False)
+                self._free.append(slot)
                 out.append(existing)
                 continue
-            block.state = state_registered
-            block.priority = priority
-            by_hash[h] = block  # type: ignore[index]
-            if leaf_first:
-                self._link_parent(block)
-                self._active_registered.add(block.block_id)
-            if registered is not None:
-                registered(block)
-            record = block.cached_record
+            record = store.pending.pop(slot, None)
             if record is None or keep_tokens:
-                record = block.record(keep_tokens)
+                record = Block(slot, store=store).record(keep_tokens)
+            state[slot] = slots.REGISTERED
+            prio[slot] = priority
+            index[h] = slot
+            born[slot] = self._born
+            self._born += 1
+            if leaf_first:
+                self._link_parent(slot)
+                self._active_registered.add(slot)  # type: ignore[union-attr]
+            if registered is not None:
+                registered(slot)
             stored.append(record)
-            if out is not blocks:
-                out.append(block)
+            if out is not ids:
+                out.append(slot)
         self.registry.record_stored(self.tier, stored)
         return ImmutableBlocks(self, out)
 
@@ -348,139 +371,132 @@ class BlockPool:
         enter the eviction order so; they are announced as stored. An entry whose slot is
         in use or holds another block by now, or whose block is already held here, is
         skipped (the slot was reused: its old bytes are gone). A slot or hash given twice, a
-        slot out of range or a record of another block size raises ``ValueError`` and
-        changes nothing."""
+        slot out of range, a record of another block size or with a hash that is not an
+        unsigned 64-bit integer raises ``ValueError`` and changes nothing."""
         self._drain_orphans()
-        slots = [slot for slot, _ in entries]
+        slot_ids = [slot for slot, _ in entries]
         hashes = [record.sequence_hash for _, record in entries]
-        if len(set(slots)) != len(slots) or len(set(hashes)) != len(hashes):
+        if len(set(slot_ids)) != len(slot_ids) or len(set(hashes)) != len(hashes):
             raise ValueError(f"pool {self.tier}: restore names a slot or a block twice")
-        if slots and (min(slots) < 0 or max(slots) >= self.capacity):
+        if slot_ids and (min(slot_ids) < 0 or max(slot_ids) >= self.capacity):
             raise ValueError(f"pool {self.tier}: restore slot out of range [0, {self.capacity})")
-        if any(record.block_size != self.block_size for _, record in entries):
+        if any(record.block_size != self.block_size or (
+                record.token_ids is not None and len(record.token_ids) != self.block_size)
+               for _, record in entries):
             raise ValueError(f"pool {self.tier}: restored records must hold {self.block_size} "
                              f"tokens")
-        blocks = self._blocks
+        if not all(slots.is_u64(r.sequence_hash) and slots.is_u64(r.local_hash)
+                   and (r.parent_hash is None or slots.is_u64(r.parent_hash))
+                   for _, r in entries):
+            raise ValueError(f"pool {self.tier}: restored hashes must be unsigned 64-bit "
+                             f"integers")
+        index = self._index
         free = set(self._free)
+        made = self._made
         take = [(slot, record) for slot, record in entries
-                if record.sequence_hash not in self._by_hash
-                and (slot >= len(blocks) or slot in free)]
+                if record.sequence_hash not in index and (slot >= made or slot in free)]
         if not take:
             return 0
         taken = {slot for slot, _ in take}
-        grown = range(len(blocks), max(taken) + 1)
-        blocks.extend(Block(i, self.block_size) for i in grown)
+        grown = range(made, max(max(taken) + 1, made))
+        self._made = max(made, max(taken) + 1)
         self._free = [i for i in self._free if i not in taken] + \
             [i for i in reversed(grown) if i not in taken]
-        restored: list[Block] = []
-        by_hash, state = self._by_hash, BlockState.REGISTERED
-        for slot, record in take:      # Block.apply_token_block, inlined (checked above)
-            block = blocks[slot]
-            block.state = state
-            block.sequence_hash = record.sequence_hash
-            block.local_hash = record.local_hash
-            block.parent_hash = record.parent_hash
-            block.cached_record = record
-            if record.token_ids is not None:
-                block.tokens = list(record.token_ids)
-            by_hash[record.sequence_hash] = block
-            restored.append(block)
+        restored = [slot for slot, _ in take]
+        ops, store = self._ops, self._store
+        ops.apply(restored, [record for _, record in take], self.block_size)
+        state, born = store.state, store.born
+        if self._born + len(take) > _BORN_LIMIT:
+            self._renumber()
+        for slot, record in take:
+            store.pending.pop(slot, None)
+            state[slot] = slots.REGISTERED
+            index[record.sequence_hash] = slot
+            born[slot] = self._born
+            self._born += 1
         if self._leaf_first:
-            for block in restored:
-                self._link_parent(block)
+            for slot in restored:
+                self._link_parent(slot)
             self._break_cycles(restored)
         registered = self.eviction.registered if self._tracks_registration else None
         tick = self._tick
-        for block in restored:
+        ticks = store.tick
+        for slot in restored:
             if registered is not None:
-                registered(block)
+                registered(slot)
             tick += 1
-            block.release_tick = tick
+            ticks[slot] = tick
         self._tick = tick
-        idle = [b for b in restored if not b.children] if self._leaf_first else restored
+        kids = store.kids
+        idle = [s for s in restored if not kids[s]] if self._leaf_first else restored
         self._inactive += len(restored)
         self.eviction.insert_many(idle)
         self.registry.record_stored(self.tier, [record for _, record in take])
         return len(restored)
 
-    def _break_cycles(self, restored: list[Block]) -> None:
+    def _break_cycles(self, restored: list[int]) -> None:
         """Restored records come from outside (a journal, a listing): two that name each
         other as parents would link into a loop that eviction can never reach. Cut the link
         that closes each loop (one pass, each block visited once)."""
-        blocks = self._blocks
-        state: dict[int, int] = {}            # block id -> 1 on the current path, 2 done
+        up, kids = self._store.up, self._store.kids
+        state: dict[int, int] = {}            # slot -> 1 on the current path, 2 done
         for start in restored:
             path = []
-            block = start
-            while block.block_id not in state:
-                state[block.block_id] = 1
-                path.append(block)
-                if block.parent_id < 0:
+            slot = start
+            while slot not in state:
+                state[slot] = 1
+                path.append(slot)
+                parent = up[slot] - 1
+                if parent < 0:
                     break
-                parent = blocks[block.parent_id]
-                if state.get(parent.block_id) == 1:           # the loop closes here
-                    parent.children -= 1
-                    block.parent_id = -1
+                if state.get(parent) == 1:           # the loop closes here
+                    kids[parent] -= 1
+                    up[slot] = 0
                     break
-                block = parent
-            for b in path:
-                state[b.block_id] = 2
+                slot = parent
+            for s in path:
+                state[s] = 2
 
-    def _link_parent(self, block: Block) -> None:
-        parent = self._by_hash.get(block.parent_hash) if block.parent_hash is not None else None
-        if parent is None or parent is block:     # a block never is its own prefix
+    def _link_parent(self, slot: int) -> None:
+        store = self._store
+        if not store.flags[slot] & slots.HAS_PARENT:
             return
-        block.parent_id = parent.block_id
-        parent.children += 1
-        if parent.children == 1 and parent.ref_count == 0:
+        parent = self._index.get(store.parent[slot])
+        if parent is None or parent == slot:     # a block never is its own prefix
+            return
+        store.up[slot] = parent + 1
+        store.kids[parent] += 1
+        if store.kids[parent] == 1 and store.refs[parent] == 0:
             self.eviction.remove(parent)
 
-    def _unlink_parent(self, block: Block) -> None:
-        if block.parent_id < 0:
+    def _unlink_parent(self, slot: int) -> None:
+        store = self._store
+        parent = store.up[slot] - 1
+        if parent < 0:
             return
-        parent = self._blocks[block.parent_id]
-        parent.children -= 1
-        if parent.children == 0 and parent.ref_count == 0:
+        store.kids[parent] -= 1
+        if store.kids[parent] == 0 and store.refs[parent] == 0:
             self.eviction.insert(parent)
 
     # -- matching and use ------------------------------------------------------------------
     def match(self, sequence_hashes: Sequence[int]) -> ImmutableBlocks:
         """Handles on the longest registered prefix of ``sequence_hashes`` (stops at a miss)."""
-        self._drain_orphans()
-        by_hash = self._by_hash
-        found: list[Block] = []
-        for h in sequence_hashes:
-            block = by_hash.get(h)
-            if block is None:
-                break
-            found.append(block)
-        self._acquire_many(found)
+        if not self._orphans.empty():
+            self._drain_orphans()
+        found = self._ops.prefix(sequence_hashes)
+        self._acquire(found)
         if self._counts_hits:
-            self.eviction.record_hits(found)
+            self._ops.count_hits(found, self._hit_cap)
         return ImmutableBlocks(self, found)
 
     def touch(self, sequence_hashes: Iterable[int]) -> int:
         """Mark registered blocks as just used, without acquiring them; returns how many."""
-        self._drain_orphans()
-        by_hash = self._by_hash
-        eviction = self.eviction
-        leaf_first = self._leaf_first
-        touched = 0
-        record_hit = eviction.record_hit if self._counts_hits else None
-        move = eviction.touch
-        tick = self._tick
-        for h in sequence_hashes:
-            block = by_hash.get(h)
-            if block is None:
-                continue
-            tick += 1
-            block.release_tick = tick
-            if record_hit is not None:
-                record_hit(block)
-            if block.ref_count == 0 and not (leaf_first and block.children):
-                move(block)
-            touched += 1
-        self._tick = tick
+        if not self._orphans.empty():
+            self._drain_orphans()
+        self._tick, movers, touched = self._ops.touch(
+            sequence_hashes, self._tick, self._leaf_first, self._counts_hits, self._hit_cap)
+        if movers:
+            self.eviction.touch_many(movers)
         return touched
 
     def acquire(self, sequence_hashes: Iterable[int]) -> ImmutableBlocks:
@@ -490,69 +506,35 @@ class BlockPool:
         is recorded): it is for holding blocks, e.g. the source of a copy in flight.
         """
         self._drain_orphans()
-        by_hash = self._by_hash
-        found = [b for b in (by_hash.get(h) for h in sequence_hashes) if b is not None]
-        self._acquire_many(found)
+        found = self._ops.find(sequence_hashes)
+        self._acquire(found)
         return ImmutableBlocks(self, found)
 
-    def _acquire(self, block: Block) -> None:
-        self._acquire_many([block])
-
-    def _acquire_many(self, blocks: list[Block]) -> None:
+    def _acquire(self, ids: list[int]) -> None:
         """Take a reference on registered blocks; idle ones leave the eviction order."""
-        leaving: list[Block] = []
-        leaf_first = self._leaf_first
-        for block in blocks:
-            if block.ref_count == 0:
-                self._inactive -= 1
-                if leaf_first:
-                    self._active_registered.add(block.block_id)
-                    if not block.children:
-                        leaving.append(block)
-                else:
-                    leaving.append(block)
-            block.ref_count += 1
+        leaving, woken = self._ops.acquire(ids, self._active_registered)
+        self._inactive -= woken
         if leaving:
             self.eviction.remove_many(leaving)
 
     # -- release ---------------------------------------------------------------------------
     def release(self, handle: _Blocks) -> None:
         """Return a handle's blocks (registered ones stay cached and matchable)."""
-        if handle._pool is not self or handle._blocks is None:
+        if handle._pool is not self or handle._ids is None:
             self._check_owner(handle)
         if not self._orphans.empty():
             self._drain_orphans()
-        blocks = handle._blocks
-        handle._blocks = None
-        self._release_blocks(blocks, handle._mutable)
+        ids = handle._ids
+        handle._ids = None
+        self._release_ids(ids, handle._mutable)  # type: ignore[arg-type]
 
-    def _release_blocks(self, blocks: list[Block], mutable: bool) -> None:
+    def _release_ids(self, ids: list[int], mutable: bool) -> None:
         if mutable:
-            free = self._free
-            for block in blocks:
-                block.reset()
-                block.ref_count = 0
-                free.append(block.block_id)
+            self._ops.reset(ids, 0, False)
+            self._free.extend(ids)
             return
-        idle: list[Block] = []
-        tick = self._tick
-        if self._leaf_first:
-            discard = self._active_registered.discard
-            for block in blocks:
-                block.ref_count -= 1
-                assert block.ref_count >= 0, f"block {block.block_id} released more than acquired"
-                if block.ref_count == 0:
-                    tick += 1
-                    block.release_tick = tick
-                    discard(block.block_id)
-                    if block.children:
-                        self._inactive += 1
-                        continue
-                    idle.append(block)
-        else:
-            tick, idle = release_registered(blocks, tick)
-        self._tick = tick
-        self._inactive += len(idle)
+        self._tick, idle, parked = self._ops.release(ids, self._tick, self._active_registered)
+        self._inactive += len(idle) + parked
         if idle:
             self.eviction.insert_many(idle)
 
@@ -569,7 +551,7 @@ class BlockPool:
                 ids, mutable = orphans.get_nowait()
             except Empty:
                 return
-            self._release_blocks([self._blocks[i] for i in ids], mutable)
+            self._release_ids(ids, mutable)
 
     # -- explicit eviction -----------------------------------------------------------------
     def reset_blocks(self, sequence_hashes: Iterable[int]) -> list[int]:
@@ -581,42 +563,58 @@ class BlockPool:
         """
         self._drain_orphans()
         dropped: list[int] = []
+        index, refs, kids = self._index, self._store.refs, self._store.kids
         for h in sequence_hashes:
-            block = self._by_hash.get(h)
-            if block is None or block.ref_count or block.children:
+            slot = index.get(h)
+            if slot is None or refs[slot] or kids[slot]:
                 continue
-            self.eviction.remove(block)
-            del self._by_hash[h]
+            self.eviction.remove(slot)
+            del index[h]
             self._inactive -= 1
-            self._unlink_parent(block)
-            block.reset()
-            self._free.append(block.block_id)
+            self._unlink_parent(slot)
+            self._ops.reset([slot], 0, False)
+            self._free.append(slot)
             dropped.append(h)
         self.registry.record_removed(self.tier, dropped)
         return dropped
 
+    def _registered(self) -> list[int]:
+        """Registered slots in registration order (O(slots made)): the order events and the
+        free list see them in (a dict of the blocks, as the pool once kept, iterates so)."""
+        state = self._store.state
+        return sorted((i for i in range(self._made) if state[i] == slots.REGISTERED),
+                      key=self._store.born.__getitem__)
+
+    def _renumber(self) -> None:
+        """Registration stamps are 32-bit: before they would run out, number the registered
+        slots again from 0, in their order (once every ~4 billion registrations)."""
+        born = self._store.born
+        held = self._registered()
+        for i, slot in enumerate(held):
+            born[slot] = i
+        self._born = len(held)
+
     def clear(self) -> int:
         """Drop every inactive block (a "cleared" event when nothing is in use); returns count."""
         self._drain_orphans()
-        in_use = any(b.ref_count for b in self._blocks)
-        if in_use:
+        refs, kids, seq = self._store.refs, self._store.kids, self._store.seq
+        if any(refs[i] for i in range(self._made)):
             # Leaves first, repeatedly, so parents of dropped leaves can go too.
             total = 0
             while True:
-                batch = [
-                    h for h, b in self._by_hash.items() if b.ref_count == 0 and not b.children
-                ]
+                batch = [seq[i] for i in self._registered() if refs[i] == 0 and not kids[i]]
                 if not batch:
                     return total
                 total += len(self.reset_blocks(batch))
-        held = list(self._by_hash)
-        for block in self._by_hash.values():
-            self.eviction.remove(block)
-            block.reset()
-            self._free.append(block.block_id)
-        self._by_hash.clear()
+        held = self._registered()
+        hashes = [seq[i] for i in held]
+        self.eviction.remove_many(held)
+        for h in hashes:
+            del self._index[h]
+        self._ops.reset(held, 0, False)
+        self._free.extend(held)
         self._inactive = 0
-        self.registry.record_cleared(self.tier, held)
+        self.registry.record_cleared(self.tier, hashes)
         return len(held)
 
     def drop_with_descendants(self, roots: Iterable[int]) -> list[int]:
@@ -631,22 +629,24 @@ class BlockPool:
         roots = list(roots)
         dropped = self.reset_blocks(roots)
         gone = set(dropped)
-        left = [h for h in roots if h not in gone and h in self._by_hash]
+        index = self._index
+        left = [h for h in roots if h not in gone and h in index]
         if not left or not self._leaf_first:
             return dropped
+        up, seq, refs = self._store.up, self._store.seq, self._store.refs
         children: dict[int, list[int]] = {}
-        for block in self._by_hash.values():
-            if block.parent_id >= 0:
-                children.setdefault(block.parent_id, []).append(block.sequence_hash)  # type: ignore[arg-type]
+        for slot in self._registered():
+            if up[slot]:
+                children.setdefault(up[slot] - 1, []).append(seq[slot])
         order: list[int] = []
         for root in left:
-            if self._by_hash[root].ref_count:
+            if refs[index[root]]:
                 continue
             stack, subtree = [root], []
             while stack:
                 h = stack.pop()
                 subtree.append(h)
-                stack.extend(children.get(self._by_hash[h].block_id, ()))
+                stack.extend(children.get(index[h], ()))
             order.extend(reversed(subtree))   # descendants before their ancestors
         return dropped + self.reset_blocks(order)
 
@@ -661,11 +661,6 @@ class BlockPool:
         """Assert the pool's bookkeeping is consistent (tests and debugging; O(capacity)).
         The checks live in :mod:`kvstrata.logical.pool_checks`."""
         check_pool_invariants(self)
-
-_state_of = attrgetter("state")
-_hash_of = attrgetter("sequence_hash")
-_record_of = attrgetter("cached_record")
-_id_of = attrgetter("block_id")
 
 
 __all__ = [

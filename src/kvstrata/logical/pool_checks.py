@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .block import BlockState
+from . import slots
 
 if TYPE_CHECKING:
     from .pool import BlockPool
@@ -17,41 +17,51 @@ if TYPE_CHECKING:
 def check_pool_invariants(pool: "BlockPool") -> None:
     """Assert ``pool``'s bookkeeping is consistent; raises ``AssertionError`` naming the
     first inconsistency."""
+    store = pool._store
+    state, refs, seq, up, kids = store.state, store.refs, store.seq, store.up, store.kids
     free = set(pool._free)
     assert len(free) == len(pool._free), "a slot is on the free list twice"
-    assert len(pool._blocks) <= pool.capacity, "more slots made than the capacity"
-    assert all(b.block_id == i for i, b in enumerate(pool._blocks)), "slot ids out of place"
+    assert pool._made <= pool.capacity, "more slots made than the capacity"
+    assert all(slot < pool._made for slot in free), "a never-made slot is on the free list"
     inactive = 0
-    for block in pool._blocks:
-        assert block.ref_count >= 0, f"block {block.block_id} has negative refs"
-        if block.block_id in free:
-            assert block.state is BlockState.RESET and block.ref_count == 0, (
-                f"free block {block.block_id} is {block.state.name} with {block.ref_count} refs"
+    registered = []
+    for slot in range(pool._made):
+        assert refs[slot] >= 0, f"block {slot} has negative refs"
+        if slot in free:
+            assert state[slot] == slots.RESET and refs[slot] == 0, (
+                f"free block {slot} is in state {state[slot]} with {refs[slot]} refs"
             )
-        elif block.state is BlockState.REGISTERED:
-            assert pool._by_hash.get(block.sequence_hash) is block, (  # type: ignore[arg-type]
-                f"registered block {block.block_id} not indexed by its hash"
+        elif state[slot] == slots.REGISTERED:
+            assert pool._index.get(seq[slot]) == slot, (
+                f"registered block {slot} not indexed by its hash"
             )
-            inactive += block.ref_count == 0
+            registered.append(slot)
+            inactive += refs[slot] == 0
         else:
-            assert block.ref_count > 0, f"unregistered block {block.block_id} leaked"
+            assert refs[slot] > 0, f"unregistered block {slot} leaked"
+    for slot in range(pool._made, pool.capacity):
+        if slot >= pool._made + 64:
+            break                      # never-made slots are zeros: a sample will do
+        assert state[slot] == slots.RESET and refs[slot] == 0, f"unmade slot {slot} is in use"
     assert inactive == pool._inactive, f"inactive count {pool._inactive} != {inactive}"
-    assert len(pool._by_hash) <= pool.capacity
-    for h, block in pool._by_hash.items():
-        assert block.sequence_hash == h and block.state is BlockState.REGISTERED
+    assert len(pool._index) == len(registered), (
+        f"the index holds {len(pool._index)} hashes for {len(registered)} registered blocks")
+    stamps = [store.born[slot] for slot in registered]
+    assert len(set(stamps)) == len(stamps) and all(b < pool._born for b in stamps), (
+        "registration stamps drifted (two alike, or one not yet handed out)")
     if pool._leaf_first:
-        for block in pool._by_hash.values():
-            kids = sum(
-                1 for b in pool._by_hash.values() if b.parent_id == block.block_id
-            )
-            assert kids == block.children, f"block {block.block_id} child count drifted"
+        counted: dict[int, int] = {}
+        for slot in registered:
+            if up[slot]:
+                counted[up[slot] - 1] = counted.get(up[slot] - 1, 0) + 1
+        for slot in registered:
+            assert counted.get(slot, 0) == kids[slot], f"block {slot} child count drifted"
+        assert pool._active_registered == {s for s in registered if refs[s]}, (
+            "the set of registered blocks in use drifted")
     expected_evictable = {
-        b.block_id
-        for b in pool._by_hash.values()
-        if b.ref_count == 0 and not (pool._leaf_first and b.children)
+        s for s in registered if refs[s] == 0 and not (pool._leaf_first and kids[s])
     }
     members = pool.eviction.members()
     assert members == expected_evictable and len(pool.eviction) == len(members), (
         f"eviction order holds {sorted(members)[:8]}..., expected {sorted(expected_evictable)[:8]}..."
     )
-

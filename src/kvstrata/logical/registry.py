@@ -22,6 +22,7 @@ from typing import Callable, Iterable, Sequence
 
 from ..tiers import TIER_NAMES, spec
 from ..types import BlockRecord
+from . import blockops
 
 __all__ = ["BlockRegistry", "RegistryObserver", "UNOBSERVED", "BlockRecord"]
 
@@ -53,8 +54,10 @@ class BlockRegistry:
     """Maps each sequence hash to the tiers that hold it, and fans changes out to observers."""
 
     def __init__(self) -> None:
-        # hash -> bit mask of the tiers holding it (bit i = the tier of order i); cheaper than sets.
-        self._tiers_by_hash: dict[int, int] = {}
+        # hash -> bit mask of the tiers holding it (bit i = the tier of order i); cheaper than
+        # sets. A native HashIndex when built (12 bytes a bucket), else a dict: same mapping.
+        native = blockops.native_slots()
+        self._tiers_by_hash = native.HashIndex() if native is not None else {}
         self._observers: list[RegistryObserver] = []
         self.observer_errors = 0
         """How many observer calls raised (each is logged; the registry carries on)."""
@@ -96,9 +99,10 @@ class BlockRegistry:
             return
         tiers_by_hash = self._tiers_by_hash
         bit = _TIER_BIT[tier]
-        if hashes is not None and tiers_by_hash.keys().isdisjoint(hashes):
+        if hashes is not None and not any(map(tiers_by_hash.__contains__, hashes)):
             # All new (the common case): in bulk. A hash given twice is counted once, as below.
-            tiers_by_hash.update(dict.fromkeys(hashes, bit))
+            for h in hashes:
+                tiers_by_hash[h] = bit
             first_seen = list(records)
             for observer in self._observers:
                 self._notify(observer.on_tier_stored, tier, records)

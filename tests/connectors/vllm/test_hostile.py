@@ -352,6 +352,9 @@ def test_bad_extra_config_is_a_connector_config_error(extra):
     pytest.param({"tiers": {"G3": {"blocks": 8}}}, id="G3-without-G2"),
     pytest.param({"tiers": {"G2": {"blocks": 8}}, "events": "bogus:xyz"}, id="unknown-sink"),
     pytest.param({"tiers": {"G2": {"blocks": 10 ** 13}}}, id="G2-of-10^13-blocks"),
+    pytest.param({"tiers": {"G2": {"blocks": 8},
+                            "G4": {"blocks": 2 ** 31, "url": "http://127.0.0.1:9/bucket"}}},
+                 id="G4-catalog-past-int32-slot-ids"),
     pytest.param({"tiers": {"G2": {"blocks": 8}, "G3": {"blocks": 8, "path": 5}}},
                  id="G3-path-not-a-string"),
 ])
