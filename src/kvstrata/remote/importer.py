@@ -46,6 +46,10 @@ _names = itertools.count(1)
 BATCH_BYTES = 4 << 20
 """A verified read is copied and hashed in batches of about this many bytes (at least one
 block): small enough to be hashed from the CPU's cache right after it arrives."""
+LAG_BATCHES = 2
+"""Batches a verified read lets wait for the verifying thread; beyond that (it gets no CPU)
+the reading thread hashes the batch it has just copied itself. One batch of lag is normal:
+the verifying thread takes a batch only once it holds the GIL again."""
 
 
 @dataclass(frozen=True)
@@ -146,7 +150,7 @@ class BlockSetImporter:
                 self._agent.read(peer, local[lo:hi], remote[lo:hi],
                                  max(1e-3, deadline - time.monotonic()), memory_kind)
                 job.add(first, stop)
-                if job.waiting() > 1:           # the verifying thread is behind: help it
+                if job.waiting() > LAG_BATCHES:   # the verifying thread is behind: help it
                     job.hash_newest()
                 else:
                     self._verifier.wake(job)
