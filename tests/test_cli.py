@@ -207,3 +207,19 @@ def test_errors_that_need_no_work_come_before_the_work(tmp_path):
     code, out, err = _cli("replay", "--plot", "/nonexistent-dir/x.png")
     assert code == 2 and not out
     assert time.monotonic() - start < 60
+
+
+def test_a_tier_whose_slots_cannot_be_reserved_is_one_line_not_a_traceback():
+    """Within the slot limit, a pool still reserves address space for every slot up front;
+    where the host refuses it (here: an address-space limit on the process), the command
+    says so in one line."""
+    import resource
+
+    def limit_address_space():
+        resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+
+    proc = subprocess.run([sys.executable, "-m", "kvstrata.cli", "replay", "--limit", "3",
+                           "--tiers", "G1=2000000000"], capture_output=True, timeout=120,
+                          preexec_fn=limit_address_space)
+    assert_one_line_error(proc.returncode, proc.stderr.decode("utf-8", "replace"),
+                          "cannot reserve 2,000,000,000 slots", "make the tier smaller")

@@ -71,8 +71,14 @@ class SlotStore:
         # Views of the zeroed arrays: a view does not own its memory, so it cannot be
         # resized (``ndarray.resize(..., refcheck=False)`` would move the data the
         # memoryviews and the native ops point at). A tuple: the columns are fixed.
-        columns = [np.zeros(capacity, dtype) for _, dtype in SLOT_COLUMNS]
-        columns += [np.zeros(capacity + 2, dtype) for _, dtype in LIST_COLUMNS]
+        try:
+            columns = [np.zeros(capacity, dtype) for _, dtype in SLOT_COLUMNS]
+            columns += [np.zeros(capacity + 2, dtype) for _, dtype in LIST_COLUMNS]
+        except MemoryError:     # address space refused (a small host, strict overcommit)
+            reserve = sum(np.dtype(d).itemsize for _, d in SLOT_COLUMNS + LIST_COLUMNS)
+            raise ValueError(f"cannot reserve {capacity:,} slots ({capacity * reserve / 2**30:,.1f} "
+                             f"GiB of address space, touched only as slots are used): "
+                             f"make the tier smaller") from None
         self.arrays = tuple(column.view() for column in columns)
         for (name, _), array in zip(SLOT_COLUMNS + LIST_COLUMNS, self.arrays):
             setattr(self, name, array.data)      # a memoryview: Python ints in and out
