@@ -53,9 +53,11 @@ def test_the_importer_refuses_to_hash_outside_its_registered_memory():
     memory = _LocalMemory(SharedLayout(storage.layout, storage.descriptors()))
     region = storage.descriptors()[0]
     inside = [(region.address, 4096), (region.address + region.size - 100, 100)]
-    assert memory.checksums(inside, 1) == [memory.checksum([r]) for r in inside]
-    assert memory.checksums(inside, 2) == [memory.checksum(inside)]
+    addresses, lengths = memory.arrays(inside)
+    assert memory.checksums(addresses, lengths, 1).tolist() == [memory.checksum([r])
+                                                                for r in inside]
+    assert memory.checksums(addresses, lengths, 2).tolist() == [memory.checksum(inside)]
     for bad in ([(region.address - 1, 10)], [(region.address + region.size - 100, 101)],
                 [(region.address, 2**63)], [(0, 8)]):
         with pytest.raises(ValueError, match="outside the registered memory"):
-            memory.checksums(bad, 1)
+            memory.arrays(bad)

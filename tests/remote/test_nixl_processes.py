@@ -318,11 +318,11 @@ def test_a_verifying_thread_that_fails_is_a_read_error_not_a_pass(exporter, monk
         calls = []
         honest = importer._memory.checksums
 
-        def failing(ranges, per_block):
-            calls.append(ranges)
+        def failing(addresses, lengths, per_block):
+            calls.append(addresses)
             if len(calls) == 3:
                 raise MemoryError("injected")
-            return honest(ranges, per_block)
+            return honest(addresses, lengths, per_block)
 
         monkeypatch.setattr(importer._memory, "checksums", failing)
         with pytest.raises(RemoteReadError, match="verifying.*MemoryError"):

@@ -142,7 +142,7 @@ class BlockSetImporter:
         block_bytes = sum(n for _, n in local[:per_block])
         step = max(1, BATCH_BYTES // max(1, block_bytes))
         deadline = time.monotonic() + timeout
-        job = _VerifyJob(self._memory.checksums, local, per_block, checksums)
+        job = _VerifyJob(self._memory, local, per_block, checksums)
         try:
             for first in range(0, blocks, step):
                 stop = min(first + step, blocks)
@@ -328,27 +328,33 @@ class _LocalMemory:
         offset = address - self._bases[i]
         return self._views[i][offset:offset + length]
 
-    def checksums(self, ranges: Sequence[tuple[int, int]], per_block: int) -> list[int]:
-        """xxh3-64 of each block's bytes, a block being ``per_block`` consecutive ``ranges``
-        concatenated: in one native call with the GIL let go where it is built (after
-        checking that every range lies inside a registered region: ``ValueError`` if not),
-        else range by range."""
-        if ranges:
-            pairs = np.array(ranges, dtype=np.uint64).reshape(-1, 2)
-            addresses = np.ascontiguousarray(pairs[:, 0])
-            lengths = np.ascontiguousarray(pairs[:, 1])
-            region = np.searchsorted(self._base_array, addresses, side="right") - 1
-            inside = region >= 0
-            region = np.maximum(region, 0)
-            offsets = addresses - self._base_array[region]
-            sizes = self._size_array[region]
-            if not (inside & (offsets <= sizes) & (lengths <= sizes - offsets)).all():
-                raise ValueError("a range to hash lies outside the registered memory")
-            sums = native_range_checksums(addresses, lengths, per_block)
-            if sums is not None:
-                return sums.tolist()
-        return [self.checksum(ranges[i:i + per_block])
-                for i in range(0, len(ranges), per_block)]
+    def arrays(self, ranges: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """``ranges`` as contiguous uint64 arrays of addresses and lengths, after checking
+        that each lies inside a registered region (``ValueError`` if not): hashing reads
+        them by address."""
+        pairs = np.array(ranges, dtype=np.uint64).reshape(-1, 2)
+        addresses = np.ascontiguousarray(pairs[:, 0])
+        lengths = np.ascontiguousarray(pairs[:, 1])
+        region = np.searchsorted(self._base_array, addresses, side="right") - 1
+        inside = region >= 0
+        region = np.maximum(region, 0)
+        offsets = addresses - self._base_array[region]
+        sizes = self._size_array[region]
+        if not (inside & (offsets <= sizes) & (lengths <= sizes - offsets)).all():
+            raise ValueError("a range to hash lies outside the registered memory")
+        return addresses, lengths
+
+    def checksums(self, addresses: np.ndarray, lengths: np.ndarray,
+                  per_block: int) -> np.ndarray:
+        """xxh3-64 of each block's bytes, a block being ``per_block`` consecutive ranges of
+        :meth:`arrays` concatenated: in one native call with the GIL let go where it is
+        built, else range by range."""
+        sums = native_range_checksums(addresses, lengths, per_block)
+        if sums is not None:
+            return sums
+        ranges = list(zip(addresses.tolist(), lengths.tolist()))
+        return np.array([self.checksum(ranges[i:i + per_block])
+                         for i in range(0, len(ranges), per_block)], dtype=np.uint64)
 
     def checksum(self, ranges: Sequence[tuple[int, int]]) -> int:
         """xxh3-64 of the bytes at ``ranges``, concatenated in order."""
@@ -366,10 +372,11 @@ class _VerifyJob:
     oldest batch; the reading thread, when the verifier falls behind (no spare core), takes
     the newest, which it has just copied and still holds in its cache."""
 
-    def __init__(self, checksums_of, local: list, per_block: int,
+    def __init__(self, memory: "_LocalMemory", local: list, per_block: int,
                  checksums: Sequence[int]) -> None:
-        self._checksums_of, self._local, self._per_block = checksums_of, local, per_block
-        self._checksums = checksums
+        self._memory, self._per_block = memory, per_block
+        self._addresses, self._lengths = memory.arrays(local)        # checked once, here
+        self._expected = np.array(checksums, dtype=np.uint64)
         self._todo: collections.deque[tuple[int, int]] = collections.deque()
         self._busy = 0                              # batches taken and not yet hashed
         self._idle = threading.Condition()
@@ -410,10 +417,10 @@ class _VerifyJob:
         try:
             if self.error is None:
                 per = self._per_block
-                sums = self._checksums_of(self._local[first * per:stop * per], per)
-                self.bad.extend(i for i, got, want in zip(range(first, stop), sums,
-                                                          self._checksums[first:stop])
-                                if got != want)
+                sums = self._memory.checksums(self._addresses[first * per:stop * per],
+                                              self._lengths[first * per:stop * per], per)
+                differ = np.flatnonzero(sums != self._expected[first:stop])
+                self.bad.extend((differ + first).tolist())
         except BaseException as exc:
             self.error = exc
         finally:
