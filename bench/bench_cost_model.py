@@ -325,7 +325,8 @@ def play(names: list[str], run: int, run_dir: Path, args: argparse.Namespace, mo
                 link = store.link(args.latency, args.rate)
                 url = store.link_url(link)
         # the stand-ins whose CPU each turn's accounting shows apart
-        os.environ[base.STANDIN_PIDS] = ",".join(map(str, store.pids())) if store else ""
+        standins = store.pids() if store else []
+        os.environ[base.STANDIN_PIDS] = ",".join(map(str, standins))
         spec_path, out_path = run_dir / f"{name}.spec.json", run_dir / f"{name}.out.json"
         spec_path.write_text(json.dumps({
             "model": str(model), "answer": args.answer, "kv_cache_gib": args.kv_cache_gib,
@@ -337,7 +338,7 @@ def play(names: list[str], run: int, run_dir: Path, args: argparse.Namespace, mo
         finally:
             if link is not None:
                 store.close_link(link)
-        result["run"] = run
+        result.update(run=run, standin_pids=standins)
         results[name] = result
     return results
 
