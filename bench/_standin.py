@@ -5,14 +5,18 @@ A bench that needs a remote object tier starts :class:`StandinStore`: one Seawee
 (``weed mini``) and, per configuration, a :mod:`kvstrata.slowlink` process in front of it.
 Both run on the engine's machine, so on a small VM they compete with the engine for its cores
 (a real remote store would not). :class:`CpuBudget` confines them, after they start, to a hard
-CPU budget: a cgroup with a CPU quota (``cpu.max`` on cgroup v2; ``cpu.cfs_quota_us`` on a
-v1 ``cpu`` hierarchy where the controller is bound there, as on hybrid hosts) and the idle
-weight (``cpu.idle``: the group runs when the engine leaves a core idle, within the quota).
-The quota is what the idle class alone could not give: on a kernel built ``PREEMPT_NONE`` a
-task inside a system call keeps its CPU whatever its class, so SeaweedFS in ``SCHED_IDLE``
-still took 80-360 ms of a 2-s prefill during upload bursts; a quota bounds what it can take
-in any period. Where no cgroup can be made (not root, no ``cpu`` controller), the stand-ins'
-threads go into ``SCHED_IDLE`` at nice 19 instead, and :attr:`CpuBudget.kind` says which.
+CPU budget, like a store on a host of its own with that much CPU: a cgroup with a CPU quota
+(``cpu.max`` on cgroup v2; ``cpu.cfs_quota_us`` on a v1 ``cpu`` hierarchy where the controller
+is bound there, as on hybrid hosts) at the normal weight. The quota bounds what they can take
+from the engine in any period, which the idle class could not: on a kernel built
+``PREEMPT_NONE`` a task inside a system call keeps its CPU whatever its class, so SeaweedFS in
+``SCHED_IDLE`` still took 80-360 ms of a 2-s prefill during upload bursts. The group is not
+given the idle weight (``cpu.idle``): with two busy threads standing for the engine's compute
+threads, a store so weighted completed none of 16 PUTs within their 5-s timeout (starved:
+the engine's G4 stayed empty), while the quota alone carried 9.3 MB/s. Where no cgroup can be
+made (not root, no ``cpu`` controller), the stand-ins' threads go into ``SCHED_IDLE`` at
+nice 19 instead (4.6 MB/s, some requests 3 s, in the same test), and :attr:`CpuBudget.kind`
+says which.
 
 The cgroup is named with this process's owner tag
 (:func:`kvstrata.physical.leftovers.owner_tag`) and removed by :meth:`CpuBudget.close`
@@ -22,8 +26,8 @@ this module had to mount is unmounted again.
 
 SeaweedFS needs about 1.5 % of one CPU per MB/s it stores (measured on the 2-core VM:
 15 % at 10 MB/s of 512-KiB PUTs, 8 % at 5 MB/s, 0.3 % idle) and the link about 0.2 % per
-MB/s: :data:`DEFAULT_SHARE` carries the benches' 10 MB/s link with some room; a smaller
-budget makes the store slower than its link.
+MB/s: :data:`DEFAULT_SHARE` carries the benches' 10 MB/s link with some room (a few % of a
+CPU would not); a smaller budget makes the store slower than its link.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from kvstrata.physical.leftovers import owner_tag, reclaim
 __all__ = ["CpuBudget", "SlowLinkProcess", "StandinStore", "DEFAULT_SHARE"]
 
 DEFAULT_SHARE = 0.25        # of one CPU: SeaweedFS + the link at 10 MB/s need ~0.17-0.18
+# (bursts above that were throttled in 55 of 307 periods at 0.25, carrying 9.3 MB/s)
 PERIOD_US = 50_000          # the quota's period (a throttled group waits at most this long)
 PREFIX = "kvstrata-standin-"
 CGROUP_FS = "/sys/fs/cgroup"
@@ -94,13 +99,12 @@ class CpuBudget:
     overrides where cgroups are looked for (``[]``: none, the fallback; for tests)."""
 
     def __init__(self, share: float = DEFAULT_SHARE, *, period_us: int = PERIOD_US,
-                 idle: bool = True, hierarchies: list[tuple[str, str]] | None = None) -> None:
+                 hierarchies: list[tuple[str, str]] | None = None) -> None:
         if not 0 < share <= os.cpu_count():
             raise ValueError(f"share must be in (0, {os.cpu_count()}], got {share!r}")
         self.share = share
         self.period_us = period_us
         self.quota_us = max(1000, round(share * period_us))
-        self.idle = idle
         self._hierarchies = hierarchies
         self.kind: str | None = None         # "cgroup v2" | "cgroup v1" | "SCHED_IDLE"
         self.path: Path | None = None
@@ -183,8 +187,6 @@ class CpuBudget:
         else:
             _write(path / "cpu.cfs_period_us", str(self.period_us))
             _write(path / "cpu.cfs_quota_us", str(self.quota_us))
-        if self.idle and (path / "cpu.idle").exists():
-            _write(path / "cpu.idle", "1")
 
     # -- use -------------------------------------------------------------------------------
     def confine(self, pid: int) -> None:
@@ -231,7 +233,7 @@ class CpuBudget:
                      else f"cpu.cfs_quota_us {self.quota_us} / cpu.cfs_period_us "
                           f"{self.period_us}")
             return (f"{self.kind} {self.path} ({limit}: {self.quota_us / self.period_us:.0%} "
-                    f"of one CPU{', idle weight' if self.idle else ''})")
+                    f"of one CPU)")
         return f"SCHED_IDLE at nice 19, no CPU quota ({self.reason})"
 
     # -- tear-down -------------------------------------------------------------------------

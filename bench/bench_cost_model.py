@@ -19,8 +19,8 @@ is its own engine in its own process, all in one run:
 SeaweedFS and the slow link stand for a remote store, which would not run on the engine's
 host: ``_standin.StandinStore`` starts them (the link as a process of its own) and confines
 both to a hard CPU budget, a cgroup with a CPU quota (``--standin-cpu`` of one CPU, enough
-for the 10 MB/s link) and the idle weight, or, where no cgroup can be made, to the idle
-scheduling class (``SCHED_IDLE``); the output says which.
+for the 10 MB/s link), or, where no cgroup can be made, to the idle scheduling class
+(``SCHED_IDLE``); the output says which.
 
 ``-off`` sets ``cost_aware: false`` (load every held block: "always load"); ``-on`` is the
 default. Optional: ``g4fast-on`` / ``g4fast-off``, the small G2 over G4 with no proxy (loading
