@@ -229,7 +229,7 @@ def main() -> None:
                              "run; per-turn figures are then medians over runs")
     parser.add_argument("--standin-cpu", type=float, default=DEFAULT_SHARE,
                         help="CPU budget of the stand-in store and link, share of one CPU "
-                             f"(default {DEFAULT_SHARE}; SeaweedFS needs ~0.15 at 10 MB/s)")
+                             f"(default {DEFAULT_SHARE}; the store and link need ~0.17 at 10 MB/s)")
     args = parser.parse_args()
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     unknown = set(names) - set(CONFIGS + EXTRA_CONFIGS)
@@ -285,7 +285,7 @@ def main() -> None:
         summaries.append(report(results, args))
         standin_cpu(results)
     if standin:
-        print(f"stand-in store: {standin['confinement']}"
+        print(f"{standin['confinement']}"
               + (f"; throttled in {standin['throttling']['throttled_periods']} of "
                  f"{standin['throttling']['periods']} periods "
                  f"({standin['throttling']['throttled_s']:.1f} s)"
