@@ -293,35 +293,43 @@ def busy_cpu_seconds() -> float:
 
 def spawn(name: str, spec_path: Path, out_path: Path, log_path: Path) -> dict:
     """Run one configuration in a subprocess; its output goes to ``log_path``, the progress
-    lines and anything that looks like an error also to stderr."""
+    lines and anything that looks like an error also to stderr. Interrupted (Ctrl-C, or
+    SIGTERM turned into an exception), it kills the engine's process group first."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     cmd = [sys.executable, os.path.abspath(__file__), "--_child", name,
            "--_spec", str(spec_path), "--_out", str(out_path)]
     issues = {"tracebacks": 0, "errors": 0, "kvstrata_warnings": 0, "reset_refused": 0}
     start = time.perf_counter()
     busy0, cpu0 = busy_cpu_seconds(), time.process_time()
+    load0 = os.getloadavg()[0]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, bufsize=1, env=env, start_new_session=True)
         timer = threading.Timer(CHILD_TIMEOUT, lambda: os.killpg(proc.pid, signal.SIGKILL))
         timer.start()
-        for line in proc.stdout:
-            log.write(line)
-            low = line.lower()
-            if "Traceback" in line:
-                issues["tracebacks"] += 1
-            if "ValueError: Tokenizer not available when `skip_tokenizer_init" in line:
-                issues["tracebacks"] -= 1           # vLLM's chat-renderer warm-up: benign
-            if " ERROR " in line or line.startswith("ERROR"):
-                issues["errors"] += 1
-            if "WARNING" in line and "kvstrata" in low:
-                issues["kvstrata_warnings"] += 1
-            if "Failed to reset prefix cache" in line:
-                issues["reset_refused"] += 1
-                continue
-            if line.startswith("[bench]") or " ERROR " in line or \
-                    ("WARNING" in line and "kvstrata" in low):
-                sys.stderr.write(line)
+        try:
+            for line in proc.stdout:
+                log.write(line)
+                low = line.lower()
+                if "Traceback" in line:
+                    issues["tracebacks"] += 1
+                if "ValueError: Tokenizer not available when `skip_tokenizer_init" in line:
+                    issues["tracebacks"] -= 1           # vLLM's chat-renderer warm-up: benign
+                if " ERROR " in line or line.startswith("ERROR"):
+                    issues["errors"] += 1
+                if "WARNING" in line and "kvstrata" in low:
+                    issues["kvstrata_warnings"] += 1
+                if "Failed to reset prefix cache" in line:
+                    issues["reset_refused"] += 1
+                    continue
+                if line.startswith("[bench]") or " ERROR " in line or \
+                        ("WARNING" in line and "kvstrata" in low):
+                    sys.stderr.write(line)
+        except BaseException:              # interrupted: the engine must not outlive the bench
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            timer.cancel()
+            raise
         rc = proc.wait()
         timer.cancel()
     wall = time.perf_counter() - start
@@ -331,7 +339,8 @@ def spawn(name: str, spec_path: Path, out_path: Path, log_path: Path) -> dict:
         # CPU that processes other than this benchmark's used meanwhile (it slows us down)
         result["other_cpu_share"] = max(0.0, busy - result["cpu_s"]) / (
             wall * (os.cpu_count() or 1))
-    result.update(rc=rc, wall_s=wall, log=str(log_path), issues=issues)
+    result.update(rc=rc, wall_s=wall, log=str(log_path), issues=issues,
+                  load=(load0, os.getloadavg()[0]))     # 1-min load average, before / after
     if rc != 0 or "turns" not in result:
         say(f"{name}: FAILED (exit {rc}); see {log_path}")
     return result

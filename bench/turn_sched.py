@@ -4,8 +4,9 @@ connector or cost-model benchmark's ``--json`` output.
 On a shared machine a turn can be slower than its same-run counterpart because other
 processes took the cores meanwhile; this says, per turn, how much CPU time went to the
 engine's own threads (its busiest two, the compute threads, apart), to the benchmark's stand-in
-services (the object store and the slow link, ``standin_pids``), to every other process, and
-how long the CPUs stood idle. Record the trace around the benchmark and convert it::
+services (the object store and the slow link, ``standin_pids`` of each configuration, or of
+the whole output in older files), to every other process, and how long the CPUs stood idle.
+A ``--runs N`` output is read run by run. Record the trace around the benchmark and convert it::
 
     perf record -e sched:sched_switch -e sched:sched_wakeup -a -k CLOCK_MONOTONIC \\
         -o sched.data -- python bench/bench_cost_model.py --configs recompute,slow-on \\
@@ -95,11 +96,16 @@ def main() -> None:
     parser.add_argument("--configs", default=None, help="comma-separated (default: all)")
     args = parser.parse_args()
     data = json.load(open(args.bench_json))
-    standins = {int(x) for x in str(data.get("standin_pids") or "").split(",") if x}
-    names = args.configs.split(",") if args.configs else list(data["results"])
+    everywhere = {int(x) for x in str(data.get("standin_pids") or "").split(",") if x}
+    played = [r["results"] for r in data["runs"]] if "runs" in data else [data["results"]]
     runs = read_runs(args.timehist)
-    for name in names:
-        report(runs, data["results"][name], name, standins)
+    for i, results in enumerate(played):
+        for name in args.configs.split(",") if args.configs else list(results):
+            if name not in results:
+                continue
+            standins = set(results[name].get("standin_pids") or ()) or everywhere
+            label = f"run {i + 1} {name}" if len(played) > 1 else name
+            report(runs, results[name], label, standins)
 
 
 if __name__ == "__main__":

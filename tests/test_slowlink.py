@@ -89,3 +89,24 @@ def test_closing_drops_connections_and_refuses_new_ones(echo):
         socket.create_connection(("127.0.0.1", link.port), timeout=1).close()
     with pytest.raises(ValueError):
         SlowLink(echo, latency=-1)
+
+
+def test_the_link_runs_as_a_process_until_its_stdin_closes(echo):
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "kvstrata.slowlink",
+                             f"{echo[0]}:{echo[1]}", "--latency", "0.01"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(proc.stdout.readline())
+        payload = os.urandom(100_000)
+        got, _ = roundtrip(port, payload)
+        assert got == payload
+        assert proc.poll() is None
+        proc.stdin.close()                       # the parent let go: the link ends itself
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

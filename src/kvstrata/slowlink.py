@@ -9,16 +9,24 @@ remote store would be. Benchmarks and tests use it to make a tier slow on one ma
 
 ``set(latency=..., bytes_per_s=...)`` changes the link while it runs (a store that turns slow
 and recovers).
+
+``python -m kvstrata.slowlink HOST:PORT [--latency S] [--rate BYTES_PER_S]`` runs one link as a
+process of its own (a benchmark can then confine it, with the store it fronts, to a CPU budget
+of their own): it prints ``PORT`` on a line once it listens and runs until its standard input
+closes (its parent ended or let go of it) or it receives SIGTERM/SIGINT.
 """
 
 from __future__ import annotations
 
+import argparse
 import queue
+import signal
 import socket
+import sys
 import threading
 import time
 
-__all__ = ["SlowLink"]
+__all__ = ["SlowLink", "main"]
 
 _CHUNK = 64 << 10
 
@@ -164,3 +172,39 @@ def _close(s: socket.socket) -> None:
     except OSError:
         pass
     s.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run one :class:`SlowLink` to ``HOST:PORT`` until stdin closes or SIGTERM/SIGINT (see
+    the module docstring); print the port it listens on first."""
+    parser = argparse.ArgumentParser(prog="python -m kvstrata.slowlink",
+                                     description="a TCP proxy adding latency and a bandwidth cap")
+    parser.add_argument("upstream", help="HOST:PORT to forward to")
+    parser.add_argument("--latency", type=float, default=0.0, help="seconds added per request")
+    parser.add_argument("--rate", type=float, default=None,
+                        help="bytes per second each way (default: no cap)")
+    args = parser.parse_args(argv)
+    host, _, port = args.upstream.rpartition(":")
+    if not host or not port.isdigit():
+        parser.error(f"upstream must be HOST:PORT, not {args.upstream!r}")
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+
+    def watch_stdin() -> None:
+        try:
+            while sys.stdin.buffer.read(1 << 12):
+                pass
+        except (OSError, ValueError):
+            pass
+        done.set()
+
+    with SlowLink((host, int(port)), latency=args.latency, bytes_per_s=args.rate) as link:
+        print(link.port, flush=True)
+        threading.Thread(target=watch_stdin, name="slowlink-stdin", daemon=True).start()
+        while not done.wait(1.0):
+            pass
+
+
+if __name__ == "__main__":
+    main()

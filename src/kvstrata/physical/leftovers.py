@@ -18,6 +18,7 @@ import re
 import shutil
 import socket
 from pathlib import Path
+from typing import Callable
 
 import xxhash
 
@@ -44,10 +45,12 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def reclaim(directory: str | os.PathLike, prefix: str) -> list[str]:
+def reclaim(directory: str | os.PathLike, prefix: str,
+            remove: Callable[[Path], None] | None = None) -> list[str]:
     """Remove the entries of ``directory`` named ``prefix...-<owner tag>-...`` whose owner
     ran on this host and no longer exists; returns what was removed. Never raises: a
-    leftover that cannot be removed is logged and left."""
+    leftover that cannot be removed is logged and left. ``remove`` replaces the default
+    removal (a tree or a file), e.g. for a cgroup, which only ``rmdir`` removes."""
     removed: list[str] = []
     try:
         entries = list(Path(directory).iterdir())
@@ -64,7 +67,9 @@ def reclaim(directory: str | os.PathLike, prefix: str) -> list[str]:
         if pid == os.getpid() or _alive(pid):
             continue
         try:
-            if entry.is_dir() and not entry.is_symlink():
+            if remove is not None:
+                remove(entry)
+            elif entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry)
             else:
                 entry.unlink()
