@@ -3,11 +3,14 @@ error reply and changes nothing, the exporter keeps serving; the lease table's l
 
 from __future__ import annotations
 
+import socket
+import struct
+
 import msgpack
 import numpy as np
 import pytest
-import zmq
 
+from kvstrata.remote.control import ControlChannel, format_control, parse_control
 from kvstrata.remote.errors import LeaseError
 from kvstrata.remote.lease import MAX_TTL, LeaseTable
 from kvstrata.remote.nixl_agent import nixl_available
@@ -81,18 +84,26 @@ def exporter():
     storage.close()
 
 
-def ask(control: str, body: bytes, timeout_ms: int = 5000):
-    ctx = zmq.Context.instance()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(control)
-    try:
-        s.send(body)
-        if not s.poll(timeout_ms):
+def ask(control: str, body: bytes, timeout_ms: int = 5000, length: int | None = None):
+    """Send ``body`` framed as the control protocol frames it (its length, or ``length``
+    where a test lies about it) on a connection of its own; the reply, or None if the
+    exporter closed the connection or did not answer in time."""
+    host, port = parse_control(control)
+    with socket.create_connection((host, port), timeout=timeout_ms / 1000) as s:
+        try:
+            s.sendall(struct.pack("<I", len(body) if length is None else length) + body)
+        except (BrokenPipeError, ConnectionResetError):      # dropped while we were sending
             return None
-        return msgpack.unpackb(s.recv(), raw=False)
-    finally:
-        s.close()
+        data = b""
+        try:
+            while len(data) < 4 or len(data) < 4 + struct.unpack_from("<I", data)[0]:
+                chunk = s.recv(1 << 16)
+                if not chunk:
+                    return None
+                data += chunk
+        except (socket.timeout, ConnectionResetError):
+            return None
+        return msgpack.unpackb(data[4:], raw=False)
 
 
 def hashes(*values) -> bytes:
@@ -133,3 +144,51 @@ def test_an_oversized_request_is_dropped_and_the_exporter_keeps_serving(exporter
     assert reply["id"] == 7 and isinstance(reply["blockset"], bytes)
     released = ask(ex.control, msgpack.packb({"op": "release", "lease": 12345}))
     assert released == {"released": False}
+
+
+@needs_nixl
+def test_a_length_over_the_limit_drops_the_connection_before_any_body(exporter):
+    ex, _ = exporter
+    assert ask(ex.control, b"", length=2 << 20, timeout_ms=2000) is None
+    assert ask(ex.control, msgpack.packb({"op": "blockset"}))["blockset"]
+
+
+@needs_nixl
+def test_a_stalled_or_flooding_reader_does_not_hold_up_the_others(exporter):
+    ex, pins = exporter
+    host, port = parse_control(ex.control)
+    # half a request, never finished
+    stalled = socket.create_connection((host, port))
+    stalled.sendall(struct.pack("<I", 100) + b"\x81")
+    # a reader that sends many requests and reads no reply
+    flooder = socket.create_connection((host, port))
+    request = msgpack.packb({"op": "blockset"})
+    flooder.setblocking(False)
+    frame = struct.pack("<I", len(request)) + request
+    sent = 0
+    try:
+        for _ in range(20000):
+            sent += flooder.send(frame)
+    except BlockingIOError:
+        pass
+    try:
+        assert sent > 0
+        ok = ask(ex.control, msgpack.packb({"op": "lease", "hashes": hashes(1, 2), "ttl": 5}),
+                 timeout_ms=2000)
+        assert ok is not None and ok["lease"] > 0 and len(pins.pinned) == 1
+    finally:
+        stalled.close()
+        flooder.close()
+    assert ask(ex.control, msgpack.packb({"op": "release", "lease": ok["lease"]})) == \
+        {"released": True}
+
+
+def test_control_addresses_parse_and_format_round_trip():
+    for host, port in (("127.0.0.1", 5555), ("::1", 1), ("worker-3.local", 65535)):
+        assert parse_control(format_control(host, port)) == (host, port)
+    for bad in ("127.0.0.1:5", "tcp://127.0.0.1", "tcp://:5", "tcp://h:0", "tcp://h:70000",
+                "ipc:///tmp/x", None):
+        with pytest.raises(ValueError):
+            parse_control(bad)
+    with pytest.raises(LeaseError):
+        ControlChannel("udp://h:1", 1.0)

@@ -1,8 +1,9 @@
 """The exporting side: a worker's tier of host memory, readable by other processes over NIXL.
 
 :class:`BlockExporter` registers a memory storage (G2) with a NIXL agent, describes it as a
-:class:`~.blockset.BlockSet`, and answers a small control protocol on a ZMQ ``ROUTER`` socket
-(msgpack maps, one reply per request, echoing the request's ``id`` if it has one):
+:class:`~.blockset.BlockSet`, and answers a small control protocol on a TCP port
+(:mod:`.control`: msgpack maps framed by their length, one reply per request, echoing the
+request's ``id`` if it has one):
 
 * ``{"op": "blockset"}`` -> ``{"blockset": bytes}``;
 * ``{"op": "lease", "hashes": <u64 LE bytes>, "ttl": s}`` -> ``{"lease": id, "ttl": s,
@@ -15,25 +16,23 @@
 * anything else -> ``{"error": "..."}``.
 
 The data never passes through this socket: readers pull bytes with NIXL reads of the slots a
-lease names, then check them against the lease's checksums. A thread serves the socket and
+lease names, then check them against the lease's checksums. A thread serves the port and
 expires overdue leases (:mod:`.lease`) at least every ``tick`` seconds.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Any, Callable, Sequence
 
 import msgpack
 import numpy as np
-import zmq
 
 from ..physical.storage.base import MemoryStorage
 from ..protocol.layout_codec import SharedLayout
 from .blockset import BlockSet
+from .control import ControlServer
 from .errors import LeaseError
-from .importer import _context
 from .lease import LeaseTable
 from .nixl_agent import NixlAgent
 
@@ -42,7 +41,7 @@ __all__ = ["BlockExporter", "MAX_REQUEST_BYTES", "MAX_LEASE_BLOCKS"]
 log = logging.getLogger(__name__)
 
 MAX_REQUEST_BYTES = 1 << 20
-"""Largest control request read; bigger ones are answered with an error."""
+"""Largest control request read; a bigger one drops its connection unanswered."""
 MAX_LEASE_BLOCKS = 65536
 """Most blocks one lease may ask for."""
 
@@ -60,59 +59,30 @@ class BlockExporter:
         self.leases = LeaseTable(pin, unpin, max_leases=max_leases)
         layout, regions = storage.layout, storage.descriptors()
         self._agent = NixlAgent(name)
-        self._ctx = _context()
-        self._socket = self._ctx.socket(zmq.ROUTER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+        self._closed = False
+        self.requests = 0
+        self._server: ControlServer | None = None
         try:
             self._agent.register([(r.address, r.size) for r in regions], regions[0].memory_kind,
                                  regions[0].device_id or 0)
-            if port:
-                self._socket.bind(f"tcp://{host}:{port}")
-            else:
-                port = self._socket.bind_to_random_port(f"tcp://{host}")
+            self._server = ControlServer(host, port, self._answer_bytes,
+                                         max_request=MAX_REQUEST_BYTES, tick=tick,
+                                         on_tick=self.leases.expire,
+                                         name=f"kvstrata-export-{name}")
+            self.control = self._server.address
+            self.blockset = BlockSet(name, tier, SharedLayout(layout, tuple(regions)),
+                                     self._agent.metadata(), self.control, fingerprint)
+            self._encoded = self.blockset.encode()
         except Exception:
-            self._socket.close()
+            if self._server is not None:
+                self._server.close()
             self._agent.close()
             raise
-        self.control = f"tcp://{host}:{port}"
-        self.blockset = BlockSet(name, tier, SharedLayout(layout, tuple(regions)),
-                                 self._agent.metadata(), self.control, fingerprint)
-        self._encoded = self.blockset.encode()
-        self._tick = tick
-        self._stop = threading.Event()
-        self.requests = 0
-        self._thread = threading.Thread(target=self._serve, name=f"kvstrata-export-{name}",
-                                        daemon=True)
-        self._thread.start()
+        self._server.start()
 
-    # -- serving ---------------------------------------------------------------------------
-    def _serve(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._socket, zmq.POLLIN)
-        while not self._stop.is_set():
-            try:
-                ready = dict(poller.poll(int(self._tick * 1000)))
-            except zmq.ZMQError:
-                break
-            try:
-                self.leases.expire()
-            except Exception:
-                log.exception("kvstrata: expiring leases failed")
-            if self._socket not in ready:
-                continue
-            try:
-                frames = self._socket.recv_multipart(zmq.NOBLOCK)
-            except zmq.ZMQError:
-                continue
-            if len(frames) < 2:
-                continue
-            reply = self._answer(frames[-1])
-            try:
-                self._socket.send_multipart([*frames[:-1], msgpack.packb(reply)])
-            except zmq.ZMQError:
-                pass                             # the reader went away
-        self._socket.close()
+    # -- serving (on the control server's thread) ------------------------------------------
+    def _answer_bytes(self, body: bytes) -> bytes:
+        return msgpack.packb(self._answer(body))
 
     def _answer(self, body: bytes) -> dict:
         """The reply to one request, echoing its ``id``."""
@@ -182,10 +152,10 @@ class BlockExporter:
     # -- lifecycle -------------------------------------------------------------------------
     def close(self) -> None:
         """Stop serving, unpin every lease, deregister the memory. Idempotent."""
-        if self._stop.is_set():
+        if self._closed:
             return
-        self._stop.set()
-        self._thread.join(timeout=5)
+        self._closed = True
+        self._server.close()
         self.leases.close()
         self._agent.close()
 

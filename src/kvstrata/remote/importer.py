@@ -20,7 +20,6 @@ from __future__ import annotations
 import collections
 import ctypes
 import itertools
-import os
 import queue
 import threading
 import time
@@ -31,12 +30,12 @@ from typing import Sequence
 import msgpack
 import numpy as np
 import xxhash
-import zmq
 
 from ..physical.checksum import native_range_checksums
 from ..physical.storage.base import MemoryStorage
 from ..protocol.layout_codec import SharedLayout
 from .blockset import BlockSet, byte_ranges, decode
+from .control import ControlChannel
 from .errors import BlockSetFormatError, LeaseError, RemoteReadError
 from .nixl_agent import NixlAgent
 
@@ -89,7 +88,7 @@ class BlockSetImporter:
 
     def connect(self, control: str, timeout: float = 5.0) -> "RemotePeer":
         """Fetch the block set served at ``control`` (``tcp://host:port``) and import it."""
-        channel = _Channel(control, timeout)
+        channel = ControlChannel(control, timeout)
         try:
             reply = channel.call({"op": "blockset"})
             data = reply.get("blockset")
@@ -103,14 +102,14 @@ class BlockSetImporter:
     def import_blockset(self, data: bytes) -> "RemotePeer":
         """Import a serialized block set (its control address is used for leases)."""
         blockset = decode(data)
-        channel = _Channel(blockset.control, 5.0)
+        channel = ControlChannel(blockset.control, 5.0)
         try:
             return self._import(blockset, channel)
         except BaseException:
             channel.close()
             raise
 
-    def _import(self, blockset: BlockSet, channel: "_Channel") -> "RemotePeer":
+    def _import(self, blockset: BlockSet, channel: "ControlChannel") -> "RemotePeer":
         blockset.require_compatible(self.storage.layout, self.fingerprint)
         name = self._agent.add_remote(blockset.agent_metadata)
         if name != blockset.name:
@@ -175,7 +174,7 @@ class RemotePeer:
     """One imported block set: lease, read and release its blocks."""
 
     def __init__(self, importer: BlockSetImporter, blockset: BlockSet,
-                 channel: "_Channel") -> None:
+                 channel: "ControlChannel") -> None:
         self.importer = importer
         self.blockset = blockset
         self._channel = channel
@@ -287,24 +286,11 @@ def pack_hashes(sequence_hashes: Sequence[int]) -> bytes:
     return hashes.tobytes()
 
 
-_CONTEXT: "zmq.Context | None" = None
-_CONTEXT_PID = 0
-
-
-def _context() -> "zmq.Context":
-    """kvstrata's own ZMQ context in this process (not ``zmq.Context.instance()``, which
-    an engine may configure or terminate for its own sockets)."""
-    global _CONTEXT, _CONTEXT_PID
-    if _CONTEXT is None or _CONTEXT_PID != os.getpid() or _CONTEXT.closed:
-        _CONTEXT, _CONTEXT_PID = zmq.Context(), os.getpid()
-    return _CONTEXT
-
-
 def ask(control: str, request: dict, timeout: float) -> dict:
     """One request to the exporter at ``control`` on a connection of its own (closed
     after): for callers that do not keep a peer, e.g. asking several exporters what they
     hold. :class:`LeaseError` if it does not answer in time."""
-    channel = _Channel(control, timeout)
+    channel = ControlChannel(control, timeout)
     try:
         return channel.call(request)
     finally:
@@ -457,51 +443,3 @@ class _Verifier:
         if self._thread.is_alive():
             self._wakeups.put(None)
             self._thread.join()
-
-
-class _Channel:
-    """Requests to an exporter's control socket over a ZMQ ``DEALER``: each request carries an
-    id the reply echoes, so a caller may wait for its reply (bounded by ``timeout``) or not
-    (a release); replies nobody waits for are skipped."""
-
-    def __init__(self, control: str, timeout: float) -> None:
-        self.control, self.timeout = control, timeout
-        self._ctx = _context()
-        self._socket = None
-        self._ids = itertools.count(1)
-
-    def call(self, request: dict, wait: bool = True) -> dict:
-        if self._socket is None:
-            self._socket = self._ctx.socket(zmq.DEALER)
-            self._socket.setsockopt(zmq.LINGER, 0)
-            self._socket.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
-            self._socket.connect(self.control)
-        socket = self._socket
-        request_id = next(self._ids)
-        deadline = time.monotonic() + self.timeout
-        try:
-            socket.send(msgpack.packb({**request, "id": request_id}))
-            if not wait:
-                return {}
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0 or not socket.poll(max(1, int(left * 1000))):
-                    raise LeaseError(f"{self.control} did not answer within "
-                                     f"{self.timeout:.1f} s")
-                reply = msgpack.unpackb(socket.recv(), raw=False)
-                if not isinstance(reply, dict):
-                    raise LeaseError(f"{self.control} answered a {type(reply).__name__}, "
-                                     f"not a map")
-                if reply.get("id") == request_id:
-                    return reply
-        except LeaseError:
-            self.close()
-            raise
-        except (zmq.ZMQError, ValueError) as exc:
-            self.close()
-            raise LeaseError(f"{self.control}: {exc}") from None
-
-    def close(self) -> None:
-        if self._socket is not None:
-            self._socket.close()
-            self._socket = None

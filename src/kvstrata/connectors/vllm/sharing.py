@@ -16,7 +16,7 @@ An engine with ``peers`` reads prefixes from them straight into vLLM's KV cache:
   the engine's blocks, verified against the peer's checksums, and reports the request
   loaded; blocks that could not be read are reported as load errors (vLLM recomputes them).
 
-The exporter and the loader start their threads (NIXL's and UCX's, ZMQ's, their own) unbound
+The exporter and the loader start their threads (NIXL's and UCX's, their own) unbound
 from vLLM's CPU binding (:func:`_unbound`). vLLM's CPU worker binds itself to its OpenMP
 cores and every thread it starts inherits that, so two engines on one machine may hold all
 their threads on the same core, next to vLLM's busy-waiting worker thread; there the threads
@@ -82,7 +82,7 @@ def _unbind_this_thread() -> None:
 
 def _unbound(make: Callable[[], T]) -> T:
     """``make()`` run on a thread unbound from the caller's CPU binding, so that the threads
-    it starts (NIXL's progress thread, UCX's, ZMQ's I/O threads, an exporter's) are too."""
+    it starts (NIXL's progress thread, UCX's, an exporter's) are too."""
     with ThreadPoolExecutor(1, initializer=_unbind_this_thread) as pool:
         return pool.submit(make).result()
 
