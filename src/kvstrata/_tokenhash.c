@@ -27,6 +27,20 @@
  * vouches that every range is readable memory it owns. None until bound, or when a buffer
  * is not uint64 or the counts do not divide.
  *
+ * verify_arrived(state, count) and verify_batches(state, addresses, lengths, expected, bad,
+ * per_block, step, mode, lag) -> int: a verified read's batches, hashed as they arrive by a
+ * verifying thread that never takes the GIL (remote/importer.py). `state` is a writable
+ * uint32 array of 4: [arrived | FINISHED, claimed, done, failed]; batch b is blocks
+ * [b * step, (b + 1) * step) of `expected` (uint64 per block); a block whose checksum differs
+ * gets bad[block] = 1 (uint8 per block). The reading thread calls verify_arrived after each
+ * batch it copied (with `finished` true, it also lets the verifying thread go: a reader whose
+ * last call failed must not leave that thread waiting); mode 0 (the verifying thread) claims and hashes the oldest arrived batch
+ * until FINISHED is set and none is left; mode 1 (the reading thread) hashes the oldest one
+ * if more than `lag` wait, and returns whether it did; mode 2 (the reading thread, last)
+ * hashes what is left, sets FINISHED and waits until every claimed batch is done. Batches
+ * are claimed with a compare-and-swap, so each is hashed once; waits are futexes on the
+ * state words (Linux; elsewhere verify_batches is absent and the Python path runs).
+ *
  * xxh3 itself is not compiled here: bind(address) hands in the address of
  * XXH3_64bits_withSeed as exported by the pinned `xxhash` package's own extension module
  * (tokens.py looks it up with ctypes and checks it against a known value); until bound, the
@@ -228,6 +242,201 @@ static Py_ssize_t get_u64_buffer(PyObject *obj, Py_buffer *view) {
     return view->len / 8;
 }
 
+
+/* The checksums of blocks [first, stop), each `per_block` ranges hashed as one stream into
+ * sums[block - first]; `state` is a streaming state when per_block > 1. */
+static void hash_blocks_of_ranges(const uint64_t *addresses, const uint64_t *lengths,
+                                  Py_ssize_t per_block, Py_ssize_t first, Py_ssize_t stop,
+                                  void *state, uint64_t *sums) {
+    for (Py_ssize_t b = first; b < stop; b++) {
+        if (per_block == 1) {
+            sums[b - first] = xxh3_seeded((const void *)(uintptr_t)addresses[b],
+                                          (size_t)lengths[b], 0);
+            continue;
+        }
+        xxh3_reset(state);
+        for (Py_ssize_t r = b * per_block; r < (b + 1) * per_block; r++)
+            xxh3_update(state, (const void *)(uintptr_t)addresses[r], (size_t)lengths[r]);
+        sums[b - first] = xxh3_digest(state);
+    }
+}
+
+#ifdef __linux__
+#include <errno.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#define VERIFY_FINISHED 0x80000000u
+#define VERIFY_COUNT 0x7fffffffu
+enum { V_ARRIVED = 0, V_CLAIMED = 1, V_DONE = 2, V_FAILED = 3 };
+
+static void futex_wake_all(uint32_t *word) {
+    syscall(SYS_futex, word, FUTEX_WAKE_PRIVATE, INT32_MAX, NULL, NULL, 0);
+}
+
+/* Sleep while *word == seen, 50 ms at most (the caller re-checks). */
+static void futex_wait_for_change(uint32_t *word, uint32_t seen) {
+    struct timespec timeout = {0, 50 * 1000 * 1000};
+    syscall(SYS_futex, word, FUTEX_WAIT_PRIVATE, seen, &timeout, NULL, 0);
+}
+
+typedef struct {
+    uint32_t *state;
+    const uint64_t *addresses, *lengths, *expected;
+    uint8_t *bad;
+    Py_ssize_t per_block, step, blocks;
+    void *stream;
+    uint64_t *sums;
+} verify_job;
+
+/* Claim the oldest arrived batch not claimed yet, if one is and more than `lag` are waiting;
+ * hash it, mark its bad blocks, count it done. 1 if a batch was hashed. */
+static int verify_one(verify_job *job, uint32_t lag) {
+    uint32_t *state = job->state;
+    uint32_t claimed = __atomic_load_n(&state[V_CLAIMED], __ATOMIC_SEQ_CST);
+    for (;;) {
+        uint32_t arrived = __atomic_load_n(&state[V_ARRIVED], __ATOMIC_SEQ_CST) & VERIFY_COUNT;
+        if (arrived <= claimed || arrived - claimed <= lag) return 0;
+        if (__atomic_compare_exchange_n(&state[V_CLAIMED], &claimed, claimed + 1, 0,
+                                        __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+            break;
+    }
+    Py_ssize_t first = (Py_ssize_t)claimed * job->step;
+    Py_ssize_t stop = first + job->step < job->blocks ? first + job->step : job->blocks;
+    if (first < stop) {
+        if (job->per_block > 1 && job->stream == NULL) {
+            __atomic_store_n(&state[V_FAILED], 1, __ATOMIC_SEQ_CST);
+        } else {
+            hash_blocks_of_ranges(job->addresses, job->lengths, job->per_block, first, stop,
+                                  job->stream, job->sums);
+            for (Py_ssize_t b = first; b < stop; b++)
+                if (job->sums[b - first] != job->expected[b]) job->bad[b] = 1;
+        }
+    }
+    __atomic_add_fetch(&state[V_DONE], 1, __ATOMIC_SEQ_CST);
+    futex_wake_all(&state[V_DONE]);
+    return 1;
+}
+
+static void verify_run(verify_job *job) {               /* mode 0 */
+    uint32_t *state = job->state;
+    for (;;) {
+        uint32_t arrived = __atomic_load_n(&state[V_ARRIVED], __ATOMIC_SEQ_CST);
+        if (verify_one(job, 0)) continue;
+        if (arrived & VERIFY_FINISHED) return;
+        futex_wait_for_change(&state[V_ARRIVED], arrived);
+    }
+}
+
+static void verify_finish(verify_job *job) {            /* mode 2 */
+    uint32_t *state = job->state;
+    while (verify_one(job, 0)) {}
+    __atomic_or_fetch(&state[V_ARRIVED], VERIFY_FINISHED, __ATOMIC_SEQ_CST);
+    futex_wake_all(&state[V_ARRIVED]);
+    while (verify_one(job, 0)) {}                       /* none can arrive now; to be sure */
+    for (;;) {
+        uint32_t done = __atomic_load_n(&state[V_DONE], __ATOMIC_SEQ_CST);
+        if (done >= __atomic_load_n(&state[V_CLAIMED], __ATOMIC_SEQ_CST)) return;
+        futex_wait_for_change(&state[V_DONE], done);
+    }
+}
+
+/* A C-contiguous writable buffer of exactly `count` items of `itemsize` bytes, or -1. */
+static int get_writable(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, Py_ssize_t count) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) return -1;
+    if (view->len != itemsize * count) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_ValueError, "verify_batches: a buffer of the wrong size");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *py_verify_arrived(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "verify_arrived(state, count, finished)");
+        return NULL;
+    }
+    Py_ssize_t count = PyLong_AsSsize_t(args[1]);
+    if (count == -1 && PyErr_Occurred()) return NULL;
+    int finished = PyObject_IsTrue(args[2]);
+    if (finished < 0) return NULL;
+    Py_buffer view;
+    if (get_writable(args[0], &view, 4, 4) < 0) return NULL;
+    uint32_t *state = (uint32_t *)view.buf;
+    __atomic_store_n(&state[V_ARRIVED],
+                     ((uint32_t)count & VERIFY_COUNT) | (finished ? VERIFY_FINISHED : 0),
+                     __ATOMIC_SEQ_CST);
+    futex_wake_all(&state[V_ARRIVED]);
+    PyBuffer_Release(&view);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_verify_batches(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "verify_batches(state, addresses, lengths, expected, "
+                                         "bad, per_block, step, mode, lag)");
+        return NULL;
+    }
+    Py_ssize_t per_block = PyLong_AsSsize_t(args[5]), step = PyLong_AsSsize_t(args[6]);
+    long mode = PyLong_AsLong(args[7]), lag = PyLong_AsLong(args[8]);
+    if (PyErr_Occurred()) return NULL;
+    if (xxh3_seeded == NULL || (per_block > 1 && xxh3_create == NULL) || per_block <= 0 ||
+            step <= 0 || mode < 0 || mode > 2 || lag < 0) {
+        PyErr_SetString(PyExc_ValueError, "verify_batches: not bound, or bad arguments");
+        return NULL;
+    }
+    Py_buffer addr_view, len_view, exp_view, state_view, bad_view;
+    Py_ssize_t n = get_u64_buffer(args[1], &addr_view);
+    if (n < 0) goto wrong_type;
+    Py_ssize_t m = get_u64_buffer(args[2], &len_view);
+    if (m < 0) { PyBuffer_Release(&addr_view); goto wrong_type; }
+    Py_ssize_t blocks = get_u64_buffer(args[3], &exp_view);
+    if (blocks < 0) { PyBuffer_Release(&addr_view); PyBuffer_Release(&len_view); goto wrong_type; }
+    if (m != n || n != blocks * per_block) {
+        PyErr_SetString(PyExc_ValueError, "verify_batches: ranges do not make the blocks");
+        goto release3;
+    }
+    if (get_writable(args[0], &state_view, 4, 4) < 0) goto release3;
+    if (get_writable(args[4], &bad_view, 1, blocks) < 0) {
+        PyBuffer_Release(&state_view);
+        goto release3;
+    }
+    uint64_t *sums = PyMem_RawMalloc((size_t)(step > 0 ? step : 1) * sizeof(uint64_t));
+    if (sums == NULL) {
+        PyBuffer_Release(&state_view);
+        PyBuffer_Release(&bad_view);
+        PyBuffer_Release(&addr_view); PyBuffer_Release(&len_view); PyBuffer_Release(&exp_view);
+        return PyErr_NoMemory();
+    }
+    verify_job job = {(uint32_t *)state_view.buf, (const uint64_t *)addr_view.buf,
+                      (const uint64_t *)len_view.buf, (const uint64_t *)exp_view.buf,
+                      (uint8_t *)bad_view.buf, per_block, step, blocks, NULL, sums};
+    int result = 0;
+    Py_BEGIN_ALLOW_THREADS
+    if (per_block > 1) job.stream = xxh3_create();
+    if (mode == 0) verify_run(&job);
+    else if (mode == 1) result = verify_one(&job, (uint32_t)lag);
+    else verify_finish(&job);
+    if (job.stream != NULL) xxh3_free(job.stream);
+    Py_END_ALLOW_THREADS
+    PyMem_RawFree(sums);
+    PyBuffer_Release(&state_view);
+    PyBuffer_Release(&bad_view);
+    PyBuffer_Release(&addr_view); PyBuffer_Release(&len_view); PyBuffer_Release(&exp_view);
+    return PyLong_FromLong(result);
+release3:
+    PyBuffer_Release(&addr_view); PyBuffer_Release(&len_view); PyBuffer_Release(&exp_view);
+    return NULL;
+wrong_type:
+    PyErr_SetString(PyExc_TypeError, "verify_batches: addresses, lengths and expected must be "
+                                     "C-contiguous uint64 buffers");
+    return NULL;
+}
+#endif  /* __linux__ */
+
 static PyObject *py_checksum_ranges(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3) {
         PyErr_SetString(PyExc_TypeError, "checksum_ranges(addresses, lengths, per_block)");
@@ -262,23 +471,12 @@ static PyObject *py_checksum_ranges(PyObject *self, PyObject *const *args, Py_ss
     uint64_t *sums = (uint64_t *)PyBytes_AS_STRING(out);
     int failed = 0;
     Py_BEGIN_ALLOW_THREADS
-    if (per_block == 1) {
-        for (Py_ssize_t b = 0; b < blocks; b++)
-            sums[b] = xxh3_seeded((const void *)(uintptr_t)addresses[b], (size_t)lengths[b], 0);
-    } else {
-        void *state = xxh3_create();
-        if (state == NULL) {
-            failed = 1;
-        } else {
-            for (Py_ssize_t b = 0; b < blocks; b++) {
-                xxh3_reset(state);
-                for (Py_ssize_t r = b * per_block; r < (b + 1) * per_block; r++)
-                    xxh3_update(state, (const void *)(uintptr_t)addresses[r], (size_t)lengths[r]);
-                sums[b] = xxh3_digest(state);
-            }
-            xxh3_free(state);
-        }
-    }
+    void *state = per_block > 1 ? xxh3_create() : NULL;
+    if (per_block > 1 && state == NULL)
+        failed = 1;
+    else
+        hash_blocks_of_ranges(addresses, lengths, per_block, 0, blocks, state, sums);
+    if (state != NULL) xxh3_free(state);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&addr_view);
     PyBuffer_Release(&len_view);
@@ -331,6 +529,12 @@ static PyMethodDef methods[] = {
      "bind_stream(create, reset, update, digest, free): the XXH3 streaming functions"},
     {"checksum_ranges", (PyCFunction)(void (*)(void))py_checksum_ranges, METH_FASTCALL,
      "checksum_ranges(addresses, lengths, per_block) -> bytes of uint64 checksums or None"},
+#ifdef __linux__
+    {"verify_arrived", (PyCFunction)(void (*)(void))py_verify_arrived, METH_FASTCALL,
+     "verify_arrived(state, count, finished): `count` batches of a verified read have arrived"},
+    {"verify_batches", (PyCFunction)(void (*)(void))py_verify_batches, METH_FASTCALL,
+     "verify_batches(state, addresses, lengths, expected, bad, per_block, step, mode, lag) -> int"},
+#endif
     {NULL, NULL, 0, NULL},
 };
 

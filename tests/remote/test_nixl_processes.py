@@ -265,7 +265,7 @@ def test_an_unverified_read_seals_with_the_exporters_checksums(exporter):
         importer.close()
 
 
-@pytest.mark.parametrize("hashing", ["native", "python"])
+@pytest.mark.parametrize("hashing", ["pipelined", "native", "python"])
 @pytest.mark.parametrize("verifier", ["running", "starved"])
 def test_a_block_failing_its_checksum_in_a_later_batch_fails_the_whole_read(exporter,
                                                                              monkeypatch,
@@ -282,10 +282,7 @@ def test_a_block_failing_its_checksum_in_a_later_batch_fails_the_whole_read(expo
     importer = BlockSetImporter(local)
     if verifier == "starved":                                   # never woken: never runs
         monkeypatch.setattr(importer._verifier, "wake", lambda job: None)
-    if hashing == "python":
-        monkeypatch.setattr(importer_module, "native_range_checksums", lambda *a: None)
-    elif importer_module.native_range_checksums(*[np.zeros(1, np.uint64)] * 2, 1) is None:
-        pytest.skip("the native checksum path is not built")
+    use_hashing(monkeypatch, hashing)
     try:
         peer = importer.connect(exporter.control)
         chain = exporter.chains[2]
@@ -305,10 +302,31 @@ def test_a_block_failing_its_checksum_in_a_later_batch_fails_the_whole_read(expo
         importer.close()
 
 
-def test_a_verifying_thread_that_fails_is_a_read_error_not_a_pass(exporter, monkeypatch):
+def use_hashing(monkeypatch, hashing: str) -> None:
+    """Pick how a verified read hashes: ``pipelined`` (batches handed over in C, the default
+    where built), ``native`` (handed over in Python, hashed in C), ``python``."""
+    import kvstrata.physical.checksum as checksum_module
+    import kvstrata.remote.importer as importer_module
+
+    if hashing == "pipelined":
+        if checksum_module.BATCH_VERIFIER is None:
+            pytest.skip("the native batch verifier is not built")
+        return
+    monkeypatch.setattr(checksum_module, "BATCH_VERIFIER", None)
+    if hashing == "python":
+        monkeypatch.setattr(importer_module, "native_range_checksums", lambda *a: None)
+    elif importer_module.native_range_checksums(*[np.zeros(1, np.uint64)] * 2, 1) is None:
+        pytest.skip("the native checksum path is not built")
+
+
+@pytest.mark.parametrize("hashing", ["pipelined", "native"])
+def test_a_verifying_thread_that_fails_is_a_read_error_not_a_pass(exporter, monkeypatch,
+                                                                 hashing):
+    import kvstrata.physical.checksum as checksum_module
     import kvstrata.remote.importer as importer_module
 
     monkeypatch.setattr(importer_module, "BATCH_BYTES", 1)
+    use_hashing(monkeypatch, hashing)
     local = host_storage()
     importer = BlockSetImporter(local)
     try:
@@ -316,15 +334,26 @@ def test_a_verifying_thread_that_fails_is_a_read_error_not_a_pass(exporter, monk
         lease = peer.lease(exporter.chains[3])
         slots = list(range(len(lease.blocks)))
         calls = []
-        honest = importer._memory.checksums
+        if hashing == "pipelined":
+            verify, report = checksum_module.BATCH_VERIFIER
 
-        def failing(addresses, lengths, per_block):
-            calls.append(addresses)
-            if len(calls) == 3:
-                raise MemoryError("injected")
-            return honest(addresses, lengths, per_block)
+            def failing_verify(*args):
+                calls.append(args[7])
+                if args[7] == 2:     # the last call, which waits for the verifying thread
+                    raise MemoryError("injected")
+                return verify(*args)
 
-        monkeypatch.setattr(importer._memory, "checksums", failing)
+            monkeypatch.setattr(checksum_module, "BATCH_VERIFIER", (failing_verify, report))
+        else:
+            honest = importer._memory.checksums
+
+            def failing(addresses, lengths, per_block):
+                calls.append(addresses)
+                if len(calls) == 3:
+                    raise MemoryError("injected")
+                return honest(addresses, lengths, per_block)
+
+            monkeypatch.setattr(importer._memory, "checksums", failing)
         with pytest.raises(RemoteReadError, match="verifying.*MemoryError"):
             peer.read(lease, slots)
         assert local.check_readable(slots, lease.sequence_hashes)

@@ -24,7 +24,7 @@ import xxhash
 
 from .errors import BlockFailure, FailureKind
 
-__all__ = ["block_checksum", "ChecksumTable", "native_range_checksums"]
+__all__ = ["block_checksum", "ChecksumTable", "native_range_checksums", "BATCH_VERIFIER"]
 
 
 def block_checksum(data) -> int:
@@ -63,6 +63,33 @@ def _load_range_checksums():
 
 
 _range_checksums = _load_range_checksums()
+
+
+def _load_batch_verifier():
+    """``(verify_batches, verify_arrived)`` of ``kvstrata._tokenhash`` (a verified read's
+    batches hashed as they arrive by a thread that never takes the GIL; Linux builds), checked
+    on a probe, or None: readers then hand batches over in Python, with the same results."""
+    if _range_checksums is None:
+        return None
+    from .. import _tokenhash
+    verify, arrived = (getattr(_tokenhash, n, None) for n in ("verify_batches", "verify_arrived"))
+    if verify is None or arrived is None:
+        return None
+    probe = np.frombuffer(b"kvstrata batch probe: two blocks", dtype=np.uint8)
+    addresses = np.array([probe.ctypes.data, probe.ctypes.data + 16], dtype=np.uint64)
+    lengths = np.array([16, 16], dtype=np.uint64)
+    expected = np.array([block_checksum(probe[:16]), 0], dtype=np.uint64)
+    state, bad = np.zeros(4, np.uint32), np.zeros(2, np.uint8)
+    try:
+        arrived(state, 2, False)
+        verify(state, addresses, lengths, expected, bad, 1, 1, 2, 0)
+    except Exception:
+        return None
+    return (verify, arrived) if bad.tolist() == [0, 1] and state.tolist() == [
+        0x80000002, 2, 2, 0] else None
+
+
+BATCH_VERIFIER = _load_batch_verifier()
 
 
 def native_range_checksums(addresses: np.ndarray, lengths: np.ndarray,

@@ -17,6 +17,7 @@ by a timeout; every failure is a :class:`~.errors.LeaseError`.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import selectors
@@ -104,6 +105,7 @@ class ControlServer:
         self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._started = False
+        self._accept_paused, self._accept_retry = False, 0.0
 
     def start(self) -> None:
         """Begin serving."""
@@ -133,6 +135,9 @@ class ControlServer:
                     self._on_tick()
                 except Exception:
                     log.exception("kvstrata: control server tick failed")
+                if self._accept_paused and time.monotonic() >= self._accept_retry:
+                    self._accept_paused = False
+                    self._selector.register(self._listener, selectors.EVENT_READ, None)
                 for key, mask in events:
                     if key.data is None:
                         self._accept()
@@ -154,7 +159,16 @@ class ControlServer:
     def _accept(self) -> None:
         try:
             sock, _ = self._listener.accept()
-        except OSError:
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                # the waiting connection keeps the port readable: stop watching it for a
+                # tick instead of spinning until a descriptor frees up
+                if not self._accept_paused:
+                    log.warning("kvstrata: control server %s cannot accept (%s); retrying "
+                                "every %.2f s", self.address, exc.strerror, self._tick)
+                self._accept_paused = True
+                self._accept_retry = time.monotonic() + self._tick
+                self._selector.unregister(self._listener)
             return
         if len(self._peers) >= MAX_CONNECTIONS:
             sock.close()
@@ -193,7 +207,13 @@ class ControlServer:
                 return
             body = bytes(peer.inbox[FRAME.size:FRAME.size + length])
             del peer.inbox[:FRAME.size + length]
-            peer.outbox = _frame(self._handler(body))
+            try:
+                reply = self._handler(body)
+            except Exception:
+                log.exception("kvstrata: control server %s failed a request", self.address)
+                self._drop(peer)
+                return
+            peer.outbox = _frame(reply)
             if not self._flush(peer):
                 return
 
@@ -236,8 +256,11 @@ class ControlChannel:
 
     def call(self, request: dict, wait: bool = True) -> dict:
         """Send ``request`` and, with ``wait``, return the reply with its id."""
-        with self._lock:
-            deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic() + self.timeout
+        if not self._lock.acquire(timeout=self.timeout):
+            raise LeaseError(f"{self.control} did not answer within {self.timeout:.1f} s "
+                             f"(other calls on this channel held it)")
+        try:
             request_id = next(self._ids)
             try:
                 sock = self._connected(deadline)
@@ -261,6 +284,11 @@ class ControlChannel:
                     raise LeaseError(f"{self.control} did not answer within "
                                      f"{self.timeout:.1f} s") from None
                 raise LeaseError(f"{self.control}: {type(exc).__name__}: {exc}") from None
+            except BaseException:             # interrupted mid-frame: the stream is unusable
+                self._close()
+                raise
+        finally:
+            self._lock.release()
 
     def close(self) -> None:
         """Close the connection (a later call opens a new one)."""

@@ -31,6 +31,7 @@ import msgpack
 import numpy as np
 import xxhash
 
+from ..physical import checksum as _checksum
 from ..physical.checksum import native_range_checksums
 from ..physical.storage.base import MemoryStorage
 from ..protocol.layout_codec import SharedLayout
@@ -141,7 +142,11 @@ class BlockSetImporter:
         block_bytes = sum(n for _, n in local[:per_block])
         step = max(1, BATCH_BYTES // max(1, block_bytes))
         deadline = time.monotonic() + timeout
-        job = _VerifyJob(self._memory, local, per_block, checksums)
+        native = _checksum.BATCH_VERIFIER is not None
+        job = (_NativeVerifyJob if native else _VerifyJob)(self._memory, local, per_block,
+                                                           checksums, step)
+        if native:
+            self._verifier.wake(job)          # once: it hashes each batch as it arrives
         try:
             for first in range(0, blocks, step):
                 stop = min(first + step, blocks)
@@ -151,7 +156,7 @@ class BlockSetImporter:
                 job.add(first, stop)
                 if job.waiting() > LAG_BATCHES:   # the verifying thread is behind: help it
                     job.hash_newest()
-                else:
+                elif not native:
                     self._verifier.wake(job)
         finally:
             job.finish()
@@ -359,7 +364,7 @@ class _VerifyJob:
     the newest, which it has just copied and still holds in its cache."""
 
     def __init__(self, memory: "_LocalMemory", local: list, per_block: int,
-                 checksums: Sequence[int]) -> None:
+                 checksums: Sequence[int], step: int) -> None:
         self._memory, self._per_block = memory, per_block
         self._addresses, self._lengths = memory.arrays(local)        # checked once, here
         self._expected = np.array(checksums, dtype=np.uint64)
@@ -377,8 +382,8 @@ class _VerifyJob:
         """Batches arrived and not taken by either thread."""
         return len(self._todo)
 
-    def hash_oldest(self) -> None:
-        """Hash the oldest waiting batch, if any (the verifying thread)."""
+    def serve(self) -> None:
+        """Hash the oldest waiting batch, if any (the verifying thread, once per wake-up)."""
         self._hash(self._todo.popleft)
 
     def hash_newest(self) -> None:
@@ -415,6 +420,63 @@ class _VerifyJob:
                 self._idle.notify_all()
 
 
+class _NativeVerifyJob:
+    """:class:`_VerifyJob`'s contract with the hand-over in C (``verify_batches`` in
+    ``_tokenhash.c``): the verifying thread is woken once per read and hashes each batch as
+    the reading thread reports it arrived, never taking the GIL, so the reading thread never
+    waits for it between copies (handing over each batch in Python cost ~0.6 ms of a 13 ms
+    read of 128 MiB). Batches are claimed oldest first by either thread."""
+
+    def __init__(self, memory: "_LocalMemory", local: list, per_block: int,
+                 checksums: Sequence[int], step: int) -> None:
+        self._addresses, self._lengths = memory.arrays(local)        # checked once, here
+        self._expected = np.array(checksums, dtype=np.uint64)
+        self._bad = np.zeros(len(self._expected), dtype=np.uint8)
+        self._state = np.zeros(4, dtype=np.uint32)     # arrived | finished, claimed, done, failed
+        self._per_block, self._step = per_block, step
+        self._arrived = 0
+        self._verify, self._report = _checksum.BATCH_VERIFIER
+        self.error: BaseException | None = None
+
+    def add(self, first: int, stop: int) -> None:
+        """Blocks ``[first, stop)`` (the next batch) have arrived."""
+        self._arrived += 1
+        self._report(self._state, self._arrived, False)
+
+    def waiting(self) -> int:
+        """Batches arrived and not taken by either thread."""
+        return self._arrived - int(self._state[1])
+
+    def serve(self) -> None:
+        """Hash batches as they arrive until :meth:`finish` (the verifying thread)."""
+        self._call(0)
+
+    def hash_newest(self) -> None:
+        """Hash the oldest waiting batch (the reading thread, when the verifier is behind)."""
+        self._call(1)
+
+    def finish(self) -> None:
+        """Hash what is left, then wait for the batch the verifying thread may be hashing."""
+        try:
+            self._call(2)
+        finally:
+            if not self._state[0] & 0x80000000:   # the call failed: let the thread go anyway
+                self._report(self._state, self._arrived, True)
+        if self._state[3] and self.error is None:
+            self.error = MemoryError("no xxh3 streaming state")
+
+    @property
+    def bad(self) -> list[int]:
+        return np.flatnonzero(self._bad).tolist()
+
+    def _call(self, mode: int) -> None:
+        try:
+            self._verify(self._state, self._addresses, self._lengths, self._expected, self._bad,
+                         self._per_block, self._step, mode, LAG_BATCHES)
+        except BaseException as exc:
+            self.error = exc
+
+
 class _Verifier:
     """The importer's verifying thread: hashes the batches of verified reads
     (:class:`_VerifyJob`) that have arrived while the reading thread copies the next one.
@@ -426,9 +488,10 @@ class _Verifier:
         self._thread = threading.Thread(target=self._run, name=f"{name}-verify", daemon=True)
         self._thread.start()
 
-    def wake(self, job: _VerifyJob) -> None:
-        """Hash ``job``'s oldest waiting batch, if one is still waiting when this thread
-        gets to it."""
+    def wake(self, job: "_VerifyJob | _NativeVerifyJob") -> None:
+        """Serve ``job``: a :class:`_VerifyJob`'s oldest waiting batch, if one is still
+        waiting when this thread gets to it; a :class:`_NativeVerifyJob`'s batches until it
+        finishes."""
         self._wakeups.put(job)
 
     def _run(self) -> None:
@@ -436,7 +499,7 @@ class _Verifier:
             job = self._wakeups.get()
             if job is None:
                 return
-            job.hash_oldest()
+            job.serve()
 
     def close(self) -> None:
         """Stop the thread after the wake-ups already given. Idempotent."""
