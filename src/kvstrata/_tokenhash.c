@@ -33,8 +33,8 @@
  * uint32 array of 4: [arrived | FINISHED, claimed, done, failed]; batch b is blocks
  * [b * step, (b + 1) * step) of `expected` (uint64 per block); a block whose checksum differs
  * gets bad[block] = 1 (uint8 per block). The reading thread calls verify_arrived after each
- * batch it copied (with `finished` true, it also lets the verifying thread go: a reader whose
- * last call failed must not leave that thread waiting); mode 0 (the verifying thread) claims and hashes the oldest arrived batch
+ * batch it copied (with `finished` true it gives up: the batches nobody claimed are skipped,
+ * `failed` is set, the verifying thread is let go and waited for); mode 0 (the verifying thread) claims and hashes the oldest arrived batch
  * until FINISHED is set and none is left; mode 1 (the reading thread) hashes the oldest one
  * if more than `lag` wait, and returns whether it did; mode 2 (the reading thread, last)
  * hashes what is left, sets FINISHED and waits until every claimed batch is done. Batches
@@ -303,8 +303,11 @@ static int verify_one(verify_job *job, uint32_t lag) {
                                         __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
             break;
     }
-    Py_ssize_t first = (Py_ssize_t)claimed * job->step;
-    Py_ssize_t stop = first + job->step < job->blocks ? first + job->step : job->blocks;
+    /* step <= blocks (checked), so a claim past the last batch is empty, never an overflow */
+    Py_ssize_t batches = (job->blocks + job->step - 1) / job->step;
+    Py_ssize_t first = (Py_ssize_t)claimed < batches ? (Py_ssize_t)claimed * job->step
+                                                     : job->blocks;
+    Py_ssize_t stop = job->blocks - first > job->step ? first + job->step : job->blocks;
     if (first < stop) {
         if (job->per_block > 1 && job->stream == NULL) {
             __atomic_store_n(&state[V_FAILED], 1, __ATOMIC_SEQ_CST);
@@ -343,15 +346,59 @@ static void verify_finish(verify_job *job) {            /* mode 2 */
     }
 }
 
-/* A C-contiguous writable buffer of exactly `count` items of `itemsize` bytes, or -1. */
-static int get_writable(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, Py_ssize_t count) {
-    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) return -1;
+/* A C-contiguous writable buffer of exactly `count` native items of format `code` ('I':
+ * uint32, 4-byte aligned for the futexes; 'B': uint8), or -1 with an exception set. */
+static int get_writable(PyObject *obj, Py_buffer *view, char code, Py_ssize_t count) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT) < 0) {
+        if (PyErr_ExceptionMatches(PyExc_BufferError)) {
+            PyErr_Clear();
+            PyErr_SetString(PyExc_TypeError, "verify: state and bad must be writable arrays");
+        }
+        return -1;
+    }
+    const char *fmt = view->format ? view->format : "B";
+    if (fmt[0] == '=' || fmt[0] == '<' || fmt[0] == '@') fmt++;
+    Py_ssize_t itemsize = code == 'I' ? 4 : 1;
+    int format_ok = view->itemsize == itemsize &&
+                    (code == 'I' ? (strcmp(fmt, "I") == 0 ||
+                                    (sizeof(unsigned long) == 4 && strcmp(fmt, "L") == 0))
+                                 : (strcmp(fmt, "B") == 0 || strcmp(fmt, "?") == 0));
+    if (!format_ok || ((uintptr_t)view->buf & (uintptr_t)(itemsize - 1))) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_TypeError, code == 'I' ? "verify: state must be aligned uint32"
+                                                     : "verify: bad must be uint8");
+        return -1;
+    }
     if (view->len != itemsize * count) {
         PyBuffer_Release(view);
-        PyErr_SetString(PyExc_ValueError, "verify_batches: a buffer of the wrong size");
+        PyErr_SetString(PyExc_ValueError, "verify: a buffer of the wrong size");
         return -1;
     }
     return 0;
+}
+
+/* The reader gives up (its last call failed): claim every arrived batch not claimed yet as
+ * done without hashing it, set FINISHED, then wait for the batch the verifying thread may be
+ * hashing, so nothing reads the read's memory once this returns. */
+static void verify_abandon(uint32_t *state) {
+    uint32_t claimed = __atomic_load_n(&state[V_CLAIMED], __ATOMIC_SEQ_CST);
+    __atomic_or_fetch(&state[V_ARRIVED], VERIFY_FINISHED, __ATOMIC_SEQ_CST);
+    for (;;) {
+        uint32_t arrived = __atomic_load_n(&state[V_ARRIVED], __ATOMIC_SEQ_CST) & VERIFY_COUNT;
+        if (claimed >= arrived) break;
+        if (__atomic_compare_exchange_n(&state[V_CLAIMED], &claimed, arrived, 0,
+                                        __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+            __atomic_add_fetch(&state[V_DONE], arrived - claimed, __ATOMIC_SEQ_CST);
+            break;
+        }
+    }
+    __atomic_store_n(&state[V_FAILED], 1, __ATOMIC_SEQ_CST);
+    futex_wake_all(&state[V_ARRIVED]);
+    for (;;) {
+        uint32_t done = __atomic_load_n(&state[V_DONE], __ATOMIC_SEQ_CST);
+        if (done >= __atomic_load_n(&state[V_CLAIMED], __ATOMIC_SEQ_CST)) return;
+        futex_wait_for_change(&state[V_DONE], done);
+    }
 }
 
 static PyObject *py_verify_arrived(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -361,15 +408,25 @@ static PyObject *py_verify_arrived(PyObject *self, PyObject *const *args, Py_ssi
     }
     Py_ssize_t count = PyLong_AsSsize_t(args[1]);
     if (count == -1 && PyErr_Occurred()) return NULL;
+    if (count < 0 || count > (Py_ssize_t)VERIFY_COUNT) {
+        PyErr_SetString(PyExc_ValueError, "verify_arrived: count out of range");
+        return NULL;
+    }
     int finished = PyObject_IsTrue(args[2]);
     if (finished < 0) return NULL;
     Py_buffer view;
-    if (get_writable(args[0], &view, 4, 4) < 0) return NULL;
+    if (get_writable(args[0], &view, 'I', 4) < 0) return NULL;
     uint32_t *state = (uint32_t *)view.buf;
-    __atomic_store_n(&state[V_ARRIVED],
-                     ((uint32_t)count & VERIFY_COUNT) | (finished ? VERIFY_FINISHED : 0),
-                     __ATOMIC_SEQ_CST);
+    uint32_t old = __atomic_load_n(&state[V_ARRIVED], __ATOMIC_SEQ_CST);
+    while (!__atomic_compare_exchange_n(&state[V_ARRIVED], &old,
+                                        (uint32_t)count | (old & VERIFY_FINISHED), 0,
+                                        __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {}
     futex_wake_all(&state[V_ARRIVED]);
+    if (finished) {
+        Py_BEGIN_ALLOW_THREADS
+        verify_abandon(state);
+        Py_END_ALLOW_THREADS
+    }
     PyBuffer_Release(&view);
     Py_RETURN_NONE;
 }
@@ -395,16 +452,17 @@ static PyObject *py_verify_batches(PyObject *self, PyObject *const *args, Py_ssi
     if (m < 0) { PyBuffer_Release(&addr_view); goto wrong_type; }
     Py_ssize_t blocks = get_u64_buffer(args[3], &exp_view);
     if (blocks < 0) { PyBuffer_Release(&addr_view); PyBuffer_Release(&len_view); goto wrong_type; }
-    if (m != n || n != blocks * per_block) {
+    if (m != n || n % per_block || n / per_block != blocks) {
         PyErr_SetString(PyExc_ValueError, "verify_batches: ranges do not make the blocks");
         goto release3;
     }
-    if (get_writable(args[0], &state_view, 4, 4) < 0) goto release3;
-    if (get_writable(args[4], &bad_view, 1, blocks) < 0) {
+    if (get_writable(args[0], &state_view, 'I', 4) < 0) goto release3;
+    if (get_writable(args[4], &bad_view, 'B', blocks) < 0) {
         PyBuffer_Release(&state_view);
         goto release3;
     }
-    uint64_t *sums = PyMem_RawMalloc((size_t)(step > 0 ? step : 1) * sizeof(uint64_t));
+    if (step > blocks) step = blocks > 0 ? blocks : 1;       /* one batch: all of them */
+    uint64_t *sums = PyMem_RawMalloc((size_t)step * sizeof(uint64_t));
     if (sums == NULL) {
         PyBuffer_Release(&state_view);
         PyBuffer_Release(&bad_view);
@@ -418,7 +476,8 @@ static PyObject *py_verify_batches(PyObject *self, PyObject *const *args, Py_ssi
     Py_BEGIN_ALLOW_THREADS
     if (per_block > 1) job.stream = xxh3_create();
     if (mode == 0) verify_run(&job);
-    else if (mode == 1) result = verify_one(&job, (uint32_t)lag);
+    else if (mode == 1) result = verify_one(&job, lag > (long)UINT32_MAX ? UINT32_MAX
+                                                                          : (uint32_t)lag);
     else verify_finish(&job);
     if (job.stream != NULL) xxh3_free(job.stream);
     Py_END_ALLOW_THREADS
