@@ -24,6 +24,7 @@ from kvstrata.remote.control import (MAX_CONNECTIONS, ControlChannel, ControlSer
 from kvstrata.remote.errors import LeaseError
 from kvstrata.remote.nixl_agent import nixl_available
 
+
 needs_nixl = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed")
 MAX_REQUEST = 1 << 20
 
@@ -148,46 +149,6 @@ def _guard(behave, conn):
 
 def read_request(conn: socket.socket) -> dict:
     return msgpack.unpackb(read_frame(conn), raw=False)
-
-
-# -- the exporter (NIXL needed, no manager) -----------------------------------------------
-class Pins:
-    """A pool stand-in: holds hashes 1..8 at slots 10..17."""
-
-    def __init__(self) -> None:
-        self.pinned: list[list[int]] = []
-        self.unpinned: list[list[int]] = []
-        self.lock = threading.Lock()
-
-    def pin(self, hs):
-        held = []
-        for h in hs:
-            if not 1 <= h <= 8:
-                break
-            held.append((h, h + 9, h * 1000))
-        token = [h for h, _, _ in held]
-        with self.lock:
-            self.pinned.append(token)
-        return held, token
-
-    def unpin(self, token):
-        with self.lock:
-            self.unpinned.append(token)
-
-
-@pytest.fixture
-def exporter():
-    from kvstrata.physical.storage.host import HostStorage
-    from kvstrata.protocol.layout import LayoutConfig
-    from kvstrata.remote.exporter import BlockExporter
-
-    storage = HostStorage(LayoutConfig(num_blocks=32, num_layers=2, outer_dim=2, page_size=4,
-                                       inner_dim=16))
-    pins = Pins()
-    ex = BlockExporter("control-hostile", "G2", storage, pins.pin, pins.unpin)
-    yield ex, pins
-    ex.close()
-    storage.close()
 
 
 # == the server under hostile readers ========================================================

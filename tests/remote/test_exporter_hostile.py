@@ -15,6 +15,8 @@ from kvstrata.remote.errors import LeaseError
 from kvstrata.remote.lease import MAX_TTL, LeaseTable
 from kvstrata.remote.nixl_agent import nixl_available
 
+from .pool_stand_in import Pins
+
 
 class Clock:
     def __init__(self) -> None:
@@ -22,27 +24,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.t
-
-
-class Pins:
-    """A pool stand-in: holds hashes 1..8 at slots 10..17."""
-
-    def __init__(self) -> None:
-        self.pinned: list[list[int]] = []
-        self.unpinned: list[list[int]] = []
-
-    def pin(self, hashes):
-        held = []
-        for h in hashes:
-            if not 1 <= h <= 8:
-                break
-            held.append((h, h + 9, h * 1000))
-        token = [h for h, _, _ in held]
-        self.pinned.append(token)
-        return held, token
-
-    def unpin(self, token):
-        self.unpinned.append(token)
 
 
 def test_lease_table_grants_prefixes_caps_ttl_expires_and_closes():
@@ -67,21 +48,6 @@ def test_lease_table_grants_prefixes_caps_ttl_expires_and_closes():
 
 
 needs_nixl = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed")
-
-
-@pytest.fixture
-def exporter():
-    from kvstrata.physical.storage.host import HostStorage
-    from kvstrata.protocol.layout import LayoutConfig
-    from kvstrata.remote.exporter import BlockExporter
-
-    storage = HostStorage(LayoutConfig(num_blocks=32, num_layers=2, outer_dim=2, page_size=4,
-                                       inner_dim=16))
-    pins = Pins()
-    ex = BlockExporter("hostile-test", "G2", storage, pins.pin, pins.unpin)
-    yield ex, pins
-    ex.close()
-    storage.close()
 
 
 def ask(control: str, body: bytes, timeout_ms: int = 5000, length: int | None = None):
