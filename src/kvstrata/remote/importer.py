@@ -48,8 +48,9 @@ BATCH_BYTES = 4 << 20
 block): small enough to be hashed from the CPU's cache right after it arrives."""
 LAG_BATCHES = 2
 """Batches a verified read lets wait for the verifying thread; beyond that (it gets no CPU)
-the reading thread hashes the batch it has just copied itself. One batch of lag is normal:
-the verifying thread takes a batch only once it holds the GIL again."""
+the reading thread hashes one itself (with the Python hand-over the one it has just copied,
+with the native one the oldest). One batch of lag is normal: the verifying thread needs a
+wake-up (and, with the Python hand-over, the GIL) before it takes a batch."""
 
 
 @dataclass(frozen=True)
@@ -143,8 +144,8 @@ class BlockSetImporter:
         step = max(1, BATCH_BYTES // max(1, block_bytes))
         deadline = time.monotonic() + timeout
         native = _checksum.BATCH_VERIFIER is not None
-        job = (_NativeVerifyJob if native else _VerifyJob)(self._memory, local, per_block,
-                                                           checksums, step)
+        job = (_NativeVerifyJob(self._memory, local, per_block, checksums, step) if native
+               else _VerifyJob(self._memory, local, per_block, checksums))
         if native:
             self._verifier.wake(job)          # once: it hashes each batch as it arrives
         try:
@@ -364,7 +365,7 @@ class _VerifyJob:
     the newest, which it has just copied and still holds in its cache."""
 
     def __init__(self, memory: "_LocalMemory", local: list, per_block: int,
-                 checksums: Sequence[int], step: int) -> None:
+                 checksums: Sequence[int]) -> None:
         self._memory, self._per_block = memory, per_block
         self._addresses, self._lengths = memory.arrays(local)        # checked once, here
         self._expected = np.array(checksums, dtype=np.uint64)
