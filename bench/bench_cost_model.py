@@ -26,7 +26,9 @@ for the 10 MB/s link), or, where no cgroup can be made, to the idle scheduling c
 default. Optional: ``g4fast-on`` / ``g4fast-off``, the small G2 over G4 with no proxy (loading
 from a local SeaweedFS still beats recompute); ``g2only-on``, slow's G2 with no G4 under it
 (returning turns find nothing and recompute, as slow's do; beside ``slow-on`` it shows what
-the G4 tier's uploads cost a recompute); ``recompute-again``, a second null-connector
+the G4 tier's uploads cost a recompute); ``slow-unpaced`` / ``mixed-unpaced``, ``-on`` with
+``yield_to_forward: false`` (uploads do not wait for the forward to end: what pacing them
+saves); ``recompute-again``, a second null-connector
 engine run last: the same turns recomputed twice in one run, whose worst per-turn ratio is
 what the machine alone moves a turn (the per-turn goal cannot be judged finer than that).
 
@@ -68,7 +70,8 @@ from _standin import DEFAULT_SHARE, StandinStore
 
 SETTINGS = ("fast", "slow", "mixed")
 CONFIGS = ("recompute", *(f"{s}-{m}" for s in SETTINGS for m in ("on", "off")))
-EXTRA_CONFIGS = ("g4fast-on", "g4fast-off", "g2only-on", "recompute-again")
+EXTRA_CONFIGS = ("g4fast-on", "g4fast-off", "g2only-on", "recompute-again", "slow-unpaced",
+                 "mixed-unpaced")
 GOAL_TURN = 1.10        # a returning turn with the cost model on <= 1.10x its recompute
 GOAL_MEDIAN = 1.10      # median with it on <= 1.10x the better of always and never load
 
@@ -89,10 +92,18 @@ def kv_transfer_config(name: str, args: argparse.Namespace, g4_url: str | None,
     tiers: dict = {"G2": {"bytes": g2}}
     if setting not in ("fast", "g2only"):
         tiers["G4"] = {"bytes": args.g4, "url": g4_url}
+    extra = {"tiers": tiers, "cost_aware": mode != "off",
+             "tenant": f"b{os.getpid()}r{run}{name.replace('-', '')}"}
+    if mode == "unpaced":
+        extra["yield_to_forward"] = False
     return {"kv_connector": "KvStrataConnector",
             "kv_connector_module_path": "kvstrata.connectors.vllm", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"tiers": tiers, "cost_aware": mode == "on",
-                                          "tenant": f"b{os.getpid()}r{run}{name.replace('-', '')}"}}
+            "kv_connector_extra_config": extra}
+
+
+def cost_model_on(name: str) -> bool:
+    """Whether configuration ``name`` runs kvstrata with the cost model on."""
+    return name.endswith(("-on", "-unpaced"))
 
 
 def returning(result: dict) -> dict[tuple[int, int], dict]:
@@ -125,10 +136,14 @@ def report(results: dict[str, dict], args: argparse.Namespace) -> dict:
                                        sorted(m.items()) if k.startswith(key + "{") and v)
         where = by_tier("kvstrata_blocks_loaded") or "-"
         skipped = by_tier("kvstrata_tokens_not_loaded")
+        held = " ".join(f"{k[len('kvstrata_writes_held_seconds') + 1:-1]} {v:.1f} s"
+                        for k, v in sorted(m.items())
+                        if k.startswith("kvstrata_writes_held_seconds{") and v)
         print(f"{name:<12} {median * 1e3:>9,.0f} ms "
               f"{median / rec_median if rec_median else float('nan'):>12.2f} {loaded:>14,.0f} "
               f"{max(ratios) if ratios else float('nan'):>18.2f}  blocks {where}"
-              + (f" / tokens {skipped}" if skipped else ""))
+              + (f" / tokens {skipped}" if skipped else "")
+              + (f"; writes held during forwards: {held}" if held else ""))
         setting, mode = name.rsplit("-", 1)
         row = summary["settings"].setdefault(setting, {})
         row[mode] = {"median_ms": median * 1e3, "worst_turn_x_recompute": max(ratios, default=None),
@@ -153,7 +168,7 @@ def report(results: dict[str, dict], args: argparse.Namespace) -> dict:
         print(base.result_line(f"cost_model_{setting}_median", on["median_ms"], better, "ms",
                                goal=f"<={GOAL_MEDIAN}"))
     for name, r in results.items():
-        if name.endswith("-on"):
+        if cost_model_on(name):
             over_goal(name, returning(r), rec)
     same_turns_twice(returning(results.get("recompute-again", {})), rec, summary)
     noisy = {n: r["other_cpu_share"] for n, r in results.items()
@@ -365,7 +380,7 @@ def over_runs(runs: list[dict[str, dict]]) -> dict:
     for results in runs:
         rec = returning(results.get("recompute", {}))
         for name, r in results.items():
-            if not (name.endswith("-on") or name == "recompute-again"):
+            if not (cost_model_on(name) or name == "recompute-again"):
                 continue
             for key, t in returning(r).items():
                 if key in rec:

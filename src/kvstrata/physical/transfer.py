@@ -19,7 +19,11 @@ Usage::
   in flight. :meth:`TransferEngine.submit` waits (sleeping) for room up to ``timeout`` and then
   raises :class:`EngineBusyError`. With ``store_nice``, the threads of paths away from the
   engine (stores) run at that CPU niceness: background work that yields to the engine's
-  compute where the engine uses every core.
+  compute where the engine uses every core. With a ``pacer``
+  (:class:`~kvstrata.physical.pacing.ForwardPacer`), the writes away from the engine that do
+  not read its memory (host -> disk, host/disk -> object) also wait while the engine's
+  forward runs: a disk plan before it starts, an object batch before each PUT. The time a
+  plan was held back is reported apart (``TransferResult.held_seconds``), not in ``seconds``.
 * Each plan is one batched call per storage pair: a copy engine call between memory layouts
   (:mod:`~kvstrata.physical.copy`), coalesced ``preadv``/``pwritev`` for disk, concurrent
   requests for the object store.
@@ -42,6 +46,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
+from contextlib import nullcontext
 from typing import Callable, Mapping
 
 from ..protocol.layout import FullyContiguousLayout
@@ -51,6 +56,7 @@ from ..tiers import (Addressing, TierKind, UnknownTierError, is_onboard, ordered
                      spec, split_path)
 from .buffers import AlignedBuffer
 from .copy import OFFLOAD, ONBOARD, CopyEngine, default_copy_engine
+from .pacing import ForwardPacer
 from .errors import (BlockFailure, BlockIOError, EngineBusyError, EngineClosedError,
                      FailureKind, StorageConfigError, TransferPlanError)
 from .storage.base import BlockMemory, MemoryStorage, Storage
@@ -82,9 +88,11 @@ class TransferEngine:
     def __init__(self, storages: Mapping[str, Storage], *, copy_engine: CopyEngine | None = None,
                  workers_per_path: int = 1, queue_depth: int = 64,
                  staging_bytes: int = 32 << 20, hash_slice_bytes: int = 8 << 20,
-                 worker: int = 0, store_nice: int = 0) -> None:
+                 worker: int = 0, store_nice: int = 0,
+                 pacer: ForwardPacer | None = None) -> None:
         self._storages = dict(storages)
         self.store_nice = store_nice
+        self.pacer = pacer
         self.worker = worker
         self.hash_slice_bytes = hash_slice_bytes
         self._check_storages()
@@ -109,6 +117,7 @@ class TransferEngine:
             path_name(a, b): by_kinds[spec(a).kind, spec(b).kind]
             for a in tiers for b in tiers if (spec(a).kind, spec(b).kind) in by_kinds}
         self.paths = tuple(self._handlers)
+        self._paced_paths = frozenset(p for p in self.paths if _is_background_write(p))
         self._queues = {p: queue.Queue(maxsize=max(1, queue_depth)) for p in self.paths}
         self._local = threading.local()
         self._lock = threading.Lock()
@@ -236,26 +245,38 @@ class TransferEngine:
         failures: dict[int, BlockFailure] = {}
         checksums: list[int | None] = [None] * len(plan)
         error = None
+        pacing = (self.pacer.plan() if self.pacer is not None
+                  and plan.path in self._paced_paths else None)
+        # an object batch paces each of its PUTs (its handler reads this); others whole
+        self._local.pacing = pacing
+        whole_plan = (pacing.request() if pacing is not None
+                      and spec(plan.dst_tier).kind is not TierKind.OBJECT else nullcontext())
         try:
-            self._handlers[plan.path](plan, self._storages[plan.src_tier],
-                                      self._storages[plan.dst_tier], failures, checksums)
+            with whole_plan:
+                self._handlers[plan.path](plan, self._storages[plan.src_tier],
+                                          self._storages[plan.dst_tier], failures, checksums)
         except Exception as exc:   # a bug or a dead storage: the whole batch failed
             error = f"{type(exc).__name__}: {exc}"
             ids = plan.dst_block_ids or (-1,) * len(plan)      # keys: no block ids
             for pos, block_id in enumerate(ids):
                 failures.setdefault(pos, BlockFailure(pos, block_id, FailureKind.INTERNAL, error))
+        finally:
+            self._local.pacing = None
+        held = pacing.held_seconds if pacing is not None else 0.0
+        seconds = max(time.perf_counter() - start - held, 0.0)
         n = len(plan)
         block_bytes = self._block_bytes
         if not failures:   # the common case, without per-block Python work
             return TransferResult(plan=plan, ok=(True,) * n, checksums=tuple(checksums),
-                                  bytes_moved=n * block_bytes,
-                                  seconds=time.perf_counter() - start, error=error)
+                                  bytes_moved=n * block_bytes, seconds=seconds, error=error,
+                                  held_seconds=held)
         ok = tuple(pos not in failures for pos in range(n))
         return TransferResult(
             plan=plan, ok=ok,
             checksums=tuple(c if good else None for c, good in zip(checksums, ok)),
-            bytes_moved=sum(ok) * block_bytes, seconds=time.perf_counter() - start,
-            failures=tuple(sorted(failures.values(), key=lambda f: f.position)), error=error)
+            bytes_moved=sum(ok) * block_bytes, seconds=seconds,
+            failures=tuple(sorted(failures.values(), key=lambda f: f.position)), error=error,
+            held_seconds=held)
 
     # ------------------------------------------------------------------ path handlers
     def _device_to_host(self, plan, device, host, failures, checksums) -> None:
@@ -363,8 +384,8 @@ class TransferEngine:
 
     def _host_to_object(self, plan, host, objects, failures, checksums) -> None:
         self._from_host(plan, host, lambda good, sources, seqs, known: objects.put_blocks(
-            [plan.dst_keys[p] for p in good], sources, seqs, checksums=known),
-            failures, checksums)
+            [plan.dst_keys[p] for p in good], sources, seqs, checksums=known,
+            pacing=self._local.pacing), failures, checksums)
 
     def _disk_to_object(self, plan, disk, objects, failures, checksums) -> None:
         """G3 -> G4 through the staging buffer: only blocks the disk verified are put, with
@@ -378,7 +399,7 @@ class TransferEngine:
                 sums = objects.put_blocks([plan.dst_keys[p] for p in chosen],
                                           [staged[i * stride:(i + 1) * stride] for i in good],
                                           [plan.sequence_hashes[p] for p in chosen],
-                                          checksums=known)
+                                          checksums=known, pacing=self._local.pacing)
             except BlockIOError as exc:
                 _remap(exc.failures, chosen, failures)
                 sums = exc.checksums or [None] * len(chosen)
@@ -439,6 +460,13 @@ class TransferEngine:
         layouts = [s.layout for s in self._storages.values()]
         for layout in layouts[1:]:
             layouts[0].require_compatible(layout)
+
+
+def _is_background_write(path: str) -> bool:
+    """Whether ``path`` writes away from the engine without reading the engine's own memory
+    (the writes a :class:`~kvstrata.physical.pacing.ForwardPacer` holds back)."""
+    source, target = split_path(path)
+    return not is_onboard(source, target) and spec(source).kind is not TierKind.DEVICE
 
 
 def _check_host_source(host: HostStorage, plan: TransferPlan,

@@ -200,8 +200,12 @@ class PlacementState:
                 listener.skipped(tier, reason, count)
 
     def transfer_done(self, job: Job, ok_blocks: int, nbytes: int, busy: float,
-                      failures: Iterable[tuple[str, int]]) -> None:
+                      failures: Iterable[tuple[str, int]], held: float = 0.0) -> None:
+        """Tell the listeners a job's copy ended; ``held`` seconds of it were spent held
+        back on purpose (paced), which is not the path's latency."""
         latency = time.perf_counter() - job.taken_at if job.taken_at else 0.0
+        if latency:
+            latency = max(latency - held, busy)
         failures = list(failures)
         for listener in self.listeners:
             listener.transfer_done(job.path, ok_blocks, nbytes, busy, latency, failures)

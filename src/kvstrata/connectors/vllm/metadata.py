@@ -125,5 +125,6 @@ def combine(results: list[TransferResult]) -> TransferResult:
                           sum(r.bytes_moved for r in results),
                           max(r.seconds for r in results),
                           tuple(failures[i] for i in sorted(failures)),
-                          "; ".join(errors) if errors else None)
+                          "; ".join(errors) if errors else None,
+                          max(r.held_seconds for r in results))
 

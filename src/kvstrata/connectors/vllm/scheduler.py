@@ -61,6 +61,8 @@ class ConnectorCounters:
     them; ``no_slot``: every free slot was taken by copies in flight)."""
     tokens_not_loaded: dict[str, int] = field(default_factory=dict)
     """Tokens held in a tier but recomputed because loading them was estimated slower."""
+    writes_held_seconds: dict[str, float] = field(default_factory=dict)
+    """Seconds writes to a tier were held back while the engine's forward ran."""
 
     def as_dict(self) -> dict[str, Any]:
         return {"lookups": self.lookups, "tokens_matched": dict(self.tokens_matched),
@@ -68,7 +70,8 @@ class ConnectorCounters:
                 "blocks_load_failed": self.blocks_load_failed,
                 "blocks_offered": self.blocks_offered, "requests_held": self.requests_held,
                 "blocks_not_stored": dict(self.blocks_not_stored),
-                "tokens_not_loaded": dict(self.tokens_not_loaded)}
+                "tokens_not_loaded": dict(self.tokens_not_loaded),
+                "writes_held_seconds": dict(self.writes_held_seconds)}
 
 
 class _Tracked:
@@ -286,6 +289,11 @@ class SchedulerHalf:
         if isinstance(report, WorkerReport) and report.results:
             combined = [c for rank, r in report.results
                         if (c := self._results.add(rank, r)) is not None]
+            held = self.counters.writes_held_seconds
+            for result in combined:
+                if result.held_seconds:
+                    tier = result.plan.dst_tier
+                    held[tier] = held.get(tier, 0.0) + result.held_seconds
             if combined:
                 try:
                     self.planner.complete(combined)

@@ -34,6 +34,9 @@ key                    meaning                                     default
 ``store_nice``         CPU niceness (0-19) of the worker's store   10
                        threads: stores yield the cores to the
                        engine's forward
+``yield_to_forward``   writes to G3/G4 wait while vLLM's forward   ``"auto"``: when vLLM
+                       runs (at most 5 s each): ``true``,          computes on the CPU
+                       ``false`` or ``"auto"``
 ``peers``              control addresses of other engines'         none
                        exports: a prefix they hold is read from
                        their G2 into vLLM's cache over NIXL
@@ -67,7 +70,8 @@ DEFAULT_TIERS: dict[str, TierConfig] = {first_of_kind(TierKind.HOST): TierConfig
 
 _KNOWN = {"tiers", "disk_dir", "eviction", "admission", "events", "verify_host_reads",
           "o_direct", "load", "store", "worker_id", "config", "fail_on_load_error",
-          "list_interval", "tenant", "cost_aware", "export", "peers", "store_nice"}
+          "list_interval", "tenant", "cost_aware", "export", "peers", "store_nice",
+          "yield_to_forward"}
 
 
 _CONTROL = re.compile(r"tcp://[A-Za-z0-9.\-]{1,253}:[0-9]{1,5}")
@@ -150,6 +154,9 @@ class ConnectorSettings:
     """Control addresses of other engines' exports to read prefixes from."""
     store_nice: int = 10
     """CPU niceness of the worker's store threads (0: as the engine's)."""
+    yield_to_forward: bool | None = None
+    """Hold writes to G3/G4 back while vLLM's forward runs
+    (:class:`~kvstrata.physical.pacing.ForwardPacer`); None: when G1 is not on a GPU."""
     list_interval: float = 10.0
     block_layout: str = "vllm"
     """The byte order of vLLM's KV pages as stored (platform, version, attention backend):
@@ -222,6 +229,13 @@ def settings_from(extra: Mapping[str, Any] | None, geometry: KvGeometry,
             or not 0 <= store_nice <= 19:
         problems.append(f"store_nice must be an integer in 0..19, got {store_nice!r}")
         store_nice = 10
+    yield_to_forward = extra.get("yield_to_forward", "auto")
+    if isinstance(yield_to_forward, str) and yield_to_forward == "auto":
+        yield_to_forward = None
+    elif not isinstance(yield_to_forward, bool):
+        problems.append(f"yield_to_forward must be true, false or \"auto\", "
+                        f"got {yield_to_forward!r:.40}")
+        yield_to_forward = None
     export = extra.get("export")
     if export is not None and not (isinstance(export, str) and _CONTROL.fullmatch(export)):
         problems.append(f"export must be tcp://host:port, got {export!r:.60}")
@@ -276,7 +290,8 @@ def settings_from(extra: Mapping[str, Any] | None, geometry: KvGeometry,
     _check_runnable(kv, geometry.workers, block_layout)
     return ConnectorSettings(kv=kv, events=tuple(events), o_direct=o_direct,
                              worker_id=worker_id, export=export, peers=tuple(peers),
-                             store_nice=store_nice, list_interval=float(list_interval),
+                             store_nice=store_nice, yield_to_forward=yield_to_forward,
+                             list_interval=float(list_interval),
                              block_layout=block_layout, **flags)
 
 

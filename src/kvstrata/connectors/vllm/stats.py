@@ -12,7 +12,9 @@ vLLM aggregates, logs ("KV Transfer metrics") and passes to :class:`KvStrataProm
 * ``vllm:kvstrata_blocks_not_stored{tier, reason}`` -- blocks a tier did not take: its
   admission filter refused them, or (``no_slot``) every free slot was in flight;
 * ``vllm:kvstrata_tokens_not_loaded{tier}`` -- prompt tokens held in a tier but recomputed
-  because the cost model estimated loading them slower.
+  because the cost model estimated loading them slower;
+* ``vllm:kvstrata_writes_held_seconds{tier}`` -- seconds writes to a lower tier were held
+  back while the engine's forward ran (``yield_to_forward``).
 
 and, as gauges, what the cost model (:mod:`kvstrata.placement.costs`) estimates now, sent
 when an estimate moved by more than 1 % since last sent:
@@ -32,7 +34,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (KVConnectorPro
 
 __all__ = ["KvStrataStats", "KvStrataPromMetrics", "delta", "estimates", "moved"]
 
-_BY_TIER = ("tokens_matched", "blocks_loaded", "blocks_not_stored", "tokens_not_loaded")
+_BY_TIER = ("tokens_matched", "blocks_loaded", "blocks_not_stored", "tokens_not_loaded",
+            "writes_held_seconds")
 _PLAIN = ("blocks_load_failed", "blocks_offered", "requests_held")
 
 
@@ -128,7 +131,9 @@ class KvStrataPromMetrics(KVConnectorPromMetrics):
             for key, doc in (("tokens_matched", "Prompt tokens kvstrata offered to load, by tier"),
                              ("blocks_loaded", "Blocks kvstrata loaded into the KV cache, by tier"),
                              ("tokens_not_loaded", "Prompt tokens kvstrata held but left to "
-                              "recompute (estimated faster), by tier"))}
+                              "recompute (estimated faster), by tier"),
+                             ("writes_held_seconds", "Seconds kvstrata held writes to a tier "
+                              "back while the engine's forward ran"))}
         self._not_stored = counter(name="vllm:kvstrata_blocks_not_stored",
                                    documentation="Blocks a kvstrata tier did not take, by reason",
                                    labelnames=labelnames + ["tier", "reason"])

@@ -13,6 +13,9 @@ and runs the plans the scheduler half ships each step (:class:`StepOrders`):
   copies are done (it holds finished requests; see ``request_finished``), and when requests
   were preempted ``handle_preemptions`` waits for every copy reading vLLM's KV before the
   forward can overwrite freed blocks;
+* on a CPU engine (``yield_to_forward``) the writes to G3/G4 wait while a forward runs
+  (:class:`~kvstrata.physical.pacing.ForwardPacer`; the forward is the span between
+  :meth:`WorkerHalf.start` and :meth:`WorkerHalf.save`): they take no core from it;
 * every finished plan's :class:`~kvstrata.protocol.TransferResult` goes back to the scheduler
   in the step's :class:`WorkerReport`.
 
@@ -34,6 +37,7 @@ from ...manager.storages import StorageOptions, Storages, build_storages
 from ...physical import DeviceStorage, TransferEngine
 from ...physical.copy import CopyEngine
 from ...physical.errors import LayoutError
+from ...physical.pacing import ForwardPacer
 from ...placement import EngineExecutor
 from ...protocol.plans import TransferPlan
 from ...protocol.results import FailureKind, TransferResult
@@ -105,6 +109,7 @@ class WorkerHalf:
         self._forwards: list[tuple[int, float]] = []
         self._export: G2Export | None = None
         self._remote: RemoteLoader | None = None
+        self.pacer: ForwardPacer | None = None
 
     # -- set-up ----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
@@ -116,8 +121,12 @@ class WorkerHalf:
                                  block_layout=self.settings.block_layout)
         self.storages = build_storages(kv, options)
         self._recovered = self.storages.recovered_rows()
+        pace = self.settings.yield_to_forward
+        if pace is None:              # auto: where the forward computes on the host's cores
+            pace = getattr(g1, "device", None) is None or g1.device.type != "cuda"
+        self.pacer = ForwardPacer() if pace else None
         self.engine = TransferEngine(self.storages.by_tier, copy_engine=self._copy_engine,
-                                     store_nice=self.settings.store_nice)
+                                     store_nice=self.settings.store_nice, pacer=self.pacer)
         self._executor = EngineExecutor(self.engine, self._done.put)
         if self.settings.export:
             self._export = G2Export(self.settings, self.storages.by_tier[HOST], self.rank,
@@ -135,7 +144,10 @@ class WorkerHalf:
 
     # -- per step --------------------------------------------------------------------------
     def start(self, orders: StepOrders) -> None:
-        """Take a step's orders: start every plan that does not read vLLM's KV."""
+        """Take a step's orders (the step's forward is about to run): start every plan that
+        does not read vLLM's KV."""
+        if self.pacer is not None:
+            self.pacer.forward_started()
         for req_id, order in orders.loads.items():
             self._request_jobs[req_id] = set(order.job_ids)
             if order.unloadable:
@@ -163,6 +175,8 @@ class WorkerHalf:
     def save(self) -> None:
         """After the forward: time it if asked, start the stores (they read what the
         forward wrote)."""
+        if self.pacer is not None:
+            self.pacer.forward_ended()
         if self._timing is not None:
             step, started = self._timing
             self._forwards.append((step, time.perf_counter() - started))
@@ -210,6 +224,10 @@ class WorkerHalf:
 
     def shutdown(self) -> None:
         """Finish the copies in flight (bounded wait), then free the storages."""
+        if self.pacer is not None:
+            self.pacer.close()
+            log.info("kvstrata: worker %d held writes to lower tiers back during forwards: "
+                     "%s", self.rank, self.pacer.counters.to_dict())
         self.save()
         self._drain(until=lambda: not self._outstanding)
         if self._remote is not None:
