@@ -65,6 +65,8 @@ class ForwardPacer:
         self._cond = threading.Condition()
         self._forward = False
         self._closed = False
+        self._started = 0          # forwards announced so far; the running one's number
+        self._ended = 0            # the number of the last forward that ended
 
     @property
     def forward_running(self) -> bool:
@@ -75,12 +77,14 @@ class ForwardPacer:
         with self._cond:
             if not self._closed and not self._forward:
                 self._forward = True
+                self._started += 1
                 self.counters.forwards += 1
 
     def forward_ended(self) -> None:
         """The forward ended: whatever waits goes now."""
         with self._cond:
             self._forward = False
+            self._ended = self._started
             self._cond.notify_all()
 
     def close(self) -> None:
@@ -91,17 +95,22 @@ class ForwardPacer:
             self._cond.notify_all()
 
     def wait(self) -> float:
-        """Return once no forward runs (or after :attr:`max_hold` seconds); the seconds
-        waited (0.0 without a forward: no lock is taken then)."""
+        """Return once the forward running now has ended (or after :attr:`max_hold`
+        seconds); the seconds waited (0.0 without a forward: no lock is taken then).
+
+        A waiter goes when *its* forward ends even if the next one has begun by the time it
+        runs again: the gap between two forwards can be shorter than a waiting thread takes
+        to be scheduled (it needs the GIL), and writes must not starve on a busy engine."""
         if not self._forward:
             return 0.0
         with self._cond:
             if not self._forward:
                 return 0.0
+            forward = self._started
             start = self.clock()
             deadline = start + self.max_hold
             overran = False
-            while self._forward:
+            while self._ended < forward and not self._closed:
                 remaining = deadline - self.clock()
                 if remaining <= 0:
                     overran = True

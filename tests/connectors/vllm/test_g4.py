@@ -4,6 +4,7 @@ rank, the prefix another engine stored; a block some rank's store lacks is a mis
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
@@ -144,3 +145,58 @@ def test_a_bucket_behind_a_slow_link_is_recomputed_a_direct_one_loaded(tmp_path,
     finally:
         if link is not None:
             link.close()
+
+
+class _TimedForwardSim(SimEngine):
+    """A simulator whose forwards with work take ``forward_s`` and are recorded, so a test
+    can see when each G4 PUT began against the forwards."""
+
+    forward_s = 0.6
+
+    def _forward(self, rank, scheduled):
+        super()._forward(rank, scheduled)
+        if scheduled:
+            began = time.monotonic()
+            time.sleep(self.forward_s)
+            self.forwards.append((began, time.monotonic()))
+
+
+def _puts_during_forwards(tmp_path, store, yield_to_forward):
+    url, tenant = store
+    sim = _TimedForwardSim(tmp_path, block_size=BS, extra={
+        "tiers": {"G2": {"blocks": 16}, "G4": {"blocks": 512, "url": url}},
+        "list_interval": 3600, "tenant": tenant, "yield_to_forward": yield_to_forward})
+    sim.forwards = []
+    objects = sim.workers[0].storages.by_tier["G4"]
+    objects.max_concurrency = 1      # one PUT after another (set before its pool exists)
+    began: list[float] = []
+    real_put = objects.client.put_if_absent
+
+    def slow_recording_put(key, body):   # a store 0.1 s away: a plan's PUTs spread out
+        began.append(time.monotonic())
+        time.sleep(0.1)
+        return real_put(key, body)
+
+    objects.client.put_if_absent = slow_recording_put
+    sim.add("a", prompt(71, 6 * BS + 1), max_new=2)
+    sim.run()
+    # its 4 blocks go to G4 during its decode forwards (unpaced: 2 of them well inside one)
+    sim.add("b", prompt(72, 4 * BS + 1), max_new=6)
+    sim.run()
+    grace = 0.2        # a PUT that passed the gate just before a forward may begin in it
+    inside = [t for t in began for f0, f1 in sim.forwards if f0 + grace < t < f1]
+    held = dict(sim.scheduler.counters.writes_held_seconds)
+    in_g4 = sim.scheduler.planner.pools["G4"].status().inactive
+    _shutdown(sim)
+    return began, inside, held, in_g4
+
+
+@pytest.mark.parametrize("yield_to_forward", ["auto", False])
+def test_uploads_to_g4_wait_for_the_forward_on_a_cpu_engine(tmp_path, store,
+                                                            yield_to_forward):
+    began, inside, held, in_g4 = _puts_during_forwards(tmp_path, store, yield_to_forward)
+    assert len(began) >= 10 and in_g4 >= 10          # every full block still reached G4
+    if yield_to_forward == "auto":                   # G1 is host memory here: paced
+        assert inside == [] and held.get("G4", 0) > 0
+    else:                                            # the control: PUTs run in forwards
+        assert inside and not held

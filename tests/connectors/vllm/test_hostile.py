@@ -337,6 +337,10 @@ GEOMETRY = KvGeometry(BS, 2, 2, 8, "bfloat16", 64)
     {"o_direct": 1},
     {"worker_id": -1},
     {"worker_id": 1.5},
+    {"yield_to_forward": "yes"},
+    {"yield_to_forward": 1},
+    {"yield_to_forward": None},
+    {"yield_to_forward": "AUTO"},
     {"config": 5},
     {"config": "/nonexistent/kvstrata.toml"},
     {"nonsense": 1},
@@ -344,6 +348,31 @@ GEOMETRY = KvGeometry(BS, 2, 2, 8, "bfloat16", 64)
 def test_bad_extra_config_is_a_connector_config_error(extra):
     with pytest.raises(ConnectorConfigError):
         settings_from(extra, GEOMETRY, env={})
+
+
+def test_yield_to_forward_reads_auto_true_and_false():
+    assert settings_from({}, GEOMETRY, env={}).yield_to_forward is None
+    assert settings_from({"yield_to_forward": "auto"}, GEOMETRY, env={}).yield_to_forward \
+        is None
+    for value in (True, False):
+        assert settings_from({"yield_to_forward": value}, GEOMETRY,
+                             env={}).yield_to_forward is value
+
+
+@pytest.mark.parametrize("value, paced", [("auto", True), (True, True), (False, False)])
+def test_a_cpu_worker_paces_its_lower_tier_writes_by_default(make, value, paced):
+    sim = make(extra={"yield_to_forward": value})
+    worker = sim.workers[0]
+    assert (worker.pacer is not None) is paced
+    assert worker.engine.pacer is worker.pacer
+    if paced:
+        sim.add("a", list(range(1, 4 * sim.block_size + 2)))
+        sim.run()
+        assert worker.pacer.counters.forwards >= 2     # every step announced its forward
+        assert not worker.pacer.forward_running         # and its end
+        worker.shutdown()
+        worker.pacer.forward_started()                  # after shutdown nothing waits
+        assert worker.pacer.wait() == 0.0
 
 
 @pytest.mark.parametrize("extra", [
