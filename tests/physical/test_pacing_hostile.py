@@ -10,32 +10,23 @@ import math
 import threading
 import time
 from concurrent.futures import TimeoutError as FuturesTimeout
-from contextlib import contextmanager
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from kvstrata.physical import HostStorage, ObjectStorage, TransferEngine, TransferPlan
-from kvstrata.physical.errors import BlockIOError, FailureKind
 from kvstrata.physical.pacing import ForwardPacer
 from kvstrata.protocol import Endpoint
 
 from .conftest import random_block_arrays, small_config
+from .test_pacing import ManualClock, _start, _wait_until
 from .test_transfer import make_tiers, run
 
 pytestmark = pytest.mark.timeout(60)
 
 
 # -- helpers ----------------------------------------------------------------------------------
-class ManualClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 class SpyPacer(ForwardPacer):
     """A ForwardPacer that counts the calls to its gate (to know a writer is at it)."""
 
@@ -110,24 +101,6 @@ def get_plan(job: int, keys: list[str], dst: list[int], seqs: list[int]) -> Tran
                         src_keys=tuple(keys), dst_block_ids=tuple(dst))
 
 
-def _start(target, *args) -> threading.Thread:
-    thread = threading.Thread(target=target, args=args, daemon=True)
-    thread.start()
-    return thread
-
-
-def _wait_until(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.005)
-
-
-def _queued_in_pool(store: ObjectStorage) -> int:
-    pool = store._pool
-    return 0 if pool is None else pool._work_queue.qsize()
-
-
 # -- the shared G4 request pool: one plan's held PUTs hold back everything else ---------------
 def test_a_g4_load_does_not_wait_behind_puts_held_for_the_forward():
     """Loads are never paced -- but an object storage has one request pool for GETs and PUTs.
@@ -161,10 +134,11 @@ def test_a_g4_load_does_not_wait_behind_puts_held_for_the_forward():
 
 
 def test_a_put_batch_queued_behind_anothers_held_puts_does_not_count_that_as_its_seconds():
-    """Two store plans on one G4 (workers_per_path=2, or G2->G4 and G3->G4 at once): the
-    second's PUTs sit in the pool queue behind the first's held PUTs. That time is the
-    forward's, not the path's: it must show as held_seconds, not as seconds (busy time the
-    cost model turns into bandwidth)."""
+    """Two store plans on one G4 (workers_per_path=2, or G2->G4 and G3->G4 at once), both
+    held by a forward: that time is the forward's, not the path's: it must show as
+    held_seconds, not as seconds (busy time the cost model turns into bandwidth). (Was a bug:
+    the PUTs waited at the gate inside the store's request pool, and the second plan's PUTs
+    queued behind the first's, their wait counted as seconds.)"""
     pacer = SpyPacer(max_hold=30)
     host, store, client = object_tiers(8, max_concurrency=1)
     with TransferEngine({"G2": host, "G4": store}, pacer=pacer, workers_per_path=2) as engine:
@@ -174,7 +148,7 @@ def test_a_put_batch_queued_behind_anothers_held_puts_does_not_count_that_as_its
             first = engine.submit(put_plan(1, [0], ["a"]))
             _wait_until(lambda: pacer.calls > base)
             second = engine.submit(put_plan(2, [1], ["b"]))
-            _wait_until(lambda: _queued_in_pool(store) >= 1)   # its PUT queued behind
+            _wait_until(lambda: pacer.calls > base + 1)        # both at the gate
             time.sleep(0.6)                                    # the forward runs on
         finally:
             pacer.forward_ended()
@@ -215,51 +189,6 @@ def test_a_put_batch_queued_behind_anothers_held_puts_is_not_failed_by_its_deadl
     assert small_r.all_ok, f"the small batch failed: {small_r.failures}"
 
 
-def test_buffers_are_not_read_after_put_blocks_returned_past_its_deadline():
-    """A PUT still waiting at its gate when the batch deadline passes is reported failed
-    (IO_ERROR, its position), and when it passes the gate later it does not read the
-    caller's buffer (which the caller may reuse at once, e.g. the staging buffer of G3->G4)."""
-    host, store, client = object_tiers(4, max_concurrency=2)
-    store._deadline = lambda n: 0.3
-    release = threading.Event()
-    exited = threading.Event()
-    calls = []
-    lock = threading.Lock()
-
-    class OneHeldPacing:                   # the first request goes, the second is held
-        max_hold = 0.0
-
-        @contextmanager
-        def request(self):
-            with lock:
-                calls.append(1)
-                mine = len(calls)
-            if mine == 2:
-                release.wait(10)
-            try:
-                yield
-            finally:
-                if mine == 2:
-                    exited.set()
-
-    cfg = store.config
-    sources = [np.full(cfg.block_bytes, 7, np.uint8), np.full(cfg.block_bytes, 9, np.uint8)]
-    with pytest.raises(BlockIOError) as info:
-        store.put_blocks(["x", "y"], sources, [1, 2], pacing=OneHeldPacing())
-    failures = info.value.failures
-    assert len(failures) == 1 and failures[0].kind is FailureKind.IO_ERROR
-    failed = failures[0].position
-    assert info.value.checksums[failed] is None and info.value.checksums[1 - failed] is not None
-    stored_before = dict(client.objects)
-    assert len(stored_before) == 1
-    sources[failed][:] = 0xEE               # the caller reuses its buffer
-    release.set()
-    assert exited.wait(10)
-    time.sleep(0.05)
-    assert client.objects == stored_before  # the late PUT neither read nor wrote anything
-    store.close()
-
-
 # -- the gate itself --------------------------------------------------------------------------
 @pytest.mark.parametrize("max_hold", [float("inf"), 1e10])
 def test_a_max_hold_the_constructor_accepts_works(max_hold):
@@ -287,6 +216,21 @@ def test_a_max_hold_the_constructor_accepts_works(max_hold):
     assert isinstance(out[0], float), f"wait() raised {out[0]!r}"
 
 
+def test_an_infinite_max_hold_does_not_break_object_writes_without_any_forward():
+    """With max_hold=inf (accepted), put_blocks' batch deadline becomes inf and
+    concurrent.futures.wait(timeout=inf) raises OverflowError: every G2->G4 plan fails,
+    though no forward ever ran."""
+    try:
+        pacer = ForwardPacer(max_hold=float("inf"))
+    except ValueError:
+        return
+    host, store, client = object_tiers(8, max_concurrency=2)
+    with TransferEngine({"G2": host, "G4": store}, pacer=pacer) as engine:
+        result = engine.submit(put_plan(1, [0, 1, 2, 3], ["a", "b", "c", "d"])).result(10)
+    assert result.all_ok, f"no forward ran, yet: {result.error or result.failures}"
+    assert len(client.objects) == 4
+
+
 def test_a_gate_that_raises_leaves_the_plan_accounting_balanced():
     """PlanPacing.request marks the unit running in the finally around the gate, then the
     exception leaves before the second try: the unit counts as running for good, and the
@@ -303,10 +247,11 @@ def test_a_gate_that_raises_leaves_the_plan_accounting_balanced():
     clock = ManualClock()
     pacer = FlakyPacer(max_hold=30, clock=clock)
     plan = pacer.plan()
+    pacer.forward_started()
     with pytest.raises(RuntimeError):
         with plan.request():
             pass
-    pacer.forward_started()
+    assert (plan._waiting, plan._running) == (0, 0)
     thread = _start(lambda: plan.request().__enter__())
     _wait_until(lambda: plan._waiting == 1)
     clock.now += 2.0

@@ -10,7 +10,7 @@ for the gap between two forwards.
 :class:`ForwardPacer` is that gate. The engine's driver calls
 :meth:`~ForwardPacer.forward_started` before a forward and
 :meth:`~ForwardPacer.forward_ended` after it; a background write calls
-:meth:`~ForwardPacer.wait` before each unit of work (an object PUT, a disk plan) and is held
+:meth:`~ForwardPacer.wait` before each unit of work (a round of object PUTs, a disk plan) and is held
 while a forward runs, at most :attr:`~ForwardPacer.max_hold` seconds per unit, so a forward
 that never ends (a hung engine) only slows writes down. Work already started is not
 interrupted. Loads (towards the engine) and the copies out of the engine's own memory are
@@ -30,10 +30,12 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterator
 
-__all__ = ["ForwardPacer", "PlanPacing", "PacerCounters", "MAX_HOLD"]
+__all__ = ["ForwardPacer", "PlanPacing", "PacerCounters", "MAX_HOLD", "MAX_HOLD_LIMIT"]
 
 MAX_HOLD = 5.0
 """Seconds a unit of background work waits for a forward to end before it goes anyway."""
+MAX_HOLD_LIMIT = 3600.0
+"""The largest ``max_hold`` accepted (a longer wait is a hang, and timeouts overflow)."""
 
 
 @dataclass
@@ -57,8 +59,9 @@ class ForwardPacer:
 
     def __init__(self, max_hold: float = MAX_HOLD,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if not max_hold >= 0:
-            raise ValueError(f"max_hold must be seconds >= 0, got {max_hold!r}")
+        if not 0 <= max_hold <= MAX_HOLD_LIMIT:
+            raise ValueError(f"max_hold must be seconds in [0, {MAX_HOLD_LIMIT:.0f}], "
+                             f"got {max_hold!r}")
         self.max_hold = float(max_hold)
         self.counters = PacerCounters()
         self.clock = clock
@@ -155,11 +158,16 @@ class PlanPacing:
     @contextmanager
     def request(self) -> Iterator[None]:
         """Wait at the gate, then run the body as one of the plan's running units."""
-        self._move(waiting=1)
-        try:
-            self.pacer.wait()
-        finally:
+        if self.pacer.forward_running:
+            self._move(waiting=1)
+            try:
+                self.pacer.wait()
+            except BaseException:
+                self._move(waiting=-1)
+                raise
             self._move(waiting=-1, running=1)
+        else:
+            self._move(running=1)
         try:
             yield
         finally:

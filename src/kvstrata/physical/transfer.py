@@ -22,8 +22,9 @@ Usage::
   compute where the engine uses every core. With a ``pacer``
   (:class:`~kvstrata.physical.pacing.ForwardPacer`), the writes away from the engine that do
   not read its memory (host -> disk, host/disk -> object) also wait while the engine's
-  forward runs: a disk plan before it starts, an object batch before each PUT. The time a
-  plan was held back is reported apart (``TransferResult.held_seconds``), not in ``seconds``.
+  forward runs: a disk plan before it starts, an object batch before each round of
+  ``max_concurrency`` PUTs. The time a plan was held back is reported apart
+  (``TransferResult.held_seconds``), not in ``seconds``.
 * Each plan is one batched call per storage pair: a copy engine call between memory layouts
   (:mod:`~kvstrata.physical.copy`), coalesced ``preadv``/``pwritev`` for disk, concurrent
   requests for the object store.
@@ -47,6 +48,7 @@ import threading
 import time
 from concurrent.futures import Future
 from contextlib import nullcontext
+from dataclasses import replace
 from typing import Callable, Mapping
 
 from ..protocol.layout import FullyContiguousLayout
@@ -56,9 +58,9 @@ from ..tiers import (Addressing, TierKind, UnknownTierError, is_onboard, ordered
                      spec, split_path)
 from .buffers import AlignedBuffer
 from .copy import OFFLOAD, ONBOARD, CopyEngine, default_copy_engine
-from .pacing import ForwardPacer
 from .errors import (BlockFailure, BlockIOError, EngineBusyError, EngineClosedError,
-                     FailureKind, StorageConfigError, TransferPlanError)
+                     FailureKind, StorageConfigError, TransferPlanError, raise_for_failures)
+from .pacing import ForwardPacer
 from .storage.base import BlockMemory, MemoryStorage, Storage
 from .storage.disk import DIRECT_ALIGNMENT, DiskStorage
 from .storage.host import HostStorage
@@ -247,7 +249,7 @@ class TransferEngine:
         error = None
         pacing = (self.pacer.plan() if self.pacer is not None
                   and plan.path in self._paced_paths else None)
-        # an object batch paces each of its PUTs (its handler reads this); others whole
+        # an object batch paces each round of PUTs (_put_objects reads this); others whole
         self._local.pacing = pacing
         whole_plan = (pacing.request() if pacing is not None
                       and spec(plan.dst_tier).kind is not TierKind.OBJECT else nullcontext())
@@ -383,9 +385,34 @@ class TransferEngine:
                 deliver(memory, positions, good)
 
     def _host_to_object(self, plan, host, objects, failures, checksums) -> None:
-        self._from_host(plan, host, lambda good, sources, seqs, known: objects.put_blocks(
-            [plan.dst_keys[p] for p in good], sources, seqs, checksums=known,
-            pacing=self._local.pacing), failures, checksums)
+        self._from_host(plan, host, lambda good, sources, seqs, known: self._put_objects(
+            objects, [plan.dst_keys[p] for p in good], sources, seqs, known),
+            failures, checksums)
+
+    def _put_objects(self, objects, keys, sources, seqs, known) -> list[int]:
+        """``objects.put_blocks``; with pacing, one round of ``max_concurrency`` PUTs at a
+        time, each round waiting at the gate in this thread (a request thread of the store
+        never waits there: the store's pool also serves loads and other batches)."""
+        pacing = self._local.pacing
+        if pacing is None:
+            return objects.put_blocks(keys, sources, seqs, checksums=known)
+        step = objects.max_concurrency
+        sums: list[int | None] = []
+        failed: list[BlockFailure] = []
+        for start in range(0, len(keys), step):
+            end = start + step
+            with pacing.request():
+                try:
+                    sums.extend(objects.put_blocks(keys[start:end], sources[start:end],
+                                                   seqs[start:end],
+                                                   checksums=None if known is None
+                                                   else known[start:end]))
+                except BlockIOError as exc:
+                    failed.extend(replace(f, position=f.position + start) for f in exc.failures)
+                    sums.extend(exc.checksums or [None] * len(keys[start:end]))
+        if failed:
+            raise_for_failures(f"put to {objects.status().path}", failed, len(keys), sums)
+        return sums  # type: ignore[return-value]
 
     def _disk_to_object(self, plan, disk, objects, failures, checksums) -> None:
         """G3 -> G4 through the staging buffer: only blocks the disk verified are put, with
@@ -396,10 +423,9 @@ class TransferEngine:
             chosen = [positions[i] for i in good]
             known = [disk.checksums.get(plan.src_block_ids[p])[0] for p in chosen]
             try:
-                sums = objects.put_blocks([plan.dst_keys[p] for p in chosen],
-                                          [staged[i * stride:(i + 1) * stride] for i in good],
-                                          [plan.sequence_hashes[p] for p in chosen],
-                                          checksums=known, pacing=self._local.pacing)
+                sums = self._put_objects(objects, [plan.dst_keys[p] for p in chosen],
+                                         [staged[i * stride:(i + 1) * stride] for i in good],
+                                         [plan.sequence_hashes[p] for p in chosen], known)
             except BlockIOError as exc:
                 _remap(exc.failures, chosen, failures)
                 sums = exc.checksums or [None] * len(chosen)

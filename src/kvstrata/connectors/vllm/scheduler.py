@@ -289,16 +289,13 @@ class SchedulerHalf:
         if isinstance(report, WorkerReport) and report.results:
             combined = [c for rank, r in report.results
                         if (c := self._results.add(rank, r)) is not None]
-            held = self.counters.writes_held_seconds
-            for result in combined:
-                if result.held_seconds:
-                    tier = result.plan.dst_tier
-                    held[tier] = held.get(tier, 0.0) + result.held_seconds
             if combined:
                 try:
                     self.planner.complete(combined)
                 except PlacementError:
                     log.exception("kvstrata: workers reported results the planner refuses")
+                else:
+                    self._count_held(combined)
                 self._collect_finished()
         if self._held:
             in_use = self.planner.engine_blocks_in_use()
@@ -503,6 +500,13 @@ class SchedulerHalf:
                 log.warning("kvstrata: %d block(s) not stored in %s: its free slots were all "
                             "taken by copies in flight; grow %s to hold what a few engine "
                             "steps store (docs/vllm.md)", n - before, tier, tier)
+
+    def _count_held(self, results) -> None:
+        held = self.counters.writes_held_seconds
+        for result in results:
+            if result.held_seconds:
+                tier = result.plan.dst_tier
+                held[tier] = held.get(tier, 0.0) + result.held_seconds
 
     def _collect_finished(self) -> None:
         for result in self.planner.take_finished():

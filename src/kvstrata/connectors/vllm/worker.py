@@ -123,7 +123,7 @@ class WorkerHalf:
         self._recovered = self.storages.recovered_rows()
         pace = self.settings.yield_to_forward
         if pace is None:              # auto: where the forward computes on the host's cores
-            pace = getattr(g1, "device", None) is None or g1.device.type != "cuda"
+            pace = getattr(getattr(g1, "device", None), "type", "cpu") == "cpu"
         self.pacer = ForwardPacer() if pace else None
         self.engine = TransferEngine(self.storages.by_tier, copy_engine=self._copy_engine,
                                      store_nice=self.settings.store_nice, pacer=self.pacer)

@@ -38,14 +38,12 @@ import math
 import re
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from ..checksum import block_checksum
-from ..pacing import PlanPacing
 from ..errors import (BlockFailure, FailureKind, StorageConfigError, StorageError,
                       raise_for_failures)
 from ...protocol.layout import FullyContiguousLayout, LayoutConfig
@@ -157,8 +155,7 @@ class ObjectStorage(Storage):
     # ------------------------------------------------------------------ data path
     def put_blocks(self, keys: Sequence[str], sources: Sequence[np.ndarray],
                    sequence_hashes: Sequence[int], *,
-                   checksums: Sequence[int | None] | None = None,
-                   pacing: PlanPacing | None = None) -> list[int]:
+                   checksums: Sequence[int | None] | None = None) -> list[int]:
         """Store ``sources[i]`` (``uint8`` arrays of at least ``block_bytes``) as the object
         of ``keys[i]``, unless the bucket already holds that key. Returns each block's
         xxh3-64; raises a :class:`BlockIOError` subclass naming the failed positions (its
@@ -166,10 +163,7 @@ class ObjectStorage(Storage):
 
         ``checksums``, when given, are the blocks' known xxh3-64 (e.g. recorded when they
         entered G2) and go into the headers as they are: a source whose bytes changed since
-        fails its checksum when read back. Blocks without one are hashed here.
-
-        ``pacing``: each PUT first waits at its gate (:mod:`kvstrata.physical.pacing`: held
-        while the engine's forward runs); the batch deadline grows by that wait."""
+        fails its checksum when read back. Blocks without one are hashed here."""
         self._check_batch(keys, sources, sequence_hashes)
         if checksums is not None and len(checksums) != len(keys):
             raise ValueError(f"{len(checksums)} checksums for {len(keys)} blocks")
@@ -177,23 +171,21 @@ class ObjectStorage(Storage):
         known = [None] * len(keys) if checksums is None else list(checksums)
 
         def put(gate: _Gate, p: int) -> tuple[int, bool]:
-            with pacing.request() if pacing is not None else nullcontext():
-                if not gate.enter():
-                    raise _Abandoned()
-                try:     # the only time the caller's source is read
-                    payload = sources[p][:block_bytes]
-                    checksum = known[p] if known[p] is not None else block_checksum(payload)
-                    body = np.empty(HEADER_SIZE + block_bytes, np.uint8)
-                    body[:HEADER_SIZE] = np.frombuffer(encode_header(
-                        fingerprint=self.fingerprint, geometry=self.geometry,
-                        sequence_hash=sequence_hashes[p], checksum=checksum), np.uint8)
-                    body[HEADER_SIZE:] = payload
-                finally:
-                    gate.leave()
-                return checksum, self.client.put_if_absent(self.namespace + keys[p], body)
+            if not gate.enter():
+                raise _Abandoned()
+            try:     # the only time the caller's source is read
+                payload = sources[p][:block_bytes]
+                checksum = known[p] if known[p] is not None else block_checksum(payload)
+                body = np.empty(HEADER_SIZE + block_bytes, np.uint8)
+                body[:HEADER_SIZE] = np.frombuffer(encode_header(
+                    fingerprint=self.fingerprint, geometry=self.geometry,
+                    sequence_hash=sequence_hashes[p], checksum=checksum), np.uint8)
+                body[HEADER_SIZE:] = payload
+            finally:
+                gate.leave()
+            return checksum, self.client.put_if_absent(self.namespace + keys[p], body)
 
-        held_at_most = 0.0 if pacing is None else self._rounds(len(keys)) * pacing.max_hold
-        outcomes, failures = self._run_batch(put, len(keys), "write", held_at_most)
+        outcomes, failures = self._run_batch(put, len(keys), "write")
         sums: list[int | None] = [None] * len(keys)
         written = skipped = 0
         for p, outcome in outcomes.items():
@@ -277,15 +269,14 @@ class ObjectStorage(Storage):
         return sorted(out)
 
     # ------------------------------------------------------------------ helpers
-    def _run_batch(self, work: Callable[[_Gate, int], Any], n: int, verb: str,
-                   extra_seconds: float = 0.0) -> tuple[dict[int, Any], list[BlockFailure]]:
+    def _run_batch(self, work: Callable[[_Gate, int], Any], n: int, verb: str
+                   ) -> tuple[dict[int, Any], list[BlockFailure]]:
         """Run ``work(gate, p)`` for every position on the pool; the results of those that
-        returned, and failures of those that raised or outlived the batch deadline (plus
-        ``extra_seconds``)."""
+        returned, and failures of those that raised or outlived the batch deadline."""
         gate = _Gate()
         pool = self._executor()
         futures = {pool.submit(work, gate, p): p for p in range(n)}
-        done, pending = wait(futures, timeout=self._deadline(n) + extra_seconds)
+        done, pending = wait(futures, timeout=self._deadline(n))
         gate.close()     # from here on no thread touches the caller's buffers
         late = {f for f in pending if f.done()}   # finished while the gate closed
         done, pending = done | late, pending - late
@@ -319,11 +310,7 @@ class ObjectStorage(Storage):
         if cfg is None:
             return 60.0
         per_request = (cfg.retries + 1) * (cfg.request_timeout + cfg.connect_timeout) + 0.5
-        return self._rounds(n) * per_request + 1.0
-
-    def _rounds(self, n: int) -> int:
-        """How many rounds of ``max_concurrency`` requests a batch of ``n`` takes."""
-        return math.ceil(n / self.max_concurrency)
+        return math.ceil(n / self.max_concurrency) * per_request + 1.0
 
     def _executor(self) -> ThreadPoolExecutor:
         with self._pool_lock:
