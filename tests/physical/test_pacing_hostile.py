@@ -161,10 +161,10 @@ def test_a_put_batch_queued_behind_anothers_held_puts_does_not_count_that_as_its
 
 
 def test_a_put_batch_queued_behind_anothers_held_puts_is_not_failed_by_its_deadline():
-    """A batch's deadline grows by its own rounds * max_hold, but its PUTs may first wait in
-    the pool behind another batch's held PUTs (each up to max_hold). With a forward that does
-    not end (the case max_hold exists for), the small batch is failed as 'did not finish
-    within the batch deadline' although nothing is wrong with the store."""
+    """A small batch beside a big one, with a forward that does not end (the case max_hold
+    exists for): nothing is wrong with the store, so neither may fail. (Was a bug: PUTs waited
+    at the gate inside the store's request pool, and the small batch's PUTs queued behind the
+    big one's missed their own batch deadline.)"""
     pacer = SpyPacer(max_hold=0.4)
     host, store, client = object_tiers(12, max_concurrency=1, config=short_deadline_config())
     with TransferEngine({"G2": host, "G4": store}, pacer=pacer, workers_per_path=2) as engine:
@@ -192,9 +192,9 @@ def test_a_put_batch_queued_behind_anothers_held_puts_is_not_failed_by_its_deadl
 # -- the gate itself --------------------------------------------------------------------------
 @pytest.mark.parametrize("max_hold", [float("inf"), 1e10])
 def test_a_max_hold_the_constructor_accepts_works(max_hold):
-    """ForwardPacer accepts any max_hold >= 0, including inf ('never go during a forward')
-    and values above threading.TIMEOUT_MAX; Condition.wait then raises OverflowError, so
-    every paced write during a forward fails (and put_blocks' wait(timeout=inf) too)."""
+    """A max_hold the constructor accepts must work; inf or one above threading.TIMEOUT_MAX
+    may be refused. (Was a bug: they were accepted, and Condition.wait raised OverflowError
+    in every paced write during a forward.)"""
     try:
         pacer = ForwardPacer(max_hold=max_hold)
     except ValueError:
@@ -217,9 +217,9 @@ def test_a_max_hold_the_constructor_accepts_works(max_hold):
 
 
 def test_an_infinite_max_hold_does_not_break_object_writes_without_any_forward():
-    """With max_hold=inf (accepted), put_blocks' batch deadline becomes inf and
-    concurrent.futures.wait(timeout=inf) raises OverflowError: every G2->G4 plan fails,
-    though no forward ever ran."""
+    """max_hold=inf, if accepted, must not break writes when no forward runs. (Was a bug: the
+    batch deadline became inf and concurrent.futures.wait(timeout=inf) raised OverflowError,
+    failing every G2->G4 plan.)"""
     try:
         pacer = ForwardPacer(max_hold=float("inf"))
     except ValueError:
@@ -232,9 +232,9 @@ def test_an_infinite_max_hold_does_not_break_object_writes_without_any_forward()
 
 
 def test_a_gate_that_raises_leaves_the_plan_accounting_balanced():
-    """PlanPacing.request marks the unit running in the finally around the gate, then the
-    exception leaves before the second try: the unit counts as running for good, and the
-    plan's later waits are never counted as held."""
+    """A gate that raises leaves the plan's accounting balanced, so its later waits still
+    count as held. (Was a bug: the unit was marked running in a finally around the gate and
+    stayed running for good.)"""
     class FlakyPacer(ForwardPacer):
         fail = True
 

@@ -144,10 +144,6 @@ class PlanPacing:
         self._held = 0.0
 
     @property
-    def max_hold(self) -> float:
-        return self.pacer.max_hold
-
-    @property
     def held_seconds(self) -> float:
         with self._lock:
             held = self._held

@@ -119,7 +119,9 @@ class TransferEngine:
             path_name(a, b): by_kinds[spec(a).kind, spec(b).kind]
             for a in tiers for b in tiers if (spec(a).kind, spec(b).kind) in by_kinds}
         self.paths = tuple(self._handlers)
-        self._paced_paths = frozenset(p for p in self.paths if _is_background_write(p))
+        # paced path -> whether its plans wait whole (disk) or per round of PUTs (object)
+        self._paced_paths = {p: spec(split_path(p)[1]).kind is not TierKind.OBJECT
+                             for p in self.paths if _is_background_write(p)}
         self._queues = {p: queue.Queue(maxsize=max(1, queue_depth)) for p in self.paths}
         self._local = threading.local()
         self._lock = threading.Lock()
@@ -247,12 +249,11 @@ class TransferEngine:
         failures: dict[int, BlockFailure] = {}
         checksums: list[int | None] = [None] * len(plan)
         error = None
-        pacing = (self.pacer.plan() if self.pacer is not None
-                  and plan.path in self._paced_paths else None)
+        whole = self._paced_paths.get(plan.path)
+        pacing = self.pacer.plan() if self.pacer is not None and whole is not None else None
         # an object batch paces each round of PUTs (_put_objects reads this); others whole
         self._local.pacing = pacing
-        whole_plan = (pacing.request() if pacing is not None
-                      and spec(plan.dst_tier).kind is not TierKind.OBJECT else nullcontext())
+        whole_plan = pacing.request() if pacing is not None and whole else nullcontext()
         try:
             with whole_plan:
                 self._handlers[plan.path](plan, self._storages[plan.src_tier],
