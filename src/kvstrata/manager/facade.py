@@ -202,7 +202,6 @@ class KvBlockManager:
                     result.blocks.pool.release(result.blocks)
             else:
                 future.set_result(result)
-        self.engine.drain_completions()   # results arrive via futures; keep it empty
         if planner.idle and self._owner.idle_waiters:
             self._owner.wake_idle()
         for tier, pool in self.pools.items():

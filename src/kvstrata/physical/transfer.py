@@ -5,7 +5,7 @@ Usage::
     engine = TransferEngine({"G1": device, "G2": host, "G3": disk, "G4": objects})
     future = engine.submit(TransferPlan(job_id, Endpoint("G1"), Endpoint("G2"), seq_hashes,
                                         src_block_ids=src_ids, dst_block_ids=dst_ids))
-    result = future.result()            # or drain engine.completions in the pool owner
+    result = future.result()
     engine.close()
 
 * Storages are keyed by tier name; each tier's kind (:mod:`kvstrata.tiers`) says which
@@ -28,10 +28,12 @@ Usage::
 * Each plan is one batched call per storage pair: a copy engine call between memory layouts
   (:mod:`~kvstrata.physical.copy`), coalesced ``preadv``/``pwritev`` for disk, concurrent
   requests for the object store.
-* Every plan completes with a :class:`TransferResult` — set on the returned
-  ``concurrent.futures.Future`` *and* put on :attr:`TransferEngine.completions`, a queue the
-  pool owner drains (:meth:`drain_completions`). Failed blocks are reported per block, never
-  raised through the future, so the owner handles every outcome in one place.
+* Every plan completes with a :class:`TransferResult` set on the returned
+  ``concurrent.futures.Future``: the future is the only channel a result travels by (an
+  owner that wants results on its own thread attaches a callback that posts them there, as
+  :class:`~kvstrata.placement.EngineExecutor` does), so the engine keeps no result once its
+  future is dropped. Failed blocks are reported per block, never raised through the future,
+  so the owner handles every outcome in one place.
 * Integrity: blocks written into G2/G3 are checksummed (xxh3-64) and their slot records the
   sequence hash only after the write succeeded; G4 objects carry the checksum and sequence
   hash in their header. Reads from G3 and G4 always verify, reads from G2 check the sequence
@@ -103,7 +105,6 @@ class TransferEngine:
         self._owns_copy_engine = copy_engine is None
         self.copy_engine = copy_engine or default_copy_engine()
         self.staging_bytes = staging_bytes
-        self.completions: queue.SimpleQueue[TransferResult] = queue.SimpleQueue()
         by_kinds: dict[tuple[TierKind, TierKind], _Handler] = {
             (TierKind.DEVICE, TierKind.HOST): self._device_to_host,
             (TierKind.HOST, TierKind.DEVICE): self._host_to_device,
@@ -169,15 +170,6 @@ class TransferEngine:
             self._cancel_queued()
         return future
 
-    def drain_completions(self) -> list[TransferResult]:
-        """All results posted so far (non-blocking)."""
-        out = []
-        while True:
-            try:
-                out.append(self.completions.get_nowait())
-            except queue.Empty:
-                return out
-
     @property
     def copy_kernel(self) -> str:
         """The host copy kernel in use: ``"native"`` (the C extension) or ``"python"`` (its
@@ -228,11 +220,10 @@ class TransferEngine:
             if item is _STOP:
                 return
             plan, future = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            result = self._execute(plan)
-            self.completions.put(result)
-            future.set_result(result)
+            del item
+            if future.set_running_or_notify_cancel():
+                future.set_result(self._execute(plan))
+            del plan, future      # an idle worker keeps no result alive
 
     def _cancel_queued(self) -> None:
         for q in self._queues.values():
