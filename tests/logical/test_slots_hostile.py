@@ -348,3 +348,25 @@ def test_numpy_integer_hashes_are_found_as_the_ints_they_equal_on_both_paths():
         fresh.apply_token_blocks([BlockRecord(np.uint64(9), 9, None, 4)])
     pool.release(fresh)
     pool.check_invariants()
+
+
+def test_bools_are_not_hashes_on_either_path(native_path):
+    """The slot store's Python loops took ``True`` as the hash 1 while the rest of kvstrata
+    (``kvstrata.types.is_u64``) refused it; now one rule holds on both paths, and a bool
+    still finds the int it equals when looked up, as in a dict."""
+    from kvstrata.logical.block import BlockHashError
+    from kvstrata.logical.pool import BlockPool
+
+    pool = BlockPool("G1", 4, 4)
+    for record in (BlockRecord(True, 1, None, 4), BlockRecord(5, False, None, 4),
+                   BlockRecord(5, 1, True, 4)):
+        handle = pool.allocate(1)
+        with pytest.raises(BlockHashError):
+            handle.apply_token_blocks([record])
+        pool.release(handle)
+    assert pool._store.native == (native_path == "native")
+    handle = pool.allocate(1)
+    handle.apply_token_blocks([BlockRecord(1, 1, None, 4)])
+    pool.register(handle).release()
+    assert True in pool and pool.held([True]) == [True]
+    pool.check_invariants()

@@ -144,18 +144,25 @@ static int hi_del(HashIndex *t, uint64_t k) {
 
 static int index_key(PyObject *o, uint64_t *out);
 static inline int int_key(PyObject *o, uint64_t *out);
+static inline int long_key(PyObject *o, uint64_t *out);
 
 /* 1 and *out set: o is an int in [0, 2**64); 0: it is not (no error); -1: an error.
  * An integer of another type (numpy's) counts as the int it equals, as a dict's look-up
  * finds it; floats and other numbers are not keys here. */
 static inline int as_key(PyObject *o, uint64_t *out) {
     if (!PyLong_Check(o)) return index_key(o, out);
-    return int_key(o, out);
+    return long_key(o, out);
 }
 
-/* as_key for an int only (a block's own hashes: slots.is_u64) */
+/* as_key for an int only, bools refused (a block's own hashes: kvstrata.types.is_u64) */
 static inline int int_key(PyObject *o, uint64_t *out) {
-    if (!PyLong_Check(o)) return 0;
+    if (!PyLong_Check(o) || PyBool_Check(o)) return 0;
+    return long_key(o, out);
+}
+
+/* as_key for an object known to be an int (a bool counts as the int it equals, as in a
+ * dict's look-up) */
+static inline int long_key(PyObject *o, uint64_t *out) {
     unsigned long long v = PyLong_AsUnsignedLongLong(o);
     if (v == (unsigned long long)-1 && PyErr_Occurred()) {
         if (!PyErr_ExceptionMatches(PyExc_OverflowError)) return -1;

@@ -23,9 +23,9 @@ from typing import Iterable
 import numpy as np
 
 from ..tokens import DEFAULT_SEED, TokenError, chain_hash, local_block_hash
-from ..types import BlockRecord
+from ..types import BlockRecord, hash_problem, is_u64
 from . import slots as _slots
-from .slots import SlotStore, is_u64
+from .slots import SlotStore
 
 
 class BlockState(IntEnum):
@@ -230,11 +230,9 @@ class Block:
                 self.block_id, self.state, "apply_token_block",
                 f"token block of size {record.block_size} does not fill a block of {self.block_size}",
             )
-        for name in ("sequence_hash", "local_hash", "parent_hash"):
-            value = getattr(record, name)
-            if not (is_u64(value) or (name == "parent_hash" and value is None)):
-                raise BlockHashError(f"block {self.block_id}: {name} {value!r} is not an "
-                                     f"unsigned 64-bit integer")
+        problem = hash_problem(record)
+        if problem is not None:
+            raise BlockHashError(f"block {self.block_id}: {problem}")
         done = self._store.ops.apply([self.block_id], [record], self.block_size)
         assert done == 1, "apply_token_block: a checked record was refused"
 

@@ -28,7 +28,7 @@ from typing import Iterable, Sequence
 from . import slots
 from .block import Block, BlockState, BlockStateError
 from .handles import HandleReleasedError, ImmutableBlocks, MutableBlocks, _Blocks
-from ..types import BlockRecord
+from ..types import BlockRecord, has_u64_hashes
 from .eviction import EvictionPolicy, LruEviction, PriorityLruEviction
 from .pool_checks import check_pool_invariants
 from .slots import SlotStore
@@ -385,8 +385,7 @@ class BlockPool:
                for _, record in entries):
             raise ValueError(f"pool {self.tier}: restored records must hold {self.block_size} "
                              f"tokens")
-        if not all(slots.is_u64(r.sequence_hash) and slots.is_u64(r.local_hash)
-                   and (r.parent_hash is None or slots.is_u64(r.parent_hash))
+        if not all(has_u64_hashes(r.sequence_hash, r.local_hash, r.parent_hash)
                    for _, r in entries):
             raise ValueError(f"pool {self.tier}: restored hashes must be unsigned 64-bit "
                              f"integers")

@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..types import has_u64_hashes
 from . import blockops
 
 __all__ = ["SlotStore", "PySlotOps", "RESET", "PARTIAL", "COMPLETE", "REGISTERED",
-           "HAS_PARENT", "U64_MAX", "MAX_SLOTS", "is_u64"]
+           "HAS_PARENT", "U64_MAX", "MAX_SLOTS"]
 
 RESET, PARTIAL, COMPLETE, REGISTERED = 0, 1, 2, 3
 HAS_PARENT = 1
@@ -50,11 +51,6 @@ SLOT_COLUMNS = (
 """Per-slot columns, in the order the native ops take them."""
 LIST_COLUMNS = (("head", np.int32), ("tail", np.int32), ("size", np.int32))
 """Per-list columns (list ids 1 .. capacity + 1; 0 is "no list")."""
-
-
-def is_u64(value: object) -> bool:
-    """Whether ``value`` can be a hash here: an int in [0, 2**64)."""
-    return isinstance(value, int) and 0 <= value <= U64_MAX
 
 
 class SlotStore:
@@ -239,8 +235,7 @@ class PySlotOps:
             if tokens is not None and len(tokens) != size:
                 break
             h, local_hash, parent_hash = record.sequence_hash, record.local_hash, record.parent_hash
-            if not (is_u64(h) and is_u64(local_hash)
-                    and (parent_hash is None or is_u64(parent_hash))):
+            if not has_u64_hashes(h, local_hash, parent_hash):
                 break
             if tokens is not None:
                 tokens_of[slot] = list(tokens)

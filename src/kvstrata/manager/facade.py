@@ -31,9 +31,8 @@ from ..logical.registry import BlockRegistry, RegistryObserver
 from ..metrics import ManagerMetrics
 from ..physical import FileOps, Storage, TransferEngine
 from ..placement import EngineExecutor, OnboardResult, Planner
-from ..placement.planner import first_bad_record
 from ..protocol.results import TransferResult
-from ..types import BlockRecord, is_u64
+from ..types import BlockRecord, first_bad_record, hash_problem, is_u64
 from ..tiers import TierKind, first_of_kind
 from .errors import InvalidBlockError, ManagerClosedError, ManagerConfigError, ManagerError
 from .g1_bytes import G1Bytes
@@ -281,11 +280,9 @@ class KvBlockManager:
             if block.state is not BlockState.COMPLETE:
                 continue                  # the pool refuses it with BlockStateError
             where = f"register: block {i} (G1 slot {block.block_id})"
-            for name in ("sequence_hash", "local_hash", "parent_hash"):
-                value = getattr(block, name)
-                if not (is_u64(value) or (name == "parent_hash" and value is None)):
-                    raise InvalidBlockError(f"{where}: {name} {value!r} is not an unsigned "
-                                            f"64-bit integer")
+            problem = hash_problem(block)
+            if problem is not None:
+                raise InvalidBlockError(f"{where}: {problem}")
             record = block.cached_record
             if block.block_size != block_size or (record is not None
                                                   and record.block_size != block_size):

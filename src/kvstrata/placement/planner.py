@@ -41,7 +41,7 @@ from ..logical.registry import BlockRegistry
 from ..protocol.plans import TransferPlan
 from ..protocol.results import BlockFailure, FailureKind, TransferResult
 from ..tiers import Addressing, ordered, spec
-from ..types import BlockRecord, is_u64
+from ..types import BlockRecord, first_bad_record
 from .cascade import Cascade, allocate_up_to
 from .costs import CostModel
 from .onboard import OnboardResult, Onboarding
@@ -61,17 +61,6 @@ class PlacementError(ValueError):
     """A call the planner refuses, before anything changed: a result for a job it did not
     hand out (or for a different plan), engine block ids that do not fit the request, a tier
     it does not manage."""
-
-
-def first_bad_record(records: Sequence, block_size: int) -> int | None:
-    """The position of the first item that is not a :class:`BlockRecord` of ``block_size``
-    tokens with u64 hashes (None if all are)."""
-    for i, record in enumerate(records):
-        if not isinstance(record, BlockRecord) or record.block_size != block_size \
-                or not (is_u64(record.sequence_hash) and is_u64(record.local_hash)
-                        and (record.parent_hash is None or is_u64(record.parent_hash))):
-            return i
-    return None
 
 
 def _release_handle(handle: ImmutableBlocks) -> None:
