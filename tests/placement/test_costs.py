@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from kvstrata.kinds import cost_priors
 from kvstrata.placement.costs import (ALPHA, ALPHA_WORSE, CLIP, STALE_HALF_LIFE, CostModel,
                                       Estimate)
 
@@ -26,7 +27,7 @@ def feed(model, path, gbps, overhead, n=20, nbytes=64 << 20):
 
 
 def test_priors_order_the_tiers_before_anything_is_measured():
-    model = CostModel(Clock())
+    model = CostModel(cost_priors(), Clock())
     g2, g3, g4 = (model.bandwidth(p) for p in ("G2->G1", "G3->G1", "G4->G1"))
     assert g2 > g3 > g4
     assert model.overhead("G4->G1") > model.overhead("G3->G1") > model.overhead("G2->G1")
@@ -34,7 +35,7 @@ def test_priors_order_the_tiers_before_anything_is_measured():
 
 
 def test_estimates_converge_to_what_the_transfers_show():
-    model = CostModel(Clock())
+    model = CostModel(cost_priors(), Clock())
     feed(model, "G3->G1", gbps=0.2, overhead=0.05)
     assert model.bandwidth("G3->G1") == pytest.approx(0.2e9, rel=0.05)
     assert model.overhead("G3->G1") == pytest.approx(0.05, rel=0.05)
@@ -46,7 +47,7 @@ def test_estimates_converge_to_what_the_transfers_show():
 
 
 def test_one_outlier_moves_a_warm_estimate_by_a_bounded_factor():
-    model = CostModel(Clock())
+    model = CostModel(cost_priors(), Clock())
     feed(model, "G2->G1", gbps=8.0, overhead=1e-4)
     before = model.bandwidth("G2->G1")
     feed(model, "G2->G1", gbps=0.001, overhead=1e-4, n=1)        # one 8000x slower plan
@@ -57,7 +58,7 @@ def test_one_outlier_moves_a_warm_estimate_by_a_bounded_factor():
 
 
 def test_bad_news_is_believed_sooner_than_good_news():
-    model = CostModel(Clock())
+    model = CostModel(cost_priors(), Clock())
     feed(model, "G3->G1", gbps=2.0, overhead=1e-3)
     feed(model, "G3->G1", gbps=0.5, overhead=1e-3, n=3)            # 4x slower, three plans
     slowed = model.bandwidth("G3->G1")
@@ -68,7 +69,7 @@ def test_bad_news_is_believed_sooner_than_good_news():
 
 
 def test_an_unmeasured_path_borrows_what_its_slow_tier_showed_elsewhere():
-    model = CostModel(Clock())
+    model = CostModel(cost_priors(), Clock())
     assert model.bandwidth("G4->G1") == pytest.approx(100e6)          # kind prior
     feed(model, "G2->G4", gbps=0.01, overhead=0.3)                    # stores crawl
     feed(model, "G1->G2", gbps=10.0, overhead=1e-5)                   # unrelated path
@@ -80,7 +81,7 @@ def test_an_unmeasured_path_borrows_what_its_slow_tier_showed_elsewhere():
 
 
 def test_a_load_waits_for_the_bytes_in_flight_on_its_path():
-    model = CostModel(Clock())
+    model = CostModel(cost_priors(), Clock())
     feed(model, "G3->G1", gbps=1.0, overhead=1e-3)
     block = 1 << 20
     alone = model.load_seconds("G3->G1", 100 * block, block)
@@ -101,7 +102,7 @@ def test_a_load_waits_for_the_bytes_in_flight_on_its_path():
 
 def test_a_path_that_got_slow_is_learned_and_a_stale_one_returns_to_its_prior():
     clock = Clock()
-    model = CostModel(clock)
+    model = CostModel(cost_priors(), clock)
     feed(model, "G4->G1", gbps=1.0, overhead=0.01)
     fast = model.bandwidth("G4->G1")
     feed(model, "G4->G1", gbps=0.01, overhead=0.5, n=40)            # throttled now
@@ -134,7 +135,7 @@ def test_every_manager_learns_its_paths_and_shows_them():
 
 
 def test_worth_loading_cuts_where_the_slow_tier_starts():
-    model = CostModel(Clock())
+    model = CostModel(cost_priors(), Clock())
     feed(model, "G2->G1", gbps=10.0, overhead=1e-5)
     for _ in range(10):
         model.observe_prefill(4096, 1.0)                      # 4,096 tokens/s
@@ -156,7 +157,7 @@ def test_the_planner_counts_blocks_in_flight_per_path_until_their_results_come_b
     from test_planner import chain, compute, failed, planner
     from kvstrata.protocol import TransferResult
 
-    p = planner(g1=8, g2=8, g3=32)
+    p = planner(g1=8, g2=8, g3=32, costs=CostModel(cost_priors()))
     compute(p, chain(6))
     plans = p.take_plans()
     assert plans

@@ -30,7 +30,9 @@ from ..logical.handles import ImmutableBlocks, MutableBlocks, _Blocks
 from ..logical.registry import BlockRegistry, RegistryObserver
 from ..metrics import ManagerMetrics
 from ..physical import FileOps, Storage, TransferEngine
+from ..kinds import cost_priors
 from ..placement import EngineExecutor, OnboardResult, Planner
+from ..placement.costs import CostModel
 from ..protocol.results import TransferResult
 from ..types import BlockRecord, first_bad_record, hash_problem, is_u64
 from ..tiers import TierKind, first_of_kind
@@ -147,7 +149,8 @@ class KvBlockManager:
                 max_host_bytes, o_direct, file_ops, durable_disk=durable_disk,
                 object_store=object_store))
             self.config = self._storages.config
-            self.planner = Planner(self.config, listeners=[self.metrics], release=self.release)
+            self.planner = Planner(self.config, listeners=[self.metrics], release=self.release,
+                                   costs=CostModel(cost_priors()))
             for observer in observers:
                 self.planner.registry.add_observer(observer)
             for tier, entries in self._storages.recovered().items():

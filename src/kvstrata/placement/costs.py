@@ -21,9 +21,10 @@ path that was slow an hour ago is tried again).
 
 A path's prior is what the other paths to or from its slower tier measured (the worst of
 them: a bucket's reads are assumed no faster than its writes until a read is measured), and
-without those a prior per tier kind, deliberately conservative for the slow tiers: host RAM
-is assumed fast, a local disk a few GB/s plus a millisecond per plan, a remote store 100 MB/s
-plus 20 ms; the engine's prefill rate 2,000 tokens/s.
+without those the :class:`CostPrior` of that tier's kind. Each kind of tier declares its own
+in its module of :mod:`kvstrata.kinds` (deliberately conservative for the slow ones), and the
+driver that builds a planner over real storages hands them in (``CostModel(cost_priors())``);
+the engine's prefill rate starts at 2,000 tokens/s.
 
 Copies on one path queue behind each other: a planner tells its model how many blocks are in
 flight on each path (:meth:`CostModel.attach_backlog`), and a load's estimate includes
@@ -39,13 +40,13 @@ import math
 import time
 from itertools import groupby
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from ..tiers import TierKind, order_of, path_name, spec, split_path
 from .telemetry import PlacementListener
 
-__all__ = ["CostModel", "Estimate", "ALPHA", "ALPHA_WORSE", "CLIP", "WARM_SAMPLES",
-           "STALE_HALF_LIFE"]
+__all__ = ["CostModel", "CostPrior", "Estimate", "ALPHA", "ALPHA_WORSE", "CLIP",
+           "WARM_SAMPLES", "STALE_HALF_LIFE", "PREFILL_PRIOR"]
 
 ALPHA = 0.2
 """Weight of a new sample better than the estimate in the moving average (of logarithms)."""
@@ -58,12 +59,26 @@ WARM_SAMPLES = 3
 STALE_HALF_LIFE = 300.0
 """Seconds without samples after which an estimate has moved halfway back to its prior."""
 
-_BANDWIDTH_PRIOR = {TierKind.DEVICE: 10e9, TierKind.HOST: 5e9, TierKind.DISK: 1.5e9,
-                    TierKind.OBJECT: 100e6, TierKind.REMOTE: 1e9}
-_OVERHEAD_PRIOR = {TierKind.DEVICE: 50e-6, TierKind.HOST: 100e-6, TierKind.DISK: 1e-3,
-                   TierKind.OBJECT: 20e-3, TierKind.REMOTE: 2e-3}
 PREFILL_PRIOR = 2_000.0
 """Tokens per second of prefill assumed before the engine was measured."""
+
+
+@dataclass(frozen=True)
+class CostPrior:
+    """What a planner assumes of a kind of tier before any copy on it was measured:
+    ``bandwidth`` in bytes per second of copying, ``overhead`` in seconds per plan besides
+    the copy. Each kind of tier declares its own (:mod:`kvstrata.kinds`)."""
+
+    bandwidth: float
+    overhead: float
+
+    def __post_init__(self) -> None:
+        for name in ("bandwidth", "overhead"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"a cost prior's {name} is a finite number > 0, "
+                                 f"got {value!r}")
 
 
 @dataclass
@@ -116,9 +131,17 @@ class Estimate:
 
 class CostModel(PlacementListener):
     """Per path bandwidth and overhead, and the engine's prefill rate; see the module
-    docstring. ``clock`` is ``time.monotonic`` (tests pass their own)."""
+    docstring. ``priors`` holds the :class:`CostPrior` of each kind of tier the paths may
+    touch (:func:`kvstrata.kinds.cost_priors`); ``clock`` is ``time.monotonic`` (tests pass
+    their own)."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, priors: Mapping[TierKind, CostPrior],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._priors = dict(priors)
+        for kind, prior in self._priors.items():
+            if not isinstance(kind, TierKind) or not isinstance(prior, CostPrior):
+                raise TypeError(f"cost priors map a TierKind to a CostPrior, got "
+                                f"{kind!r}: {prior!r}")
         self._clock = clock
         self._bandwidth: dict[str, Estimate] = {}
         self._overhead: dict[str, Estimate] = {}
@@ -235,12 +258,12 @@ class CostModel(PlacementListener):
                 "prefill_samples": self.prefill.samples}
 
     # -- estimates and their priors --------------------------------------------------------
-    @staticmethod
-    def _estimate(table: dict[str, Estimate], path: str, higher_is_better: bool) -> Estimate:
+    def _estimate(self, table: dict[str, Estimate], path: str,
+                  higher_is_better: bool) -> Estimate:
         estimate = table.get(path)
         if estimate is None:
             split_path(path)                    # a malformed path is an error, not a new row
-            estimate = table[path] = Estimate(_kind_prior(path, higher_is_better),
+            estimate = table[path] = Estimate(self._kind_prior(path, higher_is_better),
                                               higher_is_better)
         return estimate
 
@@ -258,16 +281,20 @@ class CostModel(PlacementListener):
                    if e.samples and p != path and _slower_tier(p) == far]
         higher_is_better = estimate.higher_is_better if estimate else table is self._bandwidth
         if not related:
-            return _kind_prior(path, higher_is_better)
+            return self._kind_prior(path, higher_is_better)
         return min(related) if higher_is_better else max(related)
+
+    def _kind_prior(self, path: str, higher_is_better: bool) -> float:
+        """The prior of the kind of ``path``'s slower tier."""
+        kind = spec(_slower_tier(path)).kind
+        prior = self._priors.get(kind)
+        if prior is None:
+            raise ValueError(f"no cost prior for {kind.value} tiers (path {path}); the "
+                             f"model knows {sorted(k.value for k in self._priors)}")
+        return prior.bandwidth if higher_is_better else prior.overhead
 
 
 def _slower_tier(path: str) -> str:
     """The tier of a path further from the engine (the one whose medium limits it)."""
     source, target = split_path(path)
     return max(source, target, key=order_of)
-
-
-def _kind_prior(path: str, higher_is_better: bool) -> float:
-    kind = spec(_slower_tier(path)).kind
-    return (_BANDWIDTH_PRIOR if higher_is_better else _OVERHEAD_PRIOR)[kind]

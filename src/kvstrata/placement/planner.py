@@ -77,14 +77,17 @@ class Planner:
     completed copies, skipped blocks and finished onboards (:class:`PlacementListener`);
     :attr:`stats` is always one of them. ``release`` is what :meth:`OnboardResult.release`
     calls with the result's top-tier handle (default: release it here, on the caller's
-    thread; a threaded owner passes a function that posts it to itself).
+    thread; a threaded owner passes a function that posts it to itself). ``costs`` is the
+    :class:`~.costs.CostModel` to teach with every completed copy (a driver whose plans
+    move real bytes passes one); None: no costs are learned (a metadata replay).
     """
 
     def __init__(self, config: KvConfig, *, registry: BlockRegistry | None = None,
                  engine_owns_top: bool = False, worker: int = 0,
                  key_of: Callable[[BlockRecord], str] = block_key,
                  listeners: Iterable[PlacementListener] = (),
-                 release: Callable[[ImmutableBlocks], object] | None = None) -> None:
+                 release: Callable[[ImmutableBlocks], object] | None = None,
+                 costs: CostModel | None = None) -> None:
         config.validate()
         self.config = config
         self.registry = registry if registry is not None else BlockRegistry()
@@ -105,7 +108,8 @@ class Planner:
                                     eviction=policies.eviction, registry=self.registry,
                                     keep_tokens=config.keep_tokens)
         self._state = PlacementState(tiers, pools, admission, engine_owns_top=engine_owns_top,
-                                     worker=worker, key_of=key_of, listeners=listeners)
+                                     worker=worker, key_of=key_of, listeners=listeners,
+                                     costs=costs)
         self._cascade = Cascade(self._state)
         self._onboarding = Onboarding(self._state, self._cascade,
                                       release if release is not None else _release_handle)
@@ -134,9 +138,9 @@ class Planner:
         return self._state.stats
 
     @property
-    def costs(self) -> CostModel:
+    def costs(self) -> CostModel | None:
         """What moving blocks costs on each path, learned from the completed plans
-        (:mod:`.costs`)."""
+        (:mod:`.costs`); None when the planner was built without a cost model."""
         return self._state.costs
 
     def quarantined(self, tier: str) -> int:

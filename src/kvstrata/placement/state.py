@@ -73,7 +73,8 @@ class PlacementState:
     def __init__(self, tier_names: Sequence[str], pools: dict[str, BlockPool],
                  admission: dict[str, AdmissionPolicy], *, engine_owns_top: bool,
                  worker: int, key_of: Callable[[BlockRecord], str],
-                 listeners: Iterable[PlacementListener]) -> None:
+                 listeners: Iterable[PlacementListener],
+                 costs: CostModel | None = None) -> None:
         self.tiers = tuple(tier_names)
         """Configured tiers, fastest first."""
         self.pools = pools
@@ -83,12 +84,15 @@ class PlacementState:
         self.worker = worker
         self.key_of = key_of
         self.stats = PlacementStats()
-        self.costs = CostModel()
+        self.costs = costs
         self.blocks_in_flight: Counter[str] = Counter()
         """Blocks of the jobs in flight (handed out or not yet), by path: what a new copy on
         that path waits behind."""
-        self.costs.attach_backlog(lambda path: self.blocks_in_flight.get(path, 0))
-        self.listeners: tuple[PlacementListener, ...] = (self.stats, self.costs, *listeners)
+        learners = (self.stats,)
+        if costs is not None:
+            costs.attach_backlog(lambda path: self.blocks_in_flight.get(path, 0))
+            learners += (costs,)
+        self.listeners: tuple[PlacementListener, ...] = (*learners, *listeners)
         self.receiving: dict[str, set[int]] = {t: set() for t in self.tiers}
         """Hashes on their way into each tier (copies in flight or waiting for a slot)."""
         self.quarantine: dict[str, set[int]] = {t: set() for t in self.tiers}

@@ -61,9 +61,10 @@ def test_prometheus_counters_follow_the_stats():
 
 def test_cost_estimates_become_gauges_sent_when_they_move():
     from kvstrata.connectors.vllm.stats import estimates, moved
+    from kvstrata.kinds import cost_priors
     from kvstrata.placement.costs import CostModel
 
-    costs = CostModel()
+    costs = CostModel(cost_priors())
     costs.transfer_done("G3->G1", 8, 8 << 20, 0.01, 0.02, ())
     costs.observe_prefill(4096, 2.0)
     est = estimates(costs.snapshot())

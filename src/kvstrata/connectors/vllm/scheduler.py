@@ -28,6 +28,8 @@ from typing import Any, Iterable
 from ...logical.registry import BlockRegistry
 from ...manager.catalog import StoreLister
 from ...manager.storages import StorageOptions, open_object_storage, peek_recovered
+from ...kinds import cost_priors
+from ...placement.costs import CostModel
 from ...placement import PlacementError, Planner
 from ...placement.onboard import OnboardResult
 from ...protocol.plans import TransferPlan
@@ -125,7 +127,7 @@ class SchedulerHalf:
         for observer in observers:
             self.registry.add_observer(observer)
         self.planner = Planner(settings.kv, registry=self.registry, engine_owns_top=True,
-                               worker=0)
+                               worker=0, costs=CostModel(cost_priors()))
         self.counters = ConnectorCounters()
         self._results = RankResults(world_size)
         self._world_size = world_size
