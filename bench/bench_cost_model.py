@@ -84,7 +84,7 @@ def kv_transfer_config(name: str, args: argparse.Namespace, g4_url: str | None,
                        run: int = 0) -> dict:
     if name.startswith("recompute"):
         return {"kv_connector": "NullConnector",
-                "kv_connector_module_path": "kvstrata.connectors.vllm.baseline",
+                "kv_connector_module_path": "kvstrata.testing.null_connector",
                 "kv_role": "kv_both"}
     setting, mode = name.rsplit("-", 1)
     g2 = {"fast": args.g2, "slow": args.g2_small, "g4fast": args.g2_small,
@@ -256,8 +256,8 @@ def main() -> None:
     # SIGTERM unwinds like Ctrl-C: engines killed, the store stopped, its cgroup removed
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
 
-    from kvstrata.connectors.vllm.random_model import BENCH, make_random_llama
     from kvstrata.physical.storage.seaweed import find_weed
+    from kvstrata.testing.random_model import BENCH, make_random_llama
 
     model = make_random_llama(args.model_dir, BENCH)
     workload = base.make_workload(args.seed, args.conversations, turns, args.first)

@@ -1,7 +1,7 @@
 """Remote G2 -> local G2 reads over NIXL: kvstrata against a bare NIXL loop and memcpy.
 
 Two OS processes on loopback (UCX): an exporter holding a chain of blocks in the G2 of a
-``KvBlockManager`` (``kvstrata.remote.testing``), and this process, which imports its block set.
+``KvBlockManager`` (``kvstrata.testing.exporter``), and this process, which imports its block set.
 Per block size, interleaved (the order rotated each round) and best of ``--repeats``; the
 ``pairs`` column is the median over rounds of the bare read's time over ours in the same
 round, steadier than best-of when the machine's load changes:
@@ -56,7 +56,7 @@ def run(block_bytes: int, blocks: int, repeats: int) -> dict:
     from kvstrata.protocol.layout_codec import SharedLayout
     from kvstrata.remote.blockset import byte_ranges
     from kvstrata.remote.importer import BlockSetImporter
-    from kvstrata.remote.testing import start_exporter
+    from kvstrata.testing.exporter import start_exporter
 
     layers, heads, dim = GEOMETRIES[block_bytes]
     ex = start_exporter(chains=1, chain_blocks=blocks, g2_blocks=blocks,

@@ -92,7 +92,7 @@ def make_workload(seed: int, conversations: int, turns: int, first: int) -> dict
 def kv_transfer_config(name: str, work: Path, args: argparse.Namespace) -> dict:
     if name in ("floor", "null"):
         return {"kv_connector": "NullConnector",
-                "kv_connector_module_path": "kvstrata.connectors.vllm.baseline",
+                "kv_connector_module_path": "kvstrata.testing.null_connector",
                 "kv_role": "kv_both"}
     if name.startswith("kvstrata"):
         g2 = {"kvstrata-g2": args.g2, "kvstrata-g3": args.g2_small,
@@ -273,7 +273,7 @@ def auto_g2_small(workload: dict, answer: int) -> str:
     kvstrata skips a surplus it cannot place: a G2 smaller than one turn stores only part of
     it, and G3 never sees the rest), while the other conversations played between two turns
     of one conversation push its blocks out of G2, so a returning turn loads from G3."""
-    from kvstrata.connectors.vllm.random_model import BENCH
+    from kvstrata.testing.random_model import BENCH
 
     longest = max(len(c["first"]) + sum(len(u) + answer for u in c["user"]) + answer
                   for c in workload["conversations"])
@@ -590,7 +590,7 @@ def main() -> None:
     conversations = args.conversations or 3
     turns = args.turns or (2 if args.quick else 5)
     started = time.perf_counter()
-    from kvstrata.connectors.vllm.random_model import BENCH, make_random_llama
+    from kvstrata.testing.random_model import BENCH, make_random_llama
 
     model = make_random_llama(args.model_dir, BENCH)
     temp = args.work_dir is None

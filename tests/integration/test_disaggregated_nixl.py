@@ -21,8 +21,8 @@ from kvstrata.events.indexer import PrefixIndex  # noqa: E402
 from kvstrata.events.subscriber import NatsFollower  # noqa: E402
 from kvstrata.manager import KvBlockManager  # noqa: E402
 from kvstrata.remote.errors import LeaseError, RemoteReadError  # noqa: E402
-from kvstrata.remote.testing import (chain_tokens, geometry_config, payload_of,  # noqa: E402
-                                     start_exporter)
+from kvstrata.testing.exporter import (chain_tokens, geometry_config, payload_of,  # noqa: E402
+                                       start_exporter)
 from kvstrata.tokens import hash_blocks  # noqa: E402
 from kvstrata.types import BlockRecord  # noqa: E402
 

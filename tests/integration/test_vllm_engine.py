@@ -33,7 +33,7 @@ def _tokens(seed: int, n: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from kvstrata.connectors.vllm.random_model import TINY, make_random_llama
+    from kvstrata.testing.random_model import TINY, make_random_llama
 
     return str(make_random_llama(tmp_path_factory.mktemp("model"), TINY))
 

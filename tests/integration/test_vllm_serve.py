@@ -96,7 +96,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from kvstrata.connectors.vllm.random_model import TINY, make_random_llama
+    from kvstrata.testing.random_model import TINY, make_random_llama
 
     return str(make_random_llama(tmp_path_factory.mktemp("model"), TINY))
 

@@ -27,8 +27,8 @@ from kvstrata.remote.blockset import byte_ranges  # noqa: E402
 from kvstrata.remote.errors import (BlockSetMismatchError, LeaseError,  # noqa: E402
                                     RemoteReadError)
 from kvstrata.remote.importer import BlockSetImporter  # noqa: E402
-from kvstrata.remote.testing import (payload_of, start_exporter,  # noqa: E402
-                                     start_lease_holder)
+from kvstrata.testing.exporter import (payload_of, start_exporter,  # noqa: E402
+                                       start_lease_holder)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 

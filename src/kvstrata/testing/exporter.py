@@ -181,7 +181,7 @@ def start_lease_holder(control: str, hashes: list[int], ttl: float, timeout: flo
 def _holder_main(conn, control: str, hashes: list[int], ttl: float) -> None:
     import time
 
-    from .importer import ask
+    from ..remote.importer import ask
 
     try:
         reply = ask(control, {

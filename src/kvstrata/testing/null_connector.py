@@ -4,7 +4,7 @@ The fair recompute baseline for benchmarks: on vLLM's CPU build, configuring *an
 connector changes how prefill runs (measured here about 1.8x faster than with no connector),
 so a connector's gains are measured against this one, never against plain vLLM. Name it with
 ``{"kv_connector": "NullConnector", "kv_connector_module_path":
-"kvstrata.connectors.vllm.baseline", "kv_role": "kv_both"}``.
+"kvstrata.testing.null_connector", "kv_role": "kv_both"}``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Random-weight Llama checkpoints made locally, for tests, benchmarks and the demo.
+"""Random-weight Llama checkpoints made locally, for tests and benchmarks.
 
 vLLM loads a model from a directory; nothing here downloads anything. The weights are random
 (seeded, so greedy outputs repeat), which is all a KV-cache test needs: the KV bytes and the
