@@ -1,5 +1,9 @@
 """The ``kvstrata`` command: ``hash``, ``replay`` and ``indexer``.
 
+(Over 400 lines on purpose: one concern, the command's edge: flags, input checks, dispatch and
+the exit-status contract below (one-line errors, signals, a closed pipe); the work itself lives
+in the modules each command calls.)
+
 Errors: anything wrong with what the user gave (a flag, a file, a spec, a config) ends the
 command with one line on stderr naming the input and exit status 2, never a traceback
 (:func:`main` is the one boundary that turns input errors into that line; set

@@ -1,7 +1,8 @@
 """Wire formats: kvstrata JSON, Dynamo KV-router JSON, vLLM ``KVEventBatch`` msgpack.
 
-(Over 600 lines on purpose: every encoder sits beside its decoder and its reference dict form,
-so a change to one wire format is made and reviewed in one place.)
+(Over 800 lines on purpose: one concern, the wire formats; all three encode the publisher's
+compact items and decode through the same field checks to one ``EventFormatError``, and each
+encoder sits beside its decoder and reference dict form.)
 
 Every encoder here is a pure function of events; every decoder raises
 :class:`~kvstrata.events.model.EventFormatError` naming what is wrong. See docs/events.md for
@@ -263,12 +264,6 @@ def _int(obj: dict, key: str, what: str) -> int:
     if type(value) is not int or value < 0:
         raise EventFormatError(f"{what}: field {key!r} must be a non-negative integer, got {value!r}")
     return value
-
-
-def _opt_int(obj: dict, key: str, what: str) -> int | None:
-    if obj.get(key) is None:
-        return None
-    return _int(obj, key, what)
 
 
 _INT_ONLY = {int}

@@ -1,7 +1,8 @@
 """``kvstrata indexer``: the storage-provider side of the event plane.
 
-(Over 400 lines on purpose: the prefix index, its queries and the small HTTP server that
-serves them are one tool, ``kvstrata indexer``.)
+(Nearly 600 lines on purpose: one concern, the ``kvstrata indexer`` tool: the prefix tree (with
+its pure-Python core, the native core's reference), its queries, and the HTTP server and
+command line that serve them.)
 
 It follows one or more workers' event streams (NATS, a JSON-lines file, or in-process) and keeps
 a prefix tree of which blocks are live in which tier of which worker. Nodes are keyed by

@@ -1,5 +1,9 @@
 """Event sinks: in-process callback, JSON-lines files, ZMQ PUB (vLLM format), NATS.
 
+(Over 400 lines on purpose: one concern, handing the publisher's batches to a transport; over
+half is the NATS sink, whose connections, JetStream acks and snapshot service share one
+lifecycle.)
+
 Each sink's ``send`` runs on the publisher thread only. Transport trouble that is worth a
 retry (server down, not yet connected, buffer full) raises
 :class:`~kvstrata.events.publisher.SinkUnavailableError`.

@@ -1,7 +1,8 @@
 """Following event streams: ordering, de-duplication, gaps, restarts and late joins.
 
-(Nearly 500 lines on purpose: one concern, following streams in order; the ordering and
-re-sync rules are shared by every transport and read best in one place.)
+(About 500 lines on purpose: one concern, following streams in order; every transport feeds
+:class:`StreamFollower`'s rules, and the NATS follower's snapshot requests are the other half of
+its late-join protocol, so they read best together.)
 
 :class:`StreamFollower` is transport-agnostic. It tracks, per worker, the publisher identity and
 the last applied event id, and applies events to a *target* (anything with
@@ -473,10 +474,6 @@ class NatsFollower:
         """Ask every publisher on the subject for its snapshot (``SUBJECT.snapshot``), apply
         the replies that arrive within ``window`` seconds; returns how many were applied."""
         return self._aio.run(self._discover(window), window + 5.0)
-
-    def request_snapshot(self, worker_id: int, timeout: float = 5.0) -> Snapshot | None:
-        """Fetch one worker's snapshot now (from any thread)."""
-        return self._aio.run(self._request_snapshot(worker_id), timeout)
 
     def wait_for(self, predicate: Callable[[], bool], timeout: float) -> bool:
         """Wait (sleeping, not spinning hot) until ``predicate()`` is true."""

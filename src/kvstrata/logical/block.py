@@ -125,11 +125,6 @@ class Block:
         return self._store.tick[self.block_id]
 
     @property
-    def parent_id(self) -> int:
-        """The parent's slot in this pool (-1 if none linked)."""
-        return self._store.up[self.block_id] - 1
-
-    @property
     def children(self) -> int:
         """How many registered children in this pool point at this block."""
         return self._store.kids[self.block_id]

@@ -1,5 +1,8 @@
 """Eviction orders: which idle block of a pool goes first when a slot is needed.
 
+(About 500 lines on purpose: one concern, the eviction orders; the interface and its three
+fixed orders share the pool's calls and the store's intrusive lists, so they read side by side.)
+
 An *eviction policy* orders a pool's evictable blocks (registered, no users, and, when the
 policy asks for ``leaf_first``, no registered children in the pool). The pool tells it when a
 block becomes evictable (``insert``), stops being evictable (``remove``), is touched while idle

@@ -1,7 +1,8 @@
 """A fixed-size pool of blocks for one tier: allocate, register (dedup), match, touch, release.
 
-(About 500 lines on purpose: one concern, a tier's slots, with its hot paths inlined; the
-consistency checks live in :mod:`kvstrata.logical.pool_checks`.)
+(Over 600 lines on purpose: one concern, moving a tier's slots between free, active and
+inactive; every call keeps the index, eviction order, parent links and registry events in step,
+hot paths inlined. The consistency checks live in :mod:`kvstrata.logical.pool_checks`.)
 
 Block slots are ``0 .. num_blocks-1`` (the physical layer's storage for the tier has the same
 slots). Every slot is in exactly one place:

@@ -1,5 +1,8 @@
 """A pool's slots as columns: one array per field, indexed by slot id (issue 13's memory).
 
+(Over 400 lines on purpose: one concern, a pool's slot columns and the loops over them; most of
+it is :class:`PySlotOps`, the Python reference of ``_slots.SlotOps`` in C, method for method.)
+
 A registered block costs no Python object: its state, references, release tick, hashes,
 tree links and policy fields are entries of fixed-width numpy arrays made for the pool's
 whole capacity up front. ``np.zeros`` takes its memory from ``calloc``, whose pages are

@@ -277,10 +277,6 @@ class FullyContiguousLayout(Layout):
     def contiguous_granularity(self) -> Granularity:
         return Granularity.BLOCK
 
-    def block_offset(self, block: int) -> int:
-        """Byte offset of block ``block`` in the single region."""
-        return block * self.block_stride
-
     def _offsets(self, blocks, layers, outers):
         offset = blocks * self.block_stride + layers * self.layer_stride + outers * self.outer_stride
         return np.zeros_like(offset), offset

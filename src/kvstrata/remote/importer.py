@@ -1,5 +1,8 @@
 """The importing side: read blocks out of another process's exported memory, verified.
 
+(About 500 lines on purpose: one concern, reading a peer's blocks verified; the batched copy and
+the hashing that overlaps it (either thread may hash a batch) are one pipeline.)
+
 :class:`BlockSetImporter` owns this process's NIXL agent with its own storage registered (the
 tier blocks are read into). :meth:`BlockSetImporter.connect` fetches a peer's block set from
 its control address (or :meth:`BlockSetImporter.import_blockset` takes the bytes), validates

@@ -1,5 +1,8 @@
 """The index of a durable disk tier: which slot of the slab holds which block, as a journal.
 
+(Just over 400 lines on purpose: one concern, the disk tier's journal; its record format, write
+order, replay and compaction make one crash-safety argument, spelled out below.)
+
 The index is one append-only file of fixed-size records beside the slab. Writing a batch
 of blocks is three steps, in this order:
 
