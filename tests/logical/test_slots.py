@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 from kvstrata.logical.policy import make_tier_policies
 from kvstrata.logical.pool import BlockPool, PoolExhaustedError
-from kvstrata.placement.cascade import allocate_up_to
+from kvstrata.placement.offload import allocate_up_to
 from kvstrata.logical.registry import BlockRecord, BlockRegistry, RegistryObserver
 from kvstrata.tokens import chain_hashes
 from native_paths import NATIVE_BUILT, restore_native, set_native

@@ -156,14 +156,14 @@ HOSTILE = {
 HOSTILE_BUGS = {   # case -> (results, the bug this case found: fixed, kept as a regression)
     "failure_kind_not_a_failurekind": (
         lambda pl, n: [_ok(pl, (False,) + (True,) * (n - 1), [_fail(0, "bogus")])],
-        "planner.py _check_results does not check BlockFailure.kind: accepted, then applying "
+        "checks.py check_results does not check BlockFailure.kind: accepted, then applying "
         "it raises AttributeError (failure.kind.value) and the job is abandoned, good blocks "
         "thrown away"),
     "failures_none": (lambda pl, n: [_ok(pl, (True,) * n, None)],
-                      "planner.py _check_results: TypeError, not PlacementError"),
+                      "checks.py check_results: TypeError, not PlacementError"),
     "duplicate_failure_positions": (
         lambda pl, n: [_ok(pl, (False,) + (True,) * (n - 1), [_fail(0)] * 3)],
-        "planner.py _check_results accepts 3 failures for one position; stats count 3"),
+        "checks.py check_results accepts 3 failures for one position; stats count 3"),
 }
 CASES = [pytest.param(k, id=k) for k in (*HOSTILE, *HOSTILE_BUGS)]
 

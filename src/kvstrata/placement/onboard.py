@@ -18,7 +18,7 @@ Either way the source blocks are held until their copy's result, a block whose l
 dropped from its tier (or quarantined while in use) and reported, and the delivered prefix
 stops before the first failed block, so wrong bytes are never handed back. With kvstrata's
 own top tier, blocks loaded from a tier below the second are then offered to the second
-(write-through, through the cascade). With the engine's, they are not: the engine may free
+(write-through, through the offload). With the engine's, they are not: the engine may free
 or reuse its blocks as soon as the load is done (an aborted request, a load whose first block
 failed), so the planner never reads an engine block it was not handed for an offload; the
 driver offers the loaded blocks while it knows they are live (the vLLM connector offers every
@@ -34,7 +34,7 @@ from typing import Callable, Sequence
 from ..logical.handles import ImmutableBlocks, MutableBlocks
 from ..protocol.results import FailureKind, TransferResult
 from ..types import BlockRecord
-from .cascade import Cascade, allocate_up_to
+from .offload import Offload, allocate_up_to
 from .state import Job, PlacementState
 
 __all__ = ["LoadFailure", "OnboardResult", "Ticket", "Onboarding"]
@@ -135,10 +135,10 @@ class Ticket:
 class Onboarding:
     """The onboard half of the planner (see the module docstring)."""
 
-    def __init__(self, state: PlacementState, cascade: Cascade,
+    def __init__(self, state: PlacementState, offload: Offload,
                  release: Callable[[ImmutableBlocks], object]) -> None:
-        self.s = state
-        self.cascade = cascade
+        self.state = state
+        self.offload = offload
         self._release = release
         self._copying: dict[int, tuple[Ticket, str]] = {}
         """Owned top tier: hash -> (ticket copying it there, its source tier)."""
@@ -152,14 +152,14 @@ class Onboarding:
 
     # -- kvstrata owns the top tier --------------------------------------------------------
     def prepare_owned(self, hashes: Sequence[int]) -> int:
-        s = self.s
-        top = s.top
-        g1 = s.pools[top]
-        lower = s.tiers[1:]
+        state = self.state
+        top = state.top
+        g1 = state.pools[top]
+        lower = state.tiers[1:]
         plan: list[tuple[int, str, Ticket | None]] = []
         resident: list[int] = []
         copies = 0
-        bad = s.quarantine[top]
+        bad = state.quarantine[top]
         for h in hashes:
             if h in g1:
                 if h in bad:     # found bad while in use: never served, and a good copy
@@ -171,7 +171,7 @@ class Onboarding:
             if copying is not None:
                 plan.append((h, copying[1], copying[0]))
                 continue
-            tier = s.holder(h, lower)
+            tier = state.holder(h, lower)
             if tier is None:
                 break
             plan.append((h, tier, None))
@@ -189,7 +189,7 @@ class Onboarding:
         by_tier: dict[str, list[BlockRecord]] = {}
         for h, tier, other in plan:
             if tier != top and other is None:
-                by_tier.setdefault(tier, []).append(s.pools[tier].lookup(h).record())
+                by_tier.setdefault(tier, []).append(state.pools[tier].lookup(h).record())
         waits = {id(o): o for _, _, o in plan if o is not None}
         ticket.pending = len(by_tier) + len(waits)
         for other in waits.values():
@@ -201,24 +201,24 @@ class Onboarding:
                 continue
             assert remaining is not None
             part, remaining = remaining.split([i < len(records) for i in range(len(remaining))])
-            source = s.pools[tier].match([r.sequence_hash for r in records])
+            source = state.pools[tier].match([r.sequence_hash for r in records])
             assert len(source) == len(records), f"onboard source {tier} lost blocks"
             part.apply_token_blocks(records)
             for r in records:
                 self._copying[r.sequence_hash] = (ticket, tier)
                 ticket.copying.append(r.sequence_hash)
-            s.new_job(tier, top, records, source=source, target=part, ticket=ticket)
+            state.new_job(tier, top, records, source=source, target=part, ticket=ticket)
         if ticket.pending == 0:
             self._finalize(ticket)
         return ticket.id
 
     # -- the engine owns the top tier ------------------------------------------------------
     def prepare_external(self, hashes: Sequence[int], engine_ids: Sequence[int]) -> int:
-        s = self.s
-        lower = s.tiers[1:]
+        state = self.state
+        lower = state.tiers[1:]
         plan: list[tuple[int, str, Ticket | None]] = []
         for h in hashes:
-            tier = s.holder(h, lower)
+            tier = state.holder(h, lower)
             if tier is None:
                 break
             plan.append((h, tier, None))
@@ -231,12 +231,12 @@ class Onboarding:
             mine = positions.get(tier)
             if not mine:
                 continue
-            pool = s.pools[tier]
+            pool = state.pools[tier]
             records = [pool.lookup(plan[p][0]).record() for p in mine]
             source = pool.match([r.sequence_hash for r in records])
             assert len(source) == len(records), f"onboard source {tier} lost blocks"
-            s.new_job(tier, s.top, records, source=source,
-                      engine_dst=[ticket.engine_ids[p] for p in mine], ticket=ticket)
+            state.new_job(tier, state.top, records, source=source,
+                          engine_dst=[ticket.engine_ids[p] for p in mine], ticket=ticket)
         if ticket.pending == 0:
             self._finalize(ticket)
         return ticket.id
@@ -246,16 +246,16 @@ class Onboarding:
                result: TransferResult) -> None:
         """Settle one onboard copy: register (owned) or note what arrived, drop and report
         what failed, and finish the ticket once it has nothing left to wait for."""
-        s, ticket = self.s, job.ticket
+        state, ticket = self.state, job.ticket
         assert ticket is not None
         failed = _failures_by_position(job, result)
-        tainted = s.quarantine[job.src_tier]
+        tainted = state.quarantine[job.src_tier]
         for pos, record in enumerate(job.records) if tainted else ():
             if pos not in failed and record.sequence_hash in tainted:   # not delivered
                 failed[pos] = LoadFailure(record.sequence_hash, job.src_tier,
                                           FailureKind.CHECKSUM_MISMATCH.value,
                                           "source found bad while it was copied")
-        good = s.without_tainted(job, good)
+        good = state.without_tainted(job, good)
         if bad is not None:
             bad.pool.release(bad)
         if job.source is not None:
@@ -269,13 +269,9 @@ class Onboarding:
                 loaded_positions.append(pos)
         drop = [f.sequence_hash for f in failed.values() if _drops_source(f.kind)]
         if drop:
-            s.drop(job.src_tier, drop)
-        if good is not None:
-            before = good.block_ids
-            registered = good.pool.register(good)
-            ticket.holds.append(registered)
-            new = [b.record() for b, slot in zip(registered.blocks, before) if b.block_id == slot]
-            self.cascade.offer(s.top, new)      # blocks from below the second tier go there too
+            state.drop(job.src_tier, drop)
+        if good is not None:   # registered in the top tier; offered on to the second
+            ticket.holds.append(self.offload.register_and_offer(good.pool, good))
         job.settled = True
         self._count_down(ticket)
 
@@ -308,7 +304,7 @@ class Onboarding:
             result = (self._owned_result(ticket) if ticket.engine_ids is None
                       else self._external_result(ticket))
             self.finished.append(result)
-            for listener in self.s.listeners:
+            for listener in self.state.listeners:
                 listener.onboarded(result.requested, result.sources)
         except Exception:
             log.exception("kvstrata onboard %d could not be finalized", ticket.id)
@@ -319,18 +315,19 @@ class Onboarding:
             for waiter in ticket.waiters:
                 self._settle_waiter(waiter, ticket)
             for hold in ticket.holds:
-                self.s.release_quietly(hold)
+                self.state.release_quietly(hold)
             ticket.holds.clear()
 
     def _owned_result(self, ticket: Ticket) -> OnboardResult:
-        g1 = self.s.pools[self.s.top]
+        state = self.state
+        g1, bad = state.pools[state.top], state.quarantine[state.top]
         prefix: list[int] = []
         sources: list[str] = []
         failures = list(ticket.failures.values())
         for h, tier, other in ticket.plan:
             if other is not None and h in other.failures:
                 failures.append(other.failures[h])
-            if h not in g1 or h in self.s.quarantine[self.s.top] or h in ticket.failures \
+            if h not in g1 or h in bad or h in ticket.failures \
                     or (other is not None and h in other.failures):
                 break
             prefix.append(h)
@@ -356,7 +353,7 @@ class Onboarding:
         """``ticket``, which ``waiter`` waited for, is done: hold what it loaded for the
         waiter until the waiter finishes too, and finish the waiter if that was its last
         wait."""
-        g1 = self.s.pools[self.s.top]
+        g1 = self.state.pools[self.state.top]
         try:
             mine = [h for h, _, other in waiter.plan
                     if other is ticket and h in ticket.loaded and h in g1]

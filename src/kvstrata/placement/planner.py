@@ -1,35 +1,49 @@
 """The placement planner: every decision about where KV blocks go, in one step-driven object.
 
-:class:`Planner` owns the pools of the configured tiers and decides
+:class:`Planner` owns the pools of the configured tiers and decides where blocks go; it has no
+threads, no futures and no I/O. Its public verbs, by what a driver does with them:
 
-* where the longest cached prefix of a request lives (:meth:`Planner.lookup`);
-* which copies an onboard needs (:meth:`Planner.prepare_onboard`) -- into kvstrata's own
-  top-tier slots, or into device block ids an engine supplies;
-* which copies the write-through cascade needs (:meth:`Planner.register`,
-  :meth:`Planner.prepare_offload`), with admission, dedup and deferral;
-* what a copy's result changes (:meth:`Planner.complete`): register what arrived, drop and
-  quarantine what failed, release holds, offer further down, finish onboards.
+* **look up** -- :meth:`~Planner.lookup`: the fastest tier holding each block of the longest
+  held prefix (side-effect free).
+* **onboard** -- :meth:`~Planner.prepare_onboard` opens a ticket that brings that prefix into
+  the top tier (kvstrata's own slots, or device block ids an engine supplies);
+  :meth:`~Planner.take_finished` collects the :class:`~.onboard.OnboardResult` s of finished
+  tickets.
+* **offload** (write-through, :mod:`.offload`) -- :meth:`~Planner.register` (computed blocks
+  of an owned top tier), :meth:`~Planner.register_fetched` (blocks of a lower tier filled
+  from outside), :meth:`~Planner.prepare_offload` (blocks newly stored in a tier, e.g. the
+  engine's), :meth:`~Planner.admit` (a tier's admission filter, for blocks an engine
+  computed): blocks are offered down the tiers with admission, dedup and deferral.
+* **execute** -- :meth:`~Planner.take_plans` hands out the plans made since the last call; an
+  *executor* runs them (:mod:`.executors`) and :meth:`~Planner.complete` applies their
+  results (register what arrived, drop and quarantine what failed, release holds, offer
+  further down, finish onboards); :meth:`~Planner.settle` retries deferred and quarantined
+  blocks after handles were released outside the planner.
+* **restore / learn** -- :meth:`~Planner.restore` (blocks a durable tier recovered at start),
+  :meth:`~Planner.learn` (blocks other workers put in a shared key-addressed tier).
+* **observe** -- :attr:`~Planner.stats`, :attr:`~Planner.costs`, :attr:`~Planner.pending`,
+  :attr:`~Planner.idle`, :meth:`~Planner.quarantined`, :meth:`~Planner.engine_blocks_in_use`,
+  and what it manages: :attr:`~Planner.tiers`, :attr:`~Planner.top`, :attr:`~Planner.pools`,
+  :attr:`~Planner.registry`.
 
-It has no threads, no futures and no I/O: calls return plans (:meth:`Planner.take_plans`), an
-*executor* runs them (:mod:`kvstrata.placement.executors`) and hands the results back, and
-finished onboards are collected with :meth:`Planner.take_finished`. The metadata replay drives
-it with an executor that completes every plan at once; ``KvBlockManager`` from its owner
-thread over the in-process transfer engine; an engine connector from its scheduler step over
-its workers. Every method must be called from one thread (the pools' owner).
+The metadata replay drives it with an executor that completes every plan at once;
+``KvBlockManager`` from its owner thread over the in-process transfer engine; an engine
+connector from its scheduler step over its workers. Every method must be called from one
+thread (the pools' owner). Results and engine block ids are checked before anything changes
+(:mod:`.checks`).
 
 **Two top-tier modes.** *Owned* (``engine_owns_top=False``): the top tier (G1) is a kvstrata
-pool like the others; onboards allocate its slots, :meth:`register` adds computed blocks.
-*External* (``engine_owns_top=True``): an engine allocates G1 and runs its own prefix cache;
-the planner keeps pools for the lower tiers only, reads the engine's block ids it is given for
-an offload and fills those it is given for an onboard, and never allocates, evicts or reuses
-an engine block. :meth:`engine_blocks_in_use` names the engine blocks copies in flight still
-read or write.
+pool like the others; onboards allocate its slots, :meth:`~Planner.register` adds computed
+blocks. *External* (``engine_owns_top=True``): an engine allocates G1 and runs its own prefix
+cache; the planner keeps pools for the lower tiers only, reads the engine's block ids it is
+given for an offload and fills those it is given for an onboard, and never allocates, evicts
+or reuses an engine block. :meth:`~Planner.engine_blocks_in_use` names the engine blocks
+copies in flight still read or write.
 """
 
 from __future__ import annotations
 
 import logging
-import numbers
 from typing import Callable, Iterable, Sequence
 
 from ..config import KvConfig
@@ -39,28 +53,20 @@ from ..logical.policy import make_tier_policies
 from ..logical.pool import BlockPool
 from ..logical.registry import BlockRegistry
 from ..protocol.plans import TransferPlan
-from ..protocol.results import BlockFailure, FailureKind, TransferResult
+from ..protocol.results import TransferResult
 from ..tiers import Addressing, ordered, spec
 from ..types import BlockRecord, first_bad_record
-from .cascade import Cascade, allocate_up_to
+from .checks import PlacementError, check_results, engine_ids
 from .costs import CostModel
-from .onboard import OnboardResult, Onboarding
 from .keys import block_key
+from .offload import Offload, allocate_up_to
+from .onboard import OnboardResult, Onboarding
 from .state import Job, PlacementState
 from .telemetry import PlacementListener, PlacementStats
 
 __all__ = ["Planner", "PlacementError"]
 
 log = logging.getLogger(__name__)
-
-
-_BOOL = {bool}
-
-
-class PlacementError(ValueError):
-    """A call the planner refuses, before anything changed: a result for a job it did not
-    hand out (or for a different plan), engine block ids that do not fit the request, a tier
-    it does not manage."""
 
 
 def _release_handle(handle: ImmutableBlocks) -> None:
@@ -73,8 +79,8 @@ class Planner:
 
     ``config`` gives the tiers, capacities and policies. ``registry`` is shared by the pools
     (a fresh one by default). ``worker`` names this worker in plan endpoints; ``key_of``
-    turns a block's record into its key in a key-addressed tier (:mod:`.keys`). ``listeners`` hear about
-    completed copies, skipped blocks and finished onboards (:class:`PlacementListener`);
+    turns a block's record into its key in a key-addressed tier (:mod:`.keys`). ``listeners``
+    hear about completed copies, skipped blocks and finished onboards (:class:`PlacementListener`);
     :attr:`stats` is always one of them. ``release`` is what :meth:`OnboardResult.release`
     calls with the result's top-tier handle (default: release it here, on the caller's
     thread; a threaded owner passes a function that posts it to itself). ``costs`` is the
@@ -89,7 +95,6 @@ class Planner:
                  release: Callable[[ImmutableBlocks], object] | None = None,
                  costs: CostModel | None = None) -> None:
         config.validate()
-        self.config = config
         self.registry = registry if registry is not None else BlockRegistry()
         tiers = ordered(config.tiers)
         pools: dict[str, BlockPool] = {}
@@ -110,8 +115,8 @@ class Planner:
         self._state = PlacementState(tiers, pools, admission, engine_owns_top=engine_owns_top,
                                      worker=worker, key_of=key_of, listeners=listeners,
                                      costs=costs)
-        self._cascade = Cascade(self._state)
-        self._onboarding = Onboarding(self._state, self._cascade,
+        self._offload = Offload(self._state)
+        self._onboarding = Onboarding(self._state, self._offload,
                                       release if release is not None else _release_handle)
 
     # -- what it manages -------------------------------------------------------------------
@@ -128,10 +133,6 @@ class Planner:
     def pools(self) -> dict[str, BlockPool]:
         """The pools kvstrata owns: every tier, but the top one when the engine owns it."""
         return self._state.pools
-
-    @property
-    def engine_owns_top(self) -> bool:
-        return self._state.engine_owns_top
 
     @property
     def stats(self) -> PlacementStats:
@@ -224,9 +225,8 @@ class Planner:
             out.append(tier)
         return out
 
-    def observe_request(self, sequence_hashes: Sequence[int]) -> None:
-        """Show a request's block hashes to the admission policies that learn from requests
-        (:meth:`prepare_onboard` does it too)."""
+    def _observe_request(self, sequence_hashes: Sequence[int]) -> None:
+        """Show a request's block hashes to the policies that learn from requests."""
         for observe in self._request_observers:
             observe(sequence_hashes)
 
@@ -242,17 +242,17 @@ class Planner:
         otherwise); blocks past the held prefix are not touched."""
         hashes = list(sequence_hashes)
         if self._state.engine_owns_top:
-            ids = self._engine_ids(engine_block_ids, len(hashes), "prepare_onboard")
+            ids = engine_ids(engine_block_ids, len(hashes), "prepare_onboard")
             busy = [b for b in ids if b in self._state.engine_blocks]
             if busy:
                 raise PlacementError(f"prepare_onboard: engine blocks {busy} are still read or "
                                      f"written by copies in flight (engine_blocks_in_use)")
-            self.observe_request(hashes)
+            self._observe_request(hashes)
             return self._onboarding.prepare_external(hashes, ids)
         if engine_block_ids is not None:
             raise PlacementError("prepare_onboard: kvstrata owns the top tier here; "
                                  "engine_block_ids must be left out")
-        self.observe_request(hashes)
+        self._observe_request(hashes)
         return self._onboarding.prepare_owned(hashes)
 
     def take_finished(self) -> list[OnboardResult]:
@@ -268,7 +268,7 @@ class Planner:
         """Owned top tier: register computed blocks (consumed) and offer the newly stored
         ones down the tiers. Returns handles on the registered blocks (a hash already held
         dedups onto the existing block); on error nothing stays held."""
-        return self._register(self._owned_top("register"), blocks, priority)
+        return self._offload.register_and_offer(self._owned_top("register"), blocks, priority)
 
     def register_fetched(self, blocks: MutableBlocks, priority: int = 0) -> ImmutableBlocks:
         """Register blocks of a tier below the top whose bytes were filled from outside (read
@@ -280,19 +280,7 @@ class Planner:
         if tier is None or tier == s.top or s.pools.get(tier) is not owner:
             raise PlacementError("register_fetched: blocks must come from a pool of ours "
                                  "below the top tier")
-        return self._register(owner, blocks, priority)
-
-    def _register(self, pool: BlockPool, blocks: MutableBlocks,
-                  priority: int) -> ImmutableBlocks:
-        before = blocks.block_ids
-        registered = pool.register(blocks, priority)
-        new = [b.record() for b, slot in zip(registered.blocks, before) if b.block_id == slot]
-        try:
-            self._cascade.offer(pool.tier, new)
-        except BaseException:
-            pool.release(registered)
-            raise
-        return registered
+        return self._offload.register_and_offer(owner, blocks, priority)
 
     def prepare_offload(self, tier: str, records: Sequence[BlockRecord],
                         engine_block_ids: Sequence[int] | None = None) -> None:
@@ -305,12 +293,12 @@ class Planner:
         s = self._state
         records = list(records)
         if tier == s.top and s.engine_owns_top:
-            ids = self._engine_ids(engine_block_ids, len(records), "prepare_offload")
+            ids = engine_ids(engine_block_ids, len(records), "prepare_offload")
             busy = [b for b in ids if b in self._state.engine_writing]
             if busy:
                 raise PlacementError(f"prepare_offload: engine blocks {busy} are still being "
                                      f"filled by an onboard in flight")
-            self._cascade.offer(tier, records, ids)
+            self._offload.offer(tier, records, ids)
             return
         if engine_block_ids is not None:
             raise PlacementError(f"prepare_offload: {tier} is kvstrata's; engine_block_ids "
@@ -320,7 +308,7 @@ class Planner:
         if missing:
             raise PlacementError(f"prepare_offload: {len(missing)} block(s) are not "
                                  f"registered in {tier}, e.g. {missing[0]:#x}")
-        self._cascade.offer(tier, records)
+        self._offload.offer(tier, records)
 
     def admit(self, tier: str, records: Sequence[BlockRecord]) -> list[BlockRecord]:
         """The records ``tier``'s admission filter accepts (refusals are counted as skipped
@@ -346,7 +334,7 @@ class Planner:
         onboard; failed ones are given back, and a source found bad is dropped (quarantined
         while in use). If applying one result fails (a bug), its holds are released, its
         onboard's blocks fail with kind ``internal``, and the error is logged, not raised."""
-        checked = self._check_results(list(results))
+        checked = check_results(self._state.jobs, list(results))
         s = self._state
         for job, result in checked:
             s.close_job(job)
@@ -366,7 +354,7 @@ class Planner:
                 if job.ticket is not None:
                     self._onboarding.finish(job, good, bad, result)
                 else:
-                    self._cascade.finish(job, good, bad, result)
+                    self._offload.finish(job, good, bad, result)
             except Exception as exc:
                 log.exception("kvstrata: applying the result of a %s copy failed", job.path)
                 self._abandon(job, (job.source, job.target, good, bad), exc)
@@ -376,47 +364,8 @@ class Planner:
         """Offer deferred blocks whose target has free slots again, and drop quarantined
         blocks that are idle now. :meth:`complete` does it; a driver that releases handles
         outside the planner (an onboard's blocks) calls it afterwards too."""
-        self._cascade.retry_deferred()
+        self._offload.retry_deferred()
         self._state.retry_quarantine()
-
-    def _check_results(self, results: list) -> list[tuple[Job, TransferResult]]:
-        jobs = self._state.jobs
-        checked: list[tuple[Job, TransferResult]] = []
-        seen: set[int] = set()
-        for result in results:
-            if not isinstance(result, TransferResult):
-                raise PlacementError(f"complete: expected TransferResult, got "
-                                     f"{type(result).__name__}")
-            job = jobs.get(result.plan.job_id) if isinstance(result.plan, TransferPlan) \
-                else None
-            if job is None or job.taken_at == 0.0 or result.plan.job_id in seen:
-                raise PlacementError(f"complete: no plan {getattr(result.plan, 'job_id', '?')!r}"
-                                     f" is in flight (unknown, not handed out yet, already "
-                                     f"completed, or twice in one call)")
-            if result.plan is not job.plan and result.plan != job.plan:
-                raise PlacementError(f"complete: the result of job {job.plan.job_id} answers a "
-                                     f"different plan than the one handed out")
-            n = len(job.plan)
-            ok = result.ok
-            if not isinstance(ok, tuple) or len(ok) != n or not set(map(type, ok)) <= _BOOL:
-                raise PlacementError(f"complete: job {job.plan.job_id}: ok must be {n} bools")
-            failures = result.failures
-            if not isinstance(failures, tuple):
-                raise PlacementError(f"complete: job {job.plan.job_id}: failures must be a "
-                                     f"tuple of BlockFailure")
-            positions: set[int] = set()
-            for failure in failures:
-                position = getattr(failure, "position", None)
-                if not isinstance(failure, BlockFailure) \
-                        or not isinstance(failure.kind, FailureKind) \
-                        or type(position) is not int or not 0 <= position < n \
-                        or ok[position] or position in positions:
-                    raise PlacementError(f"complete: job {job.plan.job_id}: failure {failure!r} "
-                                         f"does not name a failed block once, with a known kind")
-                positions.add(position)
-            seen.add(job.plan.job_id)
-            checked.append((job, result))
-        return checked
 
     def _abandon(self, job: Job, handles: Iterable, exc: BaseException) -> None:
         """Clean up after a result whose handling failed part-way."""
@@ -441,19 +390,3 @@ class Planner:
             raise PlacementError(f"{what}: the engine owns {s.top}; use prepare_offload with "
                                  f"its block ids")
         return s.pools[s.top]
-
-    @staticmethod
-    def _engine_ids(ids: Sequence[int] | None, count: int, what: str) -> list[int]:
-        if ids is None:
-            raise PlacementError(f"{what}: the engine owns the top tier; give engine_block_ids")
-        ids = [int(b) if isinstance(b, numbers.Integral) and not isinstance(b, bool) else b
-               for b in ids]
-        if len(ids) != count:
-            raise PlacementError(f"{what}: {count} blocks but {len(ids)} engine block ids")
-        for i, block_id in enumerate(ids):
-            if isinstance(block_id, bool) or not isinstance(block_id, int) or block_id < 0:
-                raise PlacementError(f"{what}: engine_block_ids[{i}] = {block_id!r} is not a "
-                                     f"block id")
-        if len(set(ids)) != len(ids):
-            raise PlacementError(f"{what}: engine_block_ids contains duplicates")
-        return ids

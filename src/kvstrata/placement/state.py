@@ -2,8 +2,8 @@
 receiving, quarantined blocks, and the listeners that hear about it.
 
 :class:`PlacementState` is owned by one :class:`~kvstrata.placement.planner.Planner` and read
-and written by its two halves, :mod:`.cascade` (offload) and :mod:`.onboard`. A :class:`Job` is
-one transfer plan handed to an executor plus what it keeps alive until its result comes back:
+and written by its two halves, :mod:`.offload` and :mod:`.onboard`. A :class:`Job` is one
+transfer plan handed to an executor plus what it keeps alive until its result comes back:
 the held source blocks (so they are not evicted mid-copy) and the target slots (allocated,
 not yet registered). Blocks in an engine-owned top tier are neither: the job only remembers
 their ids so the engine can be told they are in use.
@@ -104,7 +104,7 @@ class PlacementState:
         self.engine_writing: Counter[int] = Counter()
         """Those that onboards in flight write."""
         self.waiting = 0
-        """Batches waiting for a slot in their target tier (see :mod:`.cascade`)."""
+        """Batches waiting for a slot in their target tier (see :mod:`.offload`)."""
         self._next_job = 1
         self._endpoints = {t: Endpoint(t, worker) for t in self.tiers}
 

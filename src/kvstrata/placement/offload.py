@@ -1,6 +1,6 @@
-"""The write-through cascade: blocks newly registered in a tier are offered to the next one down.
+"""The write-through offload: blocks newly registered in a tier are offered to the next one down.
 
-:meth:`Cascade.offer` takes the blocks a tier just registered (or, with an engine-owned top
+:meth:`Offload.offer` takes the blocks a tier just registered (or, with an engine-owned top
 tier, the engine's block ids holding freshly computed blocks) and plans their copy into the
 next configured tier:
 
@@ -14,7 +14,11 @@ next configured tier:
   offered again as results free slots -- nobody blocks. An engine's block cannot wait (the
   engine may reuse it), so its surplus is skipped (``no_slot``).
 
-:meth:`Cascade.finish` handles a copy's result: blocks that arrived are registered in the
+:meth:`Offload.register_and_offer` is the one way blocks enter a pool of ours and start down
+the tiers: the planner's ``register`` verbs, an offload copy that arrived
+(:meth:`Offload.finish`) and an onboard copy that arrived all use it.
+
+:meth:`Offload.finish` handles a copy's result: blocks that arrived are registered in the
 target and offered further down; failed ones go back to the free list; a source found bad is
 dropped; a copy made from a block quarantined meanwhile is not registered.
 """
@@ -24,13 +28,13 @@ from __future__ import annotations
 from collections import deque
 from typing import Sequence
 
-from ..logical.handles import MutableBlocks
+from ..logical.handles import ImmutableBlocks, MutableBlocks
 from ..logical.pool import BlockPool, PoolExhaustedError
 from ..protocol.results import TransferResult
 from ..types import BlockRecord
 from .state import Job, PlacementState
 
-__all__ = ["Cascade", "allocate_up_to"]
+__all__ = ["Offload", "allocate_up_to"]
 
 
 def allocate_up_to(pool: BlockPool, count: int) -> MutableBlocks | None:
@@ -43,24 +47,40 @@ def allocate_up_to(pool: BlockPool, count: int) -> MutableBlocks | None:
         return pool.allocate(min(count, exc.available))
 
 
-class Cascade:
+class Offload:
     """The offload half of the planner (see the module docstring)."""
 
     def __init__(self, state: PlacementState) -> None:
-        self.s = state
+        self.state = state
         self._deferred: dict[str, deque[tuple[str, list[BlockRecord]]]] = {
             t: deque() for t in state.tiers}
+
+    def register_and_offer(self, pool: BlockPool, blocks: MutableBlocks,
+                           priority: int = 0) -> ImmutableBlocks:
+        """Register ``blocks`` (Complete, of ``pool``; consumed) and offer the newly stored
+        ones to the tier below. Returns handles on the registered blocks (a hash already
+        held dedups onto the existing block, which is not offered again); if the offer
+        raises, they are released first, so nothing stays held."""
+        before = blocks.block_ids
+        registered = pool.register(blocks, priority)
+        new = [b.record() for b, slot in zip(registered.blocks, before) if b.block_id == slot]
+        try:
+            self.offer(pool.tier, new)
+        except BaseException:
+            pool.release(registered)
+            raise
+        return registered
 
     def offer(self, source_tier: str, records: Sequence[BlockRecord],
               engine_ids: Sequence[int] | None = None) -> None:
         """Offer blocks newly registered in ``source_tier`` (held by the engine's blocks
         ``engine_ids`` when the engine owns that tier) to the next tier down."""
-        s = self.s
-        target = s.below(source_tier)
+        state = self.state
+        target = state.below(source_tier)
         if target is None or not records:
             return
-        pool, receiving = s.pools[target], s.receiving[target]
-        bad_source, bad_target = s.quarantine[source_tier], s.quarantine[target]
+        pool, receiving = state.pools[target], state.receiving[target]
+        bad_source, bad_target = state.quarantine[source_tier], state.quarantine[target]
         seen: set[int] = set()
         offered: list[int] = []
         for i, record in enumerate(records):
@@ -72,9 +92,9 @@ class Cascade:
                 continue
             seen.add(h)
             offered.append(i)
-        admit = s.admission[target].admit
+        admit = state.admission[target].admit
         admitted = [i for i in offered if admit(records[i].sequence_hash)]
-        s.skipped(target, "admission", len(offered) - len(admitted))
+        state.skipped(target, "admission", len(offered) - len(admitted))
         if not admitted:
             return
         chosen = [records[i] for i in admitted]
@@ -87,78 +107,72 @@ class Cascade:
         """Plan the copy of ``records`` (already marked as receiving) as far as target slots
         can be had now; defer or skip the rest (at the front of the queue if ``records`` were
         the oldest deferred batch, so deferred blocks keep their order)."""
-        s = self.s
-        slots = allocate_up_to(s.pools[target], len(records))
+        state = self.state
+        slots = allocate_up_to(state.pools[target], len(records))
         got = len(slots) if slots is not None else 0
         if got < len(records):
             rest = records[got:]
-            if engine_ids is None and (got or s.jobs):
+            if engine_ids is None and (got or state.jobs):
                 # Copies in flight (this one included) hold the slots; retried as they finish.
                 queue = self._deferred[target]
                 (queue.appendleft if oldest else queue.append)((source_tier, rest))
-                s.waiting += 1
-                s.announce_pending()
+                state.waiting += 1
+                state.announce_pending()
             else:
-                s.receiving[target].difference_update(r.sequence_hash for r in rest)
-                s.skipped(target, "no_slot", len(rest))
+                state.receiving[target].difference_update(r.sequence_hash for r in rest)
+                state.skipped(target, "no_slot", len(rest))
         if slots is None:
             return
         records = records[:got]
         slots.apply_token_blocks(records)
         if engine_ids is None:
-            source = s.pools[source_tier].acquire([r.sequence_hash for r in records])
+            source = state.pools[source_tier].acquire([r.sequence_hash for r in records])
             assert len(source) == len(records), f"offload source {source_tier} lost blocks"
-            s.new_job(source_tier, target, records, source=source, target=slots)
+            state.new_job(source_tier, target, records, source=source, target=slots)
         else:
-            s.new_job(source_tier, target, records, engine_src=engine_ids[:got], target=slots)
+            state.new_job(source_tier, target, records, engine_src=engine_ids[:got], target=slots)
 
     def finish(self, job: Job, good: MutableBlocks | None, bad: MutableBlocks | None,
                result: TransferResult) -> None:
         """Settle an offload copy: register what arrived (and offer it further down), give
         back what failed, drop sources found bad."""
-        s = self.s
-        target = s.pools[job.dst_tier]
-        s.receiving[job.dst_tier].difference_update(r.sequence_hash for r in job.records)
+        state = self.state
+        target = state.pools[job.dst_tier]
+        state.receiving[job.dst_tier].difference_update(r.sequence_hash for r in job.records)
         if bad is not None:
             target.release(bad)
-        good = s.without_tainted(job, good)
+        good = state.without_tainted(job, good)
         if job.source is not None:
             job.source.pool.release(job.source)
             broken = [job.records[f.position].sequence_hash for f in result.failures
                       if f.kind.bad_source]
             if broken:   # the source's bytes failed their check: drop them where they live
-                s.drop(job.src_tier, broken)
+                state.drop(job.src_tier, broken)
         if good is not None:
-            before = good.block_ids
-            registered = target.register(good)
-            new = [b.record() for b, slot in zip(registered.blocks, before) if b.block_id == slot]
-            try:
-                self.offer(job.dst_tier, new)
-            finally:
-                target.release(registered)
+            target.release(self.register_and_offer(target, good))
 
     def retry_deferred(self) -> None:
         """Offer deferred blocks again, oldest first, while their target has free slots."""
-        s = self.s
-        if not s.waiting:
+        state = self.state
+        if not state.waiting:
             return
         for target, deferred in self._deferred.items():
             while deferred:
                 source_tier, records = deferred[0]
-                source, bad = s.pools[source_tier], s.quarantine[source_tier]
+                source, bad = state.pools[source_tier], state.quarantine[source_tier]
                 live = [r for r in records if r.sequence_hash in source
                         and r.sequence_hash not in bad]
-                stuck = bool(live) and not s.pools[target].can_allocate(1)
-                if stuck and s.jobs:
+                stuck = bool(live) and not state.pools[target].can_allocate(1)
+                if stuck and state.jobs:
                     break                      # a copy in flight will free a slot
                 deferred.popleft()
-                s.waiting -= 1
+                state.waiting -= 1
                 kept = set() if stuck else {r.sequence_hash for r in live}
-                s.receiving[target].difference_update(
+                state.receiving[target].difference_update(
                     r.sequence_hash for r in records if r.sequence_hash not in kept)
-                s.skipped(target, "evicted", len(records) - len(live))
+                state.skipped(target, "evicted", len(records) - len(live))
                 if stuck:                      # nothing in flight can free one: give up
-                    s.skipped(target, "no_slot", len(live))
+                    state.skipped(target, "no_slot", len(live))
                 elif live:
                     self._copy(source_tier, target, live, None, oldest=True)
-        s.announce_pending()
+        state.announce_pending()
