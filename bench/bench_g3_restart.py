@@ -35,7 +35,7 @@ from kvstrata import KvBlockManager  # noqa: E402
 from kvstrata.compat import compatibility_of  # noqa: E402
 from kvstrata.config import KvConfig, ModelGeometry, TierConfig  # noqa: E402
 from kvstrata.data_replay import run_data_replay  # noqa: E402
-from kvstrata.manager.storages import layout_config_for  # noqa: E402
+from kvstrata.kinds.base import layout_config_for  # noqa: E402
 from kvstrata.physical import DiskStorage  # noqa: E402
 from kvstrata.replay import default_trace_path, load_trace  # noqa: E402
 

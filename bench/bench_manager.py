@@ -19,7 +19,8 @@ from _common import result_line
 from kvstrata.config import KvConfig, TierConfig
 from kvstrata.data_replay import block_payload
 from kvstrata.logical.registry import BlockRecord
-from kvstrata.manager import KvBlockManager, layout_config_for
+from kvstrata.kinds.base import layout_config_for
+from kvstrata.manager import KvBlockManager
 from kvstrata.physical import (DeviceStorage, DiskStorage, HostStorage, TransferEngine,
                                TransferPlan)
 

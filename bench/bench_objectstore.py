@@ -3,8 +3,8 @@
 Starts its own SeaweedFS (``weed mini``, signed S3, loopback) and, for each block size, moves
 the same number of blocks both ways with the same concurrency:
 
-* ours: :meth:`ObjectStorage.put_blocks` (header + xxh3-64 of every block, conditional PUT
-  ``If-None-Match: *``) and :meth:`ObjectStorage.get_blocks` (header, fingerprint, geometry,
+* ours: :meth:`ObjectStorage.write_blocks` (header + xxh3-64 of every block, conditional PUT
+  ``If-None-Match: *``) and :meth:`ObjectStorage.read_blocks` (header, fingerprint, geometry,
   sequence hash and xxh3-64 verified, payload copied into a destination array);
 * baseline: a ``ThreadPoolExecutor`` of the same size running plain ``obstore.put`` of
   prebuilt bodies of the same length and ``obstore.get(...).bytes()`` of the same objects
@@ -69,10 +69,10 @@ def run_size(server: SeaweedServer, block_kib: int, blocks: int, reps: int,
                 ("bare_put", lambda: list(pool.map(
                     lambda i: obstore.put(raw, bare_keys[i], bodies[i], use_multipart=False),
                     seqs))),
-                ("ours_put", lambda: store.put_blocks(ours_keys, sources, seqs)),
+                ("ours_put", lambda: store.write_blocks(ours_keys, sources, seqs)),
                 ("bare_get", lambda: list(pool.map(
                     lambda k: len(obstore.get(raw, k).bytes()), ours_full))),
-                ("ours_get", lambda: store.get_blocks(ours_keys, dests, seqs)))
+                ("ours_get", lambda: store.read_blocks(ours_keys, dests, seqs)))
             for key, fn in runs:
                 start = time.perf_counter()
                 fn()

@@ -141,6 +141,12 @@ class KvConfig:
     def tier_admission(self, tier: str) -> str:
         return self.tiers[tier].admission or self.admission
 
+    def directory_of(self, tier: str) -> str | None:
+        """The directory a disk tier lives in: ``disk_dir``, else the tier's ``path``; None
+        when neither names one (a temporary directory is used, removed when its owner
+        closes). The one place this is decided."""
+        return self.disk_dir or self.tiers[tier].path
+
     def validate(self) -> "KvConfig":
         """Return self if valid, else raise one :class:`ConfigError` naming every problem."""
         problems: list[str] = []

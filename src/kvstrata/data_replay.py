@@ -34,8 +34,11 @@ import numpy as np
 from .physical.leftovers import owner_tag, reclaim
 from .config import KvConfig
 from .logical.pool import PoolExhaustedError
-from .manager import KvBlockManager, ManagerConfigError, layout_config_for
-from .manager.storages import HOST_ALIGNMENT, MANAGED_KINDS
+from .kinds import KINDS
+from .kinds.base import layout_config_for
+from .kinds.host import host_slot_bytes
+from .manager import KvBlockManager, ManagerConfigError
+from .physical.storage.disk import slab_stride
 from .replay import TierStats, count_hits, hit_summary
 from .tiers import TierKind, ordered, spec
 from .trace import RequestHasher, TraceRequest
@@ -123,16 +126,16 @@ def run_data_replay(
     if granularity == "trace":
         config = replace(config, block_size=hasher.block_size)
     config = config.validate()
-    unsupported = [t for t in ordered(config.tiers) if spec(t).kind not in MANAGED_KINDS]
+    unsupported = [t for t in ordered(config.tiers) if spec(t).kind not in KINDS]
     if unsupported:
         raise DataReplayError(f"data replay moves bytes through "
-                              f"{', '.join(k.value for k in MANAGED_KINDS)} tiers only; "
+                              f"{', '.join(k.value for k in KINDS)} tiers only; "
                               f"remove tiers {unsupported}")
     disk_tiers = [t for t in ordered(config.tiers) if spec(t).kind is TierKind.DISK]
     if disk_dir is None and disk_tiers:
         # the configured place (KVSTRATA_DISK_DIR, DYN_KVBM_DISK_CACHE_DIR, TOML disk_dir or
         # the tier's path) before a temporary directory
-        disk_dir = config.disk_dir or config.tiers[disk_tiers[0]].path
+        disk_dir = config.directory_of(disk_tiers[0])
     if disk_dir is not None and disk_tiers and not os.path.isdir(disk_dir):
         what = "is not a directory" if os.path.exists(disk_dir) else "does not exist"
         raise DataReplayError(f"disk directory {disk_dir} {what}")
@@ -164,8 +167,9 @@ def run_data_replay(
 def check_sizes(config: KvConfig, disk_dir: str | None, max_host: int, max_disk: int) -> None:
     """Refuse tiers whose bytes would not fit: device and host tiers in RAM (the device tier
     is a CPU stand-in here), disk tiers on the disk holding ``disk_dir``."""
-    stride = layout_config_for(config, 1).block_bytes
-    aligned = -(-stride // HOST_ALIGNMENT) * HOST_ALIGNMENT
+    geometry = layout_config_for(config, 1)
+    stride = geometry.block_bytes
+    aligned = host_slot_bytes(geometry)
     ram_tiers = [t for t in ordered(config.tiers)
                  if spec(t).kind in (TierKind.DEVICE, TierKind.HOST)]
     ram = sum(config.tier_blocks(t) * (stride if spec(t).kind is TierKind.DEVICE else aligned)
@@ -179,7 +183,7 @@ def check_sizes(config: KvConfig, disk_dir: str | None, max_host: int, max_disk:
     for tier in ordered(config.tiers):
         if spec(tier).kind is not TierKind.DISK:
             continue
-        disk = config.tier_blocks(tier) * aligned
+        disk = config.tier_blocks(tier) * slab_stride(geometry)
         where = disk_dir or tempfile.gettempdir()       # the filesystem the slab goes to
         free = shutil.disk_usage(where).free
         limit = min(max_disk, int(free * 0.9))

@@ -92,11 +92,11 @@ def test_conditional_put_falls_back_to_head_then_put():
         assert bytes(client.get("k")) == b"one"
         store = storage_for(server)
         blocks = random_block_arrays(2, BB, seed=1)
-        store.put_blocks(["a", "b"], blocks, [1, 2])
-        store.put_blocks(["a", "b"], blocks, [1, 2])
+        store.write_blocks(["a", "b"], blocks, [1, 2])
+        store.write_blocks(["a", "b"], blocks, [1, 2])
         assert (store.counters.puts, store.counters.puts_skipped_existing) == (2, 2)
         out = [np.zeros(BB, np.uint8) for _ in range(2)]
-        store.get_blocks(["a", "b"], out, [1, 2])
+        store.read_blocks(["a", "b"], out, [1, 2])
         assert all(np.array_equal(a, b) for a, b in zip(blocks, out))
         store.close()
 
@@ -106,13 +106,13 @@ def test_every_fault_is_an_io_error_per_block(faulty):
     blocks = random_block_arrays(6, BB, seed=2)
     start = time.monotonic()
     with pytest.raises(StorageIOError) as err:
-        store.put_blocks([f"k{i}" for i in range(6)], blocks, list(range(6)))
+        store.write_blocks([f"k{i}" for i in range(6)], blocks, list(range(6)))
     if faulty.mode != "stall":     # a stalled reply to a PUT has no ETag: also an error
         assert [f.kind for f in err.value.failures] == [FailureKind.IO_ERROR] * 6
     assert err.value.checksums is not None and set(err.value.checksums) == {None}
     out = [np.full(BB, 7, np.uint8) for _ in range(6)]
     with pytest.raises(StorageIOError) as err:
-        store.get_blocks([f"k{i}" for i in range(6)], out, list(range(6)))
+        store.read_blocks([f"k{i}" for i in range(6)], out, list(range(6)))
     assert [f.position for f in err.value.failures] == list(range(6))
     assert {f.kind for f in err.value.failures} == {FailureKind.IO_ERROR}
     assert all((o == 7).all() for o in out)                 # no bytes handed out
@@ -174,7 +174,7 @@ def test_batch_deadline_bounds_a_stuck_client():
     out = np.full(BB, 9, np.uint8)
     start = time.monotonic()
     with pytest.raises(StorageIOError) as err:
-        store.get_blocks(["k"], [out], [1])
+        store.read_blocks(["k"], [out], [1])
     took = time.monotonic() - start
     assert 1.0 < took < 2.9                                   # the deadline, not the client
     assert err.value.failures[0].kind is FailureKind.IO_ERROR
@@ -194,7 +194,7 @@ def test_unexpected_client_exception_is_internal():
     store = ObjectStorage(CFG, _BrokenClient(0), namespace="ns", fingerprint=FP,
                           ensure_bucket=False)
     with pytest.raises(BlockIOError) as err:
-        store.get_blocks(["k"], [np.zeros(BB, np.uint8)], [1])
+        store.read_blocks(["k"], [np.zeros(BB, np.uint8)], [1])
     assert err.value.failures[0].kind is FailureKind.INTERNAL
     store.close()
 

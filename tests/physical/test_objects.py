@@ -73,10 +73,10 @@ def failures_by_position(exc: BlockIOError) -> dict[int, FailureKind]:
 def test_round_trip_is_bit_exact(store):
     seqs = [3, 1 << 63, 0xDEADBEEF, 7, 2**64 - 1]
     blocks = random_block_arrays(len(seqs), BB, seed=1)
-    sums = store.put_blocks(keys_of(seqs), blocks, seqs)
+    sums = store.write_blocks(keys_of(seqs), blocks, seqs)
     assert sums == [xxhash.xxh3_64_intdigest(b) for b in blocks]
     out = sentinels(len(seqs))
-    assert store.get_blocks(keys_of(seqs), out, seqs) == sums
+    assert store.read_blocks(keys_of(seqs), out, seqs) == sums
     for a, b in zip(blocks, out):
         assert np.array_equal(a, b)
     c = store.counters
@@ -87,10 +87,10 @@ def test_round_trip_is_bit_exact(store):
 def test_sources_longer_than_a_block_and_known_checksums(store):
     blocks = random_block_arrays(2, BB + 4096, seed=2)
     known = [xxhash.xxh3_64_intdigest(b[:BB]) for b in blocks]
-    assert store.put_blocks(keys_of([1, 2]), blocks, [1, 2], checksums=[known[0], None]) == known
+    assert store.write_blocks(keys_of([1, 2]), blocks, [1, 2], checksums=[known[0], None]) == known
     out = random_block_arrays(2, BB + 100, seed=3)
     tails = [o[BB:].copy() for o in out]
-    store.get_blocks(keys_of([1, 2]), out, [1, 2])
+    store.read_blocks(keys_of([1, 2]), out, [1, 2])
     for b, o, tail in zip(blocks, out, tails):
         assert np.array_equal(o[:BB], b[:BB]) and np.array_equal(o[BB:], tail)
 
@@ -98,15 +98,15 @@ def test_sources_longer_than_a_block_and_known_checksums(store):
 def test_existing_objects_are_not_uploaded_again(weed, store):
     seqs = [10, 11, 12]
     first = random_block_arrays(3, BB, seed=4)
-    store.put_blocks(keys_of(seqs), first, seqs)
+    store.write_blocks(keys_of(seqs), first, seqs)
     raw = S3Client(weed.s3_config())
     before = [bytes(raw.get(store.namespace + k)) for k in keys_of(seqs)]
     second = random_block_arrays(3, BB, seed=5)          # other bytes, same keys
-    store.put_blocks(keys_of(seqs), second, seqs)
+    store.write_blocks(keys_of(seqs), second, seqs)
     assert store.counters.puts == 3 and store.counters.puts_skipped_existing == 3
     assert [bytes(raw.get(store.namespace + k)) for k in keys_of(seqs)] == before
     out = sentinels(3)
-    store.get_blocks(keys_of(seqs), out, seqs)
+    store.read_blocks(keys_of(seqs), out, seqs)
     assert all(np.array_equal(a, b) for a, b in zip(first, out))
 
 
@@ -115,39 +115,39 @@ def test_head_then_put_when_conditional_put_is_off(weed, namespace):
     with ObjectStorage(CFG, config, namespace=namespace, fingerprint=FP) as s:
         assert s.client.conditional_put is False
         blocks = random_block_arrays(2, BB, seed=6)
-        s.put_blocks(keys_of([1, 2]), blocks, [1, 2])
-        s.put_blocks(keys_of([1, 2]), blocks, [1, 2])
+        s.write_blocks(keys_of([1, 2]), blocks, [1, 2])
+        s.write_blocks(keys_of([1, 2]), blocks, [1, 2])
         assert (s.counters.puts, s.counters.puts_skipped_existing) == (2, 2)
 
 
 def test_another_worker_reads_what_one_wrote(weed, store, namespace):
     seqs = list(range(100, 108))
     blocks = random_block_arrays(len(seqs), BB, seed=7)
-    store.put_blocks(keys_of(seqs), blocks, seqs)
+    store.write_blocks(keys_of(seqs), blocks, seqs)
     with ObjectStorage(CFG, weed.s3_config(), namespace=namespace, fingerprint=FP) as peer:
         out = sentinels(len(seqs))
-        peer.get_blocks(keys_of(seqs), out, seqs)
+        peer.read_blocks(keys_of(seqs), out, seqs)
         assert all(np.array_equal(a, b) for a, b in zip(blocks, out))
         assert peer.list_keys() == sorted(keys_of(seqs))
-        peer.put_blocks(keys_of(seqs), blocks, seqs)          # all there already
+        peer.write_blocks(keys_of(seqs), blocks, seqs)          # all there already
         assert (peer.counters.puts, peer.counters.puts_skipped_existing) == (0, len(seqs))
 
 
 def test_other_fingerprint_or_namespace_never_reads_them(weed, store, namespace):
     blocks = random_block_arrays(2, BB, seed=8)
-    store.put_blocks(keys_of([1, 2]), blocks, [1, 2])
+    store.write_blocks(keys_of([1, 2]), blocks, [1, 2])
     with ObjectStorage(CFG, weed.s3_config(), namespace=namespace,
                        fingerprint="another-model") as other:
         out = sentinels(2)
         with pytest.raises(BlockIntegrityError) as err:
-            other.get_blocks(keys_of([1, 2]), out, [1, 2])
+            other.read_blocks(keys_of([1, 2]), out, [1, 2])
         assert failures_by_position(err.value) == {0: FailureKind.HASH_MISMATCH,
                                                    1: FailureKind.HASH_MISMATCH}
         assert all((o == SENTINEL).all() for o in out)
     with ObjectStorage(CFG, weed.s3_config(), namespace=namespace + "other/",
                        fingerprint=FP) as elsewhere:
         with pytest.raises(BlockNotFoundError) as err:
-            elsewhere.get_blocks(keys_of([1, 2]), sentinels(2), [1, 2])
+            elsewhere.read_blocks(keys_of([1, 2]), sentinels(2), [1, 2])
         assert failures_by_position(err.value) == {0: FailureKind.NOT_FOUND,
                                                    1: FailureKind.NOT_FOUND}
         assert elsewhere.list_keys() == []
@@ -156,17 +156,17 @@ def test_other_fingerprint_or_namespace_never_reads_them(weed, store, namespace)
     with ObjectStorage(other_geometry, weed.s3_config(), namespace=namespace,
                        fingerprint=FP) as reshaped:
         with pytest.raises(BlockIntegrityError) as err:
-            reshaped.get_blocks(keys_of([1]), sentinels(1), [1])
+            reshaped.read_blocks(keys_of([1]), sentinels(1), [1])
         assert err.value.failures[0].kind is FailureKind.HASH_MISMATCH
 
 
 def test_missing_object_fails_alone(store):
     seqs = [1, 2, 3]
     blocks = random_block_arrays(3, BB, seed=9)
-    store.put_blocks(keys_of([1, 3]), [blocks[0], blocks[2]], [1, 3])
+    store.write_blocks(keys_of([1, 3]), [blocks[0], blocks[2]], [1, 3])
     out = sentinels(3)
     with pytest.raises(BlockNotFoundError) as err:
-        store.get_blocks(keys_of(seqs), out, seqs)
+        store.read_blocks(keys_of(seqs), out, seqs)
     (failure,) = err.value.failures
     assert (failure.position, failure.block_id, failure.kind) == (1, -1, FailureKind.NOT_FOUND)
     assert failure.kind.bad_source
@@ -180,7 +180,7 @@ def test_missing_object_fails_alone(store):
 def test_damaged_and_foreign_objects_are_per_block_failures(weed, store, namespace):
     seqs = list(range(1, 9))
     blocks = random_block_arrays(len(seqs), BB, seed=10)
-    store.put_blocks(keys_of(seqs), blocks, seqs)
+    store.write_blocks(keys_of(seqs), blocks, seqs)
     raw = S3Client(weed.s3_config())
     key = [store.namespace + k for k in keys_of(seqs)]
     good = bytes(raw.get(key[0]))
@@ -193,14 +193,14 @@ def test_damaged_and_foreign_objects_are_per_block_failures(weed, store, namespa
     with ObjectStorage(CFG, weed.s3_config(), namespace=namespace,
                        fingerprint="impostor") as impostor:
         raw.delete(key[4])
-        impostor.put_blocks(keys_of([5]), [blocks[4]], [5])              # foreign fingerprint
+        impostor.write_blocks(keys_of([5]), [blocks[4]], [5])              # foreign fingerprint
     raw.put(key[5], bytes(raw.get(key[6])))                              # another block's
     header = bytearray(bytes(raw.get(key[6])))
     header[100] ^= 0x01
     raw.put(key[6], bytes(header))                                       # header changed
     out = sentinels(len(seqs))
     with pytest.raises(BlockIntegrityError) as err:
-        store.get_blocks(keys_of(seqs), out, seqs)
+        store.read_blocks(keys_of(seqs), out, seqs)
     assert failures_by_position(err.value) == {
         0: FailureKind.CHECKSUM_MISMATCH, 1: FailureKind.CHECKSUM_MISMATCH,
         2: FailureKind.HASH_MISMATCH, 3: FailureKind.HASH_MISMATCH,
@@ -215,7 +215,7 @@ def test_damaged_and_foreign_objects_are_per_block_failures(weed, store, namespa
 
 def test_list_keys_names_what_is_directly_under_the_namespace(weed, store):
     seqs = [5, 2**64 - 1, 0, 77]
-    store.put_blocks(keys_of(seqs), random_block_arrays(4, BB, seed=11), seqs)
+    store.write_blocks(keys_of(seqs), random_block_arrays(4, BB, seed=11), seqs)
     raw = S3Client(weed.s3_config())
     for name in ("README", "00000000000000zz", "0000000000000001.tmp", "sub/0000000000000009",
                  "ABCDEF0123456789"):
@@ -232,15 +232,15 @@ def test_list_keys_names_what_is_directly_under_the_namespace(weed, store):
 def test_batch_of_64_and_concurrent_callers(store):
     seqs = list(range(1000, 1064))
     blocks = random_block_arrays(64, BB, seed=12)
-    store.put_blocks(keys_of(seqs), blocks, seqs)
+    store.write_blocks(keys_of(seqs), blocks, seqs)
     out = sentinels(64)
-    store.get_blocks(keys_of(seqs), out, seqs)
+    store.read_blocks(keys_of(seqs), out, seqs)
     assert all(np.array_equal(a, b) for a, b in zip(blocks, out))
 
     def reader(i: int) -> bool:
         part = seqs[i * 8:(i + 1) * 8]
         dest = sentinels(8)
-        store.get_blocks(keys_of(part), dest, part)
+        store.read_blocks(keys_of(part), dest, part)
         return all(np.array_equal(blocks[s - 1000], d) for s, d in zip(part, dest))
 
     with ThreadPoolExecutor(8) as pool:
@@ -250,16 +250,16 @@ def test_batch_of_64_and_concurrent_callers(store):
 
 def test_bad_arguments(store):
     with pytest.raises(ValueError, match="lengths differ"):
-        store.put_blocks(keys_of([1]), [], [1])
+        store.write_blocks(keys_of([1]), [], [1])
     with pytest.raises(ValueError, match="at least"):
-        store.put_blocks(keys_of([1]), [np.zeros(BB - 1, np.uint8)], [1])
+        store.write_blocks(keys_of([1]), [np.zeros(BB - 1, np.uint8)], [1])
     with pytest.raises(ValueError, match="same key twice"):
-        store.get_blocks(keys_of([1, 1]), sentinels(2), [1, 1])
+        store.read_blocks(keys_of([1, 1]), sentinels(2), [1, 1])
     for key in ("", "../x", "a//b", "a b", "/abs"):
         with pytest.raises(ValueError, match="object key"):
-            store.get_blocks([key], sentinels(1), [1])
+            store.read_blocks([key], sentinels(1), [1])
     with pytest.raises(ValueError, match="checksums"):
-        store.put_blocks(keys_of([1]), sentinels(1), [1], checksums=[1, 2])
+        store.write_blocks(keys_of([1]), sentinels(1), [1], checksums=[1, 2])
 
 
 def test_description_and_close(weed, namespace):
@@ -270,11 +270,11 @@ def test_description_and_close(weed, namespace):
     assert s.descriptors() == ()
     with pytest.raises(StorageError, match="bucket and namespace"):
         s.share()
-    s.put_blocks(keys_of([1]), sentinels(1), [1])
+    s.write_blocks(keys_of([1]), sentinels(1), [1])
     s.close()
     s.close()
     with pytest.raises(StorageClosedError):
-        s.get_blocks(keys_of([1]), sentinels(1), [1])
+        s.read_blocks(keys_of([1]), sentinels(1), [1])
 
 
 def test_ensure_bucket_creates_a_missing_bucket(weed):
@@ -284,7 +284,7 @@ def test_ensure_bucket_creates_a_missing_bucket(weed):
     assert client.ensure_bucket() is False
     with ObjectStorage(CFG, weed.s3_config(bucket=f"kvs-{uuid.uuid4().hex[:10]}"),
                        namespace="ns", fingerprint=FP) as s:
-        s.put_blocks(keys_of([1]), sentinels(1), [1])
+        s.write_blocks(keys_of([1]), sentinels(1), [1])
         assert s.list_keys() == keys_of([1])
 
 
@@ -293,7 +293,7 @@ def test_wrong_secret_is_an_io_error_per_block(weed, namespace):
     with ObjectStorage(CFG, config, namespace=namespace, fingerprint=FP,
                        ensure_bucket=False) as s:
         with pytest.raises(BlockIOError) as err:
-            s.put_blocks(keys_of([1, 2]), sentinels(2), [1, 2])
+            s.write_blocks(keys_of([1, 2]), sentinels(2), [1, 2])
         assert set(failures_by_position(err.value).values()) == {FailureKind.IO_ERROR}
         assert "PUT" in err.value.failures[0].detail
 

@@ -1,7 +1,7 @@
 """Hostile tests of the forward pacer (kvstrata.physical.pacing) and how the transfer engine
 and the object storage use it: loads and device copies must never wait for a forward, held
 time must never count as a path being slow, a batch must not fail because of another batch's
-hold, the caller's buffers are never touched after ``put_blocks`` returned, and the accounting
+hold, the caller's buffers are never touched after ``write_blocks`` returned, and the accounting
 stays balanced when something raises."""
 
 from __future__ import annotations
@@ -384,7 +384,7 @@ def test_a_failed_paced_plan_leaves_nothing_for_the_next_plan_on_its_thread():
     host, store, client = object_tiers(8, max_concurrency=2)
     with TransferEngine({"G2": host, "G4": store}, pacer=pacer) as engine:
         bad = TransferPlan.trusted(1, Endpoint("G2"), Endpoint("G4"), (1, 2), (0, 1),
-                                   dst_keys=("same", "same"))     # put_blocks refuses it
+                                   dst_keys=("same", "same"))     # write_blocks refuses it
         failed = engine.submit(bad).result(timeout=10)
         assert not any(failed.ok) and failed.error and failed.held_seconds == 0.0
         pacer.forward_started()

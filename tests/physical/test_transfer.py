@@ -195,11 +195,13 @@ def test_submit_validation(tmp_path):
 
 def test_storage_validation(tmp_path):
     tiers = make_tiers(tmp_path)
-    with pytest.raises(StorageConfigError, match=r"G2 \(host\) must be a HostStorage"):
+    with pytest.raises(StorageConfigError,
+                       match=r"G2 \(host\) needs a storage of its kind, got DeviceStorage"):
         TransferEngine({"G1": tiers["G1"], "G2": tiers["G1"]})
     with pytest.raises(StorageConfigError, match="unknown tier 'G9'"):
         TransferEngine({"G9": tiers["G1"]})
-    with pytest.raises(StorageConfigError, match=r"G4 \(object\) must be a ObjectStorage"):
+    with pytest.raises(StorageConfigError,
+                       match=r"G4 \(object\) needs a storage of its kind, got HostStorage"):
         TransferEngine({"G1": tiers["G1"], "G4": tiers["G2"]})
     other = HostStorage(small_config(page_size=8))
     with pytest.raises(LayoutMismatchError, match="page_size"):

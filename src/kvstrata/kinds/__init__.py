@@ -46,3 +46,10 @@ def kind_of(tier: str) -> Kind | None:
 def cost_priors() -> dict[TierKind, CostPrior]:
     """Every kind's cost prior, for :class:`~kvstrata.placement.costs.CostModel`."""
     return {kind: module.cost_prior for kind, module in KINDS.items()}
+
+
+from .base import StorageOptions, TierSetupError  # noqa: E402  (the package's API)
+from .build import Storages, build_storages, check_tiers, peek_recovered  # noqa: E402
+
+__all__ += ["StorageOptions", "TierSetupError", "Storages", "build_storages", "check_tiers",
+            "peek_recovered"]

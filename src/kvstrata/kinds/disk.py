@@ -1,15 +1,109 @@
-"""A slab file on local disk (G3)."""
+"""A slab file on local disk (G3).
+
+In a directory the config names (:meth:`~kvstrata.config.KvConfig.directory_of`) it is
+*durable* (:meth:`~kvstrata.physical.DiskStorage.durable`): it lives in a home named by the
+compatibility fingerprint of the blocks (:mod:`kvstrata.compat`) and the rank, locked for its
+process, and what a previous process stored there is recovered and verified when first read.
+Without a directory (or with ``durable_disk=False``) it is a temporary slab removed on close,
+in a directory of its own that a killed process's successor reclaims. Its blocks move through
+host RAM. It must fit the free space of its filesystem, counting the slabs a restart reuses.
+"""
 
 from __future__ import annotations
 
+import os
+import tempfile
+
+from ..config import KvConfig
+from ..physical import DiskStorage, LayoutConfig, PhysicalError, Storage
+from ..physical.capacity import free_disk_bytes
+from ..physical.leftovers import owner_tag, reclaim
+from ..physical.storage.disk import slab_stride
+from ..physical.storage.disk_home import home_name
+from ..physical.storage.disk_index import DiskIndex
 from ..placement.costs import CostPrior
 from ..tiers import TierKind
-from .base import Kind
+from .base import Kind, RecoveredRow, StorageOptions, TierSetupError, layout_config_for
+
+__all__ = ["DiskKind", "KIND"]
 
 
 class DiskKind(Kind):
+    """A local disk: a few GB/s and a millisecond per plan until measured."""
+
     kind = TierKind.DISK
     cost_prior = CostPrior(bandwidth=1.5e9, overhead=1e-3)
+    through_host = True
+
+    def problems(self, config: KvConfig, tier: str, options: StorageOptions,
+                 ranks: int = 1) -> list[str]:
+        path = config.tiers[tier].path
+        if path is not None and not isinstance(path, str):
+            return [f"tier {tier}: path must be a string, got {path!r}"]
+        directory = config.directory_of(tier)
+        need = ranks * config.tier_blocks(tier) * slab_stride(layout_config_for(config, 1))
+        if directory is not None and options.durable_disk:
+            need -= sum(self._kept_bytes(config, tier, directory, options, rank)
+                        for rank in range(options.rank, options.rank + ranks))
+        where = directory or tempfile.gettempdir()
+        free = free_disk_bytes(where)
+        if free is not None and need > free:
+            held_by = f" ({ranks} ranks)" if ranks > 1 else ""
+            return [f"tier {tier}{held_by} needs {need} bytes of disk ({need / 2**30:.2f} GiB); "
+                    f"{where} has {free / 2**30:.2f} GiB free"]
+        return []
+
+    def build(self, tier: str, built, geometry: LayoutConfig | None,
+              options: StorageOptions) -> Storage:
+        config = built.config
+        directory = config.directory_of(tier)
+        if directory is None:
+            prefix = f"kvstrata-{tier.lower()}-"
+            reclaim(tempfile.gettempdir(), prefix)            # left by killed processes
+            directory = tempfile.mkdtemp(prefix=f"{prefix}{owner_tag()}-")
+            built.temp_dirs.append(directory)
+            durable = False
+        else:
+            durable = options.durable_disk
+        layout = geometry.with_blocks(config.tier_blocks(tier))
+        try:
+            if durable:
+                compat = options.compatibility(config)
+                return DiskStorage.durable(layout, directory, fingerprint=compat.fingerprint,
+                                           rank=options.rank, describe=compat.describe(),
+                                           sync=options.disk_sync, name=tier.lower(),
+                                           o_direct=options.o_direct, file_ops=options.file_ops)
+            return DiskStorage(layout, directory, o_direct=options.o_direct,
+                               file_ops=options.file_ops)
+        except PhysicalError as exc:
+            raise TierSetupError(f"{tier} in {directory}: {exc}") from exc
+
+    def recovered_rows(self, storage: Storage) -> list[RecoveredRow]:
+        live = getattr(storage, "recovered", None)
+        return live.rows() if live else []
+
+    def peek_recovered(self, config: KvConfig, tier: str, options: StorageOptions,
+                       rank: int) -> list[RecoveredRow] | None:
+        directory = config.directory_of(tier)
+        if directory is None or not options.durable_disk:
+            return []                                  # a temporary slab: nothing kept
+        fingerprint = options.compatibility(config, rank).fingerprint
+        layout = layout_config_for(config, config.tier_blocks(tier))
+        live = DiskIndex.peek(os.path.join(directory, home_name(tier, rank, fingerprint),
+                                           "index"),
+                              capacity=layout.num_blocks, fingerprint=fingerprint,
+                              stride=slab_stride(layout))
+        return None if live is None else live.rows()
+
+    @staticmethod
+    def _kept_bytes(config: KvConfig, tier: str, directory: str, options: StorageOptions,
+                    rank: int) -> int:
+        """Bytes the durable slab of ``rank`` already takes: a restart reuses them."""
+        home = home_name(tier, rank, options.compatibility(config, rank).fingerprint)
+        try:
+            return os.path.getsize(os.path.join(directory, home, "slab"))
+        except OSError:
+            return 0
 
 
 KIND = DiskKind()

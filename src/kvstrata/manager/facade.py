@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import numbers
 import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
@@ -30,7 +31,7 @@ from ..logical.handles import ImmutableBlocks, MutableBlocks, _Blocks
 from ..logical.registry import BlockRegistry, RegistryObserver
 from ..metrics import ManagerMetrics
 from ..physical import FileOps, Storage, TransferEngine
-from ..kinds import cost_priors
+from ..kinds import StorageOptions, TierSetupError, build_storages, cost_priors
 from ..placement import EngineExecutor, OnboardResult, Planner
 from ..placement.costs import CostModel
 from ..protocol.results import TransferResult
@@ -42,7 +43,6 @@ from .owner import OwnerThread, resolved
 from ..physical.storage.objects import ObjectStorage
 from ..physical.storage.s3client import S3Config
 from .catalog import StoreLister
-from .storages import StorageOptions, build_storages
 
 if TYPE_CHECKING:
     from ..remote.exporter import BlockExporter
@@ -124,6 +124,8 @@ class KvBlockManager:
                  object_store: "S3Config | None" = None,
                  list_interval: float | None = 10.0) -> None:
         config = (config or KvConfig()).validate()
+        if disk_dir is not None:      # the caller's directory wins over the config's
+            config = replace(config, disk_dir=os.fspath(disk_dir)).validate()
         self._owner = OwnerThread("kvstrata-manager-owner", self._handle_result,
                                   self._after_step, self._fail_onboards)
         self._onboards: dict[int, Future] = {}
@@ -144,10 +146,14 @@ class KvBlockManager:
                 except OSError as exc:
                     raise ManagerConfigError(
                         f"cannot serve metrics on 127.0.0.1:{metrics_port}: {exc}") from exc
-            self._storages = build_storages(config, StorageOptions(
-                kv_caches, kv_layout, g1_layout, device, disk_dir, verify_host_reads,
-                max_host_bytes, o_direct, file_ops, durable_disk=durable_disk,
-                object_store=object_store))
+            try:
+                self._storages = build_storages(config, StorageOptions(
+                    kv_caches=kv_caches, kv_layout=kv_layout, g1_layout=g1_layout,
+                    device=device, verify_host_reads=verify_host_reads,
+                    max_host_bytes=max_host_bytes, o_direct=o_direct, file_ops=file_ops,
+                    durable_disk=durable_disk, object_store=object_store))
+            except TierSetupError as exc:
+                raise ManagerConfigError(str(exc)) from exc
             self.config = self._storages.config
             self.planner = Planner(self.config, listeners=[self.metrics], release=self.release,
                                    costs=CostModel(cost_priors()))

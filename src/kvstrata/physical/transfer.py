@@ -8,23 +8,27 @@ Usage::
     result = future.result()
     engine.close()
 
-* Storages are keyed by tier name; each tier's kind (:mod:`kvstrata.tiers`) says which
-  storage class it must be, and a plan's pair of kinds picks its handler (device -> host,
-  host -> device, host -> disk, disk -> host, disk -> device, host -> object, disk -> object,
-  object -> host, object -> device). A new kind of tier is a new storage class plus its
-  handlers here. The engine serves the endpoints of its own worker. Slot-addressed tiers are
-  named by block ids in plans, key-addressed ones (G4) by keys (``src_keys``/``dst_keys``).
+* Storages are keyed by tier name; each must serve its tier's kind (``storage.kind``, see
+  :mod:`kvstrata.tiers`). The paths are *derived* from what the two storages of a pair are
+  (:mod:`.storage.base`), never listed per kind: memory to memory is one copy engine call
+  (device <-> host RAM); a :class:`~.storage.base.BlockStore` (disk, object store) is read
+  into and written from a memory whose blocks are host arrays in place, and reaches any
+  other memory, or another block store, through this worker's staging buffer. Blocks are
+  onboarded into memory and stored down into block stores, so a store is never written from
+  device memory directly (that goes through host RAM, as two plans) and never onboarded
+  into. A storage of a new kind of tier gets its paths by being one of the two kinds of
+  storage. The engine serves the endpoints of its own worker. Slot-addressed tiers are named
+  by block ids in plans, key-addressed ones (G4) by keys (``src_keys``/``dst_keys``).
 * One bounded queue and ``workers_per_path`` worker threads per path, so offload and onboard
   never wait behind each other; at most ``queue_depth + workers_per_path`` plans per path are
   in flight. :meth:`TransferEngine.submit` waits (sleeping) for room up to ``timeout`` and then
   raises :class:`EngineBusyError`. With ``store_nice``, the threads of paths away from the
   engine (stores) run at that CPU niceness: background work that yields to the engine's
   compute where the engine uses every core. With a ``pacer``
-  (:class:`~kvstrata.physical.pacing.ForwardPacer`), the writes away from the engine that do
-  not read its memory (host -> disk, host/disk -> object) also wait while the engine's
-  forward runs: a disk plan before it starts, an object batch before each round of
-  ``max_concurrency`` PUTs. The time a plan was held back is reported apart
-  (``TransferResult.held_seconds``), not in ``seconds``.
+  (:class:`~kvstrata.physical.pacing.ForwardPacer`), the writes into a block store also wait
+  while the engine's forward runs: a plan before it starts, or, for a store that writes in
+  rounds (``write_round``: an object store's concurrent PUTs), each round. The time a plan was
+  held back is reported apart (``TransferResult.held_seconds``), not in ``seconds``.
 * Each plan is one batched call per storage pair: a copy engine call between memory layouts
   (:mod:`~kvstrata.physical.copy`), coalesced ``preadv``/``pwritev`` for disk, concurrent
   requests for the object store.
@@ -34,11 +38,12 @@ Usage::
   :class:`~kvstrata.placement.EngineExecutor` does), so the engine keeps no result once its
   future is dropped. Failed blocks are reported per block, never raised through the future,
   so the owner handles every outcome in one place.
-* Integrity: blocks written into G2/G3 are checksummed (xxh3-64) and their slot records the
-  sequence hash only after the write succeeded; G4 objects carry the checksum and sequence
-  hash in their header. Reads from G3 and G4 always verify, reads from G2 check the sequence
-  hash and verify bytes when the host storage has ``verify_reads``. A block that fails is
-  reported in ``failures``/``failed_sequence_hashes`` and its bytes are not used.
+* Integrity: blocks written into a storage that keeps checksums (G2) or into a block store
+  are checksummed (xxh3-64) and their slot records the sequence hash only after the write
+  succeeded; G4 objects carry the checksum and sequence hash in their header. Reads from
+  block stores always verify, reads from G2 check the sequence hash and verify bytes when
+  the host storage has ``verify_reads``. A block that fails is reported in
+  ``failures``/``failed_sequence_hashes`` and its bytes are not used.
 * No lock is held across I/O or copies; nothing busy-waits.
 """
 
@@ -51,40 +56,29 @@ import time
 from concurrent.futures import Future
 from contextlib import nullcontext
 from dataclasses import replace
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 from ..protocol.layout import FullyContiguousLayout
 from ..protocol.plans import TransferPlan
 from ..protocol.results import TransferResult
-from ..tiers import (Addressing, TierKind, UnknownTierError, is_onboard, ordered, path_name,
-                     spec, split_path)
+from ..tiers import Addressing, UnknownTierError, is_onboard, ordered, path_name, spec, split_path
 from .buffers import AlignedBuffer
 from .copy import OFFLOAD, ONBOARD, CopyEngine, default_copy_engine
 from .errors import (BlockFailure, BlockIOError, EngineBusyError, EngineClosedError,
                      FailureKind, StorageConfigError, TransferPlanError, raise_for_failures)
 from .pacing import ForwardPacer
-from .storage.base import BlockMemory, MemoryStorage, Storage
-from .storage.disk import DIRECT_ALIGNMENT, DiskStorage
-from .storage.host import HostStorage
-from .storage.objects import ObjectStorage
+from .storage.base import BlockMemory, BlockStore, MemoryStorage, Storage
+from .storage.disk import DIRECT_ALIGNMENT
 
-__all__ = ["TransferEngine", "STORAGE_CLASS"]
+__all__ = ["TransferEngine"]
 
 _STOP = object()
 _Handler = Callable[[TransferPlan, Storage, Storage, dict[int, BlockFailure], list], None]
 
-STORAGE_CLASS: dict[TierKind, type[Storage]] = {
-    TierKind.DEVICE: MemoryStorage,
-    TierKind.HOST: HostStorage,
-    TierKind.DISK: DiskStorage,
-    TierKind.OBJECT: ObjectStorage,
-}
-"""The storage class each kind of tier needs; kinds missing here have no backend yet."""
-
 
 class TransferEngine:
-    """Moves blocks between ``storages`` (keyed by tier name; see :data:`STORAGE_CLASS` for
-    what each kind of tier needs), for the endpoints of ``worker``. ``copy_engine`` defaults to
+    """Moves blocks between ``storages`` (keyed by tier name, each serving its tier's kind),
+    for the endpoints of ``worker``. ``copy_engine`` defaults to
     :func:`~kvstrata.physical.copy.default_copy_engine`; ``staging_bytes`` bounds the
     per-worker bounce buffer of the G3->G1 and G4->G1 paths; ``hash_slice_bytes`` is how much of a G1->G2
     batch is copied before its checksums are computed (cache-sized)."""
@@ -105,24 +99,19 @@ class TransferEngine:
         self._owns_copy_engine = copy_engine is None
         self.copy_engine = copy_engine or default_copy_engine()
         self.staging_bytes = staging_bytes
-        by_kinds: dict[tuple[TierKind, TierKind], _Handler] = {
-            (TierKind.DEVICE, TierKind.HOST): self._device_to_host,
-            (TierKind.HOST, TierKind.DEVICE): self._host_to_device,
-            (TierKind.HOST, TierKind.DISK): self._host_to_disk,
-            (TierKind.DISK, TierKind.HOST): self._disk_to_host,
-            (TierKind.DISK, TierKind.DEVICE): self._disk_to_device,
-            (TierKind.HOST, TierKind.OBJECT): self._host_to_object,
-            (TierKind.DISK, TierKind.OBJECT): self._disk_to_object,
-            (TierKind.OBJECT, TierKind.HOST): self._object_to_host,
-            (TierKind.OBJECT, TierKind.DEVICE): self._object_to_device}
         tiers = ordered(self._storages)
-        self._handlers: dict[str, _Handler] = {
-            path_name(a, b): by_kinds[spec(a).kind, spec(b).kind]
-            for a in tiers for b in tiers if (spec(a).kind, spec(b).kind) in by_kinds}
+        self._handlers: dict[str, _Handler] = {}
+        for a in tiers:
+            for b in tiers:
+                handler = self._route(a, b) if a != b else None
+                if handler is not None:
+                    self._handlers[path_name(a, b)] = handler
         self.paths = tuple(self._handlers)
-        # paced path -> whether its plans wait whole (disk) or per round of PUTs (object)
-        self._paced_paths = {p: spec(split_path(p)[1]).kind is not TierKind.OBJECT
-                             for p in self.paths if _is_background_write(p)}
+        # a path into a block store is paced: path -> whether its plans wait whole (True) or
+        # per round of the store's writes (False)
+        self._paced_paths = {p: self._storages[split_path(p)[1]].write_round is None
+                             for p, h in self._handlers.items()
+                             if h in (self._store_in_place, self._store_staged)}
         self._queues = {p: queue.Queue(maxsize=max(1, queue_depth)) for p in self.paths}
         self._local = threading.local()
         self._lock = threading.Lock()
@@ -242,7 +231,7 @@ class TransferEngine:
         error = None
         whole = self._paced_paths.get(plan.path)
         pacing = self.pacer.plan() if self.pacer is not None and whole is not None else None
-        # an object batch paces each round of PUTs (_put_objects reads this); others whole
+        # a store that writes in rounds paces each round (_write reads this); others whole
         self._local.pacing = pacing
         whole_plan = pacing.request() if pacing is not None and whole else nullcontext()
         try:
@@ -272,181 +261,178 @@ class TransferEngine:
             failures=tuple(sorted(failures.values(), key=lambda f: f.position)), error=error,
             held_seconds=held)
 
-    # ------------------------------------------------------------------ path handlers
-    def _device_to_host(self, plan, device, host, failures, checksums) -> None:
-        host.begin_write(plan.dst_block_ids)
-        if not host.eager_checksums:   # deferred: hashed on first need (see HostStorage)
-            self.copy_engine.copy(device.memory, plan.src_block_ids, host.memory,
-                                  plan.dst_block_ids, direction=OFFLOAD)
-            host.seal(plan.dst_block_ids, plan.sequence_hashes, defer=True)
+    # ------------------------------------------------------------------ paths
+    def _route(self, source_tier: str, target_tier: str) -> _Handler | None:
+        """How a plan from ``source_tier`` to ``target_tier`` moves its bytes, from what the
+        two storages are (see the module docstring); None where no block moves that way."""
+        src, dst = self._storages[source_tier], self._storages[target_tier]
+        if isinstance(src, MemoryStorage) and isinstance(dst, MemoryStorage):
+            return self._copy_memory
+        if isinstance(src, BlockStore) and isinstance(dst, MemoryStorage):
+            return self._load_in_place if dst.host_arrays else self._load_staged
+        if isinstance(dst, BlockStore) and not is_onboard(source_tier, target_tier):
+            if isinstance(src, MemoryStorage) and src.host_arrays:
+                return self._store_in_place
+            if isinstance(src, BlockStore):
+                return self._store_staged
+        return None
+
+    def _copy_memory(self, plan, src, dst, failures, checksums) -> None:
+        """Memory to memory in one copy engine call (device <-> host RAM). A target that
+        keeps checksums is sealed with them: hashed by the copy engine while each block's
+        bytes are in cache, or, with deferred checksums, on first need."""
+        good = _readable(src, plan, failures)
+        if not good:
             return
-        # The copy engine hashes each block while its bytes are in cache. Where G2 reads are
-        # verified, the hash is taken from the engine's own bytes (G1, read in place when it
-        # is host memory) just before the copy, so a byte that changes in G2 at any moment
-        # after is caught, never stored under a matching checksum; otherwise (and from device
-        # memory, which only a device kernel could hash) right behind the copy, from G2.
-        from_source = host.verify_reads and device.memory.device.type == "cpu"
-        sums = self.copy_engine.copy_hashed(device.memory, plan.src_block_ids,
-                                            host.memory, plan.dst_block_ids, direction=OFFLOAD,
+        src_ids = _at(plan.src_block_ids, good, len(plan))
+        dst_ids = _at(plan.dst_block_ids, good, len(plan))
+        direction = ONBOARD if is_onboard(plan.src_tier, plan.dst_tier) else OFFLOAD
+        dst.begin_write(dst_ids)
+        if not dst.keeps_checksums or not dst.eager_checksums:
+            self.copy_engine.copy(src.memory, src_ids, dst.memory, dst_ids, direction=direction)
+            if dst.keeps_checksums:   # deferred: hashed on first need (see HostStorage)
+                dst.seal(dst_ids, _at(plan.sequence_hashes, good, len(plan)), defer=True)
+            return
+        # Where the target's reads are verified, the hash is taken from the source's own
+        # bytes (read in place when it is host memory) just before the copy, so a byte that
+        # changes in the target at any moment after is caught, never stored under a matching
+        # checksum; otherwise (and from device memory, which only a device kernel could
+        # hash) right behind the copy, from the target.
+        from_source = dst.verify_reads and src.memory.device.type == "cpu"
+        sums = self.copy_engine.copy_hashed(src.memory, src_ids, dst.memory, dst_ids,
+                                            direction=direction,
                                             slice_bytes=self.hash_slice_bytes,
                                             from_source=from_source)
-        checksums[:] = host.seal(plan.dst_block_ids, plan.sequence_hashes, sums)
+        sealed = dst.seal(dst_ids, _at(plan.sequence_hashes, good, len(plan)), sums)
+        for p, value in zip(good, sealed):
+            checksums[p] = value
 
-    def _host_to_device(self, plan, host, device, failures, checksums) -> None:
-        good = _check_host_source(host, plan, failures)
-        if good:
-            self.copy_engine.copy(host.memory, [plan.src_block_ids[p] for p in good],
-                                  device.memory, [plan.dst_block_ids[p] for p in good],
+    def _load_in_place(self, plan, store, dst, failures, checksums) -> None:
+        """A block store read straight into a memory's host arrays, then sealed with the
+        checksums the store verified."""
+        dst.begin_write(plan.dst_block_ids)
+        try:
+            verified = store.read_blocks(plan.src_addresses,
+                                         [dst.block_array(b) for b in plan.dst_block_ids],
+                                         plan.sequence_hashes)
+        except BlockIOError as exc:
+            _remap(exc.failures, range(len(plan)), failures)
+            verified = exc.checksums or [None] * len(plan)
+        good = [p for p in range(len(plan)) if p not in failures]
+        sealed = dst.seal([plan.dst_block_ids[p] for p in good],
+                          [plan.sequence_hashes[p] for p in good],
+                          [verified[p] for p in good])
+        for p, value in zip(good, sealed):
+            checksums[p] = value
+
+    def _load_staged(self, plan, store, dst, failures, checksums) -> None:
+        """A block store read into the staging buffer, round by round; each round's verified
+        blocks copied into the memory (device memory, whose blocks are not host arrays)."""
+        def deliver(memory, positions, good, verified) -> None:
+            self.copy_engine.copy(memory, good, dst.memory,
+                                  [plan.dst_block_ids[positions[i]] for i in good],
                                   direction=ONBOARD)
 
-    def _host_to_disk(self, plan, host, disk, failures, checksums) -> None:
-        def write(good, sources, seqs, known):
-            identities = {}
-            if plan.has_identities:   # a durable disk records them in its index
-                identities = {"parent_hashes": [plan.parent_hashes[p] for p in good],
-                              "local_hashes": [plan.local_hashes[p] for p in good]}
-            return disk.write_blocks([plan.dst_block_ids[p] for p in good], sources, seqs,
-                                     checksums=known, **identities)
-        self._from_host(plan, host, write, failures, checksums)
+        dst.begin_write(plan.dst_block_ids)
+        self._through_staging(plan, store, failures, deliver)
 
-    def _from_host(self, plan, host, write, failures, checksums) -> None:
-        """Host -> a slower tier (disk, object store): ``write(good, sources, seqs, known)``
-        stores the readable host blocks. Known checksums travel end to end: the lower tier
-        records the xxh3 the block got when it entered host memory (no second hash pass;
-        bytes corrupted there since then fail the lower tier's read). Deferred ones are
-        hashed by the lower tier while it writes, and filled in the host's table too."""
-        good = _check_host_source(host, plan, failures)
+    def _store_in_place(self, plan, src, store, failures, checksums) -> None:
+        """A memory's host arrays written straight into a block store. Known checksums
+        travel end to end: the store records the xxh3 the block got when it entered the
+        memory (no second hash pass; bytes corrupted there since then fail the store's
+        read). Deferred ones are hashed by the store while it writes, and filled in the
+        memory's table too."""
+        good = _readable(src, plan, failures)
         if not good:
             return
         src_ids = [plan.src_block_ids[p] for p in good]
         seqs = [plan.sequence_hashes[p] for p in good]
-        known = host.checksums.checksums_of(src_ids)
+        known = src.checksums.checksums_of(src_ids) if src.keeps_checksums else None
         try:
-            sums = write(good, [host.block_array(b) for b in src_ids], seqs, known)
+            sums = self._write(plan, store, good, [src.block_array(b) for b in src_ids], known)
         except BlockIOError as exc:
             _remap(exc.failures, good, failures)
             sums = exc.checksums or [None] * len(good)
-        if None in known:
-            host.checksums.fill(src_ids, sums, seqs)
+        if known is not None and None in known:
+            src.checksums.fill(src_ids, sums, seqs)
         for p, value in zip(good, sums):
             checksums[p] = value
 
-    def _disk_to_host(self, plan, disk, host, failures, checksums) -> None:
-        host.begin_write(plan.dst_block_ids)
-        try:
-            disk.read_blocks(plan.src_block_ids,
-                             [host.block_array(b) for b in plan.dst_block_ids],
-                             plan.sequence_hashes)
-        except BlockIOError as exc:
-            _remap(exc.failures, range(len(plan)), failures)
-        _seal_loaded(plan, host, failures, checksums,
-                     lambda p: disk.checksums.get(plan.src_block_ids[p])[0])
-
-    def _disk_to_device(self, plan, disk, device, failures, checksums) -> None:
-        self._through_staging(
-            plan, disk, failures,
-            lambda pos, views: disk.read_blocks([plan.src_block_ids[p] for p in pos], views,
-                                                [plan.sequence_hashes[p] for p in pos]),
-            lambda memory, pos, good: self._onboard_staged(plan, memory, device, pos, good))
-
-    def _onboard_staged(self, plan, memory, device, positions, good) -> None:
-        """Copy the good staged blocks of a round into their device blocks."""
-        self.copy_engine.copy(memory, good, device.memory,
-                              [plan.dst_block_ids[positions[i]] for i in good],
-                              direction=ONBOARD)
-
-    def _through_staging(self, plan, source, failures, read, deliver) -> None:
-        """Move ``plan`` round by round through this thread's staging buffer:
-        ``read(positions, views)`` fills one view per position (raising ``BlockIOError``
-        naming those it could not), ``deliver(memory, positions, good)`` sends on the good
-        ones (indices into ``positions``; only verified bytes ever reach it)."""
-        staging, memory = self._staging(source)
-        per_round = memory.layout.config.num_blocks
-        stride = memory.layout.block_stride
-        for first in range(0, len(plan), per_round):
-            positions = list(range(first, min(first + per_round, len(plan))))
-            local_failures: dict[int, BlockFailure] = {}
-            try:
-                read(positions, [staging.array[i * stride:(i + 1) * stride]
-                                 for i in range(len(positions))])
-            except BlockIOError as exc:
-                _remap(exc.failures, positions, local_failures)
-            failures.update(local_failures)
-            good = [i for i, p in enumerate(positions) if p not in local_failures]
-            if good:
-                deliver(memory, positions, good)
-
-    def _host_to_object(self, plan, host, objects, failures, checksums) -> None:
-        self._from_host(plan, host, lambda good, sources, seqs, known: self._put_objects(
-            objects, [plan.dst_keys[p] for p in good], sources, seqs, known),
-            failures, checksums)
-
-    def _put_objects(self, objects, keys, sources, seqs, known) -> list[int]:
-        """``objects.put_blocks``; with pacing, one round of ``max_concurrency`` PUTs at a
-        time, each round waiting at the gate in this thread (a request thread of the store
-        never waits there: the store's pool also serves loads and other batches)."""
-        pacing = self._local.pacing
-        if pacing is None:
-            return objects.put_blocks(keys, sources, seqs, checksums=known)
-        step = objects.max_concurrency
-        sums: list[int | None] = []
-        failed: list[BlockFailure] = []
-        for start in range(0, len(keys), step):
-            end = start + step
-            with pacing.request():
-                try:
-                    sums.extend(objects.put_blocks(keys[start:end], sources[start:end],
-                                                   seqs[start:end],
-                                                   checksums=None if known is None
-                                                   else known[start:end]))
-                except BlockIOError as exc:
-                    failed.extend(replace(f, position=f.position + start) for f in exc.failures)
-                    sums.extend(exc.checksums or [None] * len(keys[start:end]))
-        if failed:
-            raise_for_failures(f"put to {objects.status().path}", failed, len(keys), sums)
-        return sums  # type: ignore[return-value]
-
-    def _disk_to_object(self, plan, disk, objects, failures, checksums) -> None:
-        """G3 -> G4 through the staging buffer: only blocks the disk verified are put, with
-        the checksum the disk holds for them (no second hash)."""
-        def put(memory, positions, good) -> None:
+    def _store_staged(self, plan, src, store, failures, checksums) -> None:
+        """One block store into another through the staging buffer (G3 -> G4): only blocks
+        the source verified are written, with the checksums it verified (no second hash)."""
+        def deliver(memory, positions, good, verified) -> None:
             stride = memory.layout.block_stride
             staged = memory.regions[0].numpy()
             chosen = [positions[i] for i in good]
-            known = [disk.checksums.get(plan.src_block_ids[p])[0] for p in chosen]
             try:
-                sums = self._put_objects(objects, [plan.dst_keys[p] for p in chosen],
-                                         [staged[i * stride:(i + 1) * stride] for i in good],
-                                         [plan.sequence_hashes[p] for p in chosen], known)
+                sums = self._write(plan, store, chosen,
+                                   [staged[i * stride:(i + 1) * stride] for i in good],
+                                   [verified[i] for i in good])
             except BlockIOError as exc:
                 _remap(exc.failures, chosen, failures)
                 sums = exc.checksums or [None] * len(chosen)
             for p, value in zip(chosen, sums):
                 checksums[p] = value
 
-        self._through_staging(
-            plan, disk, failures,
-            lambda pos, views: disk.read_blocks([plan.src_block_ids[p] for p in pos], views,
-                                                [plan.sequence_hashes[p] for p in pos]),
-            put)
+        self._through_staging(plan, src, failures, deliver)
 
-    def _object_to_host(self, plan, objects, host, failures, checksums) -> None:
-        host.begin_write(plan.dst_block_ids)
-        try:
-            verified = objects.get_blocks(plan.src_keys,
-                                          [host.block_array(b) for b in plan.dst_block_ids],
-                                          plan.sequence_hashes)
-        except BlockIOError as exc:
-            _remap(exc.failures, range(len(plan)), failures)
-            verified = exc.checksums or [None] * len(plan)
-        _seal_loaded(plan, host, failures, checksums, lambda p: verified[p])
+    def _write(self, plan: TransferPlan, store: BlockStore, positions: Sequence[int],
+               sources: list, known: list | None) -> list[int]:
+        """``store.write_blocks`` of the plan's blocks at ``positions`` from ``sources``. With
+        pacing and a store that writes in rounds, one round of ``write_round`` blocks at a
+        time, each waiting at the gate in this thread (a request thread of the store never
+        waits there: the store's pool also serves loads and other batches)."""
+        addresses = [plan.dst_addresses[p] for p in positions]
+        seqs = [plan.sequence_hashes[p] for p in positions]
+        parents = [plan.parent_hashes[p] for p in positions] if plan.has_identities else None
+        locals_ = [plan.local_hashes[p] for p in positions] if plan.has_identities else None
+        pacing = self._local.pacing
+        step = store.write_round
+        if pacing is None or step is None:
+            return store.write_blocks(addresses, sources, seqs, checksums=known,
+                                      parent_hashes=parents, local_hashes=locals_)
+        sums: list[int | None] = []
+        failed: list[BlockFailure] = []
+        for start in range(0, len(addresses), step):
+            end = start + step
+            with pacing.request():
+                try:
+                    sums.extend(store.write_blocks(
+                        addresses[start:end], sources[start:end], seqs[start:end],
+                        checksums=None if known is None else known[start:end],
+                        parent_hashes=None if parents is None else parents[start:end],
+                        local_hashes=None if locals_ is None else locals_[start:end]))
+                except BlockIOError as exc:
+                    failed.extend(replace(f, position=f.position + start) for f in exc.failures)
+                    sums.extend(exc.checksums or [None] * len(addresses[start:end]))
+        if failed:
+            raise_for_failures(f"write to {store.status().path}", failed, len(addresses), sums)
+        return sums  # type: ignore[return-value]
 
-    def _object_to_device(self, plan, objects, device, failures, checksums) -> None:
-        self._through_staging(
-            plan, objects, failures,
-            lambda pos, views: objects.get_blocks([plan.src_keys[p] for p in pos], views,
-                                                  [plan.sequence_hashes[p] for p in pos]),
-            lambda memory, pos, good: self._onboard_staged(plan, memory, device, pos, good))
+    def _through_staging(self, plan, store, failures, deliver) -> None:
+        """Move ``plan`` round by round through this thread's staging buffer: each round's
+        blocks are read from ``store`` (verified), then ``deliver(memory, positions, good,
+        verified)`` sends on the good ones (``good``: indices into ``positions``; only
+        verified bytes ever reach it; ``verified``: the round's checksums)."""
+        staging, memory = self._staging(store)
+        per_round = memory.layout.config.num_blocks
+        stride = memory.layout.block_stride
+        for first in range(0, len(plan), per_round):
+            positions = list(range(first, min(first + per_round, len(plan))))
+            local_failures: dict[int, BlockFailure] = {}
+            try:
+                verified = store.read_blocks(
+                    [plan.src_addresses[p] for p in positions],
+                    [staging.array[i * stride:(i + 1) * stride] for i in range(len(positions))],
+                    [plan.sequence_hashes[p] for p in positions])
+            except BlockIOError as exc:
+                _remap(exc.failures, positions, local_failures)
+                verified = exc.checksums or [None] * len(positions)
+            failures.update(local_failures)
+            good = [i for i, p in enumerate(positions) if p not in local_failures]
+            if good:
+                deliver(memory, positions, good, verified)
 
     def _staging(self, storage: Storage) -> tuple[AlignedBuffer, BlockMemory]:
         """This worker thread's aligned bounce buffer for disk/object -> device, as a
@@ -468,43 +454,29 @@ class TransferEngine:
                 kind = spec(tier).kind
             except UnknownTierError as exc:
                 raise StorageConfigError(str(exc)) from None
-            expected = STORAGE_CLASS.get(kind)
-            if expected is None:
-                raise StorageConfigError(f"{tier} ({kind.value}): no storage backend for this "
-                                         f"kind of tier yet")
-            if not isinstance(storage, expected):
-                raise StorageConfigError(f"{tier} ({kind.value}) must be a {expected.__name__}, "
-                                         f"got {type(storage).__name__}")
+            if storage.kind != kind.value:
+                raise StorageConfigError(f"{tier} ({kind.value}) needs a storage of its kind, "
+                                         f"got {type(storage).__name__} ({storage.kind})")
+            if not isinstance(storage, (MemoryStorage, BlockStore)):
+                raise StorageConfigError(f"{tier}: {type(storage).__name__} is neither a "
+                                         f"MemoryStorage nor a BlockStore")
         layouts = [s.layout for s in self._storages.values()]
         for layout in layouts[1:]:
             layouts[0].require_compatible(layout)
 
 
-def _is_background_write(path: str) -> bool:
-    """Whether ``path`` writes away from the engine without reading the engine's own memory
-    (the writes a :class:`~kvstrata.physical.pacing.ForwardPacer` holds back)."""
-    source, target = split_path(path)
-    return not is_onboard(source, target) and spec(source).kind is not TierKind.DEVICE
-
-
-def _check_host_source(host: HostStorage, plan: TransferPlan,
-                       failures: dict[int, BlockFailure]) -> list[int]:
-    """Record the blocks of ``host`` that fail their read check; the positions still good."""
-    for f in host.check_readable(plan.src_block_ids, plan.sequence_hashes):
+def _readable(source: Storage, plan: TransferPlan,
+              failures: dict[int, BlockFailure]) -> list[int]:
+    """Record the blocks of a memory ``source`` that fail its read check; the positions
+    still good."""
+    for f in source.check_readable(plan.src_block_ids, plan.sequence_hashes):
         failures[f.position] = f
     return [p for p in range(len(plan)) if p not in failures]
 
 
-def _seal_loaded(plan: TransferPlan, host: HostStorage, failures: dict[int, BlockFailure],
-                 checksums: list, verified_checksum) -> None:
-    """Seal the host slots a load into G2 filled (every position not in ``failures``) with
-    the checksum the source verified (``verified_checksum(position)``)."""
-    good = [p for p in range(len(plan)) if p not in failures]
-    sums = host.seal([plan.dst_block_ids[p] for p in good],
-                     [plan.sequence_hashes[p] for p in good],
-                     [verified_checksum(p) for p in good])
-    for p, value in zip(good, sums):
-        checksums[p] = value
+def _at(values: Sequence, positions: list[int], n: int) -> Sequence:
+    """``values`` at ``positions`` (``values`` itself when those are all ``n``)."""
+    return values if len(positions) == n else [values[p] for p in positions]
 
 
 def _remap(sub_failures, positions, failures: dict[int, BlockFailure]) -> None:

@@ -215,6 +215,16 @@ class TransferPlan:
     def dst_tier(self) -> str:
         return self.target.tier
 
+    @property
+    def src_addresses(self) -> tuple:
+        """The source blocks as their tier addresses them: slot ids, or keys."""
+        return self.src_keys if self.source.addressing is Addressing.KEYS else self.src_block_ids
+
+    @property
+    def dst_addresses(self) -> tuple:
+        """The target blocks as their tier addresses them: slot ids, or keys."""
+        return self.dst_keys if self.target.addressing is Addressing.KEYS else self.dst_block_ids
+
     def to_dict(self) -> dict[str, Any]:
         """Plain-JSON form (see :data:`PLAN_VERSION`)."""
         return {"version": PLAN_VERSION, "job_id": self.job_id,

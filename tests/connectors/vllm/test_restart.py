@@ -86,7 +86,7 @@ def test_without_readable_index_files_the_workers_first_reports_restore(tmp_path
 
 def test_a_restart_counts_its_own_kept_slab_as_free_space(tmp_path, monkeypatch):
     """A disk tier that fills most of its disk must start again: its slab is reused."""
-    import kvstrata.connectors.vllm.settings as settings_module
+    import kvstrata.kinds.disk as settings_module   # where the disk tier checks its space
     from kvstrata.compat import compatibility_of
     from kvstrata.connectors.vllm.settings import (ConnectorConfigError, KvGeometry,
                                                    settings_from)
@@ -95,7 +95,11 @@ def test_a_restart_counts_its_own_kept_slab_as_free_space(tmp_path, monkeypatch)
     geometry = KvGeometry(BS, 2, 2, 8, "bfloat16", 64)
     extra = {"tiers": {"G2": {"blocks": 16}, "G3": {"blocks": 1000}},
              "disk_dir": str(tmp_path)}
-    need = 1000 * settings_from(extra, geometry, env={}).kv.bytes_per_block
+    from kvstrata.kinds.base import layout_config_for
+    from kvstrata.physical.storage.disk import slab_stride
+
+    kv = settings_from(extra, geometry, env={}).kv
+    need = 1000 * slab_stride(layout_config_for(kv, 1))     # the slab of 1,000 blocks
     monkeypatch.setattr(settings_module, "free_disk_bytes", lambda d: need // 10)
     with pytest.raises(ConnectorConfigError, match="G3 needs"):
         settings_from(extra, geometry, env={})

@@ -27,13 +27,12 @@ from typing import Any, Iterable
 
 from ...logical.registry import BlockRegistry
 from ...manager.catalog import StoreLister
-from ...manager.storages import StorageOptions, open_object_storage, peek_recovered
-from ...kinds import cost_priors
+from ...kinds import StorageOptions, cost_priors, kind_of, peek_recovered
 from ...placement.costs import CostModel
 from ...placement import PlacementError, Planner
 from ...placement.onboard import OnboardResult
 from ...protocol.plans import TransferPlan
-from ...tiers import TOP_TIER, TierKind, spec
+from ...tiers import TOP_TIER, Addressing, spec
 from ...tokens import hash_blocks, isolation_seed
 from ...types import BlockRecord
 from .events import VllmEventCollector
@@ -312,17 +311,18 @@ class SchedulerHalf:
                     del self._held[req_id]
 
     def _open_store_listers(self) -> list[StoreLister]:
-        """For a shared object tier: list every rank's namespace of the store now (a new
-        server finds what others stored on its first request) and every ``list_interval``
-        seconds from a thread; what it finds is learned on the scheduler's thread."""
+        """For a shared tier (addressed by keys: an object store): list every rank's
+        namespace of the store now (a new server finds what others stored on its first
+        request) and every ``list_interval`` seconds from a thread; what it finds is learned
+        on the scheduler's thread."""
         listers = []
         kv = self.settings.kv
         options = StorageOptions(world_size=self._world_size,
                                  block_layout=self.settings.block_layout)
         for tier in self.planner.tiers:
-            if spec(tier).kind is not TierKind.OBJECT:
+            if spec(tier).addressing is not Addressing.KEYS:
                 continue
-            storages = [open_object_storage(kv, tier, options, rank=rank)
+            storages = [kind_of(tier).open_shared(kv, tier, options, rank)
                         for rank in range(self._world_size)]
             lister = StoreLister(storages, tier, self.block_size,
                                  lambda t, records: self._learned.put((t, records)),
@@ -373,8 +373,9 @@ class SchedulerHalf:
         one machine they are readable here; vLLM builds the workers' caches before the
         scheduler), so the first request already finds the blocks. Otherwise the workers'
         first reports bring the same rows a step later."""
-        per_rank = [peek_recovered(self.settings.kv, rank=rank, world_size=self._world_size,
-                                   block_layout=self.settings.block_layout)
+        options = StorageOptions(world_size=self._world_size,
+                                 block_layout=self.settings.block_layout)
+        per_rank = [peek_recovered(self.settings.kv, options, rank)
                     for rank in range(self._world_size)]
         if all(rows is not None for rows in per_rank) and any(per_rank):
             self._recovered = dict(enumerate(per_rank))

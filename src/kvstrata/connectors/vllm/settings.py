@@ -52,13 +52,12 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 from ...config import ConfigError, KvConfig, ModelGeometry, TierConfig, load_config
 from ...events.spec import parse_sink_spec
-from ...physical.capacity import free_disk_bytes, physical_memory
+from ...kinds import StorageOptions, check_tiers
 from ...tiers import TIER_NAMES, TOP_TIER, TierKind, first_of_kind, spec
 
 __all__ = ["ConnectorConfigError", "ConnectorSettings", "KvGeometry", "DEFAULT_TIERS",
@@ -161,10 +160,6 @@ class ConnectorSettings:
     block_layout: str = "vllm"
     """The byte order of vLLM's KV pages as stored (platform, version, attention backend):
     part of the fingerprint of persistent tiers, so pages of another layout are never read."""
-
-    @property
-    def lower_tiers(self) -> list[str]:
-        return [t for t in TIER_NAMES if t in self.kv.tiers and t != TOP_TIER]
 
     def tier_blocks(self, tier: str) -> int:
         return self.kv.tier_blocks(tier)
@@ -296,51 +291,14 @@ def settings_from(extra: Mapping[str, Any] | None, geometry: KvGeometry,
 
 
 def _check_runnable(kv: KvConfig, workers: int = 1, block_layout: str = "vllm") -> None:
-    """Refuse, before anything is allocated, what the worker half could not build: a tier
-    kind with no backend in a worker (G4), a disk tier without the host tier its blocks move
-    through, a tier of no block, host tiers larger than this machine's memory, a path that
-    is not a string."""
-    problems: list[str] = []
-    lower = [t for t in TIER_NAMES if t in kv.tiers and t != TOP_TIER]
-    kinds = {t: spec(t).kind for t in lower}
-    for tier, kind in kinds.items():
-        if kind not in (TierKind.HOST, TierKind.DISK, TierKind.OBJECT):
-            problems.append(f"tier {tier} ({kind.value}) has no backend in the vLLM connector "
-                            f"yet; it holds host (G2), disk (G3) and object store (G4) tiers")
-        if kind is TierKind.OBJECT and not kv.tiers[tier].url:
-            problems.append(f"tier {tier} (object store) needs a url: "
-                            f'{{"{tier}": {{"blocks": N, "url": "http://host:port/bucket"}}}}')
-    for kind in (TierKind.DISK, TierKind.OBJECT):
-        if kind in kinds.values() and TierKind.HOST not in kinds.values():
-            problems.append(f"a {kind.value} tier needs the host tier "
-                            f"{first_of_kind(TierKind.HOST)}: its blocks move through host RAM")
-    for tier in lower:
-        config = kv.tiers[tier]
-        if config.path is not None and not isinstance(config.path, str):
-            problems.append(f"tier {tier}: path must be a string, got {config.path!r}")
-        if kv.tier_blocks(tier) < 1:
-            problems.append(f"tier {tier} holds no block of {kv.bytes_per_block} bytes")
-    # Sizes are per worker (each tensor-parallel rank holds its own heads' share of a block).
-    host_bytes = workers * sum(kv.tier_blocks(t) * kv.bytes_per_block
-                               for t, k in kinds.items() if k is TierKind.HOST)
-    ram = physical_memory()
-    if ram and host_bytes > ram:
-        problems.append(f"host tiers need {host_bytes / 2**30:.1f} GiB of RAM "
-                        f"({kv.bytes_per_block} bytes a block, {workers} worker(s)); this "
-                        f"machine has {ram / 2**30:.1f} GiB")
-    for tier, kind in kinds.items():
-        if kind is not TierKind.DISK or not isinstance(kv.tiers[tier].path or "", str):
-            continue
-        from ...manager.storages import kept_disk_bytes
-
-        directory = kv.disk_dir or kv.tiers[tier].path or tempfile.gettempdir()
-        need = workers * kv.tier_blocks(tier) * kv.bytes_per_block \
-            - kept_disk_bytes(kv, tier, world_size=workers, block_layout=block_layout)
-        free = free_disk_bytes(directory)
-        if free is not None and need > free:
-            problems.append(f"tier {tier} needs {need / 2**30:.1f} GiB of disk "
-                            f"({workers} worker(s)); {directory} has {free / 2**30:.1f} GiB "
-                            f"free")
+    """Refuse, before anything is allocated, what the workers could not build: the tiers'
+    own checks (:func:`kvstrata.kinds.check_tiers`: a kind with no backend, a disk or object
+    tier without the host tier its blocks move through, a tier of no block, host tiers over
+    this machine's memory, disk tiers over their filesystem's free space), for every worker
+    of this engine on this machine (tier sizes are per worker: each tensor-parallel rank
+    holds its own heads' share of a block)."""
+    problems = check_tiers(kv, StorageOptions(world_size=workers, block_layout=block_layout),
+                           ranks=workers)
     if problems:
         raise ConnectorConfigError("kvstrata connector: " + "; ".join(problems))
 

@@ -33,7 +33,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from ...manager.storages import StorageOptions, Storages, build_storages
+from ...kinds import StorageOptions, Storages, build_storages
 from ...physical import DeviceStorage, TransferEngine
 from ...physical.copy import CopyEngine
 from ...physical.errors import LayoutError

@@ -55,7 +55,7 @@ from ..errors import (BlockFailure, DiskFullError, FailureKind, StorageConfigErr
                       StorageIOError, raise_for_failures)
 from ...protocol.layout import FullyContiguousLayout, LayoutConfig
 from ...protocol.layout_codec import StorageDescriptor
-from .base import Storage, StorageStatus
+from .base import BlockStore, StorageStatus
 from .disk_home import DiskTierHome, check_fingerprint
 from .disk_index import DiskIndex, LiveEntries
 from .fileio import FileOps
@@ -88,7 +88,7 @@ def _failure_kind(exc: OSError) -> FailureKind:
     return FailureKind.DISK_FULL if exc.errno in _FULL_ERRNOS else FailureKind.IO_ERROR
 
 
-class DiskStorage(Storage):
+class DiskStorage(BlockStore):
     """Slab-file block pool (G3). See the module docstring for the I/O and integrity rules."""
 
     kind = "disk"
@@ -317,12 +317,13 @@ class DiskStorage(Storage):
         return sums  # type: ignore[return-value]
 
     def read_blocks(self, block_ids: Sequence[int], destinations: Sequence[np.ndarray],
-                    sequence_hashes: Sequence[int]) -> None:
+                    sequence_hashes: Sequence[int]) -> list[int]:
         """Read slot ``block_ids[i]`` into ``destinations[i]`` (``uint8`` arrays of at least
         ``block_bytes``), verifying sequence hash and checksum (the checksum of one run of
-        slots is verified on a helper thread while the next run is read). Raises a
-        :class:`BlockIOError` subclass naming failed positions; a failed destination may hold
-        garbage and must not be used."""
+        slots is verified on a helper thread while the next run is read); returns the
+        verified checksums. Raises a :class:`BlockIOError` subclass naming failed positions
+        (its ``checksums`` hold the good blocks'); a failed destination may hold garbage and
+        must not be used."""
         self._check_batch(block_ids, destinations, sequence_hashes)
         failures = self.checksums.check_identities(block_ids, sequence_hashes)
         if failures:
@@ -349,7 +350,12 @@ class DiskStorage(Storage):
             if rotten:
                 self.checksums.invalidate(rotten)
                 self.index.free(rotten)
-        raise_for_failures(f"read from {self.path.name}", failures, len(block_ids))
+        sums = self.checksums.checksums_of(block_ids)
+        if failures:
+            for f in failures:
+                sums[f.position] = None
+        raise_for_failures(f"read from {self.path.name}", failures, len(block_ids), sums)
+        return sums  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ helpers
     def _check_batch(self, block_ids, buffers, sequence_hashes) -> None:

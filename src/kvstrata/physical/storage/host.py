@@ -49,6 +49,8 @@ class HostStorage(MemoryStorage):
     """Host-RAM block pool (G2). ``pin=None`` pins iff ``torch.cuda.is_available()``."""
 
     kind = "host"
+    keeps_checksums = True
+    host_arrays = True
 
     def __init__(self, config: LayoutConfig, *, pin: bool | None = None,
                  verify_reads: bool = False, checksums: str = "auto") -> None:

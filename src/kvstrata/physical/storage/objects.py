@@ -10,10 +10,10 @@ block's sequence, local and parent hash). ``config`` gives the geometry (FullyCo
 Each object is a header plus the block's payload (:mod:`.object_format`): the header records
 the compatibility ``fingerprint``, the geometry, the sequence hash and the payload's xxh3-64.
 
-* :meth:`ObjectStorage.put_blocks` writes a batch with conditional PUTs (``If-None-Match:
+* :meth:`ObjectStorage.write_blocks` writes a batch with conditional PUTs (``If-None-Match:
   *``): a key the bucket already holds is left as it is and counted in
   ``puts_skipped_existing`` (blocks are immutable: same key, same bytes).
-* :meth:`ObjectStorage.get_blocks` fetches a batch and copies a payload into its destination
+* :meth:`ObjectStorage.read_blocks` fetches a batch and copies a payload into its destination
   only after checking magic, version, fingerprint, geometry, sequence hash, length and
   checksum. A missing object is a ``NOT_FOUND`` failure; another model's, another geometry's
   or another block's object a ``HASH_MISMATCH``; a truncated or altered one a
@@ -48,7 +48,7 @@ from ..errors import (BlockFailure, FailureKind, StorageConfigError, StorageErro
                       raise_for_failures)
 from ...protocol.layout import FullyContiguousLayout, LayoutConfig
 from ...protocol.layout_codec import StorageDescriptor
-from .base import Storage, StorageStatus
+from .base import BlockStore, StorageStatus
 from .object_format import (HEADER_SIZE, ObjectFormatError, ObjectGeometry,
                             check_fingerprint, encode_header, open_object)
 from .s3client import ObjectStoreError, S3Client, S3Config
@@ -117,7 +117,7 @@ class _Abandoned(Exception):
     """The batch ended (deadline) before this block's thread got to the caller's buffer."""
 
 
-class ObjectStorage(Storage):
+class ObjectStorage(BlockStore):
     """Block objects in a bucket (G4). See the module docstring for format and failures.
 
     ``s3`` is an :class:`S3Config` (a client is made for it) or a ready client with the
@@ -153,9 +153,16 @@ class ObjectStorage(Storage):
             self.client.ensure_bucket()
 
     # ------------------------------------------------------------------ data path
-    def put_blocks(self, keys: Sequence[str], sources: Sequence[np.ndarray],
-                   sequence_hashes: Sequence[int], *,
-                   checksums: Sequence[int | None] | None = None) -> list[int]:
+    @property
+    def write_round(self) -> int:
+        """A paced write goes one round of :attr:`max_concurrency` PUTs at a time."""
+        return self.max_concurrency
+
+    def write_blocks(self, keys: Sequence[str], sources: Sequence[np.ndarray],
+                     sequence_hashes: Sequence[int], *,
+                     checksums: Sequence[int | None] | None = None,
+                     parent_hashes: Sequence[int | None] | None = None,
+                     local_hashes: Sequence[int] | None = None) -> list[int]:
         """Store ``sources[i]`` (``uint8`` arrays of at least ``block_bytes``) as the object
         of ``keys[i]``, unless the bucket already holds that key. Returns each block's
         xxh3-64; raises a :class:`BlockIOError` subclass naming the failed positions (its
@@ -163,7 +170,9 @@ class ObjectStorage(Storage):
 
         ``checksums``, when given, are the blocks' known xxh3-64 (e.g. recorded when they
         entered G2) and go into the headers as they are: a source whose bytes changed since
-        fails its checksum when read back. Blocks without one are hashed here."""
+        fails its checksum when read back. Blocks without one are hashed here. The blocks'
+        identity (``parent_hashes``, ``local_hashes``) is already in their keys
+        (:mod:`kvstrata.placement.keys`): nothing else records it."""
         self._check_batch(keys, sources, sequence_hashes)
         if checksums is not None and len(checksums) != len(keys):
             raise ValueError(f"{len(checksums)} checksums for {len(keys)} blocks")
@@ -197,8 +206,8 @@ class ObjectStorage(Storage):
         raise_for_failures(f"put to {self._where()}", failures, len(keys), sums)
         return sums  # type: ignore[return-value]
 
-    def get_blocks(self, keys: Sequence[str], destinations: Sequence[np.ndarray],
-                   sequence_hashes: Sequence[int]) -> list[int]:
+    def read_blocks(self, keys: Sequence[str], destinations: Sequence[np.ndarray],
+                    sequence_hashes: Sequence[int]) -> list[int]:
         """Fetch the objects of ``keys`` and copy each verified payload into
         ``destinations[i]`` (``uint8`` arrays of at least ``block_bytes``). Returns the
         verified xxh3-64 of each block. Raises a :class:`BlockIOError` subclass naming the
