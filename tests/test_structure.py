@@ -31,9 +31,10 @@ def _is_type_checking(node: ast.If) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _imports(path: Path, modules: set[str]) -> set[str]:
+def _imports(path: Path, modules: set[str], type_only: bool = False) -> set[str]:
     """kvstrata modules ``path`` imports, at module level or inside functions (a deferred
-    import hides a cycle, it does not remove it); ``if TYPE_CHECKING`` blocks excepted."""
+    import hides a cycle, it does not remove it); ``if TYPE_CHECKING`` blocks only with
+    ``type_only``."""
     name = _module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
@@ -41,7 +42,9 @@ def _imports(path: Path, modules: set[str]) -> set[str]:
     def visit(body) -> None:
         for node in body:
             if isinstance(node, ast.If) and _is_type_checking(node):
-                visit(node.orelse)
+                visit(node.body if type_only else node.orelse)
+                if type_only:
+                    visit(node.orelse)
             elif isinstance(node, ast.Import):
                 found.update(a.name for a in node.names if a.name.startswith("kvstrata"))
             elif isinstance(node, ast.ImportFrom):
@@ -67,13 +70,13 @@ def _imports(path: Path, modules: set[str]) -> set[str]:
     return found
 
 
-def _graph() -> dict[str, set[str]]:
+def _graph(type_only: bool = False) -> dict[str, set[str]]:
     paths = [p for p in SRC.rglob("*.py")]
     modules = {_module_name(p) for p in paths}
     graph = {}
     for path in paths:
         deps = set()
-        for target in _imports(path, modules):
+        for target in _imports(path, modules, type_only):
             # importing a.b.c runs a/__init__, a/b/__init__ too
             parts = target.split(".")
             deps.update(".".join(parts[:i]) for i in range(2, len(parts) + 1)
@@ -86,16 +89,20 @@ def _graph() -> dict[str, set[str]]:
 
 
 GRAPH = _graph()
+GRAPH_WITH_TYPES = _graph(type_only=True)
 
 
-def test_no_import_cycles():
+@pytest.mark.parametrize("graph", [GRAPH, GRAPH_WITH_TYPES], ids=["runtime", "type-only too"])
+def test_no_import_cycles(graph):
+    """No cycle, not even through imports made only for type checkers: a type-only import
+    that closes a circle is a layering mistake the annotations hide."""
     state: dict[str, int] = {}
     stack: list[str] = []
 
     def visit(node: str) -> None:
         state[node] = 1
         stack.append(node)
-        for dep in sorted(GRAPH.get(node, ())):
+        for dep in sorted(graph.get(node, ())):
             if state.get(dep) == 1:
                 cycle = stack[stack.index(dep):] + [dep]
                 pytest.fail("import cycle: " + " -> ".join(cycle))
@@ -104,7 +111,7 @@ def test_no_import_cycles():
         stack.pop()
         state[node] = 2
 
-    for node in sorted(GRAPH):
+    for node in sorted(graph):
         if node not in state:
             visit(node)
 

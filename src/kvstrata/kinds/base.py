@@ -10,7 +10,8 @@ restart, what it kept (:meth:`Kind.recovered_rows`, :meth:`Kind.peek_recovered`)
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+import shutil
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Mapping, Sequence
 
 from ..compat import NATIVE_BLOCK_LAYOUT, Compatibility, compatibility_of
@@ -19,13 +20,13 @@ from ..physical import DeviceStorage, FileOps, LayoutConfig, PhysicalError, Stor
 from ..physical.capacity import physical_memory
 from ..placement.costs import CostPrior
 from ..tiers import TierKind
+from ..types import BlockRecord
 
 if TYPE_CHECKING:
     from ..physical.storage.s3client import S3Config
-    from .build import Storages
 
-__all__ = ["Kind", "StorageOptions", "TierSetupError", "RecoveredRow", "layout_config_for",
-           "ram_problem"]
+__all__ = ["Kind", "StorageOptions", "Storages", "TierSetupError", "RecoveredRow",
+           "layout_config_for", "ram_problem"]
 
 RecoveredRow = tuple[int, int, "int | None", int]
 """A block a durable tier kept: (slot, sequence hash, parent hash, local hash)."""
@@ -79,6 +80,45 @@ class StorageOptions:
                                 world_size=self.world_size, block_layout=self.block_layout)
 
 
+@dataclass
+class Storages:
+    """The storages built (by tier, fastest first), the config with the fastest tier sized
+    to its storage, and the temporary directories to remove on close."""
+
+    config: KvConfig
+    by_tier: dict[str, Storage] = field(default_factory=dict)
+    temp_dirs: list[str] = field(default_factory=list)
+    kinds: dict[str, "Kind"] = field(default_factory=dict)
+    """The kind that built each tier's storage."""
+
+    def recovered_rows(self) -> dict[str, list[RecoveredRow]]:
+        """Per tier that kept blocks from a previous process, (slot, sequence hash, parent
+        hash, local hash) of each, oldest first."""
+        out = {}
+        for tier, storage in self.by_tier.items():
+            rows = self.kinds[tier].recovered_rows(storage)
+            if rows:
+                out[tier] = rows
+        return out
+
+    def recovered(self) -> dict[str, list[tuple[int, BlockRecord]]]:
+        """:meth:`recovered_rows` as (slot, record) pairs: what
+        :meth:`~kvstrata.placement.Planner.restore` takes."""
+        block_size = self.config.block_size
+        return {tier: [(slot, BlockRecord(seq, local, parent, block_size))
+                       for slot, seq, parent, local in rows]
+                for tier, rows in self.recovered_rows().items()}
+
+    def close(self) -> None:
+        """Free every storage (a temporary slab is deleted, a durable one kept) and the
+        temporary directories."""
+        for storage in self.by_tier.values():
+            storage.close()
+        for directory in self.temp_dirs:
+            shutil.rmtree(directory, ignore_errors=True)
+        self.temp_dirs = []
+
+
 class Kind(ABC):
     """Everything about one kind of tier; one instance, ``KIND``, per module of
     :mod:`kvstrata.kinds`."""
@@ -97,7 +137,7 @@ class Kind(ABC):
         return []
 
     @abstractmethod
-    def build(self, tier: str, built: "Storages", geometry: LayoutConfig | None,
+    def build(self, tier: str, built: Storages, geometry: LayoutConfig | None,
               options: StorageOptions) -> Storage:
         """The storage of ``tier``; ``geometry`` is the fastest tier's (None when this is
         the fastest), which every tier shares. Raises :class:`TierSetupError`."""

@@ -9,54 +9,15 @@ building them (a scheduler whose workers build them).
 
 from __future__ import annotations
 
-import shutil
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from ..config import KvConfig
 from ..physical import LayoutConfig, Storage
 from ..tiers import TierKind, first_of_kind, ordered, spec
-from ..types import BlockRecord
 from . import KINDS, kind_of
-from .base import RecoveredRow, StorageOptions, TierSetupError
+from .base import RecoveredRow, StorageOptions, Storages, TierSetupError
 
 __all__ = ["Storages", "check_tiers", "build_storages", "peek_recovered"]
-
-
-@dataclass
-class Storages:
-    """The storages built (by tier, fastest first), the config with the fastest tier sized
-    to its storage, and the temporary directories to remove on close."""
-
-    config: KvConfig
-    by_tier: dict[str, Storage] = field(default_factory=dict)
-    temp_dirs: list[str] = field(default_factory=list)
-
-    def recovered_rows(self) -> dict[str, list[RecoveredRow]]:
-        """Per tier that kept blocks from a previous process, (slot, sequence hash, parent
-        hash, local hash) of each, oldest first."""
-        out = {}
-        for tier, storage in self.by_tier.items():
-            rows = kind_of(tier).recovered_rows(storage)
-            if rows:
-                out[tier] = rows
-        return out
-
-    def recovered(self) -> dict[str, list[tuple[int, BlockRecord]]]:
-        """:meth:`recovered_rows` as (slot, record) pairs: what
-        :meth:`~kvstrata.placement.Planner.restore` takes."""
-        block_size = self.config.block_size
-        return {tier: [(slot, BlockRecord(seq, local, parent, block_size))
-                       for slot, seq, parent, local in rows]
-                for tier, rows in self.recovered_rows().items()}
-
-    def close(self) -> None:
-        """Free every storage (a temporary slab is deleted, a durable one kept) and the
-        temporary directories."""
-        for storage in self.by_tier.values():
-            storage.close()
-        for directory in self.temp_dirs:
-            shutil.rmtree(directory, ignore_errors=True)
-        self.temp_dirs = []
 
 
 def check_tiers(config: KvConfig, options: StorageOptions, ranks: int = 1) -> list[str]:
@@ -98,8 +59,10 @@ def build_storages(config: KvConfig, options: StorageOptions) -> Storages:
     try:
         geometry: LayoutConfig | None = None
         for tier in ordered(config.tiers):
-            storage = kind_of(tier).build(tier, built, geometry, options)
+            kind = kind_of(tier)
+            storage = kind.build(tier, built, geometry, options)
             built.by_tier[tier] = storage
+            built.kinds[tier] = kind
             if geometry is None:
                 geometry = storage.config
                 if geometry.num_blocks != config.tier_blocks(tier):

@@ -15,13 +15,25 @@ A handle holds its blocks' slot ids; :class:`Block` views of them are made when 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import Iterator, Protocol, Sequence
 
 from .block import Block
+from .slots import SlotStore
 from ..types import BlockRecord
 
-if TYPE_CHECKING:
-    from .pool import BlockPool
+
+class HandleOwner(Protocol):
+    """What a handle needs of the pool that handed it out (a
+    :class:`~kvstrata.logical.pool.BlockPool`): its slot store, to make views of the
+    blocks; ``release``, to give them back; and ``_post_orphans``, the queue a finalizer
+    posts unreleased blocks to for the pool's owner thread. (A protocol, so that this module
+    does not import the pool, which imports it.)"""
+
+    _store: SlotStore
+
+    def release(self, handle: "_Blocks") -> None: ...
+
+    def _post_orphans(self, ids: list[int], mutable: bool) -> None: ...
 
 
 class HandleReleasedError(RuntimeError):
@@ -31,7 +43,7 @@ class HandleReleasedError(RuntimeError):
 class _Blocks:
     __slots__ = ("_pool", "_ids")
 
-    def __init__(self, pool: "BlockPool", ids: list[int]) -> None:
+    def __init__(self, pool: HandleOwner, ids: list[int]) -> None:
         self._pool = pool
         self._ids: list[int] | None = ids
 
@@ -47,7 +59,9 @@ class _Blocks:
     _mutable = False
 
     @property
-    def pool(self) -> "BlockPool":
+    def pool(self) -> HandleOwner:
+        """The pool that handed these blocks out (a
+        :class:`~kvstrata.logical.pool.BlockPool`)."""
         return self._pool
 
     @property

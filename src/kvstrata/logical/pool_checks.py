@@ -6,17 +6,14 @@ pools): nothing on a hot path calls them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from . import slots
 
-if TYPE_CHECKING:
-    from .pool import BlockPool
 
-
-def check_pool_invariants(pool: "BlockPool") -> None:
+def check_pool_invariants(pool) -> None:
     """Assert ``pool``'s bookkeeping is consistent; raises ``AssertionError`` naming the
-    first inconsistency."""
+    first inconsistency. ``pool`` is a :class:`~kvstrata.logical.pool.BlockPool` (not
+    imported here: the pool imports this module, and reads of its internals are this
+    module's whole job)."""
     store = pool._store
     state, refs, seq, up, kids = store.state, store.refs, store.seq, store.up, store.kids
     free = set(pool._free)

@@ -15,7 +15,7 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from ..logical.admission import AdmissionPolicy
 from ..logical.handles import ImmutableBlocks, MutableBlocks
@@ -25,9 +25,6 @@ from ..tiers import Addressing, spec
 from ..types import BlockRecord
 from .costs import CostModel
 from .telemetry import PlacementListener, PlacementStats
-
-if TYPE_CHECKING:
-    from .onboard import Ticket
 
 __all__ = ["Job", "PlacementState"]
 
@@ -44,8 +41,9 @@ class Job:
     """Source blocks held for the copy; None when the source is an engine-owned block."""
     target: MutableBlocks | None
     """Target slots, Complete and unregistered; None when the target is an engine's block."""
-    ticket: "Ticket | None" = None
-    """The onboard this copy serves; None for an offload."""
+    ticket: Any = None
+    """The onboard this copy serves (an :class:`~.onboard.Ticket`, opaque here: only the
+    onboard reads it); None for an offload."""
     engine_blocks: tuple[int, ...] = ()
     """Engine-owned top-tier block ids this job reads or writes."""
     engine_written: tuple[int, ...] = ()
@@ -134,7 +132,7 @@ class PlacementState:
     def new_job(self, source_tier: str, target_tier: str, records: list[BlockRecord], *,
                 source: ImmutableBlocks | None = None, target: MutableBlocks | None = None,
                 engine_src: Sequence[int] = (), engine_dst: Sequence[int] = (),
-                ticket: "Ticket | None" = None) -> Job:
+                ticket: Any = None) -> Job:
         """Plan copying ``records`` from ``source_tier`` to ``target_tier`` and queue the plan
         for the next :meth:`take_plans`. Each side is a held pool handle or engine block ids."""
         hashes = tuple(r.sequence_hash for r in records)
