@@ -1,7 +1,8 @@
 """One configuration object for kvstrata, from keyword arguments, a TOML file and env vars.
 
-(About 400 lines on purpose: one concern, turning every source of settings into one validated
-object; splitting the sources apart would scatter the precedence rules.)
+(About 450 lines on purpose: one concern, turning every source of settings (keyword
+arguments, TOML, ``KVSTRATA_*`` and Dynamo env vars) into one validated object; splitting the
+sources apart would scatter the precedence rules.)
 
 Precedence, lowest first: built-in defaults < TOML file < ``KVSTRATA_*`` / Dynamo env vars <
 keyword arguments. :func:`load_config` merges them; :meth:`KvConfig.validate` reports every

@@ -1,13 +1,13 @@
-"""``KvBlockManager`` and its errors: kvstrata in one process (see :mod:`.facade`).
+"""``KvBlockManager`` and its errors: kvstrata in one process (see :mod:`.block_manager`).
 
-Modules: :mod:`.facade` (the public class and its wiring), :mod:`.owner` (the owner thread),
+Modules: :mod:`.block_manager` (the public class and its wiring), :mod:`.owner` (the owner thread),
 :mod:`.g1_bytes` (flat payload I/O on G1), :mod:`.catalog` (listing a shared store),
 :mod:`.errors`. The storages come from :mod:`kvstrata.kinds` (one module per kind of tier).
 """
 
 from ..placement import LoadFailure, OnboardResult
 from .errors import InvalidBlockError, ManagerClosedError, ManagerConfigError, ManagerError
-from .facade import KvBlockManager
+from .block_manager import KvBlockManager
 
 __all__ = ["KvBlockManager", "OnboardResult", "LoadFailure", "ManagerError",
            "ManagerClosedError", "ManagerConfigError", "InvalidBlockError"]

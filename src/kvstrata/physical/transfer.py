@@ -1,5 +1,8 @@
 """The transfer engine: executes :class:`TransferPlan` batches between tier storages.
 
+(Nearly 500 lines on purpose: one concern, running plans; the queues, the workers and the
+five ways a plan moves its bytes share the engine's staging buffers and pacing.)
+
 Usage::
 
     engine = TransferEngine({"G1": device, "G2": host, "G3": disk, "G4": objects})

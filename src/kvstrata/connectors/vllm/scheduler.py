@@ -1,5 +1,8 @@
 """The connector's scheduler half: placement decisions in vLLM's engine-core process, no bytes.
 
+(Over 500 lines on purpose: one concern, answering vLLM's scheduler-side calls; each call's
+bookkeeping (tracked requests, held blocks, what the tiers kept at start) is read by others.)
+
 It runs kvstrata's :class:`~kvstrata.placement.Planner` with an engine-owned G1 (vLLM's KV
 cache) over the lower tiers, driven by vLLM's scheduler calls:
 

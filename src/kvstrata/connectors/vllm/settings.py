@@ -53,7 +53,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, replace
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from ...config import ConfigError, KvConfig, ModelGeometry, TierConfig, load_config
 from ...events.spec import parse_sink_spec
@@ -170,7 +170,8 @@ def settings_from(extra: Mapping[str, Any] | None, geometry: KvGeometry,
                   model_id: str = "", block_layout: str = "vllm") -> ConnectorSettings:
     """Build the settings from ``kv_connector_extra_config`` and vLLM's geometry;
     ``model_id`` (vLLM's model and revision) names the model in the fingerprint of stored
-    blocks unless kvstrata's own config sets ``model_id``."""
+    blocks unless kvstrata's own config sets ``model_id``. Every problem is named in one
+    :class:`ConnectorConfigError`, before anything is allocated."""
     extra = dict(extra or {})
     env = os.environ if env is None else env
     problems: list[str] = []
@@ -178,7 +179,74 @@ def settings_from(extra: Mapping[str, Any] | None, geometry: KvGeometry,
     if unknown:
         problems.append(f"unknown kv_connector_extra_config keys {sorted(unknown)}; "
                         f"known: {sorted(_KNOWN)}")
-    overrides: dict[str, Any] = {}
+    switches = _switches(extra, geometry, problems)
+    overrides = _config_overrides(extra, problems)
+    tiers = _tiers(extra.get("tiers"), problems) if "tiers" in extra else None
+    config_path = extra.get("config")
+    if config_path is not None and not isinstance(config_path, str):
+        problems.append(f"config must be a path, got {config_path!r}")
+    if problems:
+        raise ConnectorConfigError("kvstrata connector: " + "; ".join(problems))
+    kv = _kv_config(geometry, tiers, overrides, config_path, env, model_id)
+    _check_runnable(kv, geometry.workers, block_layout)
+    return ConnectorSettings(kv=kv, block_layout=block_layout, **switches)
+
+
+def _switches(extra: Mapping[str, Any], geometry: KvGeometry,
+              problems: list[str]) -> dict[str, Any]:
+    """The connector's own settings (every :class:`ConnectorSettings` field but ``kv`` and
+    ``block_layout``), each checked; a bad one is named in ``problems``."""
+    out: dict[str, Any] = {}
+    for key, default in (("verify_host_reads", True), ("load", True), ("store", True),
+                         ("fail_on_load_error", False), ("cost_aware", True)):
+        out[key] = _checked(extra, key, default, lambda v: isinstance(v, bool),
+                            "true or false", problems)
+    out["o_direct"] = _checked(extra, "o_direct", None,
+                               lambda v: v is None or isinstance(v, bool),
+                               "true, false or null", problems)
+    out["list_interval"] = float(_checked(
+        extra, "list_interval", 10.0, lambda v: _is_number(v) and 0 < v <= 86_400,
+        "seconds in (0, 86400]", problems))
+    out["worker_id"] = _checked(extra, "worker_id", 0, lambda v: _is_int(v) and v >= 0,
+                                "an integer >= 0", problems)
+    out["store_nice"] = _checked(extra, "store_nice", 10, lambda v: _is_int(v) and 0 <= v <= 19,
+                                 "an integer in 0..19", problems)
+    pace = _checked(extra, "yield_to_forward", "auto",
+                    lambda v: isinstance(v, bool) or (isinstance(v, str) and v == "auto"),
+                    'true, false or "auto"', problems)
+    out["yield_to_forward"] = None if pace == "auto" else pace
+    events = extra.get("events", ())
+    if isinstance(events, str):
+        events = (events,) if events else ()
+    out["events"] = tuple(_checked({"events": events}, "events", (),
+                                   lambda v: isinstance(v, (list, tuple))
+                                   and all(isinstance(e, str) and e for e in v),
+                                   "a sink spec or a list of them", problems))
+    for spec_text in out["events"]:
+        try:
+            parse_sink_spec(spec_text)
+        except ValueError as exc:
+            problems.append(f"events: {exc}")
+    out["export"] = _checked(extra, "export", None,
+                             lambda v: v is None or (isinstance(v, str)
+                                                     and _CONTROL.fullmatch(v) is not None),
+                             "tcp://host:port", problems)
+    peers = extra.get("peers", ())
+    out["peers"] = tuple(_checked({"peers": (peers,) if isinstance(peers, str) else peers},
+                                  "peers", (),
+                                  lambda v: isinstance(v, (list, tuple)) and all(
+                                      isinstance(x, str) and _CONTROL.fullmatch(x) for x in v),
+                                  "a list of tcp://host:port", problems))
+    if (out["export"] or out["peers"]) and geometry.workers != 1:
+        problems.append("export/peers (sharing G2 between engines) supports one worker per "
+                        f"engine for now; this engine has {geometry.workers}")
+    return out
+
+
+def _config_overrides(extra: Mapping[str, Any], problems: list[str]) -> dict[str, str]:
+    """The keys of kvstrata's own config that the extra config may set (``tenant``,
+    ``eviction``, ``admission``, ``disk_dir``), checked."""
+    overrides: dict[str, str] = {}
     if "tenant" in extra:
         if not isinstance(extra["tenant"], str):
             problems.append(f"tenant must be a string, got {extra['tenant']!r}")
@@ -190,75 +258,14 @@ def settings_from(extra: Mapping[str, Any] | None, geometry: KvGeometry,
                 problems.append(f"{key} must be a non-empty string, got {extra[key]!r}")
             else:
                 overrides[key] = extra[key]
-    tiers = _tiers(extra.get("tiers"), problems) if "tiers" in extra else None
-    flags = {}
-    for key, default in (("verify_host_reads", True), ("load", True), ("store", True),
-                         ("fail_on_load_error", False), ("cost_aware", True)):
-        value = extra.get(key, default)
-        if not isinstance(value, bool):
-            problems.append(f"{key} must be true or false, got {value!r}")
-            value = default
-        flags[key] = value
-    o_direct = extra.get("o_direct")
-    if o_direct is not None and not isinstance(o_direct, bool):
-        problems.append(f"o_direct must be true, false or null, got {o_direct!r}")
-        o_direct = None
-    list_interval = extra.get("list_interval", 10.0)
-    if isinstance(list_interval, bool) or not isinstance(list_interval, (int, float)) \
-            or not 0 < list_interval <= 86_400:
-        problems.append(f"list_interval must be seconds in (0, 86400], got {list_interval!r}")
-        list_interval = 10.0
-    worker_id = extra.get("worker_id", 0)
-    if isinstance(worker_id, bool) or not isinstance(worker_id, int) or worker_id < 0:
-        problems.append(f"worker_id must be an integer >= 0, got {worker_id!r}")
-        worker_id = 0
-    events = extra.get("events", ())
-    if isinstance(events, str):
-        events = (events,) if events else ()
-    if not isinstance(events, (list, tuple)) or not all(isinstance(e, str) and e
-                                                        for e in events):
-        problems.append(f"events must be a sink spec or a list of them, got {events!r}")
-        events = ()
-    store_nice = extra.get("store_nice", 10)
-    if isinstance(store_nice, bool) or not isinstance(store_nice, int) \
-            or not 0 <= store_nice <= 19:
-        problems.append(f"store_nice must be an integer in 0..19, got {store_nice!r}")
-        store_nice = 10
-    yield_to_forward = extra.get("yield_to_forward", "auto")
-    if isinstance(yield_to_forward, str) and yield_to_forward == "auto":
-        yield_to_forward = None
-    elif not isinstance(yield_to_forward, bool):
-        problems.append(f"yield_to_forward must be true, false or \"auto\", "
-                        f"got {yield_to_forward!r:.40}")
-        yield_to_forward = None
-    export = extra.get("export")
-    if export is not None and not (isinstance(export, str) and _CONTROL.fullmatch(export)):
-        problems.append(f"export must be tcp://host:port, got {export!r:.60}")
-        export = None
-    peers = extra.get("peers", ())
-    if isinstance(peers, str):
-        peers = (peers,)
-    if not isinstance(peers, (list, tuple)) or not all(
-            isinstance(x, str) and _CONTROL.fullmatch(x) for x in peers):
-        problems.append(f"peers must be a list of tcp://host:port, got {peers!r:.80}")
-        peers = ()
-    if (export or peers) and geometry.workers != 1:
-        problems.append("export/peers (sharing G2 between engines) supports one worker per "
-                        f"engine for now; this engine has {geometry.workers}")
-    config_path = extra.get("config")
-    if config_path is not None and not isinstance(config_path, str):
-        problems.append(f"config must be a path, got {config_path!r}")
-        config_path = None
-    for spec_text in events:
-        try:
-            parse_sink_spec(spec_text)
-        except ValueError as exc:
-            problems.append(f"events: {exc}")
-    if problems:
-        raise ConnectorConfigError("kvstrata connector: " + "; ".join(problems))
+    return overrides
 
-    model = ModelGeometry(num_layers=geometry.num_layers, kv_heads=geometry.kv_heads,
-                          head_dim=geometry.head_dim, dtype=geometry.dtype, outer_dim=2)
+
+def _kv_config(geometry: KvGeometry, tiers: dict[str, TierConfig] | None,
+               overrides: Mapping[str, str], config_path: str | None,
+               env: Mapping[str, str], model_id: str) -> KvConfig:
+    """kvstrata's config for this engine: its own sources (TOML, env) under the extra
+    config's keys, with G1 being vLLM's cache and vLLM's block size and KV geometry."""
     try:
         base = load_config(config_path, env=env)
     except ConfigError as exc:
@@ -270,24 +277,38 @@ def settings_from(extra: Mapping[str, Any] | None, geometry: KvGeometry,
         if any(c.path is not None and t in TIER_NAMES and spec(t).kind is TierKind.DISK
                for t, c in tiers.items()):
             disk_dir = None
-    all_tiers = {TOP_TIER: TierConfig(blocks=geometry.num_gpu_blocks), **chosen}
     eviction = overrides.get("eviction", base.eviction if _set_elsewhere("eviction", env,
                                                                            config_path)
                              else "lru")
+    model = ModelGeometry(num_layers=geometry.num_layers, kv_heads=geometry.kv_heads,
+                          head_dim=geometry.head_dim, dtype=geometry.dtype, outer_dim=2)
     try:
-        kv = replace(base, block_size=geometry.block_size, model=model, tiers=all_tiers,
-                     eviction=eviction,
-                     admission=overrides.get("admission", base.admission),
-                     disk_dir=disk_dir, model_id=base.model_id or model_id,
-                     tenant=overrides.get("tenant", base.tenant)).validate()
+        return replace(base, block_size=geometry.block_size, model=model,
+                       tiers={TOP_TIER: TierConfig(blocks=geometry.num_gpu_blocks), **chosen},
+                       eviction=eviction, admission=overrides.get("admission", base.admission),
+                       disk_dir=disk_dir, model_id=base.model_id or model_id,
+                       tenant=overrides.get("tenant", base.tenant)).validate()
     except ConfigError as exc:
         raise ConnectorConfigError(f"kvstrata connector: {exc}") from None
-    _check_runnable(kv, geometry.workers, block_layout)
-    return ConnectorSettings(kv=kv, events=tuple(events), o_direct=o_direct,
-                             worker_id=worker_id, export=export, peers=tuple(peers),
-                             store_nice=store_nice, yield_to_forward=yield_to_forward,
-                             list_interval=float(list_interval),
-                             block_layout=block_layout, **flags)
+
+
+def _checked(extra: Mapping[str, Any], key: str, default: Any, ok: Callable[[Any], bool],
+             what: str, problems: list[str]) -> Any:
+    """``extra[key]`` (``default`` when absent) if ``ok`` says it is valid; else
+    ``default``, and ``"<key> must be <what>, got <value>"`` in ``problems``."""
+    value = extra.get(key, default)
+    if ok(value):
+        return value
+    problems.append(f"{key} must be {what}, got {value!r:.80}")
+    return default
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _check_runnable(kv: KvConfig, workers: int = 1, block_layout: str = "vllm") -> None:

@@ -1,10 +1,13 @@
 """``KvBlockManager``: kvstrata in one process -- pools, storages and transfers behind futures.
 
+(Over 600 lines on purpose: one concern, the public API of one class; each of its two dozen
+verbs is a short check plus a call posted to the owner thread, and they share its wiring.)
+
 It wires four things together and adds nothing to their decisions:
 
 * a :class:`~kvstrata.placement.Planner` (owned top tier) that decides every placement;
-* one storage per tier (:mod:`.storages`) and a :class:`~kvstrata.physical.TransferEngine`
-  that copies bytes between them;
+* one storage per tier, each built by its kind (:mod:`kvstrata.kinds`), and a
+  :class:`~kvstrata.physical.TransferEngine` that copies bytes between them;
 * an :class:`~kvstrata.placement.EngineExecutor` that runs the planner's plans on the engine
   and posts each result back;
 * an :class:`~.owner.OwnerThread`, the one thread that touches the planner and its pools.
