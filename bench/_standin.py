@@ -2,7 +2,7 @@
 engine's CPU as a store on another host would be.
 
 A bench that needs a remote object tier starts :class:`StandinStore`: one SeaweedFS
-(``weed mini``) and, per configuration, a :mod:`kvstrata.slowlink` process in front of it.
+(``weed mini``) and, per configuration, a :mod:`kvstrata.testing.slowlink` process in front of it.
 Both run on the engine's machine, so on a small VM they compete with the engine for its cores
 (a real remote store would not). :class:`CpuBudget` confines them, after they start, to a hard
 CPU budget, like a store on a host of its own with that much CPU: a cgroup with a CPU quota
@@ -284,13 +284,13 @@ def _idle_threads(pid: int) -> None:
 
 
 class SlowLinkProcess:
-    """``python -m kvstrata.slowlink`` in front of ``upstream``, as a process of its own (so a
+    """``python -m kvstrata.testing.slowlink`` in front of ``upstream``, as a process of its own (so a
     :class:`CpuBudget` can hold it). :attr:`port`, :attr:`endpoint`; :meth:`close` ends it by
     closing its stdin (then SIGTERM, SIGKILL)."""
 
     def __init__(self, upstream: tuple[str, int], latency: float = 0.0,
                  bytes_per_s: float | None = None) -> None:
-        cmd = [sys.executable, "-m", "kvstrata.slowlink", f"{upstream[0]}:{upstream[1]}",
+        cmd = [sys.executable, "-m", "kvstrata.testing.slowlink", f"{upstream[0]}:{upstream[1]}",
                "--latency", str(latency)]
         if bytes_per_s:
             cmd += ["--rate", str(bytes_per_s)]

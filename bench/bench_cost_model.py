@@ -10,7 +10,7 @@ is its own engine in its own process, all in one run:
 * ``fast-on`` / ``fast-off`` -- kvstrata with a G2 that holds everything: loads come from host
   RAM, much faster than recompute;
 * ``slow-on`` / ``slow-off`` -- a G2 that holds one conversation over a G4 object tier
-  (SeaweedFS, started here) reached through :class:`kvstrata.slowlink.SlowLink`, a proxy
+  (SeaweedFS, started here) reached through :class:`kvstrata.testing.slowlink.SlowLink`, a proxy
   adding ``--latency`` per request and capping bandwidth at ``--rate`` each way: a returning
   turn's blocks are in G4 and loading them is slower than recomputing them;
 * ``mixed-on`` / ``mixed-off`` -- the same slow G4 under a G2 that holds about two

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from kvstrata.slowlink import SlowLink
+from kvstrata.testing.slowlink import SlowLink
 
 
 @pytest.fixture
@@ -95,7 +95,7 @@ def test_the_link_runs_as_a_process_until_its_stdin_closes(echo):
     import subprocess
     import sys
 
-    proc = subprocess.Popen([sys.executable, "-m", "kvstrata.slowlink",
+    proc = subprocess.Popen([sys.executable, "-m", "kvstrata.testing.slowlink",
                              f"{echo[0]}:{echo[1]}", "--latency", "0.01"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:

@@ -17,6 +17,10 @@ part of the library's behaviour or its public names.
   (``start_lease_holder``), and the deterministic payloads (``payload_of``) any process can
   regenerate, for tests and benchmarks of remote reads (docs/remote.md).
 
+* :mod:`kvstrata.testing.slowlink` -- ``SlowLink``, a TCP proxy adding latency and a
+  bandwidth cap (the stand-in remote store's link in benchmarks); ``python -m
+  kvstrata.testing.slowlink`` runs one as a process of its own.
+
 Importing this package imports none of them: import the submodule you need
 (``null_connector`` needs vLLM, ``exporter`` spawns processes).
 """

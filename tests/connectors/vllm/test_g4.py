@@ -109,7 +109,7 @@ def test_a_bucket_behind_a_slow_link_is_recomputed_a_direct_one_loaded(tmp_path,
     """The cost model learns G4's speed from the engine's own stores (no G4 read measured
     yet): behind a link adding 0.6 s per request it recomputes what G4 holds; reached
     directly, it loads it. The prefill rate is set so recomputing takes 0.2 s."""
-    from kvstrata.slowlink import SlowLink
+    from kvstrata.testing.slowlink import SlowLink
 
     url, tenant = store
     link = SlowLink(("127.0.0.1", weed.s3_port), latency=0.6, bytes_per_s=1e6) if slow \

@@ -408,7 +408,7 @@ def test_extra_config_g3_path_wins_over_the_environment(tmp_path):
     settings = settings_from({"tiers": {"G2": {"blocks": 8}, "G3": {"blocks": 8, "path": mine}}},
                              GEOMETRY, env={"KVSTRATA_DISK_DIR": env_dir})
     kv = settings.kv
-    assert (kv.disk_dir or kv.tiers["G3"].path) == mine
+    assert kv.directory_of("G3") == mine
 
 
 def fail_first_block_of(sim: HostileSim, path: str) -> None:
@@ -809,7 +809,7 @@ def test_a_path_on_the_host_tier_does_not_drop_disk_dir(tmp_path):
                                         "G3": {"blocks": 8}},
                               "disk_dir": str(tmp_path / "nvme")}, GEOMETRY, env={})
     kv = settings.kv
-    assert (kv.disk_dir or kv.tiers["G3"].path) == str(tmp_path / "nvme")
+    assert kv.directory_of("G3") == str(tmp_path / "nvme")
 
 
 def test_a_disk_tier_larger_than_its_filesystem_is_a_config_error(tmp_path):

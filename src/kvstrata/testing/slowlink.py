@@ -10,7 +10,7 @@ remote store would be. Benchmarks and tests use it to make a tier slow on one ma
 ``set(latency=..., bytes_per_s=...)`` changes the link while it runs (a store that turns slow
 and recovers).
 
-``python -m kvstrata.slowlink HOST:PORT [--latency S] [--rate BYTES_PER_S]`` runs one link as a
+``python -m kvstrata.testing.slowlink HOST:PORT [--latency S] [--rate BYTES_PER_S]`` runs one link as a
 process of its own (a benchmark can then confine it, with the store it fronts, to a CPU budget
 of their own): it prints ``PORT`` on a line once it listens and runs until its standard input
 closes (its parent ended or let go of it) or it receives SIGTERM/SIGINT.
@@ -177,7 +177,7 @@ def _close(s: socket.socket) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Run one :class:`SlowLink` to ``HOST:PORT`` until stdin closes or SIGTERM/SIGINT (see
     the module docstring); print the port it listens on first."""
-    parser = argparse.ArgumentParser(prog="python -m kvstrata.slowlink",
+    parser = argparse.ArgumentParser(prog="python -m kvstrata.testing.slowlink",
                                      description="a TCP proxy adding latency and a bandwidth cap")
     parser.add_argument("upstream", help="HOST:PORT to forward to")
     parser.add_argument("--latency", type=float, default=0.0, help="seconds added per request")
