@@ -146,7 +146,8 @@ class KvConfig:
         """The directory a disk tier lives in: ``disk_dir``, else the tier's ``path``; None
         when neither names one (a temporary directory is used, removed when its owner
         closes). The one place this is decided."""
-        return self.disk_dir or self.tiers[tier].path
+        directory = self.disk_dir or self.tiers[tier].path
+        return os.fspath(directory) if directory else None
 
     def validate(self) -> "KvConfig":
         """Return self if valid, else raise one :class:`ConfigError` naming every problem."""

@@ -59,6 +59,10 @@ class StorageOptions:
     g1: DeviceStorage | None = None
     """The device tier already wrapped by the caller (an engine connector that picks the
     layout itself); it must hold blocks of the config's size (checked)."""
+    engine_kv: bool = False
+    """The engine supplies the device tier's memory (an engine connector's scheduler, which
+    checks the tiers before its workers wrap the engine's cache): nothing of it is
+    allocated here, so nothing of it is checked against this machine's RAM."""
     durable_disk: bool = True
     """Keep the disk tier across restarts when it lives in a named directory."""
     rank: int = 0

@@ -55,8 +55,8 @@ class DeviceKind(Kind):
 
 def _stands_in(options: StorageOptions) -> bool:
     """Whether the device tier will be allocated in host RAM (a CPU stand-in)."""
-    return options.g1 is None and options.kv_caches is None and (
-        options.device is None or str(options.device).startswith("cpu"))
+    return (not options.engine_kv and options.g1 is None and options.kv_caches is None
+            and (options.device is None or str(options.device).startswith("cpu")))
 
 
 def geometry_problems(got: LayoutConfig, config: KvConfig) -> list[str]:

@@ -38,7 +38,7 @@ class DiskKind(Kind):
     def problems(self, config: KvConfig, tier: str, options: StorageOptions,
                  ranks: int = 1) -> list[str]:
         path = config.tiers[tier].path
-        if path is not None and not isinstance(path, str):
+        if path is not None and not isinstance(path, (str, os.PathLike)):
             return [f"tier {tier}: path must be a string, got {path!r}"]
         directory = config.directory_of(tier)
         need = ranks * config.tier_blocks(tier) * slab_stride(layout_config_for(config, 1))

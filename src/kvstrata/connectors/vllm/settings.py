@@ -272,8 +272,10 @@ def _kv_config(geometry: KvGeometry, tiers: dict[str, TierConfig] | None,
         raise ConnectorConfigError(f"kvstrata connector: {exc}") from None
     chosen = tiers if tiers is not None else _lower_tiers_of(base, env, config_path)
     disk_dir = overrides.get("disk_dir", base.disk_dir)
-    if tiers is not None:
-        # a disk tier's path in the extra config wins over kvstrata's own config and env
+    if tiers is not None and "disk_dir" not in overrides:
+        # A disk tier's path in the extra config wins over kvstrata's own config and env (a
+        # later source); within the extra config, disk_dir wins, as KvConfig.directory_of
+        # decides for every config.
         if any(c.path is not None and t in TIER_NAMES and spec(t).kind is TierKind.DISK
                for t, c in tiers.items()):
             disk_dir = None
@@ -318,8 +320,8 @@ def _check_runnable(kv: KvConfig, workers: int = 1, block_layout: str = "vllm") 
     this machine's memory, disk tiers over their filesystem's free space), for every worker
     of this engine on this machine (tier sizes are per worker: each tensor-parallel rank
     holds its own heads' share of a block)."""
-    problems = check_tiers(kv, StorageOptions(world_size=workers, block_layout=block_layout),
-                           ranks=workers)
+    options = StorageOptions(world_size=workers, block_layout=block_layout, engine_kv=True)
+    problems = check_tiers(kv, options, ranks=workers)
     if problems:
         raise ConnectorConfigError("kvstrata connector: " + "; ".join(problems))
 
