@@ -6,17 +6,13 @@ show in vLLM's Prometheus ``/metrics``. The server is a real subprocess on 127.0
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
-import signal
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 
 import pytest
+
+from kvstrata.testing.serve import VllmServer, free_port, http, kvstrata_connector
 
 pytest.importorskip("vllm")
 
@@ -25,73 +21,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration]
 BLOCK = 32
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _request(url: str, body: dict | None = None, timeout: float = 60.0) -> bytes:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method="POST" if body is not None else "GET",
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return resp.read()
-
-
-class Server:
-    """One ``vllm serve`` subprocess (in its own process group) with kvstrata configured."""
-
-    def __init__(self, model: str, extra: dict, log_path, env: dict | None = None) -> None:
-        self.port = _free_port()
-        config = {"kv_connector": "KvStrataConnector",
-                  "kv_connector_module_path": "kvstrata.connectors.vllm",
-                  "kv_role": "kv_both", "kv_connector_extra_config": extra}
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_SERVER_DEV_MODE="1",
-                   **(env or {}))
-        self.log_path = log_path
-        self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(
-            [os.path.join(os.path.dirname(sys.executable), "vllm"), "serve", model,
-             "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", "tiny",
-             "--enforce-eager", "--block-size", str(BLOCK), "--max-model-len", "2048",
-             "--dtype", "bfloat16", "--enable-prompt-tokens-details",
-             "--kv-transfer-config", json.dumps(config)],
-            stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        self.base = f"http://127.0.0.1:{self.port}"
-
-    def wait_healthy(self, timeout: float = 240) -> str:
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"vllm serve exited with {self.proc.returncode}:\n"
-                                     f"{self.log_path.read_text()[-4000:]}")
-            try:
-                _request(self.base + "/health", timeout=2)
-                return self.base
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"vllm serve did not become healthy in {timeout} s:\n"
-                                         + self.log_path.read_text()[-4000:])
-                time.sleep(0.5)
-
-    def kill(self) -> None:
-        """SIGKILL the whole process group: API server, engine core and workers at once."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
-        self._log.close()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                pass
-        self.kill()
+def Server(model: str, extra: dict, log_path, env: dict | None = None) -> VllmServer:
+    """``vllm serve`` of the tiny model with kvstrata configured by ``extra``."""
+    return VllmServer(model, kvstrata_connector(extra), log_path, block_size=BLOCK, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -113,11 +45,11 @@ def server(model, tmp_path_factory):
 
 def _complete(base: str, prompt: list[int]) -> dict:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0}
-    return json.loads(_request(base + "/v1/completions", body))
+    return json.loads(http(base + "/v1/completions", body))
 
 
 def _metric(base: str, name: str) -> float:
-    text = _request(base + "/metrics").decode()
+    text = http(base + "/metrics").decode()
     total = 0.0
     for line in text.splitlines():
         if line.startswith(name) and not line.startswith("#"):
@@ -134,7 +66,7 @@ def test_serve_answers_and_returning_prompt_comes_from_kvstrata(server):
     deadline = time.monotonic() + 60
     while True:                              # the first request's stores land in G2 (the
         time.sleep(0.5)                      # server steps while they run); a loaded
-        _request(server + "/reset_prefix_cache", {})   # machine may need another try
+        http(server + "/reset_prefix_cache", {})   # machine may need another try
         second = _complete(server, prompt)
         cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
         if cached == expected or time.monotonic() > deadline:
@@ -148,7 +80,7 @@ def test_serve_answers_and_returning_prompt_comes_from_kvstrata(server):
         time.sleep(0.5)
     assert _metric(server, "vllm:kvstrata_blocks_loaded") >= cached // BLOCK
     assert re.search(r'vllm:kvstrata_blocks_loaded_total\{[^}]*tier="G2"',
-                     _request(server + "/metrics").decode())
+                     http(server + "/metrics").decode())
 
 
 def test_a_server_killed_with_sigkill_serves_its_disk_tier_after_restart(model, tmp_path):
@@ -180,7 +112,7 @@ def test_a_server_killed_with_sigkill_serves_its_disk_tier_after_restart(model, 
         assert after["usage"]["prompt_tokens_details"]["cached_tokens"] == expected
         assert after["choices"][0]["text"] == before["choices"][0]["text"]
         assert re.search(r'vllm:kvstrata_blocks_loaded_total\{[^}]*tier="G3"[^}]*\} [1-9]',
-                         _request(base + "/metrics").decode())
+                         http(base + "/metrics").decode())
     finally:
         second.stop()
 
@@ -222,7 +154,7 @@ def test_a_new_server_reads_the_shared_g4_on_its_first_request(model, tmp_path, 
         assert after["usage"]["prompt_tokens_details"]["cached_tokens"] == expected
         assert after["choices"][0]["text"] == before["choices"][0]["text"]
         assert re.search(r'vllm:kvstrata_blocks_loaded_total\{[^}]*tier="G4"[^}]*\} [1-9]',
-                         _request(base + "/metrics").decode())
+                         http(base + "/metrics").decode())
     finally:
         second.stop()
 
@@ -237,7 +169,7 @@ def test_an_engine_loads_a_prefix_from_another_engines_g2_over_nixl(model, tmp_p
 
     if not nixl_available():
         pytest.skip("NIXL is not installed (scripts/setup.sh installs it)")
-    address = f"tcp://127.0.0.1:{_free_port()}"
+    address = f"tcp://127.0.0.1:{free_port()}"
     a = Server(model, {"tiers": {"G2": {"bytes": "64MiB"}}, "export": address},
                tmp_path / "a.log")
     b = Server(model, {"tiers": {"G2": {"bytes": "64MiB"}}, "peers": [address]},
@@ -257,7 +189,7 @@ def test_an_engine_loads_a_prefix_from_another_engines_g2_over_nixl(model, tmp_p
         on_b = _complete(base_b, prompt)                  # B computed nothing of it
         assert on_b["usage"]["prompt_tokens_details"]["cached_tokens"] == expected
         assert on_b["choices"][0]["text"] == on_a["choices"][0]["text"]
-        text = _request(base_b + "/metrics").decode()
+        text = http(base_b + "/metrics").decode()
         assert re.search(r'vllm:kvstrata_tokens_matched_total\{[^}]*tier="remote"[^}]*\} '
                          rf'{expected}\.0', text), text[-2000:]
     finally:
