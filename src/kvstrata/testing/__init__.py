@@ -17,6 +17,9 @@ part of the library's behaviour or its public names.
   (``start_lease_holder``), and the deterministic payloads (``payload_of``) any process can
   regenerate, for tests and benchmarks of remote reads (docs/remote.md).
 
+* :mod:`kvstrata.testing.serve` -- ``VllmServer``: one ``vllm serve`` on 127.0.0.1 in its
+  own process group, with kvstrata's connector (``kvstrata_connector(extra)``) or the null
+  one, waited for by readiness.
 * :mod:`kvstrata.testing.slowlink` -- ``SlowLink``, a TCP proxy adding latency and a
   bandwidth cap (the stand-in remote store's link in benchmarks); ``python -m
   kvstrata.testing.slowlink`` runs one as a process of its own.
