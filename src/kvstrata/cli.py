@@ -23,6 +23,7 @@ from typing import Sequence
 
 from .cliparse import OneLineParser
 from .config import ConfigError, load_config, parse_tiers_flag
+from .paths import writable_file_problem
 from .logical.policy import ADMISSION_NAMES, EVICTION_NAMES
 from .tokens import TokenError, hash_blocks, isolation_seed
 
@@ -326,14 +327,9 @@ its traceback."""
 
 def _check_writable(path: str, flag: str) -> None:
     """Fail now, not after the work, if ``path`` cannot be written."""
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise CliInputError(f"{flag} {path}: directory {directory} does not exist")
-    if os.path.isdir(path):
-        raise CliInputError(f"{flag} {path}: is a directory")
-    target = path if os.path.exists(path) else directory
-    if not os.access(target, os.W_OK):
-        raise CliInputError(f"{flag} {path}: not writable")
+    problem = writable_file_problem(path)
+    if problem:
+        raise CliInputError(f"{flag} {path}: {problem}")
 
 
 def _one_line(exc: BaseException) -> str:

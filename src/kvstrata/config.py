@@ -15,10 +15,12 @@ import math
 import os
 import re
 import tomllib
+import urllib.parse
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from .dtypes import ALIASES, DTYPE_NAMES, DtypeError, canonical_dtype, itemsize
+from .paths import path_problem
 from .logical.policy import ADMISSION_NAMES, EVICTION_NAMES
 from .logical.slots import MAX_SLOTS as MAX_TIER_BLOCKS
 from .tiers import TIER_NAMES, TIERS, TOP_TIER, TierKind, first_of_kind
@@ -203,10 +205,14 @@ class KvConfig:
             problems.append(f"tenant must be empty or up to 64 letters, digits, '.', '_' or "
                             f"'-' starting with a letter or digit, got {self.tenant!r:.80}")
         for name, tier in self.tiers.items():
-            if tier.url is not None and (not isinstance(tier.url, str) or not re.fullmatch(
-                    r"https?://[^/\s]+/[A-Za-z0-9.-]{3,63}/?", tier.url)):
-                problems.append(f"tier {name}: url must look like http://host:port/bucket, "
-                                f"got {tier.url!r:.80}")
+            if tier.url is not None:
+                problem = _url_problem(tier.url)
+                if problem:
+                    problems.append(f"tier {name}: url {problem}")
+            if tier.path not in (None, "") and path_problem(tier.path):
+                problems.append(f"tier {name}: path {path_problem(tier.path)}")
+        if self.disk_dir not in (None, "") and path_problem(self.disk_dir):
+            problems.append(f"disk_dir {path_problem(self.disk_dir)}")
         if self.eviction not in EVICTION_NAMES:
             problems.append(f"unknown eviction {self.eviction!r}; one of {sorted(EVICTION_NAMES)}")
         if self.admission not in ADMISSION_NAMES:
@@ -358,6 +364,26 @@ def _from_env(env: Mapping[str, str], problems: list[str]) -> tuple[dict[str, An
         if var in env and tier not in tiers:  # a KVSTRATA_G*_ size wins over the Dynamo alias
             tiers[tier] = {"gb": env[var]}
     return scalars, tiers
+
+
+def _url_problem(url: object) -> str | None:
+    """What is wrong with an object tier's url (None if nothing): ``http(s)://host[:port]/
+    bucket``, a port in 1..65535, no credentials (they come from the environment)."""
+    shape = "must look like http://host:port/bucket"
+    if not isinstance(url, str) or not re.fullmatch(r"https?://[^/\s]+/[A-Za-z0-9.-]{3,63}/?",
+                                                    url):
+        return f"{shape}, got {url!r:.80}"
+    parts = urllib.parse.urlsplit(url)
+    if parts.username is not None or parts.password is not None:
+        return ("must not hold credentials (user:password@): give them in "
+                "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY")
+    try:
+        port = parts.port
+    except ValueError:
+        return f"{shape} with a port in 1..65535, got {url!r:.80}"
+    if port == 0 or not parts.hostname:
+        return f"{shape} with a host and a port in 1..65535, got {url!r:.80}"
+    return None
 
 
 def load_config(

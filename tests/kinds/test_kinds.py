@@ -227,3 +227,18 @@ def test_one_check_of_the_tiers_for_every_driver(tmp_path):
     assert ram.startswith("tier G2 needs") and "of RAM" in ram
     (both,) = check_tiers(_config(G2=TierConfig(blocks=2**30)), StorageOptions(), ranks=2)
     assert both.startswith("tier G2 (2 ranks) needs")
+
+
+def test_a_disk_directory_that_cannot_be_one_is_refused_before_anything_is_made(tmp_path):
+    """Issue 28: a disk_dir that is a regular file (or under one), or holds a NUL byte, is one
+    ManagerConfigError naming it, found before anything is allocated."""
+    from kvstrata.manager import KvBlockManager, ManagerConfigError
+
+    afile = tmp_path / "afile"
+    afile.write_bytes(b"x")
+    config = _config(G2=TierConfig(blocks=4), G3=TierConfig(blocks=4))
+    for where, words in ((afile, "is not a directory"), (afile / "sub", "is not a directory"),
+                         ("/tmp/a\0b", "contains a NUL byte")):
+        with pytest.raises(ManagerConfigError, match=words):
+            KvBlockManager(config, disk_dir=where)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 from urllib.parse import parse_qsl, urlsplit
 
+from kvstrata.paths import path_problem, writable_file_problem
 from kvstrata.events.publisher import EventPublisher, Sink
 
 DEFAULT_SUBJECT = "kvstrata.events"
@@ -82,6 +83,8 @@ def parse_sink_spec(spec: str) -> SinkSpec:
             path = spec[len(prefix) :]
             if not path:
                 raise SinkSpecError(f"sink spec {spec!r}: missing file path after {prefix!r}")
+            if path_problem(path):
+                raise SinkSpecError(f"sink spec {spec!r:.80}: the path {path_problem(path)}")
             return SinkSpec(prefix[:-1], path)
     if spec.startswith("nats://"):
         try:
@@ -121,8 +124,9 @@ def parse_sink_spec(spec: str) -> SinkSpec:
             raise SinkSpecError(f"sink spec {spec!r}: expected zmq://tcp://HOST:PORT, zmq://ipc://PATH or zmq://inproc://NAME")
         if scheme == "tcp":
             host, _, port = addr.rpartition(":")
-            if not host or not port.isdigit():
-                raise SinkSpecError(f"sink spec {spec!r}: tcp endpoint needs HOST:PORT with a numeric port")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise SinkSpecError(f"sink spec {spec!r}: tcp endpoint needs HOST:PORT with a "
+                                    f"port in 1..65535")
         params = _query(spec, "zmq", query)
         if params.get("layout", "map") not in ("map", "array"):
             raise SinkSpecError(f"sink spec {spec!r}: layout must be map or array, got {params['layout']!r}")
@@ -131,6 +135,22 @@ def parse_sink_spec(spec: str) -> SinkSpec:
             raise SinkSpecError(f"sink spec {spec!r}: hwm must be an integer")
         return SinkSpec("zmq", endpoint, "", params)
     raise SinkSpecError(f"unknown sink spec {spec!r} (expected one of: {_FORMS})")
+
+
+def sink_problem(spec: str) -> str | None:
+    """What stops a sink spec from being used here, found without opening anything: the
+    spec's form (:func:`parse_sink_spec`), and for a file sink whether the file can be
+    written (its directory exists, it is not a directory, it is writable). None if
+    nothing."""
+    try:
+        s = parse_sink_spec(spec)
+    except SinkSpecError as exc:
+        return str(exc)
+    if s.kind in ("jsonl", "dynamo-json"):
+        problem = writable_file_problem(s.target)
+        if problem:
+            return f"sink spec {spec!r:.80}: {s.target} {problem}"
+    return None
 
 
 def make_sink(spec: str | SinkSpec, callback: Callable | None = None) -> Sink:

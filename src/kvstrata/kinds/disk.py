@@ -16,6 +16,7 @@ import tempfile
 
 from ..config import KvConfig
 from ..physical import DiskStorage, LayoutConfig, PhysicalError, Storage
+from ..paths import directory_problem
 from ..physical.capacity import free_disk_bytes
 from ..physical.leftovers import owner_tag, reclaim
 from ..physical.storage.disk import slab_stride
@@ -41,6 +42,9 @@ class DiskKind(Kind):
         if path is not None and not isinstance(path, (str, os.PathLike)):
             return [f"tier {tier}: path must be a string, got {path!r}"]
         directory = config.directory_of(tier)
+        problem = directory_problem(directory) if directory is not None else None
+        if problem:
+            return [f"tier {tier}: directory {directory} {problem}"]
         need = ranks * config.tier_blocks(tier) * slab_stride(layout_config_for(config, 1))
         if directory is not None and options.durable_disk:
             need -= sum(self._kept_bytes(config, tier, directory, options, rank)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 import numbers
 import threading
 import weakref
@@ -28,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from ..config import KvConfig
+from ..config import ConfigError, KvConfig
 from ..logical.block import BlockState
 from ..logical.handles import ImmutableBlocks, MutableBlocks, _Blocks
 from ..logical.registry import BlockRegistry, RegistryObserver
@@ -128,7 +127,10 @@ class KvBlockManager:
                  list_interval: float | None = 10.0) -> None:
         config = (config or KvConfig()).validate()
         if disk_dir is not None:      # the caller's directory wins over the config's
-            config = replace(config, disk_dir=os.fspath(disk_dir)).validate()
+            try:
+                config = replace(config, disk_dir=disk_dir).validate()
+            except ConfigError as exc:
+                raise ManagerConfigError("; ".join(exc.problems)) from None
         self._owner = OwnerThread("kvstrata-manager-owner", self._handle_result,
                                   self._after_step, self._fail_onboards)
         self._onboards: dict[int, Future] = {}

@@ -61,6 +61,23 @@ def parse_control(control: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def can_listen_on(host: str) -> bool:
+    """Whether this host has the address ``host`` (resolved) to listen on: binding a socket
+    to it on a port the system picks succeeds. Nothing stays bound."""
+    try:
+        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError, ValueError):
+        return False
+    for family, kind, proto, _, address in infos:
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                probe.bind(address)
+                return True
+        except OSError:
+            continue
+    return False
+
+
 def _frame(body: bytes) -> bytes:
     return FRAME.pack(len(body)) + body
 

@@ -51,13 +51,13 @@ every problem, before anything is allocated.
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
 from ...config import ConfigError, KvConfig, ModelGeometry, TierConfig, load_config
-from ...events.spec import parse_sink_spec
+from ...events.spec import sink_problem
 from ...kinds import StorageOptions, check_tiers
+from ...remote.control import can_listen_on, parse_control
 from ...tiers import TIER_NAMES, TOP_TIER, TierKind, first_of_kind, spec
 
 __all__ = ["ConnectorConfigError", "ConnectorSettings", "KvGeometry", "DEFAULT_TIERS",
@@ -73,7 +73,8 @@ _KNOWN = {"tiers", "disk_dir", "eviction", "admission", "events", "verify_host_r
           "yield_to_forward"}
 
 
-_CONTROL = re.compile(r"tcp://[A-Za-z0-9.\-]{1,253}:[0-9]{1,5}")
+MAX_PEERS = 64
+"""Other engines' exports one engine may name in ``peers``."""
 
 
 class ConnectorConfigError(ValueError):
@@ -207,8 +208,9 @@ def _switches(extra: Mapping[str, Any], geometry: KvGeometry,
     out["list_interval"] = float(_checked(
         extra, "list_interval", 10.0, lambda v: _is_number(v) and 0 < v <= 86_400,
         "seconds in (0, 86400]", problems))
-    out["worker_id"] = _checked(extra, "worker_id", 0, lambda v: _is_int(v) and v >= 0,
-                                "an integer >= 0", problems)
+    out["worker_id"] = _checked(extra, "worker_id", 0,
+                                lambda v: _is_int(v) and 0 <= v < 2**63,
+                                "an integer in 0..2^63-1", problems)
     out["store_nice"] = _checked(extra, "store_nice", 10, lambda v: _is_int(v) and 0 <= v <= 19,
                                  "an integer in 0..19", problems)
     pace = _checked(extra, "yield_to_forward", "auto",
@@ -223,20 +225,21 @@ def _switches(extra: Mapping[str, Any], geometry: KvGeometry,
                                    and all(isinstance(e, str) and e for e in v),
                                    "a sink spec or a list of them", problems))
     for spec_text in out["events"]:
-        try:
-            parse_sink_spec(spec_text)
-        except ValueError as exc:
-            problems.append(f"events: {exc}")
+        problem = sink_problem(spec_text)
+        if problem:
+            problems.append(f"events: {problem}")
     out["export"] = _checked(extra, "export", None,
-                             lambda v: v is None or (isinstance(v, str)
-                                                     and _CONTROL.fullmatch(v) is not None),
-                             "tcp://host:port", problems)
+                             lambda v: v is None or _control_address(v, local=True),
+                             "tcp://host:port, a port in 1..65535 on an address of this host",
+                             problems)
     peers = extra.get("peers", ())
     out["peers"] = tuple(_checked({"peers": (peers,) if isinstance(peers, str) else peers},
                                   "peers", (),
-                                  lambda v: isinstance(v, (list, tuple)) and all(
-                                      isinstance(x, str) and _CONTROL.fullmatch(x) for x in v),
-                                  "a list of tcp://host:port", problems))
+                                  lambda v: isinstance(v, (list, tuple))
+                                  and len(v) <= MAX_PEERS
+                                  and all(_control_address(x) for x in v),
+                                  f"a list of at most {MAX_PEERS} tcp://host:port, ports in "
+                                  f"1..65535", problems))
     if (out["export"] or out["peers"]) and geometry.workers != 1:
         problems.append("export/peers (sharing G2 between engines) supports one worker per "
                         f"engine for now; this engine has {geometry.workers}")
@@ -269,7 +272,7 @@ def _kv_config(geometry: KvGeometry, tiers: dict[str, TierConfig] | None,
     try:
         base = load_config(config_path, env=env)
     except ConfigError as exc:
-        raise ConnectorConfigError(f"kvstrata connector: {exc}") from None
+        raise ConnectorConfigError("kvstrata connector: " + "; ".join(exc.problems)) from None
     chosen = tiers if tiers is not None else _lower_tiers_of(base, env, config_path)
     disk_dir = overrides.get("disk_dir", base.disk_dir)
     if tiers is not None and "disk_dir" not in overrides:
@@ -291,7 +294,7 @@ def _kv_config(geometry: KvGeometry, tiers: dict[str, TierConfig] | None,
                        disk_dir=disk_dir, model_id=base.model_id or model_id,
                        tenant=overrides.get("tenant", base.tenant)).validate()
     except ConfigError as exc:
-        raise ConnectorConfigError(f"kvstrata connector: {exc}") from None
+        raise ConnectorConfigError("kvstrata connector: " + "; ".join(exc.problems)) from None
 
 
 def _checked(extra: Mapping[str, Any], key: str, default: Any, ok: Callable[[Any], bool],
@@ -303,6 +306,16 @@ def _checked(extra: Mapping[str, Any], key: str, default: Any, ok: Callable[[Any
         return value
     problems.append(f"{key} must be {what}, got {value!r:.80}")
     return default
+
+
+def _control_address(value: Any, local: bool = False) -> bool:
+    """Whether ``value`` is a ``tcp://host:port`` control address (port 1..65535), and with
+    ``local`` one this host can listen on."""
+    try:
+        host, _ = parse_control(value)
+    except ValueError:
+        return False
+    return not local or can_listen_on(host)
 
 
 def _is_int(value: Any) -> bool:
@@ -337,7 +350,10 @@ def _tiers(raw: Any, problems: list[str]) -> dict[str, TierConfig]:
         else:
             problems.append(f"tiers must be a mapping or 'G2=4GiB,G3=16GiB', got {raw!r}")
             return {}
-    except (ConfigError, ValueError) as exc:
+    except ConfigError as exc:
+        problems.append("tiers: " + "; ".join(exc.problems))
+        return {}
+    except ValueError as exc:
         problems.append(f"tiers: {exc}")
         return {}
     if TOP_TIER in tiers:

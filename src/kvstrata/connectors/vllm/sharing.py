@@ -39,6 +39,7 @@ from typing import Callable, Sequence, TypeVar
 
 from ...compat import compatibility_of
 from ...remote.exporter import BlockExporter
+from ...remote.control import parse_control
 from ...remote.importer import BlockSetImporter, RemotePeer, ask, pack_hashes
 from ...tiers import TierKind, first_of_kind
 from .settings import ConnectorSettings
@@ -87,17 +88,12 @@ def _unbound(make: Callable[[], T]) -> T:
         return pool.submit(make).result()
 
 
-def _host_port(address: str) -> tuple[str, int]:
-    host, port = address.removeprefix("tcp://").rsplit(":", 1)
-    return host, int(port)
-
-
 class G2Export:
     """The exporting engine's worker: its G2 served at ``settings.export``."""
 
     def __init__(self, settings: ConnectorSettings, g2, rank: int, world_size: int) -> None:
         self.storage = g2
-        host, port = _host_port(settings.export)
+        host, port = parse_control(settings.export)
         self.exporter = _unbound(lambda: BlockExporter(
             f"kvstrata-vllm-{settings.worker_id}-{rank}-{port}", HOST, g2, self._pin,
             self._unpin, fingerprint=_fingerprint(settings, rank, world_size), host=host,
