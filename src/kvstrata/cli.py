@@ -90,8 +90,10 @@ def _build_replay_config(args: argparse.Namespace):
 def _cmd_replay(args: argparse.Namespace) -> int:
     if args.granularity is None:
         args.granularity = "engine" if args.data else "trace"
-    if args.workers < 1:
-        raise CliInputError(f"--workers must be at least 1, got {args.workers}")
+    from .fleet import MAX_WORKERS
+
+    if not 1 <= args.workers <= MAX_WORKERS:
+        raise CliInputError(f"--workers must be in 1..{MAX_WORKERS:,}, got {args.workers}")
     if args.prefill_rate is not None and not (args.prefill_rate > 0 and args.data):
         raise CliInputError("--prefill-rate takes tokens per second > 0, with --data")
     if args.workers > 1 and args.events:

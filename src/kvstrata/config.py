@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from .dtypes import ALIASES, DTYPE_NAMES, DtypeError, canonical_dtype, itemsize
-from .paths import path_problem
+from .paths import InputTooLargeError, path_problem, read_bounded
 from .logical.policy import ADMISSION_NAMES, EVICTION_NAMES
 from .logical.slots import MAX_SLOTS as MAX_TIER_BLOCKS
 from .tiers import TIER_NAMES, TIERS, TOP_TIER, TierKind, first_of_kind
@@ -154,8 +154,10 @@ class KvConfig:
     def validate(self) -> "KvConfig":
         """Return self if valid, else raise one :class:`ConfigError` naming every problem."""
         problems: list[str] = []
-        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size <= 0:
-            problems.append(f"block_size must be a positive integer, got {self.block_size!r}")
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) \
+                or not 0 < self.block_size <= MAX_BLOCK_SIZE:
+            problems.append(f"block_size must be an integer in 1..{MAX_BLOCK_SIZE:,}, got "
+                            f"{self.block_size!r:.40}")
         if not self.tiers:
             problems.append(f"at least one tier is required (e.g. {TOP_TIER})")
         for name in self.tiers:
@@ -366,6 +368,12 @@ def _from_env(env: Mapping[str, str], problems: list[str]) -> tuple[dict[str, An
     return scalars, tiers
 
 
+MAX_BLOCK_SIZE = 1 << 16
+"""Most tokens a block holds (engines use 16 to 256; a trace's own granularity is 512)."""
+
+MAX_CONFIG_BYTES = 1 << 20
+"""Largest TOML config file read (1 MiB; kvstrata's own are a few hundred bytes)."""
+
 def _url_problem(url: object) -> str | None:
     """What is wrong with an object tier's url (None if nothing): ``http(s)://host[:port]/
     bucket``, a port in 1..65535, no credentials (they come from the environment)."""
@@ -403,12 +411,18 @@ def load_config(
     path = path or env.get("KVSTRATA_CONFIG")
     if path:
         try:
-            with open(path, "rb") as fh:
-                kwargs.update(_from_mapping(tomllib.load(fh), problems, str(path)))
+            text = read_bounded(path, MAX_CONFIG_BYTES).decode("utf-8")
+            kwargs.update(_from_mapping(tomllib.loads(text), problems, str(path)))
         except OSError as exc:
             problems.append(f"cannot read config file {path}: {exc.strerror}")
+        except InputTooLargeError:
+            problems.append(f"config file {path} is larger than {MAX_CONFIG_BYTES:,} bytes")
+        except UnicodeDecodeError:
+            problems.append(f"config file {path} is not UTF-8 text")
         except tomllib.TOMLDecodeError as exc:
             problems.append(f"config file {path} is not valid TOML: {exc}")
+        except RecursionError:
+            problems.append(f"config file {path} nests too deeply")
     env_scalars, env_tiers = _from_env(env, problems)
     kwargs.update(env_scalars)
     if env_tiers:

@@ -22,6 +22,7 @@ import time
 from dataclasses import replace
 from typing import Callable, Iterable, Sequence
 
+from .fleet import check_workers
 from .config import KvConfig
 from .data_replay import (DEFAULT_MAX_DISK_BYTES, DEFAULT_MAX_HOST_BYTES, DataReplayError,
                           DataRun, check_sizes)
@@ -43,8 +44,7 @@ def run_data_fleet(requests: Iterable[TraceRequest], config: KvConfig, *, worker
     """Replay ``requests`` over ``workers`` managers sharing G4 (see the module docstring);
     returns the fleet report (the shape of :meth:`kvstrata.fleet.FleetResult.as_dict`, plus
     the data replay's byte counters per worker)."""
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
+    check_workers(workers)
     if route not in ROUTES:
         raise ValueError(f"route must be one of {', '.join(ROUTES)}, got {route!r}")
     tier = shared_tier()

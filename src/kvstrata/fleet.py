@@ -47,6 +47,20 @@ SHARED_DEFAULT_BLOCKS = 100_000
 """Blocks of the shared tier each worker tracks when the config does not size it."""
 
 
+MAX_WORKERS = 1024
+"""Most workers a fleet replay runs (each has its own pools and planner in this process)."""
+
+
+def check_workers(workers: object) -> int:
+    """``workers`` if it is a worker count a fleet replay runs (1..:data:`MAX_WORKERS`);
+    else ``ValueError`` saying the bound, before anything is allocated."""
+    if isinstance(workers, bool) or not isinstance(workers, int) or not \
+            1 <= workers <= MAX_WORKERS:
+        raise ValueError(f"workers must be an integer in 1..{MAX_WORKERS:,}, got "
+                         f"{workers!r:.40}")
+    return workers
+
+
 def shared_tier() -> str:
     """The tier the workers share: the key-addressed one (G4)."""
     return next(s.name for s in TIERS if s.addressing is Addressing.KEYS)
@@ -120,8 +134,7 @@ def replay_fleet(requests: Iterable[TraceRequest], config: KvConfig, *, workers:
                  progress: Callable[[int], None] | None = None,
                  curve_every: int = 0) -> FleetResult:
     """Replay ``requests`` over ``workers`` workers (see the module docstring)."""
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
+    check_workers(workers)
     if route not in ROUTES:
         raise ValueError(f"route must be one of {', '.join(ROUTES)}, got {route!r}")
     tier = shared_tier()

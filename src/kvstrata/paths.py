@@ -1,21 +1,36 @@
-"""What a path the user names must be, checked before anything is written there.
+"""What a path the user names must be, and reading the files it names within bounds.
 
 Every setting that names a file or a directory (the CLI's outputs, an event sink's file, a
-disk tier's directory) is checked by one of these when it is parsed, so a wrong path is one
-line naming it at start, not an engine that dies later. Each returns what is wrong (None if
-nothing is); the caller names the setting.
+disk tier's directory) is checked by one of the ``*_problem`` functions when it is parsed,
+so a wrong path is one line naming it at start, not an engine that dies later. Each returns
+what is wrong (None if nothing is); the caller names the setting.
+
+Files read from outside (a trace, a TOML config, an event file) are opened with
+:func:`open_regular` (a regular file only: a FIFO is not waited on, a device such as
+``/dev/zero`` is not read) and read with a bound: :func:`read_bounded` for a whole file,
+:func:`bounded_lines` for lines, so no input makes a reader allocate without limit.
 
 This module imports nothing from kvstrata.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
+from typing import IO, BinaryIO, Iterator
 
-__all__ = ["path_problem", "writable_file_problem", "directory_problem"]
+__all__ = ["path_problem", "writable_file_problem", "directory_problem", "open_regular",
+           "read_bounded", "bounded_lines", "InputTooLargeError", "MAX_LINE_BYTES"]
 
 MAX_PATH_BYTES = 4096
 """Longest path accepted (Linux's PATH_MAX)."""
+MAX_LINE_BYTES = 1 << 20
+"""Longest line a line reader accepts by default (1 MiB: a trace request of 60,000 blocks)."""
+
+
+class InputTooLargeError(ValueError):
+    """A file or a line is larger than the bound its reader accepts."""
 
 
 def path_problem(path: object) -> str | None:
@@ -73,3 +88,47 @@ def directory_problem(path: str | os.PathLike) -> str | None:
     if not os.access(parent, os.W_OK | os.X_OK):
         return f"cannot be created: {parent} is not writable"
     return None
+
+
+def open_regular(path: str | os.PathLike) -> BinaryIO:
+    """``path`` opened for reading in binary, if it is a regular file (or ``/dev/null``, which
+    is empty); else ``OSError`` (a FIFO is refused without waiting for a writer, any other
+    device without reading it)."""
+    problem = path_problem(path)
+    if problem:
+        raise OSError(errno.EINVAL, f"the path {problem}", os.fspath(path)
+                      if isinstance(path, (str, os.PathLike)) else repr(path))
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode) and not os.path.samefile(path, os.devnull):
+            raise OSError(errno.EINVAL, "not a regular file", os.fspath(path))
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_bounded(path: str | os.PathLike, limit: int) -> bytes:
+    """The bytes of the regular file ``path``; :class:`InputTooLargeError` if it holds more
+    than ``limit`` (nothing more than ``limit + 1`` bytes is read)."""
+    with open_regular(path) as fh:
+        data = fh.read(limit + 1)
+    if len(data) > limit:
+        raise InputTooLargeError(f"{os.fspath(path)} is larger than {limit:,} bytes")
+    return data
+
+
+def bounded_lines(fh: IO, limit: int = MAX_LINE_BYTES) -> Iterator:
+    """The lines of ``fh`` (text or binary), each at most ``limit`` long;
+    :class:`InputTooLargeError` naming the line number past that (no longer line is held)."""
+    number = 0
+    while True:
+        line = fh.readline(limit + 2)           # the line, its newline, and one more
+        if not line:
+            return
+        number += 1
+        content = len(line) - (line[-1:] in ("\n", b"\n"))
+        if content > limit:
+            raise InputTooLargeError(f"line {number} is longer than {limit:,} characters")
+        yield line

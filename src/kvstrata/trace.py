@@ -19,6 +19,7 @@ blocks count (``min(input_length, 512 * ids) // block_size``), as an engine woul
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import math
 import os
@@ -29,6 +30,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from .paths import MAX_LINE_BYTES, InputTooLargeError, bounded_lines, open_regular
 from .tokens import DEFAULT_SEED, hash_blocks
 from .types import BlockRecord
 
@@ -57,9 +59,12 @@ def default_trace_path() -> Path:
 
 
 def _open_text(path: Path):
+    """A regular file's text (``.gz`` decompressed as it is read); a FIFO or a device is
+    refused (:func:`kvstrata.paths.open_regular`)."""
+    raw = open_regular(path)
     if path.suffix == ".gz":
-        return gzip.open(path, "rt", encoding="utf-8")
-    return open(path, "r", encoding="utf-8")
+        raw = gzip.GzipFile(fileobj=raw, mode="rb")
+    return io.TextIOWrapper(raw, encoding="utf-8")
 
 
 MAX_TRACE_NUMBER = 2**63
@@ -108,9 +113,12 @@ def iter_trace(path: str | os.PathLike[str] | None = None) -> Iterator[TraceRequ
     """Requests of a trace file (plain or .gz); the packaged trace when ``path`` is None."""
     path = Path(path) if path is not None else default_trace_path()
     with _open_text(path) as fh:
-        for number, line in enumerate(fh, start=1):
-            if line.strip():
-                yield parse_request(line, f"{path}:{number}")
+        try:
+            for number, line in enumerate(bounded_lines(fh, MAX_LINE_BYTES), start=1):
+                if line.strip():
+                    yield parse_request(line, f"{path}:{number}")
+        except InputTooLargeError as exc:
+            raise TraceFormatError(f"{path}: {exc}") from None
 
 
 def load_trace(path: str | os.PathLike[str] | None = None) -> list[TraceRequest]:

@@ -560,8 +560,14 @@ def main(argv: list[str] | None = None) -> int:
         server.close()
         return 0
 
+    from kvstrata.events.spec import SinkSpecError, nats_url_parts
     from kvstrata.events.subscriber import NatsFollower
 
+    try:
+        nats_url_parts(args.nats, f"--nats {args.nats!r:.80}")
+    except SinkSpecError as exc:
+        print(f"kvstrata indexer: {exc}", file=sys.stderr)
+        return 2
     fmt = "kvstrata" if args.format == "auto" else args.format
     nf = NatsFollower(args.nats, args.subject, index, format=fmt, jetstream=args.jetstream,
                       trusted_workers=args.trust_workers)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Callable
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import SplitResult, parse_qsl, urlsplit
 
 from kvstrata.paths import path_problem, writable_file_problem
 from kvstrata.events.publisher import EventPublisher, Sink
@@ -87,16 +87,7 @@ def parse_sink_spec(spec: str) -> SinkSpec:
                 raise SinkSpecError(f"sink spec {spec!r:.80}: the path {path_problem(path)}")
             return SinkSpec(prefix[:-1], path)
     if spec.startswith("nats://"):
-        try:
-            parts = urlsplit(spec)
-        except ValueError as exc:                       # e.g. "nats://[": a bad IPv6 host
-            raise SinkSpecError(f"sink spec {spec!r}: {exc}") from None
-        try:
-            port = parts.port
-        except ValueError:
-            raise SinkSpecError(f"sink spec {spec!r}: port is not a number") from None
-        if not parts.hostname:
-            raise SinkSpecError(f"sink spec {spec!r}: missing host (nats://HOST:PORT/SUBJECT)")
+        parts, port = nats_url_parts(spec, f"sink spec {spec!r}")
         subject = parts.path.lstrip("/") or DEFAULT_SUBJECT
         from kvstrata.events.sinks import check_subject
 
@@ -135,6 +126,27 @@ def parse_sink_spec(spec: str) -> SinkSpec:
             raise SinkSpecError(f"sink spec {spec!r}: hwm must be an integer")
         return SinkSpec("zmq", endpoint, "", params)
     raise SinkSpecError(f"unknown sink spec {spec!r} (expected one of: {_FORMS})")
+
+
+def nats_url_parts(url: str, what: str) -> tuple[SplitResult, int | None]:
+    """``url`` (``nats://[user:password@]HOST[:PORT][/...]``) split, and its port (None:
+    NATS's default); :class:`SinkSpecError` naming ``what`` if it is not such a URL (a
+    malformed IPv6 host, a port that is not a number in 1..65535, no host)."""
+    if not isinstance(url, str) or not url.startswith("nats://"):
+        raise SinkSpecError(f"{what}: expected nats://HOST:PORT")
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:                       # e.g. "nats://[": a bad IPv6 host
+        raise SinkSpecError(f"{what}: {exc}") from None
+    try:
+        port = parts.port
+    except ValueError:
+        raise SinkSpecError(f"{what}: the port is not a number in 1..65535") from None
+    if port == 0:
+        raise SinkSpecError(f"{what}: the port is not a number in 1..65535")
+    if not parts.hostname:
+        raise SinkSpecError(f"{what}: missing host (nats://HOST:PORT)")
+    return parts, port
 
 
 def sink_problem(spec: str) -> str | None:

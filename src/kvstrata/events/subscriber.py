@@ -21,6 +21,7 @@ publisher or missed) triggers the same re-sync; a new ``publisher_id`` for a kno
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import threading
@@ -28,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Protocol
 
+from kvstrata.paths import MAX_LINE_BYTES, InputTooLargeError, bounded_lines, open_regular
 from kvstrata.events import formats
 from kvstrata.events.model import (
     Event,
@@ -262,8 +264,9 @@ def read_events_file(path: str, fmt: str = "auto",
     A last line without its newline that does not decode is a torn tail (a writer that
     stopped mid-line: a crash, a full disk): it is skipped, and its line number appended to
     ``torn`` when given. Any other bad line is an :class:`EventFormatError`."""
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+    with io.TextIOWrapper(open_regular(path), encoding="utf-8") as f:
+        lines = bounded_lines(f, MAX_LINE_BYTES)
+        for n, line in enumerate(_named_lines(lines, path), 1):
             if not line.strip():
                 continue
             try:
@@ -275,6 +278,14 @@ def read_events_file(path: str, fmt: str = "auto",
                         torn.append(n)
                     return
                 raise EventFormatError(f"{path}:{n}: {exc}") from None
+
+
+def _named_lines(lines: Iterator[str], path: str) -> Iterator[str]:
+    """``lines``, a line over the bound being an :class:`EventFormatError` naming ``path``."""
+    try:
+        yield from lines
+    except InputTooLargeError as exc:
+        raise EventFormatError(f"{path}: {exc}") from None
 
 
 def follow_file(path: str, follower: StreamFollower, fmt: str = "auto") -> int:
