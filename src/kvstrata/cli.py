@@ -173,14 +173,29 @@ def _replay_with(args: argparse.Namespace, config, publisher) -> int:
         if bar is not None:
             bar.close()
         if publisher is not None:
-            publisher.flush()
+            publisher.close()           # delivers what it can in its timeout, counts the rest
     doc = result.as_dict()
     if publisher is not None:
-        doc["events"] = {"sink": args.events, **publisher.metrics()}
+        from .events.publisher import delivery_report
+
+        doc["events"] = delivery_report(args.events, publisher.metrics())
     if args.plot:
         write_plot(result, args.plot)
         doc["plot"] = args.plot
-    return _print_report(args, doc, format_table)
+    status = _print_report(args, doc, format_table)
+    if publisher is not None:
+        status = max(status, _report_lost_events(doc["events"]))
+    return status
+
+
+def _report_lost_events(events: dict) -> int:
+    """One line on stderr if events were lost; exit status 1 if every event was."""
+    lost, enqueued = events["lost"], events["enqueued"]
+    if not lost:
+        return 0
+    print(f"kvstrata replay: --events {events['sink']}: {lost:,} of {enqueued:,} events were "
+          f"not delivered ({events['sink_errors']:,} sink errors)", file=sys.stderr)
+    return 1 if events["published"] == 0 else 0
 
 
 def _print_report(args: argparse.Namespace, doc: dict, table) -> int:

@@ -639,6 +639,14 @@ class EventPublisher(RegistryObserver):
                 return False
 
 
+
+def delivery_report(sink: str, metrics: dict) -> dict:
+    """A closed publisher's ``metrics`` with the sink's name and ``lost``: the events
+    produced that no sink accepted (dropped from a full buffer, in failed batches, or left
+    when it closed). The one place a driver learns what its events came to."""
+    return {"sink": sink, **metrics,
+            "lost": max(0, metrics["enqueued"] - metrics["published"])}
+
 WARN_EVERY = 60.0
 """Seconds between two warnings about a failing sink (the counts say how many failed)."""
 

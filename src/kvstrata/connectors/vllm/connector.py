@@ -130,6 +130,7 @@ class KvStrataConnector(KVConnectorBase_V1):
             self.scheduler.close()
         for publisher in getattr(self, "_publishers", ()):
             publisher.close()
+            _log_lost_events(publisher)
 
     # -- scheduler role --------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request",
@@ -223,6 +224,17 @@ def _worker_rank() -> int:
         return int(get_world_group().rank_in_group)
     except Exception:           # not initialised (single worker, tests)
         return 0
+
+
+def _log_lost_events(publisher) -> None:
+    """At shutdown, say how many of kvstrata's own events a sink never took (none: quiet)."""
+    from ...events.publisher import delivery_report
+
+    report = delivery_report(publisher.sink.describe(), publisher.metrics())
+    if report["lost"]:
+        log.warning("kvstrata: event sink %s: %d of %d events were not delivered (%d sink "
+                    "errors)", report["sink"], report["lost"], report["enqueued"],
+                    report["sink_errors"])
 
 
 def _kvstrata_publishers(settings) -> list:
