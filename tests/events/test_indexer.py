@@ -210,3 +210,83 @@ def test_only_trusted_workers_are_indexed(tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:
         main(["--file", paths[0], "--trust-workers", "x"])
     assert stop.value.code == 2
+
+
+def test_a_client_dripping_its_request_is_cut_off_at_the_request_deadline():
+    """Issue 28, item 4 (was a bug): the timeout was per read, so one header byte every few
+    seconds kept a connection (and its thread) for as long as the client liked. Now the whole
+    request has a deadline."""
+    import socket
+    import time
+
+    from kvstrata.events.indexer import IndexServer, PrefixIndex
+
+    server = IndexServer(PrefixIndex(), read_timeout=1.0, request_timeout=2.0).start()
+    try:
+        with socket.create_connection(server.address, timeout=10) as sock:
+            start = time.monotonic()
+            closed_at = None
+            for byte in b"POST /match HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 50:
+                try:
+                    sock.sendall(bytes([byte]))
+                    time.sleep(0.3)                  # well under the old per-read timeout
+                    sock.setblocking(False)
+                    try:
+                        if sock.recv(1) == b"":      # the server closed the connection
+                            closed_at = time.monotonic()
+                            break
+                    except BlockingIOError:
+                        pass
+                    finally:
+                        sock.setblocking(True)
+                except OSError:
+                    closed_at = time.monotonic()
+                    break
+        assert closed_at is not None, "the dripping client was never cut off"
+        assert closed_at - start < 6, closed_at - start
+        ok = _raw(server, _post("Content-Length: 15\r\n\r\n", b'{"hashes": [1]}'))
+        assert b" 200 " in ok.split(b"\r\n", 1)[0]
+    finally:
+        server.close()
+
+
+def test_connections_beyond_the_bound_are_closed_and_threads_stay_bounded():
+    """Issue 28, item 4 (was a bug): a thread per connection without a bound (100 slow
+    connections held 103 threads). At most ``max_connections`` are served at once; the rest
+    are closed at once, and the server answers again once the slow ones are cut off."""
+    import socket
+    import threading
+    import time
+
+    from kvstrata.events.indexer import IndexServer, PrefixIndex
+
+    server = IndexServer(PrefixIndex(), read_timeout=1.0, request_timeout=1.5,
+                         max_connections=8).start()
+    socks = []
+    try:
+        before = threading.active_count()
+        peak = 0
+        for _ in range(40):
+            sock = socket.create_connection(server.address, timeout=10)
+            sock.sendall(b"POST /match HTTP/1.1\r\n")          # and then nothing
+            socks.append(sock)
+            peak = max(peak, threading.active_count() - before)
+        for _ in range(20):
+            time.sleep(0.1)
+            peak = max(peak, threading.active_count() - before)
+        assert peak <= 8, peak
+        assert server.httpd.refused > 0
+        deadline = time.monotonic() + 30
+        while True:                       # the slow ones are cut off at their deadline
+            try:
+                ok = _raw(server, _post("Content-Length: 15\r\n\r\n", b'{"hashes": [1]}'))
+                if b" 200 " in ok.split(b"\r\n", 1)[0]:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "the server never answered again"
+            time.sleep(0.2)
+    finally:
+        for sock in socks:
+            sock.close()
+        server.close()

@@ -26,8 +26,10 @@ import argparse
 import json
 import logging
 import os
+import socket
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Iterable, Sequence
 
@@ -352,8 +354,87 @@ MAX_BODY_BYTES = 16 << 20
 """Largest /match body accepted (a million hashes in JSON is well under it)."""
 
 READ_TIMEOUT = 10.0
-"""Seconds a connection may take to send its request (headers and body): a client that
-sends less than it announced is answered 400 and dropped, never holds a thread for ever."""
+"""Seconds one read of a request may wait: a client that stops sending (a body shorter than
+it announced) is answered 400 and dropped."""
+
+REQUEST_TIMEOUT = 30.0
+"""Seconds a whole request may take, headers and body together, however its bytes trickle
+in (a client dripping a byte every few seconds is cut off at it): no client holds a thread
+for longer."""
+
+MAX_CONNECTIONS = 64
+"""Connections served at once (a thread each); one more is closed at once, unanswered."""
+
+
+class _Deadlines:
+    """Cuts off requests that run past their deadline: one thread, waking at the earliest
+    deadline, shuts down the connection of every request still running by then (its
+    handler's blocked read returns at once and the handler ends)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._due: dict[object, float] = {}
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="kvstrata-indexer-deadlines",
+                                        daemon=True)
+        self._thread.start()
+
+    def arm(self, connection, seconds: float) -> None:
+        with self._cond:
+            self._due[connection] = time.monotonic() + seconds
+            self._cond.notify()
+
+    def disarm(self, connection) -> None:
+        with self._cond:
+            self._due.pop(connection, None)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join()
+
+    def _run(self) -> None:
+        with self._cond:
+            while not self._closed:
+                now = time.monotonic()
+                late = [c for c, due in self._due.items() if due <= now]
+                for connection in late:
+                    del self._due[connection]
+                    try:
+                        connection.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+                wait = min(self._due.values(), default=now + 3600) - now
+                self._cond.wait(max(wait, 0.01))
+
+
+class _BoundedHTTPServer(ThreadingHTTPServer):
+    """A thread per connection, at most ``max_connections`` at once."""
+
+    daemon_threads = True
+
+    def __init__(self, address, handler, max_connections: int) -> None:
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self.refused = 0
+        super().__init__(address, handler)
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.refused += 1
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 def _read_body(handler: BaseHTTPRequestHandler) -> bytes:
@@ -391,17 +472,31 @@ def _parse_body(body: bytes) -> dict:
 
 class IndexServer:
     """A small HTTP server over a :class:`PrefixIndex` (POST /match, GET /stats). Reads are
-    bounded in size and time; every malformed request is answered 400."""
+    bounded in size and time: each read waits at most ``read_timeout``, each request may
+    take at most ``request_timeout`` however slowly its bytes come, and at most
+    ``max_connections`` are served at once (a thread each; one more is closed at once).
+    Every malformed request is answered 400."""
 
     def __init__(self, index: PrefixIndex, host: str = "127.0.0.1", port: int = 0,
                  follower: StreamFollower | None = None,
-                 read_timeout: float = READ_TIMEOUT) -> None:
+                 read_timeout: float = READ_TIMEOUT,
+                 request_timeout: float = REQUEST_TIMEOUT,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
         self.index = index
         self.follower = follower
         outer = self
 
+        deadlines = self._deadlines = _Deadlines()
+
         class Handler(BaseHTTPRequestHandler):
-            timeout = read_timeout               # socket timeout for every read
+            timeout = read_timeout               # for each read; the request has a deadline
+
+            def handle_one_request(self):
+                deadlines.arm(self.connection, request_timeout)   # per request (keep-alive)
+                try:
+                    super().handle_one_request()
+                finally:
+                    deadlines.disarm(self.connection)
 
             def log_message(self, fmt, *args):  # quiet
                 log.debug("http: " + fmt, *args)
@@ -443,8 +538,7 @@ class IndexServer:
                     return
                 self._reply(200, match_response(outer.index, hashes, local))
 
-        self.httpd = ThreadingHTTPServer((host, port), Handler)
-        self.httpd.daemon_threads = True
+        self.httpd = _BoundedHTTPServer((host, port), Handler, max_connections)
         self._thread: threading.Thread | None = None
 
     @property
@@ -459,6 +553,7 @@ class IndexServer:
     def close(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+        self._deadlines.close()
 
 
 # --------------------------------------------------------------------------------------------
