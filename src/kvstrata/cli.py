@@ -66,7 +66,7 @@ def _build_replay_config(args: argparse.Namespace):
         overrides["block_size"] = TRACE_BLOCK_TOKENS
     elif args.block_size is not None:
         overrides["block_size"] = args.block_size
-    if args.tiers:
+    if args.tiers is not None:             # "" names no tier: an error, not "unset"
         overrides["tiers"] = parse_tiers_flag(args.tiers)
     if args.policy is not None:            # "" is a bad policy, not "unset"
         overrides["eviction"] = args.policy
@@ -98,6 +98,12 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         raise CliInputError("--prefill-rate takes tokens per second > 0, with --data")
     if args.workers > 1 and args.events:
         raise CliInputError("--events publishes one worker's events; not with --workers")
+    if args.route != "round-robin" and args.workers == 1:
+        raise CliInputError(f"--route {args.route} spreads requests over workers: give "
+                            f"--workers N (N > 1)")
+    if args.disk_dir is not None and not args.data:
+        raise CliInputError("--disk-dir names the G3 directory of a --data replay; add --data "
+                            "(the metadata replay keeps no bytes)")
     if args.workers > 1 and args.data and args.plot:
         raise CliInputError("--plot draws the metadata replay; not with --data --workers")
     config = _build_replay_config(args)         # ConfigError: one line from main()

@@ -490,6 +490,8 @@ def parse_tiers_flag(flag: str) -> dict[str, TierConfig]:
             problems.append(f"--tiers names {name} twice")
             continue
         tiers[name] = size.strip()
+    if not tiers and not problems:
+        problems.append(f"--tiers {flag!r} names no tier (e.g. G1=1000,G2=4GiB)")
     out = normalize_tiers(tiers, problems)
     if problems:
         raise ConfigError(problems)

@@ -37,6 +37,7 @@ from kvstrata.events.model import (
     EventFormatError,
     PublisherIdentity,
     Snapshot,
+    StoredEvent,
     TierState,
 )
 
@@ -66,6 +67,21 @@ class WorkerStates:
         return state.hashes() if state else TierState().hashes()
 
 
+MAX_WORKER_ID = 1 << 63
+"""Worker ids are signed 64-bit in Dynamo's router; a larger one is no worker."""
+
+
+def _loops(event: StoredEvent) -> bool:
+    """Whether a stored event chains a block to itself (its parent, or the block before it
+    in the event, has its own hash): no prefix tree holds that."""
+    previous = event.parent_hash
+    for block in event.blocks:
+        if block.block_hash == previous:
+            return True
+        previous = block.block_hash
+    return False
+
+
 @dataclass
 class _Worker:
     publisher_id: int | None
@@ -92,6 +108,9 @@ class StreamFollower:
         """Worker ids whose events are applied (None: every worker); others are dropped
         and counted in ``untrusted``: a bus others can publish on cannot forge a worker."""
         self.untrusted = 0
+        self.invalid = 0
+        """Events dropped as impossible: a worker id outside 0..2^63-1, a stored block that
+        is its own parent or follows itself in its chain."""
         self.workers: dict[int, _Worker] = {}
         self.lock = threading.RLock()
         self.applied = 0
@@ -111,6 +130,10 @@ class StreamFollower:
         if self.trusted_workers is not None and worker_id not in self.trusted_workers:
             with self.lock:
                 self.untrusted += len(events)
+            return
+        if not (type(worker_id) is int and 0 <= worker_id < MAX_WORKER_ID):
+            with self.lock:
+                self.invalid += len(events)
             return
         with self.lock:
             st = self.workers.get(worker_id)
@@ -149,8 +172,11 @@ class StreamFollower:
                     st.syncing = True
                     self._buffer(st, events[i:])
                     return
-            self.target.apply_event(worker_id, event)
             st.last_id = eid
+            if isinstance(event, StoredEvent) and _loops(event):
+                self.invalid += 1              # in order, but never applied
+                continue
+            self.target.apply_event(worker_id, event)
             self.applied += 1
 
     # -- snapshots ---------------------------------------------------------------------------
@@ -215,6 +241,7 @@ class StreamFollower:
                 "restarts": self.restarts,
                 "snapshots_applied": self.snapshots_applied,
                 "untrusted": self.untrusted,
+                "invalid": self.invalid,
                 "syncing": sum(1 for st in self.workers.values() if st.syncing),
             }
 

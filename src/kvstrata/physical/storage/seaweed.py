@@ -81,6 +81,11 @@ def _free_offset_pair(taken: set[int]) -> int:
     raise RuntimeError("no free port pair for the SeaweedFS admin server")
 
 
+START_TIMEOUT = 300.0
+"""Seconds to wait for ``weed mini`` to answer (issue 28: 20 s failed a replay on a busy
+machine); the wait ends as soon as it answers or exits."""
+
+
 class SeaweedServer:
     """One ``weed mini`` process serving S3 on :attr:`endpoint_url`; see the module docstring.
 
@@ -146,8 +151,10 @@ class SeaweedServer:
                    TMPDIR=self.data_dir)
         return env
 
-    def start(self, timeout: float = 20.0, attempts: int = 3) -> "SeaweedServer":
-        """Start the server and wait until its S3 endpoint answers. A start that fails (e.g.
+    def start(self, timeout: float = START_TIMEOUT, attempts: int = 3) -> "SeaweedServer":
+        """Start the server and wait until its S3 endpoint answers: by readiness, polling
+        while the process lives, for at most ``timeout`` seconds (generous: a loaded machine
+        starts it slowly, and a process that dies is seen at once). A start that fails (e.g.
         a port taken between choosing and binding it) is retried on new ports."""
         for attempt in range(attempts):
             try:
