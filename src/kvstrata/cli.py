@@ -350,7 +350,7 @@ its traceback."""
 
 def _check_writable(path: str, flag: str) -> None:
     """Fail now, not after the work, if ``path`` cannot be written."""
-    problem = writable_file_problem(path)
+    problem = writable_file_problem(path, regular=True)
     if problem:
         raise CliInputError(f"{flag} {path}: {problem}")
 

@@ -42,6 +42,17 @@ class ConfigError(ValueError):
         )
 
 
+def format_size(nbytes: int | float) -> str:
+    """``nbytes`` for a message, in the largest binary unit that keeps it at least 1:
+    ``"512 B"``, ``"4.00 KiB"``, ``"1.50 GiB"`` (never "0.00 GiB" for a small size)."""
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
 def parse_size(value: str | int | float) -> int:
     """Bytes from ``1073741824``, ``"4GiB"``, ``"2.5 GB"`` (GB = 10**9, GiB = 2**30)."""
     if isinstance(value, bool):

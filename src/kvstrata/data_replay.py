@@ -32,7 +32,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from .physical.leftovers import owner_tag, reclaim
-from .config import KvConfig
+from .config import KvConfig, format_size
 from .logical.pool import PoolExhaustedError
 from .kinds import KINDS
 from .kinds.base import layout_config_for
@@ -177,8 +177,8 @@ def check_sizes(config: KvConfig, disk_dir: str | None, max_host: int, max_disk:
     if ram > max_host:
         sizes = " + ".join(f"{t} ({config.tier_blocks(t)} blocks)" for t in ram_tiers)
         raise DataReplayError(
-            f"{sizes} of {stride} bytes need {ram / 2**30:.2f} GiB of RAM, over the data "
-            f"replay limit of {max_host / 2**30:.2f} GiB; give smaller tiers (e.g. "
+            f"{sizes} of {stride} bytes need {format_size(ram)} of RAM, over the data "
+            f"replay limit of {format_size(max_host)}; give smaller tiers (e.g. "
             f"--tiers G1=1000,G2=4000)")
     for tier in ordered(config.tiers):
         if spec(tier).kind is not TierKind.DISK:
@@ -189,9 +189,9 @@ def check_sizes(config: KvConfig, disk_dir: str | None, max_host: int, max_disk:
         limit = min(max_disk, int(free * 0.9))
         if disk > limit:
             raise DataReplayError(
-                f"{tier} of {config.tier_blocks(tier)} blocks needs {disk / 2**30:.2f} GiB of "
-                f"disk in {where}, over the limit of {limit / 2**30:.2f} GiB "
-                f"(data replay cap {max_disk / 2**30:.0f} GiB, 90% of free space)")
+                f"{tier} of {config.tier_blocks(tier)} blocks needs {format_size(disk)} of "
+                f"disk in {where}, over the limit of {format_size(limit)} "
+                f"(data replay cap {format_size(max_disk)}, 90% of free space)")
 
 
 

@@ -21,7 +21,8 @@ import stat
 from typing import IO, BinaryIO, Iterator
 
 __all__ = ["path_problem", "writable_file_problem", "directory_problem", "open_regular",
-           "read_bounded", "bounded_lines", "InputTooLargeError", "MAX_LINE_BYTES"]
+           "read_bounded", "bounded_lines", "write_atomically", "InputTooLargeError",
+           "MAX_LINE_BYTES"]
 
 MAX_PATH_BYTES = 4096
 """Longest path accepted (Linux's PATH_MAX)."""
@@ -51,9 +52,10 @@ def path_problem(path: object) -> str | None:
     return None
 
 
-def writable_file_problem(path: str | os.PathLike) -> str | None:
+def writable_file_problem(path: str | os.PathLike, *, regular: bool = False) -> str | None:
     """Whether a file can be created or appended to at ``path``: its directory exists, it is
-    not a directory, and this process may write it."""
+    not a directory (with ``regular``, nothing but a regular file), and this process may
+    write it."""
     problem = path_problem(path)
     if problem:
         return problem
@@ -63,6 +65,8 @@ def writable_file_problem(path: str | os.PathLike) -> str | None:
         return f"directory {directory} does not exist"
     if os.path.isdir(path):
         return "is a directory"
+    if regular and os.path.exists(path) and not os.path.isfile(path):
+        return "is not a regular file"
     target = path if os.path.exists(path) else directory
     if not os.access(target, os.W_OK):
         return "not writable"
@@ -132,3 +136,22 @@ def bounded_lines(fh: IO, limit: int = MAX_LINE_BYTES) -> Iterator:
         if content > limit:
             raise InputTooLargeError(f"line {number} is longer than {limit:,} characters")
         yield line
+
+
+def write_atomically(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` as the file ``path``: into a new file beside it, flushed, then renamed
+    over it. A failure (a full filesystem) leaves ``path`` as it was and nothing else."""
+    path = os.fspath(path)
+    temp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(temp, "xb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        try:
+            os.unlink(temp)
+        except FileNotFoundError:
+            pass
+        raise

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import io
+
 from typing import TYPE_CHECKING
 
+from .paths import write_atomically
 from .tiers import is_onboard, split_path
 
 if TYPE_CHECKING:
@@ -92,7 +95,7 @@ def write_plot(result: "ReplayResult", path: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     fig.tight_layout()
-    fig.savefig(path)
+    _save(fig, path)
     plt.close(fig)
 
 
@@ -163,5 +166,13 @@ def write_fleet_plot(shared, isolated, path: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     fig.tight_layout()
-    fig.savefig(path)
+    _save(fig, path)
     plt.close(fig)
+
+
+def _save(fig, path: str) -> None:
+    """``fig`` as a PNG at ``path``, written whole or not at all (a full filesystem leaves no
+    empty or partial file behind)."""
+    image = io.BytesIO()
+    fig.savefig(image, format="png")
+    write_atomically(path, image.getvalue())

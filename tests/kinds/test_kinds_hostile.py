@@ -92,8 +92,8 @@ def test_every_refusal_the_old_builders_made_is_still_made_with_its_words(tmp_pa
     assert check_tiers(_config(G2=TierConfig(blocks=4), G4=TierConfig(blocks=4)),
                        StorageOptions(object_store=object())) == []
     (limit,) = check_tiers(_config(G2=TierConfig(blocks=4)), StorageOptions(max_host_bytes=1))
-    assert limit == ("G2 of 4 blocks needs 0.00 GiB of host RAM, over the limit of 0.00 GiB; "
-                     "shrink tier G2")
+    assert limit == ("G2 of 4 blocks needs 16.00 KiB of host RAM, over the limit of 1 B; "
+                     "shrink tier G2")          # (was "0.00 GiB ... 0.00 GiB": issue 28)
     # exactly at the limit: 4 slots of 4 KiB (payload 256 B, stride aligned to 4 KiB)
     assert check_tiers(_config(G2=TierConfig(blocks=4)),
                        StorageOptions(max_host_bytes=4 * 4096)) == []

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Mapping, Sequence
 
 from ..compat import NATIVE_BLOCK_LAYOUT, Compatibility, compatibility_of
-from ..config import KvConfig
+from ..config import KvConfig, format_size
 from ..physical import DeviceStorage, FileOps, LayoutConfig, PhysicalError, Storage
 from ..physical.capacity import physical_memory
 from ..placement.costs import CostPrior
@@ -181,6 +181,6 @@ def ram_problem(what: str, need: int) -> str | None:
     if the machine does not say how much it has)."""
     ram = physical_memory()
     if ram and need > ram:
-        return (f"{what} needs {need} bytes of RAM ({need / 2**30:.2f} GiB); this machine has "
-                f"{ram / 2**30:.2f} GiB")
+        return (f"{what} needs {need} bytes of RAM ({format_size(need)}); this machine has "
+                f"{format_size(ram)}")
     return None

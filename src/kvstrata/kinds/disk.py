@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import tempfile
 
-from ..config import KvConfig
+from ..config import KvConfig, format_size
 from ..physical import DiskStorage, LayoutConfig, PhysicalError, Storage
 from ..paths import directory_problem
 from ..physical.capacity import free_disk_bytes
@@ -53,8 +53,8 @@ class DiskKind(Kind):
         free = free_disk_bytes(where)
         if free is not None and need > free:
             held_by = f" ({ranks} ranks)" if ranks > 1 else ""
-            return [f"tier {tier}{held_by} needs {need} bytes of disk ({need / 2**30:.2f} GiB); "
-                    f"{where} has {free / 2**30:.2f} GiB free"]
+            return [f"tier {tier}{held_by} needs {need} bytes of disk ({format_size(need)}); "
+                    f"{where} has {format_size(free)} free"]
         return []
 
     def build(self, tier: str, built, geometry: LayoutConfig | None,

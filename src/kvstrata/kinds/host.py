@@ -4,7 +4,7 @@ every tier further down pass through it."""
 
 from __future__ import annotations
 
-from ..config import KvConfig
+from ..config import KvConfig, format_size
 from ..physical import HostStorage, LayoutConfig, PhysicalError, Storage
 from ..placement.costs import CostPrior
 from ..tiers import TierKind
@@ -29,8 +29,8 @@ class HostKind(Kind):
         problems = []
         limit = options.max_host_bytes
         if limit is not None and need > limit:
-            problems.append(f"{tier} of {blocks} blocks needs {need / 2**30:.2f} GiB of host "
-                            f"RAM, over the limit of {limit / 2**30:.2f} GiB; shrink tier {tier}")
+            problems.append(f"{tier} of {blocks} blocks needs {format_size(need)} of host "
+                            f"RAM, over the limit of {format_size(limit)}; shrink tier {tier}")
         held_by = f" ({ranks} ranks)" if ranks > 1 else ""
         problem = ram_problem(f"tier {tier}{held_by}", ranks * need)
         if problem:

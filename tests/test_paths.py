@@ -1,0 +1,70 @@
+"""kvstrata.paths: the rules for paths the user names, and bounded reads and whole writes of
+the files they name."""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+
+import pytest
+
+from kvstrata import paths
+
+
+def test_path_problems():
+    assert paths.path_problem("/tmp/x") is None
+    assert paths.path_problem("") == "is empty"
+    assert paths.path_problem("/tmp/a\0b") == "contains a NUL byte"
+    assert paths.path_problem("x" * 5000).startswith("is longer than")
+    assert paths.path_problem(7).startswith("is not a path")
+
+
+def test_writable_files_and_directories(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_bytes(b"x")
+    assert paths.writable_file_problem(tmp_path / "new") is None
+    assert paths.writable_file_problem(tmp_path) == "is a directory"
+    assert paths.writable_file_problem(tmp_path / "no" / "x").startswith("directory ")
+    assert paths.writable_file_problem("/dev/null") is None
+    assert paths.writable_file_problem("/dev/null", regular=True) == "is not a regular file"
+    assert paths.directory_problem(tmp_path / "a" / "b") is None          # can be made
+    assert paths.directory_problem(afile) == "is not a directory"
+    assert paths.directory_problem(afile / "sub").endswith("is not a directory")
+
+
+def test_only_regular_files_are_opened(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path in (fifo, "/dev/zero", tmp_path):
+        with pytest.raises(OSError):
+            paths.open_regular(path)
+    with paths.open_regular("/dev/null") as fh:                           # empty, allowed
+        assert fh.read() == b""
+
+
+def test_reads_are_bounded(tmp_path):
+    big = tmp_path / "big"
+    big.write_bytes(b"a" * 101)
+    with pytest.raises(paths.InputTooLargeError):
+        paths.read_bounded(big, 100)
+    assert paths.read_bounded(big, 101) == b"a" * 101
+    assert list(paths.bounded_lines(io.StringIO("abc\nde\n"), 3)) == ["abc\n", "de\n"]
+    with pytest.raises(paths.InputTooLargeError, match="line 2"):
+        list(paths.bounded_lines(io.BytesIO(b"ab\nabcd"), 3))
+
+
+def test_a_failed_whole_write_leaves_the_old_file_and_nothing_else(tmp_path, monkeypatch):
+    target = tmp_path / "plot.png"
+    target.write_bytes(b"old")
+    paths.write_atomically(target, b"new")
+    assert target.read_bytes() == b"new"
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError, match="No space left"):
+        paths.write_atomically(target, b"newer")
+    assert target.read_bytes() == b"new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plot.png"]
