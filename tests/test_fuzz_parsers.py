@@ -218,3 +218,32 @@ def test_indexer_match_bodies(body):
                 _parse_hash_list(doc[key], key)
     except ValueError:
         pass
+
+
+FLAG_VALUES = st.one_of(st.text(max_size=30), st.integers(-2**70, 2**70).map(str),
+                        st.sampled_from(["", "-1", "0x10", "1,2,3", "nats://[", "1e9"]))
+
+
+@EXAMPLES
+@given(st.lists(st.tuples(st.sampled_from(["--worker-id", "--query", "--trust-workers",
+                                           "--format"]), FLAG_VALUES), max_size=4))
+def test_indexer_flags(flags):
+    """The indexer over an empty event file, with hostile flag values (issue 28): exit 0 or
+    2 with a message, never another exception."""
+    import contextlib
+    import io
+
+    from kvstrata.events.indexer import main
+
+    argv = ["--file", "/dev/null"]
+    for flag, value in flags:
+        argv += [flag, value]
+    err, out = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+        try:
+            status = main(argv)
+        except SystemExit as exc:                   # argparse's refusal of a flag's value
+            status = exc.code
+    assert status in (0, 2), (argv, status)
+    if status == 2:
+        assert err.getvalue().strip() and "Traceback" not in err.getvalue(), err.getvalue()
