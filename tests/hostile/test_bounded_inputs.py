@@ -101,3 +101,15 @@ def test_sizes_in_a_config_are_bounded(tmp_path):
                                         ("nats://:4222", "missing host")])
 def test_a_malformed_nats_url_is_one_line(url, words):
     refused(["indexer", "--nats", url], words)
+
+
+@pytest.mark.parametrize("content, words", [
+    ("block_size = 32\n".encode("utf-16"), "is not UTF-8 text"),
+    (bytes(range(256)), "is not UTF-8 text"),
+    (("a = " + "[" * 100_000 + "]" * 100_000 + "\n").encode(), "nests too deeply"),
+])
+def test_a_config_file_that_is_not_toml_text_is_named(tmp_path, content, words):
+    config = tmp_path / "kv.toml"
+    config.write_bytes(content)
+    err = refused(["replay", "--config", str(config), "--limit", "1"], words)
+    assert str(config) in err
