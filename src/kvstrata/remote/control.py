@@ -10,9 +10,17 @@ through ZMQ and 119 us through a socket (warm: 137 and 28 us).
 :class:`ControlServer` serves one address from a thread of its own with a selector: it reads
 requests from any number of readers, hands each complete one to a handler and writes the
 reply, never blocking on a slow or hostile peer (a request whose length exceeds the limit
-drops its connection unanswered; a peer that does not read its replies stops being read).
-:class:`ControlChannel` is a reader's connection: requests with ids the replies echo, bounded
-by a timeout; every failure is a :class:`~.errors.LeaseError`.
+drops its connection unanswered; a peer that does not read its replies stops being read),
+and bounded in time per connection: one that moves no byte for :data:`IDLE_TIMEOUT` is
+closed, and a request that has not arrived whole :data:`REQUEST_TIMEOUT` after its first
+byte drops its connection, so idle or dripping readers never hold the
+:data:`MAX_CONNECTIONS` slots. :class:`ControlChannel` is a reader's connection: requests
+with ids the replies echo, bounded by a timeout; every failure is a
+:class:`~.errors.LeaseError`. A connection it kept that the server closed meanwhile is found
+when the next reply does not come, and that request is sent once more on a fresh connection
+(a request the server had already answered is never sent twice; one it was still handling
+when it dropped the connection could be, which for a lease only means a second lease that
+expires by its deadline).
 """
 
 from __future__ import annotations
@@ -41,6 +49,13 @@ MAX_REPLY_BYTES = 64 << 20
 """Largest reply a reader accepts (a block set with many regions, a lease of 65,536 blocks)."""
 MAX_CONNECTIONS = 256
 """Readers one exporter serves at once; a connection beyond them is closed at once."""
+IDLE_TIMEOUT = 120.0
+"""Seconds a connection may sit with nothing to send or receive before the server closes it
+(a reader's channel reconnects on its next call), so idle connections cannot hold every
+slot for ever."""
+REQUEST_TIMEOUT = 30.0
+"""Seconds a request may take to arrive whole from its first byte, however its bytes
+trickle in; a slower one drops its connection."""
 
 
 def format_control(host: str, port: int) -> str:
@@ -83,13 +98,15 @@ def _frame(body: bytes) -> bytes:
 
 
 class _Peer:
-    """One reader's connection: bytes received and not yet a whole request, and the reply
-    not yet written."""
+    """One reader's connection: bytes received and not yet a whole request, the reply not
+    yet written, when it last moved a byte and when its pending request began."""
 
-    __slots__ = ("sock", "inbox", "outbox")
+    __slots__ = ("sock", "inbox", "outbox", "active_at", "request_at")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock, self.inbox, self.outbox = sock, bytearray(), b""
+        self.active_at = time.monotonic()
+        self.request_at = 0.0
 
 
 class ControlServer:
@@ -99,7 +116,9 @@ class ControlServer:
     (:attr:`address` known) when this returns; serving begins with :meth:`start`."""
 
     def __init__(self, host: str, port: int, handler: Callable[[bytes], bytes], *,
-                 max_request: int, tick: float, on_tick: Callable[[], None], name: str) -> None:
+                 max_request: int, tick: float, on_tick: Callable[[], None], name: str,
+                 idle_timeout: float = IDLE_TIMEOUT,
+                 request_timeout: float = REQUEST_TIMEOUT) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -113,6 +132,7 @@ class ControlServer:
         self.address = format_control(host, self._listener.getsockname()[1])
         self._handler, self._max_request = handler, max_request
         self._tick, self._on_tick = tick, on_tick
+        self._idle_timeout, self._request_timeout = idle_timeout, request_timeout
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ, None)
         self._peers: dict[int, _Peer] = {}
@@ -162,8 +182,19 @@ class ControlServer:
                         self._wake_r.recv(64)
                     else:
                         self._service(key.data, mask)
+                self._drop_late()
         finally:
             self._release()
+
+    def _drop_late(self) -> None:
+        """Close the connections that moved no byte for the idle timeout (idle, or a reader
+        not reading its reply) and those whose request has not arrived whole within the
+        request timeout."""
+        now = time.monotonic()
+        for peer in list(self._peers.values()):
+            if now - peer.active_at > self._idle_timeout or (
+                    peer.inbox and now - peer.request_at > self._request_timeout):
+                self._drop(peer)
 
     def _release(self) -> None:
         for peer in list(self._peers.values()):
@@ -209,6 +240,9 @@ class ControlServer:
             if not data:                                  # the reader went away
                 self._drop(peer)
                 return
+            peer.active_at = time.monotonic()
+            if not peer.inbox:
+                peer.request_at = peer.active_at
             peer.inbox += data
         self._answer_waiting(peer)
 
@@ -224,6 +258,7 @@ class ControlServer:
                 return
             body = bytes(peer.inbox[FRAME.size:FRAME.size + length])
             del peer.inbox[:FRAME.size + length]
+            peer.request_at = time.monotonic()           # what is left starts the next one
             try:
                 reply = self._handler(body)
             except Exception:
@@ -244,6 +279,8 @@ class ControlServer:
             self._drop(peer)
             return False
         peer.outbox = peer.outbox[sent:]
+        if sent:
+            peer.active_at = time.monotonic()
         events = selectors.EVENT_WRITE if peer.outbox else selectors.EVENT_READ
         self._selector.modify(peer.sock, events, peer)
         return True
@@ -252,6 +289,15 @@ class ControlServer:
         if self._peers.pop(peer.sock.fileno(), None) is not None:
             self._selector.unregister(peer.sock)
         peer.sock.close()
+
+
+class _Closed(Exception):
+    """The server closed the connection before a frame's first byte."""
+
+
+class _StaleConnection(Exception):
+    """A connection kept from an earlier call was closed by the server before the request
+    was answered (it closes idle connections): the request may be sent again."""
 
 
 class ControlChannel:
@@ -280,18 +326,14 @@ class ControlChannel:
         try:
             request_id = next(self._ids)
             try:
-                sock = self._connected(deadline)
-                sock.settimeout(max(1e-3, deadline - time.monotonic()))
-                sock.sendall(_frame(msgpack.packb({**request, "id": request_id})))
-                if not wait:
-                    return {}
-                while True:
-                    reply = msgpack.unpackb(self._receive(sock, deadline), raw=False)
-                    if not isinstance(reply, dict):
-                        raise LeaseError(f"{self.control} answered a {type(reply).__name__}, "
-                                         f"not a map")
-                    if reply.get("id") == request_id:
-                        return reply
+                try:
+                    return self._exchange(request, request_id, wait, deadline)
+                except _StaleConnection:
+                    # The server closed a connection this channel had kept (idle too long)
+                    # before it answered: send the request again on a fresh one, once (a
+                    # fresh connection cannot be stale, so this does not loop).
+                    self._close()
+                    return self._exchange(request, request_id, wait, deadline)
             except LeaseError:
                 self._close()
                 raise
@@ -307,6 +349,30 @@ class ControlChannel:
         finally:
             self._lock.release()
 
+    def _exchange(self, request: dict, request_id: int, wait: bool, deadline: float) -> dict:
+        """Send one request and wait for its reply (``_StaleConnection`` if a connection
+        kept from before turns out closed before any byte of the reply came)."""
+        reused = self._sock is not None
+        sock = self._connected(deadline)
+        sock.settimeout(max(1e-3, deadline - time.monotonic()))
+        try:
+            sock.sendall(_frame(msgpack.packb({**request, "id": request_id})))
+            if not wait:
+                return {}
+            while True:     # replies to earlier requests nobody waited for are skipped
+                header = self._exactly(sock, FRAME.size, deadline, first=True)
+                reply = msgpack.unpackb(self._body(sock, header, deadline), raw=False)
+                if not isinstance(reply, dict):
+                    raise LeaseError(f"{self.control} answered a {type(reply).__name__}, "
+                                     f"not a map")
+                if reply.get("id") == request_id:
+                    return reply
+        except (ConnectionResetError, BrokenPipeError, _Closed):
+            # closed at a frame's start, before any byte of this request's reply
+            if reused:
+                raise _StaleConnection() from None
+            raise LeaseError(f"{self.control} closed the connection") from None
+
     def close(self) -> None:
         """Close the connection (a later call opens a new one)."""
         with self._lock:
@@ -320,14 +386,17 @@ class ControlChannel:
             self._sock = sock
         return self._sock
 
-    def _receive(self, sock: socket.socket, deadline: float) -> bytes:
-        (length,) = FRAME.unpack(self._exactly(sock, FRAME.size, deadline))
+    def _body(self, sock: socket.socket, header: bytes, deadline: float) -> bytes:
+        (length,) = FRAME.unpack(header)
         if length > MAX_REPLY_BYTES:
             raise LeaseError(f"{self.control} sent a reply of {length} bytes (at most "
                              f"{MAX_REPLY_BYTES})")
         return self._exactly(sock, length, deadline)
 
-    def _exactly(self, sock: socket.socket, count: int, deadline: float) -> bytes:
+    def _exactly(self, sock: socket.socket, count: int, deadline: float, *,
+                 first: bool = False) -> bytes:
+        """``count`` bytes from ``sock`` by ``deadline``; with ``first`` (the reply's first
+        frame header), a connection closed before any byte is ``_Closed``."""
         data = bytearray(count)
         view, got = memoryview(data), 0
         while got < count:
@@ -337,6 +406,8 @@ class ControlChannel:
             sock.settimeout(left)
             n = sock.recv_into(view[got:])
             if not n:
+                if first and got == 0:
+                    raise _Closed()
                 raise LeaseError(f"{self.control} closed the connection")
             got += n
         return bytes(data)
