@@ -42,9 +42,11 @@ from __future__ import annotations
 import collections
 from typing import Iterable, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
+                               Histogram, generate_latest)
 from prometheus_client.metrics import MetricWrapperBase
 
+from .httpserve import BoundedHTTPServer, BoundedRequestHandler
 from .placement.telemetry import PlacementListener
 from .protocol.results import FailureKind
 from .tiers import is_onboard, split_path
@@ -175,17 +177,34 @@ class ManagerMetrics(PlacementListener):
 
     # -- HTTP endpoint -------------------------------------------------------------------
     def serve(self, port: int, addr: str = "127.0.0.1") -> int:
-        """Expose ``/metrics`` on ``addr:port`` (0 picks a free port); returns the port."""
-        server, _thread = start_http_server(port, addr=addr, registry=self.registry)
-        self._server = server
-        return server.server_address[1]
+        """Expose ``/metrics`` on ``addr:port`` (0 picks a free port); returns the port. The
+        server is :class:`~kvstrata.httpserve.BoundedHTTPServer`: bounded per request and
+        in threads (prometheus_client's own server is neither)."""
+        registry = self.registry
+
+        class Handler(BoundedRequestHandler):
+            def log_message(self, fmt, *args):  # quiet
+                pass
+
+            def do_GET(self):
+                if self.path.split("?", 1)[0].rstrip("/") not in ("", "/metrics"):
+                    self.send_error(404, "use GET /metrics")
+                    return
+                body = generate_latest(registry)
+                self.send_response(200)
+                self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self._server = BoundedHTTPServer((addr, port), Handler).start("kvstrata-metrics-http")
+        return self._server.server_address[1]
 
     def close(self) -> None:
         """Stop the HTTP endpoint if one was started and unregister the collectors (so a
         shared registry can take the next manager's). Idempotent."""
         if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+            self._server.close()
             self._server = None
         self._unregister()
 

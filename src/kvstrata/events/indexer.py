@@ -26,13 +26,13 @@ import argparse
 import json
 import logging
 import os
-import socket
 import sys
 import threading
-import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Iterable, Sequence
 
+from kvstrata.httpserve import (MAX_CONNECTIONS, READ_TIMEOUT, REQUEST_TIMEOUT,
+                                BoundedHTTPServer, BoundedRequestHandler)
 from kvstrata.events.model import (
     ClearedEvent,
     Event,
@@ -353,90 +353,6 @@ def _parse_hash_list(value, name: str) -> list[int]:
 MAX_BODY_BYTES = 16 << 20
 """Largest /match body accepted (a million hashes in JSON is well under it)."""
 
-READ_TIMEOUT = 10.0
-"""Seconds one read of a request may wait: a client that stops sending (a body shorter than
-it announced) is answered 400 and dropped."""
-
-REQUEST_TIMEOUT = 30.0
-"""Seconds a whole request may take, headers and body together, however its bytes trickle
-in (a client dripping a byte every few seconds is cut off at it): no client holds a thread
-for longer."""
-
-MAX_CONNECTIONS = 64
-"""Connections served at once (a thread each); one more is closed at once, unanswered."""
-
-
-class _Deadlines:
-    """Cuts off requests that run past their deadline: one thread, waking at the earliest
-    deadline, shuts down the connection of every request still running by then (its
-    handler's blocked read returns at once and the handler ends)."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._due: dict[object, float] = {}
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="kvstrata-indexer-deadlines",
-                                        daemon=True)
-        self._thread.start()
-
-    def arm(self, connection, seconds: float) -> None:
-        with self._cond:
-            self._due[connection] = time.monotonic() + seconds
-            self._cond.notify()
-
-    def disarm(self, connection) -> None:
-        with self._cond:
-            self._due.pop(connection, None)
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-        self._thread.join()
-
-    def _run(self) -> None:
-        with self._cond:
-            while not self._closed:
-                now = time.monotonic()
-                late = [c for c, due in self._due.items() if due <= now]
-                for connection in late:
-                    del self._due[connection]
-                    try:
-                        connection.shutdown(socket.SHUT_RDWR)
-                    except OSError:
-                        pass
-                wait = min(self._due.values(), default=now + 3600) - now
-                self._cond.wait(max(wait, 0.01))
-
-
-class _BoundedHTTPServer(ThreadingHTTPServer):
-    """A thread per connection, at most ``max_connections`` at once."""
-
-    daemon_threads = True
-
-    def __init__(self, address, handler, max_connections: int) -> None:
-        self._slots = threading.BoundedSemaphore(max_connections)
-        self.refused = 0
-        super().__init__(address, handler)
-
-    def process_request(self, request, client_address) -> None:
-        if not self._slots.acquire(blocking=False):
-            self.refused += 1
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._slots.release()
-            raise
-
-    def process_request_thread(self, request, client_address) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
-
-
 def _read_body(handler: BaseHTTPRequestHandler) -> bytes:
     """The request body, bounded: a ``Content-Length`` that is missing, negative, not a
     number or over :data:`MAX_BODY_BYTES`, or a body shorter than it, is a ``ValueError``."""
@@ -486,17 +402,8 @@ class IndexServer:
         self.follower = follower
         outer = self
 
-        deadlines = self._deadlines = _Deadlines()
-
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(BoundedRequestHandler):
             timeout = read_timeout               # for each read; the request has a deadline
-
-            def handle_one_request(self):
-                deadlines.arm(self.connection, request_timeout)   # per request (keep-alive)
-                try:
-                    super().handle_one_request()
-                finally:
-                    deadlines.disarm(self.connection)
 
             def log_message(self, fmt, *args):  # quiet
                 log.debug("http: " + fmt, *args)
@@ -538,22 +445,19 @@ class IndexServer:
                     return
                 self._reply(200, match_response(outer.index, hashes, local))
 
-        self.httpd = _BoundedHTTPServer((host, port), Handler, max_connections)
-        self._thread: threading.Thread | None = None
+        self.httpd = BoundedHTTPServer((host, port), Handler, max_connections=max_connections,
+                                       request_timeout=request_timeout)
 
     @property
     def address(self) -> tuple[str, int]:
         return self.httpd.server_address[:2]
 
     def start(self) -> "IndexServer":
-        self._thread = threading.Thread(target=self.httpd.serve_forever, name="kvstrata-indexer-http", daemon=True)
-        self._thread.start()
+        self.httpd.start("kvstrata-indexer-http")
         return self
 
     def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self._deadlines.close()
+        self.httpd.close()
 
 
 # --------------------------------------------------------------------------------------------
