@@ -15,6 +15,7 @@ command quietly.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -131,8 +132,10 @@ def _replay_with(args: argparse.Namespace, config, publisher) -> int:
     from .report import format_table, write_plot
 
     trace = args.trace or str(default_trace_path())
+    limit = args.limit or (DATA_DEFAULT_LIMIT if args.data else None)
     try:
-        requests = list(iter_trace(trace))
+        # with a limit, no more of the trace is read than it takes
+        requests = list(itertools.islice(iter_trace(trace), limit))
     except TraceFormatError as exc:
         print(f"kvstrata replay: malformed trace: {exc}", file=sys.stderr)
         return 2
@@ -143,9 +146,6 @@ def _replay_with(args: argparse.Namespace, config, publisher) -> int:
         print(f"kvstrata replay: cannot read trace {trace}: not a text or gzip trace ({exc})",
               file=sys.stderr)
         return 2
-    limit = args.limit or (DATA_DEFAULT_LIMIT if args.data else None)
-    if limit:
-        requests = requests[:limit]
 
     bar = None
     if not args.no_progress and sys.stderr.isatty():
