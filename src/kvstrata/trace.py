@@ -18,6 +18,7 @@ blocks count (``min(input_length, 512 * ids) // block_size``), as an engine woul
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import io
 import json
@@ -58,13 +59,16 @@ def default_trace_path() -> Path:
     return Path(str(resources.files("kvstrata") / "data" / "conversation_trace.jsonl.gz"))
 
 
-def _open_text(path: Path):
+@contextlib.contextmanager
+def _open_text(path: Path) -> Iterator[io.TextIOWrapper]:
     """A regular file's text (``.gz`` decompressed as it is read); a FIFO or a device is
-    refused (:func:`kvstrata.paths.open_regular`)."""
-    raw = open_regular(path)
-    if path.suffix == ".gz":
-        raw = gzip.GzipFile(fileobj=raw, mode="rb")
-    return io.TextIOWrapper(raw, encoding="utf-8")
+    refused (:func:`kvstrata.paths.open_regular`). Everything opened is closed after."""
+    with open_regular(path) as raw:
+        if path.suffix == ".gz":
+            with gzip.GzipFile(fileobj=raw, mode="rb") as unzipped:
+                yield io.TextIOWrapper(unzipped, encoding="utf-8")
+        else:
+            yield io.TextIOWrapper(raw, encoding="utf-8")
 
 
 MAX_TRACE_NUMBER = 2**63
