@@ -16,9 +16,10 @@ import pkgutil
 
 from ..placement.costs import CostPrior
 from ..tiers import TierKind, spec
-from .base import Kind
+from .base import Kind, StorageOptions, Storages, TierSetupError
 
-__all__ = ["KINDS", "Kind", "kind_of", "cost_priors"]
+__all__ = ["KINDS", "Kind", "kind_of", "cost_priors", "StorageOptions", "Storages",
+           "TierSetupError", "build_storages", "check_tiers", "peek_recovered"]
 
 
 def _discover() -> dict[TierKind, Kind]:
@@ -48,8 +49,5 @@ def cost_priors() -> dict[TierKind, CostPrior]:
     return {kind: module.cost_prior for kind, module in KINDS.items()}
 
 
-from .base import StorageOptions, TierSetupError  # noqa: E402  (the package's API)
-from .build import Storages, build_storages, check_tiers, peek_recovered  # noqa: E402
-
-__all__ += ["StorageOptions", "TierSetupError", "Storages", "build_storages", "check_tiers",
-            "peek_recovered"]
+# after KINDS: build.py reads it
+from .build import build_storages, check_tiers, peek_recovered  # noqa: E402
