@@ -24,8 +24,8 @@ def cli(*argv: str) -> subprocess.CompletedProcess:
     (["replay", "--limit", "2", "--route", "prefix"], "--route prefix spreads requests"),
     (["replay", "--limit", "2", "--disk-dir", "/tmp"], "--disk-dir names the G3 directory"),
     (["replay", "--limit", "2", "--tiers", ""], "names no tier"),
-    (["indexer", "--file", "/dev/null", "--worker-id", "-1"], "0..2^63-1"),
-    (["indexer", "--file", "/dev/null", "--worker-id", str(2**70)], "0..2^63-1"),
+    (["indexer", "--file", "/dev/null", "--worker-id", "-1"], "0..2^64-1"),
+    (["indexer", "--file", "/dev/null", "--worker-id", str(2**70)], "0..2^64-1"),
 ])
 def test_a_flag_that_would_be_ignored_or_is_impossible_is_refused(argv, words):
     proc = cli(*argv)

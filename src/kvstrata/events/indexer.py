@@ -479,8 +479,8 @@ def _worker_id(value: str) -> int:
         worker = int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a worker id, got {value!r:.40}") from None
-    if not 0 <= worker < 1 << 63:
-        raise argparse.ArgumentTypeError(f"a worker id is in 0..2^63-1, got {value:.40}")
+    if not 0 <= worker < 1 << 64:
+        raise argparse.ArgumentTypeError(f"a worker id is in 0..2^64-1, got {value:.40}")
     return worker
 
 
@@ -511,7 +511,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--query", metavar="H1,H2,...", help="print the prefix match for these sequence hashes and exit")
     p.add_argument("--local", action="store_true", help="--query hashes are local (tokens) hashes")
     p.add_argument("--worker-id", type=_worker_id, default=None,
-                   help="with --file: override the worker id of every event (0..2^63-1)")
+                   help="with --file: override the worker id of every event (0..2^64-1)")
     p.add_argument("--trust-workers", metavar="W1,W2,...", type=_worker_list, default=None,
                    help="apply events of these worker ids only; others are dropped and "
                    "counted (stats: stream.untrusted). --subject is followed exactly")

@@ -67,8 +67,9 @@ class WorkerStates:
         return state.hashes() if state else TierState().hashes()
 
 
-MAX_WORKER_ID = 1 << 63
-"""Worker ids are signed 64-bit in Dynamo's router; a larger one is no worker."""
+MAX_WORKER_ID = 1 << 64
+"""Worker ids are unsigned 64-bit (:class:`~kvstrata.events.model.PublisherIdentity`); a
+larger one is no worker."""
 
 
 def _loops(event: StoredEvent) -> bool:
@@ -109,7 +110,7 @@ class StreamFollower:
         and counted in ``untrusted``: a bus others can publish on cannot forge a worker."""
         self.untrusted = 0
         self.invalid = 0
-        """Events dropped as impossible: a worker id outside 0..2^63-1, a stored block that
+        """Events dropped as impossible: a worker id outside 0..2^64-1, a stored block that
         is its own parent or follows itself in its chain."""
         self.workers: dict[int, _Worker] = {}
         self.lock = threading.RLock()

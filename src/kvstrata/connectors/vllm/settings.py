@@ -209,8 +209,8 @@ def _switches(extra: Mapping[str, Any], geometry: KvGeometry,
         extra, "list_interval", 10.0, lambda v: _is_number(v) and 0 < v <= 86_400,
         "seconds in (0, 86400]", problems))
     out["worker_id"] = _checked(extra, "worker_id", 0,
-                                lambda v: _is_int(v) and 0 <= v < 2**63,
-                                "an integer in 0..2^63-1", problems)
+                                lambda v: _is_int(v) and 0 <= v < 2**64,
+                                "an integer in 0..2^64-1", problems)
     out["store_nice"] = _checked(extra, "store_nice", 10, lambda v: _is_int(v) and 0 <= v <= 19,
                                  "an integer in 0..19", problems)
     pace = _checked(extra, "yield_to_forward", "auto",
