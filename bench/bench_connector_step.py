@@ -117,7 +117,7 @@ def run(requests: int, steps: int, block_size: int, prompt_len: int) -> dict:
             t0 = clock()
             n, is_async = half.get_num_new_matched_tokens(request, 0)
             request.block_ids = ids
-            half.update_state_after_alloc(request, request.block_ids, n)
+            half.update_state_after_alloc(request, (request.block_ids,), n)
             spent += clock() - t0
             request.num_computed_tokens = n
             if is_async:

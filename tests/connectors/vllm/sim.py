@@ -112,7 +112,7 @@ class SimEngine:
         for worker, layers in zip(self.workers, self.kv):
             worker.register_kv_caches({f"model.layers.{i}.attn": t
                                        for i, t in enumerate(layers)})
-        self.free = list(range(g1_blocks))
+        self.free = list(range(1, g1_blocks))      # block 0 is vLLM's null block
         self.requests: dict[str, FakeRequest] = {}
         self.held: dict[str, FakeRequest] = {}
         self.finished: dict[str, FakeRequest] = {}
@@ -161,7 +161,7 @@ class SimEngine:
                     continue
                 assert n % bs == 0 and n < request.num_tokens
                 request.block_ids = self._allocate(-(-request.num_tokens // bs))
-                self.scheduler.update_state_after_alloc(request, list(request.block_ids), n)
+                self.scheduler.update_state_after_alloc(request, (list(request.block_ids),), n)
                 request.loaded = n // bs
                 if is_async:
                     request.state = "loading"

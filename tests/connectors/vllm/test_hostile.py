@@ -22,6 +22,7 @@ import torch
 
 pytest.importorskip("vllm")
 
+from kvstrata.connectors.vllm.groups import SLIDING, KvGroup  # noqa: E402
 from kvstrata.connectors.vllm.settings import (ConnectorConfigError, KvGeometry,  # noqa: E402
                                                settings_from)
 
@@ -460,7 +461,7 @@ def check_blocks(sim: SimEngine, request, nblocks: int) -> None:
 
 
 def all_blocks_free(sim: HostileSim, g1_blocks: int = 64) -> None:
-    assert sorted(sim.free) == list(range(g1_blocks)), "vLLM blocks leaked"
+    assert sorted(sim.free) == list(range(1, g1_blocks)), "vLLM blocks leaked"
 
 
 def finish_load(sim: HostileSim, request, blocks: int) -> None:
@@ -581,7 +582,7 @@ def test_load_after_vllms_own_prefix_cache_hit_fills_the_right_blocks(make):
         for b in range(2):
             for layer, tensor in enumerate(layers):
                 tensor[request.block_ids[b]] = block_kv(hashes[b], layer, rank, BS)
-    sim.scheduler.update_state_after_alloc(request, list(request.block_ids), n)
+    sim.scheduler.update_state_after_alloc(request, (list(request.block_ids),), n)
     request.loaded = 6
     request.state = "loading"
     request.num_computed_tokens = 2 * BS + n
@@ -620,7 +621,7 @@ def test_fewer_tokens_accepted_than_offered(make):
     request = sim.add("b", tokens + [1])
     n, _ = sim.scheduler.get_num_new_matched_tokens(request, 0)
     request.block_ids = sim._allocate(-(-request.num_tokens // BS))
-    sim.scheduler.update_state_after_alloc(request, list(request.block_ids), n - 2 * BS)
+    sim.scheduler.update_state_after_alloc(request, (list(request.block_ids),), n - 2 * BS)
     request.loaded, request.state = 4, "loading"
     request.num_computed_tokens = n - 2 * BS
     finish_load(sim, request, 4)
@@ -720,22 +721,30 @@ def _one_group_config(spec):
                          kv_cache_groups=[KVCacheGroupSpec(["l0", "l1"], spec)])
 
 
-@pytest.mark.parametrize("kind", ["sliding_window", "chunked_local"])
-def test_a_model_whose_only_kv_group_is_not_full_attention_is_refused(kind):
-    """Was a bug, fixed in 8798475. The check says "one KV cache group (full attention in
-    every layer)" but only counts groups. A model whose layers all use sliding-window
-    (e.g. Mistral-7B-v0.1) or chunked-local attention has one group of that spec (vLLM
-    promotes it to full attention only when mixed with full layers): vLLM then frees
-    blocks that leave the window while the request runs (remove_skipped_blocks, no
-    request_finished: a store may still read them) and puts its null block in their place
-    in the block table the connector stores from and loads into."""
-    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, SlidingWindowSpec
+@pytest.mark.parametrize("kind", ["chunked_local", "mamba"])
+def test_a_kv_group_the_connector_does_not_hold_is_refused_by_name(kind):
+    """Was a bug, fixed in 8798475 (then for sliding-window groups too, which are held since
+    issue 26). Chunked-local attention and Mamba / linear-attention state are refused at
+    start with the spec named, never run with blocks the connector cannot place."""
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, MambaSpec
 
     common = dict(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
-    spec = SlidingWindowSpec(sliding_window=64, **common) if kind == "sliding_window" \
-        else ChunkedLocalAttentionSpec(attention_chunk_size=64, **common)
-    with pytest.raises(ConnectorConfigError):
+    spec = ChunkedLocalAttentionSpec(attention_chunk_size=64, **common) \
+        if kind == "chunked_local" else MambaSpec(block_size=16, shapes=((3, 8),),
+                                                  dtypes=(torch.bfloat16,))
+    with pytest.raises(ConnectorConfigError, match=type(spec).__name__):
         KvGeometry.from_vllm(_one_group_config(spec))
+
+
+def test_a_model_of_sliding_window_layers_only_is_held_as_one_windowed_group():
+    """A model whose layers all use a sliding window (Mistral-7B-v0.1) has one group of that
+    spec: held, its loads limited to the window (issue 26)."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    spec = SlidingWindowSpec(sliding_window=64, block_size=16, num_kv_heads=2, head_size=8,
+                             dtype=torch.bfloat16)
+    geometry = KvGeometry.from_vllm(_one_group_config(spec))
+    assert geometry.groups.groups == (KvGroup(0, SLIDING, 64),)
 
 
 def test_full_attention_geometry_is_read_from_vllms_spec():

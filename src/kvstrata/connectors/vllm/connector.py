@@ -23,7 +23,9 @@ from typing import TYPE_CHECKING, Any, Iterable
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
                                                                KVConnectorMetadata,
                                                                KVConnectorRole,
-                                                               KVConnectorWorkerMetadata)
+                                                               KVConnectorTransferResults,
+                                                               KVConnectorWorkerMetadata,
+                                                               SupportsHMA)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ...tiers import TierKind, spec
@@ -45,9 +47,10 @@ log = logging.getLogger(__name__)
 _HIT_SOURCE = {TierKind.HOST: CacheHitSource.HOST, TierKind.DISK: CacheHitSource.DISK}
 
 
-class KvStrataConnector(KVConnectorBase_V1):
+class KvStrataConnector(KVConnectorBase_V1, SupportsHMA):
     """kvstrata's tiers (G2 host RAM, G3 disk) under vLLM's KV cache; see the module
-    docstring and docs/vllm.md."""
+    docstring and docs/vllm.md. It declares ``SupportsHMA``: vLLM keeps its hybrid KV cache
+    manager on and hands it every KV cache group (:mod:`.groups`)."""
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig") -> None:
@@ -73,7 +76,7 @@ class KvStrataConnector(KVConnectorBase_V1):
 
             observers = _kvstrata_publishers(settings)
             self.scheduler = SchedulerHalf(settings, vllm_config.parallel_config.world_size,
-                                           observers=observers)
+                                           observers=_primary_group_only(settings, observers))
             self._publishers = observers
             self._reported = self.scheduler.counters.as_dict()
             self._estimates_sent: dict | None = None
@@ -117,6 +120,14 @@ class KvStrataConnector(KVConnectorBase_V1):
         sending, recving = self.worker.finished()
         return sending or None, recving or None
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """As :meth:`get_finished`, plus the requests whose load failed in a model of several
+        KV cache groups (vLLM takes block-level load errors from one group only: such a
+        request is recomputed whole)."""
+        sending, recving = self.worker.finished()
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
+                                          failed_recving=self.worker.failed_requests())
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.load_errors()
 
@@ -140,7 +151,7 @@ class KvStrataConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
         if num_external_tokens > 0:
-            self.scheduler.update_state_after_alloc(request, blocks.get_block_ids()[0],
+            self.scheduler.update_state_after_alloc(request, blocks.get_block_ids(),
                                                     num_external_tokens)
 
     def get_external_cache_hit_sources(self, request: "Request",
@@ -163,6 +174,15 @@ class KvStrataConnector(KVConnectorBase_V1):
     def request_finished(self, request: "Request",
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, block_ids), None
+
+    def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request, block_ids), None
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self.scheduler is not None:
+            self.scheduler.bind_kv_cache_manager(kv_cache_manager)
 
     def take_events(self) -> Iterable[Any]:
         return self.scheduler.take_events()
@@ -245,5 +265,16 @@ def _kvstrata_publishers(settings) -> list:
     from ...events.spec import make_publisher
 
     return [make_publisher(s, worker_id=settings.worker_id) for s in settings.events]
+
+
+def _primary_group_only(settings, publishers: list) -> list:
+    """The registry observers that feed ``publishers``: kvstrata's own event formats carry
+    one group, the primary (:class:`~.events.PrimaryGroupOnly`)."""
+    from .events import PrimaryGroupOnly
+    from .groups import KvGroups
+
+    if settings.groups == KvGroups():
+        return publishers
+    return [PrimaryGroupOnly(p, settings.groups) for p in publishers]
 
 

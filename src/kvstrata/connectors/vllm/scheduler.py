@@ -26,7 +26,7 @@ import logging
 import queue
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from ...logical.registry import BlockRegistry
 from ...manager.catalog import StoreLister
@@ -39,6 +39,7 @@ from ...tiers import TOP_TIER, Addressing, spec
 from ...tokens import hash_blocks, isolation_seed
 from ...types import BlockRecord
 from .events import VllmEventCollector
+from .groups import KvGroups
 from .metadata import LoadOrder, RankResults, StepOrders, WorkerReport
 from .settings import ConnectorSettings
 from .sharing import PeerDirectory, RemoteLoad
@@ -81,16 +82,20 @@ class ConnectorCounters:
 class _Tracked:
     """One live request: its block hashes so far, the blocks offered, its engine blocks."""
 
-    __slots__ = ("request", "seed", "local", "seq", "offered", "load", "remote")
+    __slots__ = ("request", "seed", "local", "seq", "offered", "load", "remote", "reading")
 
-    def __init__(self, request: Any, seed: int) -> None:
+    def __init__(self, request: Any, seed: int, groups: int = 1) -> None:
         self.request = request
         self.seed = seed
         self.local: list[int] = []
         self.seq: list[int] = []
-        self.offered = 0
-        self.load: tuple[int, list[str]] | None = None
-        """(first block, tier of each block) last answered to vLLM as loadable."""
+        self.offered = [0] * groups
+        """Per KV cache group, the blocks offered to the tiers so far."""
+        self.load: tuple[int, int, list[str]] | None = None
+        """(first block, blocks, tier of each) last answered to vLLM as loadable."""
+        self.reading: list[tuple[int, int, int]] = []
+        """(group, block, engine block id) of stores from groups whose blocks vLLM frees
+        while the request runs (sliding window), until no copy reads them."""
         self.remote: tuple[int, str, int] | None = None
         """(first block, peer, blocks) last answered as loadable from a peer engine."""
 
@@ -105,10 +110,12 @@ class _Tracked:
         self.local.extend(local)
         self.seq.extend(seq)
 
-    def records(self, start: int, stop: int, block_size: int) -> list[BlockRecord]:
-        seq, local = self.seq, self.local
-        return [BlockRecord(seq[i], local[i], seq[i - 1] if i else None, block_size)
-                for i in range(start, stop)]
+    def records(self, blocks: Sequence[int], block_size: int, groups: KvGroups,
+                pos: int = 0) -> list[BlockRecord]:
+        """The records of KV cache group ``pos``'s ``blocks`` (positions in the request)."""
+        seq, local, key, local_hash = self.seq, self.local, groups.key, groups.local_hash
+        return [BlockRecord(key(pos, seq[i]), local_hash(pos, local[i]),
+                            key(pos, seq[i - 1]) if i else None, block_size) for i in blocks]
 
 
 _TIMED_STEPS_KEPT = 64
@@ -123,8 +130,15 @@ class SchedulerHalf:
                  observers: Iterable[Any] = ()) -> None:
         self.settings = settings
         self.block_size = settings.kv.block_size
+        self.groups = settings.groups
+        self._null_block = 0
+        """The engine block id of vLLM's null block (what a block table holds where a
+        sliding window freed a block); read from vLLM's block pool when it is bound."""
+        self._skipped = None
+        """vLLM's own count of the tokens a KV cache group no longer attends to (set by
+        :meth:`bind_kv_cache_manager`); without it a window's size gives it."""
         self.registry = BlockRegistry()
-        self.events = VllmEventCollector()
+        self.events = VllmEventCollector(self.groups, self.registry)
         self.registry.add_observer(self.events)
         for observer in observers:
             self.registry.add_observer(observer)
@@ -184,10 +198,11 @@ class SchedulerHalf:
         if limit <= start:
             return 0, False
         tracked.hash_upto(limit, bs)
-        tiers = self.planner.lookup(tracked.seq[start:limit])
+        chain = tracked.seq[:limit]
+        tiers = self._held_prefix(chain, start)
         if tiers and self.settings.cost_aware:
-            worth = self.planner.costs.worth_loading(tiers, TOP_TIER,
-                                                     self.settings.kv.bytes_per_block, bs)
+            worth = self.planner.costs.worth_loading(
+                tiers, TOP_TIER, self._bytes_per_position(start, len(tiers)), bs)
             if worth < len(tiers):
                 skipped = self.counters.tokens_not_loaded
                 for tier in tiers[worth:]:
@@ -195,8 +210,8 @@ class SchedulerHalf:
                 log.debug("kvstrata: request %s loads %d of %d held blocks (%s); recomputing "
                           "the rest is estimated faster", request.request_id, worth,
                           len(tiers), ",".join(tiers))
-                tiers = tiers[:worth]
-        tracked.load = (start, tiers) if tiers else None
+                tiers = self._held_prefix(chain[:start + worth], start)
+        tracked.load = (start, len(tiers), tiers) if tiers else None
         tracked.remote = None
         if self._peers is not None and len(tiers) < limit - start:
             best = self._peers.best(request.request_id, tracked.seq[start:limit])
@@ -208,34 +223,38 @@ class SchedulerHalf:
                 return held * bs, True
         return len(tiers) * bs, bool(tiers)
 
-    def update_state_after_alloc(self, request: Any, block_ids: list[int],
+    def update_state_after_alloc(self, request: Any, block_ids: Sequence[list[int]],
                                  num_external_tokens: int) -> None:
+        """vLLM allocated ``block_ids`` (one list per KV cache group) for the request,
+        ``num_external_tokens`` of them to be loaded: plan the load into those blocks."""
         tracked = self._requests.get(request.request_id)
         if tracked is not None and tracked.remote is not None and num_external_tokens > 0:
-            self._order_remote_load(request.request_id, tracked, block_ids, num_external_tokens)
+            self._order_remote_load(request.request_id, tracked, block_ids[0],
+                                    num_external_tokens)
             return
         if tracked is None or num_external_tokens <= 0 or tracked.load is None:
             return
-        start, tiers = tracked.load
+        start, offered, tiers = tracked.load
         tracked.load = None
         count = num_external_tokens // self.block_size
-        if count > len(tiers):
+        if count > offered:
             log.warning("kvstrata: vLLM asked %d blocks of request %s, %d were offered",
-                        count, request.request_id, len(tiers))
-        count = min(count, len(tiers))
+                        count, request.request_id, offered)
+        count = min(count, offered)
         self.counters.lookups += 1
         self._load_tiers[request.request_id] = tiers[:count]
         matched = self.counters.tokens_matched
         for tier in tiers[:count]:
             matched[tier] = matched.get(tier, 0) + self.block_size
-        targets = list(block_ids[start:start + count])
-        hashes = tracked.seq[start:start + len(targets)]
         self._loading.add(request.request_id)
         try:
+            hashes, targets = self._load_targets(tracked, block_ids, start, start + count)
             self.planner.prepare_onboard(hashes, engine_block_ids=targets)
         except PlacementError as exc:
             # e.g. a block vLLM reused while a copy still reads it: recompute instead
             log.warning("kvstrata: load for request %s not planned: %s", request.request_id, exc)
+            targets = [b for ids in block_ids for b in ids[start:start + count]
+                       if b != self._null_block]
             self._loads[request.request_id] = LoadOrder((), tuple(targets))
             self.counters.blocks_load_failed += len(targets)
             return
@@ -405,8 +424,25 @@ class SchedulerHalf:
             log.info("kvstrata: %s serves %d block(s) kept from the last run (of %d that "
                      "every worker recovered)", tier, restored, len(entries))
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> bool:
-        """True: vLLM must keep the blocks until they are released (stores read them)."""
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        """vLLM's scheduler-side KV cache manager: its null block's id, and each KV cache
+        group's own count of the tokens it skips (exact where a window keeps extra
+        tokens)."""
+        pool = getattr(kv_cache_manager, "block_pool", None)
+        null = getattr(getattr(pool, "null_block", None), "block_id", None)
+        if isinstance(null, int):
+            self._null_block = null
+        managers = getattr(getattr(kv_cache_manager, "coordinator", None),
+                           "single_type_managers", None)
+        if managers is not None and len(managers) == len(self.groups.groups):
+            self._skipped = lambda group, tokens: managers[group].get_num_skipped_tokens(tokens)
+
+    def request_finished(self, request: Any, block_ids: Sequence[int] | Sequence[list[int]]
+                         ) -> bool:
+        """True: vLLM must keep the blocks until they are released (stores read them).
+        ``block_ids``: the request's blocks, or one list per KV cache group."""
+        if block_ids and not isinstance(block_ids[0], int):
+            block_ids = [b for ids in block_ids for b in ids if b != self._null_block]
         req_id = request.request_id
         self._requests.pop(req_id, None)
         self._load_tiers.pop(req_id, None)
@@ -458,39 +494,119 @@ class SchedulerHalf:
         lora = getattr(request, "lora_request", None)
         seed = isolation_seed(getattr(lora, "lora_name", None) if lora else None,
                               getattr(request, "cache_salt", None))
-        tracked = self._requests[request.request_id] = _Tracked(request, seed)
+        tracked = self._requests[request.request_id] = _Tracked(request, seed,
+                                                                len(self.groups.groups))
         return tracked
 
+    def _tier_of(self, key: int) -> str | None:
+        found = self.planner.lookup((key,))
+        return found[0] if found else None
+
+    def _held_prefix(self, chain: Sequence[int], start: int) -> list[str]:
+        """Per block of the longest prefix after ``chain[:start]`` that every KV cache group
+        can serve from the lower tiers, the tier it is counted from (a full-attention
+        group's block there, else the nearest block of a window loaded after it)."""
+        groups, bs = self.groups, self.block_size
+        if groups == KvGroups():
+            return self.planner.lookup(chain[start:])
+        n = groups.longest_hit(chain, start, lambda key: self._tier_of(key) is not None, bs,
+                               self._skipped)
+        at: dict[int, str | None] = {}
+        for pos, i in groups.needed(start, start + n, bs, self._skipped):
+            if i not in at or groups.groups[pos].keeps_every_block:
+                at[i] = self._tier_of(groups.key(pos, chain[i]))
+        tiers: list[str] = []
+        nearest = None
+        for i in range(start + n - 1, start - 1, -1):
+            nearest = at.get(i) or nearest
+            tiers.append(nearest)
+        tiers.reverse()
+        return tiers
+
+    def _bytes_per_position(self, start: int, count: int) -> float:
+        """The bytes a load of ``count`` blocks after ``start`` moves per block of the
+        prompt (every group's blocks; a sliding window's only inside the window)."""
+        per_block = self.settings.kv.bytes_per_block
+        if self.groups == KvGroups() or count <= 0:
+            return per_block
+        needed = self.groups.needed(start, start + count, self.block_size, self._skipped)
+        return per_block * len(needed) / count
+
+    def _load_targets(self, tracked: "_Tracked", block_ids: Sequence[list[int]], start: int,
+                      stop: int) -> tuple[list[int], list[int]]:
+        """(block names, engine block ids) to load for blocks ``[start, stop)`` of a request:
+        every group's block that vLLM allocated there (not its null block: a sliding-window
+        group gets blocks only inside its window)."""
+        hashes: list[int] = []
+        targets: list[int] = []
+        key, chain = self.groups.key, tracked.seq
+        for pos, ids in enumerate(block_ids[:len(self.groups.groups)]):
+            for i in range(start, min(stop, len(ids))):
+                if ids[i] != self._null_block:
+                    hashes.append(key(pos, chain[i]))
+                    targets.append(ids[i])
+        if len(set(targets)) != len(targets):
+            raise PlacementError("vLLM gave one engine block id to two KV cache groups")
+        return hashes, targets
+
     def _offer_new_blocks(self, scheduler_output: Any) -> None:
-        """Offer the blocks that this step's forward makes full to the tiers below G1."""
+        """Offer the blocks that this step's forward makes full to the tiers below G1, every
+        KV cache group's."""
         bs = self.block_size
         state = getattr(scheduler_output, "kv_connector_block_state", None)
+        if state is None:
+            return
+        in_use = self.planner.engine_blocks_in_use() if self.groups.has_window else None
         for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
             tracked = self._requests.get(req_id)
-            if tracked is None or state is None:
+            if tracked is None:
                 continue
-            groups = state.get_block_ids(req_id)
-            if not groups:
+            tables = state.get_block_ids(req_id)
+            if not tables:
                 continue
-            ids = groups[0]
+            if in_use is not None and tracked.reading:
+                self._check_freed_while_read(tracked, tables, in_use)
             request = tracked.request
             # Full after this step's forward, and named by token ids already sampled: draft
             # tokens (speculative decoding) and async scheduling's placeholders are scheduled
             # before their ids are known; their blocks are offered in a later step.
-            full = min((request.num_computed_tokens + scheduled) // bs,
-                       len(request.all_token_ids) // bs, len(ids))
-            if full <= tracked.offered:
-                continue
-            tracked.hash_upto(full, bs)
-            records = tracked.records(tracked.offered, full, bs)
+            computed = min((request.num_computed_tokens + scheduled) // bs,
+                           len(request.all_token_ids) // bs)
+            for pos, ids in enumerate(tables[:len(tracked.offered)]):
+                self._offer_group(tracked, pos, ids, min(computed, len(ids)))
+
+    def _offer_group(self, tracked: "_Tracked", pos: int, ids: list[int], full: int) -> None:
+        """Offer KV cache group ``pos``'s blocks up to ``full`` (its null blocks, which a
+        sliding window freed before they were seen, cannot be)."""
+        first = tracked.offered[pos]
+        if full <= first:
+            return
+        tracked.hash_upto(full, self.block_size)
+        blocks = [i for i in range(first, full) if ids[i] != self._null_block]
+        if blocks:
+            records = tracked.records(blocks, self.block_size, self.groups, pos)
+            engine_ids = [ids[i] for i in blocks]
             try:
-                self.planner.prepare_offload(TOP_TIER, records,
-                                             engine_block_ids=ids[tracked.offered:full])
+                self.planner.prepare_offload(TOP_TIER, records, engine_block_ids=engine_ids)
             except PlacementError as exc:
-                log.debug("kvstrata: store of request %s deferred: %s", req_id, exc)
-                continue
-            self.counters.blocks_offered += full - tracked.offered
-            tracked.offered = full
+                log.debug("kvstrata: store of request %s deferred: %s",
+                          tracked.request.request_id, exc)
+                return
+            self.counters.blocks_offered += len(blocks)
+            if not self.groups.groups[pos].keeps_every_block:
+                tracked.reading.extend((pos, i, ids[i]) for i in blocks)
+        tracked.offered[pos] = full
+
+    def _check_freed_while_read(self, tracked: "_Tracked", tables: Sequence[list[int]],
+                                in_use: frozenset[int]) -> None:
+        """vLLM frees a sliding-window block once the window has passed it, in the step that
+        schedules the request, without asking: if a store still reads one, the workers must
+        finish the copies reading vLLM's KV before this step's forward (as after a
+        preemption), since the block may be given to another request now."""
+        still = [(pos, i, b) for pos, i, b in tracked.reading if b in in_use]
+        tracked.reading = still
+        if any(tables[pos][i] != b for pos, i, b in still if i < len(tables[pos])):
+            self._flush = True
 
     def _count_not_stored(self) -> None:
         skipped = self.planner.stats.skipped_blocks

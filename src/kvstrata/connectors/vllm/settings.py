@@ -59,6 +59,7 @@ from ...events.spec import sink_problem
 from ...kinds import StorageOptions, check_tiers
 from ...remote.control import can_listen_on, parse_control
 from ...tiers import TIER_NAMES, TOP_TIER, TierKind, first_of_kind, spec
+from .groups import FULL, MLA, SLIDING, KvGroup, KvGroups
 
 __all__ = ["ConnectorConfigError", "ConnectorSettings", "KvGeometry", "DEFAULT_TIERS",
            "settings_from"]
@@ -83,7 +84,11 @@ class ConnectorConfigError(ValueError):
 
 @dataclass(frozen=True)
 class KvGeometry:
-    """What the engine's KV cache looks like, as both halves read it from vLLM's config."""
+    """What the engine's KV cache looks like, as both halves read it from vLLM's config.
+
+    ``num_layers`` counts the KV tensors a block id has a page in (one per attention layer,
+    or with several KV cache groups one per tensor the groups' layers share); ``outer_dim``
+    is 2 for K and V, 1 for MLA's one latent per token."""
 
     block_size: int
     num_layers: int
@@ -93,43 +98,77 @@ class KvGeometry:
     num_gpu_blocks: int
     workers: int = 1
     """Workers holding a share of each block (tier sizes are per worker)."""
+    outer_dim: int = 2
+    groups: KvGroups = KvGroups()
 
     @classmethod
     def from_vllm(cls, kv_cache_config: Any, workers: int = 1) -> "KvGeometry":
-        """From vLLM's ``KVCacheConfig``: one KV cache group of attention layers."""
+        """From vLLM's ``KVCacheConfig``: its KV cache groups of full-attention (MLA
+        included) and sliding-window layers; anything else is refused."""
         groups = list(getattr(kv_cache_config, "kv_cache_groups", ()) or ())
-        if len(groups) != 1:
+        if not groups:
+            raise ConnectorConfigError("kvstrata's vLLM connector: vLLM's KV cache has no "
+                                       "KV cache group")
+        kinds = tuple(_group_of(i, g.kv_cache_spec) for i, g in enumerate(groups))
+        specs = [g.kv_cache_spec for g in groups]
+        first = specs[0]
+        shapes = {(int(s.block_size), int(s.num_kv_heads), int(s.head_size), str(s.dtype))
+                  for s in specs}
+        if len(shapes) != 1:
             raise ConnectorConfigError(
-                f"kvstrata's vLLM connector needs a model with one KV cache group (full "
-                f"attention in every layer); this one has {len(groups)}")
-        spec = groups[0].kv_cache_spec
-        _require_full_attention(spec)
-        dtype = str(spec.dtype).removeprefix("torch.")
-        return cls(block_size=int(spec.block_size), num_layers=len(groups[0].layer_names),
-                   kv_heads=int(spec.num_kv_heads), head_dim=int(spec.head_size),
+                f"kvstrata's vLLM connector needs every KV cache group to have the same block "
+                f"size, heads, head size and dtype; this model's groups have {sorted(shapes)}")
+        mla = {k.kind == MLA for k in kinds}
+        if len(mla) != 1:
+            raise ConnectorConfigError("kvstrata's vLLM connector does not hold a model "
+                                       "that mixes MLA and other attention groups")
+        layers = _pages_per_block(kv_cache_config) or max(len(g.layer_names) for g in groups)
+        dtype = str(first.dtype).removeprefix("torch.")
+        return cls(block_size=int(first.block_size), num_layers=layers,
+                   kv_heads=int(first.num_kv_heads), head_dim=int(first.head_size),
                    dtype=dtype, num_gpu_blocks=int(kv_cache_config.num_blocks),
-                   workers=workers)
+                   workers=workers, outer_dim=1 if mla == {True} else 2,
+                   groups=KvGroups(kinds))
 
 
-def _require_full_attention(spec: Any) -> None:
-    """Full attention with K and V per head: what the connector stores and loads whole.
+def _pages_per_block(kv_cache_config: Any) -> int:
+    """How many distinct pages one block id has in vLLM's KV cache allocation: one per
+    layer of a group, but the layers of different groups overlay each other (a block id
+    belongs to one group at a time), so pages are counted by their place in the
+    allocation (``KVCacheTensor``: layer ``l``'s pages start at ``offset + l *
+    layer_stride``). 0 when vLLM's config does not say."""
+    starts = set()
+    for tensor in getattr(kv_cache_config, "kv_cache_tensors", None) or ():
+        stride = getattr(tensor, "layer_stride", None)
+        names = getattr(tensor, "layers", None) or getattr(tensor, "shared_by", None) or ()
+        if stride is None:
+            return 0
+        offset = getattr(tensor, "offset", 0) or 0
+        starts.update(offset + i * stride for i in range(len(names)))
+    return len(starts)
 
-    Refused: sliding-window and chunked-local layers (vLLM frees blocks that leave the window
-    while the request runs, with no ``request_finished``, and puts its null block in their
-    place in the block table), MLA (one latent per token instead of K and V: a different
-    block size), and anything that is not attention. A ``FullAttentionSpec`` with a
-    ``sliding_window`` is accepted: vLLM made it from sliding-window layers of a hybrid model
-    when its hybrid cache manager is off (this connector does not enable it) and manages it
-    as full attention, never freeing a block mid-request."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+def _group_of(index: int, spec: Any) -> KvGroup:
+    """The connector's view of one KV cache group, or why it cannot hold it.
+
+    Held: full attention (a ``FullAttentionSpec``, whose ``sliding_window`` vLLM sets when it
+    merged sliding-window layers into full attention with its hybrid manager off: managed as
+    full attention), MLA, and sliding-window attention (vLLM frees blocks that leave the
+    window while the request runs; the connector loads only the window). Refused, by name:
+    chunked-local attention, Mamba / linear-attention state, and anything else."""
+    from vllm.v1.kv_cache_interface import (FullAttentionSpec, MLAAttentionSpec,
+                                            SlidingWindowSpec)
 
     kind = type(spec).__name__
-    if isinstance(spec, MLAAttentionSpec):
-        raise ConnectorConfigError(f"kvstrata's vLLM connector does not hold MLA KV caches "
-                                   f"({kind}) yet")
-    if not isinstance(spec, FullAttentionSpec) or getattr(spec, "attention_chunk_size", None):
-        raise ConnectorConfigError(f"kvstrata's vLLM connector needs full attention in every "
-                                   f"layer; this model's KV cache is {kind}")
+    if isinstance(spec, MLAAttentionSpec) and type(spec) is MLAAttentionSpec:
+        return KvGroup(index, MLA)
+    if type(spec) is FullAttentionSpec and not getattr(spec, "attention_chunk_size", None):
+        return KvGroup(index, FULL)
+    if type(spec) is SlidingWindowSpec:
+        return KvGroup(index, SLIDING, int(spec.sliding_window))
+    raise ConnectorConfigError(
+        f"kvstrata's vLLM connector holds full-attention, MLA and sliding-window KV cache "
+        f"groups; group {index} of this model is {kind} (docs/vllm.md: supported attention)")
 
 
 @dataclass(frozen=True)
@@ -162,6 +201,10 @@ class ConnectorSettings:
     """The byte order of vLLM's KV pages as stored (platform, version, attention backend):
     part of the fingerprint of persistent tiers, so pages of another layout are never read."""
 
+    groups: KvGroups = KvGroups()
+    """vLLM's KV cache groups (:mod:`.groups`): how each group's blocks are named and
+    which of them a load needs."""
+
     def tier_blocks(self, tier: str) -> int:
         return self.kv.tier_blocks(tier)
 
@@ -189,8 +232,11 @@ def settings_from(extra: Mapping[str, Any] | None, geometry: KvGeometry,
     if problems:
         raise ConnectorConfigError("kvstrata connector: " + "; ".join(problems))
     kv = _kv_config(geometry, tiers, overrides, config_path, env, model_id)
+    if geometry.groups != KvGroups():
+        block_layout = f"{block_layout} groups {geometry.groups.signature()}"
     _check_runnable(kv, geometry.workers, block_layout)
-    return ConnectorSettings(kv=kv, block_layout=block_layout, **switches)
+    return ConnectorSettings(kv=kv, block_layout=block_layout, groups=geometry.groups,
+                             **switches)
 
 
 def _switches(extra: Mapping[str, Any], geometry: KvGeometry,
@@ -240,6 +286,9 @@ def _switches(extra: Mapping[str, Any], geometry: KvGeometry,
                                   and all(_control_address(x) for x in v),
                                   f"a list of at most {MAX_PEERS} tcp://host:port, ports in "
                                   f"1..65535", problems))
+    if (out["export"] or out["peers"]) and not geometry.groups.single:
+        problems.append("export/peers (sharing G2 between engines) holds models of one KV "
+                        f"cache group for now; this one has {len(geometry.groups.groups)}")
     if (out["export"] or out["peers"]) and geometry.workers != 1:
         problems.append("export/peers (sharing G2 between engines) supports one worker per "
                         f"engine for now; this engine has {geometry.workers}")
@@ -286,7 +335,8 @@ def _kv_config(geometry: KvGeometry, tiers: dict[str, TierConfig] | None,
                                                                            config_path)
                              else "lru")
     model = ModelGeometry(num_layers=geometry.num_layers, kv_heads=geometry.kv_heads,
-                          head_dim=geometry.head_dim, dtype=geometry.dtype, outer_dim=2)
+                          head_dim=geometry.head_dim, dtype=geometry.dtype,
+                          outer_dim=geometry.outer_dim)
     try:
         return replace(base, block_size=geometry.block_size, model=model,
                        tiers={TOP_TIER: TierConfig(blocks=geometry.num_gpu_blocks), **chosen},

@@ -105,6 +105,7 @@ class WorkerHalf:
         self._request_failed: dict[str, set[int]] = {}
         self._finished_recving: set[str] = set()
         self._load_errors: set[int] = set()
+        self._failed_requests: set[str] = set()
         self._timing: tuple[int, float] | None = None
         self._forwards: list[tuple[int, float]] = []
         self._export: G2Export | None = None
@@ -207,8 +208,17 @@ class WorkerHalf:
         return set(), done
 
     def load_errors(self) -> set[int]:
+        """Engine block ids whose load failed since the last call (vLLM recomputes from
+        the first of them)."""
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def failed_requests(self) -> set[str]:
+        """Requests whose load failed since the last call, with several KV cache groups
+        (vLLM cannot map block ids of several groups back: it recomputes such a request
+        whole). Each was also reported finished by :meth:`finished`."""
+        failed, self._failed_requests = self._failed_requests, set()
+        return failed
 
     def report(self) -> WorkerReport | None:
         self._drain()
@@ -302,6 +312,8 @@ class WorkerHalf:
     def _finish_load(self, req_id: str) -> None:
         self._request_jobs.pop(req_id, None)
         failed = self._request_failed.pop(req_id, None)
-        if failed:
+        if failed and self.settings.groups.single:
             self._load_errors.update(failed)
+        elif failed:
+            self._failed_requests.add(req_id)
         self._finished_recving.add(req_id)
