@@ -1,4 +1,6 @@
-"""Random-weight Llama checkpoints made locally, for tests and benchmarks.
+"""Random-weight checkpoints made locally, for tests and benchmarks: a Llama, and for the
+attention types the connector holds besides full attention a Gemma-3-style model (sliding
+window and full layers interleaved) and a DeepSeek-V2-style one (MLA).
 
 vLLM loads a model from a directory; nothing here downloads anything. The weights are random
 (seeded, so greedy outputs repeat), which is all a KV-cache test needs: the KV bytes and the
@@ -8,6 +10,7 @@ none.
 
 Two shapes are named: :data:`TINY` (fast engine start, for tests) and :data:`BENCH` (about
 100M parameters, 16 KiB of KV per token in bf16: prefill costs real time on a CPU).
+:func:`make_random_model` makes any of :data:`ARCHITECTURES` of a shape.
 """
 
 from __future__ import annotations
@@ -17,7 +20,13 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["ModelShape", "TINY", "BENCH", "make_random_llama"]
+__all__ = ["ModelShape", "TINY", "BENCH", "ARCHITECTURES", "make_random_llama",
+           "make_random_model"]
+
+ARCHITECTURES = ("llama", "gemma3", "deepseek_v2")
+"""``llama``: full attention; ``gemma3``: sliding-window layers with one full-attention layer
+in four (Gemma 3's pattern is five in six), window :attr:`ModelShape.sliding_window`;
+``deepseek_v2``: MLA, dense layers (vLLM's CPU MLA kernel needs a latent of 512 + 64)."""
 
 
 @dataclass(frozen=True)
@@ -33,6 +42,8 @@ class ModelShape:
     max_positions: int = 4096
     dtype: str = "bfloat16"
     seed: int = 0
+    sliding_window: int = 64
+    """Tokens each sliding-window layer attends to (``gemma3``)."""
     init_std: float = 0.3
     """Weight scale: well above transformers' 0.02, so greedy tokens depend on the whole
     context (with tiny weights a random model repeats one token whatever the prompt, and
@@ -57,9 +68,21 @@ _STAMP = "kvstrata-random-model.json"
 def make_random_llama(directory: str | os.PathLike, shape: ModelShape = TINY) -> Path:
     """Write a random-weight Llama of ``shape`` (config, safetensors weights, tokenizer) into
     ``directory`` and return it. A directory already holding the same shape is reused."""
+    return make_random_model(directory, shape, "llama")
+
+
+def make_random_model(directory: str | os.PathLike, shape: ModelShape = TINY,
+                      architecture: str = "llama") -> Path:
+    """Write a random-weight model of ``architecture`` (one of :data:`ARCHITECTURES`) and
+    ``shape`` into ``directory`` and return it; a directory already holding the same one is
+    reused."""
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"architecture must be one of {ARCHITECTURES}, got {architecture!r}")
     out = Path(directory)
     stamp = out / _STAMP
-    wanted = asdict(shape)
+    wanted = {**asdict(shape), "architecture": architecture}
+    if architecture == "llama":
+        wanted.pop("architecture")           # stamps written before there was a choice
     if stamp.is_file():
         try:
             if json.loads(stamp.read_text()) == wanted:
@@ -67,23 +90,62 @@ def make_random_llama(directory: str | os.PathLike, shape: ModelShape = TINY) ->
         except (OSError, ValueError):
             pass
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
-    config = LlamaConfig(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
-                         intermediate_size=shape.intermediate_size,
-                         num_hidden_layers=shape.num_layers,
-                         num_attention_heads=shape.num_heads,
-                         num_key_value_heads=shape.num_kv_heads,
-                         max_position_embeddings=shape.max_positions,
-                         bos_token_id=1, eos_token_id=2, initializer_range=shape.init_std, tie_word_embeddings=False,
-                         torch_dtype=shape.dtype)
+    config, model_class = _BUILDERS[architecture](shape)
     torch.manual_seed(shape.seed)
-    model = LlamaForCausalLM(config).to(getattr(torch, shape.dtype))
+    model = model_class(config).to(getattr(torch, shape.dtype))
     model.save_pretrained(out, safe_serialization=True)
     _write_tokenizer(out, shape.vocab_size)
     stamp.write_text(json.dumps(wanted))
     return out
+
+
+def _common(shape: ModelShape) -> dict:
+    return dict(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
+                intermediate_size=shape.intermediate_size,
+                num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads,
+                num_key_value_heads=shape.num_kv_heads,
+                max_position_embeddings=shape.max_positions, bos_token_id=1, eos_token_id=2,
+                initializer_range=shape.init_std, torch_dtype=shape.dtype)
+
+
+def _llama(shape: ModelShape):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaConfig(**_common(shape), tie_word_embeddings=False), LlamaForCausalLM
+
+
+def _gemma3(shape: ModelShape):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    layer_types = ["full_attention" if i % 4 == 3 or i == shape.num_layers - 1
+                   else "sliding_attention"
+                   for i in range(shape.num_layers)]
+    config = Gemma3TextConfig(**_common(shape), head_dim=shape.head_dim,
+                              sliding_window=shape.sliding_window,
+                              query_pre_attn_scalar=shape.head_dim, layer_types=layer_types,
+                              pad_token_id=0)
+    config.architectures = ["Gemma3ForCausalLM"]
+    return config, Gemma3ForCausalLM
+
+
+def _deepseek_v2(shape: ModelShape):
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    common = _common(shape)
+    common["num_key_value_heads"] = shape.num_heads
+    config = DeepseekV2Config(**common, kv_lora_rank=512, q_lora_rank=None,
+                              qk_nope_head_dim=shape.head_dim, qk_rope_head_dim=64,
+                              v_head_dim=shape.head_dim,
+                              first_k_dense_replace=shape.num_layers,    # no MoE layer
+                              n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                              moe_intermediate_size=32)
+    config.architectures = ["DeepseekV2ForCausalLM"]
+    return config, DeepseekV2ForCausalLM
+
+
+_BUILDERS = {"llama": _llama, "gemma3": _gemma3, "deepseek_v2": _deepseek_v2}
 
 
 def _write_tokenizer(out: Path, vocab_size: int) -> None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvstrata.connectors.vllm.groups import KvGroups
 from kvstrata.connectors.vllm.metadata import WorkerReport
 from kvstrata.connectors.vllm.scheduler import SchedulerHalf
 from kvstrata.connectors.vllm.settings import KvGeometry, settings_from
@@ -64,10 +65,12 @@ class FakeRequest:
 
 @dataclass
 class _BlockState:
-    table: dict[str, list[int]]
+    table: dict[str, list[int] | tuple[list[int], ...]]
+    """Per request its block ids, or one list per KV cache group."""
 
     def get_block_ids(self, req_id: str) -> tuple[list[int], ...]:
-        return (self.table[req_id],)
+        ids = self.table[req_id]
+        return ids if isinstance(ids, tuple) else (ids,)
 
 
 @dataclass
@@ -83,6 +86,7 @@ class _ConnectorOutput:
     finished_recving: set[str] | None = None
     kv_connector_worker_meta: WorkerReport | None = None
     invalid_block_ids: set[int] = field(default_factory=set)
+    failed_recving: set[str] = field(default_factory=set)
 
 
 class SimEngine:
@@ -90,9 +94,15 @@ class SimEngine:
 
     def __init__(self, tmp_path, *, g1_blocks: int = 64, g2_blocks: int = 32,
                  g3_blocks: int | None = 64, ranks: int = 1, block_size: int = 4,
-                 extra: dict | None = None, copy_engine=None) -> None:
+                 extra: dict | None = None, copy_engine=None,
+                 groups: KvGroups = KvGroups(), mla: bool = False) -> None:
         self.block_size = block_size
-        geometry = KvGeometry(block_size, LAYERS, HEADS, HEAD_DIM, "bfloat16", g1_blocks)
+        # MLA: one latent of HEADS * 2 * HEAD_DIM per token, as vLLM's CPU MLA page
+        # [blocks, 1, block_size, latent]
+        page = (1, block_size, HEADS * 2 * HEAD_DIM) if mla \
+            else (HEADS, block_size, 2 * HEAD_DIM)
+        geometry = KvGeometry(block_size, LAYERS, page[0], page[2] // (1 if mla else 2),
+                              "bfloat16", g1_blocks, outer_dim=1 if mla else 2, groups=groups)
         tiers = {"G2": {"blocks": g2_blocks}}
         if g3_blocks:
             tiers["G3"] = {"blocks": g3_blocks}
@@ -106,9 +116,8 @@ class SimEngine:
         self.workers = [WorkerHalf(self.settings, rank=r, copy_engine=copy_engine,
                                    world_size=ranks)
                         for r in range(ranks)]
-        self.kv = [[torch.zeros(g1_blocks, HEADS, block_size, 2 * HEAD_DIM,
-                                dtype=torch.bfloat16) for _ in range(LAYERS)]
-                   for _ in range(ranks)]
+        self.kv = [[torch.zeros(g1_blocks, *page, dtype=torch.bfloat16)
+                    for _ in range(LAYERS)] for _ in range(ranks)]
         for worker, layers in zip(self.workers, self.kv):
             worker.register_kv_caches({f"model.layers.{i}.attn": t
                                        for i, t in enumerate(layers)})
@@ -160,8 +169,8 @@ class SimEngine:
                 if n is None:                  # not determined yet: vLLM skips it this step
                     continue
                 assert n % bs == 0 and n < request.num_tokens
-                request.block_ids = self._allocate(-(-request.num_tokens // bs))
-                self.scheduler.update_state_after_alloc(request, (list(request.block_ids),), n)
+                self._allocate_for(request, n)
+                self.scheduler.update_state_after_alloc(request, self._tables(request), n)
                 request.loaded = n // bs
                 if is_async:
                     request.state = "loading"
@@ -171,7 +180,7 @@ class SimEngine:
             if request.state == "running":
                 todo = request.num_tokens - request.num_computed_tokens
                 scheduled[request.request_id] = todo
-        table = {r: self.requests[r].block_ids for r in scheduled}
+        table = {r: self._tables(self.requests[r]) for r in scheduled}
         orders = self.scheduler.build_connector_meta(
             _SchedulerOutput(scheduled, set(self._preempted), _BlockState(table)))
         self._preempted.clear()
@@ -188,6 +197,7 @@ class SimEngine:
             for req_id in done:
                 recving[req_id] = recving.get(req_id, 0) + 1
             output.invalid_block_ids |= worker.load_errors()
+            output.failed_recving |= worker.failed_requests()
             report = worker.report()
             if report is not None:
                 reports.append(report)
@@ -209,6 +219,13 @@ class SimEngine:
         self._after_step(scheduled, output)
 
     # -- internals -------------------------------------------------------------------------
+    def _tables(self, request: FakeRequest) -> tuple[list[int], ...]:
+        """The request's block ids, one list per KV cache group (one group here)."""
+        return (list(request.block_ids),)
+
+    def _allocate_for(self, request: FakeRequest, external_tokens: int) -> None:
+        request.block_ids = self._allocate(-(-request.num_tokens // self.block_size))
+
     def _allocate(self, n: int) -> list[int]:
         assert len(self.free) >= n, "simulated KV cache full"
         ids, self.free = self.free[:n], self.free[n:]
@@ -236,8 +253,17 @@ class SimEngine:
                 continue
             tracked.hash_upto(last, bs)
             for b in range(first, last):
-                for layer, tensor in enumerate(self.kv[rank]):
-                    tensor[request.block_ids[b]] = block_kv(tracked.seq[b], layer, rank, bs)
+                self._write_block(rank, request, tracked, b)
+
+    def _write_block(self, rank: int, request: FakeRequest, tracked, b: int) -> None:
+        """The forward writes block ``b`` of ``request`` (in every group holding it)."""
+        for layer, tensor in enumerate(self.kv[rank]):
+            tensor[request.block_ids[b]] = self.page_kv(tracked.seq[b], layer, rank)
+
+    def page_kv(self, sequence_hash: int, layer: int, rank: int) -> torch.Tensor:
+        """:func:`block_kv` in the shape of this engine's KV page."""
+        page = self.kv[0][0].shape[1:]
+        return block_kv(sequence_hash, layer, rank, self.block_size).reshape(page)
 
     def _after_step(self, scheduled: dict[str, int], output: _ConnectorOutput) -> None:
         bs = self.block_size
@@ -249,6 +275,8 @@ class SimEngine:
                    if b in output.invalid_block_ids]
             if bad:
                 request.num_computed_tokens = bad[0] * bs
+            if req_id in output.failed_recving:           # recomputed whole
+                request.num_computed_tokens = 0
             request.state = "running"
         for req_id in output.finished_sending or ():
             self.finished[req_id] = request = self.held.pop(req_id)
@@ -260,14 +288,19 @@ class SimEngine:
                 self._finish(request)
                 continue
             request._tokens.append(1000 + request.num_tokens % 97)   # the sampled token
-            if -(-request.num_tokens // bs) > len(request.block_ids):
-                request.block_ids += self._allocate(1)
+            self._grow(request)
+
+    def _grow(self, request: FakeRequest) -> None:
+        """After a step: a block for the next token if it starts one."""
+        if -(-request.num_tokens // self.block_size) > len(request.block_ids):
+            request.block_ids += self._allocate(1)
 
     def _finish(self, request: FakeRequest) -> None:
         del self.requests[request.request_id]
-        computed = request.block_ids[:-(-request.num_computed_tokens // bs)] \
-            if (bs := self.block_size) else []
-        if self.scheduler.request_finished(request, list(computed)):
+        used = -(-request.num_computed_tokens // self.block_size)
+        computed = tuple(ids[:used] for ids in self._tables(request))
+        if self.scheduler.request_finished(request, computed if len(computed) > 1
+                                           else list(computed[0])):
             self.held[request.request_id] = request
         else:
             self.finished[request.request_id] = request

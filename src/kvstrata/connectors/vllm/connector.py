@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Iterable
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
@@ -60,6 +61,11 @@ class KvStrataConnector(KVConnectorBase_V1, SupportsHMA):
         settings = settings_from(extra, KvGeometry.from_vllm(kv_cache_config, world_size),
                                  model_id=_model_id(vllm_config),
                                  block_layout=_block_layout())
+        if settings.load and not _engine_reads_cached_prefixes(vllm_config):
+            log.warning("kvstrata: vLLM cannot attend to a cached prefix of this model here "
+                        "(it turned its own prefix caching off: MLA on a CPU); kvstrata "
+                        "stores its KV but loads none")
+            settings = replace(settings, load=False)
         self.settings = settings
         self.scheduler = None
         self.worker = None
@@ -224,6 +230,18 @@ def _model_id(vllm_config: Any) -> str:
     name = str(getattr(model, "model", "") or "")
     revision = getattr(model, "revision", None)
     return f"{name}@{revision}" if revision else name
+
+
+def _engine_reads_cached_prefixes(vllm_config: Any) -> bool:
+    """Whether the engine's attention can start a prefill after a cached prefix. vLLM's CPU
+    build cannot for MLA models (its CPU MLA prefill attends to the new tokens only) and
+    turns prefix caching off for them: a loaded prefix would change the outputs."""
+    from vllm.platforms import current_platform
+
+    model = getattr(vllm_config, "model_config", None)
+    cache = getattr(vllm_config, "cache_config", None)
+    return not (getattr(model, "use_mla", False) and current_platform.is_cpu()
+                and not getattr(cache, "enable_prefix_caching", True))
 
 
 def _block_layout() -> str:
