@@ -57,12 +57,13 @@ def _metric(base: str, name: str) -> float:
     return total
 
 
-def test_serve_answers_and_returning_prompt_comes_from_kvstrata(server):
-    rng = random.Random(5)
-    prompt = [rng.randrange(3, 1000) for _ in range(300)]
+def _returning_prompt(server: str, prompt: list[int], block: int = BLOCK) -> tuple[int, int]:
+    """Send ``prompt`` twice, vLLM's own prefix cache reset in between; the second answer is
+    the first's, and its cached tokens (returned, with what a full hit would be) came from
+    kvstrata."""
     first = _complete(server, prompt)
     assert first["choices"][0]["text"]
-    expected = (len(prompt) - 1) // BLOCK * BLOCK
+    expected = (len(prompt) - 1) // block * block
     deadline = time.monotonic() + 60
     while True:                              # the first request's stores land in G2 (the
         time.sleep(0.5)                      # server steps while they run); a loaded
@@ -72,6 +73,13 @@ def test_serve_answers_and_returning_prompt_comes_from_kvstrata(server):
         if cached == expected or time.monotonic() > deadline:
             break
     assert second["choices"][0]["text"] == first["choices"][0]["text"]
+    return cached, expected
+
+
+def test_serve_answers_and_returning_prompt_comes_from_kvstrata(server):
+    rng = random.Random(5)
+    prompt = [rng.randrange(3, 1000) for _ in range(300)]
+    cached, expected = _returning_prompt(server, prompt)
     assert cached == expected
     deadline = time.monotonic() + 30                      # stats reach the logger per step
     while time.monotonic() < deadline:
@@ -195,3 +203,26 @@ def test_an_engine_loads_a_prefix_from_another_engines_g2_over_nixl(model, tmp_p
     finally:
         b.stop()
         a.stop()
+
+
+def test_serve_a_hybrid_sliding_window_model_with_its_hybrid_cache_manager_on(tmp_path):
+    """A Gemma-3-style model (sliding-window layers, window smaller than the prompt, and a
+    full-attention layer): vLLM keeps its hybrid KV cache manager on with kvstrata's
+    connector (SupportsHMA), and a returning prompt comes back from kvstrata."""
+    from kvstrata.testing.random_model import ModelShape, make_random_model
+
+    shape = ModelShape(num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=2,
+                       intermediate_size=256, sliding_window=64)
+    model = make_random_model(tmp_path / "gemma3", shape, "gemma3")
+    proc = Server(str(model), {"tiers": {"G2": {"bytes": "64MiB"}}},
+                  tmp_path / "server.log")
+    try:
+        base = proc.wait_healthy()
+        rng = random.Random(6)
+        cached, expected = _returning_prompt(base, [rng.randrange(3, 1000) for _ in range(300)])
+        assert cached == expected
+    finally:
+        proc.stop()
+    log = proc.log_tail(10 ** 6)
+    assert "Turning off hybrid kv cache manager" not in log
+    assert re.search(r"kv cache group sizes \(\d+(, \d+)+\)", log), log[-3000:]

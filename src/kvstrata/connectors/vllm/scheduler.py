@@ -137,6 +137,10 @@ class SchedulerHalf:
         self._skipped = None
         """vLLM's own count of the tokens a KV cache group no longer attends to (set by
         :meth:`bind_kv_cache_manager`); without it a window's size gives it."""
+        if not self.groups.single:
+            log.info("kvstrata: %d KV cache groups: %s (the first full-attention one is "
+                     "named by the prompt's chain hashes)", len(self.groups.groups),
+                     self.groups.signature())
         self.registry = BlockRegistry()
         self.events = VllmEventCollector(self.groups, self.registry)
         self.registry.add_observer(self.events)
