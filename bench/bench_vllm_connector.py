@@ -34,6 +34,13 @@ and stores nothing: the gap to it is what loading buys, the gap to ``floor`` wha
 The machine may be shared: a configuration during which other processes used more than
 20 % of the CPU is run again (``--noise-retries``) and the quietest run kept.
 
+``--arch`` picks the model: ``llama`` (default; full attention), ``gemma3`` (sliding-window
+layers with a window of ``--window`` tokens, shorter than every turn, and one full-attention
+layer in four: vLLM's hybrid KV cache manager on, four KV cache groups), ``deepseek_v2``
+(MLA; on vLLM's CPU build, which cannot attend to a cached MLA prefix, kvstrata stores and
+loads nothing: every turn is a recompute there, and the table shows it). Block size: 32,
+MLA's 16 on a CPU.
+
 Goals: kvstrata's returning turns within 1.5x the floor from G2 and 2x from G3; its cold
 first turns (storing in the background) within 1.10x of the null connector's. Correctness:
 the greedy tokens of every turn (first token and answer) are compared across configurations
@@ -67,7 +74,9 @@ EXTRA_CONFIGS = ("kvstrata-g3-tiny",)   # G2 of --g2-tiny: shows stores dropped 
 GOAL_G2 = 1.5           # returning TTFT from G2 <= 1.5x the floor
 GOAL_G3 = 2.0           # returning TTFT from G3 <= 2x the floor
 GOAL_COLD = 1.10        # cold TTFT <= 1.10x the null connector's
-BLOCK_SIZE = 32         # CPU build: a multiple of 32
+BLOCK_SIZES = {"llama": 32, "gemma3": 32, "deepseek_v2": 16}
+"""vLLM's CPU build: attention blocks a multiple of 32; its MLA kernel needs 16."""
+BLOCK_SIZE = 32         # of --arch: set by main() (and in each child from its spec)
 VOCAB = 8192            # BENCH model; ids 0, 1, 2 (unk, bos, eos) avoided
 CHILD_TIMEOUT = 420     # s per configuration (engine start included)
 NOISY = 0.20            # share of all cores other processes used: a run is rerun above it
@@ -205,7 +214,9 @@ class TurnCpu:
 
 
 def run_child(name: str, spec_path: str, out_path: str) -> None:
+    global BLOCK_SIZE
     spec = json.loads(Path(spec_path).read_text())
+    BLOCK_SIZE = spec["block_size"]
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec["kv_cache_gib"]))
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -549,8 +560,13 @@ def main() -> None:
                         help=f"comma-separated, from {','.join(CONFIGS + EXTRA_CONFIGS)} "
                              f"(default: all but {','.join(EXTRA_CONFIGS)})")
     parser.add_argument("--json", default=None, help="write the raw numbers to this file")
-    parser.add_argument("--model-dir", default=os.path.expanduser(
-        "~/.cache/kvstrata/models/bench"), help="the random BENCH Llama (made if missing)")
+    parser.add_argument("--arch", default="llama", choices=("llama", "gemma3", "deepseek_v2"),
+                        help="the random model's architecture (see the module docstring)")
+    parser.add_argument("--window", type=int, default=512,
+                        help="tokens of gemma3's sliding window")
+    parser.add_argument("--model-dir", default=None,
+                        help="where the random BENCH-shaped model is (made if missing; "
+                             "default ~/.cache/kvstrata/models/bench[-ARCH])")
     parser.add_argument("--work-dir", default=None,
                         help="logs, G3 slab, ExampleConnector files (default: a temp dir, "
                              "removed after a clean run)")
@@ -590,9 +606,16 @@ def main() -> None:
     conversations = args.conversations or 3
     turns = args.turns or (2 if args.quick else 5)
     started = time.perf_counter()
-    from kvstrata.testing.random_model import BENCH, make_random_llama
+    from dataclasses import replace
 
-    model = make_random_llama(args.model_dir, BENCH)
+    from kvstrata.testing.random_model import BENCH, make_random_model
+
+    global BLOCK_SIZE
+    BLOCK_SIZE = BLOCK_SIZES[args.arch]
+    model_dir = args.model_dir or os.path.expanduser(
+        "~/.cache/kvstrata/models/bench" + ("" if args.arch == "llama" else f"-{args.arch}"))
+    shape = replace(BENCH, sliding_window=args.window) if args.arch == "gemma3" else BENCH
+    model = make_random_model(model_dir, shape, args.arch)
     temp = args.work_dir is None
     work = Path(tempfile.mkdtemp(prefix="kvstrata-bench-vllm-") if temp else args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -608,6 +631,7 @@ def main() -> None:
         out_path.unlink(missing_ok=True)
         spec_path.write_text(json.dumps({
             "model": str(model), "answer": args.answer, "kv_cache_gib": args.kv_cache_gib,
+            "block_size": BLOCK_SIZE,
             "kv_transfer_config": kv_transfer_config(name, work, args),
             "workload": workload}))
         result = run_configuration(name, spec_path, out_path, work, args.noise_retries,
