@@ -11,12 +11,12 @@ scheduler half; the model runs in vLLM's worker process, with the connector's wo
 
 from __future__ import annotations
 
-import gc
-import os
 import random
 import time
 
 import pytest
+
+from .conftest import shutdown_engine
 
 pytest.importorskip("vllm")
 
@@ -47,29 +47,6 @@ def _engine(model_dir: str, kv_transfer_config: dict | None, **kw):
                seed=0, **kw)
 
 
-def _shutdown(llm) -> None:
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    except Exception:
-        pass
-    del llm
-    gc.collect()
-
-
-@pytest.fixture(scope="module")
-def env():
-    saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING",
-                                             "VLLM_CPU_KVCACHE_SPACE")}
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    yield
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-
-
 PROMPTS = {
     "multi_turn_1": _tokens(1, 300),
     "shared": _tokens(2, 200),
@@ -78,7 +55,7 @@ PROMPTS = {
 
 
 @pytest.fixture(scope="module")
-def reference(env, model_dir):
+def reference(in_process_vllm, model_dir):
     """Greedy outputs of vLLM without any connector, for every prompt the tests send."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -88,7 +65,7 @@ def reference(env, model_dir):
     sp = SamplingParams(max_tokens=16, temperature=0, detokenize=False)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts.values()], sp)
     ref = {name: list(o.outputs[0].token_ids) for name, o in zip(prompts, outs)}
-    _shutdown(llm)
+    shutdown_engine(llm)
     return ref
 
 
@@ -108,7 +85,7 @@ def _all_prompts() -> dict[str, list[int]]:
 
 
 @pytest.fixture(scope="module")
-def engine(env, model_dir, reference, tmp_path_factory):
+def engine(in_process_vllm, model_dir, reference, tmp_path_factory):
     from vllm.config import KVEventsConfig
 
     g3_dir = tmp_path_factory.mktemp("g3")
@@ -128,7 +105,7 @@ def engine(env, model_dir, reference, tmp_path_factory):
     llm = _engine(model_dir, config, kv_events_config=KVEventsConfig(
         enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint))
     yield llm, g3_dir
-    _shutdown(llm)
+    shutdown_engine(llm)
 
 
 EVENTS: dict = {}

@@ -16,12 +16,12 @@ read the connector's scheduler half, as in test_vllm_engine.py.
 
 from __future__ import annotations
 
-import gc
-import os
 import random
 import time
 
 import pytest
+
+from .conftest import shutdown_engine
 
 pytest.importorskip("vllm")
 
@@ -45,20 +45,6 @@ for i in range(3):
     PROMPTS[f"filler_{i}"] = _tokens(400 + i, 300)
 
 
-@pytest.fixture(scope="module")
-def env():
-    saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING",
-                                             "VLLM_CPU_KVCACHE_SPACE")}
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    yield
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-
-
 def _engine(model_dir: str, arch: str, kv_transfer_config: dict | None, **kw):
     from vllm import LLM
 
@@ -66,15 +52,6 @@ def _engine(model_dir: str, arch: str, kv_transfer_config: dict | None, **kw):
                block_size=BLOCK[arch], max_model_len=1024, dtype="bfloat16", max_num_seqs=8,
                num_gpu_blocks_override=512, kv_transfer_config=kv_transfer_config, seed=0,
                **kw)
-
-
-def _shutdown(llm) -> None:
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    except Exception:
-        pass
-    del llm
-    gc.collect()
 
 
 def _half(llm):
@@ -97,7 +74,7 @@ def _generate(llm, prompt: list[int], max_tokens: int = 12) -> tuple[list[int], 
 
 
 @pytest.fixture(scope="module", params=["gemma3", "deepseek_v2"])
-def model(request, env, tmp_path_factory):
+def model(request, in_process_vllm, tmp_path_factory):
     from kvstrata.testing.random_model import ModelShape, make_random_model
 
     arch = request.param
@@ -106,7 +83,7 @@ def model(request, env, tmp_path_factory):
     path = str(make_random_model(tmp_path_factory.mktemp(arch), shape, arch))
     llm = _engine(path, arch, None)
     reference = {name: _generate(llm, p)[0] for name, p in PROMPTS.items()}
-    _shutdown(llm)
+    shutdown_engine(llm)
     g3_dir = tmp_path_factory.mktemp(f"g3-{arch}")
     config = {"kv_connector": "KvStrataConnector",
               "kv_connector_module_path": "kvstrata.connectors.vllm",
@@ -119,7 +96,7 @@ def model(request, env, tmp_path_factory):
                   "cost_aware": False}}
     llm = _engine(path, arch, config)
     yield arch, llm, reference
-    _shutdown(llm)
+    shutdown_engine(llm)
 
 
 def test_the_connector_holds_every_kv_cache_group_of_the_model(model):

@@ -171,3 +171,34 @@ class KvGroups:
             first = max(start, self.first_needed(p, stop * block_size, block_size, skipped))
             out.extend((p, i) for i in range(first, stop))
         return out
+
+    def tiers(self, chain: Sequence[int], start: int, tier_of: Callable[[int], Any],
+              block_size: int, skipped: Callable[[int, int], int] | None = None) -> list:
+        """Per block of :meth:`longest_hit` (``tier_of(key)``: the tier holding a block, or
+        None), the tier it is counted from: a full-attention group's block there, else the
+        nearest block of a window loaded after it."""
+        n = self.longest_hit(chain, start, lambda key: tier_of(key) is not None, block_size,
+                             skipped)
+        at: dict[int, Any] = {}
+        for pos, i in self.needed(start, start + n, block_size, skipped):
+            if i not in at or self.groups[pos].keeps_every_block:
+                at[i] = tier_of(self.key(pos, chain[i]))
+        tiers: list = []
+        nearest = None
+        for i in range(start + n - 1, start - 1, -1):
+            nearest = at.get(i) or nearest
+            tiers.append(nearest)
+        tiers.reverse()
+        return tiers
+
+    def targets(self, chain: Sequence[int], block_ids: Sequence[Sequence[int]], start: int,
+                stop: int, null_block: int = 0) -> list[tuple[int, int]]:
+        """(block name, engine block id) of every block to load for blocks ``[start, stop)``
+        of a request: each group's block that vLLM allocated there (``block_ids``, one list
+        per group); not its null block, which a sliding-window group gets outside its
+        window."""
+        out = []
+        for pos, ids in enumerate(block_ids[:len(self.groups)]):
+            out.extend((self.key(pos, chain[i]), ids[i])
+                       for i in range(start, min(stop, len(ids))) if ids[i] != null_block)
+        return out

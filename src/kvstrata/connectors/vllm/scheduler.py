@@ -8,11 +8,13 @@ cache) over the lower tiers, driven by vLLM's scheduler calls:
 
 * ``get_num_new_matched_tokens`` -- hash the prompt (kvstrata's router-compatible chain, seeded
   per LoRA adapter and cache salt) and look up the longest prefix the lower tiers hold beyond
-  vLLM's own hit; answered as an asynchronous load, never the whole prompt.
+  vLLM's own hit, in every KV cache group (a sliding-window group: the window where the hit
+  ends; :mod:`.groups`); answered as an asynchronous load, never the whole prompt.
 * ``update_state_after_alloc`` -- vLLM allocated the blocks: open an onboard into exactly those
   engine block ids; its plans and the request's :class:`LoadOrder` go to the workers.
 * ``build_connector_meta`` -- offer every block that becomes full in this step to G2 (the
-  write-through cascade: dedup, admission, eviction, then G3), and ship the step's plans.
+  write-through cascade: dedup, admission, eviction, then G3), every group's, and ship the
+  step's plans (with a flush when a sliding window freed a block a store still reads).
 * ``update_connector_output`` -- combine the workers' results (every rank's), apply them to the
   planner, and release finished requests whose blocks no copy reads any more.
 * ``request_finished`` -- hold a finished request's blocks while a store still reads them.
@@ -91,8 +93,9 @@ class _Tracked:
         self.seq: list[int] = []
         self.offered = [0] * groups
         """Per KV cache group, the blocks offered to the tiers so far."""
-        self.load: tuple[int, int, list[str]] | None = None
-        """(first block, blocks, tier of each) last answered to vLLM as loadable."""
+        self.load: tuple[int, list[str]] | None = None
+        """(first block, tier each block is counted from) last answered to vLLM as
+        loadable."""
         self.reading: list[tuple[int, int, int]] = []
         """(group, block, engine block id) of stores from groups whose blocks vLLM frees
         while the request runs (sliding window), until no copy reads them."""
@@ -215,7 +218,7 @@ class SchedulerHalf:
                           "the rest is estimated faster", request.request_id, worth,
                           len(tiers), ",".join(tiers))
                 tiers = self._held_prefix(chain[:start + worth], start)
-        tracked.load = (start, len(tiers), tiers) if tiers else None
+        tracked.load = (start, tiers) if tiers else None
         tracked.remote = None
         if self._peers is not None and len(tiers) < limit - start:
             best = self._peers.best(request.request_id, tracked.seq[start:limit])
@@ -238,13 +241,13 @@ class SchedulerHalf:
             return
         if tracked is None or num_external_tokens <= 0 or tracked.load is None:
             return
-        start, offered, tiers = tracked.load
+        start, tiers = tracked.load
         tracked.load = None
         count = num_external_tokens // self.block_size
-        if count > offered:
+        if count > len(tiers):
             log.warning("kvstrata: vLLM asked %d blocks of request %s, %d were offered",
-                        count, request.request_id, offered)
-        count = min(count, offered)
+                        count, request.request_id, len(tiers))
+        count = min(count, len(tiers))
         self.counters.lookups += 1
         self._load_tiers[request.request_id] = tiers[:count]
         matched = self.counters.tokens_matched
@@ -507,25 +510,11 @@ class SchedulerHalf:
         return found[0] if found else None
 
     def _held_prefix(self, chain: Sequence[int], start: int) -> list[str]:
-        """Per block of the longest prefix after ``chain[:start]`` that every KV cache group
-        can serve from the lower tiers, the tier it is counted from (a full-attention
-        group's block there, else the nearest block of a window loaded after it)."""
-        groups, bs = self.groups, self.block_size
-        if groups == KvGroups():
+        """Per block of the longest prefix after ``chain[:start]`` every KV cache group can
+        serve from the lower tiers, the tier it is counted from (:meth:`KvGroups.tiers`)."""
+        if self.groups == KvGroups():
             return self.planner.lookup(chain[start:])
-        n = groups.longest_hit(chain, start, lambda key: self._tier_of(key) is not None, bs,
-                               self._skipped)
-        at: dict[int, str | None] = {}
-        for pos, i in groups.needed(start, start + n, bs, self._skipped):
-            if i not in at or groups.groups[pos].keeps_every_block:
-                at[i] = self._tier_of(groups.key(pos, chain[i]))
-        tiers: list[str] = []
-        nearest = None
-        for i in range(start + n - 1, start - 1, -1):
-            nearest = at.get(i) or nearest
-            tiers.append(nearest)
-        tiers.reverse()
-        return tiers
+        return self.groups.tiers(chain, start, self._tier_of, self.block_size, self._skipped)
 
     def _bytes_per_position(self, start: int, count: int) -> float:
         """The bytes a load of ``count`` blocks after ``start`` moves per block of the
@@ -538,20 +527,12 @@ class SchedulerHalf:
 
     def _load_targets(self, tracked: "_Tracked", block_ids: Sequence[list[int]], start: int,
                       stop: int) -> tuple[list[int], list[int]]:
-        """(block names, engine block ids) to load for blocks ``[start, stop)`` of a request:
-        every group's block that vLLM allocated there (not its null block: a sliding-window
-        group gets blocks only inside its window)."""
-        hashes: list[int] = []
-        targets: list[int] = []
-        key, chain = self.groups.key, tracked.seq
-        for pos, ids in enumerate(block_ids[:len(self.groups.groups)]):
-            for i in range(start, min(stop, len(ids))):
-                if ids[i] != self._null_block:
-                    hashes.append(key(pos, chain[i]))
-                    targets.append(ids[i])
+        """(block names, engine block ids) to load for blocks ``[start, stop)``."""
+        pairs = self.groups.targets(tracked.seq, block_ids, start, stop, self._null_block)
+        targets = [b for _, b in pairs]
         if len(set(targets)) != len(targets):
             raise PlacementError("vLLM gave one engine block id to two KV cache groups")
-        return hashes, targets
+        return [k for k, _ in pairs], targets
 
     def _offer_new_blocks(self, scheduler_output: Any) -> None:
         """Offer the blocks that this step's forward makes full to the tiers below G1, every
