@@ -65,8 +65,16 @@ class HybridSim(SimEngine):
         super()._grow(request)
         while len(request.window_ids) < len(request.block_ids):
             request.window_ids += self._allocate(1)
-        # vLLM frees what left the window when it next schedules the request; the block
-        # may go to another request at once, whose forward then overwrites it
+        self._leave_window(request)
+
+    def _finish(self, request) -> None:
+        self._leave_window(request)        # vLLM: remove_skipped_blocks, then request_finished
+        super()._finish(request)
+
+    def _leave_window(self, request) -> None:
+        """vLLM frees what left the window when it next schedules the request, and when it
+        finishes; the block may go to another request at once, whose forward overwrites
+        it."""
         for i in range(first_in_window(request.num_computed_tokens)):
             if request.window_ids[i]:
                 self._scribble.append(request.window_ids[i])
@@ -255,22 +263,29 @@ def test_a_load_failing_in_one_group_fails_the_request_not_a_block(make):
     assert_idle(sim)
 
 
-def test_a_store_still_reading_a_block_the_window_freed_is_finished_before_its_reuse(make):
-    """The sliding window frees a block in the step after it was computed; its store to G2
+@pytest.mark.parametrize("prompt_len,max_new", [(6 * BS + 1, 3 * BS), (2 * BS + 3, 1)])
+def test_a_store_still_reading_a_block_the_window_freed_is_finished_before_its_reuse(
+        make, prompt_len, max_new):
+    """The sliding window frees a block in a step after it was computed (a prompt of 6
+    blocks and 3 blocks of answer), or as the request finishes, before ``request_finished``
+    (a prompt whose window first moves past a block with its last token); its store to G2
     runs on a transfer thread and may still read it. The scheduler sees the null block in
-    the table and has the workers finish the copies before that step's forward, which
-    overwrites the freed block: what G2 holds is what the forward wrote, byte for byte."""
+    the table, or the finished request's stores still reading blocks it was not given back,
+    and has the workers finish their copies before the next forward, which overwrites the
+    freed block: what G2 holds is what the forward wrote, byte for byte."""
     sim = make()
     restore = slow_path(sim.workers[0], "G1->G2", 0.05)
-    tokens = prompt(6, 6 * BS + 1)
-    sim.add("a", tokens, max_new=3 * BS)
+    tokens = prompt(6, prompt_len)
+    sim.add("a", tokens, max_new=max_new)
+    sim.add("other", prompt(66, BS + 1), max_new=3)    # keeps the engine stepping
     sim.run()
     restore()
-    request = sim.add("b", tokens + [4])
-    step_until_loaded(sim, request)
-    assert request.loaded == 6
-    assert_loaded_bytes(sim, request, tokens)
-    sim.run()
+    for blocks in range(prompt_len // BS, 0, -1):       # every window, down to block 0's
+        request = sim.add(f"b{blocks}", tokens[:blocks * BS] + [4])
+        step_until_loaded(sim, request)
+        assert request.loaded == blocks
+        assert_loaded_bytes(sim, request, tokens[:blocks * BS])
+        sim.run()
     assert_idle(sim)
 
 

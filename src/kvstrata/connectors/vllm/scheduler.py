@@ -451,14 +451,20 @@ class SchedulerHalf:
         if block_ids and not isinstance(block_ids[0], int):
             block_ids = [b for ids in block_ids for b in ids if b != self._null_block]
         req_id = request.request_id
-        self._requests.pop(req_id, None)
+        tracked = self._requests.pop(req_id, None)
         self._load_tiers.pop(req_id, None)
         if self._peers is not None:
             self._peers.forget(req_id)
         if req_id in self._loading:
             return False            # vLLM already waits for the load before freeing
         ids = frozenset(block_ids)
-        if ids & self.planner.engine_blocks_in_use():
+        in_use = self.planner.engine_blocks_in_use()
+        if tracked is not None and tracked.reading \
+                and any(b in in_use and b not in ids for _, _, b in tracked.reading):
+            # vLLM freed blocks that left the window as the request finished, before this
+            # call, so they cannot be held: finish their copies before the next forward
+            self._flush = True
+        if ids & in_use:
             self._held[req_id] = ids
             self.counters.requests_held += 1
             return True
