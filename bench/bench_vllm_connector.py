@@ -38,8 +38,9 @@ The machine may be shared: a configuration during which other processes used mor
 layers with a window of ``--window`` tokens, shorter than every turn, and one full-attention
 layer in four: vLLM's hybrid KV cache manager on, four KV cache groups), ``deepseek_v2``
 (MLA; on vLLM's CPU build, which cannot attend to a cached MLA prefix, kvstrata stores and
-loads nothing: every turn is a recompute there, and the table shows it). Block size: 32,
-MLA's 16 on a CPU.
+loads nothing: every turn is a recompute there, and the table shows it), ``qwen3_next``
+(linear-attention layers, a Mamba-style state group, beside full attention). Block size: 32,
+MLA's 16 on a CPU; with a Mamba state vLLM's choice.
 
 Goals: kvstrata's returning turns within 1.5x the floor from G2 and 2x from G3; its cold
 first turns (storing in the background) within 1.10x of the null connector's. Correctness:
@@ -74,8 +75,9 @@ EXTRA_CONFIGS = ("kvstrata-g3-tiny",)   # G2 of --g2-tiny: shows stores dropped 
 GOAL_G2 = 1.5           # returning TTFT from G2 <= 1.5x the floor
 GOAL_G3 = 2.0           # returning TTFT from G3 <= 2x the floor
 GOAL_COLD = 1.10        # cold TTFT <= 1.10x the null connector's
-BLOCK_SIZES = {"llama": 32, "gemma3": 32, "deepseek_v2": 16}
-"""vLLM's CPU build: attention blocks a multiple of 32; its MLA kernel needs 16."""
+BLOCK_SIZES = {"llama": 32, "gemma3": 32, "deepseek_v2": 16, "qwen3_next": None}
+"""vLLM's CPU build: attention blocks a multiple of 32; its MLA kernel needs 16; with a
+Mamba state vLLM picks one (an attention page at least as large as the state's)."""
 BLOCK_SIZE = 32         # of --arch: set by main() (and in each child from its spec)
 VOCAB = 8192            # BENCH model; ids 0, 1, 2 (unk, bos, eos) avoided
 CHILD_TIMEOUT = 420     # s per configuration (engine start included)
@@ -222,9 +224,11 @@ def run_child(name: str, spec_path: str, out_path: str) -> None:
     from vllm.inputs import TokensPrompt
 
     started = time.perf_counter()
+    sized = {"block_size": BLOCK_SIZE} if BLOCK_SIZE else {}
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True,
-              block_size=BLOCK_SIZE, max_model_len=8192, dtype="bfloat16", max_num_seqs=4,
-              kv_transfer_config=spec["kv_transfer_config"], disable_log_stats=False)
+              max_model_len=8192, dtype="bfloat16", max_num_seqs=4,
+              kv_transfer_config=spec["kv_transfer_config"], disable_log_stats=False, **sized)
+    BLOCK_SIZE = llm.llm_engine.vllm_config.cache_config.block_size
     engine_s = time.perf_counter() - started
     say(f"{name}: engine up in {engine_s:.0f} s")
     first = SamplingParams(max_tokens=1, temperature=0, detokenize=False)
@@ -288,8 +292,9 @@ def auto_g2_small(workload: dict, answer: int) -> str:
 
     longest = max(len(c["first"]) + sum(len(u) + answer for u in c["user"]) + answer
                   for c in workload["conversations"])
-    blocks = -(-longest // BLOCK_SIZE) + 4
-    return f"{-(-blocks * BLOCK_SIZE * BENCH.kv_bytes_per_token() // (1 << 20))}MiB"
+    block = BLOCK_SIZE or 64          # --arch qwen3_next: vLLM picks it; an estimate
+    blocks = -(-longest // block) + 4
+    return f"{-(-blocks * block * BENCH.kv_bytes_per_token() // (1 << 20))}MiB"
 
 
 def busy_cpu_seconds() -> float:
@@ -560,7 +565,8 @@ def main() -> None:
                         help=f"comma-separated, from {','.join(CONFIGS + EXTRA_CONFIGS)} "
                              f"(default: all but {','.join(EXTRA_CONFIGS)})")
     parser.add_argument("--json", default=None, help="write the raw numbers to this file")
-    parser.add_argument("--arch", default="llama", choices=("llama", "gemma3", "deepseek_v2"),
+    parser.add_argument("--arch", default="llama",
+                        choices=("llama", "gemma3", "deepseek_v2", "qwen3_next"),
                         help="the random model's architecture (see the module docstring)")
     parser.add_argument("--window", type=int, default=512,
                         help="tokens of gemma3's sliding window")

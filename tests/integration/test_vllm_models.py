@@ -1,7 +1,8 @@
 """kvstrata's connector in a real vLLM engine for attention types other than plain full
 attention (issue 26): a Gemma-3-style model (sliding-window layers with a window smaller than
 the prompts, and a full-attention layer; vLLM's hybrid KV cache manager on, four KV cache
-groups) and a DeepSeek-V2-style model (MLA). For each, random weights made locally, greedy
+groups), a DeepSeek-V2-style model (MLA) and a Qwen3-Next-style one (linear-attention layers,
+whose recurrent state vLLM keeps as a Mamba group in its "align" mode, beside full attention). For each, random weights made locally, greedy
 outputs compared token for token with vLLM's without a connector, cold and returning, with the
 returning prefix served from G2 and, after G2 was refilled with other prompts, from G3.
 
@@ -27,8 +28,11 @@ pytest.importorskip("vllm")
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
-BLOCK = {"gemma3": 32, "deepseek_v2": 16}
-"""vLLM's CPU build: sliding-window attention needs a multiple of 32; MLA keeps 16."""
+BLOCK = {"gemma3": 32, "deepseek_v2": 16, "qwen3_next": None}
+"""vLLM's CPU build: sliding-window attention needs a multiple of 32; MLA keeps 16; with a
+Mamba state vLLM picks it (an attention page at least as large as the state: 128 here)."""
+G2_BLOCKS = {"gemma3": 48, "deepseek_v2": 48, "qwen3_next": 8}
+"""About one prompt's blocks of every group: the fillers push a conversation down to G3."""
 WINDOW = 64
 
 
@@ -48,8 +52,10 @@ for i in range(3):
 def _engine(model_dir: str, arch: str, kv_transfer_config: dict | None, **kw):
     from vllm import LLM
 
+    if BLOCK[arch]:
+        kw["block_size"] = BLOCK[arch]
     return LLM(model=model_dir, skip_tokenizer_init=True, enforce_eager=True,
-               block_size=BLOCK[arch], max_model_len=1024, dtype="bfloat16", max_num_seqs=8,
+               max_model_len=1024, dtype="bfloat16", max_num_seqs=8,
                num_gpu_blocks_override=512, kv_transfer_config=kv_transfer_config, seed=0,
                **kw)
 
@@ -73,12 +79,15 @@ def _generate(llm, prompt: list[int], max_tokens: int = 12) -> tuple[list[int], 
     return list(out.outputs[0].token_ids), out.num_cached_tokens
 
 
-@pytest.fixture(scope="module", params=["gemma3", "deepseek_v2"])
+@pytest.fixture(scope="module", params=["gemma3", "deepseek_v2", "qwen3_next"])
 def model(request, in_process_vllm, tmp_path_factory):
     from kvstrata.testing.random_model import ModelShape, make_random_model
 
     arch = request.param
-    shape = ModelShape(num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=2,
+    # Qwen3-Next: heads of 64 so that vLLM's attention block (>= the state's page) stays
+    # well under the prompts' length
+    shape = ModelShape(num_layers=4, hidden_size=256 if arch == "qwen3_next" else 128,
+                       num_heads=4, num_kv_heads=4 if arch == "qwen3_next" else 2,
                        intermediate_size=256, sliding_window=WINDOW)
     path = str(make_random_model(tmp_path_factory.mktemp(arch), shape, arch))
     llm = _engine(path, arch, None)
@@ -91,8 +100,8 @@ def model(request, in_process_vllm, tmp_path_factory):
               "kv_connector_extra_config": {
                   # G2 holds about one prompt's blocks of every group: the fillers push a
                   # conversation's blocks down to G3
-                  "tiers": {"G2": {"blocks": 48}, "G3": {"blocks": 2048,
-                                                        "path": str(g3_dir)}},
+                  "tiers": {"G2": {"blocks": G2_BLOCKS[arch]},
+                            "G3": {"blocks": 2048, "path": str(g3_dir)}},
                   "cost_aware": False}}
     llm = _engine(path, arch, config)
     yield arch, llm, reference
@@ -106,9 +115,16 @@ def test_the_connector_holds_every_kv_cache_group_of_the_model(model):
         kinds = sorted(g.kind for g in groups)
         assert kinds.count("sliding_window") >= 1 and "full_attention" in kinds, groups
         assert all(g.sliding_window == WINDOW for g in groups if g.kind == "sliding_window")
+    elif arch == "qwen3_next":
+        assert sorted(g.kind for g in groups) == ["full_attention", "mamba"], groups
     else:
         assert [g.kind for g in groups] == ["mla_attention"]
         assert _half(llm).settings.kv.model.outer_dim == 1
+
+
+def full_blocks(tokens: int, block_size: int) -> int:
+    """Tokens of the full blocks before the last of ``tokens`` (what a hit can cover)."""
+    return (tokens - 1) // block_size * block_size
 
 
 def loads_here(arch: str) -> bool:
@@ -128,9 +144,9 @@ def test_returning_turns_come_back_with_the_outputs_of_vllm_without_a_connector(
         assert tokens == reference[name], (arch, name)
         loaded = sum(half.counters.blocks_loaded.values()) - sum(before.values())
         if name != "turn_1" and loads_here(arch):
-            assert cached >= len(PROMPTS["turn_1"]) // BLOCK[arch] * BLOCK[arch] - BLOCK[arch]
+            assert cached >= full_blocks(len(PROMPTS["turn_1"]), half.block_size)
             assert loaded > 0, (arch, name, half.counters.as_dict())
-    assert half.counters.blocks_offered >= len(PROMPTS["turn_3"]) // BLOCK[arch]
+    assert half.counters.blocks_offered >= len(PROMPTS["turn_3"]) // half.block_size
     assert half.counters.blocks_load_failed == 0
 
 
@@ -142,7 +158,7 @@ def test_a_shared_prefix_ending_mid_prompt_loads_its_window_and_matches(model):
     tokens, cached = _generate(llm, PROMPTS["system_user_a"])
     assert tokens == reference["system_user_a"]
     if loads_here(arch):
-        assert cached >= 160 // BLOCK[arch] * BLOCK[arch] - BLOCK[arch]
+        assert cached >= full_blocks(160, _half(llm).block_size)
 
 
 def test_with_g2_refilled_the_prefix_comes_back_from_g3_with_the_same_outputs(model):

@@ -23,10 +23,13 @@ from pathlib import Path
 __all__ = ["ModelShape", "TINY", "BENCH", "ARCHITECTURES", "make_random_llama",
            "make_random_model"]
 
-ARCHITECTURES = ("llama", "gemma3", "deepseek_v2")
+ARCHITECTURES = ("llama", "gemma3", "deepseek_v2", "qwen3_next")
 """``llama``: full attention; ``gemma3``: sliding-window layers with one full-attention layer
 in four (Gemma 3's pattern is five in six), window :attr:`ModelShape.sliding_window`;
-``deepseek_v2``: MLA, dense layers (vLLM's CPU MLA kernel needs a latent of 512 + 64)."""
+``deepseek_v2``: MLA, dense layers (vLLM's CPU MLA kernel needs a latent of 512 + 64);
+``qwen3_next``: linear-attention (Gated DeltaNet, a Mamba-style state in vLLM) and
+full-attention layers alternating, one MoE layer (vLLM's model needs one; its CPU kernels
+need linear heads of 128)."""
 
 
 @dataclass(frozen=True)
@@ -145,7 +148,24 @@ def _deepseek_v2(shape: ModelShape):
     return config, DeepseekV2ForCausalLM
 
 
-_BUILDERS = {"llama": _llama, "gemma3": _gemma3, "deepseek_v2": _deepseek_v2}
+def _qwen3_next(shape: ModelShape):
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    layer_types = ["full_attention" if i % 2 else "linear_attention"
+                   for i in range(shape.num_layers)]
+    config = Qwen3NextConfig(**_common(shape), head_dim=shape.head_dim, layer_types=layer_types,
+                             linear_conv_kernel_dim=4, linear_key_head_dim=128,
+                             linear_value_head_dim=128, linear_num_key_heads=1,
+                             linear_num_value_heads=1,
+                             mlp_only_layers=list(range(shape.num_layers - 1)), num_experts=4,
+                             num_experts_per_tok=2, moe_intermediate_size=32,
+                             shared_expert_intermediate_size=32, pad_token_id=0)
+    config.architectures = ["Qwen3NextForCausalLM"]
+    return config, Qwen3NextForCausalLM
+
+
+_BUILDERS = {"llama": _llama, "gemma3": _gemma3, "deepseek_v2": _deepseek_v2,
+             "qwen3_next": _qwen3_next}
 
 
 def _write_tokenizer(out: Path, vocab_size: int) -> None:

@@ -100,3 +100,20 @@ def test_kvstratas_own_formats_get_the_primary_group_only():
         registry.record_stored("G2", records(pos))
     assert [r.sequence_hash for r in seen] == CHAIN
     assert [r.local_hash for r in seen] == TOKENS_HASH
+
+
+def test_a_mamba_group_serves_a_prefix_ending_where_it_holds_a_state():
+    """A Mamba group's block at position i is the state after (i + 1) blocks: a hit of n
+    blocks needs the full-attention blocks 0..n-1 and the Mamba block n-1 alone."""
+    from kvstrata.connectors.vllm.groups import MAMBA
+
+    groups = KvGroups((KvGroup(0, MAMBA, state="3x8:bfloat16"), KvGroup(1, FULL)))
+    chain = [0x10 + i for i in range(6)]
+    held = {groups.key(1, h) for h in chain} | {groups.key(0, chain[1]),
+                                                  groups.key(0, chain[3])}
+    assert groups.longest_hit(chain, 0, held.__contains__, BS) == 4
+    assert groups.needed(0, 4, BS) == [(0, 3), (1, 0), (1, 1), (1, 2), (1, 3)]
+    assert groups.longest_hit(chain[:3], 0, held.__contains__, BS) == 2
+    assert groups.longest_hit(chain, 2, held.__contains__, BS) == 2     # after a local hit
+    held.discard(groups.key(1, chain[2]))                               # full group gap
+    assert groups.longest_hit(chain, 0, held.__contains__, BS) == 2

@@ -721,18 +721,28 @@ def _one_group_config(spec):
                          kv_cache_groups=[KVCacheGroupSpec(["l0", "l1"], spec)])
 
 
-@pytest.mark.parametrize("kind", ["chunked_local", "mamba"])
-def test_a_kv_group_the_connector_does_not_hold_is_refused_by_name(kind):
+@pytest.mark.parametrize("kind,named", [
+    ("chunked_local", "ChunkedLocalAttentionSpec"),
+    ("mamba_none", "Mamba state in vLLM's 'none' cache mode"),
+    ("mamba_speculative", "with speculative or checkpoint blocks"),
+    ("mamba_alone", "not a model without attention")])
+def test_a_kv_group_the_connector_does_not_hold_is_refused_by_name(kind, named):
     """Was a bug, fixed in 8798475 (then for sliding-window groups too, which are held since
-    issue 26). Chunked-local attention and Mamba / linear-attention state are refused at
-    start with the spec named, never run with blocks the connector cannot place."""
+    issue 26). Chunked-local attention, a Mamba state outside vLLM's align mode (its blocks
+    are not states at block boundaries) or with speculative blocks, and a model of Mamba
+    layers only are refused at start, named, never run with blocks the connector cannot
+    place."""
     from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, MambaSpec
 
     common = dict(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
-    spec = ChunkedLocalAttentionSpec(attention_chunk_size=64, **common) \
-        if kind == "chunked_local" else MambaSpec(block_size=16, shapes=((3, 8),),
-                                                  dtypes=(torch.bfloat16,))
-    with pytest.raises(ConnectorConfigError, match=type(spec).__name__):
+    mamba = dict(block_size=16, shapes=((3, 8),), dtypes=(torch.bfloat16,))
+    spec = {"chunked_local": lambda: ChunkedLocalAttentionSpec(attention_chunk_size=64,
+                                                               **common),
+            "mamba_none": lambda: MambaSpec(**mamba),
+            "mamba_speculative": lambda: MambaSpec(**mamba, mamba_cache_mode="align",
+                                                   num_speculative_blocks=2),
+            "mamba_alone": lambda: MambaSpec(**mamba, mamba_cache_mode="align")}[kind]()
+    with pytest.raises(ConnectorConfigError, match=named):
         KvGeometry.from_vllm(_one_group_config(spec))
 
 

@@ -8,7 +8,11 @@ block id each group gives a position of the prompt, and which positions a group 
 
 * a **full-attention** group (MLA included) keeps every block of a request;
 * a **sliding-window** group needs only the blocks inside its window: vLLM frees the others
-  while the request runs and puts its null block in their place in the block table.
+  while the request runs and puts its null block in their place in the block table;
+* a **Mamba / linear-attention** group (vLLM's "align" mode) holds a recurrent state, not KV:
+  the block at position ``i`` holds the state after exactly ``(i + 1) * block_size`` tokens
+  (vLLM cuts prefill chunks at block boundaries and writes a state only at a chunk's end), so
+  a prefix of ``n`` blocks needs that group's block ``n - 1`` alone.
 
 kvstrata names each group's block of a prompt position by one chain of hashes per request
 (:mod:`kvstrata.tokens`): the *primary* group (the first full-attention group, else group 0)
@@ -26,11 +30,12 @@ from typing import Any, Callable, Sequence
 
 import xxhash
 
-__all__ = ["KvGroup", "KvGroups", "FULL", "SLIDING", "MLA"]
+__all__ = ["KvGroup", "KvGroups", "FULL", "SLIDING", "MLA", "MAMBA", "group_of_spec"]
 
 FULL = "full_attention"
 SLIDING = "sliding_window"
 MLA = "mla_attention"
+MAMBA = "mamba"
 """vLLM's names of the kinds of KV cache spec this connector holds
 (``vllm.v1.kv_cache_interface.get_kv_cache_spec_kind``)."""
 
@@ -49,13 +54,56 @@ class KvGroup:
     index: int
     kind: str
     sliding_window: int | None = None
+    state: str = ""
+    """For a Mamba group, what its state page holds (shapes and dtypes): a page is only
+    valid for the same layout."""
 
     @property
     def keeps_every_block(self) -> bool:
-        return self.sliding_window is None
+        return self.kind in (FULL, MLA)
 
     def describe(self) -> str:
-        return f"{self.kind}({self.sliding_window})" if self.sliding_window else self.kind
+        if self.sliding_window:
+            return f"{self.kind}({self.sliding_window})"
+        return f"{self.kind}({self.state})" if self.state else self.kind
+
+
+def group_of_spec(index: int, spec: Any) -> KvGroup:
+    """The connector's view of vLLM's KV cache group ``index`` of spec ``spec``;
+    ``ValueError`` naming the spec when the connector cannot hold it.
+
+    Held: full attention (a ``FullAttentionSpec``, whose ``sliding_window`` vLLM sets when it
+    merged sliding-window layers into full attention with its hybrid manager off: managed as
+    full attention), MLA, sliding-window attention, and Mamba / linear-attention state in
+    vLLM's "align" mode without speculative or checkpoint blocks (a block at a position holds
+    the state at that position's end). Refused: chunked-local attention, Mamba in another
+    mode, and anything else."""
+    from vllm.v1.kv_cache_interface import (FullAttentionSpec, MambaSpec, MLAAttentionSpec,
+                                            SlidingWindowSpec)
+
+    kind = type(spec).__name__
+    if type(spec) is MLAAttentionSpec:
+        return KvGroup(index, MLA)
+    if type(spec) is FullAttentionSpec and not getattr(spec, "attention_chunk_size", None):
+        return KvGroup(index, FULL)
+    if type(spec) is SlidingWindowSpec:
+        return KvGroup(index, SLIDING, int(spec.sliding_window))
+    if type(spec) is MambaSpec:
+        mode = getattr(spec, "mamba_cache_mode", "none")
+        extra = (getattr(spec, "num_speculative_blocks", 0)
+                 or getattr(spec, "num_prefill_checkpoint_blocks", 0))
+        if mode == "align" and not extra:
+            state = "+".join(f"{'x'.join(map(str, shape))}:{str(dtype).removeprefix('torch.')}"
+                             for shape, dtype in zip(spec.shapes, spec.dtypes))
+            return KvGroup(index, MAMBA, state=state)
+        raise ValueError(
+            f"group {index} is a Mamba state in vLLM's {mode!r} cache mode"
+            f"{' with speculative or checkpoint blocks' if extra else ''}: the connector "
+            f"holds Mamba states in 'align' mode only (prefix caching on, no speculative "
+            f"decoding; docs/vllm.md, attention types)")
+    raise ValueError(f"it holds full-attention, MLA, sliding-window and Mamba (align) KV "
+                     f"cache groups; group {index} of this model is {kind} (docs/vllm.md, "
+                     f"attention types)")
 
 
 def _group_salt(index: int) -> int:
@@ -124,12 +172,16 @@ class KvGroups:
         ``pos`` (0 for a full-attention group). ``skipped(group_index, tokens)``, when given,
         is vLLM's own count of tokens a group no longer attends to (its KV cache manager:
         exact, speculative decoding's retained tokens included); otherwise a window of ``w``
-        tokens skips ``end - w + 1`` tokens."""
+        tokens skips ``end - w + 1`` tokens, and a Mamba group all but the last."""
         group = self.groups[pos]
         if group.keeps_every_block:
             return 0
-        tokens = skipped(group.index, end) if skipped is not None \
-            else max(0, end - group.sliding_window + 1)
+        if skipped is not None:
+            tokens = skipped(group.index, end)
+        elif group.kind == MAMBA:
+            tokens = end - 1                  # the state after the last token only
+        else:
+            tokens = end - group.sliding_window + 1
         return max(0, tokens) // block_size
 
     def longest_hit(self, chain: Sequence[int], start: int,

@@ -59,7 +59,7 @@ from ...events.spec import sink_problem
 from ...kinds import StorageOptions, check_tiers
 from ...remote.control import can_listen_on, parse_control
 from ...tiers import TIER_NAMES, TOP_TIER, TierKind, first_of_kind, spec
-from .groups import FULL, MLA, SLIDING, KvGroup, KvGroups
+from .groups import MAMBA, MLA, KvGroups, group_of_spec
 
 __all__ = ["ConnectorConfigError", "ConnectorSettings", "KvGeometry", "DEFAULT_TIERS",
            "settings_from"]
@@ -104,21 +104,35 @@ class KvGeometry:
     @classmethod
     def from_vllm(cls, kv_cache_config: Any, workers: int = 1) -> "KvGeometry":
         """From vLLM's ``KVCacheConfig``: its KV cache groups of full-attention (MLA
-        included) and sliding-window layers; anything else is refused."""
+        included), sliding-window and Mamba (align mode) layers; anything else is refused
+        (:func:`~.groups.group_of_spec`). The page geometry is the attention groups'; a
+        Mamba group's state page is padded by vLLM to the same size."""
         groups = list(getattr(kv_cache_config, "kv_cache_groups", ()) or ())
         if not groups:
             raise ConnectorConfigError("kvstrata's vLLM connector: vLLM's KV cache has no "
                                        "KV cache group")
-        kinds = tuple(_group_of(i, g.kv_cache_spec) for i, g in enumerate(groups))
-        specs = [g.kv_cache_spec for g in groups]
-        first = specs[0]
+        try:
+            kinds = tuple(group_of_spec(i, g.kv_cache_spec) for i, g in enumerate(groups))
+        except ValueError as exc:
+            raise ConnectorConfigError(f"kvstrata's vLLM connector: {exc}") from None
+        attention = [g.kv_cache_spec for g, k in zip(groups, kinds) if k.kind != MAMBA]
+        if not attention:
+            raise ConnectorConfigError("kvstrata's vLLM connector holds a Mamba state beside "
+                                       "attention layers, not a model without attention")
+        first = attention[0]
         shapes = {(int(s.block_size), int(s.num_kv_heads), int(s.head_size), str(s.dtype))
-                  for s in specs}
+                  for s in attention}
         if len(shapes) != 1:
             raise ConnectorConfigError(
-                f"kvstrata's vLLM connector needs every KV cache group to have the same block "
-                f"size, heads, head size and dtype; this model's groups have {sorted(shapes)}")
-        mla = {k.kind == MLA for k in kinds}
+                f"kvstrata's vLLM connector needs every attention group to have the same "
+                f"block size, heads, head size and dtype; this model's have {sorted(shapes)}")
+        pages = {int(g.kv_cache_spec.page_size_bytes) for g in groups}
+        sizes = {int(g.kv_cache_spec.block_size) for g in groups}
+        if len(pages) != 1 or len(sizes) != 1:
+            raise ConnectorConfigError(
+                f"kvstrata's vLLM connector needs one page size and block size in every KV "
+                f"cache group; this model's are {sorted(pages)} bytes, {sorted(sizes)} tokens")
+        mla = {k.kind == MLA for k in kinds if k.kind != MAMBA}
         if len(mla) != 1:
             raise ConnectorConfigError("kvstrata's vLLM connector does not hold a model "
                                        "that mixes MLA and other attention groups")
@@ -146,29 +160,6 @@ def _pages_per_block(kv_cache_config: Any) -> int:
         offset = getattr(tensor, "offset", 0) or 0
         starts.update(offset + i * stride for i in range(len(names)))
     return len(starts)
-
-
-def _group_of(index: int, spec: Any) -> KvGroup:
-    """The connector's view of one KV cache group, or why it cannot hold it.
-
-    Held: full attention (a ``FullAttentionSpec``, whose ``sliding_window`` vLLM sets when it
-    merged sliding-window layers into full attention with its hybrid manager off: managed as
-    full attention), MLA, and sliding-window attention (vLLM frees blocks that leave the
-    window while the request runs; the connector loads only the window). Refused, by name:
-    chunked-local attention, Mamba / linear-attention state, and anything else."""
-    from vllm.v1.kv_cache_interface import (FullAttentionSpec, MLAAttentionSpec,
-                                            SlidingWindowSpec)
-
-    kind = type(spec).__name__
-    if isinstance(spec, MLAAttentionSpec) and type(spec) is MLAAttentionSpec:
-        return KvGroup(index, MLA)
-    if type(spec) is FullAttentionSpec and not getattr(spec, "attention_chunk_size", None):
-        return KvGroup(index, FULL)
-    if type(spec) is SlidingWindowSpec:
-        return KvGroup(index, SLIDING, int(spec.sliding_window))
-    raise ConnectorConfigError(
-        f"kvstrata's vLLM connector holds full-attention, MLA and sliding-window KV cache "
-        f"groups; group {index} of this model is {kind} (docs/vllm.md: supported attention)")
 
 
 @dataclass(frozen=True)

@@ -58,18 +58,25 @@ def wrap_vllm_kv_caches(kv_caches: Mapping[str, torch.Tensor], num_blocks: int,
                         block_size: int) -> DeviceStorage:
     """vLLM's per-layer KV tensors as kvstrata's G1, without copying.
 
-    Layers that alias another layer's memory (KV sharing) are kept once. The layout is read
+    Layers that alias another layer's memory are kept once: KV sharing, and the layers of
+    different KV cache groups, which overlay each other (a block id belongs to one group at
+    a time). Of the views of one memory, a dense one is kept (an attention layer's, not a
+    Mamba state's, which covers only the start of each padded page). The layout is read
     from the shape: a leading ``2`` before ``num_blocks`` is K/V-major (FlashAttention:
     ``[2, blocks, ...]``); a leading ``num_blocks`` whose block is one dense page per layer
     (vLLM's CPU backend ``[blocks, heads, block_size, 2*head]``, FlashInfer ``[blocks, 2,
-    ...]``) is moved as one opaque page per block and layer."""
-    layers: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
+    ...]``, MLA ``[blocks, 1, block_size, latent]``) is moved as one opaque page per block
+    and layer."""
+    views: dict[int, tuple[str, torch.Tensor]] = {}
     for name, tensor in kv_caches.items():
-        if tensor.data_ptr() in seen:
+        if not isinstance(tensor, torch.Tensor):
             continue
-        seen.add(tensor.data_ptr())
-        layers[name] = tensor
+        kept = views.get(tensor.data_ptr())
+        if kept is None or (not _dense_pages(kept[1]) and _dense_pages(tensor)):
+            views[tensor.data_ptr()] = (name, tensor)
+    if not views:
+        raise LayoutError("vLLM registered no KV cache tensor")
+    layers = dict(views.values())
     first = next(iter(layers.values()))
     shape = tuple(first.shape)
     if len(shape) >= 3 and shape[0] == 2 and shape[1] == num_blocks:
@@ -78,6 +85,11 @@ def wrap_vllm_kv_caches(kv_caches: Mapping[str, torch.Tensor], num_blocks: int,
         return DeviceStorage.wrap(layers, kv_layout="block_page", page_size=block_size)
     raise LayoutError(f"vLLM KV cache of shape {shape} has no dimension of {num_blocks} "
                       f"blocks first or second: layout not supported")
+
+
+def _dense_pages(tensor: torch.Tensor) -> bool:
+    """Whether a block's page of ``tensor`` (dimension 0 the block) is all of its stride."""
+    return tensor.dim() >= 2 and tensor.stride(0) == tensor[0].numel()
 
 
 class WorkerHalf:
@@ -116,6 +128,10 @@ class WorkerHalf:
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         kv = self.settings.kv
         g1 = wrap_vllm_kv_caches(kv_caches, kv.tier_blocks(TOP_TIER), kv.block_size)
+        if g1.config.num_layers != kv.model.num_layers:
+            raise LayoutError(f"vLLM's KV cache has {g1.config.num_layers} distinct pages per "
+                              f"block here, its KV cache config says "
+                              f"{kv.model.num_layers}: layout not supported")
         options = StorageOptions(g1=g1, verify_host_reads=self.settings.verify_host_reads,
                                  o_direct=self.settings.o_direct, rank=self.rank,
                                  world_size=self.world_size,
