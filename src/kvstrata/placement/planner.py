@@ -350,7 +350,7 @@ class Planner:
                 if unexplained > 0:
                     kinds["internal"] = kinds.get("internal", 0) + unexplained
                 s.transfer_done(job, ok.count(True), result.bytes_moved, result.seconds,
-                                kinds.items(), result.held_seconds)
+                                kinds.items(), result.held_seconds + result.waited_seconds)
                 if job.ticket is not None:
                     self._onboarding.finish(job, good, bad, result)
                 else:

@@ -203,8 +203,8 @@ class PlacementState:
 
     def transfer_done(self, job: Job, ok_blocks: int, nbytes: int, busy: float,
                       failures: Iterable[tuple[str, int]], held: float = 0.0) -> None:
-        """Tell the listeners a job's copy ended; ``held`` seconds of it were spent held
-        back on purpose (paced), which is not the path's latency."""
+        """Tell the listeners a job's copy ended; ``held`` seconds of it were not the path's
+        latency (held back on purpose, or its result waiting to be collected)."""
         latency = time.perf_counter() - job.taken_at if job.taken_at else 0.0
         if latency:
             latency = max(latency - held, busy)

@@ -75,7 +75,9 @@ class TransferResult:
     otherwise); ``failures`` explain the false entries; ``error`` is set when the whole batch
     failed on an unexpected error. ``seconds`` is the time the executor spent on the plan;
     ``held_seconds`` the time it was held back on purpose besides (background writes wait
-    while the engine's forward runs), which is not the path being slow."""
+    while the engine's forward runs), which is not the path being slow; ``waited_seconds``
+    the time the finished result waited for its driver to collect it (a vLLM engine that
+    did not step for a while), which is not the path's latency either."""
 
     plan: TransferPlan
     ok: tuple[bool, ...]
@@ -85,6 +87,7 @@ class TransferResult:
     failures: tuple[BlockFailure, ...] = field(default_factory=tuple)
     error: str | None = None
     held_seconds: float = 0.0
+    waited_seconds: float = 0.0
 
     @classmethod
     def success(cls, plan: TransferPlan, bytes_moved: int = 0, seconds: float = 0.0
@@ -124,7 +127,8 @@ class TransferResult:
         return {"plan": self.plan.to_dict(), "ok": list(self.ok),
                 "checksums": list(self.checksums), "bytes_moved": self.bytes_moved,
                 "seconds": self.seconds, "failures": [f.to_dict() for f in self.failures],
-                "error": self.error, "held_seconds": self.held_seconds}
+                "error": self.error, "held_seconds": self.held_seconds,
+                "waited_seconds": self.waited_seconds}
 
     @classmethod
     def from_dict(cls, data: Any) -> "TransferResult":
@@ -135,14 +139,16 @@ class TransferResult:
             checksums = tuple(None if v is None else int(v) for v in data["checksums"])
             failures = tuple(BlockFailure.from_dict(f) for f in data["failures"])
             result = cls(plan, ok, checksums, int(data["bytes_moved"]), float(data["seconds"]),
-                         failures, data.get("error"), float(data.get("held_seconds", 0.0)))
+                         failures, data.get("error"), float(data.get("held_seconds", 0.0)),
+                         float(data.get("waited_seconds", 0.0)))
         except TransferPlanError:
             raise
         except (KeyError, TypeError, ValueError) as exc:
             raise TransferPlanError(f"malformed transfer result: {exc!r}") from None
-        if not 0.0 <= result.held_seconds < float("inf"):
-            raise TransferPlanError(f"transfer result: held_seconds must be finite and >= 0, "
-                                    f"got {result.held_seconds!r}")
+        for name in ("held_seconds", "waited_seconds"):
+            if not 0.0 <= getattr(result, name) < float("inf"):
+                raise TransferPlanError(f"transfer result: {name} must be finite and >= 0, "
+                                        f"got {getattr(result, name)!r}")
         if not len(ok) == len(checksums) == len(plan):
             raise TransferPlanError("transfer result lengths do not match its plan")
         if any(not 0 <= f.position < len(plan) or ok[f.position] for f in failures):

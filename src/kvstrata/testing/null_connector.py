@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
-                                                               KVConnectorMetadata)
+                                                               KVConnectorMetadata,
+                                                               SupportsHMA)
 
 __all__ = ["NullConnector"]
 
@@ -21,8 +22,9 @@ class _NoOrders(KVConnectorMetadata):
     pass
 
 
-class NullConnector(KVConnectorBase_V1):
-    """Finds nothing, loads nothing, stores nothing."""
+class NullConnector(KVConnectorBase_V1, SupportsHMA):
+    """Finds nothing, loads nothing, stores nothing. Declares ``SupportsHMA``, as kvstrata's
+    connector does: vLLM keeps its hybrid KV cache manager on for both (a fair baseline)."""
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -51,3 +53,7 @@ class NullConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return _NoOrders()
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        return False, None

@@ -126,5 +126,6 @@ def combine(results: list[TransferResult]) -> TransferResult:
                           max(r.seconds for r in results),
                           tuple(failures[i] for i in sorted(failures)),
                           "; ".join(errors) if errors else None,
-                          max(r.held_seconds for r in results))
+                          max(r.held_seconds for r in results),
+                          min(r.waited_seconds for r in results))
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from dataclasses import replace
 from typing import Callable, Mapping
 
 import torch
@@ -107,7 +108,8 @@ class WorkerHalf:
         self.storages: Storages | None = None
         self.engine: TransferEngine | None = None
         self._executor: EngineExecutor | None = None
-        self._done: queue.SimpleQueue[TransferResult] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[tuple[float, TransferResult]] = queue.SimpleQueue()
+        """Finished copies, with when each finished (``time.monotonic``)."""
         self._reported: list[tuple[int, TransferResult]] = []
         self._outstanding: set[int] = set()
         self._reading_g1: set[int] = set()
@@ -144,7 +146,7 @@ class WorkerHalf:
         self.pacer = ForwardPacer() if pace else None
         self.engine = TransferEngine(self.storages.by_tier, copy_engine=self._copy_engine,
                                      store_nice=self.settings.store_nice, pacer=self.pacer)
-        self._executor = EngineExecutor(self.engine, self._done.put)
+        self._executor = EngineExecutor(self.engine, self._finished)
         if self.settings.export:
             self._export = G2Export(self.settings, self.storages.by_tier[HOST], self.rank,
                                     self.world_size)
@@ -275,7 +277,7 @@ class WorkerHalf:
             return
         if self._executor is None:
             for plan in plans:
-                self._done.put(TransferResult.failed(plan, FailureKind.INTERNAL,
+                self._finished(TransferResult.failed(plan, FailureKind.INTERNAL,
                                                      "the worker has no storages"))
             return
         for plan in plans:
@@ -295,17 +297,25 @@ class WorkerHalf:
                     log.error("kvstrata: copies still running after %.0f s", FLUSH_TIMEOUT)
                     return
                 try:
-                    result = self._done.get(timeout=remaining)
+                    finished_at, result = self._done.get(timeout=remaining)
                 except queue.Empty:
                     continue
             else:
                 try:
-                    result = self._done.get_nowait()
+                    finished_at, result = self._done.get_nowait()
                 except queue.Empty:
                     return
-            self._take(result)
+            self._take(result, finished_at)
 
-    def _take(self, result: TransferResult) -> None:
+    def _finished(self, result: TransferResult) -> None:
+        self._done.put((time.monotonic(), result))
+
+    def _take(self, result: TransferResult, finished_at: float) -> None:
+        # The time the result waited to be taken (vLLM calls in once per engine step; an
+        # engine nobody steps calls in later) is no part of the copy's latency: without
+        # this, stores finishing as an offline engine goes idle teach the cost model
+        # seconds of overhead, and it would decline loads.
+        result = replace(result, waited_seconds=max(0.0, time.monotonic() - finished_at))
         job = result.plan.job_id
         self._outstanding.discard(job)
         self._reading_g1.discard(job)
