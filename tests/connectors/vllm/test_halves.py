@@ -443,3 +443,23 @@ def test_copies_that_finished_while_the_engine_did_not_step_teach_no_overhead(ma
     sim.run()
     costs = sim.scheduler.planner.costs
     assert costs.overhead("G1->G2") < 0.01, costs.snapshot()
+
+
+def test_the_wait_of_a_store_for_the_forward_is_not_its_paths_overhead(make):
+    """A store is planned before the step's forward and copies after it (it reads what the
+    forward writes): the forward's time is not the G1->G2 path's overhead (counted, a
+    slow forward priced loads from G2, whose path borrows that estimate until measured, as
+    slower than recompute)."""
+    sim = make()
+    forward = sim._forward
+
+    def slow_forward(rank, scheduled):
+        time.sleep(0.05)
+        forward(rank, scheduled)
+
+    sim._forward = slow_forward
+    for turn in range(10):
+        sim.add(f"t{turn}", prompt(99 + turn, 6 * BS + 1), max_new=1)
+        sim.run()
+    costs = sim.scheduler.planner.costs
+    assert costs.overhead("G1->G2") < 0.01, costs.snapshot()

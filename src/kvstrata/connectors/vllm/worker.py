@@ -114,6 +114,11 @@ class WorkerHalf:
         self._outstanding: set[int] = set()
         self._reading_g1: set[int] = set()
         self._stores: list[TransferPlan] = []
+        self._bound_at = 0.0
+        """When the step's orders came (``time.monotonic``): its stores wait from then for
+        the forward to write what they read."""
+        self._waited: dict[int, float] = {}
+        """Per store plan (job id), the seconds it waited for the step's forward."""
         self._job_request: dict[int, str] = {}
         self._request_jobs: dict[str, set[int]] = {}
         self._request_failed: dict[str, set[int]] = {}
@@ -183,6 +188,7 @@ class WorkerHalf:
                 self._remote.submit(req_id, load)
         now = [p for p in orders.plans if p.src_tier != TOP_TIER]
         self._stores.extend(p for p in orders.plans if p.src_tier == TOP_TIER)
+        self._bound_at = time.monotonic()
         self._submit(now)
         self._timing = (orders.step, time.perf_counter()) if orders.step else None
 
@@ -203,6 +209,8 @@ class WorkerHalf:
         stores, self._stores = self._stores, []
         if stores:
             self._forward_written()
+            forward = max(0.0, time.monotonic() - self._bound_at)
+            self._waited.update((p.job_id, forward) for p in stores)
         self._submit(stores)
 
     def _forward_written(self) -> None:
@@ -311,11 +319,14 @@ class WorkerHalf:
         self._done.put((time.monotonic(), result))
 
     def _take(self, result: TransferResult, finished_at: float) -> None:
-        # The time the result waited to be taken (vLLM calls in once per engine step; an
-        # engine nobody steps calls in later) is no part of the copy's latency: without
-        # this, stores finishing as an offline engine goes idle teach the cost model
-        # seconds of overhead, and it would decline loads.
-        result = replace(result, waited_seconds=max(0.0, time.monotonic() - finished_at))
+        # Neither the time a store waited for the forward that writes what it reads, nor
+        # the time the result waited to be taken (vLLM calls in once per engine step; an
+        # engine nobody steps calls in later) is the copy's latency: counted, they taught
+        # the cost model a forward's worth of overhead per store, then seconds as an
+        # offline engine went idle, and it declined loads (priced from the store path).
+        waited = self._waited.pop(result.plan.job_id, 0.0)
+        result = replace(result, waited_seconds=waited
+                         + max(0.0, time.monotonic() - finished_at))
         job = result.plan.job_id
         self._outstanding.discard(job)
         self._reading_g1.discard(job)
