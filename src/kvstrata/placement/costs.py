@@ -6,7 +6,10 @@ complete on it:
 
 * **bandwidth** -- bytes per second of executor time (``nbytes / busy_seconds``);
 * **overhead** -- seconds a plan spends outside the copy itself (``latency - busy``: queueing,
-  the round trip through an engine step, a request to a store).
+  the round trip through an engine step, a request to a store), not counting the time it was
+  held back on purpose or waited on the engine (``TransferResult.held_seconds`` and
+  ``waited_seconds``: a store waiting for the forward that writes what it reads, a result
+  waiting for an engine that does not step).
 
 and, from what a driver reports (:meth:`CostModel.observe_prefill`), the engine's **prefill
 rate** in tokens per second. Each estimate is an exponentially weighted moving average of
