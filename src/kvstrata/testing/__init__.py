@@ -9,9 +9,11 @@ part of the library's behaviour or its public names.
   vLLM loads it by module path: ``{"kv_connector": "NullConnector",
   "kv_connector_module_path": "kvstrata.testing.null_connector", "kv_role": "kv_both"}``.
   Importing it needs vLLM installed.
-* :mod:`kvstrata.testing.random_model` -- random-weight (seeded) Llama checkpoints written to
-  a local directory for vLLM to load, with a small tokenizer; ``TINY`` (tests) and ``BENCH``
-  (benchmarks) shapes. Nothing is downloaded.
+* :mod:`kvstrata.testing.random_model` -- random-weight (seeded) checkpoints written to a
+  local directory for vLLM to load, with a small tokenizer: a Llama, and Gemma-3 (sliding
+  window), DeepSeek-V2 (MLA) and Qwen3-Next (linear attention) style models
+  (``make_random_model``); ``TINY`` (tests) and ``BENCH`` (benchmarks) shapes. Nothing is
+  downloaded.
 * :mod:`kvstrata.testing.exporter` -- a prefill-shaped ``KvBlockManager`` in a process of its
   own that exports G2 over NIXL (``start_exporter``), a reader that leases and hangs
   (``start_lease_holder``), and the deterministic payloads (``payload_of``) any process can
