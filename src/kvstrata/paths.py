@@ -5,6 +5,13 @@ disk tier's directory) is checked by one of the ``*_problem`` functions when it 
 so a wrong path is one line naming it at start, not an engine that dies later. Each returns
 what is wrong (None if nothing is); the caller names the setting.
 
+What kvstrata keeps at rest (a durable disk tier's home and its files) is the prompts it was
+computed from, and what it reads back it serves to an engine: such a directory and its files
+must be the running user's alone (:func:`make_private_directory`, :func:`check_private_file`):
+a real directory or file (no symbolic link), owned by this user, writable by nobody else;
+directories are created 0700 and files 0600 whatever the umask, and read access for others
+found on an owned one is removed.
+
 Files read from outside (a trace, a TOML config, an event file) are opened with
 :func:`open_regular` (a regular file only: a FIFO is not waited on, a device such as
 ``/dev/zero`` is not read) and read with a bound: :func:`read_bounded` for a whole file,
@@ -22,12 +29,62 @@ from typing import IO, BinaryIO, Iterator
 
 __all__ = ["path_problem", "writable_file_problem", "directory_problem", "open_regular",
            "read_bounded", "bounded_lines", "write_atomically", "InputTooLargeError",
-           "MAX_LINE_BYTES"]
+           "MAX_LINE_BYTES", "NotPrivateError", "make_private_directory", "check_private_file"]
 
 MAX_PATH_BYTES = 4096
 """Longest path accepted (Linux's PATH_MAX)."""
 MAX_LINE_BYTES = 1 << 20
 """Longest line a line reader accepts by default (1 MiB: a trace request of 60,000 blocks)."""
+
+
+class NotPrivateError(PermissionError):
+    """A directory or file that must be this user's alone is not: a link, another user's, or
+    writable by others."""
+
+
+def make_private_directory(path: str | os.PathLike) -> None:
+    """Create ``path`` (mode 0700; missing parents as the umask says) or check the existing
+    one: a real directory owned by this user that neither group nor others can write
+    (:class:`NotPrivateError` otherwise; what others could write may already hold anything).
+    Others' read and search access is then removed."""
+    path = os.fspath(path)
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(path)
+    problem = _not_private(info, stat.S_ISDIR, "directory")
+    if problem:
+        raise NotPrivateError(errno.EPERM, problem, path)
+    if info.st_mode & 0o077:
+        os.chmod(path, stat.S_IMODE(info.st_mode) & 0o700, follow_symlinks=False)
+
+
+def check_private_file(fd: int, path: str | os.PathLike) -> None:
+    """The open file ``fd`` (named ``path`` in errors) must be a regular file owned by this
+    user that neither group nor others can write (:class:`NotPrivateError` otherwise); its
+    mode becomes 0600 at most."""
+    info = os.fstat(fd)
+    problem = _not_private(info, stat.S_ISREG, "regular file")
+    if problem:
+        raise NotPrivateError(errno.EPERM, problem, os.fspath(path))
+    if info.st_mode & 0o077:
+        os.fchmod(fd, stat.S_IMODE(info.st_mode) & 0o600)
+
+
+def _not_private(info: os.stat_result, is_kind, kind: str) -> str | None:
+    if not is_kind(info.st_mode):
+        return f"is not a {kind} (a symbolic link or another kind of file)"
+    if info.st_uid != os.geteuid():
+        return (f"is owned by uid {info.st_uid}, not by this user (uid {os.geteuid()}): "
+                f"what another user wrote is not served")
+    if info.st_mode & 0o022:
+        return (f"is writable by its group or others (mode {stat.S_IMODE(info.st_mode):04o}): "
+                f"what others could write is not served; make it the owner's alone "
+                f"(chmod go-w) or use another directory")
+    return None
 
 
 class InputTooLargeError(ValueError):

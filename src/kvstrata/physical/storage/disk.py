@@ -39,7 +39,6 @@ import errno
 import os
 import queue
 import secrets
-import stat
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -56,7 +55,7 @@ from ..errors import (BlockFailure, DiskFullError, FailureKind, StorageConfigErr
 from ...protocol.layout import FullyContiguousLayout, LayoutConfig
 from ...protocol.layout_codec import StorageDescriptor
 from .base import BlockStore, StorageStatus
-from .disk_home import DiskTierHome, check_fingerprint
+from .disk_home import DiskTierHome, check_fingerprint, private_file
 from .disk_index import DiskIndex, LiveEntries
 from .fileio import FileOps
 
@@ -136,8 +135,8 @@ class DiskStorage(BlockStore):
             raise StorageConfigError(f"cannot open the slab {self.path}: "
                                      f"{exc.strerror or exc}") from exc
         try:
-            if durable is not None and not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise StorageConfigError(f"the slab {self.path} is not a regular file")
+            if durable is not None:
+                private_file(fd, self.path)
             self._preallocate(fd)
             self._fd, self.o_direct = self._open_for_io(fd, o_direct)
         except BaseException:

@@ -10,7 +10,14 @@ again and anything else never reads them.
 process gets :class:`DiskTierBusyError` naming the holder. Homes of the same rank made for
 another fingerprint (the model or geometry changed) and not locked by a live process are
 removed, in one log line, so the configured directory never holds more than one tier's
-worth per rank. Homes of other ranks are never touched (they may be starting right now).
+worth per rank. Homes of other ranks are never touched (they may be starting right now), nor
+homes of other users.
+
+A home and its files are the running user's alone (:func:`kvstrata.paths.make_private_directory`):
+a home that is a symbolic link, belongs to another user or is writable by group or others is
+refused with the reason (anyone could have put blocks there that an engine would be served),
+files are created 0600 and the home 0700 whatever the umask, and an owned home or file others
+can read is made private.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import shutil
 import stat
 from pathlib import Path
 
+from ...paths import NotPrivateError, check_private_file, make_private_directory
 from ..errors import StorageConfigError
 
 __all__ = ["DiskTierHome", "DiskTierBusyError", "check_fingerprint", "home_name"]
@@ -64,11 +72,7 @@ class DiskTierHome:
                                      f"a short name and an integer >= 0")
         parent = Path(directory)
         path = parent / home_name(tier, rank, fingerprint)
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise StorageConfigError(f"cannot create disk tier directory {path}: "
-                                     f"{exc.strerror or exc}") from exc
+        _make_home(path)
         lock_fd = _lock_home(path)
         try:
             removed = _remove_stale(parent, tier, rank, path.name)
@@ -109,24 +113,39 @@ def _lock_home(path: Path, attempts: int = 5) -> int:
         except OSError:
             pass
         os.close(fd)                     # locked a file that is gone: try the new one
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise StorageConfigError(f"cannot create disk tier directory {path}: "
-                                     f"{exc.strerror or exc}") from exc
+        _make_home(path)
     raise DiskTierBusyError(f"disk tier directory {path} keeps being replaced by another "
                             f"process; give each process its own disk directory")
+
+
+def _make_home(path: Path) -> None:
+    """Create the home (0700) or check it is this user's alone."""
+    try:
+        make_private_directory(path)
+    except NotPrivateError as exc:
+        raise StorageConfigError(f"disk tier directory {path} {exc.strerror}") from None
+    except OSError as exc:
+        raise StorageConfigError(f"cannot create disk tier directory {path}: "
+                                 f"{exc.strerror or exc}") from exc
+
+
+def private_file(fd: int, path: Path) -> None:
+    """:func:`~kvstrata.paths.check_private_file` for a file of a home, as a
+    :class:`StorageConfigError`."""
+    try:
+        check_private_file(fd, path)
+    except NotPrivateError as exc:
+        raise StorageConfigError(f"{path} {exc.strerror}") from None
 
 
 def _lock(path: Path) -> int:
     lock_path = path / "lock"
     try:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     except OSError as exc:
         raise StorageConfigError(f"cannot open {lock_path}: {exc.strerror or exc}") from exc
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise StorageConfigError(f"{lock_path} is not a regular file")
+        private_file(fd, lock_path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -165,6 +184,12 @@ def _remove_stale(parent: Path, tier: str, rank: int, mine: str) -> list[str]:
                 or int(match["rank"]) != rank):
             continue
         home = parent / name
+        try:
+            info = os.lstat(home)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+            continue                                  # a link, or another user's: not ours
         try:
             fd = os.open(home / "lock", os.O_RDWR | os.O_CLOEXEC)
         except FileNotFoundError:

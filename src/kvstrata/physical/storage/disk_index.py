@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import logging
 import os
-import stat
 import struct
 import threading
 from dataclasses import dataclass
@@ -47,6 +46,7 @@ import numpy as np
 import xxhash
 
 from ..errors import StorageConfigError
+from .disk_home import private_file
 
 __all__ = ["DiskIndex", "IndexEntry", "LiveEntries", "RecoveryReport", "INDEX_VERSION",
            "RECORD_BYTES"]
@@ -191,8 +191,7 @@ class DiskIndex:
                                      f"{exc.strerror or exc}") from exc
         else:
             try:
-                if not stat.S_ISREG(os.fstat(fd).st_mode):
-                    raise StorageConfigError(f"the disk tier index {path} is not a file")
+                private_file(fd, path)
                 with os.fdopen(fd, "rb", closefd=False) as fh:
                     data = fh.read()
             except OSError as exc:
@@ -361,7 +360,7 @@ class DiskIndex:
         data = _header(self.fingerprint, self.stride) + records.tobytes()
         temp = self.path.with_name(self.path.name + ".tmp")
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW,
-                     0o644)
+                     0o600)
         try:
             view = memoryview(data)
             while view:
