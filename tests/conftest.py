@@ -14,6 +14,13 @@ settings.register_profile(
 )
 settings.load_profile("kvstrata")
 
+# The deployment's sharing secret (issue 27): exporters refuse to start without one and serve
+# only peers that prove they hold it. Set for the whole session, so the processes tests start
+# (vllm serve, exporter processes) inherit it; tests of what happens without it remove it.
+import secrets  # noqa: E402
+
+os.environ.setdefault("KVSTRATA_SHARING_SECRET", secrets.token_hex(32))
+
 
 def pytest_collection_finish(session):
     """Importing vLLM and torch during collection leaves millions of objects that every

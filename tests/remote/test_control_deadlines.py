@@ -22,7 +22,8 @@ def echo_id(body: bytes) -> bytes:
 
 @contextlib.contextmanager
 def serving(**deadlines):
-    server = ControlServer("127.0.0.1", 0, echo_id, max_request=1 << 16, tick=0.05,
+    server = ControlServer("127.0.0.1", 0, lambda body, peer: echo_id(body),
+                           max_request=1 << 16, tick=0.05,
                            on_tick=lambda: None, name="kvstrata-control-test", **deadlines)
     server.start()
     try:
@@ -54,7 +55,7 @@ def test_idle_connections_are_closed_and_free_their_slots():
         finally:
             for s in idle:
                 s.close()
-        channel = ControlChannel(server.address, timeout=5)
+        channel = ControlChannel(server.address, timeout=5, secret=b"")
         try:
             assert channel.call({"op": "ping"})["echo"]["op"] == "ping"
         finally:
@@ -81,7 +82,7 @@ def test_a_request_dripped_slower_than_its_deadline_drops_the_connection():
 
 def test_a_channel_whose_kept_connection_was_closed_as_idle_sends_again_unseen():
     with serving(idle_timeout=0.3) as server:
-        channel = ControlChannel(server.address, timeout=5)
+        channel = ControlChannel(server.address, timeout=5, secret=b"")
         try:
             assert channel.call({"op": "first"})["echo"]["op"] == "first"
             time.sleep(1.0)                            # the server closes the idle channel
@@ -95,7 +96,7 @@ def test_a_channel_whose_kept_connection_was_closed_as_idle_sends_again_unseen()
 
 def test_a_connection_still_in_use_is_not_closed():
     with serving(idle_timeout=0.5) as server:
-        channel = ControlChannel(server.address, timeout=5)
+        channel = ControlChannel(server.address, timeout=5, secret=b"")
         try:
             first = channel._sock
             for i in range(15):                        # 1.5 s of calls, 0.1 s apart

@@ -21,8 +21,11 @@ import pytest
 
 from kvstrata.remote.control import (MAX_CONNECTIONS, ControlChannel, ControlServer,
                                      format_control, parse_control)
+from kvstrata.remote.auth import resolve_secret
 from kvstrata.remote.errors import LeaseError
 from kvstrata.remote.nixl_agent import nixl_available
+
+from .handshake import connect
 
 
 needs_nixl = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed")
@@ -94,10 +97,12 @@ class Ticks:
 
 @contextlib.contextmanager
 def serving(handler=lambda body: body, *, on_tick=None, tick: float = 0.05,
-            max_request: int = MAX_REQUEST, port: int = 0):
+            max_request: int = MAX_REQUEST, port: int = 0, secret: bytes | None = None):
     """A started ControlServer on 127.0.0.1 (echo by default), closed after."""
-    server = ControlServer("127.0.0.1", port, handler, max_request=max_request, tick=tick,
-                           on_tick=on_tick or (lambda: None), name="kvstrata-control-test")
+    server = ControlServer("127.0.0.1", port, lambda body, peer: handler(body),
+                           max_request=max_request, tick=tick,
+                           on_tick=on_tick or (lambda: None), name="kvstrata-control-test",
+                           secret=secret)
     server.start()
     try:
         yield server
@@ -198,9 +203,13 @@ def test_servers_started_and_closed_leak_no_threads_or_descriptors():
 
 
 def test_300_concurrent_connections_keep_256_and_refuse_the_rest_at_once():
+    """From 10 addresses of the loopback network, 30 each (one host may hold
+    MAX_CONNECTIONS_PER_HOST)."""
     with serving(echo_id) as server:
         host, port = address(server.address)
-        socks = [socket.create_connection((host, port), timeout=2) for _ in range(300)]
+        socks = [socket.create_connection((host, port), timeout=2,
+                                          source_address=(f"127.0.0.{2 + i % 10}", 0))
+                 for i in range(300)]
         try:
             assert wait_until(lambda: len(server._peers) == MAX_CONNECTIONS)
             answered = refused = 0
@@ -218,7 +227,8 @@ def test_300_concurrent_connections_keep_256_and_refuse_the_rest_at_once():
                     answered += 1
             assert answered == MAX_CONNECTIONS and refused == 300 - MAX_CONNECTIONS
             # one more reader while full: refused promptly, a LeaseError (no hang)
-            channel = ControlChannel(server.address, 3.0)
+            channel = ControlChannel(server.address, 3.0, secret=b"")
+            assert len(server._peers) == MAX_CONNECTIONS
             t0 = time.monotonic()
             with pytest.raises(LeaseError):
                 channel.call({"op": "x"})
@@ -281,8 +291,8 @@ def test_a_request_trickled_byte_by_byte_is_answered_and_does_not_block_others(e
     ex, _ = exporter
     host, port = address(ex.control)
     data = packed({"op": "has", "hashes": hashes(1, 2, 3), "id": 41})
-    with socket.create_connection((host, port), timeout=3) as slow, \
-            socket.create_connection((host, port), timeout=3) as quick:
+    with connect((host, port), timeout=3) as slow, \
+            connect((host, port), timeout=3) as quick:
         for i, byte in enumerate(data):
             slow.sendall(bytes([byte]))
             if i == len(data) // 2:
@@ -298,7 +308,7 @@ def test_pipelined_requests_in_one_send_are_answered_in_order(exporter):
     host, port = address(ex.control)
     requests = b"".join(packed({"op": "has", "hashes": hashes(*range(1, 1 + i % 9)), "id": i})
                         for i in range(200))
-    with socket.create_connection((host, port), timeout=3) as s:
+    with connect((host, port), timeout=3) as s:
         s.sendall(requests)
         for i in range(200):
             reply = read_reply(s)
@@ -318,7 +328,7 @@ def test_pipelined_requests_in_one_send_are_answered_in_order(exporter):
                                   b"\xa3\xff\xfe\xfd"])
 def test_bad_frames_get_an_error_and_the_connection_stays_usable(exporter, body):
     ex, _ = exporter
-    with socket.create_connection(address(ex.control), timeout=3) as s:
+    with connect(address(ex.control), timeout=3) as s:
         s.sendall(framed(body) + packed({"op": "has", "hashes": hashes(1, 2), "id": 5}))
         first = read_reply(s)
         assert isinstance(first, dict) and "error" in first
@@ -333,10 +343,10 @@ def test_a_request_of_exactly_max_request_is_read_and_one_byte_more_is_dropped(e
     body = msgpack.packb({"op": "has", "hashes": hashes(1), "id": 3,
                           "pad": b"\0" * (MAX_REQUEST - overhead)})
     assert len(body) == MAX_REQUEST
-    with socket.create_connection(address(ex.control), timeout=3) as s:
+    with connect(address(ex.control), timeout=3) as s:
         s.sendall(framed(body))
         assert read_reply(s) == {"held": 1, "id": 3}
-    with socket.create_connection(address(ex.control), timeout=3) as s:
+    with connect(address(ex.control), timeout=3) as s:
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             s.sendall(framed(body + b"\0"))
         assert read_reply(s) is None
@@ -354,7 +364,7 @@ def test_lease_expiry_keeps_running_while_a_reader_floods(exporter):
 
     def flood():
         batch = packed({"op": "has", "hashes": hashes(1)}) * 50
-        with socket.create_connection(address(ex.control), timeout=2) as s:
+        with connect(address(ex.control), timeout=2) as s:
             while not stop.is_set():
                 s.sendall(batch)
                 for _ in range(50):
@@ -382,7 +392,7 @@ def test_on_tick_exceptions_are_contained_and_ticking_goes_on():
 
     with serving(echo_id, on_tick=on_tick, tick=0.02) as server:
         assert wait_until(lambda: calls.count >= 5)
-        channel = ControlChannel(server.address, 2.0)
+        channel = ControlChannel(server.address, 2.0, secret=b"")
         assert channel.call({"op": "x"})["echo"]["op"] == "x"
         assert server._thread.is_alive()
         channel.close()
@@ -428,15 +438,15 @@ def test_resets_before_accept_do_not_crash_the_server():
 def test_close_with_readers_connected_is_prompt_frees_the_port_and_fails_callers(exporter):
     ex, _ = exporter
     host, port = address(ex.control)
-    idle = [socket.create_connection((host, port)) for _ in range(50)]
-    stuck = socket.create_connection((host, port))              # a reply it never reads
+    idle = [socket.create_connection((host, port)) for _ in range(20)]
+    stuck = connect((host, port))                               # a reply it never reads
     stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     stuck.setblocking(False)
     with contextlib.suppress(BlockingIOError):
         stuck.send(packed({"op": "blockset"}) * 5000)
     channel = ControlChannel(ex.control, 3.0)
     assert channel.call({"op": "has", "hashes": hashes(1)})["held"] == 1
-    assert wait_until(lambda: len(ex._server._peers) == 52)
+    assert wait_until(lambda: len(ex._server._peers) == 22)
     t0 = time.monotonic()
     ex.close()
     assert time.monotonic() - t0 < 1.0
@@ -451,7 +461,7 @@ def test_close_with_readers_connected_is_prompt_frees_the_port_and_fails_callers
     with pytest.raises(LeaseError):                              # nobody listens any more
         channel.call({"op": "has", "hashes": hashes(1)})
     assert time.monotonic() - t0 < 1.0
-    with serving(echo_id, port=port) as again:                            # the port is free
+    with serving(echo_id, port=port, secret=resolve_secret()) as again:   # the port is free
         assert address(again.address) == (host, port)
         reply = channel.call({"op": "x", "id": 1})
         assert reply["echo"]["op"] == "x"
@@ -466,10 +476,11 @@ def test_a_call_in_flight_when_the_server_closes_fails_fast():
         gate.wait(0.3)
         return echo_id(body)
 
-    server = ControlServer("127.0.0.1", 0, handler, max_request=MAX_REQUEST, tick=0.05,
+    server = ControlServer("127.0.0.1", 0, lambda body, peer: handler(body),
+                           max_request=MAX_REQUEST, tick=0.05,
                            on_tick=lambda: None, name="kvstrata-control-test")
     server.start()
-    channel = ControlChannel(server.address, 4.0)
+    channel = ControlChannel(server.address, 4.0, secret=b"")
     outcome = []
 
     def call():
@@ -493,7 +504,7 @@ def test_a_call_in_flight_when_the_server_closes_fails_fast():
 
 
 def test_close_before_start_releases_the_port():
-    server = ControlServer("127.0.0.1", 0, lambda b: b, max_request=16, tick=0.05,
+    server = ControlServer("127.0.0.1", 0, lambda b, peer: b, max_request=16, tick=0.05,
                            on_tick=lambda: None, name="never-started")
     port = address(server.address)[1]
     server.close()
@@ -508,7 +519,7 @@ def test_a_channel_to_a_port_nobody_listens_on_raises_lease_error_at_once():
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()
-    channel = ControlChannel(format_control("127.0.0.1", port), 3.0)
+    channel = ControlChannel(format_control("127.0.0.1", port), 3.0, secret=b"")
     t0 = time.monotonic()
     for _ in range(3):
         with pytest.raises(LeaseError):
@@ -591,7 +602,7 @@ def _trailing_extra(conn):
                                     _trailing_extra])
 def test_a_hostile_server_gives_only_lease_errors_within_the_timeout(behave):
     with fake_server(behave) as control:
-        channel = ControlChannel(control, 0.5)
+        channel = ControlChannel(control, 0.5, secret=b"")
         t0 = time.monotonic()
         with pytest.raises(LeaseError):
             channel.call({"op": "blockset"})
@@ -602,7 +613,7 @@ def test_a_hostile_server_gives_only_lease_errors_within_the_timeout(behave):
 
 def test_replies_with_other_ids_are_skipped():
     with fake_server(_ids_then_answer) as control:
-        channel = ControlChannel(control, 2.0)
+        channel = ControlChannel(control, 2.0, secret=b"")
         for i in range(5):
             reply = channel.call({"op": "has", "n": i})
             assert reply["ok"]["n"] == i and reply["id"] == reply["ok"]["id"]
@@ -650,7 +661,7 @@ def test_concurrent_calls_on_one_channel_each_get_their_own_reply(exporter):
 
 def test_malformed_requests_are_caller_errors_and_leave_the_channel_usable():
     with serving(echo_id) as server:
-        channel = ControlChannel(server.address, 2.0)
+        channel = ControlChannel(server.address, 2.0, secret=b"")
         with pytest.raises((TypeError, ValueError)):
             channel.call({"op": object()})
         assert channel.call({"op": "fine"})["echo"]["op"] == "fine"
@@ -660,7 +671,7 @@ def test_malformed_requests_are_caller_errors_and_leave_the_channel_usable():
 # == bugs ===================================================================================
 def test_a_shared_channel_bounds_every_callers_wait_by_its_timeout():
     with fake_server(_silent) as control:
-        channel = ControlChannel(control, 0.4)
+        channel = ControlChannel(control, 0.4, secret=b"")
         waited: list[float] = []
 
         def call():

@@ -21,6 +21,13 @@ when the next reply does not come, and that request is sent once more on a fresh
 (a request the server had already answered is never sent twice; one it was still handling
 when it dropped the connection could be, which for a lease only means a second lease that
 expires by its deadline).
+
+With a shared secret (:mod:`.auth`), the server answers a connection nothing until it has
+proved it holds the secret, and proves it holds it too; a channel given the secret does that
+handshake on each new connection. A connection that has not authenticated within
+:data:`AUTH_TIMEOUT` is closed, and one host holds at most :data:`MAX_CONNECTIONS_PER_HOST`
+connections. The handler is told which connection a request came on (an id never reused),
+so what a connection took (a lease) can be bound to it.
 """
 
 from __future__ import annotations
@@ -37,6 +44,8 @@ from typing import Callable
 
 import msgpack
 
+from .auth import (AuthError, client_proof, new_nonce, proofs_match, resolve_secret,
+                   server_proof)
 from .errors import LeaseError
 
 __all__ = ["ControlServer", "ControlChannel", "parse_control", "format_control",
@@ -49,6 +58,10 @@ MAX_REPLY_BYTES = 64 << 20
 """Largest reply a reader accepts (a block set with many regions, a lease of 65,536 blocks)."""
 MAX_CONNECTIONS = 256
 """Readers one exporter serves at once; a connection beyond them is closed at once."""
+MAX_CONNECTIONS_PER_HOST = 32
+"""Connections one remote address may hold at once (one host cannot take every slot)."""
+AUTH_TIMEOUT = 10.0
+"""Seconds a connection has to prove it holds the shared secret, when there is one."""
 IDLE_TIMEOUT = 120.0
 """Seconds a connection may sit with nothing to send or receive before the server closes it
 (a reader's channel reconnects on its next call), so idle connections cannot hold every
@@ -101,24 +114,32 @@ class _Peer:
     """One reader's connection: bytes received and not yet a whole request, the reply not
     yet written, when it last moved a byte and when its pending request began."""
 
-    __slots__ = ("sock", "inbox", "outbox", "active_at", "request_at")
+    __slots__ = ("sock", "inbox", "outbox", "active_at", "request_at", "ident", "host",
+                 "connected_at", "authenticated", "nonces")
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, ident: int, host: str) -> None:
         self.sock, self.inbox, self.outbox = sock, bytearray(), b""
-        self.active_at = time.monotonic()
+        self.active_at = self.connected_at = time.monotonic()
         self.request_at = 0.0
+        self.ident, self.host = ident, host
+        self.authenticated = False
+        self.nonces: tuple[bytes, bytes] | None = None
+        """(the reader's nonce, ours) once it said hello."""
 
 
 class ControlServer:
-    """Serve ``handler(request bytes) -> reply bytes`` on ``host:port`` (0: any free port)
-    from a thread named ``name``, calling ``on_tick()`` at least every ``tick`` seconds.
-    Requests longer than ``max_request`` bytes drop their connection. The port is bound
-    (:attr:`address` known) when this returns; serving begins with :meth:`start`."""
+    """Serve ``handler(request bytes, connection id) -> reply bytes`` on ``host:port`` (0: any
+    free port) from a thread named ``name``, calling ``on_tick()`` at least every ``tick``
+    seconds. Requests longer than ``max_request`` bytes drop their connection. With
+    ``secret``, only connections that proved they hold it reach the handler (:mod:`.auth`).
+    The port is bound (:attr:`address` known) when this returns; serving begins with
+    :meth:`start`."""
 
-    def __init__(self, host: str, port: int, handler: Callable[[bytes], bytes], *,
+    def __init__(self, host: str, port: int, handler: Callable[[bytes, int], bytes], *,
                  max_request: int, tick: float, on_tick: Callable[[], None], name: str,
                  idle_timeout: float = IDLE_TIMEOUT,
-                 request_timeout: float = REQUEST_TIMEOUT) -> None:
+                 request_timeout: float = REQUEST_TIMEOUT,
+                 secret: bytes | None = None) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -136,6 +157,8 @@ class ControlServer:
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ, None)
         self._peers: dict[int, _Peer] = {}
+        self._secret = secret
+        self._idents = itertools.count(1)
         self._stop = threading.Event()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -193,7 +216,9 @@ class ControlServer:
         now = time.monotonic()
         for peer in list(self._peers.values()):
             if now - peer.active_at > self._idle_timeout or (
-                    peer.inbox and now - peer.request_at > self._request_timeout):
+                    peer.inbox and now - peer.request_at > self._request_timeout) or (
+                    self._secret is not None and not peer.authenticated
+                    and now - peer.connected_at > AUTH_TIMEOUT):
                 self._drop(peer)
 
     def _release(self) -> None:
@@ -206,7 +231,7 @@ class ControlServer:
 
     def _accept(self) -> None:
         try:
-            sock, _ = self._listener.accept()
+            sock, remote = self._listener.accept()
         except OSError as exc:
             if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
                 # the waiting connection keeps the port readable: stop watching it for a
@@ -218,12 +243,14 @@ class ControlServer:
                 self._accept_retry = time.monotonic() + self._tick
                 self._selector.unregister(self._listener)
             return
-        if len(self._peers) >= MAX_CONNECTIONS:
+        host = str(remote[0]) if isinstance(remote, tuple) and remote else ""
+        if len(self._peers) >= MAX_CONNECTIONS or sum(
+                p.host == host for p in self._peers.values()) >= MAX_CONNECTIONS_PER_HOST:
             sock.close()
             return
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        peer = _Peer(sock)
+        peer = _Peer(sock, next(self._idents), host)
         self._peers[sock.fileno()] = peer
         self._selector.register(sock, selectors.EVENT_READ, peer)
 
@@ -259,8 +286,17 @@ class ControlServer:
             body = bytes(peer.inbox[FRAME.size:FRAME.size + length])
             del peer.inbox[:FRAME.size + length]
             peer.request_at = time.monotonic()           # what is left starts the next one
+            if self._secret is not None and not peer.authenticated:
+                reply = self._authenticate(peer, body)
+                if reply is None:                        # not a step of the handshake
+                    self._drop(peer)
+                    return
+                peer.outbox = _frame(reply)
+                if not self._flush(peer):
+                    return
+                continue
             try:
-                reply = self._handler(body)
+                reply = self._handler(body, peer.ident)
             except Exception:
                 log.exception("kvstrata: control server %s failed a request", self.address)
                 self._drop(peer)
@@ -268,6 +304,29 @@ class ControlServer:
             peer.outbox = _frame(reply)
             if not self._flush(peer):
                 return
+
+    def _authenticate(self, peer: _Peer, body: bytes) -> bytes | None:
+        """The reply to one step of the handshake (:mod:`.auth`), or None: drop the peer."""
+        try:
+            message = msgpack.unpackb(body, raw=False, max_bin_len=64, max_str_len=16,
+                                      max_array_len=0, max_map_len=4)
+        except Exception:
+            return None
+        if not isinstance(message, dict):
+            return None
+        op = message.get("op")
+        if op == "hello" and peer.nonces is None:
+            theirs = message.get("nonce")
+            if not isinstance(theirs, bytes) or len(theirs) != len(new_nonce()):
+                return None
+            peer.nonces = (theirs, new_nonce())
+            return msgpack.packb({"nonce": peer.nonces[1],
+                                  "proof": server_proof(self._secret, *peer.nonces)})
+        if op == "auth" and peer.nonces is not None and proofs_match(
+                client_proof(self._secret, *peer.nonces), message.get("proof")):
+            peer.authenticated = True
+            return msgpack.packb({"ok": True})
+        return None
 
     def _flush(self, peer: _Peer) -> bool:
         """Write what the reply has left; False if the connection was dropped."""
@@ -305,10 +364,16 @@ class ControlChannel:
     reply echoes, so a caller may wait for its reply (bounded by ``timeout``) or not (a
     release); replies nobody waits for are skipped. Connects on first use and again after a
     failure; safe to share between threads. A malformed ``control`` is a
-    :class:`~.errors.LeaseError` here."""
+    :class:`~.errors.LeaseError` here. ``secret`` (default: the deployment's, from the
+    environment: :func:`~.auth.resolve_secret`; ``b""``: none, for a server without one) is
+    proved on each new connection."""
 
-    def __init__(self, control: str, timeout: float) -> None:
+    def __init__(self, control: str, timeout: float, secret: bytes | None = None) -> None:
         self.control, self.timeout = control, timeout
+        try:
+            self._secret = (secret if secret is not None else resolve_secret()) or None
+        except AuthError as exc:
+            raise LeaseError(str(exc)) from None
         try:
             self._address = parse_control(control)
         except ValueError as exc:
@@ -382,9 +447,44 @@ class ControlChannel:
         if self._sock is None:
             sock = socket.create_connection(self._address,
                                             timeout=max(1e-3, deadline - time.monotonic()))
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                if self._secret is not None:
+                    self._handshake(sock, deadline)
+            except BaseException:
+                sock.close()
+                raise
             self._sock = sock
         return self._sock
+
+    def _handshake(self, sock: socket.socket, deadline: float) -> None:
+        """Prove this channel holds the secret, and check the exporter does (:mod:`.auth`)."""
+        ours = new_nonce()
+        reply = self._roundtrip(sock, {"op": "hello", "nonce": ours}, deadline)
+        theirs = reply.get("nonce")
+        if not isinstance(theirs, bytes) or not proofs_match(
+                server_proof(self._secret, ours, theirs), reply.get("proof")):
+            raise LeaseError(f"{self.control} did not prove it holds the sharing secret "
+                             f"(another secret, or not a kvstrata exporter that has one)")
+        reply = self._roundtrip(sock, {"op": "auth",
+                                       "proof": client_proof(self._secret, ours, theirs)},
+                                deadline)
+        if reply.get("ok") is not True:
+            raise LeaseError(f"{self.control} refused this channel's proof of the secret")
+
+    def _roundtrip(self, sock: socket.socket, message: dict, deadline: float) -> dict:
+        sock.settimeout(max(1e-3, deadline - time.monotonic()))
+        sock.sendall(_frame(msgpack.packb(message)))
+        try:
+            header = self._exactly(sock, FRAME.size, deadline, first=True)
+        except _Closed:
+            raise LeaseError(f"{self.control} closed the connection during the handshake "
+                             f"(it holds another secret)") from None
+        reply = msgpack.unpackb(self._body(sock, header, deadline), raw=False)
+        if not isinstance(reply, dict):
+            raise LeaseError(f"{self.control} answered the handshake with a "
+                             f"{type(reply).__name__}")
+        return reply
 
     def _body(self, sock: socket.socket, header: bytes, deadline: float) -> bytes:
         (length,) = FRAME.unpack(header)

@@ -18,6 +18,12 @@ request's ``id`` if it has one):
 The data never passes through this socket: readers pull bytes with NIXL reads of the slots a
 lease names, then check them against the lease's checksums. A thread serves the port and
 expires overdue leases (:mod:`.lease`) at least every ``tick`` seconds.
+
+Nothing is answered to a connection that has not proved it holds the deployment's shared
+secret (:mod:`.auth`; ``secret``, else ``$KVSTRATA_SHARING_SECRET`` or the file
+``$KVSTRATA_SHARING_SECRET_FILE``): an exporter without one refuses to start. A lease belongs
+to the connection that took it (released by it only; its id is random) and one connection
+holds a bounded number of leases and pinned blocks (:class:`~.lease.LeaseTable`).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import numpy as np
 
 from ..physical.storage.base import MemoryStorage
 from ..protocol.layout_codec import SharedLayout
+from .auth import SECRET_ENV, SECRET_FILE_ENV, AuthError, resolve_secret
 from .blockset import BlockSet
 from .control import ControlServer
 from .errors import LeaseError
@@ -54,7 +61,16 @@ class BlockExporter:
                  pin: Callable[[Sequence[int]], tuple[list[tuple[int, int, int]], Any]],
                  unpin: Callable[[Any], None], *, fingerprint: str = "",
                  host: str = "127.0.0.1", port: int = 0, max_leases: int = 1024,
-                 tick: float = 0.05) -> None:
+                 tick: float = 0.05, secret: bytes | None = None) -> None:
+        try:
+            secret = resolve_secret(secret)
+        except AuthError as exc:
+            raise LeaseError(f"exporter {name}: {exc}") from None
+        if secret is None:
+            raise LeaseError(f"exporter {name}: exporting memory needs the deployment's "
+                             f"sharing secret (${SECRET_ENV}, or a file of the running "
+                             f"user's named by ${SECRET_FILE_ENV}): nothing is served to a "
+                             f"peer that cannot prove it holds it")
         self.name, self.tier = name, tier
         self.leases = LeaseTable(pin, unpin, max_leases=max_leases)
         layout, regions = storage.layout, storage.descriptors()
@@ -68,7 +84,7 @@ class BlockExporter:
             self._server = ControlServer(host, port, self._answer_bytes,
                                          max_request=MAX_REQUEST_BYTES, tick=tick,
                                          on_tick=self.leases.expire,
-                                         name=f"kvstrata-export-{name}")
+                                         name=f"kvstrata-export-{name}", secret=secret)
             self.control = self._server.address
             self.blockset = BlockSet(name, tier, SharedLayout(layout, tuple(regions)),
                                      self._agent.metadata(), self.control, fingerprint)
@@ -81,11 +97,11 @@ class BlockExporter:
         self._server.start()
 
     # -- serving (on the control server's thread) ------------------------------------------
-    def _answer_bytes(self, body: bytes) -> bytes:
-        return msgpack.packb(self._answer(body))
+    def _answer_bytes(self, body: bytes, peer: int = 0) -> bytes:
+        return msgpack.packb(self._answer(body, peer))
 
-    def _answer(self, body: bytes) -> dict:
-        """The reply to one request, echoing its ``id``."""
+    def _answer(self, body: bytes, peer: int = 0) -> dict:
+        """The reply to one request of connection ``peer``, echoing its ``id``."""
         self.requests += 1
         try:
             request = msgpack.unpackb(body, raw=False, max_bin_len=MAX_REQUEST_BYTES)
@@ -93,25 +109,25 @@ class BlockExporter:
             return {"error": "request is not msgpack"}
         if not isinstance(request, dict):
             return {"error": "request must be a map"}
-        reply = self._reply(request)
+        reply = self._reply(request, peer)
         if "id" in request:
             reply["id"] = request["id"]
         return reply
 
-    def _reply(self, request: dict) -> dict:
+    def _reply(self, request: dict, peer: int) -> dict:
         op = request.get("op")
         try:
             if op == "blockset":
                 return {"blockset": self._encoded}
             if op == "lease":
-                return self._lease(request)
+                return self._lease(request, peer)
             if op == "has":
                 return self._has(request)
             if op == "release":
                 lease_id = request.get("lease")
                 if not isinstance(lease_id, int) or isinstance(lease_id, bool):
                     return {"error": "release needs an int lease"}
-                return {"released": self.leases.release(lease_id)}
+                return {"released": self.leases.release(lease_id, peer)}
             return {"error": f"unknown op {op!r:.40}"}
         except LeaseError as exc:
             return {"error": str(exc)}
@@ -135,14 +151,14 @@ class BlockExporter:
                              f"bytes"}
         return {"held": self.leases.held(hashes)}
 
-    def _lease(self, request: dict) -> dict:
+    def _lease(self, request: dict, peer: int) -> dict:
         hashes, ttl = self._hashes(request), request.get("ttl")
         if hashes is None:
             return {"error": f"lease needs 1..{MAX_LEASE_BLOCKS} hashes as little-endian u64 "
                              f"bytes"}
         if not isinstance(ttl, (int, float)) or isinstance(ttl, bool) or not ttl > 0:
             return {"error": "lease needs a ttl > 0 seconds"}
-        lease = self.leases.grant(hashes, float(ttl))
+        lease = self.leases.grant(hashes, float(ttl), peer)
         if lease is None:
             return {"lease": 0, "ttl": 0.0, "slots": b"", "checksums": b""}
         rows = np.array([(b[1], b[2]) for b in lease.blocks], dtype="<u8")

@@ -8,11 +8,17 @@ or hung) expires at its deadline and its blocks are unpinned: nothing stays pinn
 
 :class:`LeaseTable` is the exporter's bookkeeping; ``pin`` and ``unpin`` are given by the
 owner of the pool (they run wherever the pool may be touched). Thread-safe.
+
+A lease belongs to whoever took it (the exporter passes the control connection): its id is
+random (63 bits, not a count another reader could guess), only its owner releases it (for
+anyone else it does not exist), and one owner holds at most ``max_per_owner`` leases and
+``max_blocks_per_owner`` pinned blocks, so one reader cannot take the table from the others
+or pin the whole tier.
 """
 
 from __future__ import annotations
 
-import itertools
+import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -44,39 +50,55 @@ class LeaseTable:
 
     def __init__(self, pin: Callable[[Sequence[int]], tuple[list[tuple[int, int, int]], Any]],
                  unpin: Callable[[Any], None], max_leases: int = 1024,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, *, max_per_owner: int = 64,
+                 max_blocks_per_owner: int = 1 << 18) -> None:
         self._pin, self._unpin = pin, unpin
         self._max = max_leases
+        self._max_per_owner, self._max_blocks_per_owner = max_per_owner, max_blocks_per_owner
         self._clock = clock
-        self._ids = itertools.count(1)
         self._lock = threading.Lock()
-        self._leases: dict[int, tuple[Lease, Any]] = {}
+        self._leases: dict[int, tuple[Lease, Any, Any]] = {}
+        """lease id -> (lease, pin token, owner)."""
         self.expired = 0
         """Leases that reached their deadline unreleased."""
 
     def __len__(self) -> int:
         return len(self._leases)
 
-    def grant(self, hashes: Sequence[int], ttl: float) -> Lease | None:
+    def grant(self, hashes: Sequence[int], ttl: float, owner: Any = None) -> Lease | None:
         """Pin the longest held prefix of ``hashes`` for ``ttl`` seconds (at most
-        :data:`MAX_TTL`); None when not even its first block is held. Expires overdue leases
-        first; :class:`LeaseError` when ``max_leases`` are outstanding."""
+        :data:`MAX_TTL`) for ``owner``; None when not even its first block is held. Expires
+        overdue leases first; :class:`LeaseError` when ``max_leases`` are outstanding, or
+        the owner's ``max_per_owner`` leases or ``max_blocks_per_owner`` blocks."""
         if not ttl > 0:
             raise LeaseError(f"a lease lasts > 0 seconds, got {ttl!r}")
         self.expire()
         with self._lock:
-            if len(self._leases) >= self._max:
-                raise LeaseError(f"{self._max} leases outstanding; release some first")
+            self._check_room(owner, len(hashes))
         blocks, token = self._pin(list(hashes))
         if not blocks:
             if token is not None:
                 self._unpin(token)
             return None
         ttl = min(float(ttl), MAX_TTL)
-        lease = Lease(next(self._ids), tuple(blocks), ttl, self._clock() + ttl)
         with self._lock:
-            self._leases[lease.lease_id] = (lease, token)
+            lease_id = secrets.randbits(63) or 1
+            while lease_id in self._leases:
+                lease_id = secrets.randbits(63) or 1
+            lease = Lease(lease_id, tuple(blocks), ttl, self._clock() + ttl)
+            self._leases[lease_id] = (lease, token, owner)
         return lease
+
+    def _check_room(self, owner: Any, wanted: int) -> None:
+        if len(self._leases) >= self._max:
+            raise LeaseError(f"{self._max} leases outstanding; release some first")
+        mine = [lease for lease, _, o in self._leases.values() if o == owner]
+        if len(mine) >= self._max_per_owner:
+            raise LeaseError(f"this reader holds {len(mine)} leases, the most one may; "
+                             f"release some first")
+        if sum(len(lease.blocks) for lease in mine) + wanted > self._max_blocks_per_owner:
+            raise LeaseError(f"this reader would pin more than {self._max_blocks_per_owner} "
+                             f"blocks; release some first")
 
     def held(self, hashes: Sequence[int]) -> int:
         """How long a prefix of ``hashes`` is held now (pinned and unpinned at once)."""
@@ -85,12 +107,14 @@ class LeaseTable:
             self._unpin(token)
         return len(blocks)
 
-    def release(self, lease_id: int) -> bool:
-        """Unpin a lease's blocks; False if it is unknown (released or expired already)."""
+    def release(self, lease_id: int, owner: Any = None) -> bool:
+        """Unpin a lease's blocks; False if ``owner`` holds no such lease (released,
+        expired, or another reader's: which, is not said)."""
         with self._lock:
-            entry = self._leases.pop(lease_id, None)
-        if entry is None:
-            return False
+            entry = self._leases.get(lease_id)
+            if entry is None or entry[2] != owner:
+                return False
+            del self._leases[lease_id]
         self._unpin(entry[1])
         return True
 
@@ -98,9 +122,9 @@ class LeaseTable:
         """Unpin every lease past its deadline; returns how many."""
         now = self._clock()
         with self._lock:
-            overdue = [k for k, (lease, _) in self._leases.items() if lease.deadline <= now]
+            overdue = [k for k, (lease, _, _) in self._leases.items() if lease.deadline <= now]
             entries = [self._leases.pop(k) for k in overdue]
-        for _, token in entries:
+        for _, token, _ in entries:
             self._unpin(token)
         self.expired += len(entries)
         return len(entries)
@@ -109,5 +133,5 @@ class LeaseTable:
         """Unpin everything (the exporter is going away)."""
         with self._lock:
             entries, self._leases = list(self._leases.values()), {}
-        for _, token in entries:
+        for _, token, _ in entries:
             self._unpin(token)

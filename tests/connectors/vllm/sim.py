@@ -14,6 +14,7 @@ ranks, failed loads) and runs in milliseconds.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -111,7 +112,9 @@ class SimEngine:
         # decision turn it on and teach it costs.
         config = {"tiers": tiers, "disk_dir": str(tmp_path), "o_direct": False,
                   "cost_aware": False, **(extra or {})}
-        self.settings = settings_from(config, geometry, env={})
+        # no kvstrata setting from the environment but the deployment's sharing secret
+        self.settings = settings_from(config, geometry, env={
+            k: v for k, v in os.environ.items() if k.startswith("KVSTRATA_SHARING_")})
         self.scheduler = SchedulerHalf(self.settings, world_size=ranks)
         self.workers = [WorkerHalf(self.settings, rank=r, copy_engine=copy_engine,
                                    world_size=ranks)

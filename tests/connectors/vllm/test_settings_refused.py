@@ -21,10 +21,10 @@ from kvstrata.connectors.vllm.settings import (ConnectorConfigError, KvGeometry,
 GEOMETRY = KvGeometry(32, 2, 2, 8, "bfloat16", 64)
 
 
-def _refused(extra: dict, key: str, tmp_path) -> str:
+def _refused(extra: dict, key: str, tmp_path, env: dict | None = None) -> str:
     before = sorted(os.listdir(tmp_path))
     with pytest.raises(ConnectorConfigError) as refused:
-        settings_from(extra, GEOMETRY, env={})
+        settings_from(extra, GEOMETRY, env={} if env is None else env)
     message = str(refused.value)
     assert "\n" not in message, message
     assert key in message, message
@@ -45,11 +45,26 @@ def test_peers_with_a_port_out_of_range_are_refused(peers, tmp_path):
     _refused({"tiers": {"G2": {"blocks": 8}}, "peers": peers}, "peers", tmp_path)
 
 
+SHARING = {"KVSTRATA_SHARING_SECRET": "the deployment's sharing secret"}
+
+
 def test_an_export_on_loopback_is_accepted(tmp_path):
     settings = settings_from({"tiers": {"G2": {"blocks": 8}}, "export": "tcp://127.0.0.1:5555",
-                              "peers": ["tcp://192.0.2.1:5555"]}, GEOMETRY, env={})
+                              "peers": ["tcp://192.0.2.1:5555"]}, GEOMETRY, env=SHARING)
     assert settings.export == "tcp://127.0.0.1:5555"
     assert settings.peers == ("tcp://192.0.2.1:5555",)      # a peer may be another host
+
+
+@pytest.mark.parametrize("key", ["export", "peers"])
+def test_sharing_without_the_deployments_secret_is_refused(key, tmp_path):
+    """Issue 27: an exporter serves nothing to a peer that cannot prove it holds the secret,
+    so sharing G2 without one is a configuration error at start, in both engines."""
+    value = "tcp://127.0.0.1:5555" if key == "export" else ["tcp://127.0.0.1:5555"]
+    message = _refused({"tiers": {"G2": {"blocks": 8}}, key: value}, key, tmp_path)
+    assert "KVSTRATA_SHARING_SECRET" in message
+    message = _refused({"tiers": {"G2": {"blocks": 8}}, key: value}, key, tmp_path,
+                       env={"KVSTRATA_SHARING_SECRET": "too short"})
+    assert "16 to 4096 bytes" in message
 
 
 def test_a_disk_directory_that_is_a_regular_file_is_refused(tmp_path):

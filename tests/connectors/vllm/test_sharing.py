@@ -27,6 +27,9 @@ from kvstrata.physical.errors import SlotPinnedError  # noqa: E402
 from kvstrata.tokens import hash_blocks  # noqa: E402
 
 from .sim import HEAD_DIM, HEADS, LAYERS, SimEngine, assert_idle, block_kv  # noqa: E402
+
+SHARING = {"KVSTRATA_SHARING_SECRET": os.environ["KVSTRATA_SHARING_SECRET"]}
+"""The session's sharing secret (tests/conftest.py), for settings built from an explicit env."""
 from .test_halves import BS, prompt  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -132,8 +135,10 @@ def test_the_threads_that_talk_to_peers_are_not_bound_to_the_workers_core(tmp_pa
     storages = sim.workers[0].storages.by_tier
     geometry = KvGeometry(BS, LAYERS, HEADS, HEAD_DIM, "bfloat16", 64)
     address = f"tcp://127.0.0.1:{free_port()}"
-    exporting = settings_from({"disk_dir": str(tmp_path), "export": address}, geometry, env={})
-    reading = settings_from({"disk_dir": str(tmp_path), "peers": [address]}, geometry, env={})
+    exporting = settings_from({"disk_dir": str(tmp_path), "export": address}, geometry,
+                              env=SHARING)
+    reading = settings_from({"disk_dir": str(tmp_path), "peers": [address]}, geometry,
+                            env=SHARING)
     everywhere = os.sched_getaffinity(0)
     seen: dict = {}
 
@@ -174,7 +179,7 @@ def test_the_threads_that_talk_to_peers_are_not_bound_to_the_workers_core(tmp_pa
 def test_bad_sharing_settings_are_refused(tmp_path, extra, match):
     geometry = KvGeometry(BS, LAYERS, HEADS, HEAD_DIM, "bfloat16", 64)
     with pytest.raises(ConnectorConfigError, match=match):
-        settings_from({"disk_dir": str(tmp_path), **extra}, geometry, env={})
+        settings_from({"disk_dir": str(tmp_path), **extra}, geometry, env=SHARING)
     two = KvGeometry(BS, LAYERS, HEADS, HEAD_DIM, "bfloat16", 64, workers=2)
     with pytest.raises(ConnectorConfigError, match="one worker"):
-        settings_from({"peers": ["tcp://127.0.0.1:5000"]}, two, env={})
+        settings_from({"peers": ["tcp://127.0.0.1:5000"]}, two, env=SHARING)

@@ -215,6 +215,8 @@ def settings_from(extra: Mapping[str, Any] | None, geometry: KvGeometry,
         problems.append(f"unknown kv_connector_extra_config keys {sorted(unknown)}; "
                         f"known: {sorted(_KNOWN)}")
     switches = _switches(extra, geometry, problems)
+    if switches["export"] or switches["peers"]:
+        _check_sharing_secret(env, problems)
     overrides = _config_overrides(extra, problems)
     tiers = _tiers(extra.get("tiers"), problems) if "tiers" in extra else None
     config_path = extra.get("config")
@@ -284,6 +286,21 @@ def _switches(extra: Mapping[str, Any], geometry: KvGeometry,
         problems.append("export/peers (sharing G2 between engines) supports one worker per "
                         f"engine for now; this engine has {geometry.workers}")
     return out
+
+
+def _check_sharing_secret(env: Mapping[str, str], problems: list[str]) -> None:
+    """Sharing G2 between engines needs the deployment's secret in every engine's
+    environment (:mod:`kvstrata.remote.auth`): an exporter serves nothing to a peer that
+    cannot prove it holds it."""
+    from ...remote.auth import SECRET_ENV, SECRET_FILE_ENV, AuthError, resolve_secret
+
+    try:
+        if resolve_secret(env=env) is None:
+            problems.append(f"export/peers need the deployment's sharing secret: set "
+                            f"${SECRET_ENV} (or ${SECRET_FILE_ENV}, a file of the running "
+                            f"user's) to the same value in every engine")
+    except AuthError as exc:
+        problems.append(f"export/peers: {exc}")
 
 
 def _config_overrides(extra: Mapping[str, Any], problems: list[str]) -> dict[str, str]:

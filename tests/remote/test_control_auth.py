@@ -1,0 +1,172 @@
+"""Nobody reads what is not theirs over the control port (issue 27, findings 1 and 2): an
+exporter answers nothing, ``has`` included, to a connection that has not proved it holds the
+deployment's sharing secret, refuses to start without one, proves it holds it too; lease ids
+are random and a lease is its connection's; one connection cannot take the lease table and one
+host cannot take every connection."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+
+import msgpack
+import numpy as np
+import pytest
+
+from kvstrata.remote import control
+from kvstrata.remote.auth import AuthError, resolve_secret
+from kvstrata.remote.control import MAX_CONNECTIONS_PER_HOST, ControlChannel, parse_control
+from kvstrata.remote.errors import LeaseError
+from kvstrata.remote.nixl_agent import nixl_available
+
+from .handshake import authenticate, connect
+
+pytestmark = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed")
+
+
+def hashes(*values) -> bytes:
+    return np.array(values, dtype="<u8").tobytes()
+
+
+def raw_request(address, request: dict, timeout: float = 2.0):
+    """Send one request on a fresh, unauthenticated connection: the reply, or None if the
+    connection was closed unanswered."""
+    with socket.create_connection(address, timeout=timeout) as sock:
+        body = msgpack.packb(request)
+        sock.sendall(struct.pack("<I", len(body)) + body)
+        try:
+            data = sock.recv(1 << 16)
+        except ConnectionResetError:
+            return None
+        return msgpack.unpackb(data[4:], raw=False) if data else None
+
+
+def test_an_unauthenticated_peer_gets_no_answer_at_all(exporter):
+    """Finding 1: any local client got the block set (NIXL metadata), asked ``has`` to learn
+    whether a prefix is cached, and took leases."""
+    ex, pins = exporter
+    address = parse_control(ex.control)
+    before = ex.requests
+    for request in ({"op": "has", "hashes": hashes(1)}, {"op": "blockset"},
+                    {"op": "lease", "hashes": hashes(1), "ttl": 5},
+                    {"op": "auth", "proof": b"\0" * 32}):
+        assert raw_request(address, request) is None, request
+    assert ex.requests == before and not pins.pinned            # the handler never ran
+
+
+def test_a_wrong_secret_is_refused_and_an_impostor_exporter_is_found_out(exporter):
+    ex, _ = exporter
+    stranger = ControlChannel(ex.control, 2.0, secret=b"not the deployment's secret")
+    with pytest.raises(LeaseError, match="did not prove it holds the sharing secret"):
+        stranger.call({"op": "has", "hashes": hashes(1)})
+    # a reader of the deployment talking to a server with another secret (an impostor
+    # listening on the address) finds out before sending anything
+    impostor = control.ControlServer("127.0.0.1", 0, lambda body, peer: body,
+                                     max_request=1 << 16, tick=0.05, on_tick=lambda: None,
+                                     name="kvstrata-impostor",
+                                     secret=b"an impostor's own secret value")
+    impostor.start()
+    try:
+        with pytest.raises(LeaseError, match="did not prove"):
+            ControlChannel(impostor.address, 2.0).call({"op": "blockset"})
+    finally:
+        impostor.close()
+    assert ControlChannel(ex.control, 2.0).call({"op": "has", "hashes": hashes(1)})["held"] == 1
+
+
+def test_a_connection_that_never_authenticates_is_closed(exporter, monkeypatch):
+    ex, _ = exporter
+    monkeypatch.setattr(control, "AUTH_TIMEOUT", 0.3)
+    with socket.create_connection(parse_control(ex.control), timeout=3) as sock:
+        t0 = time.monotonic()
+        assert sock.recv(1) == b""                               # closed by the exporter
+        assert time.monotonic() - t0 < 2.0
+
+
+def test_an_exporter_without_a_secret_refuses_to_start(monkeypatch):
+    from kvstrata.physical.storage.host import HostStorage
+    from kvstrata.protocol.layout import LayoutConfig
+    from kvstrata.remote.exporter import BlockExporter
+
+    from .pool_stand_in import Pins
+
+    monkeypatch.delenv("KVSTRATA_SHARING_SECRET", raising=False)
+    monkeypatch.delenv("KVSTRATA_SHARING_SECRET_FILE", raising=False)
+    storage = HostStorage(LayoutConfig(num_blocks=4, num_layers=1, outer_dim=2, page_size=4,
+                                       inner_dim=8))
+    try:
+        with pytest.raises(LeaseError, match="needs the deployment's sharing secret"):
+            BlockExporter("nosecret", "G2", storage, Pins().pin, Pins().unpin)
+        monkeypatch.setenv("KVSTRATA_SHARING_SECRET", "short")
+        with pytest.raises(LeaseError, match="16 to 4096 bytes"):
+            BlockExporter("short", "G2", storage, Pins().pin, Pins().unpin)
+    finally:
+        storage.close()
+
+
+def test_a_secret_file_must_be_the_users_alone(tmp_path, monkeypatch):
+    path = tmp_path / "secret"
+    path.write_text("a secret of more than sixteen bytes\n")
+    path.chmod(0o644)
+    env = {"KVSTRATA_SHARING_SECRET_FILE": str(path)}
+    assert resolve_secret(env=env) == b"a secret of more than sixteen bytes"
+    assert path.stat().st_mode & 0o077 == 0                      # made private
+    path.chmod(0o666)
+    with pytest.raises(AuthError, match="writable by its group or others"):
+        resolve_secret(env=env)
+
+
+def test_lease_ids_are_random_and_a_lease_is_its_connections(exporter):
+    """Finding 1: lease ids counted up from 1 and were not tied to the connection, so another
+    user released the owner's lease."""
+    ex, pins = exporter
+    owner, other = ControlChannel(ex.control, 2.0), ControlChannel(ex.control, 2.0)
+    ids = [owner.call({"op": "lease", "hashes": hashes(1, 2), "ttl": 30})["lease"]
+           for _ in range(4)]
+    assert len(set(ids)) == 4 and all(i > 0 for i in ids)
+    assert max(ids) - min(ids) > 1000                            # not a count
+    assert other.call({"op": "release", "lease": ids[0]})["released"] is False
+    assert len(ex.leases) == 4
+    for lease_id in ids:
+        assert owner.call({"op": "release", "lease": lease_id})["released"] is True
+    assert len(ex.leases) == 0 and len(pins.pinned) == len(pins.unpinned)
+    owner.close()
+    other.close()
+
+
+def test_one_connection_cannot_take_the_lease_table(exporter):
+    """Finding 2: one client took all 1,024 leases in 0.42 s; every other reader was then
+    refused and the leased blocks stayed pinned."""
+    ex, _ = exporter
+    greedy, polite = ControlChannel(ex.control, 5.0), ControlChannel(ex.control, 2.0)
+    granted = 0
+    for _ in range(200):
+        reply = greedy.call({"op": "lease", "hashes": hashes(1), "ttl": 60})
+        if "error" in reply:
+            assert "the most one may" in reply["error"]
+            break
+        granted += 1
+    assert granted == 64
+    assert polite.call({"op": "lease", "hashes": hashes(1, 2), "ttl": 5})["lease"] > 0
+    greedy.close()
+    polite.close()
+
+
+def test_one_host_cannot_take_every_connection(exporter):
+    ex, _ = exporter
+    address = parse_control(ex.control)
+    held = [connect(address, timeout=3) for _ in range(MAX_CONNECTIONS_PER_HOST)]
+    try:
+        extra = socket.create_connection(address, timeout=3)
+        assert extra.recv(1) == b""                              # closed at once
+        extra.close()
+        with socket.create_connection(address, timeout=3,
+                                      source_address=("127.0.0.9", 0)) as other_host:
+            authenticate(other_host)                             # another host is served
+            body = msgpack.packb({"op": "has", "hashes": hashes(1)})
+            other_host.sendall(struct.pack("<I", len(body)) + body)
+            assert msgpack.unpackb(other_host.recv(1 << 16)[4:], raw=False) == {"held": 1}
+    finally:
+        for sock in held:
+            sock.close()
