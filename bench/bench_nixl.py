@@ -27,6 +27,9 @@ import statistics
 import time
 
 os.environ.setdefault("UCX_MODULES", "^ib")
+# the exporter serves only peers holding the deployment's secret: one for this run (its
+# exporter process inherits it) unless the environment names one
+os.environ.setdefault("KVSTRATA_SHARING_SECRET", __import__("secrets").token_hex(32))
 
 import numpy as np  # noqa: E402
 
