@@ -54,23 +54,36 @@ def make_private_directory(path: str | os.PathLike) -> None:
         os.mkdir(path, 0o700)
     except FileExistsError:
         pass
-    info = os.lstat(path)
-    problem = _not_private(info, stat.S_ISDIR, "directory")
-    if problem:
-        raise NotPrivateError(errno.EPERM, problem, path)
-    if info.st_mode & 0o077:
-        os.chmod(path, stat.S_IMODE(info.st_mode) & 0o700, follow_symlinks=False)
+    # checked and changed through a descriptor of the directory itself: no link followed,
+    # no swap between the check and the change (and no fchmodat(AT_SYMLINK_NOFOLLOW), which
+    # glibc before 2.32 does not implement)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise NotPrivateError(errno.EPERM, "is not a directory (a symbolic link or "
+                                  "another kind of file)", path) from None
+        raise
+    try:
+        info = os.fstat(fd)
+        problem = _not_private(info, stat.S_ISDIR, "directory")
+        if problem:
+            raise NotPrivateError(errno.EPERM, problem, path)
+        if info.st_mode & 0o077:
+            os.fchmod(fd, stat.S_IMODE(info.st_mode) & 0o700)
+    finally:
+        os.close(fd)
 
 
-def check_private_file(fd: int, path: str | os.PathLike) -> None:
+def check_private_file(fd: int, path: str | os.PathLike, *, tighten: bool = True) -> None:
     """The open file ``fd`` (named ``path`` in errors) must be a regular file owned by this
-    user that neither group nor others can write (:class:`NotPrivateError` otherwise); its
-    mode becomes 0600 at most."""
+    user that neither group nor others can write (:class:`NotPrivateError` otherwise); with
+    ``tighten``, its mode becomes 0600 at most."""
     info = os.fstat(fd)
     problem = _not_private(info, stat.S_ISREG, "regular file")
     if problem:
         raise NotPrivateError(errno.EPERM, problem, os.fspath(path))
-    if info.st_mode & 0o077:
+    if tighten and info.st_mode & 0o077:
         os.fchmod(fd, stat.S_IMODE(info.st_mode) & 0o600)
 
 

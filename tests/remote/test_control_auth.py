@@ -6,6 +6,7 @@ host cannot take every connection."""
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 import time
@@ -105,16 +106,31 @@ def test_an_exporter_without_a_secret_refuses_to_start(monkeypatch):
         storage.close()
 
 
-def test_a_secret_file_must_be_the_users_alone(tmp_path, monkeypatch):
+def test_a_secret_file_is_refused_when_others_could_have_written_it(tmp_path, other_user_uid):
     path = tmp_path / "secret"
     path.write_text("a secret of more than sixteen bytes\n")
-    path.chmod(0o644)
+    path.chmod(0o600)
     env = {"KVSTRATA_SHARING_SECRET_FILE": str(path)}
     assert resolve_secret(env=env) == b"a secret of more than sixteen bytes"
-    assert path.stat().st_mode & 0o077 == 0                      # made private
+    link = tmp_path / "link"                         # Kubernetes mounts secrets as links
+    link.symlink_to(path)
+    assert resolve_secret(env={"KVSTRATA_SHARING_SECRET_FILE": str(link)}) is not None
     path.chmod(0o666)
-    with pytest.raises(AuthError, match="writable by its group or others"):
+    with pytest.raises(AuthError, match="writable by no one else"):
         resolve_secret(env=env)
+    path.chmod(0o600)
+    if other_user_uid is not None:
+        os.chown(path, other_user_uid, -1)
+        with pytest.raises(AuthError, match="owned by this user or root"):
+            resolve_secret(env=env)
+    with pytest.raises(AuthError, match="cannot open"):
+        resolve_secret(env={"KVSTRATA_SHARING_SECRET_FILE": str(tmp_path / "missing")})
+
+
+@pytest.fixture
+def other_user_uid():
+    """A uid that is neither this process's nor root's (chown needs root; None otherwise)."""
+    return 4242 if os.geteuid() == 0 else None
 
 
 def test_lease_ids_are_random_and_a_lease_is_its_connections(exporter):
@@ -135,11 +151,19 @@ def test_lease_ids_are_random_and_a_lease_is_its_connections(exporter):
     other.close()
 
 
-def test_one_connection_cannot_take_the_lease_table(exporter):
+def leased(sock: socket.socket, request: dict) -> dict:
+    body = msgpack.packb(request)
+    sock.sendall(struct.pack("<I", len(body)) + body)
+    return msgpack.unpackb(sock.recv(1 << 16)[4:], raw=False)
+
+
+def test_one_host_cannot_take_the_lease_table_and_a_closed_connection_keeps_none(exporter):
     """Finding 2: one client took all 1,024 leases in 0.42 s; every other reader was then
-    refused and the leased blocks stayed pinned."""
+    refused and the leased blocks stayed pinned. Leases are capped per host, however many
+    connections it opens, and go when their connection closes."""
     ex, _ = exporter
-    greedy, polite = ControlChannel(ex.control, 5.0), ControlChannel(ex.control, 2.0)
+    address = parse_control(ex.control)
+    greedy, again = ControlChannel(ex.control, 5.0), ControlChannel(ex.control, 5.0)
     granted = 0
     for _ in range(200):
         reply = greedy.call({"op": "lease", "hashes": hashes(1), "ttl": 60})
@@ -148,9 +172,43 @@ def test_one_connection_cannot_take_the_lease_table(exporter):
             break
         granted += 1
     assert granted == 64
-    assert polite.call({"op": "lease", "hashes": hashes(1, 2), "ttl": 5})["lease"] > 0
+    assert "error" in again.call({"op": "lease", "hashes": hashes(1), "ttl": 60})
+    with socket.create_connection(address, timeout=3,
+                                  source_address=("127.0.0.7", 0)) as other_host:
+        authenticate(other_host)
+        assert leased(other_host, {"op": "lease", "hashes": hashes(1, 2), "ttl": 5})["lease"]
     greedy.close()
-    polite.close()
+    again.close()
+    assert _wait(lambda: len(ex.leases) == 0)       # every connection closed: nothing held
+
+
+def _wait(predicate, timeout: float = 3.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not predicate():
+        time.sleep(0.02)
+    return predicate()
+
+
+def test_connections_in_the_handshake_are_few_and_small(exporter):
+    """A peer without the secret cannot hold the slots of those that have it, nor make the
+    exporter hold a request's worth of bytes per connection."""
+    ex, _ = exporter
+    address = parse_control(ex.control)
+    waiting = [socket.create_connection(address, timeout=3)
+               for _ in range(control.MAX_UNAUTHENTICATED_PER_HOST)]
+    try:
+        extra = socket.create_connection(address, timeout=3)
+        assert extra.recv(1) == b""                              # closed at once
+        extra.close()
+        with socket.create_connection(address, timeout=3,
+                                      source_address=("127.0.0.8", 0)) as other_host:
+            authenticate(other_host)                             # other hosts still served
+    finally:
+        for sock in waiting:
+            sock.close()
+    with socket.create_connection(address, timeout=3) as big:
+        big.sendall(struct.pack("<I", control.MAX_HANDSHAKE_BYTES + 1) + b"\x80")
+        assert big.recv(1) == b""                                # dropped, nothing buffered
 
 
 def test_one_host_cannot_take_every_connection(exporter):

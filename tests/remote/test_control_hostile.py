@@ -438,7 +438,7 @@ def test_resets_before_accept_do_not_crash_the_server():
 def test_close_with_readers_connected_is_prompt_frees_the_port_and_fails_callers(exporter):
     ex, _ = exporter
     host, port = address(ex.control)
-    idle = [socket.create_connection((host, port)) for _ in range(20)]
+    idle = [connect((host, port)) for _ in range(20)]
     stuck = connect((host, port))                               # a reply it never reads
     stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     stuck.setblocking(False)

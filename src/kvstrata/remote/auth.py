@@ -16,21 +16,27 @@ compared in constant time; fresh nonces on both sides, so a recorded exchange pr
 on another connection, and the two labels keep an exporter's proof from being replayed as a
 reader's.
 
-The secret (at least :data:`MIN_SECRET_BYTES`) comes from the caller, else from
-``$KVSTRATA_SHARING_SECRET``, else from the file ``$KVSTRATA_SHARING_SECRET_FILE`` (the
-running user's alone: :func:`kvstrata.paths.check_private_file`). Not from a command line or
-a JSON config: those show in process listings.
+The secret (at least :data:`MIN_SECRET_BYTES`; make it random, ``openssl rand -hex 32``: an
+exporter answers the hello to anyone, so a guessable secret can be tested offline) comes
+from the caller, else from ``$KVSTRATA_SHARING_SECRET``, else from the file
+``$KVSTRATA_SHARING_SECRET_FILE`` (a regular file, links followed as Kubernetes mounts its
+secrets, owned by the running user or root and writable by no one else). Not from a command
+line or a JSON config: those show in process listings.
+
+What this does not do: it authenticates the connection's start, not each message after it (no
+session MAC, no TLS), so a party on the network path could relay a handshake and then speak
+on the connection. Keep control ports on networks of the deployment.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import secrets
+import stat
 from typing import Mapping
-
-from ..paths import NotPrivateError, check_private_file
 
 __all__ = ["SECRET_ENV", "SECRET_FILE_ENV", "MIN_SECRET_BYTES", "AuthError", "resolve_secret",
            "new_nonce", "server_proof", "client_proof", "proofs_match"]
@@ -40,6 +46,8 @@ SECRET_FILE_ENV = "KVSTRATA_SHARING_SECRET_FILE"
 MIN_SECRET_BYTES = 16
 MAX_SECRET_BYTES = 4096
 NONCE_BYTES = 32
+
+log = logging.getLogger(__name__)
 
 
 class AuthError(ValueError):
@@ -69,16 +77,25 @@ def resolve_secret(secret: bytes | str | None = None,
 
 def _read_secret_file(path: str) -> bytes:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as exc:
         raise AuthError(f"${SECRET_FILE_ENV}: cannot open {path}: "
                         f"{exc.strerror or exc}") from None
     try:
-        try:
-            check_private_file(fd, path)
-        except NotPrivateError as exc:
-            raise AuthError(f"${SECRET_FILE_ENV}: {path} {exc.strerror}") from None
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise AuthError(f"${SECRET_FILE_ENV}: {path} is not a regular file")
+        if info.st_uid not in (os.geteuid(), 0) or info.st_mode & 0o022:
+            raise AuthError(f"${SECRET_FILE_ENV}: {path} must be owned by this user or root "
+                            f"and writable by no one else (owner uid {info.st_uid}, mode "
+                            f"{stat.S_IMODE(info.st_mode):04o})")
+        if info.st_mode & 0o004 and info.st_uid != 0:
+            log.warning("kvstrata: the sharing secret file %s is readable by every user; "
+                        "make it 0600", path)
         data = os.read(fd, MAX_SECRET_BYTES + 1)
+    except OSError as exc:
+        raise AuthError(f"${SECRET_FILE_ENV}: cannot read {path}: "
+                        f"{exc.strerror or exc}") from None
     finally:
         os.close(fd)
     return data.strip()

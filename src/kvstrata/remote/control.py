@@ -40,15 +40,15 @@ import socket
 import struct
 import threading
 import time
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import msgpack
 
-from .auth import (AuthError, client_proof, new_nonce, proofs_match, resolve_secret,
-                   server_proof)
+from .auth import (SECRET_ENV, SECRET_FILE_ENV, AuthError, client_proof, new_nonce,
+                   proofs_match, resolve_secret, server_proof)
 from .errors import LeaseError
 
-__all__ = ["ControlServer", "ControlChannel", "parse_control", "format_control",
+__all__ = ["ControlServer", "ControlChannel", "PeerId", "parse_control", "format_control",
            "MAX_REPLY_BYTES"]
 
 log = logging.getLogger(__name__)
@@ -62,6 +62,19 @@ MAX_CONNECTIONS_PER_HOST = 32
 """Connections one remote address may hold at once (one host cannot take every slot)."""
 AUTH_TIMEOUT = 10.0
 """Seconds a connection has to prove it holds the shared secret, when there is one."""
+MAX_UNAUTHENTICATED = 32
+MAX_UNAUTHENTICATED_PER_HOST = 4
+"""Connections still in the handshake, in all and from one address: a peer without the
+secret cannot hold the slots of those that have it."""
+MAX_HANDSHAKE_BYTES = 256
+"""Largest frame of the handshake, either way (a hello is about 60 bytes)."""
+
+
+class PeerId(NamedTuple):
+    """Who sent a request: the connection (an id never reused) and its remote address."""
+
+    ident: int
+    host: str
 IDLE_TIMEOUT = 120.0
 """Seconds a connection may sit with nothing to send or receive before the server closes it
 (a reader's channel reconnects on its next call), so idle connections cannot hold every
@@ -128,18 +141,19 @@ class _Peer:
 
 
 class ControlServer:
-    """Serve ``handler(request bytes, connection id) -> reply bytes`` on ``host:port`` (0: any
-    free port) from a thread named ``name``, calling ``on_tick()`` at least every ``tick``
-    seconds. Requests longer than ``max_request`` bytes drop their connection. With
-    ``secret``, only connections that proved they hold it reach the handler (:mod:`.auth`).
-    The port is bound (:attr:`address` known) when this returns; serving begins with
-    :meth:`start`."""
+    """Serve ``handler(request bytes, PeerId) -> reply bytes`` on ``host:port`` (0: any free
+    port) from a thread named ``name``, calling ``on_tick()`` at least every ``tick`` seconds
+    and ``on_close(PeerId)`` when a connection that reached the handler closes. Requests
+    longer than ``max_request`` bytes drop their connection. With ``secret``, only
+    connections that proved they hold it reach the handler (:mod:`.auth`). The port is bound
+    (:attr:`address` known) when this returns; serving begins with :meth:`start`."""
 
-    def __init__(self, host: str, port: int, handler: Callable[[bytes, int], bytes], *,
+    def __init__(self, host: str, port: int, handler: Callable[[bytes, PeerId], bytes], *,
                  max_request: int, tick: float, on_tick: Callable[[], None], name: str,
                  idle_timeout: float = IDLE_TIMEOUT,
                  request_timeout: float = REQUEST_TIMEOUT,
-                 secret: bytes | None = None) -> None:
+                 secret: bytes | None = None,
+                 on_close: Callable[[PeerId], None] | None = None) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -158,6 +172,7 @@ class ControlServer:
         self._selector.register(self._listener, selectors.EVENT_READ, None)
         self._peers: dict[int, _Peer] = {}
         self._secret = secret
+        self._on_close = on_close
         self._idents = itertools.count(1)
         self._stop = threading.Event()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -248,6 +263,12 @@ class ControlServer:
                 p.host == host for p in self._peers.values()) >= MAX_CONNECTIONS_PER_HOST:
             sock.close()
             return
+        if self._secret is not None:
+            waiting = [p for p in self._peers.values() if not p.authenticated]
+            if len(waiting) >= MAX_UNAUTHENTICATED or sum(
+                    p.host == host for p in waiting) >= MAX_UNAUTHENTICATED_PER_HOST:
+                sock.close()
+                return
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         peer = _Peer(sock, next(self._idents), host)
@@ -278,7 +299,9 @@ class ControlServer:
         the reading (a reader that never reads its replies gets no more answered)."""
         while not peer.outbox and len(peer.inbox) >= FRAME.size:
             (length,) = FRAME.unpack_from(peer.inbox)
-            if length > self._max_request:
+            limit = self._max_request if self._secret is None or peer.authenticated \
+                else MAX_HANDSHAKE_BYTES
+            if length > limit:
                 self._drop(peer)
                 return
             if len(peer.inbox) < FRAME.size + length:
@@ -296,7 +319,7 @@ class ControlServer:
                     return
                 continue
             try:
-                reply = self._handler(body, peer.ident)
+                reply = self._handler(body, PeerId(peer.ident, peer.host))
             except Exception:
                 log.exception("kvstrata: control server %s failed a request", self.address)
                 self._drop(peer)
@@ -348,6 +371,12 @@ class ControlServer:
         if self._peers.pop(peer.sock.fileno(), None) is not None:
             self._selector.unregister(peer.sock)
         peer.sock.close()
+        if self._on_close is not None and (self._secret is None or peer.authenticated):
+            try:
+                self._on_close(PeerId(peer.ident, peer.host))
+            except Exception:
+                log.exception("kvstrata: control server %s: closing %s failed", self.address,
+                              peer.host)
 
 
 class _Closed(Exception):
@@ -371,9 +400,14 @@ class ControlChannel:
     def __init__(self, control: str, timeout: float, secret: bytes | None = None) -> None:
         self.control, self.timeout = control, timeout
         try:
-            self._secret = (secret if secret is not None else resolve_secret()) or None
+            found = secret if secret is not None else resolve_secret()
         except AuthError as exc:
             raise LeaseError(str(exc)) from None
+        if found is None:
+            raise LeaseError(f"{control}: no sharing secret to prove to the exporter: set "
+                             f"${SECRET_ENV} (or ${SECRET_FILE_ENV}) as in the exporter's "
+                             f"environment")
+        self._secret = found or None
         try:
             self._address = parse_control(control)
         except ValueError as exc:
@@ -479,8 +513,13 @@ class ControlChannel:
             header = self._exactly(sock, FRAME.size, deadline, first=True)
         except _Closed:
             raise LeaseError(f"{self.control} closed the connection during the handshake "
-                             f"(it holds another secret)") from None
-        reply = msgpack.unpackb(self._body(sock, header, deadline), raw=False)
+                             f"(another secret, or its connection limit reached)") from None
+        (length,) = FRAME.unpack(header)
+        if length > MAX_HANDSHAKE_BYTES:          # nothing proved yet: nothing big parsed
+            raise LeaseError(f"{self.control} sent a handshake frame of {length} bytes")
+        reply = msgpack.unpackb(self._exactly(sock, length, deadline), raw=False,
+                                max_bin_len=64, max_str_len=16, max_array_len=0,
+                                max_map_len=4)
         if not isinstance(reply, dict):
             raise LeaseError(f"{self.control} answered the handshake with a "
                              f"{type(reply).__name__}")

@@ -22,8 +22,8 @@ expires overdue leases (:mod:`.lease`) at least every ``tick`` seconds.
 Nothing is answered to a connection that has not proved it holds the deployment's shared
 secret (:mod:`.auth`; ``secret``, else ``$KVSTRATA_SHARING_SECRET`` or the file
 ``$KVSTRATA_SHARING_SECRET_FILE``): an exporter without one refuses to start. A lease belongs
-to the connection that took it (released by it only; its id is random) and one connection
-holds a bounded number of leases and pinned blocks (:class:`~.lease.LeaseTable`).
+to the connection that took it (released by it only, or when it closes; its id is random)
+and one host holds a bounded number of leases and pinned blocks (:class:`~.lease.LeaseTable`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from ..physical.storage.base import MemoryStorage
 from ..protocol.layout_codec import SharedLayout
 from .auth import SECRET_ENV, SECRET_FILE_ENV, AuthError, resolve_secret
 from .blockset import BlockSet
-from .control import ControlServer
+from .control import ControlServer, PeerId
 from .errors import LeaseError
 from .lease import LeaseTable
 from .nixl_agent import NixlAgent
@@ -84,7 +84,9 @@ class BlockExporter:
             self._server = ControlServer(host, port, self._answer_bytes,
                                          max_request=MAX_REQUEST_BYTES, tick=tick,
                                          on_tick=self.leases.expire,
-                                         name=f"kvstrata-export-{name}", secret=secret)
+                                         name=f"kvstrata-export-{name}", secret=secret,
+                                         on_close=lambda peer: self.leases.release_owner(
+                                             peer.ident))
             self.control = self._server.address
             self.blockset = BlockSet(name, tier, SharedLayout(layout, tuple(regions)),
                                      self._agent.metadata(), self.control, fingerprint)
@@ -97,10 +99,10 @@ class BlockExporter:
         self._server.start()
 
     # -- serving (on the control server's thread) ------------------------------------------
-    def _answer_bytes(self, body: bytes, peer: int = 0) -> bytes:
+    def _answer_bytes(self, body: bytes, peer: PeerId = PeerId(0, "")) -> bytes:
         return msgpack.packb(self._answer(body, peer))
 
-    def _answer(self, body: bytes, peer: int = 0) -> dict:
+    def _answer(self, body: bytes, peer: PeerId = PeerId(0, "")) -> dict:
         """The reply to one request of connection ``peer``, echoing its ``id``."""
         self.requests += 1
         try:
@@ -114,7 +116,7 @@ class BlockExporter:
             reply["id"] = request["id"]
         return reply
 
-    def _reply(self, request: dict, peer: int) -> dict:
+    def _reply(self, request: dict, peer: PeerId) -> dict:
         op = request.get("op")
         try:
             if op == "blockset":
@@ -127,7 +129,7 @@ class BlockExporter:
                 lease_id = request.get("lease")
                 if not isinstance(lease_id, int) or isinstance(lease_id, bool):
                     return {"error": "release needs an int lease"}
-                return {"released": self.leases.release(lease_id, peer)}
+                return {"released": self.leases.release(lease_id, peer.ident)}
             return {"error": f"unknown op {op!r:.40}"}
         except LeaseError as exc:
             return {"error": str(exc)}
@@ -151,14 +153,14 @@ class BlockExporter:
                              f"bytes"}
         return {"held": self.leases.held(hashes)}
 
-    def _lease(self, request: dict, peer: int) -> dict:
+    def _lease(self, request: dict, peer: PeerId) -> dict:
         hashes, ttl = self._hashes(request), request.get("ttl")
         if hashes is None:
             return {"error": f"lease needs 1..{MAX_LEASE_BLOCKS} hashes as little-endian u64 "
                              f"bytes"}
         if not isinstance(ttl, (int, float)) or isinstance(ttl, bool) or not ttl > 0:
             return {"error": "lease needs a ttl > 0 seconds"}
-        lease = self.leases.grant(hashes, float(ttl), peer)
+        lease = self.leases.grant(hashes, float(ttl), peer.ident, peer.host)
         if lease is None:
             return {"lease": 0, "ttl": 0.0, "slots": b"", "checksums": b""}
         rows = np.array([(b[1], b[2]) for b in lease.blocks], dtype="<u8")

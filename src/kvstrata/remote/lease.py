@@ -11,9 +11,11 @@ owner of the pool (they run wherever the pool may be touched). Thread-safe.
 
 A lease belongs to whoever took it (the exporter passes the control connection): its id is
 random (63 bits, not a count another reader could guess), only its owner releases it (for
-anyone else it does not exist), and one owner holds at most ``max_per_owner`` leases and
-``max_blocks_per_owner`` pinned blocks, so one reader cannot take the table from the others
-or pin the whole tier.
+anyone else it does not exist), and an owner's leases go when it does
+(:meth:`LeaseTable.release_owner`: the connection closed). Caps count per *group* of owners
+(the exporter passes the remote host): one host holds at most ``max_per_owner`` leases and
+``max_blocks_per_owner`` pinned blocks, however many connections it opens, so one reader
+cannot take the table from the others or pin the whole tier.
 """
 
 from __future__ import annotations
@@ -57,24 +59,26 @@ class LeaseTable:
         self._max_per_owner, self._max_blocks_per_owner = max_per_owner, max_blocks_per_owner
         self._clock = clock
         self._lock = threading.Lock()
-        self._leases: dict[int, tuple[Lease, Any, Any]] = {}
-        """lease id -> (lease, pin token, owner)."""
+        self._leases: dict[int, tuple[Lease, Any, Any, Any]] = {}
+        """lease id -> (lease, pin token, owner, the owner's group)."""
         self.expired = 0
         """Leases that reached their deadline unreleased."""
 
     def __len__(self) -> int:
         return len(self._leases)
 
-    def grant(self, hashes: Sequence[int], ttl: float, owner: Any = None) -> Lease | None:
+    def grant(self, hashes: Sequence[int], ttl: float, owner: Any = None,
+              group: Any = None) -> Lease | None:
         """Pin the longest held prefix of ``hashes`` for ``ttl`` seconds (at most
-        :data:`MAX_TTL`) for ``owner``; None when not even its first block is held. Expires
-        overdue leases first; :class:`LeaseError` when ``max_leases`` are outstanding, or
-        the owner's ``max_per_owner`` leases or ``max_blocks_per_owner`` blocks."""
+        :data:`MAX_TTL`) for ``owner`` (of ``group``); None when not even its first block is
+        held. Expires overdue leases first; :class:`LeaseError` when ``max_leases`` are
+        outstanding, or the group's ``max_per_owner`` leases or ``max_blocks_per_owner``
+        blocks."""
         if not ttl > 0:
             raise LeaseError(f"a lease lasts > 0 seconds, got {ttl!r}")
         self.expire()
         with self._lock:
-            self._check_room(owner, len(hashes))
+            self._check_room(group, len(hashes))
         blocks, token = self._pin(list(hashes))
         if not blocks:
             if token is not None:
@@ -86,16 +90,16 @@ class LeaseTable:
             while lease_id in self._leases:
                 lease_id = secrets.randbits(63) or 1
             lease = Lease(lease_id, tuple(blocks), ttl, self._clock() + ttl)
-            self._leases[lease_id] = (lease, token, owner)
+            self._leases[lease_id] = (lease, token, owner, group)
         return lease
 
-    def _check_room(self, owner: Any, wanted: int) -> None:
+    def _check_room(self, group: Any, wanted: int) -> None:
         if len(self._leases) >= self._max:
             raise LeaseError(f"{self._max} leases outstanding; release some first")
-        mine = [lease for lease, _, o in self._leases.values() if o == owner]
+        mine = [lease for lease, _, _, g in self._leases.values() if g == group]
         if len(mine) >= self._max_per_owner:
-            raise LeaseError(f"this reader holds {len(mine)} leases, the most one may; "
-                             f"release some first")
+            raise LeaseError(f"this reader's host holds {len(mine)} leases, the most one "
+                             f"may; release some first")
         if sum(len(lease.blocks) for lease in mine) + wanted > self._max_blocks_per_owner:
             raise LeaseError(f"this reader would pin more than {self._max_blocks_per_owner} "
                              f"blocks; release some first")
@@ -118,14 +122,23 @@ class LeaseTable:
         self._unpin(entry[1])
         return True
 
+    def release_owner(self, owner: Any) -> int:
+        """Unpin every lease ``owner`` holds (it went away); returns how many."""
+        with self._lock:
+            gone = [k for k, entry in self._leases.items() if entry[2] == owner]
+            entries = [self._leases.pop(k) for k in gone]
+        for entry in entries:
+            self._unpin(entry[1])
+        return len(entries)
+
     def expire(self) -> int:
         """Unpin every lease past its deadline; returns how many."""
         now = self._clock()
         with self._lock:
-            overdue = [k for k, (lease, _, _) in self._leases.items() if lease.deadline <= now]
+            overdue = [k for k, entry in self._leases.items() if entry[0].deadline <= now]
             entries = [self._leases.pop(k) for k in overdue]
-        for _, token, _ in entries:
-            self._unpin(token)
+        for entry in entries:
+            self._unpin(entry[1])
         self.expired += len(entries)
         return len(entries)
 
@@ -133,5 +146,5 @@ class LeaseTable:
         """Unpin everything (the exporter is going away)."""
         with self._lock:
             entries, self._leases = list(self._leases.values()), {}
-        for _, token, _ in entries:
-            self._unpin(token)
+        for entry in entries:
+            self._unpin(entry[1])

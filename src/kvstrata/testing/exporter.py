@@ -181,11 +181,12 @@ def start_lease_holder(control: str, hashes: list[int], ttl: float, timeout: flo
 def _holder_main(conn, control: str, hashes: list[int], ttl: float) -> None:
     import time
 
-    from ..remote.importer import ask
+    from ..remote.control import ControlChannel
 
     try:
-        reply = ask(control, {
-            "op": "lease", "hashes": np.asarray(hashes, "<u8").tobytes(), "ttl": ttl}, 10.0)
+        channel = ControlChannel(control, 10.0)      # kept open: the lease is its connection's
+        reply = channel.call({
+            "op": "lease", "hashes": np.asarray(hashes, "<u8").tobytes(), "ttl": ttl})
     except Exception as exc:
         conn.send(f"{type(exc).__name__}: {exc}")
         return

@@ -129,11 +129,11 @@ def _make_home(path: Path) -> None:
                                  f"{exc.strerror or exc}") from exc
 
 
-def private_file(fd: int, path: Path) -> None:
+def private_file(fd: int, path: Path, *, tighten: bool = True) -> None:
     """:func:`~kvstrata.paths.check_private_file` for a file of a home, as a
     :class:`StorageConfigError`."""
     try:
-        check_private_file(fd, path)
+        check_private_file(fd, path, tighten=tighten)
     except NotPrivateError as exc:
         raise StorageConfigError(f"{path} {exc.strerror}") from None
 
@@ -191,7 +191,8 @@ def _remove_stale(parent: Path, tier: str, rank: int, mine: str) -> list[str]:
         if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
             continue                                  # a link, or another user's: not ours
         try:
-            fd = os.open(home / "lock", os.O_RDWR | os.O_CLOEXEC)
+            fd = os.open(home / "lock",
+                         os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError:
             fd = -1
         except OSError:

@@ -172,14 +172,14 @@ class DiskIndex:
         """What :meth:`open` would recover from ``path``, read without writing anything
         (another process may own the journal); None if there is no usable journal."""
         try:
-            index = cls._load(Path(path), capacity, fingerprint, stride, False)
+            index = cls._load(Path(path), capacity, fingerprint, stride, False, peek=True)
         except (OSError, StorageConfigError):
             return None
         return None if index.report.fresh_reason else index.live()
 
     @classmethod
     def _load(cls, path: Path, capacity: int, fingerprint: str, stride: int,
-              sync: bool) -> "DiskIndex":
+              sync: bool, peek: bool = False) -> "DiskIndex":
         data = b""
         reason = ""
         try:
@@ -191,7 +191,7 @@ class DiskIndex:
                                      f"{exc.strerror or exc}") from exc
         else:
             try:
-                private_file(fd, path)
+                private_file(fd, path, tighten=not peek)   # a peek changes nothing
                 with os.fdopen(fd, "rb", closefd=False) as fh:
                     data = fh.read()
             except OSError as exc:
