@@ -111,7 +111,7 @@ def test_manager_on_a_damaged_home_leaves_no_threads_and_no_lock(tmp_path):
 def test_a_home_that_is_a_file_is_a_typed_error(tmp_path):
     home = home_of(tmp_path)
     home.write_text("not a directory")
-    with pytest.raises(StorageConfigError, match="cannot create disk tier directory"):
+    with pytest.raises(StorageConfigError, match="is not a directory"):
         open_durable(tmp_path)
     with pytest.raises(ManagerConfigError):
         from kvstrata.compat import compatibility_of
