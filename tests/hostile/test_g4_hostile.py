@@ -268,6 +268,9 @@ def test_a_store_that_hangs_or_dies_mid_run_costs_copies_never_bytes(tenant):
 
             # 3. it comes back on the same port with its data
             server.start()
+            # ready for writes too (a restarted weed grows volumes on its first put, which
+            # on a loaded machine takes longer than this test's 0.8 s request timeout)
+            S3Client(server.s3_config()).put("warm-up", b"x")
             assert mgr.refresh_catalogs() >= 4
             third = chain(4, start=4000)
             fresh = payloads(mgr, third, seed=3)
