@@ -32,15 +32,16 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Sequence, TypeVar
 
 from ...compat import compatibility_of
+from ...remote.control import ControlChannel, parse_control
 from ...remote.exporter import BlockExporter
-from ...remote.control import parse_control
-from ...remote.importer import BlockSetImporter, RemotePeer, ask, pack_hashes
+from ...remote.importer import BlockSetImporter, RemotePeer, pack_hashes
 from ...tiers import TierKind, first_of_kind
 from .settings import ConnectorSettings
 
@@ -53,6 +54,11 @@ T = TypeVar("T")
 
 ASK_TIMEOUT = 0.2
 """Seconds a request waits for the peers' answers before it is scheduled without them."""
+WARM_PATIENCE = 300.0
+"""Seconds a reading engine keeps trying every 0.5 s to connect to a peer not up yet."""
+KEEPALIVE = 60.0
+"""Seconds between the questions that keep a connection to each peer open (the exporter
+closes one idle for 120 s; a new one costs a handshake on some request's clock)."""
 LEASE_TTL = 30.0
 READ_TIMEOUT = 5.0
 """Seconds a remote load may take before it is given up (its blocks recomputed)."""
@@ -173,6 +179,15 @@ class PeerDirectory:
         self.peers = list(peers)
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="kvstrata-peers")
         self._asked: dict[str, tuple[float, tuple[int, ...], Future]] = {}
+        self._channels: dict[str, ControlChannel] = {}
+        """One kept connection per peer: a question is one round trip, not a connection
+        and a handshake (a channel reconnects by itself after a failure)."""
+        self._channels_lock = threading.Lock()
+        self._closed = threading.Event()
+        # connect and prove the secret to each peer now, not on a request's clock (the
+        # first question would spend the whole ASK_TIMEOUT on it on a busy machine)
+        threading.Thread(target=self._keep_warm, name="kvstrata-peers-warm",
+                         daemon=True).start()
 
     def best(self, req_id: str, hashes: Sequence[int]) -> tuple[str, int] | None:
         """``(peer, blocks)`` of the peer holding the longest prefix of ``hashes``, or
@@ -197,7 +212,7 @@ class PeerDirectory:
         best = ("", 0)
         for peer in self.peers:
             try:
-                reply = ask(peer, {"op": "has", "hashes": pack_hashes(hashes)}, ASK_TIMEOUT)
+                reply = self._channel(peer).call({"op": "has", "hashes": pack_hashes(hashes)})
             except Exception:
                 continue
             held = reply.get("held")
@@ -206,5 +221,32 @@ class PeerDirectory:
                 best = (peer, held)
         return best
 
+    def _keep_warm(self) -> None:
+        """Open each peer's connection now, retrying every 0.5 s while one is not up yet
+        (an engine starting beside this one; for :data:`WARM_PATIENCE` at most), then keep
+        them open with a question every :data:`KEEPALIVE` seconds."""
+        started = time.monotonic()
+        while not self._closed.is_set():
+            cold = 0
+            for peer in self.peers:
+                try:
+                    self._channel(peer).call({"op": "has", "hashes": pack_hashes([0])})
+                except Exception:
+                    cold += 1
+            patient = cold and time.monotonic() - started < WARM_PATIENCE
+            self._closed.wait(0.5 if patient else KEEPALIVE)
+
+    def _channel(self, peer: str) -> ControlChannel:
+        with self._channels_lock:
+            channel = self._channels.get(peer)
+            if channel is None:
+                channel = self._channels[peer] = ControlChannel(peer, ASK_TIMEOUT)
+            return channel
+
     def close(self) -> None:
+        self._closed.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._channels_lock:
+            channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            channel.close()
