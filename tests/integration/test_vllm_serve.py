@@ -197,9 +197,13 @@ def test_an_engine_loads_a_prefix_from_another_engines_g2_over_nixl(model, tmp_p
         on_b = _complete(base_b, prompt)                  # B computed nothing of it
         assert on_b["usage"]["prompt_tokens_details"]["cached_tokens"] == expected
         assert on_b["choices"][0]["text"] == on_a["choices"][0]["text"]
-        text = http(base_b + "/metrics").decode()
-        assert re.search(r'vllm:kvstrata_tokens_matched_total\{[^}]*tier="remote"[^}]*\} '
-                         rf'{expected}\.0', text), text[-2000:]
+        pattern = (r'vllm:kvstrata_tokens_matched_total\{[^}]*tier="remote"[^}]*\} '
+                   rf'{expected}\.0')
+        deadline = time.monotonic() + 30              # stats reach the logger per step
+        while not re.search(pattern, text := http(base_b + "/metrics").decode()) \
+                and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert re.search(pattern, text), text[-2000:]
     finally:
         b.stop()
         a.stop()
