@@ -43,9 +43,12 @@ def authenticate(sock: socket.socket, secret: bytes | None = None) -> socket.soc
     return sock
 
 
-def connect(address: tuple[str, int], timeout: float | None = None) -> socket.socket:
-    """A new connection to an exporter, authenticated."""
-    sock = socket.create_connection(address, timeout=timeout)
+def connect(address: tuple[str, int], timeout: float | None = None,
+            source: str | None = None) -> socket.socket:
+    """A new connection to an exporter, authenticated; from the loopback address ``source``
+    (another "host") if given."""
+    sock = socket.create_connection(address, timeout=timeout,
+                                    source_address=(source, 0) if source else None)
     try:
         return authenticate(sock)
     except BaseException:

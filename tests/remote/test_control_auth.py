@@ -21,7 +21,7 @@ from kvstrata.remote.control import MAX_CONNECTIONS_PER_HOST, ControlChannel, pa
 from kvstrata.remote.errors import LeaseError
 from kvstrata.remote.nixl_agent import nixl_available
 
-from .handshake import authenticate, connect
+from .handshake import connect
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed")
 
@@ -173,9 +173,7 @@ def test_one_host_cannot_take_the_lease_table_and_a_closed_connection_keeps_none
         granted += 1
     assert granted == 64
     assert "error" in again.call({"op": "lease", "hashes": hashes(1), "ttl": 60})
-    with socket.create_connection(address, timeout=3,
-                                  source_address=("127.0.0.7", 0)) as other_host:
-        authenticate(other_host)
+    with connect(address, timeout=3, source="127.0.0.7") as other_host:
         assert leased(other_host, {"op": "lease", "hashes": hashes(1, 2), "ttl": 5})["lease"]
     greedy.close()
     again.close()
@@ -197,12 +195,9 @@ def test_connections_in_the_handshake_are_few_and_small(exporter):
     waiting = [socket.create_connection(address, timeout=3)
                for _ in range(control.MAX_UNAUTHENTICATED_PER_HOST)]
     try:
-        extra = socket.create_connection(address, timeout=3)
-        assert extra.recv(1) == b""                              # closed at once
-        extra.close()
-        with socket.create_connection(address, timeout=3,
-                                      source_address=("127.0.0.8", 0)) as other_host:
-            authenticate(other_host)                             # other hosts still served
+        assert_refused_at_once(address)
+        with connect(address, timeout=3, source="127.0.0.8"):   # other hosts still served
+            pass
     finally:
         for sock in waiting:
             sock.close()
@@ -211,20 +206,20 @@ def test_connections_in_the_handshake_are_few_and_small(exporter):
         assert big.recv(1) == b""                                # dropped, nothing buffered
 
 
+def assert_refused_at_once(address) -> None:
+    """A new connection to ``address`` is closed without a byte."""
+    with socket.create_connection(address, timeout=3) as extra:
+        assert extra.recv(1) == b""
+
+
 def test_one_host_cannot_take_every_connection(exporter):
     ex, _ = exporter
     address = parse_control(ex.control)
     held = [connect(address, timeout=3) for _ in range(MAX_CONNECTIONS_PER_HOST)]
     try:
-        extra = socket.create_connection(address, timeout=3)
-        assert extra.recv(1) == b""                              # closed at once
-        extra.close()
-        with socket.create_connection(address, timeout=3,
-                                      source_address=("127.0.0.9", 0)) as other_host:
-            authenticate(other_host)                             # another host is served
-            body = msgpack.packb({"op": "has", "hashes": hashes(1)})
-            other_host.sendall(struct.pack("<I", len(body)) + body)
-            assert msgpack.unpackb(other_host.recv(1 << 16)[4:], raw=False) == {"held": 1}
+        assert_refused_at_once(address)
+        with connect(address, timeout=3, source="127.0.0.9") as other_host:
+            assert leased(other_host, {"op": "has", "hashes": hashes(1)}) == {"held": 1}
     finally:
         for sock in held:
             sock.close()
