@@ -11,10 +11,12 @@ from kvstrata.physical.dtypes import torch_dtype
 from kvstrata.physical import (DeviceStorage, HostStorage, LayoutMismatchError,
                                MemmoveCopyEngine, StagedCopyEngine, TorchCopyEngine)
 from kvstrata.physical.copy import NATIVE_KERNEL, NATIVE_KERNEL_ERROR, _coalesce, plan_pieces
+from kvstrata.physical.device_copy import KERNEL_ERROR, DeviceCopyEngine, _kernels
 
 from .conftest import block_bytes_of, fill_random, small_config
 
 needs_native = pytest.mark.skipif(not NATIVE_KERNEL, reason=f"native kernel: {NATIVE_KERNEL_ERROR}")
+needs_triton = pytest.mark.skipif(_kernels is None, reason=f"device kernel: {KERNEL_ERROR}")
 
 ENGINES = {
     "memmove": lambda: MemmoveCopyEngine(),   # native when built, else the Python kernels
@@ -42,9 +44,14 @@ ENGINES = {
     "staged": lambda: StagedCopyEngine(stage_all=True),
     "staged_python": lambda: StagedCopyEngine(stage_all=True,
                                               host_engine=MemmoveCopyEngine(native=False)),
+    # the GPU data path's kernel under Triton's CPU interpreter: pieces split in two (32 of
+    # 64 bytes), batches cut into slices of about two blocks
+    "device_interpret": lambda: DeviceCopyEngine(interpret=True, max_piece_bytes=32,
+                                                 slice_bytes=2 * 1536, hash_threads=2),
 }
-ENGINE_PARAMS = [pytest.param(name, marks=needs_native) if name.startswith("native") else name
-                 for name in ENGINES]
+_MARKS = {"native": needs_native, "device": needs_triton}
+ENGINE_PARAMS = [pytest.param(name, marks=_MARKS[name.split("_")[0]])
+                 if name.split("_")[0] in _MARKS else name for name in ENGINES]
 KINDS = ["outer_contiguous", "block_contiguous", "fully_contiguous"]
 
 

@@ -2,16 +2,22 @@
 
 An :class:`AlignedBuffer` exposes the same bytes as a numpy ``uint8`` array (for ``os.preadv``
 / ``os.pwritev``, which need buffer objects) and as a torch ``uint8`` tensor (for copies).
+
+With ``pin=True`` (and CUDA present) the buffer is also page-locked and mapped into the GPU's
+address space with ``cudaHostRegister``: the DMA engines and the device copy kernel
+(:mod:`~kvstrata.physical.device_copy`) reach it directly, and it stays page aligned, which
+torch's own pinned allocator does not promise (O_DIRECT needs 4 KiB alignment).
 """
 
 from __future__ import annotations
 
 import mmap
+import weakref
 
 import numpy as np
 import torch
 
-__all__ = ["PAGE_SIZE", "AlignedBuffer", "address_of"]
+__all__ = ["PAGE_SIZE", "AlignedBuffer", "address_of", "CudaRegistrationError", "cuda_mapped"]
 
 PAGE_SIZE = mmap.PAGESIZE
 HUGE_PAGE_SIZE = 2 << 20
@@ -22,10 +28,42 @@ def address_of(array: np.ndarray) -> int:
     return int(array.ctypes.data)
 
 
-class AlignedBuffer:
-    """``size`` bytes of page-aligned, pre-touched anonymous memory."""
+class CudaRegistrationError(RuntimeError):
+    """``cudaHostRegister`` refused a buffer (the driver's locked-memory limit, no CUDA)."""
 
-    def __init__(self, size: int, *, huge_pages: bool = True) -> None:
+
+_registered: dict[int, int] = {}     # start address -> bytes, of the buffers registered here
+
+
+def cuda_mapped(address: int, nbytes: int) -> bool:
+    """Whether ``[address, address + nbytes)`` lies in one buffer this module registered with
+    CUDA (device-addressable at the same address)."""
+    for start, size in list(_registered.items()):
+        if start <= address and address + nbytes <= start + size:
+            return True
+    return False
+
+
+def _cuda_register(address: int, size: int) -> None:
+    # flags 0 = cudaHostRegisterDefault: with unified addressing (every 64-bit Linux CUDA
+    # platform) the range is mapped for the device at the same address, and portable.
+    code = int(torch.cuda.cudart().cudaHostRegister(address, size, 0))
+    if code != 0:
+        raise CudaRegistrationError(f"cudaHostRegister of {size} bytes failed with CUDA "
+                                    f"error {code}")
+    _registered[address] = size
+
+
+def _cuda_unregister(address: int) -> None:
+    _registered.pop(address, None)
+    torch.cuda.cudart().cudaHostUnregister(address)
+
+
+class AlignedBuffer:
+    """``size`` bytes of page-aligned, pre-touched anonymous memory; ``pin``: also
+    page-locked and mapped for CUDA (requires CUDA; see the module docstring)."""
+
+    def __init__(self, size: int, *, huge_pages: bool = True, pin: bool = False) -> None:
         if size < 1:
             raise ValueError(f"buffer size must be positive, got {size}")
         self.size = size
@@ -41,6 +79,22 @@ class AlignedBuffer:
         self.array[::PAGE_SIZE] = 0   # pre-touch every page: no faults on the data path
         with _quiet():
             self.tensor: torch.Tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        self.pinned = False
+        self._unpin = None
+        if pin:
+            if not torch.cuda.is_available():
+                raise CudaRegistrationError("pinning a buffer needs CUDA")
+            _cuda_register(self.address, size)
+            self.pinned = True
+            # unregistered before the mapping goes, whoever drops the buffer last
+            self._unpin = weakref.finalize(self, _cuda_unregister, self.address)
+
+    def unpin(self) -> None:
+        """Unregister from CUDA now (idempotent); the memory stays usable as host memory.
+        The caller vouches that no device copy still reads or writes it."""
+        if self._unpin is not None:
+            self._unpin()
+        self.pinned = False
 
     @property
     def address(self) -> int:

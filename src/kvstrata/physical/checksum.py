@@ -17,6 +17,9 @@ logical layer never schedules two transfers on one slot at a time).
 
 from __future__ import annotations
 
+import ctypes
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 import numpy as np
@@ -24,7 +27,8 @@ import xxhash
 
 from .errors import BlockFailure, FailureKind
 
-__all__ = ["block_checksum", "ChecksumTable", "native_range_checksums", "BATCH_VERIFIER"]
+__all__ = ["block_checksum", "ChecksumTable", "native_range_checksums", "BATCH_VERIFIER",
+           "memory_checksums"]
 
 
 def block_checksum(data) -> int:
@@ -103,6 +107,54 @@ def native_range_checksums(addresses: np.ndarray, lengths: np.ndarray,
         return None
     out = _range_checksums(addresses, lengths, per_block)
     return None if out is None else np.frombuffer(out, dtype=np.uint64)
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_threads = 0
+_pool_lock = threading.Lock()
+
+
+def _hash_pool(threads: int) -> ThreadPoolExecutor:
+    """The process's checksum threads (created on first use, grown to ``threads``)."""
+    global _pool, _pool_threads
+    with _pool_lock:
+        if _pool is None or _pool_threads < threads:
+            old, _pool = _pool, ThreadPoolExecutor(threads, thread_name_prefix="kvstrata-hash")
+            _pool_threads = threads
+            if old is not None:
+                old.shutdown(wait=False)
+        return _pool
+
+
+def _python_range_checksums(addresses: np.ndarray, length: int) -> np.ndarray:
+    return np.array([block_checksum((ctypes.c_char * length).from_address(int(a)))
+                     for a in addresses.tolist()], dtype=np.uint64)
+
+
+def memory_checksums(addresses: Sequence[int] | np.ndarray, length: int, *,
+                     threads: int = 1, min_part_bytes: int = 4 << 20) -> np.ndarray:
+    """The xxh3-64 of ``length`` bytes at each of ``addresses`` (``uint64`` array), split over
+    up to ``threads`` threads (each part at least ``min_part_bytes``; the native hash lets
+    the GIL go, so the parts run in parallel). The caller vouches that every range is
+    readable memory of this process that stays alive and unchanged during the call."""
+    addrs = np.ascontiguousarray(np.asarray(addresses, dtype=np.uint64).reshape(-1))
+    n = addrs.size
+    if n == 0:
+        return np.zeros(0, dtype=np.uint64)
+    parts = int(max(1, min(threads, n, (n * length) // max(1, min_part_bytes))))
+
+    def part(lo: int, hi: int) -> np.ndarray:
+        chunk = addrs[lo:hi]
+        out = native_range_checksums(chunk, np.full(hi - lo, length, dtype=np.uint64), 1)
+        return out if out is not None else _python_range_checksums(chunk, length)
+
+    if parts == 1:
+        return part(0, n)
+    bounds = [n * i // parts for i in range(parts + 1)]
+    pool = _hash_pool(parts - 1)
+    futures = [pool.submit(part, bounds[i], bounds[i + 1]) for i in range(1, parts)]
+    first = part(bounds[0], bounds[1])     # this thread takes a part too
+    return np.concatenate([first] + [f.result() for f in futures])
 
 
 class ChecksumTable:
@@ -198,6 +250,23 @@ class ChecksumTable:
             return BlockFailure(position, slot, FailureKind.HASH_MISMATCH,
                                 f"slot holds sequence hash {entry[1]}, not {sequence_hash}")
         return None
+
+    def compare(self, positions: Sequence[int], slots: Sequence[int],
+                actual: np.ndarray) -> list[BlockFailure]:
+        """:meth:`check_bytes` for a batch whose payload hashes ``actual`` were computed
+        already (valid slots only): failures where a recorded checksum differs; slots with
+        none recorded yet take ``actual`` (trust on first use, as :meth:`check_bytes`)."""
+        idx = np.asarray(slots, dtype=np.int64)
+        actual = np.asarray(actual, dtype=np.uint64)
+        known = self._known[idx]
+        unknown = np.flatnonzero(~known)
+        if unknown.size:
+            self.fill(idx[unknown].tolist(), actual[unknown].tolist(),
+                      self._seq[idx[unknown]].tolist())
+        bad = np.flatnonzero(known & (self._checksum[idx] != actual))
+        return [BlockFailure(int(positions[i]), int(idx[i]), FailureKind.CHECKSUM_MISMATCH,
+                             f"xxh3-64 {int(actual[i]):#018x} != recorded "
+                             f"{int(self._checksum[idx[i]]):#018x}") for i in bad]
 
     def check_bytes(self, position: int, slot: int, data) -> BlockFailure | None:
         """Failure record if ``data`` does not hash to the checksum recorded for ``slot``."""

@@ -186,6 +186,20 @@ class CopyEngine(ABC):
                         for b in part)
         return sums
 
+    def copy_checked(self, src: BlockMemory, src_ids: Sequence[int], dst: BlockMemory,
+                     dst_ids: Sequence[int], check, *, direction: str = ONBOARD,
+                     slice_bytes: int = 8 << 20) -> list[int]:
+        """Copy the blocks that pass ``check``: ``check(lo, hi)`` examines batch positions
+        ``[lo, hi)`` and returns those that may be copied (recording why the others may
+        not); returns the positions copied. This default checks the whole batch, then copies
+        what passed in one call; an engine that copies asynchronously checks each slice
+        while the slice before it copies (:class:`~.device_copy.DeviceCopyEngine`)."""
+        good = check(0, len(src_ids))
+        if good:
+            self.copy(src, [src_ids[p] for p in good], dst, [dst_ids[p] for p in good],
+                      direction=direction)
+        return good
+
     def _copy_hashing_source(self, src, src_ids, dst, dst_ids, direction, step) -> list[int]:
         """Hash each slice of the source, then copy it (the hash is always taken before its
         bytes are copied). Slices are large: a copy call per slice costs more than the cache
@@ -703,5 +717,13 @@ class StagedCopyEngine(CopyEngine):
 
 
 def default_copy_engine() -> CopyEngine:
-    """:class:`StagedCopyEngine` when CUDA is available, else :class:`MemmoveCopyEngine`."""
-    return StagedCopyEngine() if torch.cuda.is_available() else MemmoveCopyEngine()
+    """With CUDA, the device copy kernel's engine
+    (:class:`~kvstrata.physical.device_copy.DeviceCopyEngine`, falling back to
+    :class:`StagedCopyEngine` for memory it cannot address), or :class:`StagedCopyEngine`
+    alone where Triton is missing; without CUDA, :class:`MemmoveCopyEngine`."""
+    if not torch.cuda.is_available():
+        return MemmoveCopyEngine()
+    from .device_copy import DeviceCopyEngine, device_kernel_status
+    if device_kernel_status()["available"]:
+        return DeviceCopyEngine()
+    return StagedCopyEngine()

@@ -47,6 +47,8 @@ Usage::
   block stores always verify, reads from G2 check the sequence hash and verify bytes when
   the host storage has ``verify_reads``. A block that fails is reported in
   ``failures``/``failed_sequence_hashes`` and its bytes are not used.
+* With a G1 on a GPU, the bounce buffer is registered with CUDA, so a G3/G4 -> G1 round goes
+  from the buffer into the engine's KV tensors by the device copy kernel (one launch).
 * No lock is held across I/O or copies; nothing busy-waits.
 """
 
@@ -102,6 +104,8 @@ class TransferEngine:
         self._owns_copy_engine = copy_engine is None
         self.copy_engine = copy_engine or default_copy_engine()
         self.staging_bytes = staging_bytes
+        self._pin_staging = any(isinstance(s, MemoryStorage) and s.memory.device.type == "cuda"
+                                for s in self._storages.values())
         tiers = ordered(self._storages)
         self._handlers: dict[str, _Handler] = {}
         for a in tiers:
@@ -284,18 +288,25 @@ class TransferEngine:
         """Memory to memory in one copy engine call (device <-> host RAM). A target that
         keeps checksums is sealed with them: hashed by the copy engine while each block's
         bytes are in cache, or, with deferred checksums, on first need."""
+        direction = ONBOARD if is_onboard(plan.src_tier, plan.dst_tier) else OFFLOAD
+        if not dst.keeps_checksums or not dst.eager_checksums:
+            # the source's read check (bytes verified, for a verifying G2) slice by slice,
+            # each slice checked while the copy engine may still be copying the one before
+            dst.begin_write(plan.dst_block_ids)
+            good = self.copy_engine.copy_checked(
+                src.memory, plan.src_block_ids, dst.memory, plan.dst_block_ids,
+                lambda lo, hi: _readable(src, plan, failures, lo, hi),
+                direction=direction, slice_bytes=self.hash_slice_bytes)
+            if dst.keeps_checksums and good:   # deferred: hashed on first need (HostStorage)
+                dst.seal(_at(plan.dst_block_ids, good, len(plan)),
+                         _at(plan.sequence_hashes, good, len(plan)), defer=True)
+            return
         good = _readable(src, plan, failures)
         if not good:
             return
         src_ids = _at(plan.src_block_ids, good, len(plan))
         dst_ids = _at(plan.dst_block_ids, good, len(plan))
-        direction = ONBOARD if is_onboard(plan.src_tier, plan.dst_tier) else OFFLOAD
         dst.begin_write(dst_ids)
-        if not dst.keeps_checksums or not dst.eager_checksums:
-            self.copy_engine.copy(src.memory, src_ids, dst.memory, dst_ids, direction=direction)
-            if dst.keeps_checksums:   # deferred: hashed on first need (see HostStorage)
-                dst.seal(dst_ids, _at(plan.sequence_hashes, good, len(plan)), defer=True)
-            return
         # Where the target's reads are verified, the hash is taken from the source's own
         # bytes (read in place when it is host memory) just before the copy, so a byte that
         # changes in the target at any moment after is caught, never stored under a matching
@@ -446,7 +457,8 @@ class TransferEngine:
                 max(config.alignment, DIRECT_ALIGNMENT)))
             blocks = max(1, self.staging_bytes // layout.block_stride)
             layout = FullyContiguousLayout(layout.config.with_blocks(blocks))
-            buffer = AlignedBuffer(layout.region_bytes(0))
+            # registered with CUDA where a G1 is on a GPU: the device copy kernel reads it
+            buffer = AlignedBuffer(layout.region_bytes(0), pin=self._pin_staging)
             self._local.staging = (buffer, BlockMemory(layout, (buffer.tensor,)))
         return self._local.staging
 
@@ -468,13 +480,17 @@ class TransferEngine:
             layouts[0].require_compatible(layout)
 
 
-def _readable(source: Storage, plan: TransferPlan,
-              failures: dict[int, BlockFailure]) -> list[int]:
-    """Record the blocks of a memory ``source`` that fail its read check; the positions
-    still good."""
-    for f in source.check_readable(plan.src_block_ids, plan.sequence_hashes):
-        failures[f.position] = f
-    return [p for p in range(len(plan)) if p not in failures]
+def _readable(source: Storage, plan: TransferPlan, failures: dict[int, BlockFailure],
+              lo: int = 0, hi: int | None = None) -> list[int]:
+    """Record the blocks at plan positions ``[lo, hi)`` (default: all) of a memory
+    ``source`` that fail its read check; the positions of that range still good."""
+    hi = len(plan) if hi is None else hi
+    whole = lo == 0 and hi == len(plan)
+    ids = plan.src_block_ids if whole else plan.src_block_ids[lo:hi]
+    seqs = plan.sequence_hashes if whole else plan.sequence_hashes[lo:hi]
+    for f in source.check_readable(ids, seqs):
+        failures[f.position + lo] = replace(f, position=f.position + lo) if lo else f
+    return [p for p in range(lo, hi) if p not in failures]
 
 
 def _at(values: Sequence, positions: list[int], n: int) -> Sequence:

@@ -1,0 +1,282 @@
+"""G1 (CUDA) <-> G2 (host memory registered with CUDA) on a GPU, against the DMA limit.
+
+For each geometry (2 MiB and 64 KiB blocks) and each KV layout vLLM hands a connector
+(FlashAttention ``[2, blocks, ...]``, FlashInfer ``[blocks, 2, ...]``, MLA ``[blocks, page,
+dim]``, one tensor per layer), a batch of ``--batch-mib`` of randomly scattered blocks on both
+sides, best of ``--reps``, all in one run:
+
+* **DMA limit**: one contiguous copy of the batch's bytes between device memory and the same
+  kind of host memory G2 uses (page-aligned, registered with CUDA), each direction;
+* **naive reference**: per layer ``index_select`` of the blocks into one packed device buffer,
+  then one DMA into host memory (offload); one DMA then per-layer ``index_copy_`` (onboard);
+* **kvstrata**: TransferEngine plans G1->G2 and G2->G1 with integrity on (G2 verifies reads:
+  every block offloaded is hashed into G2's checksum table, every block onboarded is verified
+  before it is copied), and the device kernel alone (``copy``, no hashing) for reference;
+* **overlap**: a forward-sized run of bf16 matrix products on the default stream alone, an
+  onboard alone, and both at once: both together should take about max(), not sum();
+* **G3 -> G1**: blocks read from a slab file (O_DIRECT where the filesystem allows) through
+  the engine's registered bounce buffer into G1, against a raw ``preadv`` of the same blocks.
+
+Bytes are checked once per layout outside the timing. Prints a table (ratios to the DMA
+limit) and, with ``--json PATH``, writes every figure. Needs CUDA; exits 2 without it.
+Usage: ``python bench/bench_gpu_copy.py [--quick] [--reps N] [--batch-mib M] [--json PATH]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from kvstrata.physical import (DeviceStorage, DiskStorage, HostStorage, TransferEngine,
+                               TransferPlan)
+from kvstrata.physical.buffers import AlignedBuffer
+from kvstrata.physical.device_copy import DeviceCopyEngine
+
+GEOMETRIES = {   # name: (layers, page, kv heads, head dim, MLA latent dim); bf16
+    "2MiB": (32, 16, 8, 128, 576),      # Llama-3.1-8B, 16-token blocks (MLA: 576 KiB)
+    "64KiB": (4, 16, 2, 128, 576),      # 4 layers (MLA: 72 KiB)
+}
+LAYOUTS = ("flash_attn", "flashinfer", "mla")
+GOALS = {"2MiB": 0.85, "64KiB": 0.70}
+
+
+def _tensors(layout: str, geometry: str, blocks: int) -> list[torch.Tensor]:
+    layers, page, heads, dim, latent = GEOMETRIES[geometry]
+    shape = {"flash_attn": (2, blocks, page, heads, dim), "flashinfer": (blocks, 2, page, heads, dim),
+             "mla": (blocks, page, latent)}[layout]
+    out = []
+    for _ in range(layers):
+        t = torch.empty(shape, dtype=torch.bfloat16, device="cuda")
+        t.view(torch.int16).random_(-32768, 32767)
+        out.append(t)
+    return out
+
+
+def _timed(fn, reps: int) -> float:
+    best = float("inf")
+    for _ in range(reps + 1):           # the first run warms up (kernel compile, pages)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        if _:
+            best = min(best, elapsed)
+    return best
+
+
+def dma_limit(nbytes: int, reps: int) -> tuple[float, float]:
+    """The faster of host memory registered as G2 is and torch's own pinned memory."""
+    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    registered = AlignedBuffer(nbytes, pin=True)
+    best_d2h = best_h2d = float("inf")
+    for host in (registered.tensor, torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)):
+        best_d2h = min(best_d2h, _timed(lambda: host.copy_(device, non_blocking=True), reps))
+        best_h2d = min(best_h2d, _timed(lambda: device.copy_(host, non_blocking=True), reps))
+    registered.unpin()
+    return nbytes / best_d2h / 1e9, nbytes / best_h2d / 1e9
+
+
+def naive(tensors, layout: str, src_ids, packed_host: torch.Tensor, reps: int):
+    dim = 1 if layout == "flash_attn" else 0
+    idx = torch.as_tensor(src_ids, device="cuda")
+    per_layer = [t.index_select(dim, idx) for t in tensors]
+    packed = torch.empty(sum(p.numel() for p in per_layer) * 2, dtype=torch.uint8, device="cuda")
+    host = packed_host[:packed.numel()]
+
+    def offload():
+        at = 0
+        for t in tensors:
+            part = t.index_select(dim, idx).view(torch.uint8).reshape(-1)
+            packed[at:at + part.numel()].copy_(part)
+            at += part.numel()
+        host.copy_(packed, non_blocking=True)
+
+    def onboard():
+        packed.copy_(host, non_blocking=True)
+        at = 0
+        for t, p in zip(tensors, per_layer):
+            n = p.numel() * 2
+            t.index_copy_(dim, idx, packed[at:at + n].view(torch.bfloat16).view(p.shape))
+            at += n
+    return _timed(offload, reps), _timed(onboard, reps)
+
+
+def bench_layout(layout: str, geometry: str, batch_bytes: int, reps: int, results: dict) -> None:
+    block_bytes = DeviceStorage.wrap(_tensors(layout, geometry, 4)).config.block_bytes
+    batch = max(1, batch_bytes // block_bytes)
+    pool = 2 * batch
+    tensors = _tensors(layout, geometry, pool)
+    g1 = DeviceStorage.wrap(tensors)
+    cfg = g1.config
+    g2 = HostStorage(cfg.with_blocks(pool).with_alignment(4096), verify_reads=True)
+    rng = np.random.default_rng(7)
+    nbytes = batch * block_bytes
+    engine = DeviceCopyEngine()
+    row = {"layout": layout, "geometry": geometry, "block_bytes": block_bytes, "batch": batch,
+           "hash_threads": engine.hash_threads, "layers": cfg.num_layers}
+    with TransferEngine({"G1": g1, "G2": g2}, copy_engine=engine) as transfers:
+        def plan(path, src, dst, seq):
+            out = transfers.submit(TransferPlan.for_path(path, src, dst, seq, job_id=1)).result()
+            assert out.all_ok, (path, out.failures[:1], out.error)
+
+        src = rng.choice(pool, batch, replace=False).tolist()
+        dst = rng.choice(pool, batch, replace=False).tolist()
+        seq = [1000 + i for i in range(batch)]
+        # the blocks onboarded land where no source block is, so each can be compared
+        back = rng.permutation(np.setdiff1d(np.arange(pool), src))[:batch].tolist()
+        # bytes first: G1 -> G2 -> G1 elsewhere, compared block by block
+        plan("G1->G2", src, dst, seq)
+        plan("G2->G1", dst, back, seq)
+        for s, b in list(zip(src, back))[:64]:
+            assert all(torch.equal(t[:, s] if layout == "flash_attn" else t[s],
+                                   t[:, b] if layout == "flash_attn" else t[b]) for t in tensors)
+        # integrity on: what the connector runs
+        off = _timed(lambda: plan("G1->G2", src, dst, seq), reps)
+        on = _timed(lambda: plan("G2->G1", dst, back, seq), reps)
+        # the kernel alone
+        k_off = _timed(lambda: engine.copy(g1.memory, src, g2.memory, dst), reps)
+        k_on = _timed(lambda: engine.copy(g2.memory, dst, g1.memory, back), reps)
+        n_off, n_on = naive(tensors, layout, src,
+                            torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), reps)
+        row["kernel_error"] = engine.kernel_error     # set: the fallback engine ran instead
+        row.update({f"{k}_gbs": nbytes / v / 1e9 for k, v in (
+            ("offload", off), ("onboard", on), ("kernel_offload", k_off),
+            ("kernel_onboard", k_on), ("naive_offload", n_off), ("naive_onboard", n_on))})
+        if layout == "flash_attn" and geometry == "2MiB":
+            results["overlap"] = overlap(lambda: plan("G2->G1", dst, back, seq), on)
+    results["rows"].append(row)
+    g2.close()
+
+
+def overlap(onboard, onboard_seconds: float) -> dict:
+    """Matrix products on the default stream while an onboard runs on its own stream."""
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    a @ b
+    torch.cuda.synchronize()
+    one = time.perf_counter() - start
+    count = max(1, round(onboard_seconds / max(one, 1e-6)))
+
+    def forward():
+        for _ in range(count):
+            a @ b
+
+    alone = _timed(forward, 3)
+    load = _timed(onboard, 3)
+
+    def both():
+        forward()          # queued on the default stream, returns at once
+        onboard()          # its own stream; returns when the load landed
+
+    together = _timed(both, 3)
+    return {"forward_s": alone, "onboard_s": load, "both_s": together, "matmuls": count,
+            "vs_max": together / max(alone, load), "vs_sum": together / (alone + load)}
+
+
+def g3_to_g1(batch_bytes: int, reps: int, directory: str | None, dma_h2d: float) -> dict:
+    tensors = _tensors("flash_attn", "2MiB", 2 * max(1, batch_bytes // (2 << 20)))
+    g1 = DeviceStorage.wrap(tensors)
+    cfg = g1.config.with_alignment(4096)
+    batch = max(1, batch_bytes // cfg.block_bytes)
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:
+        g2 = HostStorage(cfg.with_blocks(batch), verify_reads=True)
+        g3 = DiskStorage(cfg.with_blocks(batch), tmp, o_direct=None)
+        rng = np.random.default_rng(3)
+        seq = [7000 + i for i in range(batch)]
+        with TransferEngine({"G1": g1, "G2": g2, "G3": g3}) as transfers:
+            def plan(path, src, dst):
+                out = transfers.submit(TransferPlan.for_path(path, src, dst, seq,
+                                                             job_id=2)).result()
+                assert out.all_ok, (path, out.failures[:1], out.error)
+            plan("G1->G2", list(range(batch)), list(range(batch)))
+            plan("G2->G3", list(range(batch)), list(range(batch)))
+            back = rng.choice(len(tensors[0][0]), batch, replace=False).tolist()
+            ours = _timed(lambda: plan("G3->G1", list(range(batch)), back), reps)
+            stride = g3.layout.block_stride
+            buffer = AlignedBuffer(stride * batch)
+            fd = os.open(g3.path, os.O_RDONLY | (os.O_DIRECT if g3.status().o_direct else 0))
+
+            def raw():
+                for i in range(batch):
+                    os.preadv(fd, [buffer.array[i * stride:(i + 1) * stride]], i * stride)
+            raw_s = _timed(raw, reps)
+            os.close(fd)
+        nbytes = batch * cfg.block_bytes
+        o_direct = g3.status().o_direct
+        g3.close()
+    raw_gbs = nbytes / raw_s / 1e9
+    return {"ours_gbs": nbytes / ours / 1e9, "raw_o_direct_gbs": raw_gbs, "o_direct": o_direct,
+            "limit_gbs": min(raw_gbs, dma_h2d), "ratio": nbytes / ours / 1e9 / min(raw_gbs, dma_h2d)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="64 MiB batches, 3 runs")
+    parser.add_argument("--reps", type=int, default=None)
+    parser.add_argument("--batch-mib", type=int, default=None)
+    parser.add_argument("--dir", default=None, help="directory for the G3 slab")
+    parser.add_argument("--json", default=None, help="write every figure here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_gpu_copy: needs a CUDA GPU (none here)", file=sys.stderr)
+        return 2
+    batch_bytes = (args.batch_mib or (64 if args.quick else 256)) << 20
+    reps = args.reps or (3 if args.quick else 5)
+    d2h, h2d = dma_limit(batch_bytes, reps)
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "batch_bytes": batch_bytes, "reps": reps, "dma_d2h_gbs": d2h, "dma_h2d_gbs": h2d,
+               "rows": []}
+    print(f"{results['device']}: DMA limit D2H {d2h:.1f} GB/s, H2D {h2d:.1f} GB/s "
+          f"({batch_bytes >> 20} MiB contiguous, registered host memory)", flush=True)
+    for geometry in GEOMETRIES:
+        for layout in LAYOUTS:
+            bench_layout(layout, geometry, batch_bytes, reps, results)
+            r = results["rows"][-1]
+            print(f"  {geometry:6} {layout:10} offload {r['offload_gbs']:5.1f} "
+                  f"onboard {r['onboard_gbs']:5.1f}"
+                  + (f"  KERNEL NOT USED: {r['kernel_error']}" if r["kernel_error"] else ""),
+                  flush=True)
+    results["g3_to_g1"] = g3_to_g1(batch_bytes, reps, args.dir, h2d)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    print(f"\nbatch {batch_bytes >> 20} MiB of scattered blocks, best of {reps}; GB/s "
+          f"(ratio to the DMA limit, D2H for offload, H2D for onboard)")
+    print(f"{'geometry':8} {'layout':10} {'block':>8} | {'naive off':>10} {'naive on':>10} | "
+          f"{'kernel off':>10} {'kernel on':>10} | {'kvstrata off':>12} {'kvstrata on':>12} | goal")
+    for r in results["rows"]:
+        def cell(key, limit, width):
+            return f"{r[key]:5.1f} ({r[key] / limit:.2f})".rjust(width)
+        print(f"{r['geometry']:8} {r['layout']:10} {r['block_bytes'] >> 10:>6}Ki | "
+              f"{cell('naive_offload_gbs', d2h, 10)} {cell('naive_onboard_gbs', h2d, 10)} | "
+              f"{cell('kernel_offload_gbs', d2h, 10)} {cell('kernel_onboard_gbs', h2d, 10)} | "
+              f"{cell('offload_gbs', d2h, 12)} {cell('onboard_gbs', h2d, 12)} | "
+              f">={GOALS[r['geometry']]:.2f}")
+    o = results["overlap"]
+    print(f"overlap: {o['matmuls']} bf16 8192^3 matmuls {o['forward_s'] * 1e3:.1f} ms, onboard "
+          f"{o['onboard_s'] * 1e3:.1f} ms, both {o['both_s'] * 1e3:.1f} ms = "
+          f"{o['vs_max']:.2f} x max, {o['vs_sum']:.2f} x sum")
+    g = results["g3_to_g1"]
+    print(f"G3->G1: {g['ours_gbs']:.1f} GB/s vs raw preadv {g['raw_o_direct_gbs']:.1f} GB/s "
+          f"(o_direct={g['o_direct']}), DMA {h2d:.1f}: ratio {g['ratio']:.2f} to the lower")
+    for r in results["rows"]:
+        ours = min(r["offload_gbs"] / d2h, r["onboard_gbs"] / h2d)   # the worse direction
+        print(f"RESULT name=gpu_copy_{r['geometry']}_{r['layout']} "
+              f"ours={min(r['offload_gbs'], r['onboard_gbs']):.1f}GB/s "
+              f"baseline={min(d2h, h2d):.1f}GB/s ratio={ours:.2f} "
+              f"goal>={GOALS[r['geometry']]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

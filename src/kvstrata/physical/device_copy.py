@@ -1,0 +1,377 @@
+"""The GPU data path: blocks between CUDA memory and host memory the GPU can address.
+
+:class:`DeviceCopyEngine` moves a batch of blocks between G1 (the engine's KV tensors, in any
+layout :class:`~kvstrata.physical.storage.device.DeviceStorage` wraps) and host memory that is
+registered with CUDA (G2, a pinned staging buffer), with **one kernel launch per batch** (per
+slice of a large batch): every piece of every block is a row of two offset arrays, and one
+Triton program copies each piece (:mod:`._triton_copy`), reading or writing the host side
+through its device-visible address. No packed intermediate buffer, no second copy on the CPU,
+no DMA call per piece.
+
+* **Plan** (:func:`plan_device_pieces`, pure numpy, checked on CPU): the piece addresses of
+  both layouts (the coarsest piece both keep contiguous, as the host engines use), pieces over
+  ``max_piece_bytes`` split so a large block spreads over many streaming multiprocessors, and
+  every address counted from the lowest region start of its side in the widest unit (up to
+  16 bytes) that divides every piece start and length.
+* **Streams**: each direction has its own CUDA stream (onboard at high priority: the engine's
+  next forward waits for it); the engine's compute stream is never used, and the calling
+  thread waits on a blocking event (sleeping). The kernel's programs are small (no shared
+  memory, few registers), so they fit beside the engine's kernels.
+* **Integrity at speed**: an offload into G2 is copied slice by slice (``slice_bytes``), and
+  while the GPU copies the next slice, host threads (``hash_threads``) hash the slice that
+  landed, so the xxh3 of every G2 block is recorded at about the copy's own speed. An onboard
+  from a verifying G2 (:meth:`copy_checked`) verifies slice by slice on the host threads while
+  the previous slice's kernel runs; only blocks that verified are copied, so a byte changed in
+  G2 after the offload never reaches the engine.
+
+Memory the kernel cannot address (pageable host memory, or host <-> host) goes to the
+``fallback`` engine (:class:`~kvstrata.physical.copy.StagedCopyEngine` by default). With
+``interpret=True`` the kernel runs on CPU tensors under Triton's interpreter: what tests
+without a GPU use to check the plan and the kernel byte for byte.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from ..protocol.layout import FullyContiguousLayout
+from .buffers import AlignedBuffer, cuda_mapped
+from .checksum import memory_checksums
+from .copy import (OFFLOAD, ONBOARD, CopyEngine, StagedCopyEngine, _checked_ids,
+                   _piece_addresses)
+from .storage.base import BlockMemory
+
+__all__ = ["DevicePiecePlan", "plan_device_pieces", "DeviceCopyEngine", "device_kernel_status"]
+
+
+def _load_kernel():
+    try:
+        from . import _triton_copy
+    except Exception as exc:   # not installed, or a Triton that does not import here
+        return None, f"Triton unavailable ({type(exc).__name__}: {exc})"
+    return _triton_copy, None
+
+
+_kernels, KERNEL_ERROR = _load_kernel()
+
+
+def device_kernel_status() -> dict:
+    """Whether the device copy kernel can run: ``{"available": bool, "reason": str|None}``
+    (``available`` needs Triton and CUDA)."""
+    if _kernels is None:
+        return {"available": False, "reason": KERNEL_ERROR}
+    if not torch.cuda.is_available():
+        return {"available": False, "reason": "no CUDA device"}
+    return {"available": True, "reason": None}
+
+
+@dataclass(frozen=True)
+class DevicePiecePlan:
+    """A batch as ``len(src_units)`` pieces of ``piece_bytes`` each: piece ``i`` starts
+    ``src_units[i] * unit_bytes`` bytes after the start of region ``src_base`` of the source
+    and lands ``dst_units[i] * unit_bytes`` after region ``dst_base`` of the destination."""
+
+    src_base: int
+    dst_base: int
+    src_units: np.ndarray
+    dst_units: np.ndarray
+    unit_bytes: int
+    piece_bytes: int
+
+    @property
+    def pieces(self) -> int:
+        return int(self.src_units.size)
+
+
+def _largest_power_of_two_dividing(value: int, cap: int = 16) -> int:
+    unit = 1
+    while unit < cap and value % (unit * 2) == 0:
+        unit *= 2
+    return unit
+
+
+def _split(length: int, max_piece: int) -> int:
+    """How many equal parts to cut a ``length``-byte piece into so that each is at most
+    ``max_piece`` bytes and 16-byte aligned where possible (1 if none fits)."""
+    if length <= max_piece:
+        return 1
+    for parts in range(-(-length // max_piece), length // 16 + 1):
+        if length % parts == 0 and (length // parts) % 16 == 0:
+            return parts
+    return 1
+
+
+def plan_device_pieces(src: BlockMemory, src_ids: Sequence[int], dst: BlockMemory,
+                       dst_ids: Sequence[int], *,
+                       max_piece_bytes: int = 64 << 10) -> DevicePiecePlan:
+    """The device kernel's plan for copying blocks ``src_ids`` of ``src`` to ``dst_ids`` of
+    ``dst`` (see the module docstring). Raises like :func:`~kvstrata.physical.copy.plan_pieces`
+    (incompatible layouts, unequal lengths, ids out of range)."""
+    src.layout.require_compatible(dst.layout)
+    if len(src_ids) != len(dst_ids):
+        raise ValueError(f"{len(src_ids)} source ids but {len(dst_ids)} destination ids")
+    s_idx = _checked_ids(src_ids, src.layout.config.num_blocks)
+    d_idx = _checked_ids(dst_ids, dst.layout.config.num_blocks)
+    gran = max(src.layout.contiguous_granularity, dst.layout.contiguous_granularity)
+    s_addr, d_addr, length = _piece_addresses(src, s_idx, dst, d_idx, gran)
+    s_addr, d_addr = s_addr.reshape(-1), d_addr.reshape(-1)
+    parts = _split(length, max_piece_bytes)
+    if parts > 1:
+        step = np.arange(parts, dtype=np.int64) * (length // parts)
+        s_addr = (s_addr[:, None] + step).reshape(-1)
+        d_addr = (d_addr[:, None] + step).reshape(-1)
+        length //= parts
+    s_bases, d_bases = src.base_addresses(), dst.base_addresses()
+    s_base, d_base = int(np.argmin(s_bases)), int(np.argmin(d_bases))
+    s_rel, d_rel = s_addr - s_bases[s_base], d_addr - d_bases[d_base]
+    common = length
+    for values in (s_rel, d_rel, s_bases[s_base:s_base + 1], d_bases[d_base:d_base + 1]):
+        if values.size:
+            common = int(np.gcd.reduce(np.append(values, common).astype(np.int64)))
+    unit = _largest_power_of_two_dividing(common)
+    return DevicePiecePlan(s_base, d_base, s_rel // unit, d_rel // unit, unit, length)
+
+
+def _element(unit_bytes: int) -> tuple[torch.dtype, int]:
+    """The element type the kernel moves and how many make one unit."""
+    if unit_bytes >= 4:
+        return torch.int32, unit_bytes // 4
+    return (torch.int16, 1) if unit_bytes == 2 else (torch.uint8, 1)
+
+
+def _typed_start(region: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A ``dtype`` tensor whose data pointer is ``region``'s first byte (the kernel's base;
+    it addresses past the tensor's nominal size, within the memory the offsets name)."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    offset = region.storage_offset()     # uint8: in bytes
+    view = torch.empty(0, dtype=dtype, device=region.device)
+    storage = region.untyped_storage()
+    view.set_(storage, offset // size, (max(1, (storage.nbytes() - offset) // size),), (1,))
+    return view
+
+
+def _mapped_host(memory: BlockMemory) -> bool:
+    """Whether every region of a host memory is registered with CUDA by kvstrata or pinned
+    by torch (and so addressable by the kernel); cached per memory (its regions never
+    change)."""
+    cached = memory.__dict__.get("_device_addressable")
+    if cached is None:
+        cached = all(cuda_mapped(r.data_ptr(), r.numel()) or r.is_pinned()
+                     for r in memory.regions)
+        object.__setattr__(memory, "_device_addressable", cached)
+    return cached
+
+
+class DeviceCopyEngine(CopyEngine):
+    """Device <-> host copies by the device copy kernel (see the module docstring)."""
+
+    name = "device"
+
+    def __init__(self, *, fallback: CopyEngine | None = None, interpret: bool = False,
+                 slice_bytes: int = 32 << 20, max_piece_bytes: int = 64 << 10,
+                 block_elements: int = 4096, num_warps: int = 4,
+                 hash_threads: int | None = None) -> None:
+        if _kernels is None:
+            raise RuntimeError(f"device copy kernel unavailable: {KERNEL_ERROR}")
+        if not interpret and not torch.cuda.is_available():
+            raise RuntimeError("device copy kernel unavailable: no CUDA device")
+        from .storage.host import default_hash_threads
+        self.interpret = interpret
+        self._kernel = _kernels.interpreted() if interpret else _kernels.copy_pieces
+        self.fallback = fallback if fallback is not None else StagedCopyEngine()
+        self.slice_bytes = slice_bytes
+        self.max_piece_bytes = max_piece_bytes
+        self.block_elements = block_elements
+        self.num_warps = num_warps
+        self.hash_threads = default_hash_threads() if hash_threads is None else hash_threads
+        self._streams: dict[tuple[str, torch.device], torch.cuda.Stream] = {}
+        self._lock = threading.Lock()
+        self._tested: dict[torch.device, str | None] = {}
+        self.kernel_error: str | None = None   # why the kernel failed its self-test, if it did
+
+    @property
+    def kernel(self) -> str:
+        return "device"
+
+    # ------------------------------------------------------------------ public API
+    def handles(self, src: BlockMemory, dst: BlockMemory) -> bool:
+        """Whether the kernel copies this pair (else :attr:`fallback` does)."""
+        if self.interpret:
+            return src.device.type == "cpu" and dst.device.type == "cpu"
+        kinds = {src.device.type, dst.device.type}
+        if "cuda" not in kinds or not kinds <= {"cuda", "cpu"}:
+            return False
+        if src.device.type == dst.device.type == "cuda" and src.device != dst.device:
+            return False
+        if not all(_mapped_host(m) for m in (src, dst) if m.device.type == "cpu"):
+            return False
+        return self._self_test(self._device_of(src, dst)) is None
+
+    def _self_test(self, device: torch.device) -> str | None:
+        """Once per device: the kernel copies random bytes to registered host memory and
+        back; a failure (a Triton that cannot address host memory here, a driver that
+        refuses) is kept in :attr:`kernel_error` and every copy goes to the fallback."""
+        with self._lock:
+            if device in self._tested:
+                return self._tested[device]
+        error = None
+        try:
+            host = AlignedBuffer(1 << 16, pin=True)
+            expected = torch.randint(0, 256, (16, 4096), dtype=torch.uint8)
+            host.tensor.copy_(expected.reshape(-1))
+            device_side = torch.zeros(1 << 16, dtype=torch.uint8, device=device)
+            forward = np.arange(16, dtype=np.int64) * 256             # 4 KiB runs, in units
+            reverse = forward[::-1].copy()
+            self._run_kernel(host.tensor, device_side, reverse, forward, 16, 4096, device)
+            torch.cuda.synchronize(device)
+            if not torch.equal(device_side.cpu().view(16, 4096), expected.flip(0)):
+                error = "its self-test read wrong bytes from host memory"
+            host.tensor.zero_()
+            self._run_kernel(device_side, host.tensor, reverse, forward, 16, 4096, device)
+            torch.cuda.synchronize(device)
+            if error is None and not torch.equal(host.tensor.view(16, 4096), expected):
+                error = "its self-test wrote wrong bytes to host memory"
+            host.unpin()
+        except Exception as exc:      # noqa: BLE001 - any failure means: do not use it
+            error = f"{type(exc).__name__}: {exc}"
+        with self._lock:
+            self._tested[device] = error
+            if error is not None:
+                self.kernel_error = error
+        return error
+
+    def copy(self, src, src_ids, dst, dst_ids, *, direction=OFFLOAD) -> int:
+        if not self.handles(src, dst):
+            return self.fallback.copy(src, src_ids, dst, dst_ids, direction=direction)
+        self._wait(self._launch(src, src_ids, dst, dst_ids, direction))
+        return len(src_ids) * src.layout.config.block_bytes
+
+    def copy_hashed(self, src, src_ids, dst, dst_ids, *, direction=OFFLOAD,
+                    slice_bytes: int = 8 << 20, from_source: bool = False) -> list[int]:
+        """:meth:`CopyEngine.copy_hashed` with the hashing overlapped: the batch is launched
+        slice by slice (``self.slice_bytes``), and each slice's destination blocks are hashed
+        on host threads as soon as it landed, while the next slices copy."""
+        if from_source or not self.handles(src, dst) or dst.device.type != "cpu":
+            return self.fallback.copy_hashed(src, src_ids, dst, dst_ids, direction=direction,
+                                             slice_bytes=slice_bytes, from_source=from_source)
+        if not isinstance(dst.layout, FullyContiguousLayout):
+            raise ValueError("copy_hashed needs a FullyContiguous destination")
+        bounds = self._slices(len(src_ids), src.layout.config.block_bytes)
+        events = [self._launch(src, src_ids[lo:hi], dst, dst_ids[lo:hi], direction)
+                  for lo, hi in bounds]   # all queued: the GPU copies while this thread hashes
+        base = int(dst.base_addresses()[0])
+        stride, nbytes = dst.layout.block_stride, dst.layout.config.block_bytes
+        ids = np.asarray(dst_ids, dtype=np.int64)
+        sums: list[int] = []
+        for (lo, hi), event in zip(bounds, events):
+            self._wait(event)
+            sums.extend(memory_checksums(base + ids[lo:hi] * stride, nbytes,
+                                         threads=self.hash_threads).tolist())
+        return sums
+
+    def copy_checked(self, src, src_ids, dst, dst_ids, check: Callable[[int, int], list[int]],
+                     *, direction=ONBOARD, slice_bytes: int = 8 << 20) -> list[int]:
+        """:meth:`CopyEngine.copy_checked`, slice by slice: ``check`` of the next slice runs
+        on this thread while the kernel copies the slice before."""
+        if not self.handles(src, dst):
+            return self.fallback.copy_checked(src, src_ids, dst, dst_ids, check,
+                                              direction=direction, slice_bytes=slice_bytes)
+        good: list[int] = []
+        launched = []
+        for lo, hi in self._slices(len(src_ids), src.layout.config.block_bytes):
+            passed = check(lo, hi)
+            if passed:
+                launched.append(self._launch(src, [src_ids[p] for p in passed], dst,
+                                             [dst_ids[p] for p in passed], direction))
+                good.extend(passed)
+        for handle in launched:   # one stream: in order; waiting on each frees its offsets
+            self._wait(handle)
+        return good
+
+    def close(self) -> None:
+        self.fallback.close()
+
+    # ------------------------------------------------------------------ internals
+    def _slices(self, n: int, block_bytes: int) -> list[tuple[int, int]]:
+        """Batch positions cut into slices of about ``slice_bytes``, the first and the last
+        an eighth of that: the host work of a pipeline's first slice (a check) and its last
+        (a hash) is the part nothing overlaps, so they are kept short."""
+        step = max(1, self.slice_bytes // max(1, block_bytes))
+        edge = max(1, step // 8)
+        if n <= step:
+            return [(0, n)]
+        bounds = [0, edge]
+        while n - bounds[-1] > step + edge:
+            bounds.append(bounds[-1] + step)
+        if n - bounds[-1] > edge:
+            bounds.append(n - edge)
+        bounds.append(n)
+        return list(zip(bounds[:-1], bounds[1:]))
+
+    def _device_of(self, src: BlockMemory, dst: BlockMemory) -> torch.device:
+        return src.device if src.device.type == "cuda" else dst.device
+
+    def _stream(self, direction: str, device: torch.device) -> torch.cuda.Stream:
+        key = (direction, device)
+        with self._lock:
+            stream = self._streams.get(key)
+            if stream is None:
+                # onboards first: the engine's next forward waits for them
+                stream = torch.cuda.Stream(device=device,
+                                           priority=-1 if direction == ONBOARD else 0)
+                self._streams[key] = stream
+            return stream
+
+    def _launch(self, src: BlockMemory, src_ids, dst: BlockMemory, dst_ids, direction: str):
+        """Queue the copy of one batch; returns what :meth:`_wait` waits on (a CUDA event;
+        None when nothing ran or under the interpreter, which runs synchronously)."""
+        if not len(src_ids):
+            return None
+        plan = plan_device_pieces(src, src_ids, dst, dst_ids,
+                                  max_piece_bytes=self.max_piece_bytes)
+        dtype, _ = _element(plan.unit_bytes)
+        src_start = _typed_start(src.regions[plan.src_base], dtype)
+        dst_start = _typed_start(dst.regions[plan.dst_base], dtype)
+        if self.interpret:
+            self._run_kernel(src_start, dst_start, plan.src_units, plan.dst_units,
+                             plan.unit_bytes, plan.piece_bytes, None)
+            return None
+        device = self._device_of(src, dst)
+        stream = self._stream(direction, device)
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            keep = self._run_kernel(src_start, dst_start, plan.src_units, plan.dst_units,
+                                    plan.unit_bytes, plan.piece_bytes, device)
+            event = torch.cuda.Event(blocking=True)
+            event.record(stream)
+        return event, keep      # the offsets stay alive until it ran
+
+    def _run_kernel(self, src: torch.Tensor, dst: torch.Tensor, src_units: np.ndarray,
+                    dst_units: np.ndarray, unit_bytes: int, piece_bytes: int,
+                    device: torch.device | None):
+        """Launch the kernel on the current stream: pieces of ``piece_bytes`` at
+        ``src + src_units * unit_bytes`` to ``dst + dst_units * unit_bytes`` (``src``/``dst``
+        byte tensors or typed starts); returns the offset tensors the launch reads."""
+        dtype, per_unit = _element(unit_bytes)
+        if src.dtype != dtype:
+            src, dst = _typed_start(src, dtype), _typed_start(dst, dtype)
+        elements = piece_bytes // (unit_bytes // per_unit)
+        block = min(self.block_elements, 1 << max(0, (elements - 1).bit_length()))
+        offsets = torch.from_numpy(np.stack([src_units, dst_units]))
+        if device is not None:
+            offsets = offsets.to(device, non_blocking=True)
+            extra = {"num_warps": self.num_warps}
+        else:
+            extra = {}
+        self._kernel[(len(src_units),)](src, dst, offsets[0], offsets[1], UNIT=per_unit,
+                                        PIECE=elements, BLOCK=block, **extra)
+        return offsets
+
+    @staticmethod
+    def _wait(handle) -> None:
+        if handle is not None:
+            handle[0].synchronize()
