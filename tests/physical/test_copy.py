@@ -48,6 +48,8 @@ ENGINES = {
     # 64 bytes), batches cut into slices of about two blocks
     "device_interpret": lambda: DeviceCopyEngine(interpret=True, max_piece_bytes=32,
                                                  slice_bytes=2 * 1536, hash_threads=2),
+    # ... and each piece moved in a loop of four-element steps
+    "device_interpret_loop": lambda: DeviceCopyEngine(interpret=True, block_elements=4),
 }
 _MARKS = {"native": needs_native, "device": needs_triton}
 ENGINE_PARAMS = [pytest.param(name, marks=_MARKS[name.split("_")[0]])

@@ -66,6 +66,11 @@ def test_plan_splits_big_pieces_and_narrows_the_unit_for_odd_sizes():
     assert split.piece_bytes == 64 and split.pieces == small_config().block_bytes // 64
 
 
+def test_block_elements_must_be_a_power_of_two():
+    with pytest.raises(ValueError, match="power of two"):
+        interpreter(block_elements=12)
+
+
 def test_slices_keep_the_unoverlapped_ends_short():
     engine = interpreter(slice_bytes=800)
     cuts = engine._slices(100, 10)      # 80 blocks a slice, edges of 10
@@ -160,8 +165,9 @@ def test_default_engine_follows_the_machine():
 # ----------------------------------------------------------------------------- on a GPU
 @gpu
 @needs_triton
+@pytest.mark.parametrize("block_elements", [4096, 256])    # a piece in one step or in many
 @pytest.mark.parametrize("layout", sorted(CUDA_LAYOUTS))
-def test_gpu_every_vllm_layout_round_trips_through_registered_g2(layout):
+def test_gpu_every_vllm_layout_round_trips_through_registered_g2(layout, block_elements):
     make = CUDA_LAYOUTS[layout]
     tensors = [make(64).cuda() for _ in range(3)]
     for t in tensors:
@@ -170,7 +176,8 @@ def test_gpu_every_vllm_layout_round_trips_through_registered_g2(layout):
     host = HostStorage(g1.config.with_blocks(40).with_alignment(PAGE_SIZE))
     region = host.memory.regions[0]
     assert host.pinned and cuda_mapped(region.data_ptr(), region.numel())
-    engine = DeviceCopyEngine(slice_bytes=4 * g1.config.block_bytes)
+    engine = DeviceCopyEngine(slice_bytes=4 * g1.config.block_bytes,
+                              block_elements=block_elements)
     assert engine.handles(g1.memory, host.memory), engine.kernel_error
     rng = np.random.default_rng(3)
     src = rng.choice(64, 30, replace=False).tolist()

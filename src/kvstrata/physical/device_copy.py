@@ -180,6 +180,8 @@ class DeviceCopyEngine(CopyEngine):
             raise RuntimeError(f"device copy kernel unavailable: {KERNEL_ERROR}")
         if not interpret and not torch.cuda.is_available():
             raise RuntimeError("device copy kernel unavailable: no CUDA device")
+        if block_elements < 1 or block_elements & (block_elements - 1):
+            raise ValueError(f"block_elements must be a power of two, got {block_elements}")
         from .storage.host import default_hash_threads
         self.interpret = interpret
         self._kernel = _kernels.interpreted() if interpret else _kernels.copy_pieces
@@ -196,7 +198,8 @@ class DeviceCopyEngine(CopyEngine):
 
     @property
     def kernel(self) -> str:
-        return "device"
+        """The host copy kernel of the fallback (host <-> host copies run there)."""
+        return self.fallback.kernel
 
     # ------------------------------------------------------------------ public API
     def handles(self, src: BlockMemory, dst: BlockMemory) -> bool:
