@@ -61,13 +61,13 @@ def _tensors(layout: str, geometry: str, blocks: int) -> list[torch.Tensor]:
 
 def _timed(fn, reps: int) -> float:
     best = float("inf")
-    for _ in range(reps + 1):           # the first run warms up (kernel compile, pages)
+    for _ in range(reps + 1 if reps else 1):   # the first run warms up (compile, pages)
         torch.cuda.synchronize()
         start = time.perf_counter()
         fn()
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
-        if _:
+        if _ or not reps:        # reps=0: one run, no warm-up
             best = min(best, elapsed)
     return best
 
@@ -122,16 +122,23 @@ def bench_layout(layout: str, geometry: str, batch_bytes: int, reps: int, result
     engine = DeviceCopyEngine()
     row = {"layout": layout, "geometry": geometry, "block_bytes": block_bytes, "batch": batch,
            "hash_threads": engine.hash_threads, "layers": cfg.num_layers}
+    # the same plans with integrity checked on the host (xxh3 on hash_threads threads)
+    host_engine = DeviceCopyEngine(device_checksums=False)
+    with TransferEngine({"G1": g1, "G2": g2}, copy_engine=host_engine) as transfers:
+        def host_plan(path, src, dst, seq):
+            out = transfers.submit(TransferPlan.for_path(path, src, dst, seq, job_id=1)).result()
+            assert out.all_ok, (path, out.failures[:1], out.error)
+        src = rng.choice(pool, batch, replace=False).tolist()
+        dst = rng.choice(pool, batch, replace=False).tolist()
+        seq = [1000 + i for i in range(batch)]
+        back = rng.permutation(np.setdiff1d(np.arange(pool), src))[:batch].tolist()
+        h_off = _timed(lambda: host_plan("G1->G2", src, dst, seq), reps)
+        h_on = _timed(lambda: host_plan("G2->G1", dst, back, seq), reps)
     with TransferEngine({"G1": g1, "G2": g2}, copy_engine=engine) as transfers:
         def plan(path, src, dst, seq):
             out = transfers.submit(TransferPlan.for_path(path, src, dst, seq, job_id=1)).result()
             assert out.all_ok, (path, out.failures[:1], out.error)
 
-        src = rng.choice(pool, batch, replace=False).tolist()
-        dst = rng.choice(pool, batch, replace=False).tolist()
-        seq = [1000 + i for i in range(batch)]
-        # the blocks onboarded land where no source block is, so each can be compared
-        back = rng.permutation(np.setdiff1d(np.arange(pool), src))[:batch].tolist()
         # bytes first: G1 -> G2 -> G1 elsewhere, compared block by block
         plan("G1->G2", src, dst, seq)
         plan("G2->G1", dst, back, seq)
@@ -145,12 +152,16 @@ def bench_layout(layout: str, geometry: str, batch_bytes: int, reps: int, result
         # the kernel alone
         k_off = _timed(lambda: engine.copy(g1.memory, src, g2.memory, dst), reps)
         k_on = _timed(lambda: engine.copy(g2.memory, dst, g1.memory, back), reps)
+        ks_off = _timed(lambda: engine.copy_summed(g1.memory, src, g2.memory, dst), reps)
+        ks_on = _timed(lambda: engine.copy_summed(g2.memory, dst, g1.memory, back), reps)
         n_off, n_on = naive(tensors, layout, src,
                             torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), reps)
         row["kernel_error"] = engine.kernel_error     # set: the fallback engine ran instead
         row.update({f"{k}_gbs": nbytes / v / 1e9 for k, v in (
             ("offload", off), ("onboard", on), ("kernel_offload", k_off),
-            ("kernel_onboard", k_on), ("naive_offload", n_off), ("naive_onboard", n_on))})
+            ("kernel_onboard", k_on), ("naive_offload", n_off), ("naive_onboard", n_on),
+            ("summed_offload", ks_off), ("summed_onboard", ks_on),
+            ("host_hash_offload", h_off), ("host_hash_onboard", h_on))})
         if layout == "flash_attn" and geometry == "2MiB":
             results["overlap"] = overlap(lambda: plan("G2->G1", dst, back, seq), on)
     results["rows"].append(row)
@@ -180,6 +191,53 @@ def overlap(onboard, onboard_seconds: float) -> dict:
             "vs_max": together / max(alone, load), "vs_sum": together / (alone + load)}
 
 
+def hash_rates(nbytes: int) -> dict:
+    """Host checksum throughput over registered memory (what the host-verified path pays)."""
+    from kvstrata.physical.checksum import memory_checksums, memory_device_checksums
+    buffer = AlignedBuffer(nbytes, pin=True)
+    buffer.tensor.random_(0, 256)
+    block = 2 << 20
+    addresses = buffer.address + np.arange(nbytes // block, dtype=np.uint64) * block
+    out = {}
+    for threads in (1, 4, 8, 16):
+        start = time.perf_counter()
+        memory_checksums(addresses, block, threads=threads)
+        out[f"xxh3_{threads}t_gbs"] = nbytes / (time.perf_counter() - start) / 1e9
+    for threads in (1, 8):
+        start = time.perf_counter()
+        memory_device_checksums(addresses, block, threads=threads)
+        out[f"device_sum_{threads}t_gbs"] = nbytes / (time.perf_counter() - start) / 1e9
+    buffer.unpin()
+    return out
+
+
+def sweep(batch_bytes: int, reps: int) -> list[dict]:
+    """The kernel alone (plain and summed) at other launch shapes, FlashAttention layout."""
+    rows = []
+    for geometry in GEOMETRIES:
+        layers, page, heads, dim, _ = GEOMETRIES[geometry]
+        block_bytes = layers * 2 * page * heads * dim * 2
+        tensors = _tensors("flash_attn", geometry, 2 * max(1, batch_bytes // block_bytes))
+        g1 = DeviceStorage.wrap(tensors)
+        batch = g1.config.num_blocks // 2
+        g2 = HostStorage(g1.config.with_blocks(batch).with_alignment(4096))
+        ids, slots = list(range(0, 2 * batch, 2)), list(range(batch))
+        nbytes = batch * g1.config.block_bytes
+        for warps in (4, 8):
+            for block in (2048, 4096, 8192):
+                engine = DeviceCopyEngine(num_warps=warps, block_elements=block)
+                row = {"geometry": geometry, "num_warps": warps, "block_elements": block}
+                for name, fn in (
+                        ("off", lambda: engine.copy(g1.memory, ids, g2.memory, slots)),
+                        ("on", lambda: engine.copy(g2.memory, slots, g1.memory, ids)),
+                        ("summed_off", lambda: engine.copy_summed(g1.memory, ids, g2.memory, slots)),
+                        ("summed_on", lambda: engine.copy_summed(g2.memory, slots, g1.memory, ids))):
+                    row[name] = nbytes / _timed(fn, reps) / 1e9
+                rows.append(row)
+        g2.close()
+    return rows
+
+
 def g3_to_g1(batch_bytes: int, reps: int, directory: str | None, dma_h2d: float) -> dict:
     tensors = _tensors("flash_attn", "2MiB", 2 * max(1, batch_bytes // (2 << 20)))
     g1 = DeviceStorage.wrap(tensors)
@@ -198,7 +256,6 @@ def g3_to_g1(batch_bytes: int, reps: int, directory: str | None, dma_h2d: float)
             plan("G1->G2", list(range(batch)), list(range(batch)))
             plan("G2->G3", list(range(batch)), list(range(batch)))
             back = rng.choice(len(tensors[0][0]), batch, replace=False).tolist()
-            ours = _timed(lambda: plan("G3->G1", list(range(batch)), back), reps)
             stride = g3.layout.block_stride
             buffer = AlignedBuffer(stride * batch)
             fd = os.open(g3.path, os.O_RDONLY | (os.O_DIRECT if g3.status().o_direct else 0))
@@ -206,7 +263,10 @@ def g3_to_g1(batch_bytes: int, reps: int, directory: str | None, dma_h2d: float)
             def raw():
                 for i in range(batch):
                     os.preadv(fd, [buffer.array[i * stride:(i + 1) * stride]], i * stride)
-            raw_s = _timed(raw, reps)
+            ours = raw_s = float("inf")
+            for _ in range(reps):          # interleaved: the disk's drift hits both alike
+                ours = min(ours, _timed(lambda: plan("G3->G1", list(range(batch)), back), 0))
+                raw_s = min(raw_s, _timed(raw, 0))
             os.close(fd)
         nbytes = batch * cfg.block_bytes
         o_direct = g3.status().o_direct
@@ -223,6 +283,8 @@ def main() -> int:
     parser.add_argument("--batch-mib", type=int, default=None)
     parser.add_argument("--dir", default=None, help="directory for the G3 slab")
     parser.add_argument("--json", default=None, help="write every figure here")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time the kernel alone at other launch shapes")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_gpu_copy: needs a CUDA GPU (none here)", file=sys.stderr)
@@ -244,13 +306,20 @@ def main() -> int:
                   + (f"  KERNEL NOT USED: {r['kernel_error']}" if r["kernel_error"] else ""),
                   flush=True)
     results["g3_to_g1"] = g3_to_g1(batch_bytes, reps, args.dir, h2d)
+    results["hash_rates"] = hash_rates(batch_bytes)
+    if args.sweep:
+        results["sweep"] = sweep(batch_bytes, reps)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     print(f"\nbatch {batch_bytes >> 20} MiB of scattered blocks, best of {reps}; GB/s "
           f"(ratio to the DMA limit, D2H for offload, H2D for onboard)")
+    print("naive: index_select + one DMA; kernel: the copy kernel alone; kvstrata: TransferEngine"
+          " plans with integrity on (device checksums); host-verified: the same with xxh3 on "
+          "host threads")
     print(f"{'geometry':8} {'layout':10} {'block':>8} | {'naive off':>10} {'naive on':>10} | "
-          f"{'kernel off':>10} {'kernel on':>10} | {'kvstrata off':>12} {'kvstrata on':>12} | goal")
+          f"{'kernel off':>10} {'kernel on':>10} | {'kvstrata off':>12} {'kvstrata on':>12} | "
+          f"{'host-verified off/on':>22} | goal")
     for r in results["rows"]:
         def cell(key, limit, width):
             return f"{r[key]:5.1f} ({r[key] / limit:.2f})".rjust(width)
@@ -258,7 +327,14 @@ def main() -> int:
               f"{cell('naive_offload_gbs', d2h, 10)} {cell('naive_onboard_gbs', h2d, 10)} | "
               f"{cell('kernel_offload_gbs', d2h, 10)} {cell('kernel_onboard_gbs', h2d, 10)} | "
               f"{cell('offload_gbs', d2h, 12)} {cell('onboard_gbs', h2d, 12)} | "
+              f"{r['host_hash_offload_gbs']:9.1f} {r['host_hash_onboard_gbs']:9.1f}     | "
               f">={GOALS[r['geometry']]:.2f}")
+    print("host hashing of 2 MiB blocks in registered memory, GB/s: " + ", ".join(
+        f"{k[:-4]} {v:.1f}" for k, v in results["hash_rates"].items()))
+    for r in results.get("sweep", []):
+        print(f"sweep {r['geometry']:6} warps {r['num_warps']} block {r['block_elements']:5}: "
+              f"off {r['off']:5.1f} on {r['on']:5.1f} summed off {r['summed_off']:5.1f} "
+              f"on {r['summed_on']:5.1f}")
     o = results["overlap"]
     print(f"overlap: {o['matmuls']} bf16 8192^3 matmuls {o['forward_s'] * 1e3:.1f} ms, onboard "
           f"{o['onboard_s'] * 1e3:.1f} ms, both {o['both_s'] * 1e3:.1f} ms = "

@@ -27,6 +27,12 @@
  * vouches that every range is readable memory it owns. None until bound, or when a buffer
  * is not uint64 or the counts do not divide.
  *
+ * device_sums(addresses, length) -> bytes or None: the *device checksum* of each `length`-byte
+ * block at `addresses` (uint64 buffer): sum over its little-endian 64-bit words w[i] of
+ * fmix64(w[i] ^ (i + 1) * PHI) modulo 2**64, the function the GPU copy kernel computes while it
+ * copies (physical/_triton_copy.py; checksum.device_checksum is the numpy reference). GIL let
+ * go. None when `length` is not a multiple of 8 or the buffer is not uint64.
+ *
  * verify_arrived(state, count) and verify_batches(state, addresses, lengths, expected, bad,
  * per_block, step, mode, lag) -> int: a verified read's batches, hashed as they arrive by a
  * verifying thread that never takes the GIL (remote/importer.py). `state` is a writable
@@ -546,6 +552,50 @@ static PyObject *py_checksum_ranges(PyObject *self, PyObject *const *args, Py_ss
     return out;
 }
 
+static inline uint64_t fmix64(uint64_t k) {
+    k ^= k >> 33;
+    k *= 0xFF51AFD7ED558CCDULL;
+    k ^= k >> 33;
+    k *= 0xC4CEB9FE1A85EC53ULL;
+    k ^= k >> 33;
+    return k;
+}
+
+static PyObject *py_device_sums(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "device_sums(addresses, length)");
+        return NULL;
+    }
+    Py_ssize_t length = PyLong_AsSsize_t(args[1]);
+    if (length == -1 && PyErr_Occurred()) return NULL;
+    if (length < 0 || length % 8) Py_RETURN_NONE;
+    Py_buffer addr_view;
+    Py_ssize_t n = get_u64_buffer(args[0], &addr_view);
+    if (n < 0) Py_RETURN_NONE;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n * 8);
+    if (!out) {
+        PyBuffer_Release(&addr_view);
+        return NULL;
+    }
+    const uint64_t *addresses = (const uint64_t *)addr_view.buf;
+    uint64_t *sums = (uint64_t *)PyBytes_AS_STRING(out);
+    const uint64_t words = (uint64_t)length / 8, phi = 0x9E3779B97F4A7C15ULL;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t b = 0; b < n; b++) {
+        const unsigned char *data = (const unsigned char *)(uintptr_t)addresses[b];
+        uint64_t acc = 0;
+        for (uint64_t i = 0; i < words; i++) {
+            uint64_t w;
+            memcpy(&w, data + 8 * i, 8);   /* little-endian hosts: the kernel's word order */
+            acc += fmix64(w ^ ((i + 1) * phi));
+        }
+        sums[b] = acc;
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&addr_view);
+    return out;
+}
+
 static PyObject *py_bind_stream(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 5) {
         PyErr_SetString(PyExc_TypeError, "bind_stream(create, reset, update, digest, free)");
@@ -588,6 +638,8 @@ static PyMethodDef methods[] = {
      "bind_stream(create, reset, update, digest, free): the XXH3 streaming functions"},
     {"checksum_ranges", (PyCFunction)(void (*)(void))py_checksum_ranges, METH_FASTCALL,
      "checksum_ranges(addresses, lengths, per_block) -> bytes of uint64 checksums or None"},
+    {"device_sums", (PyCFunction)(void (*)(void))py_device_sums, METH_FASTCALL,
+     "device_sums(addresses, length) -> bytes of uint64 device checksums or None"},
 #ifdef __linux__
     {"verify_arrived", (PyCFunction)(void (*)(void))py_verify_arrived, METH_FASTCALL,
      "verify_arrived(state, count, finished): `count` batches of a verified read have arrived"},

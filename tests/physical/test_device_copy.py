@@ -13,6 +13,8 @@ import xxhash
 from kvstrata.physical import (DeviceStorage, DiskStorage, FailureKind, HostStorage,
                                MemmoveCopyEngine, TransferEngine, TransferPlan)
 from kvstrata.physical.buffers import PAGE_SIZE, cuda_mapped
+from kvstrata.physical.checksum import device_checksum, memory_device_checksums
+from kvstrata.physical.errors import ChecksumMismatchError
 from kvstrata.physical.copy import default_copy_engine
 from kvstrata.physical.device_copy import (KERNEL_ERROR, DeviceCopyEngine, _kernels, _split,
                                            device_kernel_status, plan_device_pieces)
@@ -121,34 +123,112 @@ def test_copy_checked_copies_only_what_passed_slice_by_slice():
 
 
 @needs_triton
-@pytest.mark.parametrize("checksums", ["eager", "deferred"])
-def test_transfer_engine_never_onboards_a_g2_byte_changed_after_the_offload(tmp_path,
-                                                                            checksums):
+@pytest.mark.parametrize("kind", ["outer_contiguous", "block_contiguous", "fully_contiguous"])
+@pytest.mark.parametrize("block_elements", [4096, 4])     # a piece in one step, or in many
+@pytest.mark.parametrize("dtype, inner", [("bfloat16", 8), ("float16", 3)])   # 64 B / 24 B pieces
+def test_copy_summed_returns_the_device_checksum_of_every_block(kind, block_elements, dtype,
+                                                                inner):
+    cfg = small_config(num_blocks=9, dtype=dtype, inner_dim=inner, alignment=8)
+    g1 = DeviceStorage.allocate(cfg, kv_layout=kind, device="cpu")
+    fill_random(g1.memory.regions, seed=13)
+    host = HostStorage(cfg.with_blocks(7))
+    engine = interpreter(block_elements=block_elements, slice_bytes=2 * cfg.block_bytes)
+    assert engine.summable(g1.memory, host.memory)
+    src, dst = [8, 0, 3, 4, 5], [2, 6, 3, 4, 0]
+    sums = engine.copy_summed(g1.memory, src, host.memory, dst)
+    assert sums.tolist() == [device_checksum(host.payload(d)) for d in dst]
+    back = DeviceStorage.allocate(cfg, kv_layout=kind, device="cpu")
+    again = engine.copy_summed(host.memory, dst, back.memory, src)
+    assert again.tolist() == sums.tolist()
+    for s_ in src:
+        assert torch.equal(block_bytes_of(g1, s_), block_bytes_of(back, s_))
+
+
+def test_device_checksum_native_equals_the_numpy_reference():
+    rng = np.random.default_rng(5)
+    data = rng.integers(0, 256, 3 * 4096 + 8, dtype=np.uint8)
+    base = data.ctypes.data
+    sums = memory_device_checksums([base, base + 8, base + 4096], 4096, threads=2)
+    assert sums.tolist() == [device_checksum(data[o:o + 4096]) for o in (0, 8, 4096)]
+    flipped = data.copy()
+    flipped[100] ^= 1
+    assert device_checksum(flipped[:4096]) != device_checksum(data[:4096])
+    swapped = data[:4096].copy()
+    swapped[:8], swapped[8:16] = data[8:16], data[:8]      # word order matters
+    assert device_checksum(swapped) != device_checksum(data[:4096])
+
+
+def _tiers(verify=True, checksums="auto"):
     cfg = small_config(num_blocks=16, alignment=64)
     g1 = DeviceStorage.allocate(cfg, kv_layout="outer_contiguous", device="cpu")
     fill_random(g1.memory.regions, seed=9)
-    g2 = HostStorage(cfg.with_blocks(12).with_alignment(512), verify_reads=True,
+    g2 = HostStorage(cfg.with_blocks(12).with_alignment(512), verify_reads=verify,
                      checksums=checksums)
+    return g1, g2
+
+
+def _submit(engine, path, src, dst, seq, job=1):
+    return engine.submit(TransferPlan.for_path(path, src, dst, seq, job_id=job)).result(timeout=60)
+
+
+@needs_triton
+def test_offload_records_device_checksums_and_a_changed_g2_byte_fails_the_onboard():
+    g1, g2 = _tiers()
     seq = [501, 502, 503, 504]
-    engine_copy = interpreter(slice_bytes=cfg.block_bytes)
-    with TransferEngine({"G1": g1, "G2": g2}, copy_engine=engine_copy) as engine:
-        off = engine.submit(TransferPlan.for_path("G1->G2", [0, 3, 4, 5], [7, 1, 2, 3], seq,
-                                                  job_id=1)).result(timeout=60)
-        assert off.all_ok
-        if checksums == "eager":
-            assert list(off.checksums) == [xxhash.xxh3_64_intdigest(g2.payload(b))
-                                           for b in [7, 1, 2, 3]]
-        else:   # hashed on first need: the verified read takes it as it finds it
-            g2.ensure_checksums([7, 1, 2, 3])
+    with TransferEngine({"G1": g1, "G2": g2}, copy_engine=interpreter(slice_bytes=1536)) as eng:
+        off = _submit(eng, "G1->G2", [0, 3, 4, 5], [7, 1, 2, 3], seq)
+        assert off.all_ok and off.checksums == (None,) * 4          # xxh3: on first need
+        sums, known = g2.checksums.device_sums_of([7, 1, 2, 3])
+        assert known.all()
+        assert sums.tolist() == [device_checksum(block_bytes_of(g1, b).numpy())
+                                 for b in [0, 3, 4, 5]]
         g2.payload(2)[5] ^= 0xFF                        # a byte of block 503 changes in G2
-        before = block_bytes_of(g1, 10).clone()
-        on = engine.submit(TransferPlan.for_path("G2->G1", [7, 1, 2, 3], [8, 9, 10, 11], seq,
-                                                 job_id=2)).result(timeout=60)
+        on = _submit(eng, "G2->G1", [7, 1, 2, 3], [8, 9, 10, 11], seq, job=2)
     assert on.ok == (True, True, False, True)
-    assert on.failures[0].kind is FailureKind.CHECKSUM_MISMATCH
-    assert torch.equal(block_bytes_of(g1, 10), before)          # never reached the engine
-    for s, d in zip([0, 3, 5], [8, 9, 11]):
-        assert torch.equal(block_bytes_of(g1, s), block_bytes_of(g1, d))
+    failure = on.failures[0]
+    assert failure.kind is FailureKind.CHECKSUM_MISMATCH and "device checksum" in failure.detail
+    for s_, d in zip([0, 3, 5], [8, 9, 11]):
+        assert torch.equal(block_bytes_of(g1, s_), block_bytes_of(g1, d))
+
+
+@needs_triton
+def test_slots_without_device_checksums_are_verified_on_the_host_before_the_copy():
+    g1, g2 = _tiers()
+    for slot, source in ((4, 1), (5, 2), (6, 6)):       # G2 blocks that came another way
+        g2.payload(slot)[:] = block_bytes_of(g1, source).numpy()
+    g2.begin_write([4, 5, 6])
+    g2.seal([4, 5, 6], [61, 62, 63])                    # xxh3 only, as a G3 load leaves them
+    with TransferEngine({"G1": g1, "G2": g2}, copy_engine=interpreter(slice_bytes=1536)) as eng:
+        assert _submit(eng, "G1->G2", [0, 3], [7, 8], [71, 72]).all_ok    # device-summed
+        g2.payload(5)[0] ^= 1
+        g2.payload(8)[9] ^= 1
+        before = [block_bytes_of(g1, b).clone() for b in (12, 13)]
+        on = _submit(eng, "G2->G1", [4, 7, 5, 8, 6], [11, 14, 12, 13, 15],
+                     [61, 71, 62, 72, 63], job=2)
+    assert on.ok == (True, True, False, False, True)
+    assert [f.position for f in on.failures] == [2, 3]
+    assert "xxh3" in on.failures[0].detail and "device checksum" in on.failures[1].detail
+    assert torch.equal(block_bytes_of(g1, 12), before[0])     # host path: never copied
+    for s_, d in ((1, 11), (0, 14), (6, 15)):
+        assert torch.equal(block_bytes_of(g1, s_), block_bytes_of(g1, d))
+
+
+@needs_triton
+def test_a_changed_g2_byte_never_goes_down_to_disk_or_out_to_a_peer(tmp_path):
+    g1, g2 = _tiers()
+    disk = DiskStorage(g2.config.with_blocks(8), tmp_path, o_direct=False)
+    with TransferEngine({"G1": g1, "G2": g2, "G3": disk},
+                        copy_engine=interpreter(slice_bytes=1536)) as eng:
+        assert _submit(eng, "G1->G2", [0, 3, 4], [7, 1, 2], [81, 82, 83]).all_ok
+        g2.payload(1)[3] ^= 0x40
+        down = _submit(eng, "G2->G3", [7, 1, 2], [0, 1, 2], [81, 82, 83], job=2)
+    assert down.ok == (True, False, True)
+    assert down.failures[0].kind is FailureKind.CHECKSUM_MISMATCH
+    assert g2.checksums.checksums_of([7, 2]) == [xxhash.xxh3_64_intdigest(g2.payload(b))
+                                                 for b in (7, 2)]
+    with pytest.raises(ChecksumMismatchError, match="device checksum"):
+        g2.ensure_checksums([1])
+    disk.close()
 
 
 def test_default_engine_follows_the_machine():
@@ -186,10 +266,13 @@ def test_gpu_every_vllm_layout_round_trips_through_registered_g2(layout, block_e
     assert sums == [xxhash.xxh3_64_intdigest(host.payload(d)) for d in dst]
     for s, d in zip(src, dst):
         assert torch.equal(block_bytes_of(g1, s).cpu(), block_bytes_of(host, d))
+    summed = engine.copy_summed(g1.memory, src, host.memory, dst)
+    assert summed.tolist() == [device_checksum(host.payload(d)) for d in dst]
     back = DeviceStorage.wrap([torch.zeros_like(t) for t in tensors])
     good = engine.copy_checked(host.memory, dst, back.memory, src,
                                lambda lo, hi: list(range(lo, hi)))
     assert good == list(range(30))
+    assert engine.copy_summed(host.memory, dst, back.memory, src).tolist() == summed.tolist()
     for s in range(64):
         expected = block_bytes_of(g1, s).cpu() if s in src else None
         got = block_bytes_of(back, s).cpu()
@@ -226,3 +309,26 @@ def test_gpu_g2_is_page_aligned_and_goes_to_disk_with_o_direct(tmp_path):
     assert down.all_ok and up.all_ok
     for a, b in zip([0, 1, 2], [3, 4, 5]):
         assert bytes(host.payload(a)) == bytes(host.payload(b))
+
+
+@gpu
+@needs_triton
+def test_gpu_transfer_engine_catches_a_changed_g2_byte_with_device_checksums():
+    g1 = DeviceStorage.wrap([CUDA_LAYOUTS["flash_attn"](32).cuda() for _ in range(4)])
+    for t in g1.tensors:
+        t.view(torch.uint8).random_(0, 256)
+    g2 = HostStorage(g1.config.with_blocks(16).with_alignment(PAGE_SIZE), verify_reads=True)
+    with TransferEngine({"G1": g1, "G2": g2}) as engine:
+        assert isinstance(engine.copy_engine, DeviceCopyEngine)
+        seq = list(range(900, 908))
+        off = engine.submit(TransferPlan.for_path("G1->G2", list(range(8)), list(range(8, 16)),
+                                                  seq, job_id=1)).result(timeout=60)
+        assert off.all_ok and g2.checksums.device_sums_of(list(range(8, 16)))[1].all()
+        g2.payload(11)[123] ^= 0x10
+        on = engine.submit(TransferPlan.for_path("G2->G1", list(range(8, 16)),
+                                                 list(range(16, 24)), seq,
+                                                 job_id=2)).result(timeout=60)
+    assert [f.position for f in on.failures] == [3]
+    assert on.failures[0].kind is FailureKind.CHECKSUM_MISMATCH
+    for s_ in (0, 1, 2, 4, 5, 6, 7):
+        assert torch.equal(block_bytes_of(g1, s_).cpu(), block_bytes_of(g1, 16 + s_).cpu())

@@ -12,10 +12,12 @@ Imported only where Triton is installed (:mod:`kvstrata.physical.device_copy` sa
 how tests without a GPU check it.
 """
 
+import types
+
 import triton
 import triton.language as tl
 
-__all__ = ["copy_pieces", "interpreted"]
+__all__ = ["copy_pieces", "copy_pieces_summed", "interpreted"]
 
 
 def _copy_pieces(src, dst, src_units, dst_units, UNIT: tl.constexpr, PIECE: tl.constexpr,
@@ -32,10 +34,65 @@ def _copy_pieces(src, dst, src_units, dst_units, UNIT: tl.constexpr, PIECE: tl.c
             tl.store(target + offsets, tl.load(source + offsets, mask=inside), mask=inside)
 
 
+def _copy_pieces_summed(src, dst, src_units, dst_units, sums, UNIT: tl.constexpr,
+                        PIECE: tl.constexpr, BLOCK: tl.constexpr, PER_BLOCK: tl.constexpr,
+                        LOG2_BLOCK: tl.constexpr):
+    """:func:`_copy_pieces` over 64-bit words, also writing to ``sums[i]`` piece ``i``'s
+    share of its block's device checksum: the sum, modulo 2**64, of ``fmix64(word ^ (index
+    + 1) * PHI)`` over its words, ``index`` being the word's position in the block's payload
+    (pieces come ``PER_BLOCK`` to a block, in payload order). The host adds the shares of a
+    block; :func:`kvstrata.physical.checksum.device_checksum` computes the same on the host."""
+    piece = tl.program_id(0)
+    source = src + tl.load(src_units + piece) * UNIT
+    target = dst + tl.load(dst_units + piece) * UNIT
+    first_word = (piece % PER_BLOCK) * PIECE
+    acc = tl.full([BLOCK], 0, tl.uint64)      # tl.zeros is a jit function: see _lanes_sum_by_halves
+    for start in range(0, PIECE, BLOCK):
+        offsets = start + tl.arange(0, BLOCK)
+        if PIECE % BLOCK == 0:
+            words = tl.load(source + offsets)
+            tl.store(target + offsets, words)
+            inside = offsets < PIECE
+        else:
+            inside = offsets < PIECE
+            words = tl.load(source + offsets, mask=inside, other=0)
+            tl.store(target + offsets, words, mask=inside)
+        index = (first_word + offsets + 1).to(tl.uint64)
+        k = words.to(tl.uint64, bitcast=True) ^ (index * 0x9E3779B97F4A7C15)
+        k ^= k >> 33            # murmur3's 64-bit finalizer
+        k *= 0xFF51AFD7ED558CCD
+        k ^= k >> 33
+        k *= 0xC4CEB9FE1A85EC53
+        k ^= k >> 33
+        acc += tl.where(inside, k, 0)
+    total = _sum_lanes(acc, BLOCK, LOG2_BLOCK)
+    tl.store(sums + piece + tl.arange(0, 1), total.to(tl.int64, bitcast=True))
+
+
+def _lanes_sum(acc, BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr):
+    return tl.sum(acc, axis=0, keep_dims=True)
+
+
+def _lanes_sum_by_halves(acc, BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr):
+    """The same sum from builtins only: Triton's interpreter cannot call ``tl.sum`` (itself
+    a jit function) unless TRITON_INTERPRET was set before Triton was imported."""
+    for step in tl.static_range(LOG2_BLOCK):
+        left, right = tl.split(tl.reshape(acc, [BLOCK >> (step + 1), 2]))
+        acc = left + right
+    return acc
+
+
+_sum_lanes = triton.jit(_lanes_sum)
 copy_pieces = triton.jit(_copy_pieces)
+copy_pieces_summed = triton.jit(_copy_pieces_summed)
 
 
-def interpreted():
-    """The kernel under Triton's CPU interpreter (slow; for tests on CPU tensors)."""
+def interpreted(summed: bool = False):
+    """A kernel under Triton's CPU interpreter (slow; for tests on CPU tensors)."""
     from triton.runtime.interpreter import InterpretedFunction
-    return InterpretedFunction(_copy_pieces)
+    if not summed:
+        return InterpretedFunction(_copy_pieces)
+    scope = dict(_copy_pieces_summed.__globals__)
+    scope["_sum_lanes"] = InterpretedFunction(_lanes_sum_by_halves)
+    kernel = types.FunctionType(_copy_pieces_summed.__code__, scope, "_copy_pieces_summed")
+    return InterpretedFunction(kernel)

@@ -28,7 +28,7 @@ import xxhash
 from .errors import BlockFailure, FailureKind
 
 __all__ = ["block_checksum", "ChecksumTable", "native_range_checksums", "BATCH_VERIFIER",
-           "memory_checksums"]
+           "memory_checksums", "device_checksum", "memory_device_checksums"]
 
 
 def block_checksum(data) -> int:
@@ -109,6 +109,72 @@ def native_range_checksums(addresses: np.ndarray, lengths: np.ndarray,
     return None if out is None else np.frombuffer(out, dtype=np.uint64)
 
 
+_PHI, _M1, _M2 = (np.uint64(v) for v in (0x9E3779B97F4A7C15, 0xFF51AFD7ED558CCD,
+                                          0xC4CEB9FE1A85EC53))
+_S33 = np.uint64(33)
+
+
+def device_checksum(payload) -> int:
+    """The *device checksum* of a block's payload (a bytes-like whose length is a multiple of
+    8): ``sum(fmix64(w[i] ^ (i + 1) * PHI)) mod 2**64`` over its little-endian 64-bit words
+    ``w``, fmix64 being murmur3's 64-bit finalizer. A sum of independent per-word terms, so
+    the GPU copy kernel computes it piece by piece in any order while the bytes pass
+    (:mod:`._triton_copy`); this is the same function on the host, in numpy, for checks
+    and tests. Not a cryptographic hash: it detects corruption, not forgery."""
+    words = np.frombuffer(payload, dtype="<u8")
+    k = words ^ (np.arange(1, words.size + 1, dtype=np.uint64) * _PHI)
+    k ^= k >> _S33
+    k *= _M1
+    k ^= k >> _S33
+    k *= _M2
+    k ^= k >> _S33
+    return int(k.sum(dtype=np.uint64))
+
+
+def _load_device_sums():
+    """``kvstrata._tokenhash.device_sums`` checked against :func:`device_checksum` on a
+    probe, or None (not built, a stale build, a big-endian host): numpy then."""
+    try:
+        from .. import _tokenhash
+    except ImportError:
+        return None
+    native = getattr(_tokenhash, "device_sums", None)
+    if native is None:
+        return None
+    probe = np.frombuffer(bytes(range(256)) * 2, dtype=np.uint8)
+    try:
+        out = native(np.array([probe.ctypes.data, probe.ctypes.data + 256], np.uint64), 256)
+    except Exception:
+        return None
+    if out is None or np.frombuffer(out, np.uint64).tolist() != [
+            device_checksum(probe[:256]), device_checksum(probe[256:])]:
+        return None
+    return native
+
+
+_native_device_sums = _load_device_sums()
+
+
+def memory_device_checksums(addresses: Sequence[int] | np.ndarray, length: int, *,
+                            threads: int = 1) -> np.ndarray:
+    """:func:`device_checksum` of ``length`` bytes at each of ``addresses`` (``uint64``
+    array), natively with the GIL let go where built (split over up to ``threads`` threads),
+    else in numpy. The caller vouches the ranges are readable memory of this process."""
+    addrs = np.ascontiguousarray(np.asarray(addresses, dtype=np.uint64).reshape(-1))
+    if _native_device_sums is None:
+        return np.array([device_checksum((ctypes.c_char * length).from_address(int(a)))
+                         for a in addrs.tolist()], dtype=np.uint64)
+    n = addrs.size
+    parts = max(1, min(threads, n))
+    if parts == 1:
+        return np.frombuffer(_native_device_sums(addrs, length), dtype=np.uint64)
+    bounds = [n * i // parts for i in range(parts + 1)]
+    pool = _hash_pool(parts)
+    futures = [pool.submit(_native_device_sums, addrs[bounds[i]:bounds[i + 1]], length)
+               for i in range(parts)]
+    return np.concatenate([np.frombuffer(f.result(), dtype=np.uint64) for f in futures])
+
+
 _pool: ThreadPoolExecutor | None = None
 _pool_threads = 0
 _pool_lock = threading.Lock()
@@ -165,6 +231,9 @@ class ChecksumTable:
         self._checksum = np.zeros(num_blocks, dtype=np.uint64)
         self._seq = np.zeros(num_blocks, dtype=np.uint64)
         self._known = np.zeros(num_blocks, dtype=bool)   # checksum computed
+        # the device checksum (see device_checksum) where the GPU copy kernel computed one
+        self._device = np.zeros(num_blocks, dtype=np.uint64)
+        self._device_known = np.zeros(num_blocks, dtype=bool)
 
     def __len__(self) -> int:
         return len(self._valid)
@@ -186,13 +255,20 @@ class ChecksumTable:
         (``None``: not computed yet)."""
         self._checksum[slot] = 0 if checksum is None else checksum
         self._known[slot] = checksum is not None
+        self._device_known[slot] = False
         self._seq[slot] = sequence_hash
         self._valid[slot] = True
 
     def record_many(self, slots: Sequence[int], checksums: Sequence[int | None] | None,
-                    sequence_hashes: Sequence[int]) -> None:
-        """:meth:`record` for a batch (vectorized); ``checksums=None``: none computed yet."""
+                    sequence_hashes: Sequence[int], device_sums: np.ndarray | None = None) -> None:
+        """:meth:`record` for a batch (vectorized); ``checksums=None``: none computed yet;
+        ``device_sums``: the blocks' device checksums, where the copy computed them."""
         idx = np.asarray(slots, dtype=np.int64)
+        if device_sums is None:
+            self._device_known[idx] = False
+        else:
+            self._device[idx] = np.asarray(device_sums, dtype=np.uint64)
+            self._device_known[idx] = True
         if checksums is None:
             self._known[idx] = False
         elif not isinstance(checksums, np.ndarray) and any(c is None for c in checksums):
@@ -214,6 +290,12 @@ class ChecksumTable:
                     and int(self._seq[slot]) == seq):
                 self._checksum[slot] = value
                 self._known[slot] = True
+
+    def device_sums_of(self, slots: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """``(sums, known)``: the device checksums recorded for ``slots`` and where one is
+        (meaningful for valid slots only)."""
+        idx = np.asarray(slots, dtype=np.int64)
+        return self._device[idx], self._device_known[idx]
 
     def checksums_of(self, slots: Sequence[int]) -> list[int | None]:
         """Recorded checksums of ``slots`` (``None`` where not computed yet; meaningful for

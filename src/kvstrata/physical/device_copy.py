@@ -175,7 +175,7 @@ class DeviceCopyEngine(CopyEngine):
     def __init__(self, *, fallback: CopyEngine | None = None, interpret: bool = False,
                  slice_bytes: int = 32 << 20, max_piece_bytes: int = 64 << 10,
                  block_elements: int = 4096, num_warps: int = 4,
-                 hash_threads: int | None = None) -> None:
+                 hash_threads: int | None = None, device_checksums: bool = True) -> None:
         if _kernels is None:
             raise RuntimeError(f"device copy kernel unavailable: {KERNEL_ERROR}")
         if not interpret and not torch.cuda.is_available():
@@ -185,12 +185,15 @@ class DeviceCopyEngine(CopyEngine):
         from .storage.host import default_hash_threads
         self.interpret = interpret
         self._kernel = _kernels.interpreted() if interpret else _kernels.copy_pieces
+        self._summed_kernel = (_kernels.interpreted(summed=True) if interpret
+                               else _kernels.copy_pieces_summed)
         self.fallback = fallback if fallback is not None else StagedCopyEngine()
         self.slice_bytes = slice_bytes
         self.max_piece_bytes = max_piece_bytes
         self.block_elements = block_elements
         self.num_warps = num_warps
         self.hash_threads = default_hash_threads() if hash_threads is None else hash_threads
+        self.device_checksums = device_checksums
         self._streams: dict[tuple[str, torch.device], torch.cuda.Stream] = {}
         self._lock = threading.Lock()
         self._tested: dict[torch.device, str | None] = {}
@@ -229,13 +232,13 @@ class DeviceCopyEngine(CopyEngine):
             host.tensor.copy_(expected.reshape(-1))
             device_side = torch.zeros(1 << 16, dtype=torch.uint8, device=device)
             forward = np.arange(16, dtype=np.int64) * 256             # 4 KiB runs, in units
-            reverse = forward[::-1].copy()
-            self._run_kernel(host.tensor, device_side, reverse, forward, 16, 4096, device)
+            reverse = DevicePiecePlan(0, 0, forward[::-1].copy(), forward, 16, 4096)
+            self._run_kernel(host.tensor, device_side, reverse, 0, device)
             torch.cuda.synchronize(device)
             if not torch.equal(device_side.cpu().view(16, 4096), expected.flip(0)):
                 error = "its self-test read wrong bytes from host memory"
             host.tensor.zero_()
-            self._run_kernel(device_side, host.tensor, reverse, forward, 16, 4096, device)
+            self._run_kernel(device_side, host.tensor, reverse, 0, device)
             torch.cuda.synchronize(device)
             if error is None and not torch.equal(host.tensor.view(16, 4096), expected):
                 error = "its self-test wrote wrong bytes to host memory"
@@ -251,8 +254,44 @@ class DeviceCopyEngine(CopyEngine):
     def copy(self, src, src_ids, dst, dst_ids, *, direction=OFFLOAD) -> int:
         if not self.handles(src, dst):
             return self.fallback.copy(src, src_ids, dst, dst_ids, direction=direction)
-        self._wait(self._launch(src, src_ids, dst, dst_ids, direction))
+        # slice by slice: the GPU copies the first slice while the next ones are planned
+        launches = [self._launch(src, src_ids[lo:hi], dst, dst_ids[lo:hi], direction)
+                    for lo, hi in self._slices(len(src_ids), src.layout.config.block_bytes)]
+        for launch in launches:
+            self._wait(launch)
         return len(src_ids) * src.layout.config.block_bytes
+
+    def summable(self, src: BlockMemory, dst: BlockMemory) -> bool:
+        """Whether :meth:`copy_summed` can copy this pair: device checksums are on
+        (``device_checksums``), the kernel addresses both memories and every piece is 8-byte
+        aligned (any real KV geometry; odd test geometries are not)."""
+        if (not self.device_checksums or not self.handles(src, dst)
+                or src.layout.config.block_bytes % 8):
+            return False
+        cache = src.__dict__.setdefault("_summable", {})   # BlockMemory is frozen: a cache
+        if id(dst) not in cache:
+            ids = [0, 1] if min(src.layout.config.num_blocks,
+                                dst.layout.config.num_blocks) > 1 else [0]
+            cache[id(dst)] = plan_device_pieces(src, ids, dst, ids).unit_bytes >= 8
+        return cache[id(dst)]
+
+    def copy_summed(self, src, src_ids, dst, dst_ids, *,
+                    direction=OFFLOAD) -> np.ndarray | None:
+        """Copy the batch and return the device checksum
+        (:func:`~kvstrata.physical.checksum.device_checksum`) of every block's bytes as the
+        kernel moved them (``uint64`` array), computed on the GPU while they pass: no host
+        pass over the bytes. None, copying nothing, where :meth:`summable` says no."""
+        if not self.summable(src, dst):
+            return None
+        launches = [self._launch(src, src_ids[lo:hi], dst, dst_ids[lo:hi], direction,
+                                 summed=True)
+                    for lo, hi in self._slices(len(src_ids), src.layout.config.block_bytes)]
+        sums = []
+        for launch in launches:
+            self._wait(launch)
+            if launch is not None:
+                sums.append(launch.block_sums())
+        return np.concatenate(sums) if sums else np.zeros(0, dtype=np.uint64)
 
     def copy_hashed(self, src, src_ids, dst, dst_ids, *, direction=OFFLOAD,
                     slice_bytes: int = 8 << 20, from_source: bool = False) -> list[int]:
@@ -265,14 +304,14 @@ class DeviceCopyEngine(CopyEngine):
         if not isinstance(dst.layout, FullyContiguousLayout):
             raise ValueError("copy_hashed needs a FullyContiguous destination")
         bounds = self._slices(len(src_ids), src.layout.config.block_bytes)
-        events = [self._launch(src, src_ids[lo:hi], dst, dst_ids[lo:hi], direction)
-                  for lo, hi in bounds]   # all queued: the GPU copies while this thread hashes
+        launches = [self._launch(src, src_ids[lo:hi], dst, dst_ids[lo:hi], direction)
+                    for lo, hi in bounds]   # all queued: the GPU copies while this thread hashes
         base = int(dst.base_addresses()[0])
         stride, nbytes = dst.layout.block_stride, dst.layout.config.block_bytes
         ids = np.asarray(dst_ids, dtype=np.int64)
         sums: list[int] = []
-        for (lo, hi), event in zip(bounds, events):
-            self._wait(event)
+        for (lo, hi), launch in zip(bounds, launches):
+            self._wait(launch)
             sums.extend(memory_checksums(base + ids[lo:hi] * stride, nbytes,
                                          threads=self.hash_threads).tolist())
         return sums
@@ -292,8 +331,8 @@ class DeviceCopyEngine(CopyEngine):
                 launched.append(self._launch(src, [src_ids[p] for p in passed], dst,
                                              [dst_ids[p] for p in passed], direction))
                 good.extend(passed)
-        for handle in launched:   # one stream: in order; waiting on each frees its offsets
-            self._wait(handle)
+        for launch in launched:   # one stream: in order; waiting on each frees its offsets
+            self._wait(launch)
         return good
 
     def close(self) -> None:
@@ -330,51 +369,84 @@ class DeviceCopyEngine(CopyEngine):
                 self._streams[key] = stream
             return stream
 
-    def _launch(self, src: BlockMemory, src_ids, dst: BlockMemory, dst_ids, direction: str):
-        """Queue the copy of one batch; returns what :meth:`_wait` waits on (a CUDA event;
-        None when nothing ran or under the interpreter, which runs synchronously)."""
+    def _launch(self, src: BlockMemory, src_ids, dst: BlockMemory, dst_ids, direction: str,
+                summed: bool = False) -> "_Launch | None":
+        """Queue the copy of one batch (``summed``: with the device checksum kernel, which
+        needs pieces 8-byte aligned: see :meth:`summable`); None when there is nothing to
+        copy."""
         if not len(src_ids):
             return None
         plan = plan_device_pieces(src, src_ids, dst, dst_ids,
                                   max_piece_bytes=self.max_piece_bytes)
-        dtype, _ = _element(plan.unit_bytes)
-        src_start = _typed_start(src.regions[plan.src_base], dtype)
-        dst_start = _typed_start(dst.regions[plan.dst_base], dtype)
+        per_block = plan.pieces // len(src_ids)
         if self.interpret:
-            self._run_kernel(src_start, dst_start, plan.src_units, plan.dst_units,
-                             plan.unit_bytes, plan.piece_bytes, None)
-            return None
+            return self._run_kernel(src.regions[plan.src_base], dst.regions[plan.dst_base],
+                                    plan, per_block if summed else 0, None)
         device = self._device_of(src, dst)
         stream = self._stream(direction, device)
         with torch.cuda.device(device), torch.cuda.stream(stream):
-            keep = self._run_kernel(src_start, dst_start, plan.src_units, plan.dst_units,
-                                    plan.unit_bytes, plan.piece_bytes, device)
-            event = torch.cuda.Event(blocking=True)
-            event.record(stream)
-        return event, keep      # the offsets stay alive until it ran
+            launch = self._run_kernel(src.regions[plan.src_base], dst.regions[plan.dst_base],
+                                      plan, per_block if summed else 0, device)
+            launch.event = torch.cuda.Event(blocking=True)
+            launch.event.record(stream)
+        return launch
 
-    def _run_kernel(self, src: torch.Tensor, dst: torch.Tensor, src_units: np.ndarray,
-                    dst_units: np.ndarray, unit_bytes: int, piece_bytes: int,
-                    device: torch.device | None):
-        """Launch the kernel on the current stream: pieces of ``piece_bytes`` at
-        ``src + src_units * unit_bytes`` to ``dst + dst_units * unit_bytes`` (``src``/``dst``
-        byte tensors or typed starts); returns the offset tensors the launch reads."""
-        dtype, per_unit = _element(unit_bytes)
-        if src.dtype != dtype:
-            src, dst = _typed_start(src, dtype), _typed_start(dst, dtype)
-        elements = piece_bytes // (unit_bytes // per_unit)
+    def _run_kernel(self, src: torch.Tensor, dst: torch.Tensor, plan: DevicePiecePlan,
+                    per_block: int, device: torch.device | None) -> "_Launch":
+        """Launch a kernel on the current stream for ``plan`` from byte tensor ``src`` (the
+        plan's source base region) to ``dst``; with ``per_block`` (pieces per block), the
+        device checksum kernel, whose per-piece shares come back to pinned host memory on the
+        same stream."""
+        if per_block:
+            dtype, per_unit = torch.int64, plan.unit_bytes // 8
+        else:
+            dtype, per_unit = _element(plan.unit_bytes)
+        src, dst = _typed_start(src, dtype), _typed_start(dst, dtype)
+        elements = plan.piece_bytes // (plan.unit_bytes // per_unit)
         block = min(self.block_elements, 1 << max(0, (elements - 1).bit_length()))
-        offsets = torch.from_numpy(np.stack([src_units, dst_units]))
+        offsets = torch.from_numpy(np.stack([plan.src_units, plan.dst_units]))
+        extra: dict = {}
         if device is not None:
             offsets = offsets.to(device, non_blocking=True)
-            extra = {"num_warps": self.num_warps}
+            extra["num_warps"] = self.num_warps
+        launch = _Launch(keep=[offsets], per_block=per_block)
+        grid = (plan.pieces,)
+        if not per_block:
+            self._kernel[grid](src, dst, offsets[0], offsets[1], UNIT=per_unit,
+                               PIECE=elements, BLOCK=block, **extra)
+            return launch
+        shares = torch.empty(plan.pieces, dtype=torch.int64, device=offsets.device)
+        self._summed_kernel[grid](src, dst, offsets[0], offsets[1], shares, UNIT=per_unit,
+                                  PIECE=elements, BLOCK=block, PER_BLOCK=per_block,
+                                  LOG2_BLOCK=block.bit_length() - 1, **extra)
+        if device is not None:
+            launch.shares = torch.empty(plan.pieces, dtype=torch.int64, pin_memory=True)
+            launch.shares.copy_(shares, non_blocking=True)
+            launch.keep.append(shares)
         else:
-            extra = {}
-        self._kernel[(len(src_units),)](src, dst, offsets[0], offsets[1], UNIT=per_unit,
-                                        PIECE=elements, BLOCK=block, **extra)
-        return offsets
+            launch.shares = shares
+        return launch
 
     @staticmethod
-    def _wait(handle) -> None:
-        if handle is not None:
-            handle[0].synchronize()
+    def _wait(launch: "_Launch | None") -> None:
+        if launch is not None and launch.event is not None:
+            launch.event.synchronize()
+
+
+class _Launch:
+    """One queued kernel: the event that says it ran (None under the interpreter), the
+    tensors it reads that must outlive it, and (device checksum kernel) the per-piece shares
+    in host memory, ``per_block`` to a block."""
+
+    __slots__ = ("event", "keep", "shares", "per_block")
+
+    def __init__(self, keep: list, per_block: int = 0) -> None:
+        self.event = None
+        self.keep = keep
+        self.shares: torch.Tensor | None = None
+        self.per_block = per_block
+
+    def block_sums(self) -> np.ndarray:
+        """Each block's device checksum (after :meth:`DeviceCopyEngine._wait`)."""
+        shares = self.shares.numpy().view(np.uint64)
+        return shares.reshape(-1, self.per_block).sum(axis=1, dtype=np.uint64)

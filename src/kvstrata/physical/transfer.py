@@ -63,6 +63,8 @@ from contextlib import nullcontext
 from dataclasses import replace
 from typing import Callable, Mapping, Sequence
 
+import numpy as np
+
 from ..protocol.layout import FullyContiguousLayout
 from ..protocol.plans import TransferPlan
 from ..protocol.results import TransferResult
@@ -289,6 +291,14 @@ class TransferEngine:
         keeps checksums is sealed with them: hashed by the copy engine while each block's
         bytes are in cache, or, with deferred checksums, on first need."""
         direction = ONBOARD if is_onboard(plan.src_tier, plan.dst_tier) else OFFLOAD
+        summable = getattr(self.copy_engine, "summable", None)
+        if summable is not None and summable(src.memory, dst.memory):
+            if dst.keeps_checksums and dst.verify_reads:
+                self._offload_summed(plan, src, dst, failures, direction)
+                return
+            if src.keeps_checksums and src.verify_reads and not dst.keeps_checksums:
+                self._onboard_summed(plan, src, dst, failures, direction)
+                return
         if not dst.keeps_checksums or not dst.eager_checksums:
             # the source's read check (bytes verified, for a verifying G2) slice by slice,
             # each slice checked while the copy engine may still be copying the one before
@@ -320,6 +330,64 @@ class TransferEngine:
         sealed = dst.seal(dst_ids, _at(plan.sequence_hashes, good, len(plan)), sums)
         for p, value in zip(good, sealed):
             checksums[p] = value
+
+    def _offload_summed(self, plan, src, dst, failures, direction) -> None:
+        """Into a verifying G2 through the GPU copy kernel: each block's device checksum is
+        computed by the kernel from the engine's own bytes as they pass and recorded with
+        the slot (its xxh3 is left to the first need: a store to G3 hashes it, after checking
+        the device checksum)."""
+        good = _readable(src, plan, failures)
+        if not good:
+            return
+        dst_ids = _at(plan.dst_block_ids, good, len(plan))
+        dst.begin_write(dst_ids)
+        sums = self.copy_engine.copy_summed(src.memory, _at(plan.src_block_ids, good, len(plan)),
+                                            dst.memory, dst_ids, direction=direction)
+        dst.seal(dst_ids, _at(plan.sequence_hashes, good, len(plan)), defer=True,
+                 device_sums=sums)
+
+    def _onboard_summed(self, plan, src, dst, failures, direction) -> None:
+        """From a verifying G2 into device memory through the GPU copy kernel. Blocks whose
+        slot has a device checksum are copied with the checksum kernel and each compared
+        with the recorded one, so the bytes checked are the bytes that arrived; a block that
+        differs was written into its device slot but is reported failed (the engine
+        recomputes it, never reads it as loaded). Other blocks are verified on the host
+        before they are copied (xxh3, slice by slice)."""
+        for f in src.check_readable(plan.src_block_ids, plan.sequence_hashes, verify=False):
+            failures[f.position] = f
+        good = [p for p in range(len(plan)) if p not in failures]
+        if not good:
+            return
+        dst.begin_write(plan.dst_block_ids)
+        expected, known = src.checksums.device_sums_of([plan.src_block_ids[p] for p in good])
+        summed = [p for p, k in zip(good, known.tolist()) if k]
+        if summed:
+            sums = self.copy_engine.copy_summed(
+                src.memory, [plan.src_block_ids[p] for p in summed], dst.memory,
+                [plan.dst_block_ids[p] for p in summed], direction=direction)
+            recorded = expected[known]
+            for i in np.flatnonzero(sums != recorded).tolist():
+                p = summed[i]
+                failures[p] = BlockFailure(p, plan.src_block_ids[p], FailureKind.CHECKSUM_MISMATCH,
+                                           f"device checksum {int(sums[i]):#018x} != recorded "
+                                           f"{int(recorded[i]):#018x}")
+        rest = [p for p, k in zip(good, known.tolist()) if not k]
+        if rest:
+            def check(lo: int, hi: int) -> list[int]:
+                part = rest[lo:hi]
+                found = src.check_readable([plan.src_block_ids[p] for p in part],
+                                           [plan.sequence_hashes[p] for p in part])
+                bad = set()
+                for f in found:
+                    p = part[f.position]
+                    failures[p] = replace(f, position=p)
+                    bad.add(lo + f.position)
+                return [j for j in range(lo, hi) if j not in bad]
+
+            self.copy_engine.copy_checked(src.memory, [plan.src_block_ids[p] for p in rest],
+                                          dst.memory, [plan.dst_block_ids[p] for p in rest],
+                                          check, direction=direction,
+                                          slice_bytes=self.hash_slice_bytes)
 
     def _load_in_place(self, plan, store, dst, failures, checksums) -> None:
         """A block store read straight into a memory's host arrays, then sealed with the

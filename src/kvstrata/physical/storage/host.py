@@ -38,9 +38,11 @@ import numpy as np
 import torch
 
 from ..buffers import AlignedBuffer
-from ..checksum import ChecksumTable, block_checksum, memory_checksums
+from ..checksum import (ChecksumTable, block_checksum, memory_checksums,
+                        memory_device_checksums)
 from ..dtypes import torch_dtype
-from ..errors import BlockFailure, SlotPinnedError, StorageConfigError
+from ..errors import (BlockFailure, FailureKind, SlotPinnedError, StorageConfigError,
+                      raise_for_failures)
 from ...protocol.layout import FullyContiguousLayout, LayoutConfig
 from ...protocol.layout_codec import StorageDescriptor
 from .base import BlockMemory, MemoryStorage, StorageStatus
@@ -165,14 +167,16 @@ class HostStorage(MemoryStorage):
 
     def seal(self, block_ids: Sequence[int], sequence_hashes: Sequence[int],
              checksums: Sequence[int | None] | None = None, *,
-             defer: bool = False) -> list[int | None]:
+             defer: bool = False, device_sums: np.ndarray | None = None) -> list[int | None]:
         """Record slots as holding ``sequence_hashes``; hashes the bytes unless ``checksums``
         (already verified values) are given, or ``defer`` (leave missing checksums to be
-        computed on first need). Returns the checksums (``None`` where deferred)."""
+        computed on first need). ``device_sums``: the device checksums the GPU copy kernel
+        computed of the blocks' bytes (only with ``defer``). Returns the checksums (``None``
+        where deferred)."""
         self._check_open()
         if defer:
             values = None if checksums is None else list(checksums)
-            self.checksums.record_many(block_ids, values, sequence_hashes)
+            self.checksums.record_many(block_ids, values, sequence_hashes, device_sums)
             return values if values is not None else [None] * len(block_ids)
         if checksums is None:
             checksums = self.payload_checksums(block_ids).tolist()
@@ -191,6 +195,10 @@ class HostStorage(MemoryStorage):
         values = self.checksums.checksums_of(block_ids)
         missing = [i for i, v in enumerate(values) if v is None]
         if missing:
+            # bytes the GPU copy summed are checked against that sum before they are trusted
+            raise_for_failures("G2 device checksum check",
+                               self._check_device_sums(missing, [block_ids[i] for i in missing]),
+                               len(block_ids))
             for i in missing:
                 values[i] = block_checksum(self.payload(block_ids[i]))
             entries = [self.checksums.get(block_ids[i]) for i in missing]
@@ -208,9 +216,44 @@ class HostStorage(MemoryStorage):
             bad = {f.position for f in failures}
             positions = [p for p in range(len(block_ids)) if p not in bad]
             slots = [block_ids[p] for p in positions]
+            by_device = self._device_summed(slots)
+            if by_device.any():     # xxh3 not known yet, device checksum known: check that
+                failures += self._check_device_sums(
+                    [p for p, d in zip(positions, by_device) if d],
+                    [b for b, d in zip(slots, by_device) if d])
+                positions = [p for p, d in zip(positions, by_device) if not d]
+                slots = [b for b, d in zip(slots, by_device) if not d]
             failures += self.checksums.compare(positions, slots, self.payload_checksums(slots))
             failures.sort(key=lambda f: f.position)
         return failures
+
+    def _device_summed(self, slots: Sequence[int]) -> np.ndarray:
+        """Per slot: its xxh3 is not computed yet but the GPU copy recorded a device
+        checksum (bool array)."""
+        _, device_known = self.checksums.device_sums_of(slots)
+        if not device_known.any():
+            return device_known
+        return device_known & np.array([v is None for v in self.checksums.checksums_of(slots)])
+
+    def _check_device_sums(self, positions: list[int], slots: list[int]) -> list[BlockFailure]:
+        """Failures of the slots (at batch ``positions``) whose recorded device checksum no
+        longer matches their bytes; slots without one are not checked here."""
+        expected, known = self.checksums.device_sums_of(slots)
+        if not known.all():
+            keep = np.flatnonzero(known).tolist()
+            positions = [positions[i] for i in keep]
+            slots = [slots[i] for i in keep]
+            expected = expected[known]
+        if not slots:
+            return []
+        addresses = self._buffer.address + np.asarray(slots, np.uint64) * np.uint64(
+            self.layout.block_stride)
+        actual = memory_device_checksums(addresses, self.config.block_bytes,
+                                         threads=self.hash_threads)
+        return [BlockFailure(positions[i], slots[i], FailureKind.CHECKSUM_MISMATCH,
+                             f"device checksum {int(actual[i]):#018x} != recorded "
+                             f"{int(expected[i]):#018x}")
+                for i in np.flatnonzero(actual != expected).tolist()]
 
     def payload_checksums(self, block_ids: Sequence[int]) -> np.ndarray:
         """The xxh3-64 of each slot's payload as it is now (``uint64``), on
