@@ -211,9 +211,16 @@ def hash_rates(nbytes: int) -> dict:
     return out
 
 
+PROGRAM_COUNTS = (16, 32, 66, 132, 264, 528, None)   # None: one program per piece
+
+
 def sweep(batch_bytes: int, reps: int) -> list[dict]:
-    """The kernel alone (plain and summed) at other launch shapes, FlashAttention layout."""
+    """The kernels alone (plain and summed) at several grid sizes, FlashAttention layout; at
+    2 MiB also the overlap of a summed onboard with matrix products on the default stream."""
     rows = []
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    one_matmul = _timed(lambda: a @ b, 3)
     for geometry in GEOMETRIES:
         layers, page, heads, dim, _ = GEOMETRIES[geometry]
         block_bytes = layers * 2 * page * heads * dim * 2
@@ -223,17 +230,32 @@ def sweep(batch_bytes: int, reps: int) -> list[dict]:
         g2 = HostStorage(g1.config.with_blocks(batch).with_alignment(4096))
         ids, slots = list(range(0, 2 * batch, 2)), list(range(batch))
         nbytes = batch * g1.config.block_bytes
-        for warps in (4, 8):
-            for block in (2048, 4096, 8192):
-                engine = DeviceCopyEngine(num_warps=warps, block_elements=block)
-                row = {"geometry": geometry, "num_warps": warps, "block_elements": block}
-                for name, fn in (
-                        ("off", lambda: engine.copy(g1.memory, ids, g2.memory, slots)),
-                        ("on", lambda: engine.copy(g2.memory, slots, g1.memory, ids)),
-                        ("summed_off", lambda: engine.copy_summed(g1.memory, ids, g2.memory, slots)),
-                        ("summed_on", lambda: engine.copy_summed(g2.memory, slots, g1.memory, ids))):
-                    row[name] = nbytes / _timed(fn, reps) / 1e9
-                rows.append(row)
+        for programs in PROGRAM_COUNTS:
+            engine = DeviceCopyEngine(programs=programs)
+            row = {"geometry": geometry, "programs": programs or "pieces"}
+            times = {}
+            for name, fn in (
+                    ("off", lambda: engine.copy(g1.memory, ids, g2.memory, slots)),
+                    ("on", lambda: engine.copy(g2.memory, slots, g1.memory, ids)),
+                    ("summed_off", lambda: engine.copy_summed(g1.memory, ids, g2.memory, slots)),
+                    ("summed_on", lambda: engine.copy_summed(g2.memory, slots, g1.memory, ids))):
+                times[name] = _timed(fn, reps)
+                row[name] = nbytes / times[name] / 1e9
+            if geometry == "2MiB":
+                count = max(1, round(times["summed_on"] / one_matmul))
+
+                def forward():
+                    for _ in range(count):
+                        a @ b
+
+                def both():
+                    forward()
+                    engine.copy_summed(g2.memory, slots, g1.memory, ids, direction="onboard")
+                alone = _timed(forward, 3)
+                together = _timed(both, 3)
+                row["overlap_vs_max"] = together / max(alone, times["summed_on"])
+                row["overlap_vs_sum"] = together / (alone + times["summed_on"])
+            rows.append(row)
         g2.close()
     return rows
 
@@ -332,9 +354,11 @@ def main() -> int:
     print("host hashing of 2 MiB blocks in registered memory, GB/s: " + ", ".join(
         f"{k[:-4]} {v:.1f}" for k, v in results["hash_rates"].items()))
     for r in results.get("sweep", []):
-        print(f"sweep {r['geometry']:6} warps {r['num_warps']} block {r['block_elements']:5}: "
-              f"off {r['off']:5.1f} on {r['on']:5.1f} summed off {r['summed_off']:5.1f} "
-              f"on {r['summed_on']:5.1f}")
+        overlap = (f"  overlap with matmuls {r['overlap_vs_max']:.2f} x max, "
+                   f"{r['overlap_vs_sum']:.2f} x sum" if "overlap_vs_max" in r else "")
+        print(f"sweep {r['geometry']:6} programs {str(r['programs']):>6}: off {r['off']:5.1f} "
+              f"on {r['on']:5.1f} summed off {r['summed_off']:5.1f} on {r['summed_on']:5.1f}"
+              + overlap)
     o = results["overlap"]
     print(f"overlap: {o['matmuls']} bf16 8192^3 matmuls {o['forward_s'] * 1e3:.1f} ms, onboard "
           f"{o['onboard_s'] * 1e3:.1f} ms, both {o['both_s'] * 1e3:.1f} ms = "

@@ -50,6 +50,8 @@ ENGINES = {
                                                  slice_bytes=2 * 1536, hash_threads=2),
     # ... and each piece moved in a loop of four-element steps
     "device_interpret_loop": lambda: DeviceCopyEngine(interpret=True, block_elements=4),
+    # ... and by three programs, each taking every third piece
+    "device_interpret_three": lambda: DeviceCopyEngine(interpret=True, programs=3),
 }
 _MARKS = {"native": needs_native, "device": needs_triton}
 ENGINE_PARAMS = [pytest.param(name, marks=_MARKS[name.split("_")[0]])

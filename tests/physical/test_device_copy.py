@@ -132,7 +132,8 @@ def test_copy_summed_returns_the_device_checksum_of_every_block(kind, block_elem
     g1 = DeviceStorage.allocate(cfg, kv_layout=kind, device="cpu")
     fill_random(g1.memory.regions, seed=13)
     host = HostStorage(cfg.with_blocks(7))
-    engine = interpreter(block_elements=block_elements, slice_bytes=2 * cfg.block_bytes)
+    engine = interpreter(block_elements=block_elements, slice_bytes=2 * cfg.block_bytes,
+                         programs=5)       # fewer programs than pieces: each takes several
     assert engine.summable(g1.memory, host.memory)
     src, dst = [8, 0, 3, 4, 5], [2, 6, 3, 4, 0]
     sums = engine.copy_summed(g1.memory, src, host.memory, dst)

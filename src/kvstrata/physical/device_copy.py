@@ -175,7 +175,8 @@ class DeviceCopyEngine(CopyEngine):
     def __init__(self, *, fallback: CopyEngine | None = None, interpret: bool = False,
                  slice_bytes: int = 32 << 20, max_piece_bytes: int = 64 << 10,
                  block_elements: int = 4096, num_warps: int = 4,
-                 hash_threads: int | None = None, device_checksums: bool = True) -> None:
+                 hash_threads: int | None = None, device_checksums: bool = True,
+                 programs: int | None = None) -> None:
         if _kernels is None:
             raise RuntimeError(f"device copy kernel unavailable: {KERNEL_ERROR}")
         if not interpret and not torch.cuda.is_available():
@@ -194,6 +195,7 @@ class DeviceCopyEngine(CopyEngine):
         self.num_warps = num_warps
         self.hash_threads = default_hash_threads() if hash_threads is None else hash_threads
         self.device_checksums = device_checksums
+        self.programs = programs
         self._streams: dict[tuple[str, torch.device], torch.cuda.Stream] = {}
         self._lock = threading.Lock()
         self._tested: dict[torch.device, str | None] = {}
@@ -410,13 +412,14 @@ class DeviceCopyEngine(CopyEngine):
             offsets = offsets.to(device, non_blocking=True)
             extra["num_warps"] = self.num_warps
         launch = _Launch(keep=[offsets], per_block=per_block)
-        grid = (plan.pieces,)
+        grid = (min(plan.pieces, self.programs or plan.pieces),)
         if not per_block:
-            self._kernel[grid](src, dst, offsets[0], offsets[1], UNIT=per_unit,
+            self._kernel[grid](src, dst, offsets[0], offsets[1], plan.pieces, UNIT=per_unit,
                                PIECE=elements, BLOCK=block, **extra)
             return launch
         shares = torch.empty(plan.pieces, dtype=torch.int64, device=offsets.device)
-        self._summed_kernel[grid](src, dst, offsets[0], offsets[1], shares, UNIT=per_unit,
+        self._summed_kernel[grid](src, dst, offsets[0], offsets[1], plan.pieces, shares,
+                                  UNIT=per_unit,
                                   PIECE=elements, BLOCK=block, PER_BLOCK=per_block,
                                   LOG2_BLOCK=block.bit_length() - 1, **extra)
         if device is not None:
