@@ -10,16 +10,20 @@ sides, best of ``--reps``, all in one run:
 * **naive reference**: per layer ``index_select`` of the blocks into one packed device buffer,
   then one DMA into host memory (offload); one DMA then per-layer ``index_copy_`` (onboard);
 * **kvstrata**: TransferEngine plans G1->G2 and G2->G1 with integrity on (G2 verifies reads:
-  every block offloaded is hashed into G2's checksum table, every block onboarded is verified
-  before it is copied), and the device kernel alone (``copy``, no hashing) for reference;
+  every block offloaded gets its device checksum computed on the GPU, every block onboarded is
+  checked against it), for each transport (the Triton copy kernel; DMA by
+  ``cuMemcpyBatchAsync`` with a checksum kernel in device memory), each transport's copy alone,
+  and the same plans verified on the host instead (xxh3 on host threads);
 * **overlap**: a forward-sized run of bf16 matrix products on the default stream alone, an
   onboard alone, and both at once: both together should take about max(), not sum();
 * **G3 -> G1**: blocks read from a slab file (O_DIRECT where the filesystem allows) through
-  the engine's registered bounce buffer into G1, against a raw ``preadv`` of the same blocks.
+  the engine's registered bounce buffer into G1, against a raw ``preadv`` of the same blocks;
+* host hashing rates, and with ``--sweep`` the transports alone at other grid sizes.
 
 Bytes are checked once per layout outside the timing. Prints a table (ratios to the DMA
 limit) and, with ``--json PATH``, writes every figure. Needs CUDA; exits 2 without it.
-Usage: ``python bench/bench_gpu_copy.py [--quick] [--reps N] [--batch-mib M] [--json PATH]``.
+Usage: ``python bench/bench_gpu_copy.py [--quick] [--reps N] [--batch-mib M] [--json PATH]
+[--sweep]`` (``scripts/gpu-check`` runs it).
 """
 
 from __future__ import annotations
@@ -119,51 +123,50 @@ def bench_layout(layout: str, geometry: str, batch_bytes: int, reps: int, result
     g2 = HostStorage(cfg.with_blocks(pool).with_alignment(4096), verify_reads=True)
     rng = np.random.default_rng(7)
     nbytes = batch * block_bytes
-    engine = DeviceCopyEngine()
     row = {"layout": layout, "geometry": geometry, "block_bytes": block_bytes, "batch": batch,
-           "hash_threads": engine.hash_threads, "layers": cfg.num_layers}
-    # the same plans with integrity checked on the host (xxh3 on hash_threads threads)
-    host_engine = DeviceCopyEngine(device_checksums=False)
-    with TransferEngine({"G1": g1, "G2": g2}, copy_engine=host_engine) as transfers:
-        def host_plan(path, src, dst, seq):
-            out = transfers.submit(TransferPlan.for_path(path, src, dst, seq, job_id=1)).result()
-            assert out.all_ok, (path, out.failures[:1], out.error)
-        src = rng.choice(pool, batch, replace=False).tolist()
-        dst = rng.choice(pool, batch, replace=False).tolist()
-        seq = [1000 + i for i in range(batch)]
-        back = rng.permutation(np.setdiff1d(np.arange(pool), src))[:batch].tolist()
-        h_off = _timed(lambda: host_plan("G1->G2", src, dst, seq), reps)
-        h_on = _timed(lambda: host_plan("G2->G1", dst, back, seq), reps)
-    with TransferEngine({"G1": g1, "G2": g2}, copy_engine=engine) as transfers:
-        def plan(path, src, dst, seq):
-            out = transfers.submit(TransferPlan.for_path(path, src, dst, seq, job_id=1)).result()
-            assert out.all_ok, (path, out.failures[:1], out.error)
+           "layers": cfg.num_layers}
+    src = rng.choice(pool, batch, replace=False).tolist()
+    dst = rng.choice(pool, batch, replace=False).tolist()
+    seq = [1000 + i for i in range(batch)]
+    # the blocks onboarded land where no source block is, so each can be compared
+    back = rng.permutation(np.setdiff1d(np.arange(pool), src))[:batch].tolist()
+    engines = {"kernel": DeviceCopyEngine(transport="kernel"),
+               "dma": DeviceCopyEngine(transport="dma"),
+               # integrity checked on the host instead (xxh3 on hash_threads threads)
+               "host": DeviceCopyEngine(transport="kernel", device_checksums=False)}
+    row["hash_threads"] = engines["host"].hash_threads
+    for name, engine in engines.items():
+        with TransferEngine({"G1": g1, "G2": g2}, copy_engine=engine) as transfers:
+            def plan(path, src, dst, seq):
+                out = transfers.submit(TransferPlan.for_path(path, src, dst, seq,
+                                                             job_id=1)).result()
+                assert out.all_ok, (name, path, out.failures[:1], out.error)
 
-        # bytes first: G1 -> G2 -> G1 elsewhere, compared block by block
-        plan("G1->G2", src, dst, seq)
-        plan("G2->G1", dst, back, seq)
-        for s, b in list(zip(src, back))[:64]:      # as int16: random bits hold bf16 NaNs
-            assert all(torch.equal(*(t.view(torch.int16)[:, i] if layout == "flash_attn"
-                                     else t.view(torch.int16)[i] for i in (s, b)))
-                       for t in tensors), (layout, geometry, s, b)
-        # integrity on: what the connector runs
-        off = _timed(lambda: plan("G1->G2", src, dst, seq), reps)
-        on = _timed(lambda: plan("G2->G1", dst, back, seq), reps)
-        # the kernel alone
-        k_off = _timed(lambda: engine.copy(g1.memory, src, g2.memory, dst), reps)
-        k_on = _timed(lambda: engine.copy(g2.memory, dst, g1.memory, back), reps)
-        ks_off = _timed(lambda: engine.copy_summed(g1.memory, src, g2.memory, dst), reps)
-        ks_on = _timed(lambda: engine.copy_summed(g2.memory, dst, g1.memory, back), reps)
-        n_off, n_on = naive(tensors, layout, src,
-                            torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), reps)
-        row["kernel_error"] = engine.kernel_error     # set: the fallback engine ran instead
-        row.update({f"{k}_gbs": nbytes / v / 1e9 for k, v in (
-            ("offload", off), ("onboard", on), ("kernel_offload", k_off),
-            ("kernel_onboard", k_on), ("naive_offload", n_off), ("naive_onboard", n_on),
-            ("summed_offload", ks_off), ("summed_onboard", ks_on),
-            ("host_hash_offload", h_off), ("host_hash_onboard", h_on))})
-        if layout == "flash_attn" and geometry == "2MiB":
-            results["overlap"] = overlap(lambda: plan("G2->G1", dst, back, seq), on)
+            # bytes first: G1 -> G2 -> G1 elsewhere, compared block by block
+            plan("G1->G2", src, dst, seq)
+            plan("G2->G1", dst, back, seq)
+            for s, b in list(zip(src, back))[:64]:      # as int16: random bits hold bf16 NaNs
+                assert all(torch.equal(*(t.view(torch.int16)[:, i] if layout == "flash_attn"
+                                         else t.view(torch.int16)[i] for i in (s, b)))
+                           for t in tensors), (name, layout, geometry, s, b)
+            # integrity on: what the connector runs
+            off = _timed(lambda: plan("G1->G2", src, dst, seq), reps)
+            on = _timed(lambda: plan("G2->G1", dst, back, seq), reps)
+            row[f"{name}_offload_gbs"], row[f"{name}_onboard_gbs"] = nbytes / off / 1e9, \
+                nbytes / on / 1e9
+            row[f"{name}_used"] = engine.transport_on("cuda")
+            row[f"{name}_error"] = engine.kernel_error
+            if name != "host":      # the copy alone, no checksums
+                row[f"{name}_copy_offload_gbs"] = nbytes / _timed(
+                    lambda: engine.copy(g1.memory, src, g2.memory, dst), reps) / 1e9
+                row[f"{name}_copy_onboard_gbs"] = nbytes / _timed(
+                    lambda: engine.copy(g2.memory, dst, g1.memory, back), reps) / 1e9
+            if layout == "flash_attn" and geometry == "2MiB" and name != "host":
+                results.setdefault("overlap", {})[name] = overlap(
+                    lambda: plan("G2->G1", dst, back, seq), on)
+    n_off, n_on = naive(tensors, layout, src,
+                        torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), reps)
+    row["naive_offload_gbs"], row["naive_onboard_gbs"] = nbytes / n_off / 1e9, nbytes / n_on / 1e9
     results["rows"].append(row)
     g2.close()
 
@@ -211,12 +214,15 @@ def hash_rates(nbytes: int) -> dict:
     return out
 
 
-PROGRAM_COUNTS = (16, 32, 66, 132, 264, 528, None)   # None: one program per piece
+# (transport, programs): None = the default (the SM count), 1 << 30 = a program per piece
+SWEEP = (("kernel", 16), ("kernel", 66), ("kernel", None), ("kernel", 528),
+         ("kernel", 1 << 30), ("dma", None))
 
 
 def sweep(batch_bytes: int, reps: int) -> list[dict]:
-    """The kernels alone (plain and summed) at several grid sizes, FlashAttention layout; at
-    2 MiB also the overlap of a summed onboard with matrix products on the default stream."""
+    """The transports alone (plain and summed), the kernel at several grid sizes, the
+    FlashAttention layout; at 2 MiB also the overlap of a summed onboard with matrix products
+    on the default stream."""
     rows = []
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
@@ -230,9 +236,10 @@ def sweep(batch_bytes: int, reps: int) -> list[dict]:
         g2 = HostStorage(g1.config.with_blocks(batch).with_alignment(4096))
         ids, slots = list(range(0, 2 * batch, 2)), list(range(batch))
         nbytes = batch * g1.config.block_bytes
-        for programs in PROGRAM_COUNTS:
-            engine = DeviceCopyEngine(programs=programs)
-            row = {"geometry": geometry, "programs": programs or "pieces"}
+        for transport, programs in SWEEP:
+            engine = DeviceCopyEngine(transport=transport, programs=programs)
+            row = {"geometry": geometry, "transport": engine.transport_on("cuda"),
+                   "programs": {None: "SMs", 1 << 30: "pieces"}.get(programs, programs)}
             times = {}
             for name, fn in (
                     ("off", lambda: engine.copy(g1.memory, ids, g2.memory, slots)),
@@ -323,10 +330,12 @@ def main() -> int:
         for layout in LAYOUTS:
             bench_layout(layout, geometry, batch_bytes, reps, results)
             r = results["rows"][-1]
-            print(f"  {geometry:6} {layout:10} offload {r['offload_gbs']:5.1f} "
-                  f"onboard {r['onboard_gbs']:5.1f}"
-                  + (f"  KERNEL NOT USED: {r['kernel_error']}" if r["kernel_error"] else ""),
-                  flush=True)
+            print(f"  {geometry:6} {layout:10} " + "  ".join(
+                f"{n} {r[n + '_offload_gbs']:5.1f}/{r[n + '_onboard_gbs']:5.1f} "
+                f"({r[n + '_used']})" for n in ("kernel", "dma", "host")), flush=True)
+            for n in ("kernel", "dma", "host"):
+                if r[n + "_error"]:
+                    print(f"    {n}: {r[n + '_error']}", flush=True)
     results["g3_to_g1"] = g3_to_g1(batch_bytes, reps, args.dir, h2d)
     results["hash_rates"] = hash_rates(batch_bytes)
     if args.sweep:
@@ -336,42 +345,44 @@ def main() -> int:
             json.dump(results, f, indent=1)
     print(f"\nbatch {batch_bytes >> 20} MiB of scattered blocks, best of {reps}; GB/s "
           f"(ratio to the DMA limit, D2H for offload, H2D for onboard)")
-    print("naive: index_select + one DMA; kernel: the copy kernel alone; kvstrata: TransferEngine"
-          " plans with integrity on (device checksums); host-verified: the same with xxh3 on "
-          "host threads")
-    print(f"{'geometry':8} {'layout':10} {'block':>8} | {'naive off':>10} {'naive on':>10} | "
-          f"{'kernel off':>10} {'kernel on':>10} | {'kvstrata off':>12} {'kvstrata on':>12} | "
-          f"{'host-verified off/on':>22} | goal")
+    print("GB/s offload/onboard (ratio to the DMA limit: D2H for offload, H2D for onboard). "
+          "naive: index_select + one DMA; copy: the transport alone; kvstrata: TransferEngine "
+          "plans with integrity on (device checksums); host-verified: xxh3 on host threads")
+    print(f"{'geometry':8} {'layout':10} {'block':>7} | {'naive':>11} | {'kernel copy':>11} | "
+          f"{'dma copy':>11} | {'kvstrata kernel':>21} | {'kvstrata dma':>21} | "
+          f"{'host-verified':>13} | goal")
     for r in results["rows"]:
-        def cell(key, limit, width):
-            return f"{r[key]:5.1f} ({r[key] / limit:.2f})".rjust(width)
-        print(f"{r['geometry']:8} {r['layout']:10} {r['block_bytes'] >> 10:>6}Ki | "
-              f"{cell('naive_offload_gbs', d2h, 10)} {cell('naive_onboard_gbs', h2d, 10)} | "
-              f"{cell('kernel_offload_gbs', d2h, 10)} {cell('kernel_onboard_gbs', h2d, 10)} | "
-              f"{cell('offload_gbs', d2h, 12)} {cell('onboard_gbs', h2d, 12)} | "
-              f"{r['host_hash_offload_gbs']:9.1f} {r['host_hash_onboard_gbs']:9.1f}     | "
+        def pair(key, ratios=False):
+            off, on = r[key + "_offload_gbs"], r[key + "_onboard_gbs"]
+            text = f"{off:4.1f}/{on:4.1f}"
+            return text + (f" ({off / d2h:.2f}/{on / h2d:.2f})" if ratios else "")
+        print(f"{r['geometry']:8} {r['layout']:10} {r['block_bytes'] >> 10:>5}Ki | "
+              f"{pair('naive'):>11} | {pair('kernel_copy'):>11} | {pair('dma_copy'):>11} | "
+              f"{pair('kernel', True):>21} | {pair('dma', True):>21} | {pair('host'):>13} | "
               f">={GOALS[r['geometry']]:.2f}")
     print("host hashing of 2 MiB blocks in registered memory, GB/s: " + ", ".join(
         f"{k[:-4]} {v:.1f}" for k, v in results["hash_rates"].items()))
     for r in results.get("sweep", []):
         overlap = (f"  overlap with matmuls {r['overlap_vs_max']:.2f} x max, "
                    f"{r['overlap_vs_sum']:.2f} x sum" if "overlap_vs_max" in r else "")
-        print(f"sweep {r['geometry']:6} programs {str(r['programs']):>6}: off {r['off']:5.1f} "
+        print(f"sweep {r['geometry']:6} {r['transport']:6} programs {str(r['programs']):>6}: "
+              f"off {r['off']:5.1f} "
               f"on {r['on']:5.1f} summed off {r['summed_off']:5.1f} on {r['summed_on']:5.1f}"
               + overlap)
-    o = results["overlap"]
-    print(f"overlap: {o['matmuls']} bf16 8192^3 matmuls {o['forward_s'] * 1e3:.1f} ms, onboard "
-          f"{o['onboard_s'] * 1e3:.1f} ms, both {o['both_s'] * 1e3:.1f} ms = "
-          f"{o['vs_max']:.2f} x max, {o['vs_sum']:.2f} x sum")
+    for name, o in results.get("overlap", {}).items():
+        print(f"overlap ({name}): {o['matmuls']} bf16 8192^3 matmuls {o['forward_s'] * 1e3:.1f} "
+              f"ms, onboard {o['onboard_s'] * 1e3:.1f} ms, both {o['both_s'] * 1e3:.1f} ms = "
+              f"{o['vs_max']:.2f} x max, {o['vs_sum']:.2f} x sum")
     g = results["g3_to_g1"]
     print(f"G3->G1: {g['ours_gbs']:.1f} GB/s vs raw preadv {g['raw_o_direct_gbs']:.1f} GB/s "
           f"(o_direct={g['o_direct']}), DMA {h2d:.1f}: ratio {g['ratio']:.2f} to the lower")
     for r in results["rows"]:
-        ours = min(r["offload_gbs"] / d2h, r["onboard_gbs"] / h2d)   # the worse direction
-        print(f"RESULT name=gpu_copy_{r['geometry']}_{r['layout']} "
-              f"ours={min(r['offload_gbs'], r['onboard_gbs']):.1f}GB/s "
-              f"baseline={min(d2h, h2d):.1f}GB/s ratio={ours:.2f} "
-              f"goal>={GOALS[r['geometry']]:.2f}")
+        for name in ("kernel", "dma"):
+            ratio = min(r[name + "_offload_gbs"] / d2h, r[name + "_onboard_gbs"] / h2d)
+            print(f"RESULT name=gpu_copy_{r['geometry']}_{r['layout']}_{name} "
+                  f"ours={min(r[name + '_offload_gbs'], r[name + '_onboard_gbs']):.1f}GB/s "
+                  f"baseline={min(d2h, h2d):.1f}GB/s ratio={ratio:.2f} "
+                  f"goal>={GOALS[r['geometry']]:.2f}")
     return 0
 
 

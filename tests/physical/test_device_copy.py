@@ -246,9 +246,11 @@ def test_default_engine_follows_the_machine():
 # ----------------------------------------------------------------------------- on a GPU
 @gpu
 @needs_triton
-@pytest.mark.parametrize("block_elements", [4096, 256])    # a piece in one step or in many
+@pytest.mark.parametrize("transport, block_elements", [("kernel", 4096), ("kernel", 256),
+                                                       ("dma", 4096)])
 @pytest.mark.parametrize("layout", sorted(CUDA_LAYOUTS))
-def test_gpu_every_vllm_layout_round_trips_through_registered_g2(layout, block_elements):
+def test_gpu_every_vllm_layout_round_trips_through_registered_g2(layout, transport,
+                                                                 block_elements):
     make = CUDA_LAYOUTS[layout]
     tensors = [make(64).cuda() for _ in range(3)]
     for t in tensors:
@@ -257,9 +259,10 @@ def test_gpu_every_vllm_layout_round_trips_through_registered_g2(layout, block_e
     host = HostStorage(g1.config.with_blocks(40).with_alignment(PAGE_SIZE))
     region = host.memory.regions[0]
     assert host.pinned and cuda_mapped(region.data_ptr(), region.numel())
-    engine = DeviceCopyEngine(slice_bytes=4 * g1.config.block_bytes,
-                              block_elements=block_elements)
+    engine = DeviceCopyEngine(slice_bytes=4 * g1.config.block_bytes, transport=transport,
+                              block_elements=block_elements, programs=7)
     assert engine.handles(g1.memory, host.memory), engine.kernel_error
+    assert engine.transport_on("cuda") == transport, engine.kernel_error
     rng = np.random.default_rng(3)
     src = rng.choice(64, 30, replace=False).tolist()
     dst = rng.choice(40, 30, replace=False).tolist()

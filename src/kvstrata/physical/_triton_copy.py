@@ -1,6 +1,6 @@
 """The device copy kernels (Triton): piece ``i`` of a batch, ``PIECE`` elements at
-``src + src_units[i] * UNIT``, is copied to ``dst + dst_units[i] * UNIT``; program ``p`` of a
-grid of ``P`` copies pieces ``p, p + P, p + 2P, ...``.
+``src + src_units[i] * UNIT``, is copied to ``dst + dst_units[i] * UNIT``; program ``p``
+copies pieces ``p * GROUP`` to ``p * GROUP + GROUP - 1``.
 
 Either side may be device memory or host memory mapped into the device's address space (G2
 registered with CUDA): the loads and stores then cross PCIe, and a batch of thousands of
@@ -21,11 +21,12 @@ import triton.language as tl
 __all__ = ["copy_pieces", "copy_pieces_summed", "interpreted"]
 
 
-def _copy_pieces(src, dst, src_units, dst_units, pieces, UNIT: tl.constexpr,
-                 PIECE: tl.constexpr, BLOCK: tl.constexpr):
-    # each program takes every num_programs-th piece: a grid smaller than the batch keeps
-    # the copy to a few streaming multiprocessors, beside the engine's own kernels
-    for piece in range(tl.program_id(0), pieces, tl.num_programs(0)):
+def _copy_pieces(src, dst, src_units, dst_units, UNIT: tl.constexpr, PIECE: tl.constexpr,
+                 BLOCK: tl.constexpr, GROUP: tl.constexpr):
+    # each program copies GROUP consecutive pieces (the host pads the offsets to a whole
+    # number of groups by repeating the last piece, which copies it again, harmlessly)
+    for member in range(GROUP):
+        piece = tl.program_id(0) * GROUP + member
         source = src + tl.load(src_units + piece) * UNIT
         target = dst + tl.load(dst_units + piece) * UNIT
         for start in range(0, PIECE, BLOCK):
@@ -37,29 +38,32 @@ def _copy_pieces(src, dst, src_units, dst_units, pieces, UNIT: tl.constexpr,
                 tl.store(target + offsets, tl.load(source + offsets, mask=inside), mask=inside)
 
 
-def _copy_pieces_summed(src, dst, src_units, dst_units, pieces, sums, UNIT: tl.constexpr,
-                        PIECE: tl.constexpr, BLOCK: tl.constexpr, PER_BLOCK: tl.constexpr,
-                        LOG2_BLOCK: tl.constexpr):
-    """:func:`_copy_pieces` over 64-bit words, also writing to ``sums[i]`` piece ``i``'s
-    share of its block's device checksum: the sum, modulo 2**64, of ``fmix64(word ^ (index
-    + 1) * PHI)`` over its words, ``index`` being the word's position in the block's payload
-    (pieces come ``PER_BLOCK`` to a block, in payload order). The host adds the shares of a
-    block; :func:`kvstrata.physical.checksum.device_checksum` computes the same on the host."""
-    for piece in range(tl.program_id(0), pieces, tl.num_programs(0)):
+def _copy_pieces_summed(src, dst, src_units, dst_units, sums, UNIT: tl.constexpr,
+                        PIECE: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr,
+                        PER_BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr, COPY: tl.constexpr):
+    """:func:`_copy_pieces` over 64-bit words (with ``COPY`` false: no copy, only the sums),
+    also writing to ``sums[i]`` piece ``i``'s share of its block's device checksum: the
+    sum, modulo 2**64, of ``fmix64(word ^ (index + 1) * PHI)`` over its words, ``index``
+    being the word's position in the block's payload (pieces come ``PER_BLOCK`` to a block,
+    in payload order). The host adds the shares of a block;
+    :func:`kvstrata.physical.checksum.device_checksum` computes the same on the host."""
+    for member in range(GROUP):
+        piece = tl.program_id(0) * GROUP + member
         source = src + tl.load(src_units + piece) * UNIT
         target = dst + tl.load(dst_units + piece) * UNIT
         first_word = (piece % PER_BLOCK) * PIECE
         acc = tl.full([BLOCK], 0, tl.uint64)   # tl.zeros is a jit function: _lanes_sum_by_halves
         for start in range(0, PIECE, BLOCK):
             offsets = start + tl.arange(0, BLOCK)
+            inside = offsets < PIECE
             if PIECE % BLOCK == 0:
                 words = tl.load(source + offsets)
-                tl.store(target + offsets, words)
-                inside = offsets < PIECE
+                if COPY:
+                    tl.store(target + offsets, words)
             else:
-                inside = offsets < PIECE
                 words = tl.load(source + offsets, mask=inside, other=0)
-                tl.store(target + offsets, words, mask=inside)
+                if COPY:
+                    tl.store(target + offsets, words, mask=inside)
             index = (first_word + offsets + 1).to(tl.uint64)
             k = words.to(tl.uint64, bitcast=True) ^ (index * 0x9E3779B97F4A7C15)
             k ^= k >> 33            # murmur3's 64-bit finalizer

@@ -167,24 +167,38 @@ def _mapped_host(memory: BlockMemory) -> bool:
     return cached
 
 
+TRANSPORTS = ("kernel", "dma")
+
+
 class DeviceCopyEngine(CopyEngine):
-    """Device <-> host copies by the device copy kernel (see the module docstring)."""
+    """Device <-> host copies on the GPU (see the module docstring).
+
+    ``transport``: ``"kernel"`` (the Triton copy kernel) or ``"dma"`` (the copy engines,
+    ``cuMemcpyBatchAsync``, with a kernel only to compute device checksums in device memory);
+    a transport that fails its self-test on a device falls back to the other, then to
+    ``fallback``. ``programs``: the grid the kernel aims at (default: the device's SM
+    count); each program copies a group of consecutive pieces."""
 
     name = "device"
 
     def __init__(self, *, fallback: CopyEngine | None = None, interpret: bool = False,
-                 slice_bytes: int = 32 << 20, max_piece_bytes: int = 64 << 10,
-                 block_elements: int = 4096, num_warps: int = 4,
-                 hash_threads: int | None = None, device_checksums: bool = True,
-                 programs: int | None = None) -> None:
+                 transport: str = "kernel", slice_bytes: int = 32 << 20,
+                 max_piece_bytes: int = 64 << 10, block_elements: int = 4096,
+                 num_warps: int = 4, programs: int | None = None,
+                 hash_threads: int | None = None, device_checksums: bool = True) -> None:
         if _kernels is None:
             raise RuntimeError(f"device copy kernel unavailable: {KERNEL_ERROR}")
         if not interpret and not torch.cuda.is_available():
             raise RuntimeError("device copy kernel unavailable: no CUDA device")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        if interpret and transport != "kernel":
+            raise ValueError("Triton's interpreter runs the kernel transport only")
         if block_elements < 1 or block_elements & (block_elements - 1):
             raise ValueError(f"block_elements must be a power of two, got {block_elements}")
         from .storage.host import default_hash_threads
         self.interpret = interpret
+        self.transport = transport
         self._kernel = _kernels.interpreted() if interpret else _kernels.copy_pieces
         self._summed_kernel = (_kernels.interpreted(summed=True) if interpret
                                else _kernels.copy_pieces_summed)
@@ -193,22 +207,27 @@ class DeviceCopyEngine(CopyEngine):
         self.max_piece_bytes = max_piece_bytes
         self.block_elements = block_elements
         self.num_warps = num_warps
+        self.programs = programs
         self.hash_threads = default_hash_threads() if hash_threads is None else hash_threads
         self.device_checksums = device_checksums
-        self.programs = programs
         self._streams: dict[tuple[str, torch.device], torch.cuda.Stream] = {}
         self._lock = threading.Lock()
-        self._tested: dict[torch.device, str | None] = {}
-        self.kernel_error: str | None = None   # why the kernel failed its self-test, if it did
+        self._transports: dict[torch.device, str | None] = {}   # what passed the self-test
+        self.kernel_error: str | None = None   # why a transport failed its self-test
 
     @property
     def kernel(self) -> str:
         """The host copy kernel of the fallback (host <-> host copies run there)."""
         return self.fallback.kernel
 
+    def transport_on(self, device: torch.device | str) -> str | None:
+        """The transport in use on ``device`` after its self-test (None: the fallback)."""
+        device = torch.device(device)
+        return "kernel" if self.interpret else self._self_test(device)
+
     # ------------------------------------------------------------------ public API
     def handles(self, src: BlockMemory, dst: BlockMemory) -> bool:
-        """Whether the kernel copies this pair (else :attr:`fallback` does)."""
+        """Whether this engine copies the pair on the GPU (else :attr:`fallback` does)."""
         if self.interpret:
             return src.device.type == "cpu" and dst.device.type == "cpu"
         kinds = {src.device.type, dst.device.type}
@@ -218,40 +237,7 @@ class DeviceCopyEngine(CopyEngine):
             return False
         if not all(_mapped_host(m) for m in (src, dst) if m.device.type == "cpu"):
             return False
-        return self._self_test(self._device_of(src, dst)) is None
-
-    def _self_test(self, device: torch.device) -> str | None:
-        """Once per device: the kernel copies random bytes to registered host memory and
-        back; a failure (a Triton that cannot address host memory here, a driver that
-        refuses) is kept in :attr:`kernel_error` and every copy goes to the fallback."""
-        with self._lock:
-            if device in self._tested:
-                return self._tested[device]
-        error = None
-        try:
-            host = AlignedBuffer(1 << 16, pin=True)
-            expected = torch.randint(0, 256, (16, 4096), dtype=torch.uint8)
-            host.tensor.copy_(expected.reshape(-1))
-            device_side = torch.zeros(1 << 16, dtype=torch.uint8, device=device)
-            forward = np.arange(16, dtype=np.int64) * 256             # 4 KiB runs, in units
-            reverse = DevicePiecePlan(0, 0, forward[::-1].copy(), forward, 16, 4096)
-            self._run_kernel(host.tensor, device_side, reverse, 0, device)
-            torch.cuda.synchronize(device)
-            if not torch.equal(device_side.cpu().view(16, 4096), expected.flip(0)):
-                error = "its self-test read wrong bytes from host memory"
-            host.tensor.zero_()
-            self._run_kernel(device_side, host.tensor, reverse, 0, device)
-            torch.cuda.synchronize(device)
-            if error is None and not torch.equal(host.tensor.view(16, 4096), expected):
-                error = "its self-test wrote wrong bytes to host memory"
-            host.unpin()
-        except Exception as exc:      # noqa: BLE001 - any failure means: do not use it
-            error = f"{type(exc).__name__}: {exc}"
-        with self._lock:
-            self._tested[device] = error
-            if error is not None:
-                self.kernel_error = error
-        return error
+        return self._self_test(self._device_of(src, dst)) is not None
 
     def copy(self, src, src_ids, dst, dst_ids, *, direction=OFFLOAD) -> int:
         if not self.handles(src, dst):
@@ -265,8 +251,8 @@ class DeviceCopyEngine(CopyEngine):
 
     def summable(self, src: BlockMemory, dst: BlockMemory) -> bool:
         """Whether :meth:`copy_summed` can copy this pair: device checksums are on
-        (``device_checksums``), the kernel addresses both memories and every piece is 8-byte
-        aligned (any real KV geometry; odd test geometries are not)."""
+        (``device_checksums``), the GPU copies the pair and every piece is 8-byte aligned
+        (any real KV geometry; odd test geometries are not)."""
         if (not self.device_checksums or not self.handles(src, dst)
                 or src.layout.config.block_bytes % 8):
             return False
@@ -280,9 +266,11 @@ class DeviceCopyEngine(CopyEngine):
     def copy_summed(self, src, src_ids, dst, dst_ids, *,
                     direction=OFFLOAD) -> np.ndarray | None:
         """Copy the batch and return the device checksum
-        (:func:`~kvstrata.physical.checksum.device_checksum`) of every block's bytes as the
-        kernel moved them (``uint64`` array), computed on the GPU while they pass: no host
-        pass over the bytes. None, copying nothing, where :meth:`summable` says no."""
+        (:func:`~kvstrata.physical.checksum.device_checksum`) of every block's bytes
+        (``uint64`` array), computed on the GPU: by the copy kernel while they pass, or,
+        with DMA, by a kernel over the device side after the copy (the bytes that arrived,
+        on an onboard). No host pass over the bytes. None, copying nothing, where
+        :meth:`summable` says no."""
         if not self.summable(src, dst):
             return None
         launches = [self._launch(src, src_ids[lo:hi], dst, dst_ids[lo:hi], direction,
@@ -297,9 +285,9 @@ class DeviceCopyEngine(CopyEngine):
 
     def copy_hashed(self, src, src_ids, dst, dst_ids, *, direction=OFFLOAD,
                     slice_bytes: int = 8 << 20, from_source: bool = False) -> list[int]:
-        """:meth:`CopyEngine.copy_hashed` with the hashing overlapped: the batch is launched
+        """:meth:`CopyEngine.copy_hashed` with the hashing overlapped: the batch is queued
         slice by slice (``self.slice_bytes``), and each slice's destination blocks are hashed
-        on host threads as soon as it landed, while the next slices copy."""
+        (xxh3) on host threads as soon as it landed, while the next slices copy."""
         if from_source or not self.handles(src, dst) or dst.device.type != "cpu":
             return self.fallback.copy_hashed(src, src_ids, dst, dst_ids, direction=direction,
                                              slice_bytes=slice_bytes, from_source=from_source)
@@ -321,7 +309,7 @@ class DeviceCopyEngine(CopyEngine):
     def copy_checked(self, src, src_ids, dst, dst_ids, check: Callable[[int, int], list[int]],
                      *, direction=ONBOARD, slice_bytes: int = 8 << 20) -> list[int]:
         """:meth:`CopyEngine.copy_checked`, slice by slice: ``check`` of the next slice runs
-        on this thread while the kernel copies the slice before."""
+        on this thread while the GPU copies the slice before."""
         if not self.handles(src, dst):
             return self.fallback.copy_checked(src, src_ids, dst, dst_ids, check,
                                               direction=direction, slice_bytes=slice_bytes)
@@ -333,12 +321,58 @@ class DeviceCopyEngine(CopyEngine):
                 launched.append(self._launch(src, [src_ids[p] for p in passed], dst,
                                              [dst_ids[p] for p in passed], direction))
                 good.extend(passed)
-        for launch in launched:   # one stream: in order; waiting on each frees its offsets
+        for launch in launched:   # one stream: in order; waiting on each frees its arrays
             self._wait(launch)
         return good
 
     def close(self) -> None:
         self.fallback.close()
+
+    # ------------------------------------------------------------------ self-test
+    def _self_test(self, device: torch.device) -> str | None:
+        """Once per device: the requested transport, else the other, copies random bytes
+        between registered host memory and the device in reversed 4 KiB pieces, both ways;
+        the first that moves them right is used, and what failed is kept in
+        :attr:`kernel_error` (None returned: every copy goes to the fallback)."""
+        with self._lock:
+            if device in self._transports:
+                return self._transports[device]
+        errors = []
+        chosen = None
+        for transport in (self.transport, *(t for t in TRANSPORTS if t != self.transport)):
+            error = self._try_transport(transport, device)
+            if error is None:
+                chosen = transport
+                break
+            errors.append(f"{transport}: {error}")
+        with self._lock:
+            self._transports[device] = chosen
+            self.kernel_error = "; ".join(errors) or None
+        return chosen
+
+    def _try_transport(self, transport: str, device: torch.device) -> str | None:
+        try:
+            host = AlignedBuffer(1 << 16, pin=True)
+            expected = torch.randint(0, 256, (16, 4096), dtype=torch.uint8)
+            host.tensor.copy_(expected.reshape(-1))
+            device_side = torch.zeros(1 << 16, dtype=torch.uint8, device=device)
+            forward = np.arange(16, dtype=np.int64) * 256             # 4 KiB runs, in units
+            reverse = DevicePiecePlan(0, 0, forward[::-1].copy(), forward, 16, 4096)
+            error = None
+            stream = torch.cuda.current_stream(device)
+            self._queue(transport, host.tensor, device_side, reverse, 0, device, stream)
+            torch.cuda.synchronize(device)
+            if not torch.equal(device_side.cpu().view(16, 4096), expected.flip(0)):
+                error = "its self-test read wrong bytes from host memory"
+            host.tensor.zero_()
+            self._queue(transport, device_side, host.tensor, reverse, 0, device, stream)
+            torch.cuda.synchronize(device)
+            if error is None and not torch.equal(host.tensor.view(16, 4096), expected):
+                error = "its self-test wrote wrong bytes to host memory"
+            host.unpin()
+            return error
+        except Exception as exc:      # noqa: BLE001 - any failure means: do not use it
+            return f"{type(exc).__name__}: {exc}"
 
     # ------------------------------------------------------------------ internals
     def _slices(self, n: int, block_bytes: int) -> list[tuple[int, int]]:
@@ -373,32 +407,70 @@ class DeviceCopyEngine(CopyEngine):
 
     def _launch(self, src: BlockMemory, src_ids, dst: BlockMemory, dst_ids, direction: str,
                 summed: bool = False) -> "_Launch | None":
-        """Queue the copy of one batch (``summed``: with the device checksum kernel, which
-        needs pieces 8-byte aligned: see :meth:`summable`); None when there is nothing to
-        copy."""
+        """Queue the copy of one batch (``summed``: with device checksums, which need pieces
+        8-byte aligned: see :meth:`summable`); None when there is nothing to copy."""
         if not len(src_ids):
             return None
         plan = plan_device_pieces(src, src_ids, dst, dst_ids,
                                   max_piece_bytes=self.max_piece_bytes)
-        per_block = plan.pieces // len(src_ids)
+        per_block = plan.pieces // len(src_ids) if summed else 0
+        src_region, dst_region = src.regions[plan.src_base], dst.regions[plan.dst_base]
         if self.interpret:
-            return self._run_kernel(src.regions[plan.src_base], dst.regions[plan.dst_base],
-                                    plan, per_block if summed else 0, None)
+            return self._queue("kernel", src_region, dst_region, plan, per_block, None, None)
         device = self._device_of(src, dst)
+        transport = self._self_test(device)
         stream = self._stream(direction, device)
         with torch.cuda.device(device), torch.cuda.stream(stream):
-            launch = self._run_kernel(src.regions[plan.src_base], dst.regions[plan.dst_base],
-                                      plan, per_block if summed else 0, device)
+            launch = self._queue(transport, src_region, dst_region, plan, per_block, device,
+                                 stream)
             launch.event = torch.cuda.Event(blocking=True)
             launch.event.record(stream)
         return launch
 
-    def _run_kernel(self, src: torch.Tensor, dst: torch.Tensor, plan: DevicePiecePlan,
-                    per_block: int, device: torch.device | None) -> "_Launch":
-        """Launch a kernel on the current stream for ``plan`` from byte tensor ``src`` (the
-        plan's source base region) to ``dst``; with ``per_block`` (pieces per block), the
-        device checksum kernel, whose per-piece shares come back to pinned host memory on the
-        same stream."""
+    def _queue(self, transport: str, src: torch.Tensor, dst: torch.Tensor,
+               plan: DevicePiecePlan, per_block: int, device: torch.device | None,
+               stream) -> "_Launch":
+        """Queue ``plan`` from byte tensor ``src`` (the plan's source base region) to ``dst``
+        on ``stream`` (the current one); with ``per_block`` (pieces per block), the device
+        checksum shares come back to host memory on the same stream."""
+        if transport == "kernel":
+            return self._run_kernel(src, dst, plan.src_units, plan.dst_units, plan, per_block,
+                                    device, copy=True)
+        from ._cuda_dma import memcpy_batch
+        unit = np.uint64(plan.unit_bytes)
+        dsts = np.uint64(dst.data_ptr()) + plan.dst_units.astype(np.uint64) * unit
+        srcs = np.uint64(src.data_ptr()) + plan.src_units.astype(np.uint64) * unit
+        sizes = np.full(plan.pieces, plan.piece_bytes, dtype=np.uint64)
+        memcpy_batch(dsts, srcs, sizes, stream.cuda_stream, stream.device.index or 0)
+        if not per_block:
+            return _Launch(keep=[dsts, srcs, sizes])
+        # the device checksums of the device side, read in device memory after the copy
+        on_device, units = (src, plan.src_units) if src.device.type == "cuda" \
+            else (dst, plan.dst_units)
+        launch = self._run_kernel(on_device, on_device, units, units, plan, per_block, device,
+                                  copy=False)
+        launch.keep += [dsts, srcs, sizes]
+        return launch
+
+    def _group(self, pieces: int, device: torch.device | None) -> int:
+        """Consecutive pieces per program: a power of two that brings the grid near
+        ``programs`` (default: the device's streaming multiprocessors)."""
+        target = self.programs
+        if target is None:
+            target = (torch.cuda.get_device_properties(device).multi_processor_count
+                      if device is not None else pieces)
+        group = 1
+        while group < 1024 and pieces > group * max(1, target):
+            group *= 2
+        return group
+
+    def _run_kernel(self, src: torch.Tensor, dst: torch.Tensor, src_units: np.ndarray,
+                    dst_units: np.ndarray, plan: DevicePiecePlan, per_block: int,
+                    device: torch.device | None, *, copy: bool) -> "_Launch":
+        """Launch a kernel on the current stream over ``plan``'s pieces at ``src_units`` /
+        ``dst_units`` of byte tensors ``src`` / ``dst``: the copy kernel, or with
+        ``per_block`` the device checksum kernel (copying too unless not ``copy``), whose
+        per-piece shares come back to pinned host memory on the same stream."""
         if per_block:
             dtype, per_unit = torch.int64, plan.unit_bytes // 8
         else:
@@ -406,24 +478,29 @@ class DeviceCopyEngine(CopyEngine):
         src, dst = _typed_start(src, dtype), _typed_start(dst, dtype)
         elements = plan.piece_bytes // (plan.unit_bytes // per_unit)
         block = min(self.block_elements, 1 << max(0, (elements - 1).bit_length()))
-        offsets = torch.from_numpy(np.stack([plan.src_units, plan.dst_units]))
+        group = self._group(plan.pieces, device)
+        padded = -(-plan.pieces // group) * group
+        offsets = np.empty((2, padded), dtype=np.int64)
+        offsets[0, :plan.pieces], offsets[1, :plan.pieces] = src_units, dst_units
+        offsets[:, plan.pieces:] = offsets[:, plan.pieces - 1:plan.pieces]   # repeat the last
+        offsets = torch.from_numpy(offsets)
         extra: dict = {}
         if device is not None:
             offsets = offsets.to(device, non_blocking=True)
             extra["num_warps"] = self.num_warps
-        launch = _Launch(keep=[offsets], per_block=per_block)
-        grid = (min(plan.pieces, self.programs or plan.pieces),)
+        launch = _Launch(keep=[offsets], per_block=per_block, pieces=plan.pieces)
+        grid = (padded // group,)
         if not per_block:
-            self._kernel[grid](src, dst, offsets[0], offsets[1], plan.pieces, UNIT=per_unit,
-                               PIECE=elements, BLOCK=block, **extra)
+            self._kernel[grid](src, dst, offsets[0], offsets[1], UNIT=per_unit,
+                               PIECE=elements, BLOCK=block, GROUP=group, **extra)
             return launch
-        shares = torch.empty(plan.pieces, dtype=torch.int64, device=offsets.device)
-        self._summed_kernel[grid](src, dst, offsets[0], offsets[1], plan.pieces, shares,
-                                  UNIT=per_unit,
-                                  PIECE=elements, BLOCK=block, PER_BLOCK=per_block,
-                                  LOG2_BLOCK=block.bit_length() - 1, **extra)
+        shares = torch.empty(padded, dtype=torch.int64, device=offsets.device)
+        self._summed_kernel[grid](src, dst, offsets[0], offsets[1], shares, UNIT=per_unit,
+                                  PIECE=elements, BLOCK=block, GROUP=group,
+                                  PER_BLOCK=per_block, LOG2_BLOCK=block.bit_length() - 1,
+                                  COPY=copy, **extra)
         if device is not None:
-            launch.shares = torch.empty(plan.pieces, dtype=torch.int64, pin_memory=True)
+            launch.shares = torch.empty(padded, dtype=torch.int64, pin_memory=True)
             launch.shares.copy_(shares, non_blocking=True)
             launch.keep.append(shares)
         else:
@@ -437,19 +514,20 @@ class DeviceCopyEngine(CopyEngine):
 
 
 class _Launch:
-    """One queued kernel: the event that says it ran (None under the interpreter), the
-    tensors it reads that must outlive it, and (device checksum kernel) the per-piece shares
-    in host memory, ``per_block`` to a block."""
+    """One queued batch: the event that says it ran (None under the interpreter), what it
+    reads that must outlive it, and (device checksums) the per-piece shares in host memory,
+    ``per_block`` to a block, for the first ``pieces`` entries."""
 
-    __slots__ = ("event", "keep", "shares", "per_block")
+    __slots__ = ("event", "keep", "shares", "per_block", "pieces")
 
-    def __init__(self, keep: list, per_block: int = 0) -> None:
+    def __init__(self, keep: list, per_block: int = 0, pieces: int = 0) -> None:
         self.event = None
         self.keep = keep
         self.shares: torch.Tensor | None = None
         self.per_block = per_block
+        self.pieces = pieces
 
     def block_sums(self) -> np.ndarray:
         """Each block's device checksum (after :meth:`DeviceCopyEngine._wait`)."""
-        shares = self.shares.numpy().view(np.uint64)
+        shares = self.shares.numpy().view(np.uint64)[:self.pieces]
         return shares.reshape(-1, self.per_block).sum(axis=1, dtype=np.uint64)
