@@ -168,21 +168,24 @@ def _mapped_host(memory: BlockMemory) -> bool:
 
 
 TRANSPORTS = ("kernel", "dma")
+_DMA_BATCH = 8192          # copies per cuMemcpyBatchAsync call
 
 
 class DeviceCopyEngine(CopyEngine):
     """Device <-> host copies on the GPU (see the module docstring).
 
-    ``transport``: ``"kernel"`` (the Triton copy kernel) or ``"dma"`` (the copy engines,
-    ``cuMemcpyBatchAsync``, with a kernel only to compute device checksums in device memory);
-    a transport that fails its self-test on a device falls back to the other, then to
-    ``fallback``. ``programs``: the grid the kernel aims at (default: the device's SM
+    ``transport``: ``"dma"`` (the GPU's copy engines through ``cuMemcpyBatchAsync``, with a
+    kernel only to compute device checksums in device memory: no streaming multiprocessor is
+    held while bytes cross PCIe, so the copies overlap the engine's kernels), ``"kernel"``
+    (the Triton copy kernel, which moves the bytes through SMs) or ``"auto"`` (DMA where the
+    driver has it); a transport that fails its self-test on a device falls back to the
+    other, then to ``fallback``. ``programs``: the grid the kernel aims at (default: the device's SM
     count); each program copies a group of consecutive pieces."""
 
     name = "device"
 
     def __init__(self, *, fallback: CopyEngine | None = None, interpret: bool = False,
-                 transport: str = "kernel", slice_bytes: int = 32 << 20,
+                 transport: str = "auto", slice_bytes: int = 32 << 20,
                  max_piece_bytes: int = 64 << 10, block_elements: int = 4096,
                  num_warps: int = 4, programs: int | None = None,
                  hash_threads: int | None = None, device_checksums: bool = True) -> None:
@@ -190,9 +193,10 @@ class DeviceCopyEngine(CopyEngine):
             raise RuntimeError(f"device copy kernel unavailable: {KERNEL_ERROR}")
         if not interpret and not torch.cuda.is_available():
             raise RuntimeError("device copy kernel unavailable: no CUDA device")
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-        if interpret and transport != "kernel":
+        if transport not in TRANSPORTS + ("auto",):
+            raise ValueError(f"transport must be 'auto' or one of {TRANSPORTS}, got "
+                             f"{transport!r}")
+        if interpret and transport == "dma":
             raise ValueError("Triton's interpreter runs the kernel transport only")
         if block_elements < 1 or block_elements & (block_elements - 1):
             raise ValueError(f"block_elements must be a power of two, got {block_elements}")
@@ -339,7 +343,8 @@ class DeviceCopyEngine(CopyEngine):
                 return self._transports[device]
         errors = []
         chosen = None
-        for transport in (self.transport, *(t for t in TRANSPORTS if t != self.transport)):
+        first = "dma" if self.transport == "auto" else self.transport
+        for transport in (first, *(t for t in TRANSPORTS if t != first)):
             error = self._try_transport(transport, device)
             if error is None:
                 chosen = transport
@@ -359,13 +364,16 @@ class DeviceCopyEngine(CopyEngine):
             forward = np.arange(16, dtype=np.int64) * 256             # 4 KiB runs, in units
             reverse = DevicePiecePlan(0, 0, forward[::-1].copy(), forward, 16, 4096)
             error = None
-            stream = torch.cuda.current_stream(device)
-            self._queue(transport, host.tensor, device_side, reverse, 0, device, stream)
+            # a stream of our own: batched DMA refuses the legacy default stream
+            stream = self._stream(ONBOARD, device)
+            with torch.cuda.device(device), torch.cuda.stream(stream):
+                self._queue(transport, host.tensor, device_side, reverse, 0, device, stream)
             torch.cuda.synchronize(device)
             if not torch.equal(device_side.cpu().view(16, 4096), expected.flip(0)):
                 error = "its self-test read wrong bytes from host memory"
             host.tensor.zero_()
-            self._queue(transport, device_side, host.tensor, reverse, 0, device, stream)
+            with torch.cuda.device(device), torch.cuda.stream(stream):
+                self._queue(transport, device_side, host.tensor, reverse, 0, device, stream)
             torch.cuda.synchronize(device)
             if error is None and not torch.equal(host.tensor.view(16, 4096), expected):
                 error = "its self-test wrote wrong bytes to host memory"
@@ -441,7 +449,18 @@ class DeviceCopyEngine(CopyEngine):
         dsts = np.uint64(dst.data_ptr()) + plan.dst_units.astype(np.uint64) * unit
         srcs = np.uint64(src.data_ptr()) + plan.src_units.astype(np.uint64) * unit
         sizes = np.full(plan.pieces, plan.piece_bytes, dtype=np.uint64)
-        memcpy_batch(dsts, srcs, sizes, stream.cuda_stream, stream.device.index or 0)
+        try:
+            for lo in range(0, plan.pieces, _DMA_BATCH):
+                memcpy_batch(dsts[lo:lo + _DMA_BATCH], srcs[lo:lo + _DMA_BATCH],
+                             sizes[lo:lo + _DMA_BATCH], stream.cuda_stream,
+                             stream.device.index or 0)
+        except RuntimeError as exc:
+            if device is None or lo:     # part of the batch queued: nothing safe to redo here
+                raise
+            with self._lock:        # refused outright: the kernel takes this device from now
+                self._transports[device] = "kernel"
+                self.kernel_error = f"dma: {exc}"
+            return self._queue("kernel", src, dst, plan, per_block, device, stream)
         if not per_block:
             return _Launch(keep=[dsts, srcs, sizes])
         # the device checksums of the device side, read in device memory after the copy
