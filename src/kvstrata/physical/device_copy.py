@@ -227,7 +227,11 @@ class DeviceCopyEngine(CopyEngine):
     def transport_on(self, device: torch.device | str) -> str | None:
         """The transport in use on ``device`` after its self-test (None: the fallback)."""
         device = torch.device(device)
-        return "kernel" if self.interpret else self._self_test(device)
+        if self.interpret:
+            return "kernel"
+        if device.index is None:     # the key a memory's device has
+            device = torch.device(device.type, torch.cuda.current_device())
+        return self._self_test(device)
 
     # ------------------------------------------------------------------ public API
     def handles(self, src: BlockMemory, dst: BlockMemory) -> bool:
