@@ -16,8 +16,9 @@ from kvstrata.physical.buffers import PAGE_SIZE, cuda_mapped
 from kvstrata.physical.checksum import device_checksum, memory_device_checksums
 from kvstrata.physical.errors import ChecksumMismatchError
 from kvstrata.physical.copy import default_copy_engine
-from kvstrata.physical.device_copy import (KERNEL_ERROR, DeviceCopyEngine, _kernels, _split,
-                                           device_kernel_status, plan_device_pieces)
+from kvstrata.physical.device_copy import (KERNEL_ERROR, DeviceCopyEngine, _kernels,
+                                           device_kernel_status)
+from kvstrata.physical.device_plan import _split, plan_device_pieces
 
 from .conftest import block_bytes_of, fill_random, small_config
 
@@ -68,9 +69,13 @@ def test_plan_splits_big_pieces_and_narrows_the_unit_for_odd_sizes():
     assert split.piece_bytes == 64 and split.pieces == small_config().block_bytes // 64
 
 
-def test_block_elements_must_be_a_power_of_two():
+def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="power of two"):
         interpreter(block_elements=12)
+    with pytest.raises(ValueError, match="transport"):
+        interpreter(transport="carrier-pigeon")
+    with pytest.raises(ValueError, match="interpreter"):
+        interpreter(transport="dma")
 
 
 def test_slices_keep_the_unoverlapped_ends_short():

@@ -2,39 +2,46 @@
 
 :class:`DeviceCopyEngine` moves a batch of blocks between G1 (the engine's KV tensors, in any
 layout :class:`~kvstrata.physical.storage.device.DeviceStorage` wraps) and host memory that is
-registered with CUDA (G2, a pinned staging buffer), with **one kernel launch per batch** (per
-slice of a large batch): every piece of every block is a row of two offset arrays, and one
-Triton program copies each piece (:mod:`._triton_copy`), reading or writing the host side
-through its device-visible address. No packed intermediate buffer, no second copy on the CPU,
-no DMA call per piece.
+registered with CUDA (G2, the transfer engine's bounce buffer), with **one launch per slice of
+a batch**: every piece of every block is a row of two offset arrays, and a Triton kernel
+copies the pieces (:mod:`._triton_copy`), reading or writing the host side through its
+device-visible address. No packed intermediate buffer, no second copy on the CPU, no DMA call
+per piece. ``transport="dma"`` queues the same pieces on the GPU's copy engines instead, one
+``cuMemcpyBatchAsync`` per slice (:mod:`._cuda_dma`).
 
-* **Plan** (:func:`plan_device_pieces`, pure numpy, checked on CPU): the piece addresses of
-  both layouts (the coarsest piece both keep contiguous, as the host engines use), pieces over
-  ``max_piece_bytes`` split so a large block spreads over many streaming multiprocessors, and
-  every address counted from the lowest region start of its side in the widest unit (up to
-  16 bytes) that divides every piece start and length.
+* **Plan** (:mod:`.device_plan`, pure numpy, checked on CPU): the batch as equal pieces,
+  addressed from one base region per side in 16-byte units where possible. Each kernel
+  program copies a group of consecutive pieces, the grid near the device's SM count
+  (``programs``).
+* **Slices**: a batch is queued in slices of ``slice_bytes`` (the first and last an eighth of
+  that), so the GPU copies the first slice while the next ones are planned.
 * **Streams**: each direction has its own CUDA stream (onboard at high priority: the engine's
   next forward waits for it); the engine's compute stream is never used, and the calling
-  thread waits on a blocking event (sleeping). The kernel's programs are small (no shared
-  memory, few registers), so they fit beside the engine's kernels.
-* **Integrity at speed**: an offload into G2 is copied slice by slice (``slice_bytes``), and
-  while the GPU copies the next slice, host threads (``hash_threads``) hash the slice that
-  landed, so the xxh3 of every G2 block is recorded at about the copy's own speed. An onboard
-  from a verifying G2 (:meth:`copy_checked`) verifies slice by slice on the host threads while
-  the previous slice's kernel runs; only blocks that verified are copied, so a byte changed in
-  G2 after the offload never reaches the engine.
+  thread waits on a blocking event (sleeping).
+* **Integrity at copy speed: device checksums.** :meth:`copy_summed` also computes, on the
+  GPU, each block's *device checksum*
+  (:func:`~kvstrata.physical.checksum.device_checksum`: the sum of a 64-bit mix of every
+  word with its position), by the copy kernel from the words it moves or, with DMA, by a
+  kernel over the device side after the copy. The transfer engine records it with the G2
+  slot on an offload and compares it on an onboard, so the bytes checked are the bytes that
+  arrived in G1, and no host thread reads the bytes. Host reads of G2 (a store to G3, a
+  peer's export) check it natively first. :meth:`copy_hashed` / :meth:`copy_checked` are the
+  xxh3 forms (hashing on ``hash_threads`` host threads, overlapped slice by slice), used for
+  slots that have no device checksum.
+* **Self-test**: before first use on a device, each transport copies random bytes to
+  registered host memory and back in reversed pieces; one that fails is not used
+  (:attr:`DeviceCopyEngine.kernel_error` says why).
 
-Memory the kernel cannot address (pageable host memory, or host <-> host) goes to the
+Memory the GPU cannot address (pageable host memory, or host <-> host) goes to the
 ``fallback`` engine (:class:`~kvstrata.physical.copy.StagedCopyEngine` by default). With
-``interpret=True`` the kernel runs on CPU tensors under Triton's interpreter: what tests
-without a GPU use to check the plan and the kernel byte for byte.
+``interpret=True`` the kernels run on CPU tensors under Triton's interpreter: what tests
+without a GPU use to check the plan, the kernels and the checksums byte for byte.
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable
 
 import numpy as np
 import torch
@@ -42,11 +49,11 @@ import torch
 from ..protocol.layout import FullyContiguousLayout
 from .buffers import AlignedBuffer, cuda_mapped
 from .checksum import memory_checksums
-from .copy import (OFFLOAD, ONBOARD, CopyEngine, StagedCopyEngine, _checked_ids,
-                   _piece_addresses)
+from .copy import OFFLOAD, ONBOARD, CopyEngine, StagedCopyEngine
+from .device_plan import DevicePiecePlan, plan_device_pieces
 from .storage.base import BlockMemory
 
-__all__ = ["DevicePiecePlan", "plan_device_pieces", "DeviceCopyEngine", "device_kernel_status"]
+__all__ = ["DeviceCopyEngine", "device_kernel_status", "TRANSPORTS"]
 
 
 def _load_kernel():
@@ -68,73 +75,6 @@ def device_kernel_status() -> dict:
     if not torch.cuda.is_available():
         return {"available": False, "reason": "no CUDA device"}
     return {"available": True, "reason": None}
-
-
-@dataclass(frozen=True)
-class DevicePiecePlan:
-    """A batch as ``len(src_units)`` pieces of ``piece_bytes`` each: piece ``i`` starts
-    ``src_units[i] * unit_bytes`` bytes after the start of region ``src_base`` of the source
-    and lands ``dst_units[i] * unit_bytes`` after region ``dst_base`` of the destination."""
-
-    src_base: int
-    dst_base: int
-    src_units: np.ndarray
-    dst_units: np.ndarray
-    unit_bytes: int
-    piece_bytes: int
-
-    @property
-    def pieces(self) -> int:
-        return int(self.src_units.size)
-
-
-def _largest_power_of_two_dividing(value: int, cap: int = 16) -> int:
-    unit = 1
-    while unit < cap and value % (unit * 2) == 0:
-        unit *= 2
-    return unit
-
-
-def _split(length: int, max_piece: int) -> int:
-    """How many equal parts to cut a ``length``-byte piece into so that each is at most
-    ``max_piece`` bytes and 16-byte aligned where possible (1 if none fits)."""
-    if length <= max_piece:
-        return 1
-    for parts in range(-(-length // max_piece), length // 16 + 1):
-        if length % parts == 0 and (length // parts) % 16 == 0:
-            return parts
-    return 1
-
-
-def plan_device_pieces(src: BlockMemory, src_ids: Sequence[int], dst: BlockMemory,
-                       dst_ids: Sequence[int], *,
-                       max_piece_bytes: int = 64 << 10) -> DevicePiecePlan:
-    """The device kernel's plan for copying blocks ``src_ids`` of ``src`` to ``dst_ids`` of
-    ``dst`` (see the module docstring). Raises like :func:`~kvstrata.physical.copy.plan_pieces`
-    (incompatible layouts, unequal lengths, ids out of range)."""
-    src.layout.require_compatible(dst.layout)
-    if len(src_ids) != len(dst_ids):
-        raise ValueError(f"{len(src_ids)} source ids but {len(dst_ids)} destination ids")
-    s_idx = _checked_ids(src_ids, src.layout.config.num_blocks)
-    d_idx = _checked_ids(dst_ids, dst.layout.config.num_blocks)
-    gran = max(src.layout.contiguous_granularity, dst.layout.contiguous_granularity)
-    s_addr, d_addr, length = _piece_addresses(src, s_idx, dst, d_idx, gran)
-    s_addr, d_addr = s_addr.reshape(-1), d_addr.reshape(-1)
-    parts = _split(length, max_piece_bytes)
-    if parts > 1:
-        step = np.arange(parts, dtype=np.int64) * (length // parts)
-        s_addr = (s_addr[:, None] + step).reshape(-1)
-        d_addr = (d_addr[:, None] + step).reshape(-1)
-        length //= parts
-    s_bases, d_bases = src.base_addresses(), dst.base_addresses()
-    s_base, d_base = int(np.argmin(s_bases)), int(np.argmin(d_bases))
-    s_rel, d_rel = s_addr - s_bases[s_base], d_addr - d_bases[d_base]
-    common = length
-    for values in (s_rel, d_rel, s_bases[s_base:s_base + 1], d_bases[d_base:d_base + 1]):
-        if values.size:
-            common = int(np.gcd.reduce(np.append(values, common).astype(np.int64)))
-    unit = _largest_power_of_two_dividing(common)
-    return DevicePiecePlan(s_base, d_base, s_rel // unit, d_rel // unit, unit, length)
 
 
 def _element(unit_bytes: int) -> tuple[torch.dtype, int]:
@@ -174,18 +114,19 @@ _DMA_BATCH = 8192          # copies per cuMemcpyBatchAsync call
 class DeviceCopyEngine(CopyEngine):
     """Device <-> host copies on the GPU (see the module docstring).
 
-    ``transport``: ``"dma"`` (the GPU's copy engines through ``cuMemcpyBatchAsync``, with a
-    kernel only to compute device checksums in device memory: no streaming multiprocessor is
-    held while bytes cross PCIe, so the copies overlap the engine's kernels), ``"kernel"``
-    (the Triton copy kernel, which moves the bytes through SMs) or ``"auto"`` (DMA where the
-    driver has it); a transport that fails its self-test on a device falls back to the
-    other, then to ``fallback``. ``programs``: the grid the kernel aims at (default: the device's SM
+    ``transport``: ``"kernel"`` (the default: the Triton copy kernel moves the bytes through
+    streaming multiprocessors) or ``"dma"`` (the GPU's copy engines through
+    ``cuMemcpyBatchAsync``, with a kernel only to compute device checksums in device memory:
+    it holds no SM while bytes cross PCIe and overlaps a forward far better, but measured
+    0.4-0.8 of the DMA limit for 32-64 KiB pieces and under 0.1 for 8-18 KiB pieces on an
+    H200, so it is opt-in); a transport that fails its self-test on a device falls back to
+    the other, then to ``fallback``. ``programs``: the grid the kernel aims at (default: the device's SM
     count); each program copies a group of consecutive pieces."""
 
     name = "device"
 
     def __init__(self, *, fallback: CopyEngine | None = None, interpret: bool = False,
-                 transport: str = "auto", slice_bytes: int = 32 << 20,
+                 transport: str = "kernel", slice_bytes: int = 32 << 20,
                  max_piece_bytes: int = 64 << 10, block_elements: int = 4096,
                  num_warps: int = 4, programs: int | None = None,
                  hash_threads: int | None = None, device_checksums: bool = True) -> None:
@@ -193,9 +134,8 @@ class DeviceCopyEngine(CopyEngine):
             raise RuntimeError(f"device copy kernel unavailable: {KERNEL_ERROR}")
         if not interpret and not torch.cuda.is_available():
             raise RuntimeError("device copy kernel unavailable: no CUDA device")
-        if transport not in TRANSPORTS + ("auto",):
-            raise ValueError(f"transport must be 'auto' or one of {TRANSPORTS}, got "
-                             f"{transport!r}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         if interpret and transport == "dma":
             raise ValueError("Triton's interpreter runs the kernel transport only")
         if block_elements < 1 or block_elements & (block_elements - 1):
@@ -347,8 +287,7 @@ class DeviceCopyEngine(CopyEngine):
                 return self._transports[device]
         errors = []
         chosen = None
-        first = "dma" if self.transport == "auto" else self.transport
-        for transport in (first, *(t for t in TRANSPORTS if t != first)):
+        for transport in (self.transport, *(t for t in TRANSPORTS if t != self.transport)):
             error = self._try_transport(transport, device)
             if error is None:
                 chosen = transport
