@@ -20,7 +20,7 @@ PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 STAMP=$VENV/.kvstrata-setup
 VLLM_STAMP=$VENV/.kvstrata-setup-vllm
 # every native source counts: a changed kernel is rebuilt
-want=$(cat requirements.txt requirements-nixl.txt pyproject.toml $(find src -name '*.c' | sort) | sha256sum | cut -d' ' -f1)
+want=$(cat requirements.txt requirements-nixl.txt pyproject.toml $(find src -name '*.c' -o -name '*.h' | sort) | sha256sum | cut -d' ' -f1)
 want_vllm=$(cat requirements.txt requirements-vllm.txt | sha256sum | cut -d' ' -f1)
 
 core_ok=0

@@ -59,6 +59,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "_mix64.h"
+
 /* xxh3_seeded(input, length, seed), the xxhash library's C ABI. */
 typedef uint64_t (*xxh3_seeded_fn)(const void *input, size_t length, uint64_t seed);
 static xxh3_seeded_fn xxh3_seeded = NULL;
@@ -552,15 +554,6 @@ static PyObject *py_checksum_ranges(PyObject *self, PyObject *const *args, Py_ss
     return out;
 }
 
-static inline uint64_t fmix64(uint64_t k) {
-    k ^= k >> 33;
-    k *= 0xFF51AFD7ED558CCDULL;
-    k ^= k >> 33;
-    k *= 0xC4CEB9FE1A85EC53ULL;
-    k ^= k >> 33;
-    return k;
-}
-
 static PyObject *py_device_sums(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "device_sums(addresses, length)");
@@ -587,7 +580,7 @@ static PyObject *py_device_sums(PyObject *self, PyObject *const *args, Py_ssize_
         for (uint64_t i = 0; i < words; i++) {
             uint64_t w;
             memcpy(&w, data + 8 * i, 8);   /* little-endian hosts: the kernel's word order */
-            acc += fmix64(w ^ ((i + 1) * phi));
+            acc += kvstrata_mix64(w ^ ((i + 1) * phi));
         }
         sums[b] = acc;
     }

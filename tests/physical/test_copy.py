@@ -11,12 +11,13 @@ from kvstrata.physical.dtypes import torch_dtype
 from kvstrata.physical import (DeviceStorage, HostStorage, LayoutMismatchError,
                                MemmoveCopyEngine, StagedCopyEngine, TorchCopyEngine)
 from kvstrata.physical.copy import NATIVE_KERNEL, NATIVE_KERNEL_ERROR, _coalesce, plan_pieces
-from kvstrata.physical.device_copy import KERNEL_ERROR, DeviceCopyEngine, _kernels
+from kvstrata.physical.device_copy import DeviceCopyEngine, device_kernels
 
 from .conftest import block_bytes_of, fill_random, small_config
 
 needs_native = pytest.mark.skipif(not NATIVE_KERNEL, reason=f"native kernel: {NATIVE_KERNEL_ERROR}")
-needs_triton = pytest.mark.skipif(_kernels is None, reason=f"device kernel: {KERNEL_ERROR}")
+needs_triton = pytest.mark.skipif(device_kernels()[0] is None,
+                                  reason=f"device kernel: {device_kernels()[1]}")
 
 ENGINES = {
     "memmove": lambda: MemmoveCopyEngine(),   # native when built, else the Python kernels

@@ -15,14 +15,14 @@ from kvstrata.physical import (DeviceStorage, DiskStorage, FailureKind, HostStor
 from kvstrata.physical.buffers import PAGE_SIZE, cuda_mapped
 from kvstrata.physical.checksum import device_checksum, memory_device_checksums
 from kvstrata.physical.errors import ChecksumMismatchError
-from kvstrata.physical.copy import default_copy_engine
-from kvstrata.physical.device_copy import (KERNEL_ERROR, DeviceCopyEngine, _kernels,
-                                           device_kernel_status)
+from kvstrata.physical.engines import default_copy_engine
+from kvstrata.physical.device_copy import DeviceCopyEngine, device_kernel_status, device_kernels
 from kvstrata.physical.device_plan import _split, plan_device_pieces
 
 from .conftest import block_bytes_of, fill_random, small_config
 
-needs_triton = pytest.mark.skipif(_kernels is None, reason=f"device kernel: {KERNEL_ERROR}")
+needs_triton = pytest.mark.skipif(device_kernels()[0] is None,
+                                  reason=f"device kernel: {device_kernels()[1]}")
 gpu = pytest.mark.skipif(not torch.cuda.is_available(),
                          reason="needs a CUDA GPU (scripts/gpu-check runs these on one)")
 CUDA_LAYOUTS = {   # the KV tensors vLLM hands a connector, per attention backend

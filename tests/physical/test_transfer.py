@@ -331,7 +331,7 @@ class _FlipAfterCopy(CopyEngine):
     name = "flip-after-copy"
 
     def __init__(self) -> None:
-        from kvstrata.physical.copy import default_copy_engine
+        from kvstrata.physical.engines import default_copy_engine
 
         self.inner = default_copy_engine()
 

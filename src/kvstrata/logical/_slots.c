@@ -18,6 +18,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "../_mix64.h"
+
 enum { RESET, PARTIAL, COMPLETE, REGISTERED };
 #define HAS_PARENT 1
 
@@ -34,18 +36,10 @@ typedef struct {
 
 static PyTypeObject HashIndexType;
 
-static inline uint64_t mix(uint64_t k) {
-    k ^= k >> 33;
-    k *= 0xff51afd7ed558ccdULL;
-    k ^= k >> 33;
-    k *= 0xc4ceb9fe1a85ec53ULL;
-    k ^= k >> 33;
-    return k;
-}
 
 static inline Py_ssize_t hi_find(const HashIndex *t, uint64_t k) {
     if (!t->cap) return -1;
-    size_t m = (size_t)t->cap - 1, i = (size_t)mix(k) & m;
+    size_t m = (size_t)t->cap - 1, i = (size_t)kvstrata_mix64(k) & m;
     while (t->vals[i] >= 0) {
         if (t->keys[i] == k) return (Py_ssize_t)i;
         i = (i + 1) & m;
@@ -71,7 +65,7 @@ static int hi_resize(HashIndex *t, Py_ssize_t cap) {
     size_t m = (size_t)cap - 1;
     for (Py_ssize_t j = 0; j < t->cap; j++) {
         if (t->vals[j] < 0) continue;
-        size_t i = (size_t)mix(t->keys[j]) & m;
+        size_t i = (size_t)kvstrata_mix64(t->keys[j]) & m;
         while (vals[i] >= 0) i = (i + 1) & m;
         keys[i] = t->keys[j];
         vals[i] = t->vals[j];
@@ -108,7 +102,7 @@ static int hi_put(HashIndex *t, uint64_t k, int32_t v) {
         return -1;
     }
     if ((t->used + 1) * 4 > t->cap * 3 && hi_reserve(t, 1) < 0) return -1;
-    size_t m = (size_t)t->cap - 1, i = (size_t)mix(k) & m;
+    size_t m = (size_t)t->cap - 1, i = (size_t)kvstrata_mix64(k) & m;
     while (t->vals[i] >= 0) {
         if (t->keys[i] == k) {
             t->vals[i] = v;
@@ -129,7 +123,7 @@ static int hi_del(HashIndex *t, uint64_t k) {
     for (;;) {                       /* shift back the entries the hole would cut off */
         j = (j + 1) & m;
         if (t->vals[j] < 0) break;
-        size_t home = (size_t)mix(t->keys[j]) & m;
+        size_t home = (size_t)kvstrata_mix64(t->keys[j]) & m;
         int stays = i <= j ? (i < home && home <= j) : (i < home || home <= j);
         if (!stays) {
             t->keys[i] = t->keys[j];

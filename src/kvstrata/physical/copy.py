@@ -27,8 +27,7 @@ whole block between two FullyContiguous layouts, a layer or a K/V chunk otherwis
   blocking CUDA event (no spinning). Its CUDA parts cannot be measured on a CPU-only machine;
   ``stage_all=True`` runs the same code on CPU tensors so tests cover the logic.
 
-:func:`default_copy_engine` picks ``StagedCopyEngine`` when CUDA is available, else
-``MemmoveCopyEngine``. :func:`native_kernel_status` says whether the native kernel loaded
+:func:`~kvstrata.physical.engines.default_copy_engine` picks the engine a machine uses. :func:`native_kernel_status` says whether the native kernel loaded
 (and why not); ``engine.kernel`` says which kernel an engine uses (``"native"``/``"python"``).
 """
 
@@ -53,7 +52,7 @@ from ..protocol.layout import FullyContiguousLayout, Granularity, Layout
 from .storage.base import BlockMemory
 
 __all__ = ["PiecePlan", "plan_pieces", "CopyEngine", "MemmoveCopyEngine", "TorchCopyEngine",
-           "StagedCopyEngine", "default_copy_engine", "packed_memory", "native_kernel_status"]
+           "StagedCopyEngine", "packed_memory", "native_kernel_status"]
 
 OFFLOAD, ONBOARD = "offload", "onboard"
 
@@ -714,16 +713,3 @@ class StagedCopyEngine(CopyEngine):
     def close(self) -> None:
         self.host_engine.close()
         self.device_engine.close()
-
-
-def default_copy_engine() -> CopyEngine:
-    """With CUDA, the device copy kernel's engine
-    (:class:`~kvstrata.physical.device_copy.DeviceCopyEngine`, falling back to
-    :class:`StagedCopyEngine` for memory it cannot address), or :class:`StagedCopyEngine`
-    alone where Triton is missing; without CUDA, :class:`MemmoveCopyEngine`."""
-    if not torch.cuda.is_available():
-        return MemmoveCopyEngine()
-    from .device_copy import DeviceCopyEngine, device_kernel_status
-    if device_kernel_status()["available"]:
-        return DeviceCopyEngine()
-    return StagedCopyEngine()

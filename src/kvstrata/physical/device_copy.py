@@ -40,6 +40,7 @@ without a GPU use to check the plan, the kernels and the checksums byte for byte
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Callable
 
@@ -53,10 +54,14 @@ from .copy import OFFLOAD, ONBOARD, CopyEngine, StagedCopyEngine
 from .device_plan import DevicePiecePlan, plan_device_pieces
 from .storage.base import BlockMemory
 
-__all__ = ["DeviceCopyEngine", "device_kernel_status", "TRANSPORTS"]
+__all__ = ["DeviceCopyEngine", "device_kernel_status", "device_kernels", "TRANSPORTS"]
 
 
-def _load_kernel():
+@functools.cache
+def device_kernels():
+    """``(module, None)`` with the Triton kernels (:mod:`._triton_copy`), or ``(None, why
+    not)``. Imported on first use, not with kvstrata: Triton takes a second and tens of MiB
+    to import, and a CPU-only process never needs it."""
     try:
         from . import _triton_copy
     except Exception as exc:   # not installed, or a Triton that does not import here
@@ -64,14 +69,12 @@ def _load_kernel():
     return _triton_copy, None
 
 
-_kernels, KERNEL_ERROR = _load_kernel()
-
-
 def device_kernel_status() -> dict:
     """Whether the device copy kernel can run: ``{"available": bool, "reason": str|None}``
     (``available`` needs Triton and CUDA)."""
-    if _kernels is None:
-        return {"available": False, "reason": KERNEL_ERROR}
+    kernels, error = device_kernels()
+    if kernels is None:
+        return {"available": False, "reason": error}
     if not torch.cuda.is_available():
         return {"available": False, "reason": "no CUDA device"}
     return {"available": True, "reason": None}
@@ -130,8 +133,9 @@ class DeviceCopyEngine(CopyEngine):
                  max_piece_bytes: int = 64 << 10, block_elements: int = 4096,
                  num_warps: int = 4, programs: int | None = None,
                  hash_threads: int | None = None, device_checksums: bool = True) -> None:
-        if _kernels is None:
-            raise RuntimeError(f"device copy kernel unavailable: {KERNEL_ERROR}")
+        kernels, error = device_kernels()
+        if kernels is None:
+            raise RuntimeError(f"device copy kernel unavailable: {error}")
         if not interpret and not torch.cuda.is_available():
             raise RuntimeError("device copy kernel unavailable: no CUDA device")
         if transport not in TRANSPORTS:
@@ -143,9 +147,9 @@ class DeviceCopyEngine(CopyEngine):
         from .storage.host import default_hash_threads
         self.interpret = interpret
         self.transport = transport
-        self._kernel = _kernels.interpreted() if interpret else _kernels.copy_pieces
-        self._summed_kernel = (_kernels.interpreted(summed=True) if interpret
-                               else _kernels.copy_pieces_summed)
+        self._kernel = kernels.interpreted() if interpret else kernels.copy_pieces
+        self._summed_kernel = (kernels.interpreted(summed=True) if interpret
+                               else kernels.copy_pieces_summed)
         self.fallback = fallback if fallback is not None else StagedCopyEngine()
         self.slice_bytes = slice_bytes
         self.max_piece_bytes = max_piece_bytes

@@ -70,7 +70,8 @@ from ..protocol.plans import TransferPlan
 from ..protocol.results import TransferResult
 from ..tiers import Addressing, UnknownTierError, is_onboard, ordered, path_name, spec, split_path
 from .buffers import AlignedBuffer
-from .copy import OFFLOAD, ONBOARD, CopyEngine, default_copy_engine
+from .copy import OFFLOAD, ONBOARD, CopyEngine
+from .engines import default_copy_engine
 from .errors import (BlockFailure, BlockIOError, EngineBusyError, EngineClosedError,
                      FailureKind, StorageConfigError, TransferPlanError, raise_for_failures)
 from .pacing import ForwardPacer
@@ -86,7 +87,7 @@ _Handler = Callable[[TransferPlan, Storage, Storage, dict[int, BlockFailure], li
 class TransferEngine:
     """Moves blocks between ``storages`` (keyed by tier name, each serving its tier's kind),
     for the endpoints of ``worker``. ``copy_engine`` defaults to
-    :func:`~kvstrata.physical.copy.default_copy_engine`; ``staging_bytes`` bounds the
+    :func:`~kvstrata.physical.engines.default_copy_engine`; ``staging_bytes`` bounds the
     per-worker bounce buffer of the G3->G1 and G4->G1 paths; ``hash_slice_bytes`` is how much of a G1->G2
     batch is copied before its checksums are computed (cache-sized)."""
 
