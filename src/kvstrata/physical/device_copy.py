@@ -123,8 +123,8 @@ class DeviceCopyEngine(CopyEngine):
     it holds no SM while bytes cross PCIe and overlaps a forward far better, but measured
     0.4-0.8 of the DMA limit for 32-64 KiB pieces and under 0.1 for 8-18 KiB pieces on an
     H200, so it is opt-in); a transport that fails its self-test on a device falls back to
-    the other, then to ``fallback``. ``programs``: the grid the kernel aims at (default: the device's SM
-    count); each program copies a group of consecutive pieces."""
+    the other, then to ``fallback``. ``programs``: the grid the kernel aims at (default: the
+    device's SM count); each program copies a group of consecutive pieces."""
 
     name = "device"
 

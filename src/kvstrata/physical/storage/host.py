@@ -1,12 +1,13 @@
 """G2 host storage: one FullyContiguous region of host RAM, a block per slot.
 
-``HostStorage(config)`` allocates ``num_blocks * block_stride`` bytes of page-aligned
-anonymous memory, every page touched at creation so the data path never faults. When CUDA is
-present it is also registered with CUDA (page-locked and mapped into the device's address
-space, :class:`~kvstrata.physical.buffers.AlignedBuffer` with ``pin``): the device copy kernel
-reads and writes the slots directly, and disk I/O with O_DIRECT still goes straight from/to a
-slot (torch's pinned allocator would not keep it page aligned). Each block is contiguous, so moving a block is one
-copy, and disk I/O can go straight from/to a slot when ``block_stride`` is a multiple of 4096.
+``HostStorage(config)`` allocates ``num_blocks * block_stride`` bytes of page-aligned anonymous
+memory, every page touched at creation so the data path never faults. When CUDA is present it
+is also registered with CUDA (page-locked and mapped into the device's address space,
+:class:`~kvstrata.physical.buffers.AlignedBuffer` with ``pin``): the device copy kernel reads
+and writes the slots directly, and disk I/O with O_DIRECT still goes straight from/to a slot
+(torch's pinned allocator would not keep it page aligned). Each block is contiguous, so moving
+a block is one copy, and disk I/O can go straight from/to a slot when ``block_stride`` is a
+multiple of 4096.
 
 Integrity: the storage keeps a :class:`~kvstrata.physical.checksum.ChecksumTable`. Writers call
 :meth:`HostStorage.begin_write` before and :meth:`HostStorage.seal` after putting bytes in a
@@ -18,6 +19,9 @@ When checksums are computed (``checksums=``):
 
 * ``"eager"`` — every block is hashed as it is written into G2 (the G1->G2 copy hashes each
   block right behind the copy, while it is in cache). Needed to detect corruption *in G2*.
+  From a GPU, through :class:`~kvstrata.physical.device_copy.DeviceCopyEngine`, what is
+  recorded at write time is the block's *device checksum*, computed by the copy kernel; the
+  xxh3 follows on first need, after the bytes were checked against the device checksum.
 * ``"deferred"`` — a G1->G2 block is sealed without a checksum; it is hashed on first need:
   when it is written to G3 (the disk hashes it while the write runs, and the value is recorded
   here too), or by :meth:`HostStorage.ensure_checksums`. G3->G2 blocks carry the disk's
