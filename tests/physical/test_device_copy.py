@@ -341,3 +341,90 @@ def test_gpu_transfer_engine_catches_a_changed_g2_byte_with_device_checksums():
     assert on.failures[0].kind is FailureKind.CHECKSUM_MISMATCH
     for s_ in (0, 1, 2, 4, 5, 6, 7):
         assert torch.equal(block_bytes_of(g1, s_).cpu(), block_bytes_of(g1, 16 + s_).cpu())
+
+
+# ----------------------------------------------------------------------------- review fixes
+@needs_triton
+def test_a_byte_changed_between_the_device_check_and_the_store_fails_the_g3_read(tmp_path):
+    """The store's xxh3 of a device-summed G2 block is taken before its device check and
+    travels to G3: a change after the check is written, but every G3 read of it fails."""
+    g1, g2 = _tiers()
+    disk = DiskStorage(g2.config.with_blocks(8), tmp_path, o_direct=False)
+    with TransferEngine({"G1": g1, "G2": g2, "G3": disk},
+                        copy_engine=interpreter(slice_bytes=1536)) as eng:
+        assert _submit(eng, "G1->G2", [0, 1], [7, 8], [81, 82]).all_ok
+        original = disk.write_blocks
+
+        def racing_write(ids, sources, seqs, **kw):   # a writer races the store
+            sources[0][3] ^= 0x40
+            return original(ids, sources, seqs, **kw)
+        disk.write_blocks = racing_write
+        down = _submit(eng, "G2->G3", [7, 8], [0, 1], [81, 82], job=2)
+        disk.write_blocks = original
+        up = _submit(eng, "G3->G2", [0, 1], [3, 4], [81, 82], job=3)
+    assert down.all_ok
+    assert up.ok == (False, True) and up.failures[0].kind is FailureKind.CHECKSUM_MISMATCH
+    assert g2.check_readable([7], [81])[0].kind is FailureKind.CHECKSUM_MISMATCH
+    disk.close()
+
+
+@needs_triton
+def test_an_export_stops_before_a_block_that_fails_its_device_checksum():
+    g1, g2 = _tiers()
+    with TransferEngine({"G1": g1, "G2": g2}, copy_engine=interpreter(slice_bytes=1536)) as eng:
+        assert _submit(eng, "G1->G2", [0, 1, 2], [7, 8, 9], [81, 82, 83]).all_ok
+    g2.payload(9)[0] ^= 1
+    held = g2.pin_held([81, 82, 83])
+    assert [row[:2] for row in held] == [(81, 7), (82, 8)]
+    assert [row[2] for row in held] == [xxhash.xxh3_64_intdigest(g2.payload(b)) for b in (7, 8)]
+    assert g2.check_readable([9], [83])[0].kind is FailureKind.NOT_WRITTEN   # invalidated
+    g2.unpin([7, 8])
+    g2.begin_write([7, 8])                       # nothing left pinned
+
+
+@needs_triton
+def test_every_queued_launch_is_waited_for_when_a_check_raises(monkeypatch):
+    cfg = small_config(num_blocks=12, alignment=64)
+    host = HostStorage(cfg)
+    g1 = DeviceStorage.allocate(cfg, kv_layout="outer_contiguous", device="cpu")
+    engine = interpreter(slice_bytes=2 * cfg.block_bytes)
+    queued, waited = [], []
+    launch = engine._launch
+    monkeypatch.setattr(engine, "_launch", lambda *a, **k: queued.append(launch(*a, **k))
+                        or queued[-1])
+    monkeypatch.setattr(engine, "_wait", lambda item: waited.append(item))
+
+    def check(lo, hi):
+        if lo:
+            raise RuntimeError("the check broke")
+        return list(range(lo, hi))
+    with pytest.raises(RuntimeError, match="broke"):
+        engine.copy_checked(host.memory, list(range(10)), g1.memory, list(range(10)), check)
+    assert queued and waited == queued
+
+
+@needs_triton
+def test_an_offload_falls_back_to_host_checksums_when_the_engine_cannot_sum(monkeypatch):
+    g1, g2 = _tiers()
+    engine = interpreter(slice_bytes=1536)
+    monkeypatch.setattr(engine, "copy_summed", lambda *a, **k: None)
+    with TransferEngine({"G1": g1, "G2": g2}, copy_engine=engine) as eng:
+        off = _submit(eng, "G1->G2", [0, 3], [7, 1], [81, 82])
+    assert off.all_ok
+    assert list(off.checksums) == [xxhash.xxh3_64_intdigest(g2.payload(b)) for b in (7, 1)]
+    for s_, d in ((0, 7), (3, 1)):
+        assert torch.equal(block_bytes_of(g1, s_), block_bytes_of(g2, d))
+
+
+def test_checksum_threads_survive_callers_asking_for_different_sizes():
+    rng = np.random.default_rng(1)
+    data = rng.integers(0, 256, 64 << 20, dtype=np.uint8)
+    addresses = data.ctypes.data + np.arange(32, dtype=np.uint64) * (2 << 20)
+    expected = [xxhash.xxh3_64_intdigest(data[i * (2 << 20):(i + 1) * (2 << 20)])
+                for i in range(32)]
+    from concurrent.futures import ThreadPoolExecutor
+    from kvstrata.physical.checksum import memory_checksums
+    with ThreadPoolExecutor(4) as callers:
+        runs = [callers.submit(memory_checksums, addresses, 2 << 20, threads=t,
+                               min_part_bytes=1 << 20) for t in (2, 8, 3, 16, 5, 1) * 3]
+        assert all(r.result().tolist() == expected for r in runs)

@@ -17,7 +17,8 @@ import weakref
 import numpy as np
 import torch
 
-__all__ = ["PAGE_SIZE", "AlignedBuffer", "address_of", "CudaRegistrationError", "cuda_mapped"]
+__all__ = ["PAGE_SIZE", "AlignedBuffer", "address_of", "CudaRegistrationError", "cuda_mapped",
+           "pinned_if_possible"]
 
 PAGE_SIZE = mmap.PAGESIZE
 HUGE_PAGE_SIZE = 2 << 20
@@ -52,6 +53,22 @@ def _cuda_register(address: int, size: int) -> None:
         raise CudaRegistrationError(f"cudaHostRegister of {size} bytes failed with CUDA "
                                     f"error {code}")
     _registered[address] = size
+
+
+def pinned_if_possible(size: int) -> AlignedBuffer:
+    """An :class:`AlignedBuffer` registered with CUDA, or, where the driver refuses (a
+    locked-memory limit, say), an unregistered one with a warning: copies then go through
+    a staging engine, slower but right."""
+    try:
+        return AlignedBuffer(size, pin=True)
+    except CudaRegistrationError as exc:
+        import warnings
+        clear = getattr(torch.cuda.cudart(), "cudaGetLastError", None)
+        if clear is not None:      # the refusal must not surface at an unrelated later call
+            clear()
+        warnings.warn(f"{exc}; host memory left unpinned (GPU copies will be staged)",
+                      RuntimeWarning, stacklevel=2)
+        return AlignedBuffer(size)
 
 
 def _cuda_unregister(address: int) -> None:

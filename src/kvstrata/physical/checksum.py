@@ -18,6 +18,7 @@ logical layer never schedules two transfers on one slot at a time).
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
@@ -165,30 +166,28 @@ def memory_device_checksums(addresses: Sequence[int] | np.ndarray, length: int, 
         return np.array([device_checksum((ctypes.c_char * length).from_address(int(a)))
                          for a in addrs.tolist()], dtype=np.uint64)
     n = addrs.size
-    parts = max(1, min(threads, n))
+    parts = max(1, min(threads, n, _POOL_THREADS))
     if parts == 1:
         return np.frombuffer(_native_device_sums(addrs, length), dtype=np.uint64)
     bounds = [n * i // parts for i in range(parts + 1)]
-    pool = _hash_pool(parts)
+    pool = _hash_pool()
     futures = [pool.submit(_native_device_sums, addrs[bounds[i]:bounds[i + 1]], length)
                for i in range(parts)]
     return np.concatenate([np.frombuffer(f.result(), dtype=np.uint64) for f in futures])
 
 
 _pool: ThreadPoolExecutor | None = None
-_pool_threads = 0
 _pool_lock = threading.Lock()
+_POOL_THREADS = max(8, os.cpu_count() or 1)
 
 
-def _hash_pool(threads: int) -> ThreadPoolExecutor:
-    """The process's checksum threads (created on first use, grown to ``threads``)."""
-    global _pool, _pool_threads
+def _hash_pool() -> ThreadPoolExecutor:
+    """The process's checksum threads: created on first use, at its full size, and never
+    replaced (a caller may be submitting to it from any thread)."""
+    global _pool
     with _pool_lock:
-        if _pool is None or _pool_threads < threads:
-            old, _pool = _pool, ThreadPoolExecutor(threads, thread_name_prefix="kvstrata-hash")
-            _pool_threads = threads
-            if old is not None:
-                old.shutdown(wait=False)
+        if _pool is None:
+            _pool = ThreadPoolExecutor(_POOL_THREADS, thread_name_prefix="kvstrata-hash")
         return _pool
 
 
@@ -207,7 +206,7 @@ def memory_checksums(addresses: Sequence[int] | np.ndarray, length: int, *,
     n = addrs.size
     if n == 0:
         return np.zeros(0, dtype=np.uint64)
-    parts = int(max(1, min(threads, n, (n * length) // max(1, min_part_bytes))))
+    parts = int(max(1, min(threads, n, (n * length) // max(1, min_part_bytes), _POOL_THREADS)))
 
     def part(lo: int, hi: int) -> np.ndarray:
         chunk = addrs[lo:hi]
@@ -217,7 +216,7 @@ def memory_checksums(addresses: Sequence[int] | np.ndarray, length: int, *,
     if parts == 1:
         return part(0, n)
     bounds = [n * i // parts for i in range(parts + 1)]
-    pool = _hash_pool(parts - 1)
+    pool = _hash_pool()
     futures = [pool.submit(part, bounds[i], bounds[i + 1]) for i in range(1, parts)]
     first = part(bounds[0], bounds[1])     # this thread takes a part too
     return np.concatenate([first] + [f.result() for f in futures])

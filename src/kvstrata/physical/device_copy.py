@@ -40,8 +40,10 @@ without a GPU use to check the plan, the kernels and the checksums byte for byte
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
+import weakref
 from typing import Callable
 
 import numpy as np
@@ -49,7 +51,7 @@ import torch
 
 from ..protocol.layout import FullyContiguousLayout
 from .buffers import AlignedBuffer, cuda_mapped
-from .checksum import memory_checksums
+from .checksum import device_checksum, memory_checksums
 from .copy import OFFLOAD, ONBOARD, CopyEngine, StagedCopyEngine
 from .device_plan import DevicePiecePlan, plan_device_pieces
 from .storage.base import BlockMemory
@@ -195,10 +197,10 @@ class DeviceCopyEngine(CopyEngine):
         if not self.handles(src, dst):
             return self.fallback.copy(src, src_ids, dst, dst_ids, direction=direction)
         # slice by slice: the GPU copies the first slice while the next ones are planned
-        launches = [self._launch(src, src_ids[lo:hi], dst, dst_ids[lo:hi], direction)
-                    for lo, hi in self._slices(len(src_ids), src.layout.config.block_bytes)]
-        for launch in launches:
-            self._wait(launch)
+        with self._queued() as launches:
+            for lo, hi in self._slices(len(src_ids), src.layout.config.block_bytes):
+                launches.append(self._launch(src, src_ids[lo:hi], dst, dst_ids[lo:hi],
+                                             direction))
         return len(src_ids) * src.layout.config.block_bytes
 
     def summable(self, src: BlockMemory, dst: BlockMemory) -> bool:
@@ -209,11 +211,13 @@ class DeviceCopyEngine(CopyEngine):
                 or src.layout.config.block_bytes % 8):
             return False
         cache = src.__dict__.setdefault("_summable", {})   # BlockMemory is frozen: a cache
-        if id(dst) not in cache:
+        known = cache.get(id(dst))
+        if known is None or known[0]() is not dst:           # an id can be reused
             ids = [0, 1] if min(src.layout.config.num_blocks,
                                 dst.layout.config.num_blocks) > 1 else [0]
-            cache[id(dst)] = plan_device_pieces(src, ids, dst, ids).unit_bytes >= 8
-        return cache[id(dst)]
+            known = cache[id(dst)] = (weakref.ref(dst),
+                                      plan_device_pieces(src, ids, dst, ids).unit_bytes >= 8)
+        return known[1]
 
     def copy_summed(self, src, src_ids, dst, dst_ids, *,
                     direction=OFFLOAD) -> np.ndarray | None:
@@ -225,57 +229,68 @@ class DeviceCopyEngine(CopyEngine):
         :meth:`summable` says no."""
         if not self.summable(src, dst):
             return None
-        launches = [self._launch(src, src_ids[lo:hi], dst, dst_ids[lo:hi], direction,
-                                 summed=True)
-                    for lo, hi in self._slices(len(src_ids), src.layout.config.block_bytes)]
-        sums = []
-        for launch in launches:
-            self._wait(launch)
-            if launch is not None:
-                sums.append(launch.block_sums())
+        with self._queued() as launches:
+            for lo, hi in self._slices(len(src_ids), src.layout.config.block_bytes):
+                launches.append(self._launch(src, src_ids[lo:hi], dst, dst_ids[lo:hi],
+                                             direction, summed=True))
+        sums = [launch.block_sums() for launch in launches if launch is not None]
         return np.concatenate(sums) if sums else np.zeros(0, dtype=np.uint64)
 
     def copy_hashed(self, src, src_ids, dst, dst_ids, *, direction=OFFLOAD,
                     slice_bytes: int = 8 << 20, from_source: bool = False) -> list[int]:
         """:meth:`CopyEngine.copy_hashed` with the hashing overlapped: the batch is queued
-        slice by slice (``self.slice_bytes``), and each slice's destination blocks are hashed
-        (xxh3) on host threads as soon as it landed, while the next slices copy."""
+        slice by slice (``self.slice_bytes``; ``slice_bytes`` is the fallback's), and each
+        slice's destination blocks are hashed (xxh3) on host threads as soon as it landed,
+        while the next slices copy."""
         if from_source or not self.handles(src, dst) or dst.device.type != "cpu":
             return self.fallback.copy_hashed(src, src_ids, dst, dst_ids, direction=direction,
                                              slice_bytes=slice_bytes, from_source=from_source)
         if not isinstance(dst.layout, FullyContiguousLayout):
             raise ValueError("copy_hashed needs a FullyContiguous destination")
         bounds = self._slices(len(src_ids), src.layout.config.block_bytes)
-        launches = [self._launch(src, src_ids[lo:hi], dst, dst_ids[lo:hi], direction)
-                    for lo, hi in bounds]   # all queued: the GPU copies while this thread hashes
         base = int(dst.base_addresses()[0])
         stride, nbytes = dst.layout.block_stride, dst.layout.config.block_bytes
         ids = np.asarray(dst_ids, dtype=np.int64)
         sums: list[int] = []
-        for (lo, hi), launch in zip(bounds, launches):
-            self._wait(launch)
-            sums.extend(memory_checksums(base + ids[lo:hi] * stride, nbytes,
-                                         threads=self.hash_threads).tolist())
+        with self._queued() as launches:
+            for lo, hi in bounds:   # all queued: the GPU copies while this thread hashes
+                launches.append(self._launch(src, src_ids[lo:hi], dst, dst_ids[lo:hi],
+                                             direction))
+            for (lo, hi), launch in zip(bounds, launches):
+                self._wait(launch)
+                sums.extend(memory_checksums(base + ids[lo:hi] * stride, nbytes,
+                                             threads=self.hash_threads).tolist())
         return sums
 
     def copy_checked(self, src, src_ids, dst, dst_ids, check: Callable[[int, int], list[int]],
                      *, direction=ONBOARD, slice_bytes: int = 8 << 20) -> list[int]:
-        """:meth:`CopyEngine.copy_checked`, slice by slice: ``check`` of the next slice runs
-        on this thread while the GPU copies the slice before."""
+        """:meth:`CopyEngine.copy_checked`, slice by slice (``self.slice_bytes``;
+        ``slice_bytes`` is the fallback's): ``check`` of the next slice runs on this thread
+        while the GPU copies the slice before."""
         if not self.handles(src, dst):
             return self.fallback.copy_checked(src, src_ids, dst, dst_ids, check,
                                               direction=direction, slice_bytes=slice_bytes)
         good: list[int] = []
-        launched = []
-        for lo, hi in self._slices(len(src_ids), src.layout.config.block_bytes):
-            passed = check(lo, hi)
-            if passed:
-                launched.append(self._launch(src, [src_ids[p] for p in passed], dst,
-                                             [dst_ids[p] for p in passed], direction))
-                good.extend(passed)
-        for launch in launched:   # one stream: in order; waiting on each frees its arrays
-            self._wait(launch)
+        with self._queued() as launches:
+            for lo, hi in self._slices(len(src_ids), src.layout.config.block_bytes):
+                passed = check(lo, hi)
+                if passed:
+                    launches.append(self._launch(src, [src_ids[p] for p in passed], dst,
+                                                 [dst_ids[p] for p in passed], direction))
+                    good.extend(passed)
         return good
+
+    @contextlib.contextmanager
+    def _queued(self):
+        """A list to put this call's launches in; on leaving, however it is left (a check
+        or a later slice raising included), every launch queued is waited for, so no copy
+        lands after the call has returned or failed."""
+        launches: list = []
+        try:
+            yield launches
+        finally:
+            for launch in launches:   # one stream: in order
+                self._wait(launch)
 
     def close(self) -> None:
         self.fallback.close()
@@ -303,6 +318,9 @@ class DeviceCopyEngine(CopyEngine):
         return chosen
 
     def _try_transport(self, transport: str, device: torch.device) -> str | None:
+        """Why ``transport`` cannot be used on ``device`` (None: it can). It moves random
+        bytes host -> device and back in reversed pieces, the way back with device
+        checksums (the 16 pieces as one block), and compares bytes and checksum."""
         try:
             host = AlignedBuffer(1 << 16, pin=True)
             expected = torch.randint(0, 256, (16, 4096), dtype=torch.uint8)
@@ -310,22 +328,25 @@ class DeviceCopyEngine(CopyEngine):
             device_side = torch.zeros(1 << 16, dtype=torch.uint8, device=device)
             forward = np.arange(16, dtype=np.int64) * 256             # 4 KiB runs, in units
             reverse = DevicePiecePlan(0, 0, forward[::-1].copy(), forward, 16, 4096)
-            error = None
             # a stream of our own: batched DMA refuses the legacy default stream
             stream = self._stream(ONBOARD, device)
             with torch.cuda.device(device), torch.cuda.stream(stream):
-                self._queue(transport, host.tensor, device_side, reverse, 0, device, stream)
+                self._queue(transport, host.tensor, device_side, reverse, 0, device, stream,
+                            fall_back=False)
             torch.cuda.synchronize(device)
             if not torch.equal(device_side.cpu().view(16, 4096), expected.flip(0)):
-                error = "its self-test read wrong bytes from host memory"
+                return "its self-test read wrong bytes from host memory"
             host.tensor.zero_()
             with torch.cuda.device(device), torch.cuda.stream(stream):
-                self._queue(transport, device_side, host.tensor, reverse, 0, device, stream)
+                launch = self._queue(transport, device_side, host.tensor, reverse, 16, device,
+                                     stream, fall_back=False)
             torch.cuda.synchronize(device)
-            if error is None and not torch.equal(host.tensor.view(16, 4096), expected):
-                error = "its self-test wrote wrong bytes to host memory"
+            if not torch.equal(host.tensor.view(16, 4096), expected):
+                return "its self-test wrote wrong bytes to host memory"
+            if launch.block_sums().tolist() != [device_checksum(expected.numpy())]:
+                return "its self-test computed a wrong device checksum"
             host.unpin()
-            return error
+            return None
         except Exception as exc:      # noqa: BLE001 - any failure means: do not use it
             return f"{type(exc).__name__}: {exc}"
 
@@ -368,6 +389,9 @@ class DeviceCopyEngine(CopyEngine):
             return None
         plan = plan_device_pieces(src, src_ids, dst, dst_ids,
                                   max_piece_bytes=self.max_piece_bytes)
+        if summed and plan.unit_bytes < 8:
+            raise ValueError(f"device checksums need 8-byte aligned pieces, these are aligned "
+                             f"to {plan.unit_bytes} (see summable)")
         per_block = plan.pieces // len(src_ids) if summed else 0
         src_region, dst_region = src.regions[plan.src_base], dst.regions[plan.dst_base]
         if self.interpret:
@@ -384,10 +408,12 @@ class DeviceCopyEngine(CopyEngine):
 
     def _queue(self, transport: str, src: torch.Tensor, dst: torch.Tensor,
                plan: DevicePiecePlan, per_block: int, device: torch.device | None,
-               stream) -> "_Launch":
+               stream, *, fall_back: bool = True) -> "_Launch":
         """Queue ``plan`` from byte tensor ``src`` (the plan's source base region) to ``dst``
         on ``stream`` (the current one); with ``per_block`` (pieces per block), the device
-        checksum shares come back to host memory on the same stream."""
+        checksum shares come back to host memory on the same stream. A DMA batch the driver
+        refuses outright goes to the kernel (and the kernel takes the device from then on)
+        unless not ``fall_back`` (the self-test: it must see DMA fail)."""
         if transport == "kernel":
             return self._run_kernel(src, dst, plan.src_units, plan.dst_units, plan, per_block,
                                     device, copy=True)
@@ -402,7 +428,7 @@ class DeviceCopyEngine(CopyEngine):
                              sizes[lo:lo + _DMA_BATCH], stream.cuda_stream,
                              stream.device.index or 0)
         except RuntimeError as exc:
-            if device is None or lo:     # part of the batch queued: nothing safe to redo here
+            if not fall_back or device is None or lo:   # part queued: nothing safe to redo
                 raise
             with self._lock:        # refused outright: the kernel takes this device from now
                 self._transports[device] = "kernel"

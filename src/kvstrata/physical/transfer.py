@@ -69,7 +69,7 @@ from ..protocol.layout import FullyContiguousLayout
 from ..protocol.plans import TransferPlan
 from ..protocol.results import TransferResult
 from ..tiers import Addressing, UnknownTierError, is_onboard, ordered, path_name, spec, split_path
-from .buffers import AlignedBuffer
+from .buffers import AlignedBuffer, pinned_if_possible
 from .copy import OFFLOAD, ONBOARD, CopyEngine
 from .engines import default_copy_engine
 from .errors import (BlockFailure, BlockIOError, EngineBusyError, EngineClosedError,
@@ -295,7 +295,7 @@ class TransferEngine:
         summable = getattr(self.copy_engine, "summable", None)
         if summable is not None and summable(src.memory, dst.memory):
             if dst.keeps_checksums and dst.verify_reads:
-                self._offload_summed(plan, src, dst, failures, direction)
+                self._offload_summed(plan, src, dst, failures, checksums, direction)
                 return
             if src.keeps_checksums and src.verify_reads and not dst.keeps_checksums:
                 self._onboard_summed(plan, src, dst, failures, direction)
@@ -332,7 +332,7 @@ class TransferEngine:
         for p, value in zip(good, sealed):
             checksums[p] = value
 
-    def _offload_summed(self, plan, src, dst, failures, direction) -> None:
+    def _offload_summed(self, plan, src, dst, failures, checksums, direction) -> None:
         """Into a verifying G2 through the GPU copy kernel: each block's device checksum is
         computed by the kernel from the engine's own bytes as they pass and recorded with
         the slot (its xxh3 is left to the first need: a store to G3 hashes it, after checking
@@ -340,12 +340,20 @@ class TransferEngine:
         good = _readable(src, plan, failures)
         if not good:
             return
+        src_ids = _at(plan.src_block_ids, good, len(plan))
         dst_ids = _at(plan.dst_block_ids, good, len(plan))
+        seqs = _at(plan.sequence_hashes, good, len(plan))
         dst.begin_write(dst_ids)
-        sums = self.copy_engine.copy_summed(src.memory, _at(plan.src_block_ids, good, len(plan)),
-                                            dst.memory, dst_ids, direction=direction)
-        dst.seal(dst_ids, _at(plan.sequence_hashes, good, len(plan)), defer=True,
-                 device_sums=sums)
+        sums = self.copy_engine.copy_summed(src.memory, src_ids, dst.memory, dst_ids,
+                                            direction=direction)
+        if sums is None:      # the engine could not after all: xxh3 behind the copy instead
+            hashed = self.copy_engine.copy_hashed(src.memory, src_ids, dst.memory, dst_ids,
+                                                  direction=direction,
+                                                  slice_bytes=self.hash_slice_bytes)
+            for p, value in zip(good, dst.seal(dst_ids, seqs, hashed)):
+                checksums[p] = value
+            return
+        dst.seal(dst_ids, seqs, defer=True, device_sums=sums)
 
     def _onboard_summed(self, plan, src, dst, failures, direction) -> None:
         """From a verifying G2 into device memory through the GPU copy kernel. Blocks whose
@@ -366,12 +374,16 @@ class TransferEngine:
             sums = self.copy_engine.copy_summed(
                 src.memory, [plan.src_block_ids[p] for p in summed], dst.memory,
                 [plan.dst_block_ids[p] for p in summed], direction=direction)
-            recorded = expected[known]
-            for i in np.flatnonzero(sums != recorded).tolist():
-                p = summed[i]
-                failures[p] = BlockFailure(p, plan.src_block_ids[p], FailureKind.CHECKSUM_MISMATCH,
-                                           f"device checksum {int(sums[i]):#018x} != recorded "
-                                           f"{int(recorded[i]):#018x}")
+            if sums is None:    # nothing copied: verified on the host with the rest below
+                known[:] = False
+            else:
+                recorded = expected[known]
+                for i in np.flatnonzero(sums != recorded).tolist():
+                    p = summed[i]
+                    failures[p] = BlockFailure(
+                        p, plan.src_block_ids[p], FailureKind.CHECKSUM_MISMATCH,
+                        f"device checksum {int(sums[i]):#018x} != recorded "
+                        f"{int(recorded[i]):#018x}")
         rest = [p for p, k in zip(good, known.tolist()) if not k]
         if rest:
             def check(lo: int, hi: int) -> list[int]:
@@ -527,7 +539,8 @@ class TransferEngine:
             blocks = max(1, self.staging_bytes // layout.block_stride)
             layout = FullyContiguousLayout(layout.config.with_blocks(blocks))
             # registered with CUDA where a G1 is on a GPU: the device copy kernel reads it
-            buffer = AlignedBuffer(layout.region_bytes(0), pin=self._pin_staging)
+            size = layout.region_bytes(0)
+            buffer = pinned_if_possible(size) if self._pin_staging else AlignedBuffer(size)
             self._local.staging = (buffer, BlockMemory(layout, (buffer.tensor,)))
         return self._local.staging
 

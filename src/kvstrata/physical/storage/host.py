@@ -36,12 +36,13 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from dataclasses import replace
 from typing import Sequence
 
 import numpy as np
 import torch
 
-from ..buffers import AlignedBuffer
+from ..buffers import AlignedBuffer, pinned_if_possible
 from ..checksum import (ChecksumTable, block_checksum, memory_checksums,
                         memory_device_checksums)
 from ..dtypes import torch_dtype
@@ -81,8 +82,10 @@ class HostStorage(MemoryStorage):
                                      f"got {checksums!r}")
         layout = FullyContiguousLayout(config)
         size = layout.region_bytes(0)
-        self.pinned = torch.cuda.is_available() if pin is None else bool(pin)
-        self._buffer: AlignedBuffer | None = AlignedBuffer(size, pin=self.pinned)
+        want_pin = torch.cuda.is_available() if pin is None else bool(pin)
+        self._buffer: AlignedBuffer | None = (pinned_if_possible(size) if want_pin
+                                              else AlignedBuffer(size))
+        self.pinned = self._buffer.pinned
         region = self._buffer.tensor
         self.hash_threads = default_hash_threads() if hash_threads is None else max(1, hash_threads)
         super().__init__(BlockMemory(layout, (region,)))
@@ -153,11 +156,15 @@ class HostStorage(MemoryStorage):
             for slot in slots:
                 self._pins[slot] += 1
         try:
-            checksums = self.ensure_checksums(slots)
+            checksums, failures = self._xxh3_of(slots)
         except BaseException:
             self.unpin(slots)
             raise
-        return list(zip(wanted[:held].tolist(), slots, checksums))
+        if failures:        # the prefix ends before the first block that failed its check
+            cut = min(f.position for f in failures)
+            self.unpin(slots[cut:])
+            slots, checksums = slots[:cut], checksums[:cut]
+        return list(zip(wanted[:len(slots)].tolist(), slots, checksums))
 
     def unpin(self, block_ids: Sequence[int]) -> None:
         """Undo :meth:`pin_held` for these slots."""
@@ -194,21 +201,37 @@ class HostStorage(MemoryStorage):
         return checksums
 
     def ensure_checksums(self, block_ids: Sequence[int]) -> list[int]:
-        """Checksums of valid slots, hashing (and recording) those not computed yet."""
+        """Checksums of valid slots, hashing (and recording) those not computed yet. A slot
+        whose bytes no longer match its device checksum raises
+        :class:`~kvstrata.physical.errors.ChecksumMismatchError` (and is invalidated)."""
+        values, failures = self._xxh3_of(block_ids)
+        raise_for_failures("G2 device checksum check", failures, len(block_ids))
+        return values  # type: ignore[return-value]
+
+    def _xxh3_of(self, block_ids: Sequence[int]) -> tuple[list[int | None], list[BlockFailure]]:
+        """The xxh3 of each slot, hashing those not computed yet, and the failures of slots
+        whose bytes fail their device checksum (``None`` values there; those slots are
+        invalidated). The xxh3 is taken *before* the device check: a byte that changes after
+        the hash is either caught by the check or differs from the recorded xxh3 at every
+        later read, so no changed block is ever recorded under a checksum of its own."""
         self._check_open()
         values = self.checksums.checksums_of(block_ids)
         missing = [i for i, v in enumerate(values) if v is None]
-        if missing:
-            # bytes the GPU copy summed are checked against that sum before they are trusted
-            raise_for_failures("G2 device checksum check",
-                               self._check_device_sums(missing, [block_ids[i] for i in missing]),
-                               len(block_ids))
-            for i in missing:
-                values[i] = block_checksum(self.payload(block_ids[i]))
-            entries = [self.checksums.get(block_ids[i]) for i in missing]
-            self.checksums.fill([block_ids[i] for i in missing], [values[i] for i in missing],
-                                [e[1] if e else 0 for e in entries])
-        return values  # type: ignore[return-value]
+        if not missing:
+            return values, []
+        slots = [block_ids[i] for i in missing]
+        hashed = self.payload_checksums(slots).tolist()
+        failures = self._check_device_sums(missing, slots)
+        bad = {f.position for f in failures}
+        if bad:
+            self.checksums.invalidate([block_ids[p] for p in bad])
+        keep = [k for k, i in enumerate(missing) if i not in bad]
+        self.checksums.fill([slots[k] for k in keep], [hashed[k] for k in keep],
+                            self.checksums.sequence_hashes_of(
+                                [slots[k] for k in keep]).tolist())
+        for k, i in enumerate(missing):
+            values[i] = None if i in bad else hashed[k]
+        return values, failures
 
     def check_readable(self, block_ids: Sequence[int], sequence_hashes: Sequence[int],
                        *, verify: bool | None = None) -> list[BlockFailure]:
@@ -221,10 +244,13 @@ class HostStorage(MemoryStorage):
             positions = [p for p in range(len(block_ids)) if p not in bad]
             slots = [block_ids[p] for p in positions]
             by_device = self._device_summed(slots)
-            if by_device.any():     # xxh3 not known yet, device checksum known: check that
-                failures += self._check_device_sums(
-                    [p for p, d in zip(positions, by_device) if d],
-                    [b for b, d in zip(slots, by_device) if d])
+            if by_device.any():
+                # xxh3 not known yet, device checksum known: hash, then check the device
+                # checksum, and record the xxh3 of what passed (it travels on to G3)
+                summed = [b for b, d in zip(slots, by_device) if d]
+                _, found = self._xxh3_of(summed)
+                at = [p for p, d in zip(positions, by_device) if d]
+                failures += [replace(f, position=at[f.position]) for f in found]
                 positions = [p for p, d in zip(positions, by_device) if not d]
                 slots = [b for b, d in zip(slots, by_device) if not d]
             failures += self.checksums.compare(positions, slots, self.payload_checksums(slots))
