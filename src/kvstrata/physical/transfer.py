@@ -362,29 +362,32 @@ class TransferEngine:
         differs was written into its device slot but is reported failed (the engine
         recomputes it, never reads it as loaded). Other blocks are verified on the host
         before they are copied (xxh3, slice by slice)."""
-        for f in src.check_readable(plan.src_block_ids, plan.sequence_hashes, verify=False):
+        src_ids = np.asarray(plan.src_block_ids, dtype=np.int64)   # vectorized: a batch
+        dst_ids = np.asarray(plan.dst_block_ids, dtype=np.int64)   # can be 4096 blocks
+        readable = np.ones(len(plan), dtype=bool)
+        for f in src.check_readable(src_ids, plan.sequence_hashes, verify=False):
             failures[f.position] = f
-        good = [p for p in range(len(plan)) if p not in failures]
-        if not good:
+            readable[f.position] = False
+        good = np.flatnonzero(readable)
+        if not good.size:
             return
         dst.begin_write(plan.dst_block_ids)
-        expected, known = src.checksums.device_sums_of([plan.src_block_ids[p] for p in good])
-        summed = [p for p, k in zip(good, known.tolist()) if k]
-        if summed:
-            sums = self.copy_engine.copy_summed(
-                src.memory, [plan.src_block_ids[p] for p in summed], dst.memory,
-                [plan.dst_block_ids[p] for p in summed], direction=direction)
+        expected, known = src.checksums.device_sums_of(src_ids[good])
+        summed = good[known]
+        if summed.size:
+            sums = self.copy_engine.copy_summed(src.memory, src_ids[summed], dst.memory,
+                                                dst_ids[summed], direction=direction)
             if sums is None:    # nothing copied: verified on the host with the rest below
                 known[:] = False
             else:
                 recorded = expected[known]
                 for i in np.flatnonzero(sums != recorded).tolist():
-                    p = summed[i]
+                    p = int(summed[i])
                     failures[p] = BlockFailure(
                         p, plan.src_block_ids[p], FailureKind.CHECKSUM_MISMATCH,
                         f"device checksum {int(sums[i]):#018x} != recorded "
                         f"{int(recorded[i]):#018x}")
-        rest = [p for p, k in zip(good, known.tolist()) if not k]
+        rest = good[~known].tolist()
         if rest:
             def check(lo: int, hi: int) -> list[int]:
                 part = rest[lo:hi]
