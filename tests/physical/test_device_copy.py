@@ -11,7 +11,8 @@ import torch
 import xxhash
 
 from kvstrata.physical import (DeviceStorage, DiskStorage, FailureKind, HostStorage,
-                               MemmoveCopyEngine, TransferEngine, TransferPlan)
+                               MemmoveCopyEngine, StorageConfigError, TransferEngine,
+                               TransferPlan)
 from kvstrata.physical.buffers import PAGE_SIZE, cuda_mapped
 from kvstrata.physical.checksum import device_checksum, memory_device_checksums
 from kvstrata.physical.errors import ChecksumMismatchError
@@ -428,3 +429,30 @@ def test_checksum_threads_survive_callers_asking_for_different_sizes():
         runs = [callers.submit(memory_checksums, addresses, 2 << 20, threads=t,
                                min_part_bytes=1 << 20) for t in (2, 8, 3, 16, 5, 1) * 3]
         assert all(r.result().tolist() == expected for r in runs)
+
+
+def test_g2_refuses_pinning_without_cuda_and_slot_ids_out_of_range():
+    if not torch.cuda.is_available():
+        with pytest.raises(StorageConfigError, match="CUDA"):
+            HostStorage(small_config(), pin=True)
+    host = HostStorage(small_config(num_blocks=4))
+    for bad in ([4], [-1], [10 ** 6]):
+        with pytest.raises(IndexError):
+            host.payload_checksums(bad)
+        with pytest.raises(IndexError):
+            host.seal(bad, [1])
+
+
+def test_a_forked_child_hashes_with_threads_of_its_own():
+    import os
+    data = np.random.default_rng(2).integers(0, 256, 16 << 20, dtype=np.uint8)
+    addresses = data.ctypes.data + np.arange(8, dtype=np.uint64) * (2 << 20)
+    from kvstrata.physical.checksum import memory_checksums
+    expected = memory_checksums(addresses, 2 << 20, threads=4, min_part_bytes=1).tolist()
+    child = os.fork()
+    if child == 0:       # the child: must not wait on the parent's threads
+        ok = memory_checksums(addresses, 2 << 20, threads=4, min_part_bytes=1).tolist() \
+            == expected
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(child, 0)     # the test's own timeout catches a hang
+    assert os.WEXITSTATUS(status) == 0

@@ -63,9 +63,10 @@ def pinned_if_possible(size: int) -> AlignedBuffer:
         return AlignedBuffer(size, pin=True)
     except CudaRegistrationError as exc:
         import warnings
-        clear = getattr(torch.cuda.cudart(), "cudaGetLastError", None)
-        if clear is not None:      # the refusal must not surface at an unrelated later call
-            clear()
+        if torch.cuda.is_available():
+            clear = getattr(torch.cuda.cudart(), "cudaGetLastError", None)
+            if clear is not None:  # the refusal must not surface at an unrelated later call
+                clear()
         warnings.warn(f"{exc}; host memory left unpinned (GPU copies will be staged)",
                       RuntimeWarning, stacklevel=2)
         return AlignedBuffer(size)

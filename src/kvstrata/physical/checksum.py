@@ -181,6 +181,16 @@ _pool_lock = threading.Lock()
 _POOL_THREADS = max(8, os.cpu_count() or 1)
 
 
+def _forget_pool_in_child() -> None:
+    # a forked child has the pool's state but none of its threads: start afresh there
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool_in_child)
+
+
 def _hash_pool() -> ThreadPoolExecutor:
     """The process's checksum threads: created on first use, at its full size, and never
     replaced (a caller may be submitting to it from any thread)."""

@@ -303,10 +303,14 @@ class TransferEngine:
         if not dst.keeps_checksums or not dst.eager_checksums:
             # the source's read check (bytes verified, for a verifying G2) slice by slice,
             # each slice checked while the copy engine may still be copying the one before
-            dst.begin_write(plan.dst_block_ids)
+            def check(lo: int, hi: int) -> list[int]:
+                passed = _readable(src, plan, failures, lo, hi)
+                if passed:          # only the slots about to be written are invalidated
+                    dst.begin_write([plan.dst_block_ids[p] for p in passed])
+                return passed
+
             good = self.copy_engine.copy_checked(
-                src.memory, plan.src_block_ids, dst.memory, plan.dst_block_ids,
-                lambda lo, hi: _readable(src, plan, failures, lo, hi),
+                src.memory, plan.src_block_ids, dst.memory, plan.dst_block_ids, check,
                 direction=direction, slice_bytes=self.hash_slice_bytes)
             if dst.keeps_checksums and good:   # deferred: hashed on first need (HostStorage)
                 dst.seal(_at(plan.dst_block_ids, good, len(plan)),

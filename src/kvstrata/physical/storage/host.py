@@ -82,6 +82,8 @@ class HostStorage(MemoryStorage):
                                      f"got {checksums!r}")
         layout = FullyContiguousLayout(config)
         size = layout.region_bytes(0)
+        if pin and not torch.cuda.is_available():
+            raise StorageConfigError("pin=True needs CUDA (pin=None pins where CUDA is)")
         want_pin = torch.cuda.is_available() if pin is None else bool(pin)
         self._buffer: AlignedBuffer | None = (pinned_if_possible(size) if want_pin
                                               else AlignedBuffer(size))
@@ -289,9 +291,12 @@ class HostStorage(MemoryStorage):
         """The xxh3-64 of each slot's payload as it is now (``uint64``), on
         ``hash_threads`` threads."""
         self._check_open()
+        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.config.num_blocks):
+            raise IndexError(f"slot id out of range [0, {self.config.num_blocks})")
         base = self._buffer.address
         stride = self.layout.block_stride
-        addresses = base + np.asarray(block_ids, dtype=np.uint64) * np.uint64(stride)
+        addresses = base + ids.astype(np.uint64) * np.uint64(stride)
         return memory_checksums(addresses, self.config.block_bytes, threads=self.hash_threads)
 
     # -- description
