@@ -19,8 +19,8 @@ and runs the plans the scheduler half ships each step (:class:`StepOrders`):
 * every finished plan's :class:`~kvstrata.protocol.TransferResult` goes back to the scheduler
   in the step's :class:`WorkerReport`.
 
-On a GPU build the only difference is the copy engine (device <-> pinned host copies on their
-own CUDA stream): this module is the same. Without a GPU the G1 "device" is vLLM's CPU KV
+On a GPU build the only difference is the copy engine (the device copy kernel between the KV
+tensors and G2 registered with CUDA, on its own CUDA streams): this module is the same. Without a GPU the G1 "device" is vLLM's CPU KV
 cache, which is what vLLM's CPU build runs on.
 """
 
@@ -95,8 +95,9 @@ def _dense_pages(tensor: torch.Tensor) -> bool:
 
 class WorkerHalf:
     """See the module docstring. ``rank`` is this worker's tensor-parallel rank;
-    ``copy_engine`` overrides the transfer engine's default (the CUDA staging engine when
-    CUDA is present, the host memmove engine otherwise)."""
+    ``copy_engine`` overrides the transfer engine's default (the GPU data path's
+    :class:`~kvstrata.physical.device_copy.DeviceCopyEngine` when CUDA is present, the host
+    memmove engine otherwise)."""
 
     def __init__(self, settings: ConnectorSettings, rank: int = 0,
                  copy_engine: CopyEngine | None = None, world_size: int = 1) -> None:
