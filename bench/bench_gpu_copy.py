@@ -224,9 +224,6 @@ def sweep(batch_bytes: int, reps: int) -> list[dict]:
     FlashAttention layout; at 2 MiB also the overlap of a summed onboard with matrix products
     on the default stream."""
     rows = []
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    one_matmul = _timed(lambda: a @ b, 3)
     for geometry in GEOMETRIES:
         layers, page, heads, dim, _ = GEOMETRIES[geometry]
         block_bytes = layers * 2 * page * heads * dim * 2
@@ -249,19 +246,10 @@ def sweep(batch_bytes: int, reps: int) -> list[dict]:
                 times[name] = _timed(fn, reps)
                 row[name] = nbytes / times[name] / 1e9
             if geometry == "2MiB":
-                count = max(1, round(times["summed_on"] / one_matmul))
-
-                def forward():
-                    for _ in range(count):
-                        a @ b
-
-                def both():
-                    forward()
-                    engine.copy_summed(g2.memory, slots, g1.memory, ids, direction="onboard")
-                alone = _timed(forward, 3)
-                together = _timed(both, 3)
-                row["overlap_vs_max"] = together / max(alone, times["summed_on"])
-                row["overlap_vs_sum"] = together / (alone + times["summed_on"])
+                o = overlap(lambda: engine.copy_summed(g2.memory, slots, g1.memory, ids,
+                                                       direction="onboard"),
+                            times["summed_on"])
+                row["overlap_vs_max"], row["overlap_vs_sum"] = o["vs_max"], o["vs_sum"]
             rows.append(row)
         g2.close()
     return rows

@@ -17,8 +17,9 @@ Entry points::
                         src_block_ids=[3, 7], dst_block_ids=[0, 1])
     result = engine.submit(plan).result()
 
-Modules: :mod:`.storage` (backends), :mod:`.checksum` (xxh3-64 and device checksums), :mod:`.copy`
-(host copy engines), :mod:`.device_copy` (the GPU one), :mod:`.engines` (the default), :mod:`.transfer` (the engine), :mod:`.dtypes` (names to torch dtypes),
+Modules: :mod:`.storage` (backends), :mod:`.checksum` (xxh3-64 and device checksums),
+:mod:`.copy` (host copy engines), :mod:`.device_copy` (the GPU one), :mod:`.engines` (the
+default), :mod:`.transfer` (the engine), :mod:`.dtypes` (names to torch dtypes),
 :mod:`.errors` (typed errors). Layouts, plans and results are the torch-free
 :mod:`kvstrata.protocol`, re-exported here. See docs/physical.md.
 """
@@ -41,7 +42,8 @@ from .storage import (BlockMemory, DeviceStorage, DiskStorage, FileOps, HostStor
 from .transfer import TransferEngine
 
 __all__ = ["ChecksumTable", "block_checksum", "CopyEngine", "MemmoveCopyEngine",
-           "StagedCopyEngine", "TorchCopyEngine", "DeviceCopyEngine", "default_copy_engine", "SUPPORTED_DTYPES",
+           "StagedCopyEngine", "TorchCopyEngine", "DeviceCopyEngine", "default_copy_engine",
+           "SUPPORTED_DTYPES",
            "BlockFailure", "BlockIntegrityError", "BlockIOError", "BlockNotFoundError",
            "ChecksumMismatchError",
            "DiskFullError", "EngineBusyError", "EngineClosedError", "FailureKind",

@@ -161,19 +161,11 @@ def memory_device_checksums(addresses: Sequence[int] | np.ndarray, length: int, 
     """:func:`device_checksum` of ``length`` bytes at each of ``addresses`` (``uint64``
     array), natively with the GIL let go where built (split over up to ``threads`` threads),
     else in numpy. The caller vouches the ranges are readable memory of this process."""
-    addrs = np.ascontiguousarray(np.asarray(addresses, dtype=np.uint64).reshape(-1))
-    if _native_device_sums is None:
-        return np.array([device_checksum((ctypes.c_char * length).from_address(int(a)))
-                         for a in addrs.tolist()], dtype=np.uint64)
-    n = addrs.size
-    parts = max(1, min(threads, n, _POOL_THREADS))
-    if parts == 1:
-        return np.frombuffer(_native_device_sums(addrs, length), dtype=np.uint64)
-    bounds = [n * i // parts for i in range(parts + 1)]
-    pool = _hash_pool()
-    futures = [pool.submit(_native_device_sums, addrs[bounds[i]:bounds[i + 1]], length)
-               for i in range(parts)]
-    return np.concatenate([np.frombuffer(f.result(), dtype=np.uint64) for f in futures])
+    def hash_part(chunk: np.ndarray) -> np.ndarray:
+        if _native_device_sums is None:
+            return _python_per_range(device_checksum, chunk, length)
+        return np.frombuffer(_native_device_sums(chunk, length), dtype=np.uint64)
+    return _per_range(hash_part, addresses, length, threads, min_part_bytes=length)
 
 
 _pool: ThreadPoolExecutor | None = None
@@ -201,9 +193,29 @@ def _hash_pool() -> ThreadPoolExecutor:
         return _pool
 
 
-def _python_range_checksums(addresses: np.ndarray, length: int) -> np.ndarray:
-    return np.array([block_checksum((ctypes.c_char * length).from_address(int(a)))
+def _python_per_range(digest, addresses: np.ndarray, length: int) -> np.ndarray:
+    """``digest`` of ``length`` bytes at each address, range by range in Python."""
+    return np.array([digest((ctypes.c_char * length).from_address(int(a)))
                      for a in addresses.tolist()], dtype=np.uint64)
+
+
+def _per_range(hash_part, addresses, length: int, threads: int,
+               min_part_bytes: int) -> np.ndarray:
+    """``hash_part(chunk of addresses) -> uint64 array`` over all ``addresses``, split into
+    up to ``threads`` parts of at least ``min_part_bytes`` run on the checksum threads, this
+    thread taking the first part (the hashes let the GIL go, so the parts run in parallel)."""
+    addrs = np.ascontiguousarray(np.asarray(addresses, dtype=np.uint64).reshape(-1))
+    n = addrs.size
+    if n == 0:
+        return np.zeros(0, dtype=np.uint64)
+    parts = int(max(1, min(threads, n, (n * length) // max(1, min_part_bytes), _POOL_THREADS)))
+    if parts == 1:
+        return hash_part(addrs)
+    bounds = [n * i // parts for i in range(parts + 1)]
+    futures = [_hash_pool().submit(hash_part, addrs[bounds[i]:bounds[i + 1]])
+               for i in range(1, parts)]
+    first = hash_part(addrs[bounds[0]:bounds[1]])
+    return np.concatenate([first] + [f.result() for f in futures])
 
 
 def memory_checksums(addresses: Sequence[int] | np.ndarray, length: int, *,
@@ -212,24 +224,10 @@ def memory_checksums(addresses: Sequence[int] | np.ndarray, length: int, *,
     up to ``threads`` threads (each part at least ``min_part_bytes``; the native hash lets
     the GIL go, so the parts run in parallel). The caller vouches that every range is
     readable memory of this process that stays alive and unchanged during the call."""
-    addrs = np.ascontiguousarray(np.asarray(addresses, dtype=np.uint64).reshape(-1))
-    n = addrs.size
-    if n == 0:
-        return np.zeros(0, dtype=np.uint64)
-    parts = int(max(1, min(threads, n, (n * length) // max(1, min_part_bytes), _POOL_THREADS)))
-
-    def part(lo: int, hi: int) -> np.ndarray:
-        chunk = addrs[lo:hi]
-        out = native_range_checksums(chunk, np.full(hi - lo, length, dtype=np.uint64), 1)
-        return out if out is not None else _python_range_checksums(chunk, length)
-
-    if parts == 1:
-        return part(0, n)
-    bounds = [n * i // parts for i in range(parts + 1)]
-    pool = _hash_pool()
-    futures = [pool.submit(part, bounds[i], bounds[i + 1]) for i in range(1, parts)]
-    first = part(bounds[0], bounds[1])     # this thread takes a part too
-    return np.concatenate([first] + [f.result() for f in futures])
+    def hash_part(chunk: np.ndarray) -> np.ndarray:
+        out = native_range_checksums(chunk, np.full(chunk.size, length, dtype=np.uint64), 1)
+        return out if out is not None else _python_per_range(block_checksum, chunk, length)
+    return _per_range(hash_part, addresses, length, threads, min_part_bytes)
 
 
 class ChecksumTable:

@@ -304,7 +304,7 @@ class TransferEngine:
             # the source's read check (bytes verified, for a verifying G2) slice by slice,
             # each slice checked while the copy engine may still be copying the one before
             def check(lo: int, hi: int) -> list[int]:
-                passed = _readable(src, plan, failures, lo, hi)
+                passed = _readable(src, plan, failures, range(lo, hi))
                 if passed:          # only the slots about to be written are invalidated
                     dst.begin_write([plan.dst_block_ids[p] for p in passed])
                 return passed
@@ -393,16 +393,9 @@ class TransferEngine:
                         f"{int(recorded[i]):#018x}")
         rest = good[~known].tolist()
         if rest:
-            def check(lo: int, hi: int) -> list[int]:
-                part = rest[lo:hi]
-                found = src.check_readable([plan.src_block_ids[p] for p in part],
-                                           [plan.sequence_hashes[p] for p in part])
-                bad = set()
-                for f in found:
-                    p = part[f.position]
-                    failures[p] = replace(f, position=p)
-                    bad.add(lo + f.position)
-                return [j for j in range(lo, hi) if j not in bad]
+            def check(lo: int, hi: int) -> list[int]:   # batch indices into rest
+                passed = set(_readable(src, plan, failures, rest[lo:hi]))
+                return [j for j in range(lo, hi) if rest[j] in passed]
 
             self.copy_engine.copy_checked(src.memory, [plan.src_block_ids[p] for p in rest],
                                           dst.memory, [plan.dst_block_ids[p] for p in rest],
@@ -570,16 +563,19 @@ class TransferEngine:
 
 
 def _readable(source: Storage, plan: TransferPlan, failures: dict[int, BlockFailure],
-              lo: int = 0, hi: int | None = None) -> list[int]:
-    """Record the blocks at plan positions ``[lo, hi)`` (default: all) of a memory
-    ``source`` that fail its read check; the positions of that range still good."""
-    hi = len(plan) if hi is None else hi
-    whole = lo == 0 and hi == len(plan)
-    ids = plan.src_block_ids if whole else plan.src_block_ids[lo:hi]
-    seqs = plan.sequence_hashes if whole else plan.sequence_hashes[lo:hi]
+              positions: Sequence[int] | None = None) -> list[int]:
+    """Record the blocks at plan ``positions`` (default: all) of a memory ``source`` that
+    fail its read check; those of ``positions`` still good."""
+    if positions is None or len(positions) == len(plan):
+        positions = range(len(plan))
+        ids, seqs = plan.src_block_ids, plan.sequence_hashes
+    else:
+        ids = [plan.src_block_ids[p] for p in positions]
+        seqs = [plan.sequence_hashes[p] for p in positions]
     for f in source.check_readable(ids, seqs):
-        failures[f.position + lo] = replace(f, position=f.position + lo) if lo else f
-    return [p for p in range(lo, hi) if p not in failures]
+        p = positions[f.position]
+        failures[p] = f if p == f.position else replace(f, position=p)
+    return [p for p in positions if p not in failures]
 
 
 def _at(values: Sequence, positions: list[int], n: int) -> Sequence:

@@ -278,9 +278,7 @@ class HostStorage(MemoryStorage):
             expected = expected[known]
         if not slots:
             return []
-        addresses = self._buffer.address + np.asarray(slots, np.uint64) * np.uint64(
-            self.layout.block_stride)
-        actual = memory_device_checksums(addresses, self.config.block_bytes,
+        actual = memory_device_checksums(self._slot_addresses(slots), self.config.block_bytes,
                                          threads=self.hash_threads)
         return [BlockFailure(positions[i], slots[i], FailureKind.CHECKSUM_MISMATCH,
                              f"device checksum {int(actual[i]):#018x} != recorded "
@@ -290,14 +288,17 @@ class HostStorage(MemoryStorage):
     def payload_checksums(self, block_ids: Sequence[int]) -> np.ndarray:
         """The xxh3-64 of each slot's payload as it is now (``uint64``), on
         ``hash_threads`` threads."""
+        return memory_checksums(self._slot_addresses(block_ids), self.config.block_bytes,
+                                threads=self.hash_threads)
+
+    def _slot_addresses(self, block_ids: Sequence[int]) -> np.ndarray:
+        """The address of each slot's first byte (``uint64``), ids checked against the pool
+        before any memory is read through them."""
         self._check_open()
         ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
         if ids.size and (ids.min() < 0 or ids.max() >= self.config.num_blocks):
             raise IndexError(f"slot id out of range [0, {self.config.num_blocks})")
-        base = self._buffer.address
-        stride = self.layout.block_stride
-        addresses = base + ids.astype(np.uint64) * np.uint64(stride)
-        return memory_checksums(addresses, self.config.block_bytes, threads=self.hash_threads)
+        return self._buffer.address + ids.astype(np.uint64) * np.uint64(self.layout.block_stride)
 
     # -- description
     def status(self) -> StorageStatus:
