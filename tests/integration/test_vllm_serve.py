@@ -180,8 +180,10 @@ def test_an_engine_loads_a_prefix_from_another_engines_g2_over_nixl(model, tmp_p
     address = f"tcp://127.0.0.1:{free_port()}"
     a = Server(model, {"tiers": {"G2": {"bytes": "64MiB"}}, "export": address},
                tmp_path / "a.log")
-    b = Server(model, {"tiers": {"G2": {"bytes": "64MiB"}}, "peers": [address]},
-               tmp_path / "b.log")
+    # generous waits: this checks that the prefix comes over, not how fast a loaded CI
+    # machine answers (the defaults, 0.2 s and 5 s, are for engines with cores of their own)
+    b = Server(model, {"tiers": {"G2": {"bytes": "64MiB"}}, "peers": [address],
+                       "peer_ask_timeout": 20, "peer_read_timeout": 60}, tmp_path / "b.log")
     try:
         base_a, base_b = a.wait_healthy(), b.wait_healthy()
         rng = random.Random(17)
@@ -195,7 +197,8 @@ def test_an_engine_loads_a_prefix_from_another_engines_g2_over_nixl(model, tmp_p
             assert time.monotonic() < deadline, "A's stores never reached its G2"
             time.sleep(0.3)
         on_b = _complete(base_b, prompt)                  # B computed nothing of it
-        assert on_b["usage"]["prompt_tokens_details"]["cached_tokens"] == expected
+        assert on_b["usage"]["prompt_tokens_details"]["cached_tokens"] == expected, \
+            b.log_tail(4000)
         assert on_b["choices"][0]["text"] == on_a["choices"][0]["text"]
         pattern = (r'vllm:kvstrata_tokens_matched_total\{[^}]*tier="remote"[^}]*\} '
                    rf'{expected}\.0')

@@ -67,6 +67,22 @@ def test_sharing_without_the_deployments_secret_is_refused(key, tmp_path):
     assert "16 to 4096 bytes" in message
 
 
+@pytest.mark.parametrize("key,value", [("peer_ask_timeout", 0), ("peer_ask_timeout", -1),
+                                       ("peer_ask_timeout", 61), ("peer_ask_timeout", True),
+                                       ("peer_read_timeout", "5"), ("peer_read_timeout", 241),
+                                       ("peer_read_timeout", float("nan"))])
+def test_peer_timeouts_out_of_range_are_refused(key, value, tmp_path):
+    _refused({"tiers": {"G2": {"blocks": 8}}, key: value}, key, tmp_path)
+
+
+def test_peer_timeouts_reach_the_settings(tmp_path):
+    default = settings_from({"tiers": {"G2": {"blocks": 8}}}, GEOMETRY, env={})
+    assert (default.peer_ask_timeout, default.peer_read_timeout) == (0.2, 5.0)
+    patient = settings_from({"tiers": {"G2": {"blocks": 8}}, "peer_ask_timeout": 2,
+                             "peer_read_timeout": 240}, GEOMETRY, env={})
+    assert (patient.peer_ask_timeout, patient.peer_read_timeout) == (2.0, 240.0)
+
+
 def test_a_disk_directory_that_is_a_regular_file_is_refused(tmp_path):
     afile = tmp_path / "afile"
     afile.write_bytes(b"x")

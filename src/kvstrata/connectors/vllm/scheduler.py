@@ -158,7 +158,7 @@ class SchedulerHalf:
         """Each worker's recovered durable blocks until every rank reported (then None)."""
         self._restore_from_index_files()
         self._learned: queue.SimpleQueue = queue.SimpleQueue()
-        self._peers = PeerDirectory(settings.peers) if settings.peers else None
+        self._peers = PeerDirectory(settings.peers, settings.peer_ask_timeout) if settings.peers else None
         self._remote_loads: dict[str, RemoteLoad] = {}
         self._timed_steps: dict[int, int] = {}
         """Steps whose forward the workers time, and the tokens each scheduled."""

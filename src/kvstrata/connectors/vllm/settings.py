@@ -40,6 +40,11 @@ key                    meaning                                     default
 ``peers``              control addresses of other engines'         none
                        exports: a prefix they hold is read from
                        their G2 into vLLM's cache over NIXL
+``peer_ask_timeout``   seconds a new request waits for the peers'  0.2
+                       answers before it is scheduled without
+                       them
+``peer_read_timeout``  seconds a remote load may take before its   5
+                       blocks are recomputed instead
 ``config``             a kvstrata TOML file                        ``$KVSTRATA_CONFIG``
 =====================  =========================================  ==========================
 
@@ -71,8 +76,12 @@ DEFAULT_TIERS: dict[str, TierConfig] = {first_of_kind(TierKind.HOST): TierConfig
 _KNOWN = {"tiers", "disk_dir", "eviction", "admission", "events", "verify_host_reads",
           "o_direct", "load", "store", "worker_id", "config", "fail_on_load_error",
           "list_interval", "tenant", "cost_aware", "export", "peers", "store_nice",
-          "yield_to_forward"}
+          "yield_to_forward", "peer_ask_timeout", "peer_read_timeout"}
 
+
+MAX_PEER_READ_TIMEOUT = 240
+"""Longest ``peer_read_timeout``: a remote load's lease must outlast it, and exporters grant
+leases of 300 s at most."""
 
 MAX_PEERS = 64
 """Other engines' exports one engine may name in ``peers``."""
@@ -182,6 +191,12 @@ class ConnectorSettings:
     """Where this engine serves its G2 to others (``tcp://host:port``), or None."""
     peers: tuple[str, ...] = ()
     """Control addresses of other engines' exports to read prefixes from."""
+    peer_ask_timeout: float = 0.2
+    """Seconds a new request waits for the peers' answers (how much of a prefix each holds)
+    before vLLM schedules it without them: the most a peer that is slow to answer adds to
+    a request's time to first token."""
+    peer_read_timeout: float = 5.0
+    """Seconds a remote load may take before it is given up and its blocks recomputed."""
     store_nice: int = 10
     """CPU niceness of the worker's store threads (0: as the engine's)."""
     yield_to_forward: bool | None = None
@@ -247,6 +262,11 @@ def _switches(extra: Mapping[str, Any], geometry: KvGeometry,
     out["list_interval"] = float(_checked(
         extra, "list_interval", 10.0, lambda v: _is_number(v) and 0 < v <= 86_400,
         "seconds in (0, 86400]", problems))
+    for key, default, most in (("peer_ask_timeout", 0.2, 60), ("peer_read_timeout", 5.0,
+                                                                   MAX_PEER_READ_TIMEOUT)):
+        out[key] = float(_checked(extra, key, default,
+                                  lambda v, most=most: _is_number(v) and 0 < v <= most,
+                                  f"seconds in (0, {most}]", problems))
     out["worker_id"] = _checked(extra, "worker_id", 0,
                                 lambda v: _is_int(v) and 0 <= v < 2**64,
                                 "an integer in 0..2^64-1", problems)

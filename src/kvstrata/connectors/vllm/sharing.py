@@ -10,7 +10,7 @@ An engine with ``peers`` reads prefixes from them straight into vLLM's KV cache:
 
 * its scheduler asks each peer how long a prefix of a request it holds
   (:class:`PeerDirectory`: in the background; vLLM is told "not yet" until the answers come
-  or :data:`ASK_TIMEOUT` passes) and, when a peer holds more than the local tiers, has vLLM
+  or the ``peer_ask_timeout`` setting passes) and, when a peer holds more than the local tiers, has vLLM
   allocate the blocks and orders a remote load;
 * its worker (:class:`RemoteLoader`) leases the prefix from the peer, reads it with NIXL into
   the engine's blocks, verified against the peer's checksums, and reports the request
@@ -47,21 +47,18 @@ from .settings import ConnectorSettings
 
 HOST = first_of_kind(TierKind.HOST)
 
-__all__ = ["RemoteLoad", "G2Export", "RemoteLoader", "PeerDirectory", "ASK_TIMEOUT"]
+__all__ = ["RemoteLoad", "G2Export", "RemoteLoader", "PeerDirectory"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-ASK_TIMEOUT = 0.2
-"""Seconds a request waits for the peers' answers before it is scheduled without them."""
 WARM_PATIENCE = 300.0
 """Seconds a reading engine keeps trying every 0.5 s to connect to a peer not up yet."""
 KEEPALIVE = 60.0
 """Seconds between the questions that keep a connection to each peer open (the exporter
 closes one idle for 120 s; a new one costs a handshake on some request's clock)."""
-LEASE_TTL = 30.0
-READ_TIMEOUT = 5.0
-"""Seconds a remote load may take before it is given up (its blocks recomputed)."""
+LEASE_MARGIN = 30.0
+"""Seconds a remote load's lease outlasts its read timeout."""
 
 
 @dataclass(frozen=True)
@@ -124,6 +121,7 @@ class RemoteLoader:
     def __init__(self, settings: ConnectorSettings, g1, rank: int, world_size: int) -> None:
         fingerprint = _fingerprint(settings, rank, world_size)
         self.importer = _unbound(lambda: BlockSetImporter(g1, fingerprint=fingerprint))
+        self.read_timeout = settings.peer_read_timeout
         self._peers: dict[str, RemotePeer] = {}
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-remote-load",
                                         initializer=_unbind_this_thread)
@@ -140,11 +138,11 @@ class RemoteLoader:
             peer = self._peers.get(load.peer)
             if peer is None:
                 peer = self._peers[load.peer] = self.importer.connect(load.peer)
-            lease = peer.lease(load.sequence_hashes, LEASE_TTL)
+            lease = peer.lease(load.sequence_hashes, self.read_timeout + LEASE_MARGIN)
             try:
                 count = len(lease.blocks)
                 if count:
-                    peer.read(lease, load.block_ids[:count], timeout=READ_TIMEOUT)
+                    peer.read(lease, load.block_ids[:count], timeout=self.read_timeout)
                 failed = list(load.block_ids[count:])
             finally:
                 peer.release(lease)
@@ -175,8 +173,10 @@ class PeerDirectory:
     """The reading engine's scheduler: asks the peers, in the background, how long a prefix
     of a request they hold (``has``; nothing pinned)."""
 
-    def __init__(self, peers: Sequence[str]) -> None:
+    def __init__(self, peers: Sequence[str], ask_timeout: float) -> None:
         self.peers = list(peers)
+        self.ask_timeout = ask_timeout
+        """Seconds a request waits for the answers before it is scheduled without them."""
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="kvstrata-peers")
         self._asked: dict[str, tuple[float, tuple[int, ...], Future]] = {}
         self._channels: dict[str, ControlChannel] = {}
@@ -185,7 +185,7 @@ class PeerDirectory:
         self._channels_lock = threading.Lock()
         self._closed = threading.Event()
         # connect and prove the secret to each peer now, not on a request's clock (the
-        # first question would spend the whole ASK_TIMEOUT on it on a busy machine)
+        # first question would spend the whole ask timeout on it on a busy machine)
         threading.Thread(target=self._keep_warm, name="kvstrata-peers-warm",
                          daemon=True).start()
 
@@ -200,7 +200,7 @@ class PeerDirectory:
             return None
         started, _, future = asked
         if not future.done():
-            if time.monotonic() - started < ASK_TIMEOUT:
+            if time.monotonic() - started < self.ask_timeout:
                 return None
             return ("", 0)
         return future.result()
@@ -240,7 +240,7 @@ class PeerDirectory:
         with self._channels_lock:
             channel = self._channels.get(peer)
             if channel is None:
-                channel = self._channels[peer] = ControlChannel(peer, ASK_TIMEOUT)
+                channel = self._channels[peer] = ControlChannel(peer, self.ask_timeout)
             return channel
 
     def close(self) -> None:
