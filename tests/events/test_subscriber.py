@@ -103,3 +103,105 @@ def test_in_process_late_joiner_snapshot_plus_stream_equals_live_state():
     assert follower.gaps == 0 and follower.pending_snapshots() == []
     assert target.hashes(pub.identity.worker_id) == registry_state(reg)
     pub.close()
+
+
+# -- issue 27, finding 5: no single event makes the follower drop later real events ----------
+
+def _forged(event_id, hashes):
+    return stored_event(event_id, "G1", chain(hashes, 1), 0.0)
+
+
+def test_a_forged_far_ahead_id_does_not_turn_later_real_events_into_duplicates():
+    """Best effort (a file, or no snapshot to be had): an event with id 2^64-1 used to set
+    the worker's last id, and every real event after it was dropped as a duplicate."""
+    target = WorkerStates()
+    f = StreamFollower(target, snapshots=False)
+    evs, c = _events(6)
+    f.feed_batch(EventBatch(ID, evs[:2]))
+    f.feed_batch(EventBatch(ID, [_forged(2**64 - 1, 77)]))
+    f.feed_batch(EventBatch(ID, evs[2:]))
+    assert f.duplicates == 0 and f.applied == 7
+    assert {r.sequence_hash for r in c} <= target.hashes(5)["G1"]
+    assert f.last_event_id(5) == 6                    # the unbroken run, not the forged id
+    f.feed_batch(EventBatch(ID, evs[3:5]))            # real repeats are still duplicates
+    assert f.duplicates == 2
+
+
+def test_a_real_gap_that_never_fills_is_given_up_after_a_bound():
+    from kvstrata.events import subscriber
+
+    f = StreamFollower(WorkerStates(), snapshots=False)
+    evs, _ = _events(1)
+    f.feed_batch(EventBatch(ID, evs))
+    ahead = [stored_event(3 + i, "G1", chain(100 + i, 1), 0.0)
+             for i in range(subscriber.MAX_AHEAD + 1)]
+    f.feed_batch(EventBatch(ID, ahead))                # event 2 was lost for good
+    assert f.last_event_id(5) == 2 + subscriber.MAX_AHEAD + 1
+    assert not f.workers[5].ahead
+
+
+def test_an_event_replayed_with_other_contents_is_a_conflict_and_resyncs_from_the_snapshot():
+    """A forged ``cleared`` (or anything) sent with the next id used to be applied, and the
+    real event with that id then dropped as a duplicate. Now the second, different event
+    with one id is a conflict: the follower re-syncs the worker from its own snapshot."""
+    from kvstrata.events.model import ClearedEvent
+
+    reg = BlockRegistry()
+    got = []
+    pub = EventPublisher(CallbackSink(got.append), max_delay=0).start()
+    reg.add_observer(pub)
+    reg.record_stored("G1", chain(1, 3))
+    pub.flush(2)
+    target = WorkerStates()
+    f = StreamFollower(target)
+    wid, pid = pub.identity.worker_id, pub.identity.publisher_id
+    f.feed(wid, pid, [e for b in got for e in b.events])
+    last = f.last_event_id(wid)
+    f.feed(wid, pid, [ClearedEvent(last + 1, "G1")])     # forged, first with that id
+    assert target.hashes(wid)["G1"] == set()
+    got.clear()
+    reg.record_stored("G1", chain(2, 1))                 # the real event with that id
+    pub.flush(2)
+    f.feed(wid, pid, [e for b in got for e in b.events])
+    assert f.conflicts == 1 and f.pending_snapshots() == [wid]
+    f.apply_snapshot(pub.snapshot())
+    assert target.hashes(wid) == registry_state(reg)
+    pub.close()
+
+
+def test_a_forged_gap_costs_one_snapshot_and_then_nothing():
+    """A made-up id past a gap starts a re-sync; after the snapshot it is dropped, not
+    buffered into another re-sync."""
+    reg = BlockRegistry()
+    got = []
+    pub = EventPublisher(CallbackSink(got.append), max_delay=0).start()
+    reg.add_observer(pub)
+    reg.record_stored("G1", chain(1, 2))
+    pub.flush(2)
+    target = WorkerStates()
+    f = StreamFollower(target)
+    wid, pid = pub.identity.worker_id, pub.identity.publisher_id
+    f.feed(wid, pid, [e for b in got for e in b.events])
+    f.feed(wid, pid, [_forged(2**64 - 1, 55)])
+    assert f.pending_snapshots() == [wid]
+    f.apply_snapshot(pub.snapshot())
+    assert f.pending_snapshots() == [] and f.snapshots_applied == 1
+    got.clear()
+    reg.record_stored("G1", chain(3, 1))
+    pub.flush(2)
+    f.feed(wid, pid, [e for b in got for e in b.events])
+    assert f.pending_snapshots() == [] and f.duplicates == 0
+    assert target.hashes(wid) == registry_state(reg)
+    pub.close()
+
+
+def test_best_effort_a_restart_that_does_not_start_at_one_wipes_nothing():
+    target = WorkerStates()
+    f = StreamFollower(target, snapshots=False)
+    evs, c = _events(3)
+    f.feed_batch(EventBatch(ID, evs))
+    f.feed_batch(EventBatch(PublisherIdentity(99, 5, 2.0), [_forged(4, 66)]))
+    assert f.conflicts == 1 and f.restarts == 0
+    assert target.hashes(5)["G1"] == {r.sequence_hash for r in c}
+    f.feed_batch(EventBatch(PublisherIdentity(100, 5, 3.0), [_forged(1, 67)]))
+    assert f.restarts == 1                              # a real restart starts at 1

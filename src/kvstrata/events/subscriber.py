@@ -83,12 +83,53 @@ def _loops(event: StoredEvent) -> bool:
     return False
 
 
+MAX_AHEAD = 65_536
+"""Event ids past a gap a best-effort follower remembers applying (see :class:`_Worker`)."""
+RECENT_EVENTS = 256
+"""Applied events a follower keeps per worker (by id, modulo this) to tell a repeat from a
+conflicting event."""
+
+
 @dataclass
 class _Worker:
+    """What a follower knows of one worker's stream. ``last_id`` is the last id of the
+    unbroken run from the start (or the snapshot); ids applied past a gap (best effort) are
+    kept in ``ahead``, so an event that jumped far ahead (a forged id 2^64-1, say) never
+    makes the real events below it count as duplicates. ``recent`` holds the last applied
+    events by id: an id seen again with other contents is a conflict, not a repeat."""
+
     publisher_id: int | None
     last_id: int = 0
     syncing: bool = False
     buffer: list[Event] = field(default_factory=list)
+    ahead: set[int] = field(default_factory=set)
+    recent: list = field(default_factory=lambda: [None] * RECENT_EVENTS)
+
+    def applied_before(self, event_id: int) -> Event | None:
+        """The event applied under ``event_id``, if it is among the recent ones."""
+        before = self.recent[event_id % RECENT_EVENTS]
+        return before if before is not None and before.event_id == event_id else None
+
+    def seen(self, event_id: int) -> bool:
+        return event_id <= self.last_id or event_id in self.ahead
+
+    def applied(self, event: Event) -> None:
+        """Record ``event`` as applied: the unbroken run grows over ids filled in behind it."""
+        eid = event.event_id
+        self.recent[eid % RECENT_EVENTS] = event
+        if eid == self.last_id + 1:
+            self.last_id = eid
+            while self.ahead and self.last_id + 1 in self.ahead:
+                self.last_id += 1
+                self.ahead.discard(self.last_id)
+        else:
+            self.ahead.add(eid)
+            if len(self.ahead) > MAX_AHEAD:     # the hole never filled: give it up
+                self.last_id = min(self.ahead)
+                self.ahead.discard(self.last_id)
+                while self.last_id + 1 in self.ahead:
+                    self.last_id += 1
+                    self.ahead.discard(self.last_id)
 
 
 class StreamFollower:
@@ -116,6 +157,11 @@ class StreamFollower:
         self.lock = threading.RLock()
         self.applied = 0
         self.duplicates = 0
+        self.conflicts = 0
+        """Events carrying an id already applied with other contents, or a restart whose
+        first event is not id 1 where no snapshot can confirm it: a publisher that is not
+        what it claims (forged, or two processes with one identity). With snapshots the
+        worker is re-synced from its own snapshot; without, they are dropped."""
         self.gaps = 0
         self.restarts = 0
         self.snapshots_applied = 0
@@ -142,6 +188,9 @@ class StreamFollower:
                 (publisher_id is not None and st.publisher_id is not None and publisher_id != st.publisher_id)
                 or (publisher_id is None and events[0].event_id == 1 and st.last_id > 0)
             )
+            if restarted and not self.snapshots and events[0].event_id != 1:
+                self.conflicts += len(events)     # a restart starts at 1: not one we can
+                return                            # confirm, so it wipes nothing
             if st is None or restarted:
                 if restarted:
                     self.restarts += 1
@@ -161,19 +210,42 @@ class StreamFollower:
         if len(st.buffer) > self.max_buffer:
             del st.buffer[: len(st.buffer) - self.max_buffer]
 
-    def _apply(self, worker_id: int, st: _Worker, events: list[Event]) -> None:
+    def _apply(self, worker_id: int, st: _Worker, events: list[Event],
+               after_snapshot: bool = False) -> None:
+        """Apply ``events`` in order. A gap starts a re-sync (snapshots) or is applied past
+        (best effort); ``after_snapshot``: the events were buffered while a snapshot was
+        awaited, and one still past a gap after it is dropped (counted in ``gaps``) rather
+        than asking for another snapshot: the next live event asks if one is needed, and an
+        event with a made-up id cannot keep the worker re-syncing."""
+        recent = st.recent
         for i, event in enumerate(events):
             eid = event.event_id
-            if eid <= st.last_id:
-                self.duplicates += 1
+            if eid == st.last_id + 1 and not st.ahead:      # the common case, inlined
+                st.last_id = eid
+                recent[eid % RECENT_EVENTS] = event
+            elif st.seen(eid):
+                before = st.applied_before(eid)
+                if before is not None and before != event:
+                    self.conflicts += 1
+                    if self.snapshots:
+                        log.warning("worker %s sent event %d twice with different contents: "
+                                    "re-syncing it from its snapshot", worker_id, eid)
+                        st.syncing = True
+                        self._buffer(st, events[i + 1:])
+                        return
+                else:
+                    self.duplicates += 1
                 continue
-            if eid != st.last_id + 1:
-                self.gaps += 1
-                if self.snapshots:
-                    st.syncing = True
-                    self._buffer(st, events[i:])
-                    return
-            st.last_id = eid
+            else:
+                if eid != st.last_id + 1:
+                    self.gaps += 1
+                    if after_snapshot:
+                        continue
+                    if self.snapshots:
+                        st.syncing = True
+                        self._buffer(st, events[i:])
+                        return
+                st.applied(event)
             if isinstance(event, StoredEvent) and _loops(event):
                 self.invalid += 1              # in order, but never applied
                 continue
@@ -210,7 +282,8 @@ class StreamFollower:
             st = self.workers[wid] = _Worker(snapshot.identity.publisher_id, snapshot.last_event_id)
             self.snapshots_applied += 1
             if buffered:
-                self._apply(wid, st, buffered)
+                buffered.sort(key=lambda e: e.event_id)
+                self._apply(wid, st, buffered, after_snapshot=True)
 
     def give_up_sync(self, worker_id: int) -> None:
         """No snapshot available: apply what was buffered, best effort (gaps stay counted)."""
@@ -238,6 +311,7 @@ class StreamFollower:
                 "workers": len(self.workers),
                 "applied": self.applied,
                 "duplicates": self.duplicates,
+                "conflicts": self.conflicts,
                 "gaps": self.gaps,
                 "restarts": self.restarts,
                 "snapshots_applied": self.snapshots_applied,
