@@ -292,8 +292,9 @@ class StreamFollower:
             if st is None or not st.syncing:
                 return
             buffered, st.buffer, st.syncing = st.buffer, [], False
-            if buffered and st.last_id == 0:
-                st.last_id = buffered[0].event_id - 1
+            buffered.sort(key=lambda e: e.event_id)
+            if buffered and not st.ahead and buffered[0].event_id - 1 > st.last_id:
+                st.last_id = buffered[0].event_id - 1     # the hole is for good
             snapshots, self.snapshots = self.snapshots, False
             try:
                 self._apply(worker_id, st, buffered)
@@ -301,6 +302,8 @@ class StreamFollower:
                 self.snapshots = snapshots
 
     def last_event_id(self, worker_id: int) -> int:
+        """The last id of the worker's unbroken run of applied events (ids applied past a
+        gap that has not filled are not counted)."""
         with self.lock:
             st = self.workers.get(worker_id)
             return st.last_id if st else 0
