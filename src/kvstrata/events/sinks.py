@@ -217,12 +217,18 @@ def snapshot_subject(subject: str, worker_id: int | None = None) -> str:
     return base if worker_id is None else f"{base}.{worker_id}"
 
 
-async def nats_connect(url: str, name: str, *, max_reconnect_attempts: int = -1):
-    """nats-py connect that retries forever (cancel the task to give up), quietly."""
+async def nats_connect(url: str, name: str, *, max_reconnect_attempts: int = -1,
+                       errors: list | None = None):
+    """nats-py connect that retries forever (cancel the task to give up), quietly; each
+    error is appended to ``errors`` when given (e.g. the server's "Authorization
+    Violation", for the message of a caller that gives up)."""
     import nats
 
     async def _quiet(exc: Exception) -> None:
         log.debug("nats %s: %s", url, exc)
+        if errors is not None:
+            errors.append(exc)
+            del errors[:-1]
 
     return await nats.connect(
         servers=[url],

@@ -445,6 +445,7 @@ class NatsFollower:
         self._nc = None
         self._sync_wakeup = None
         self._tasks: list = []
+        self._connect_errors: list[BaseException] = []
 
     def start(self, timeout: float = 5.0) -> "NatsFollower":
         """Connect and subscribe (raises TimeoutError if the server cannot be reached)."""
@@ -453,6 +454,11 @@ class NatsFollower:
         self._aio = LoopThread(f"kvstrata-follow-{self.subject}")
         try:
             self._aio.run(self._start(), timeout)
+        except TimeoutError:
+            self._aio.stop()
+            last = f" (last error: {self._connect_errors[-1]})" if self._connect_errors else ""
+            raise TimeoutError(f"no connection to the NATS server within {timeout:g} s"
+                               f"{last}") from None
         except BaseException:
             self._aio.stop()
             raise
@@ -463,7 +469,8 @@ class NatsFollower:
 
         from kvstrata.events.sinks import nats_connect
 
-        self._nc = await nats_connect(self.url, "kvstrata-follower")
+        self._nc = await nats_connect(self.url, "kvstrata-follower",
+                                      errors=self._connect_errors)
         self._sync_wakeup = asyncio.Event()
         if self.jetstream:
             from nats.js.api import DeliverPolicy
