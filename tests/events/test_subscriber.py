@@ -111,6 +111,28 @@ def _forged(event_id, hashes):
     return stored_event(event_id, "G1", chain(hashes, 1), 0.0)
 
 
+class _Live:
+    """A registry publishing through a callback, and a snapshot-mode follower that has
+    applied everything published so far."""
+
+    def __init__(self, blocks: int) -> None:
+        self.reg = BlockRegistry()
+        self.got = []
+        self.pub = EventPublisher(CallbackSink(self.got.append), max_delay=0).start()
+        self.reg.add_observer(self.pub)
+        self.target = WorkerStates()
+        self.follower = StreamFollower(self.target)
+        self.wid, self.pid = self.pub.identity.worker_id, self.pub.identity.publisher_id
+        self.store(1, blocks)
+
+    def store(self, seed: int, blocks: int) -> None:
+        """Store a chain and feed the follower the events it makes."""
+        self.got.clear()
+        self.reg.record_stored("G1", chain(seed, blocks))
+        self.pub.flush(2)
+        self.follower.feed(self.wid, self.pid, [e for b in self.got for e in b.events])
+
+
 def test_a_forged_far_ahead_id_does_not_turn_later_real_events_into_duplicates():
     """Best effort (a file, or no snapshot to be had): an event with id 2^64-1 used to set
     the worker's last id, and every real event after it was dropped as a duplicate."""
@@ -146,53 +168,30 @@ def test_an_event_replayed_with_other_contents_is_a_conflict_and_resyncs_from_th
     with one id is a conflict: the follower re-syncs the worker from its own snapshot."""
     from kvstrata.events.model import ClearedEvent
 
-    reg = BlockRegistry()
-    got = []
-    pub = EventPublisher(CallbackSink(got.append), max_delay=0).start()
-    reg.add_observer(pub)
-    reg.record_stored("G1", chain(1, 3))
-    pub.flush(2)
-    target = WorkerStates()
-    f = StreamFollower(target)
-    wid, pid = pub.identity.worker_id, pub.identity.publisher_id
-    f.feed(wid, pid, [e for b in got for e in b.events])
-    last = f.last_event_id(wid)
-    f.feed(wid, pid, [ClearedEvent(last + 1, "G1")])     # forged, first with that id
-    assert target.hashes(wid)["G1"] == set()
-    got.clear()
-    reg.record_stored("G1", chain(2, 1))                 # the real event with that id
-    pub.flush(2)
-    f.feed(wid, pid, [e for b in got for e in b.events])
+    live = _Live(3)
+    f, wid = live.follower, live.wid
+    f.feed(wid, live.pid, [ClearedEvent(f.last_event_id(wid) + 1, "G1")])   # forged, first
+    assert live.target.hashes(wid)["G1"] == set()
+    live.store(2, 1)                                     # the real event with that id
     assert f.conflicts == 1 and f.pending_snapshots() == [wid]
-    f.apply_snapshot(pub.snapshot())
-    assert target.hashes(wid) == registry_state(reg)
-    pub.close()
+    f.apply_snapshot(live.pub.snapshot())
+    assert live.target.hashes(wid) == registry_state(live.reg)
+    live.pub.close()
 
 
 def test_a_forged_gap_costs_one_snapshot_and_then_nothing():
     """A made-up id past a gap starts a re-sync; after the snapshot it is dropped, not
     buffered into another re-sync."""
-    reg = BlockRegistry()
-    got = []
-    pub = EventPublisher(CallbackSink(got.append), max_delay=0).start()
-    reg.add_observer(pub)
-    reg.record_stored("G1", chain(1, 2))
-    pub.flush(2)
-    target = WorkerStates()
-    f = StreamFollower(target)
-    wid, pid = pub.identity.worker_id, pub.identity.publisher_id
-    f.feed(wid, pid, [e for b in got for e in b.events])
-    f.feed(wid, pid, [_forged(2**64 - 1, 55)])
+    live = _Live(2)
+    f, wid = live.follower, live.wid
+    f.feed(wid, live.pid, [_forged(2**64 - 1, 55)])
     assert f.pending_snapshots() == [wid]
-    f.apply_snapshot(pub.snapshot())
+    f.apply_snapshot(live.pub.snapshot())
     assert f.pending_snapshots() == [] and f.snapshots_applied == 1
-    got.clear()
-    reg.record_stored("G1", chain(3, 1))
-    pub.flush(2)
-    f.feed(wid, pid, [e for b in got for e in b.events])
+    live.store(3, 1)
     assert f.pending_snapshots() == [] and f.duplicates == 0
-    assert target.hashes(wid) == registry_state(reg)
-    pub.close()
+    assert live.target.hashes(wid) == registry_state(live.reg)
+    live.pub.close()
 
 
 def test_best_effort_a_restart_that_does_not_start_at_one_wipes_nothing():
