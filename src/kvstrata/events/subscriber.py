@@ -83,8 +83,10 @@ def _loops(event: StoredEvent) -> bool:
     return False
 
 
+MAX_JUMP = 1 << 20
+"""A gap wider than this many ids is not taken at its word (see :class:`_Worker`)."""
 MAX_AHEAD = 65_536
-"""Event ids past a gap a best-effort follower remembers applying (see :class:`_Worker`)."""
+"""Event ids past such gaps a best-effort follower remembers applying."""
 RECENT_EVENTS = 256
 """Applied events a follower keeps per worker (by id, modulo this) to tell a repeat from a
 conflicting event."""
@@ -92,11 +94,13 @@ conflicting event."""
 
 @dataclass
 class _Worker:
-    """What a follower knows of one worker's stream. ``last_id`` is the last id of the
-    unbroken run from the start (or the snapshot); ids applied past a gap (best effort) are
-    kept in ``ahead``, so an event that jumped far ahead (a forged id 2^64-1, say) never
-    makes the real events below it count as duplicates. ``recent`` holds the last applied
-    events by id: an id seen again with other contents is a conflict, not a repeat."""
+    """What a follower knows of one worker's stream. ``last_id`` is the id the stream has
+    reached: a best-effort follower moves it past an ordinary gap (the publisher dropped
+    those events), but an id more than :data:`MAX_JUMP` past it is kept apart in ``ahead``,
+    so an event that jumped implausibly far (a forged id 2^64-1, say) never makes the real
+    events below it count as duplicates. ``recent`` holds applied events in slots by id
+    modulo :data:`RECENT_EVENTS`: an id seen again with other contents while its event is
+    still there is a conflict, not a repeat."""
 
     publisher_id: int | None
     last_id: int = 0
@@ -117,7 +121,7 @@ class _Worker:
         """Record ``event`` as applied: the unbroken run grows over ids filled in behind it."""
         eid = event.event_id
         self.recent[eid % RECENT_EVENTS] = event
-        if eid == self.last_id + 1:
+        if eid <= self.last_id + MAX_JUMP:
             self.last_id = eid
             while self.ahead and self.last_id + 1 in self.ahead:
                 self.last_id += 1
@@ -188,16 +192,17 @@ class StreamFollower:
                 (publisher_id is not None and st.publisher_id is not None and publisher_id != st.publisher_id)
                 or (publisher_id is None and events[0].event_id == 1 and st.last_id > 0)
             )
-            if restarted and not self.snapshots and events[0].event_id != 1:
-                self.conflicts += len(events)     # a restart starts at 1: not one we can
-                return                            # confirm, so it wipes nothing
             if st is None or restarted:
                 if restarted:
                     self.restarts += 1
                     self.target.reset_worker(worker_id)
                 st = self.workers[worker_id] = _Worker(publisher_id)
-                if events[0].event_id != 1 and self.snapshots:
-                    st.syncing = True
+                if events[0].event_id != 1:
+                    if self.snapshots:
+                        st.syncing = True
+                    else:                          # joined late: earlier ids are
+                        self.gaps += 1             # history, not a hole to fill
+                        st.last_id = events[0].event_id - 1
             if st.publisher_id is None:
                 st.publisher_id = publisher_id
             if st.syncing:
@@ -267,6 +272,11 @@ class StreamFollower:
     def apply_snapshot(self, snapshot: Snapshot) -> None:
         """Replace the worker's state by ``snapshot`` then apply buffered events after it."""
         wid = snapshot.identity.worker_id
+        if not (type(wid) is int and 0 <= wid < MAX_WORKER_ID) or (
+                self.trusted_workers is not None and wid not in self.trusted_workers):
+            with self.lock:
+                self.untrusted += 1
+            return
         with self.lock:
             st = self.workers.get(wid) or _Worker(None)
             if (
@@ -292,9 +302,8 @@ class StreamFollower:
             if st is None or not st.syncing:
                 return
             buffered, st.buffer, st.syncing = st.buffer, [], False
-            buffered.sort(key=lambda e: e.event_id)
-            if buffered and not st.ahead and buffered[0].event_id - 1 > st.last_id:
-                st.last_id = buffered[0].event_id - 1     # the hole is for good
+            if buffered and st.last_id == 0:
+                st.last_id = buffered[0].event_id - 1     # joined late: history
             snapshots, self.snapshots = self.snapshots, False
             try:
                 self._apply(worker_id, st, buffered)
