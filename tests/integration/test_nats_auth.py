@@ -33,8 +33,9 @@ CONFIG = """
 authorization {
   users = [
     {user: "worker7", password: "%(worker7)s", permissions: {
-      publish: {allow: ["%(s)s", "_INBOX.>"]},
-      subscribe: {allow: ["%(s)s.snapshot", "%(s)s.snapshot.%(w)d", "_INBOX.>"]}}},
+      publish: {allow: ["%(s)s"]},
+      subscribe: {allow: ["%(s)s.snapshot", "%(s)s.snapshot.%(w)d"]},
+      allow_responses: true}},
     {user: "indexer", password: "%(indexer)s", permissions: {
       publish: {allow: ["%(s)s.snapshot", "%(s)s.snapshot.*"]},
       subscribe: {allow: ["%(s)s", "_INBOX.>"]}}},
