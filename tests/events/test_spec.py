@@ -89,3 +89,15 @@ def test_make_publisher_callback_function():
     pub = make_publisher("callback", callback=got.append, worker_id=3)
     assert pub.identity.worker_id == 3
     pub.close()
+
+
+def test_per_worker_nats_sinks_publish_on_their_worker_subject_and_never_show_credentials():
+    from kvstrata.events.spec import SinkSpecError, make_sink, parse_sink_spec, redacted
+
+    with pytest.raises(SinkSpecError, match="per_worker"):
+        parse_sink_spec("nats://127.0.0.1:4222/kv.ev?per_worker=1&jetstream=1")
+    sink = make_sink(parse_sink_spec("nats://user:s3cret@127.0.0.1:4222/kv.ev?per_worker=1"))
+    assert sink.per_worker and sink.publish_subject == "kv.ev"   # until the publisher opens it
+    assert "s3cret" not in sink.describe() and "***@127.0.0.1:4222" in sink.describe()
+    assert redacted("nats://tok@h:1/x") == "nats://***@h:1/x"
+    assert redacted("nats://h:1/x") == "nats://h:1/x"

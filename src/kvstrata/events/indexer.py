@@ -512,6 +512,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local", action="store_true", help="--query hashes are local (tokens) hashes")
     p.add_argument("--worker-id", type=_worker_id, default=None,
                    help="with --file: override the worker id of every event (0..2^64-1)")
+    p.add_argument("--per-worker", action="store_true",
+                   help="follow SUBJECT.worker.* and take worker W's events from "
+                   "SUBJECT.worker.W only (sinks with per_worker=1; core NATS)")
     p.add_argument("--trust-workers", metavar="W1,W2,...", type=_worker_list, default=None,
                    help="apply events of these worker ids only; others are dropped and "
                    "counted (stats: stream.untrusted). --subject is followed exactly")
@@ -570,21 +573,25 @@ def main(argv: list[str] | None = None) -> int:
         server.close()
         return 0
 
-    from kvstrata.events.spec import SinkSpecError, nats_url_parts
+    from kvstrata.events.spec import SinkSpecError, nats_url_parts, redacted
     from kvstrata.events.subscriber import NatsFollower
 
     try:
-        nats_url_parts(args.nats, f"--nats {args.nats!r:.80}")
+        nats_url_parts(args.nats, f"--nats {redacted(args.nats)!r:.80}")
     except SinkSpecError as exc:
         print(f"kvstrata indexer: {exc}", file=sys.stderr)
         return 2
     fmt = "kvstrata" if args.format == "auto" else args.format
+    if args.per_worker and args.jetstream:
+        print("kvstrata indexer: --per-worker follows core NATS only (not --jetstream)",
+              file=sys.stderr)
+        return 2
     nf = NatsFollower(args.nats, args.subject, index, format=fmt, jetstream=args.jetstream,
-                      trusted_workers=args.trust_workers)
+                      trusted_workers=args.trust_workers, per_worker=args.per_worker)
     try:
         nf.start()
     except (TimeoutError, OSError) as exc:
-        print(f"kvstrata indexer: cannot reach {args.nats}: {exc}", file=sys.stderr)
+        print(f"kvstrata indexer: cannot reach {redacted(args.nats)}: {exc}", file=sys.stderr)
         return 1
     if fmt == "kvstrata" and not args.jetstream:
         nf.discover(0.5)

@@ -23,6 +23,7 @@ from kvstrata.events import formats
 from kvstrata.events.model import EventBatch
 from kvstrata.events.natswire import PayloadTooLargeError
 from kvstrata.events.publisher import EventPublisher, Sink, SinkUnavailableError
+from kvstrata.events.spec import redacted
 
 log = logging.getLogger(__name__)
 
@@ -211,6 +212,13 @@ def stream_name_for(subject: str) -> str:
     return "KVSTRATA_" + re.sub(r"[^A-Za-z0-9_\-]", "_", subject).upper()
 
 
+def worker_subject(subject: str, worker_id: int) -> str:
+    """Where a ``per_worker`` sink publishes the events of ``worker_id``:
+    ``SUBJECT.worker.<worker_id>`` (a subject NATS permissions can give to that worker's
+    user alone; a follower with ``per_worker`` applies only that worker's events from it)."""
+    return f"{subject}.worker.{worker_id}"
+
+
 def snapshot_subject(subject: str, worker_id: int | None = None) -> str:
     """Request subject of the snapshot service: ``SUBJECT.snapshot[.WORKER_ID]``."""
     base = f"{subject}.snapshot"
@@ -225,7 +233,7 @@ async def nats_connect(url: str, name: str, *, max_reconnect_attempts: int = -1,
     import nats
 
     async def _quiet(exc: Exception) -> None:
-        log.debug("nats %s: %s", url, exc)
+        log.debug("nats %s: %s", redacted(url), exc)
         if errors is not None:
             errors.append(exc)
             del errors[:-1]
@@ -278,6 +286,7 @@ class NatsSink(Sink):
         send_timeout: float = 2.0,
         dp_rank: int = 0,
         direct: bool = True,
+        per_worker: bool = False,
     ) -> None:
         if format not in EVENT_FORMATS:
             raise ValueError(f"NATS event format must be one of {EVENT_FORMATS}, got {format!r}")
@@ -289,6 +298,12 @@ class NatsSink(Sink):
         self.serve_snapshots = serve_snapshots
         self.send_timeout = send_timeout
         self.dp_rank = dp_rank
+        if per_worker and jetstream:
+            raise ValueError("per_worker publishes on core NATS only (not with jetstream)")
+        self.per_worker = per_worker
+        self.publish_subject = self.subject
+        """Where events go: ``subject``, or with ``per_worker`` the worker's own subject
+        (:func:`worker_subject`, known once the publisher opens the sink)."""
         self._subject_bytes = self.subject.encode()
         self.direct = direct and not jetstream
         self._publisher: EventPublisher | None = None
@@ -305,6 +320,9 @@ class NatsSink(Sink):
         from kvstrata.events._aio import LoopThread
 
         self._publisher = publisher
+        if self.per_worker:
+            self.publish_subject = worker_subject(self.subject, publisher.identity.worker_id)
+            self._subject_bytes = self.publish_subject.encode()
         self._aio = LoopThread(f"kvstrata-nats-{self.subject}")
         self._connect_task = self._aio.submit(self._connect())
         if self.direct:
@@ -387,7 +405,7 @@ class NatsSink(Sink):
             and self._nc.is_connected
 
     def describe(self) -> str:
-        return f"nats:{self.url}/{self.subject}"
+        return f"nats:{redacted(self.url)}/{self.publish_subject}"
 
     # -- data path ---------------------------------------------------------------------------
     def encode(self, batch: EventBatch, max_payload: int) -> tuple[list[bytes], list[int]]:
@@ -403,7 +421,7 @@ class NatsSink(Sink):
             wire.publish(self._subject_bytes, self.encode(batch, wire.max_payload)[0])
             return
         if not self._ready.is_set():
-            raise SinkUnavailableError(f"not connected to {self.url}" + (f": {self.connect_error}" if self.connect_error else ""))
+            raise SinkUnavailableError(f"not connected to {redacted(self.url)}" + (f": {self.connect_error}" if self.connect_error else ""))
         limit = getattr(self._nc, "max_payload", 1 << 20) or (1 << 20)
         payloads, ids = self.encode(batch, limit)
         if max(map(len, payloads)) > limit:  # nats-py would refuse it on every retry
@@ -423,7 +441,7 @@ class NatsSink(Sink):
         nc = self._nc
         if self._js is None:
             for p in payloads:
-                await nc.publish(self.subject, p)
+                await nc.publish(self.publish_subject, p)
             return
         if not nc.is_connected:
             raise SinkUnavailableError("JetStream publish while disconnected")

@@ -8,8 +8,9 @@ spec                                                   sink
                                                        an in-memory list (``publisher.sink``)
 ``jsonl:PATH``                                         kvstrata JSON lines appended to PATH
 ``dynamo-json:PATH``                                   Dynamo RouterEvent JSON lines to PATH
-``nats://HOST:PORT[/SUBJECT][?format=kvstrata|dynamo   NATS (default subject ``kvstrata.events``)
-&jetstream=1&stream=NAME&snapshots=0&direct=0]``
+``nats://HOST:PORT[/SUBJECT][?format=kvstrata|dynamo   NATS (default subject ``kvstrata.events``;
+&jetstream=1&stream=NAME&snapshots=0&direct=0          ``per_worker=1``: on
+&per_worker=1]``                                       ``SUBJECT.worker.<worker id>``)
 ``zmq://tcp://HOST:PORT[?topic=T&layout=map|array      ZMQ PUB, vLLM KVEventBatch msgpack
 &connect=1]``  (also ``zmq://ipc://...``)
 =====================================================  ==========================================
@@ -27,7 +28,7 @@ from kvstrata.events.publisher import EventPublisher, Sink
 DEFAULT_SUBJECT = "kvstrata.events"
 
 _PARAMS = {
-    "nats": {"format", "jetstream", "stream", "snapshots", "direct"},
+    "nats": {"format", "jetstream", "stream", "snapshots", "direct", "per_worker"},
     "zmq": {"topic", "layout", "connect", "hwm"},
 }
 
@@ -101,6 +102,9 @@ def parse_sink_spec(spec: str) -> SinkSpec:
         _flag(spec, params, "jetstream")
         _flag(spec, params, "snapshots")
         _flag(spec, params, "direct")
+        if _flag(spec, params, "per_worker") and _flag(spec, params, "jetstream"):
+            raise SinkSpecError(f"sink spec {spec!r}: per_worker=1 publishes on core NATS "
+                                f"only (not with jetstream=1)")
         # kept as written (still percent-encoded): user:password@, or a token alone as token@
         userinfo, at, _ = parts.netloc.rpartition("@")
         auth = f"{userinfo}{at}" if userinfo else ""
@@ -126,6 +130,18 @@ def parse_sink_spec(spec: str) -> SinkSpec:
             raise SinkSpecError(f"sink spec {spec!r}: hwm must be an integer")
         return SinkSpec("zmq", endpoint, "", params)
     raise SinkSpecError(f"unknown sink spec {spec!r} (expected one of: {_FORMS})")
+
+
+def redacted(url: str) -> str:
+    """``url`` with any ``user:password@`` or ``token@`` replaced by ``***@``: for logs,
+    messages and metric labels, which must never carry the bus's credentials."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    netloc, slash, path = rest.partition("/")
+    if "@" not in netloc:
+        return url
+    return f"{scheme}://***@{netloc.rpartition('@')[2]}{slash}{path}"
 
 
 def nats_url_parts(url: str, what: str) -> tuple[SplitResult, int | None]:
@@ -187,6 +203,7 @@ def make_sink(spec: str | SinkSpec, callback: Callable | None = None) -> Sink:
             stream=s.params.get("stream"),
             serve_snapshots=_flag("", {"snapshots": s.params.get("snapshots", "1")}, "snapshots"),
             direct=_flag("", {"direct": s.params.get("direct", "1")}, "direct"),
+            per_worker=_flag("", s.params, "per_worker"),
         )
     if s.kind == "zmq":
         return sinks.ZmqSink(

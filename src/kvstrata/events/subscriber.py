@@ -258,6 +258,11 @@ class StreamFollower:
             self.applied += 1
 
     # -- snapshots ---------------------------------------------------------------------------
+    def count_untrusted(self, events: int) -> None:
+        """Count ``events`` dropped before they reached the follower, as untrusted."""
+        with self.lock:
+            self.untrusted += events
+
     def pending_snapshots(self) -> list[int]:
         """Workers waiting for a snapshot."""
         with self.lock:
@@ -435,11 +440,18 @@ class NatsFollower:
         snapshot_timeout: float = 2.0,
         on_batch: Callable[[int], None] | None = None,
         trusted_workers: Iterable[int] | None = None,
+        per_worker: bool = False,
     ) -> None:
         from kvstrata.events.sinks import EVENT_FORMATS, check_subject
 
         if format not in EVENT_FORMATS:
             raise ValueError(f"format must be one of {EVENT_FORMATS}, got {format!r}")
+        if per_worker and jetstream:
+            raise ValueError("per_worker follows core NATS only (not with jetstream)")
+        self.per_worker = per_worker
+        """Follow ``SUBJECT.worker.*`` and apply from ``SUBJECT.worker.<id>`` only the events
+        of worker ``<id>`` (:func:`~kvstrata.events.sinks.worker_subject`): with NATS
+        permissions giving each subject to one worker's user, no user speaks for another."""
         self.url = url
         self.subject = check_subject(subject)
         self.format = format
@@ -486,6 +498,8 @@ class NatsFollower:
 
             js = self._nc.jetstream()
             await js.subscribe(self.subject, cb=self._on_msg, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
+        elif self.per_worker:
+            await self._nc.subscribe(f"{self.subject}.worker.*", cb=self._on_msg)
         else:
             await self._nc.subscribe(self.subject, cb=self._on_msg)
         await self._nc.flush(timeout=2)
@@ -498,10 +512,15 @@ class NatsFollower:
                 batch = formats.decode_kvstrata(msg.data)
                 if not isinstance(batch, EventBatch):
                     return
+                if not self._from_its_subject(msg.subject, batch.identity.worker_id,
+                                              len(batch.events)):
+                    return
                 self.follower.feed_batch(batch)
                 n = len(batch.events)
             else:
                 wid, event = formats.decode_dynamo(msg.data)
+                if not self._from_its_subject(msg.subject, wid, 1):
+                    return
                 self.follower.feed(wid, None, [event])
                 n = 1
         except EventFormatError as exc:
@@ -516,6 +535,14 @@ class NatsFollower:
             self.on_batch(n)
         if self.follower.pending_snapshots():
             self._sync_wakeup.set()
+
+    def _from_its_subject(self, subject: str, worker_id: int, events: int) -> bool:
+        """Whether events of ``worker_id`` may come from ``subject`` (always, unless
+        ``per_worker``); refused ones are counted as untrusted."""
+        if not self.per_worker or subject == f"{self.subject}.worker.{worker_id}":
+            return True
+        self.follower.count_untrusted(events)
+        return False
 
     async def _sync_loop(self) -> None:
         while True:
@@ -604,7 +631,18 @@ class NatsFollower:
 
     def discover(self, window: float = 0.5) -> int:
         """Ask every publisher on the subject for its snapshot (``SUBJECT.snapshot``), apply
-        the replies that arrive within ``window`` seconds; returns how many were applied."""
+        the replies that arrive within ``window`` seconds; returns how many were applied.
+
+        With ``per_worker`` a broadcast is not asked (every worker's user may hear it, so any
+        could answer for another): each trusted worker is asked on its own subject, or,
+        with no ``trusted_workers``, nobody, and each worker joins on its first event."""
+        if self.per_worker:
+            wanted = sorted(self.follower.trusted_workers or ())
+            for wid in wanted:
+                self.follower.expect_snapshot(wid)
+            if wanted:
+                self._aio.loop.call_soon_threadsafe(self._sync_wakeup.set)
+            return 0
         return self._aio.run(self._discover(window), window + 5.0)
 
     def wait_for(self, predicate: Callable[[], bool], timeout: float) -> bool:
