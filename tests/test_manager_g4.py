@@ -164,3 +164,54 @@ def test_g4_events_are_on_the_external_tier_and_the_indexer_shows_who_holds_what
             index.apply_event(worker, event)
     assert "G4" in tiers_seen and '"storage_tier":"external"' in paths[0].read_text()
     assert index.match(hashes_of(records)) == {1: {"G4": 4, "G1": 4, "G2": 4}, 2: {"G4": 4}}
+
+
+# -- issue 27: keyed tags (what someone with the bucket's credentials cannot do) -------------
+
+def test_an_object_forged_by_a_holder_of_the_bucket_credentials_is_never_served(
+        weed, tenant, monkeypatch):
+    """Someone who can write the bucket but does not hold the deployment's secret replaces
+    a block's object with other bytes and a correct header (xxh3 and all): the next worker
+    refuses it (a failed load, recomputed) and loads the blocks before it byte-exact. The
+    genuine object is refused too by a worker of another deployment (another secret)."""
+    from kvstrata.physical.checksum import block_checksum
+    from kvstrata.physical.storage.object_format import (HEADER_SIZE, decode_header,
+                                                          encode_header)
+
+    config = g4_config(tenant=tenant)
+    records = chain(4, start=700)
+    with _manager(weed, config) as writer:
+        data = payloads(writer, records)
+        _store_all(writer, records, data)
+        namespace = writer.storage("G4").namespace
+    client = S3Client(weed.s3_config())
+    with _manager(weed, config) as reader:
+        [victim] = [namespace + k for k in reader.storage("G4").list_keys()
+                    if k.startswith(f"{records[2].sequence_hash:016x}.")]
+        real = client.get(victim)
+        header = decode_header(real)
+        zeros = bytes(len(real) - HEADER_SIZE)
+        client.put(victim, encode_header(fingerprint=header.fingerprint,
+                                         geometry=header.geometry,
+                                         sequence_hash=header.sequence_hash,
+                                         checksum=block_checksum(zeros)) + zeros)
+        with reader.onboard(hashes_of(records)).result(HANG_GUARD) as loaded:
+            assert len(loaded) == 2
+            assert [f.kind for f in loaded.failures] == ["checksum_mismatch"]
+            assert_g1_bytes(reader, loaded, data)
+    client.put(victim, real)
+    monkeypatch.setenv("KVSTRATA_SHARING_SECRET", "another deployment's secret, 32 bytes")
+    with _manager(weed, config) as other:
+        with other.onboard(hashes_of(records)).result(HANG_GUARD) as loaded:
+            assert len(loaded) == 0 and loaded.failures
+
+
+def test_a_g4_without_the_deployments_secret_is_refused_at_start(weed, tenant, monkeypatch):
+    from kvstrata.manager import KvBlockManager
+    from kvstrata.kinds.base import TierSetupError
+
+    monkeypatch.delenv("KVSTRATA_SHARING_SECRET", raising=False)
+    monkeypatch.delenv("KVSTRATA_SHARING_SECRET_FILE", raising=False)
+    with pytest.raises((TierSetupError, ValueError), match="needs the deployment's secret"):
+        KvBlockManager(g4_config(tenant=tenant), object_store=weed.s3_config(),
+                       list_interval=None)

@@ -92,7 +92,8 @@ def test_make_publisher_callback_function():
 
 
 def test_per_worker_nats_sinks_publish_on_their_worker_subject_and_never_show_credentials():
-    from kvstrata.events.spec import SinkSpecError, make_sink, parse_sink_spec, redacted
+    from kvstrata.events.natswire import redacted
+    from kvstrata.events.spec import SinkSpecError, make_sink, parse_sink_spec
 
     with pytest.raises(SinkSpecError, match="per_worker"):
         parse_sink_spec("nats://127.0.0.1:4222/kv.ev?per_worker=1&jetstream=1")

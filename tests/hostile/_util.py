@@ -72,16 +72,18 @@ def read_ok(disk: DiskStorage, slot: int, seq: int) -> bool:
 
 
 def record(op: int, slot: int, seq: int, parent: int | None = None, local: int = 0,
-           checksum: int = 0, flags: int | None = None, pad: int = 0) -> bytes:
+           checksum: int = 0, flags: int | None = None, pad: int = 0, tag: int = 0) -> bytes:
     """One journal record with a valid per-record xxh3 (what the writer would produce)."""
     if flags is None:
         flags = 1 if parent is not None else 0
-    body = di._BODY.pack(op, flags, pad, slot, seq, parent or 0, local, checksum)
+    body = di._BODY.pack(op, flags, pad, slot, seq, parent or 0, local, checksum, tag)
     return body + xxhash.xxh3_64_intdigest(body).to_bytes(8, "little")
 
 
-def header(fingerprint: str = FP, stride: int = 4096, version: int = di.INDEX_VERSION) -> bytes:
-    raw = di._HEADER.pack(di._MAGIC, version, fingerprint.encode("ascii")[:16], stride, 0)
+def header(fingerprint: str = FP, stride: int = 4096, version: int = di.INDEX_VERSION,
+           key_id: int = 0) -> bytes:
+    raw = di._HEADER.pack(di._MAGIC, version, fingerprint.encode("ascii")[:16], stride, key_id,
+                          0)
     return raw[:-8] + xxhash.xxh3_64_intdigest(raw[:-8]).to_bytes(8, "little")
 
 

@@ -222,7 +222,7 @@ def test_a_store_that_hangs_or_dies_mid_run_costs_copies_never_bytes(tenant):
         pytest.skip("weed binary not found")
     server = _SamePorts().start()
     try:
-        S3Client(server.s3_config()).put("warm-up", b"x")    # a fresh weed grows volumes
+        server.wait_writable()                               # a fresh weed grows volumes
         store = server.s3_config(connect_timeout=0.3, read_timeout=0.5, request_timeout=0.8,
                                  retries=0)
         config = g4_config(tenant)
@@ -270,7 +270,7 @@ def test_a_store_that_hangs_or_dies_mid_run_costs_copies_never_bytes(tenant):
             server.start()
             # ready for writes too (a restarted weed grows volumes on its first put, which
             # on a loaded machine takes longer than this test's 0.8 s request timeout)
-            S3Client(server.s3_config()).put("warm-up", b"x")
+            server.wait_writable()
             assert mgr.refresh_catalogs() >= 4
             third = chain(4, start=4000)
             fresh = payloads(mgr, third, seed=3)

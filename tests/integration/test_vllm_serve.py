@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from kvstrata.physical.storage.disk_index import RECORD_BYTES
 from kvstrata.testing.serve import VllmServer, free_port, http, kvstrata_connector
 
 pytest.importorskip("vllm")
@@ -108,7 +109,7 @@ def test_a_server_killed_with_sigkill_serves_its_disk_tier_after_restart(model, 
         before = _complete(base, prompt)
         index = next(disk.glob("kvstrata-g3-r0-*/index"))
         deadline = time.monotonic() + 60              # stores reach G3 (write-through)
-        while index.stat().st_size < 64 + (expected // BLOCK) * 48 \
+        while index.stat().st_size < 64 + (expected // BLOCK) * RECORD_BYTES \
                 and time.monotonic() < deadline:
             time.sleep(0.2)
     finally:

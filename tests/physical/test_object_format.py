@@ -59,7 +59,7 @@ def test_longest_fingerprint_and_unicode():
 @pytest.mark.parametrize("data, error", [
     (b"", ObjectMagicError), (b"garbage!" * 40, ObjectMagicError),
     (b"KVSTRAT", ObjectTruncatedError), (MAGIC, ObjectTruncatedError),
-    (MAGIC + b"\x02\x00" + b"\0" * 300, ObjectVersionError),
+    (MAGIC + b"\x01\x00" + b"\0" * 300, ObjectVersionError),   # the unkeyed format
 ])
 def test_bad_headers(data, error):
     with pytest.raises(error):

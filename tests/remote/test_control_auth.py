@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from kvstrata.remote import control
-from kvstrata.remote.auth import AuthError, resolve_secret
+from kvstrata.secret import SecretError, resolve_secret
 from kvstrata.remote.control import MAX_CONNECTIONS_PER_HOST, ControlChannel, parse_control
 from kvstrata.remote.errors import LeaseError
 from kvstrata.remote.nixl_agent import nixl_available
@@ -116,14 +116,14 @@ def test_a_secret_file_is_refused_when_others_could_have_written_it(tmp_path, ot
     link.symlink_to(path)
     assert resolve_secret(env={"KVSTRATA_SHARING_SECRET_FILE": str(link)}) is not None
     path.chmod(0o666)
-    with pytest.raises(AuthError, match="writable by no one else"):
+    with pytest.raises(SecretError, match="writable by no one else"):
         resolve_secret(env=env)
     path.chmod(0o600)
     if other_user_uid is not None:
         os.chown(path, other_user_uid, -1)
-        with pytest.raises(AuthError, match="owned by this user or root"):
+        with pytest.raises(SecretError, match="owned by this user or root"):
             resolve_secret(env=env)
-    with pytest.raises(AuthError, match="cannot open"):
+    with pytest.raises(SecretError, match="cannot open"):
         resolve_secret(env={"KVSTRATA_SHARING_SECRET_FILE": str(tmp_path / "missing")})
 
 

@@ -21,9 +21,8 @@ from typing import Callable
 
 from kvstrata.events import formats
 from kvstrata.events.model import EventBatch
-from kvstrata.events.natswire import PayloadTooLargeError
+from kvstrata.events.natswire import PayloadTooLargeError, redacted
 from kvstrata.events.publisher import EventPublisher, Sink, SinkUnavailableError
-from kvstrata.events.spec import redacted
 
 log = logging.getLogger(__name__)
 

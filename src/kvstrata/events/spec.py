@@ -132,18 +132,6 @@ def parse_sink_spec(spec: str) -> SinkSpec:
     raise SinkSpecError(f"unknown sink spec {spec!r} (expected one of: {_FORMS})")
 
 
-def redacted(url: str) -> str:
-    """``url`` with any ``user:password@`` or ``token@`` replaced by ``***@``: for logs,
-    messages and metric labels, which must never carry the bus's credentials."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url
-    netloc, slash, path = rest.partition("/")
-    if "@" not in netloc:
-        return url
-    return f"{scheme}://***@{netloc.rpartition('@')[2]}{slash}{path}"
-
-
 def nats_url_parts(url: str, what: str) -> tuple[SplitResult, int | None]:
     """``url`` (``nats://[user:password@]HOST[:PORT][/...]``) split, and its port (None:
     NATS's default); :class:`SinkSpecError` naming ``what`` if it is not such a URL (a

@@ -4,6 +4,9 @@ In a directory the config names (:meth:`~kvstrata.config.KvConfig.directory_of`)
 *durable* (:meth:`~kvstrata.physical.DiskStorage.durable`): it lives in a home named by the
 compatibility fingerprint of the blocks (:mod:`kvstrata.compat`) and the rank, locked for its
 process, and what a previous process stored there is recovered and verified when first read.
+With the deployment's secret set (:mod:`kvstrata.secret`) its blocks are tagged with a key
+derived from it (:mod:`kvstrata.physical.tags`), and only blocks tagged under that key are
+read back; without one its protection is the home's ownership and mode.
 Without a directory (or with ``durable_disk=False``) it is a temporary slab removed on close,
 in a directory of its own that a killed process's successor reclaims. Its blocks move through
 host RAM. It must fit the free space of its filesystem, counting the slabs a restart reuses.
@@ -22,7 +25,9 @@ from ..physical.leftovers import owner_tag, reclaim
 from ..physical.storage.disk import slab_stride
 from ..physical.storage.disk_home import home_name
 from ..physical.storage.disk_index import DiskIndex
+from ..physical.tags import tagger_from_environment
 from ..placement.costs import CostPrior
+from ..secret import SecretError
 from ..tiers import TierKind
 from .base import Kind, RecoveredRow, StorageOptions, TierSetupError, layout_config_for
 
@@ -45,6 +50,10 @@ class DiskKind(Kind):
         problem = directory_problem(directory) if directory is not None else None
         if problem:
             return [f"tier {tier}: directory {directory} {problem}"]
+        try:
+            tagger_from_environment()
+        except SecretError as exc:
+            return [f"tier {tier}: {exc}"]
         need = ranks * config.tier_blocks(tier) * slab_stride(layout_config_for(config, 1))
         if directory is not None and options.durable_disk:
             need -= sum(self._kept_bytes(config, tier, directory, options, rank)
@@ -71,14 +80,19 @@ class DiskKind(Kind):
             durable = options.durable_disk
         layout = geometry.with_blocks(config.tier_blocks(tier))
         try:
+            tagger = tagger_from_environment()
+        except SecretError as exc:
+            raise TierSetupError(f"{tier}: {exc}") from None
+        try:
             if durable:
                 compat = options.compatibility(config)
                 return DiskStorage.durable(layout, directory, fingerprint=compat.fingerprint,
                                            rank=options.rank, describe=compat.describe(),
                                            sync=options.disk_sync, name=tier.lower(),
-                                           o_direct=options.o_direct, file_ops=options.file_ops)
+                                           o_direct=options.o_direct, file_ops=options.file_ops,
+                                           tagger=tagger)
             return DiskStorage(layout, directory, o_direct=options.o_direct,
-                               file_ops=options.file_ops)
+                               file_ops=options.file_ops, tagger=tagger)
         except PhysicalError as exc:
             raise TierSetupError(f"{tier} in {directory}: {exc}") from exc
 
@@ -93,10 +107,15 @@ class DiskKind(Kind):
             return []                                  # a temporary slab: nothing kept
         fingerprint = options.compatibility(config, rank).fingerprint
         layout = layout_config_for(config, config.tier_blocks(tier))
+        try:
+            tagger = tagger_from_environment()
+        except SecretError:
+            return None
         live = DiskIndex.peek(os.path.join(directory, home_name(tier, rank, fingerprint),
                                            "index"),
                               capacity=layout.num_blocks, fingerprint=fingerprint,
-                              stride=slab_stride(layout))
+                              stride=slab_stride(layout),
+                              key_id=0 if tagger is None else tagger.key_id)
         return None if live is None else live.rows()
 
     @staticmethod

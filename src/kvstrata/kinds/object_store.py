@@ -6,6 +6,11 @@ The store is named by the tier's ``url`` (``http://host:port/bucket``) or
 each other's blocks. Every worker of the same model, geometry, rank and tenant on that bucket
 sees the blocks the others put. Its blocks move through host RAM. A store that does not
 answer at start is a warning (its copies fail until it does); one that refuses is an error.
+
+Everyone with the bucket's credentials can write it, so a G4 tier needs the deployment's
+secret (:mod:`kvstrata.secret`): every object carries a tag keyed from it
+(:mod:`kvstrata.physical.tags`) and an object without that tag is never read as a block.
+Without a secret the tier is refused at start.
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ from ..config import KvConfig
 from ..physical import LayoutConfig, PhysicalError, Storage
 from ..physical.storage.objects import ObjectStorage
 from ..physical.storage.s3client import ObjectStoreTransientError, S3Config
+from ..physical.tags import BlockTagger, tagger_from_environment
 from ..placement.costs import CostPrior
+from ..secret import SECRET_ENV, SECRET_FILE_ENV, SecretError
 from ..tiers import TierKind
 from .base import Kind, StorageOptions, TierSetupError, layout_config_for
 
@@ -37,6 +44,10 @@ class ObjectStoreKind(Kind):
         if options.object_store is None and not config.tiers[tier].url:
             return [f"tier {tier} (object store) needs a url: "
                     f'tiers.{tier}.url = "http://host:port/bucket"']
+        try:
+            _tagger(tier)
+        except TierSetupError as exc:
+            return [str(exc)]
         return []
 
     def build(self, tier: str, built, geometry: LayoutConfig | None,
@@ -55,10 +66,12 @@ class ObjectStoreKind(Kind):
         compat = options.compatibility(config, rank)
         store = _store_of(config, tier, options)
         geometry = geometry or layout_config_for(config, 1)
+        tagger = _tagger(tier)
         try:
             storage = ObjectStorage(geometry.with_blocks(config.tier_blocks(tier)), store,
                                     namespace=object_namespace(config, compat.fingerprint),
-                                    fingerprint=compat.fingerprint, ensure_bucket=False)
+                                    fingerprint=compat.fingerprint, ensure_bucket=False,
+                                    tagger=tagger)
         except PhysicalError as exc:
             raise TierSetupError(f"{tier} at {store.endpoint_url}/{store.bucket}: {exc}") from exc
         try:
@@ -79,6 +92,21 @@ def object_namespace(config: KvConfig, fingerprint: str) -> str:
     for the default tenant (no tenant can be named ``_``: tenants start with a letter or a
     digit)."""
     return f"kvstrata/{fingerprint}/{config.tenant or '_'}/"
+
+
+def _tagger(tier: str) -> BlockTagger:
+    """The tagger of the deployment's secret; :class:`TierSetupError` without one."""
+    try:
+        tagger = tagger_from_environment()
+    except SecretError as exc:
+        raise TierSetupError(f"tier {tier} (object store): {exc}") from None
+    if tagger is None:
+        raise TierSetupError(
+            f"tier {tier} (object store) needs the deployment's secret (${SECRET_ENV}, or a "
+            f"private file named by ${SECRET_FILE_ENV}), the same in every worker: whoever "
+            f"can write the bucket could otherwise put blocks that pass as this "
+            f"deployment's")
+    return tagger
 
 
 def _store_of(config: KvConfig, tier: str, options: StorageOptions) -> S3Config:

@@ -44,8 +44,8 @@ from typing import Callable, NamedTuple
 
 import msgpack
 
-from .auth import (SECRET_ENV, SECRET_FILE_ENV, AuthError, client_proof, new_nonce,
-                   proofs_match, resolve_secret, server_proof)
+from ..secret import SECRET_ENV, SECRET_FILE_ENV, SecretError, resolve_secret
+from .auth import client_proof, new_nonce, proofs_match, server_proof
 from .errors import LeaseError
 
 __all__ = ["ControlServer", "ControlChannel", "PeerId", "parse_control", "format_control",
@@ -401,7 +401,7 @@ class ControlChannel:
         self.control, self.timeout = control, timeout
         try:
             found = secret if secret is not None else resolve_secret()
-        except AuthError as exc:
+        except SecretError as exc:
             raise LeaseError(str(exc)) from None
         if found is None:
             raise LeaseError(f"{control}: no sharing secret to prove to the exporter: set "

@@ -36,7 +36,7 @@ import numpy as np
 
 from ..physical.storage.base import MemoryStorage
 from ..protocol.layout_codec import SharedLayout
-from .auth import SECRET_ENV, SECRET_FILE_ENV, AuthError, resolve_secret
+from ..secret import SECRET_ENV, SECRET_FILE_ENV, SecretError, resolve_secret
 from .blockset import BlockSet
 from .control import ControlServer, PeerId
 from .errors import LeaseError
@@ -64,7 +64,7 @@ class BlockExporter:
                  tick: float = 0.05, secret: bytes | None = None) -> None:
         try:
             secret = resolve_secret(secret)
-        except AuthError as exc:
+        except SecretError as exc:
             raise LeaseError(f"exporter {name}: {exc}") from None
         if secret is None:
             raise LeaseError(f"exporter {name}: exporting memory needs the deployment's "

@@ -49,7 +49,7 @@ def test_a_block_one_rank_lost_is_a_miss_for_all(tmp_path):
     sim.run()
     index = sim.workers[1].storages.by_tier["G3"].index
     where = dict(path=index.path, capacity=index.capacity, fingerprint=index.fingerprint,
-                 stride=index.stride)
+                 stride=index.stride, key_id=index.key_id)
     for worker in sim.workers:
         worker.shutdown()
     # rank 1 lost the index entry of the fourth block (killed between its write and entry)

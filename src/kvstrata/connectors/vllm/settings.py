@@ -312,14 +312,14 @@ def _check_sharing_secret(env: Mapping[str, str], problems: list[str]) -> None:
     """Sharing G2 between engines needs the deployment's secret in every engine's
     environment (:mod:`kvstrata.remote.auth`): an exporter serves nothing to a peer that
     cannot prove it holds it."""
-    from ...remote.auth import SECRET_ENV, SECRET_FILE_ENV, AuthError, resolve_secret
+    from ...secret import SECRET_ENV, SECRET_FILE_ENV, SecretError, resolve_secret
 
     try:
         if resolve_secret(env=env) is None:
             problems.append(f"export/peers need the deployment's sharing secret: set "
                             f"${SECRET_ENV} (or ${SECRET_FILE_ENV}, a file of the running "
                             f"user's) to the same value in every engine")
-    except AuthError as exc:
+    except SecretError as exc:
         problems.append(f"export/peers: {exc}")
 
 

@@ -16,7 +16,10 @@ shorter than a stride) are bounced through page-aligned ``mmap`` staging buffers
 
 Integrity: :meth:`DiskStorage.write_blocks` hashes each block (xxh3-64) and records the hash
 and sequence hash only after the write succeeded; :meth:`DiskStorage.read_blocks` always checks
-the slot holds the requested sequence hash and re-hashes the bytes read. Failures raise a
+the slot holds the requested sequence hash and re-hashes the bytes read. With a
+:class:`~kvstrata.physical.tags.BlockTagger` (``tagger``, the deployment's secret) every block
+written is also tagged, and every block read must match its tag too: bytes someone else put
+in the slab (and the index) do not pass without the key. Failures raise a
 :class:`~kvstrata.physical.errors.BlockIOError` subclass — :class:`DiskFullError` (ENOSPC),
 :class:`StorageIOError` (EIO, short I/O), :class:`BlockIntegrityError` /
 :class:`ChecksumMismatchError` — whose ``failures`` name the failed positions and slots; all
@@ -58,6 +61,7 @@ from .base import BlockStore, StorageStatus
 from .disk_home import DiskTierHome, check_fingerprint, private_file
 from .disk_index import DiskIndex, LiveEntries
 from .fileio import FileOps
+from ..tags import BlockTagger
 
 __all__ = ["DiskStorage", "Durability", "DIRECT_ALIGNMENT", "slab_stride"]
 
@@ -96,7 +100,8 @@ class DiskStorage(BlockStore):
                  name: str = "g3", o_direct: bool | None = None,
                  file_ops: FileOps | None = None, max_io_bytes: int = 16 << 20,
                  staging_buffers: int = 2, keep_file: bool = False,
-                 overlap_bytes: int = 256 << 10, durable: "Durability | None" = None) -> None:
+                 overlap_bytes: int = 256 << 10, durable: "Durability | None" = None,
+                 tagger: BlockTagger | None = None) -> None:
         layout = FullyContiguousLayout(
             config.with_alignment(max(config.alignment, DIRECT_ALIGNMENT)))
         super().__init__(layout)
@@ -112,6 +117,10 @@ class DiskStorage(BlockStore):
         self._hash_pool: ThreadPoolExecutor | None = None
         self._overlap_bytes = overlap_bytes
         self._durable = durable
+        self._tagger = tagger
+        self._tag_identity = (durable.fingerprint if durable is not None else "").encode()
+        self._tags = np.zeros(config.num_blocks, dtype=np.uint64) if tagger else None
+        """The keyed tag of the block in each slot (with a tagger)."""
         self.index: DiskIndex | None = None
         self.recovered: LiveEntries | None = None
         """Durable only: the entries recovered from the index at start, oldest first."""
@@ -175,10 +184,12 @@ class DiskStorage(BlockStore):
     def _recover(self, durable: "Durability") -> None:
         index = DiskIndex.open(self.path.parent / "index", capacity=self.num_blocks,
                                fingerprint=durable.fingerprint, stride=self._stride,
-                               sync=durable.sync)
+                               sync=durable.sync, key_id=self.key_id)
         self.index = index
         live = index.live()
         if len(live):
+            if self._tags is not None:
+                self._tags[live.slots] = live.tags
             self.checksums.record_many(live.slots, live.checksums, live.sequence_hashes)
         self.recovered = live
         report = index.report
@@ -278,6 +289,13 @@ class DiskStorage(BlockStore):
         hashing = None
         known = [None] * len(block_ids) if checksums is None else list(checksums)
         missing = [p for p, value in enumerate(known) if value is None]
+        tagging = None
+        if self._tagger is not None:
+            views = [sources[p][:block_bytes] for p in range(len(block_ids))]
+            work = (self._tag_identity, list(sequence_hashes), views)
+            tagging = (self._helper().submit(self._tagger.tags, *work)
+                       if len(views) * block_bytes >= self._overlap_bytes else
+                       self._tagger.tags(*work))
         if missing:
             views = [sources[p][:block_bytes] for p in missing]
             if len(views) * block_bytes >= self._overlap_bytes:
@@ -298,12 +316,17 @@ class DiskStorage(BlockStore):
             if hashing is not None:
                 for p, value in zip(missing, hashing.result()):
                     known[p] = value
+            if tagging is not None and not isinstance(tagging, list):
+                tagging = tagging.result()
         sums: list[int | None] = known
         good = range(len(block_ids))
         if failed:
             for p in failed:
                 sums[p] = None
             good = [p for p in range(len(block_ids)) if p not in failed]
+        if tagging is not None:       # before the checksums make the slots readable
+            self._tags[[block_ids[p] for p in good]] = [tagging[p] for p in good]
+        if failed:
             self.checksums.record_many([block_ids[p] for p in good], [sums[p] for p in good],
                                        [sequence_hashes[p] for p in good])
         else:
@@ -311,7 +334,8 @@ class DiskStorage(BlockStore):
         if self.index is not None and local_hashes is not None and parent_hashes is not None:
             self.index.put([block_ids[p] for p in good], [sequence_hashes[p] for p in good],
                            [parent_hashes[p] for p in good], [local_hashes[p] for p in good],
-                           [sums[p] for p in good], data_fd=self._fd)
+                           [sums[p] for p in good], data_fd=self._fd,
+                           tags=None if tagging is None else [tagging[p] for p in good])
         raise_for_failures(f"write to {self.path.name}", failures, len(block_ids), sums)
         return sums  # type: ignore[return-value]
 
@@ -336,7 +360,8 @@ class DiskStorage(BlockStore):
                 for positions, exc in self._isolating(
                         [wanted[i] for i in run],
                         lambda r: self._read_run(block_ids[r[0]], [destinations[p] for p in r],
-                                                 r, block_ids, failures, pending)):
+                                                 r, block_ids, sequence_hashes, failures,
+                                                 pending)):
                     failures.extend(BlockFailure(p, block_ids[p], FailureKind.IO_ERROR,
                                                  f"read failed: {exc}") for p in positions)
         finally:
@@ -420,18 +445,17 @@ class DiskStorage(BlockStore):
             self._staging.put(staging)
 
     def _read_run(self, first_slot: int, dests: list[np.ndarray], positions: list[int],
-                  block_ids: Sequence[int], failures: list[BlockFailure],
-                  pending: list) -> None:
+                  block_ids: Sequence[int], sequence_hashes: Sequence[int],
+                  failures: list[BlockFailure], pending: list) -> None:
         offset = first_slot * self._stride
         block_bytes = self.config.block_bytes
         if all(self._direct_ok(d) for d in dests):
             self._pread_all([d[:self._stride] for d in dests], offset)
-            work = (self.checksums, positions, [block_ids[p] for p in positions],
-                    [d[:block_bytes] for d in dests])
+            work = (positions, block_ids, sequence_hashes, [d[:block_bytes] for d in dests])
             if len(dests) * block_bytes >= self._overlap_bytes:
-                pending.append(self._helper().submit(_verify, *work))   # overlaps next read
+                pending.append(self._helper().submit(self._verify, *work))  # overlaps next read
             else:
-                pending.append(_verify(*work))
+                pending.append(self._verify(*work))
             return
         staging = self._acquire_staging(len(dests))
         try:
@@ -439,13 +463,43 @@ class DiskStorage(BlockStore):
                      for i in range(len(dests))]
             self._pread_all(views, offset)
             for pos, dest, view in zip(positions, dests, views):
-                failure = self.checksums.check_bytes(pos, block_ids[pos], view[:block_bytes])
+                failure = self._check(pos, block_ids[pos], sequence_hashes[pos],
+                                      view[:block_bytes])
                 if failure is None:
                     dest[:block_bytes] = view[:block_bytes]   # only verified bytes go out
                 else:
                     failures.append(failure)
         finally:
             self._staging.put(staging)
+
+    @property
+    def key_id(self) -> int:
+        """The public id of the key blocks are tagged with (0: no key)."""
+        return 0 if self._tagger is None else self._tagger.key_id
+
+    def _check(self, position: int, slot: int, sequence_hash: int,
+               data: np.ndarray) -> BlockFailure | None:
+        """Failure record if ``data`` does not hash to its slot's checksum or, with a
+        tagger, does not match its slot's tag."""
+        failure = self.checksums.check_bytes(position, slot, data)
+        if failure is not None or self._tagger is None:
+            return failure
+        tag = self._tagger.tag(self._tag_identity, sequence_hash, data)
+        if tag != int(self._tags[slot]):
+            return BlockFailure(position, slot, FailureKind.CHECKSUM_MISMATCH,
+                                "keyed tag does not match: not written under this "
+                                "deployment's key")
+        return None
+
+    def _verify(self, positions: list[int], block_ids: Sequence[int],
+                sequence_hashes: Sequence[int], views: list[np.ndarray]) -> list[BlockFailure]:
+        """Failures of the blocks read at ``positions`` into ``views``."""
+        out = []
+        for pos, view in zip(positions, views):
+            failure = self._check(pos, block_ids[pos], sequence_hashes[pos], view)
+            if failure is not None:
+                out.append(failure)
+        return out
 
     def _helper(self) -> ThreadPoolExecutor:
         """One helper thread that hashes while this thread does I/O (created on first use)."""
@@ -528,17 +582,6 @@ class DiskStorage(BlockStore):
 
 def _hash_all(views: Sequence[np.ndarray]) -> list[int]:
     return [block_checksum(v) for v in views]
-
-
-def _verify(table: ChecksumTable, positions: list[int], slots: list[int],
-            views: list[np.ndarray]) -> list[BlockFailure]:
-    """Failures of blocks whose bytes do not hash to their slot's recorded checksum."""
-    out = []
-    for pos, slot, view in zip(positions, slots, views):
-        failure = table.check_bytes(pos, slot, view)
-        if failure is not None:
-            out.append(failure)
-    return out
 
 
 def _tail(buffers: list[np.ndarray], done: int, stride: int) -> list[np.ndarray]:

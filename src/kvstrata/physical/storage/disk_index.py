@@ -9,7 +9,8 @@ of blocks is three steps, in this order:
 1. ``FREE`` records for the slots about to be overwritten (one ``write``);
 2. the block bytes into the slab;
 3. ``PUT`` records for the blocks whose write succeeded (one ``write``): slot, sequence hash,
-   parent hash, local hash, xxh3-64 of the payload.
+   parent hash, local hash, xxh3-64 of the payload, and its keyed tag
+   (:mod:`kvstrata.physical.tags`; 0 in an index kept without a key).
 
 Whatever instant a process dies at, the index then names only blocks whose bytes were fully
 written before their entry: a slot being overwritten was freed first, and a block whose bytes
@@ -26,10 +27,13 @@ two entries naming one block, and rewrites the journal compactly (written to a t
 file, flushed, renamed over the old one). It is compacted again whenever it holds four times
 more records than the slab has slots, so it stays bounded.
 
-Record layout (48 bytes, little-endian): ``op u8, flags u8, pad u16, slot u32, sequence_hash
-u64, parent_hash u64, local_hash u64, checksum u64, record_xxh3 u64``; ``flags`` bit 0 says
-the block has a parent. The file starts with a 64-byte header: magic, format version, the
-compatibility fingerprint (:mod:`kvstrata.compat`) and the block stride.
+Record layout (56 bytes, little-endian): ``op u8, flags u8, pad u16, slot u32, sequence_hash
+u64, parent_hash u64, local_hash u64, checksum u64, tag u64, record_xxh3 u64``; ``flags`` bit
+0 says the block has a parent. The file starts with a 64-byte header: magic, format version,
+the compatibility fingerprint (:mod:`kvstrata.compat`), the block stride and the id of the
+key the tags were made with (0: none). A journal of another version, fingerprint, stride or
+key is not recovered (the tier starts empty). The record's own xxh3 catches damage only; what
+makes a forged record useless is the tag of its block, checked when the block is read.
 """
 
 from __future__ import annotations
@@ -53,17 +57,17 @@ __all__ = ["DiskIndex", "IndexEntry", "LiveEntries", "RecoveryReport", "INDEX_VE
 
 log = logging.getLogger(__name__)
 
-INDEX_VERSION = 1
-RECORD_BYTES = 48
+INDEX_VERSION = 2
+RECORD_BYTES = 56
 _MAGIC = b"KVSTRATA-G3-IDX\0"
-_HEADER = struct.Struct("<16sI16sQ12xQ")          # magic, version, fingerprint, stride, xxh3
-_BODY = struct.Struct("<BBHIQQQQ")                 # the record without its own hash
+_HEADER = struct.Struct("<16sI16sQQ4xQ")   # magic, version, fingerprint, stride, key id, xxh3
+_BODY = struct.Struct("<BBHIQQQQQ")                # the record without its own hash
 _PUT, _FREE = 1, 2
 _HAS_PARENT = 1
 _COMPACT_FACTOR = 4
 _RECORD_DTYPE = np.dtype([("op", "u1"), ("flags", "u1"), ("pad", "<u2"), ("slot", "<u4"),
                           ("seq", "<u8"), ("parent", "<u8"), ("local", "<u8"),
-                          ("checksum", "<u8"), ("xxh", "<u8")])
+                          ("checksum", "<u8"), ("tag", "<u8"), ("xxh", "<u8")])
 assert _RECORD_DTYPE.itemsize == RECORD_BYTES and _BODY.size + 8 == RECORD_BYTES
 assert _HEADER.size == 64
 
@@ -90,6 +94,8 @@ class LiveEntries:
     has_parent: np.ndarray
     local_hashes: np.ndarray
     checksums: np.ndarray
+    tags: np.ndarray
+    """Keyed tags of the blocks (zeros in an index kept without a key)."""
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -132,12 +138,13 @@ class DiskIndex:
     """The journal of one durable slab; see the module docstring. Thread-safe."""
 
     def __init__(self, path: Path, fd: int, capacity: int, fingerprint: str, stride: int,
-                 sync: bool) -> None:
+                 sync: bool, key_id: int = 0) -> None:
         self.path = path
         self._fd = fd
         self.capacity = capacity
         self.fingerprint = fingerprint
         self.stride = stride
+        self.key_id = key_id
         self.sync = sync
         self._lock = threading.Lock()
         self._valid = np.zeros(capacity, dtype=bool)
@@ -146,6 +153,7 @@ class DiskIndex:
         self._has_parent = np.zeros(capacity, dtype=bool)
         self._local = np.zeros(capacity, dtype=np.uint64)
         self._checksum = np.zeros(capacity, dtype=np.uint64)
+        self._tag = np.zeros(capacity, dtype=np.uint64)
         self._order = np.zeros(capacity, dtype=np.int64)   # record number of the entry
         self._records = 0
         self._compact_at = _COMPACT_FACTOR * max(capacity, 256)
@@ -154,11 +162,11 @@ class DiskIndex:
     # ------------------------------------------------------------------ opening
     @classmethod
     def open(cls, path: str | os.PathLike, *, capacity: int, fingerprint: str, stride: int,
-             sync: bool = False) -> "DiskIndex":
+             sync: bool = False, key_id: int = 0) -> "DiskIndex":
         """Recover the journal at ``path`` (or start an empty one) and compact it. A journal
-        written for another fingerprint or stride, or with a damaged header, is replaced by
-        an empty one (``report.fresh_reason`` says why)."""
-        index = cls._load(Path(path), capacity, fingerprint, stride, sync)
+        written for another fingerprint, stride or tag key (``key_id``, 0: none), or with a
+        damaged header, is replaced by an empty one (``report.fresh_reason`` says why)."""
+        index = cls._load(Path(path), capacity, fingerprint, stride, sync, key_id=key_id)
         try:
             index._rewrite()
         except OSError as exc:
@@ -168,18 +176,19 @@ class DiskIndex:
 
     @classmethod
     def peek(cls, path: str | os.PathLike, *, capacity: int, fingerprint: str,
-             stride: int) -> "LiveEntries | None":
+             stride: int, key_id: int = 0) -> "LiveEntries | None":
         """What :meth:`open` would recover from ``path``, read without writing anything
         (another process may own the journal); None if there is no usable journal."""
         try:
-            index = cls._load(Path(path), capacity, fingerprint, stride, False, peek=True)
+            index = cls._load(Path(path), capacity, fingerprint, stride, False, peek=True,
+                              key_id=key_id)
         except (OSError, StorageConfigError):
             return None
         return None if index.report.fresh_reason else index.live()
 
     @classmethod
     def _load(cls, path: Path, capacity: int, fingerprint: str, stride: int,
-              sync: bool, peek: bool = False) -> "DiskIndex":
+              sync: bool, peek: bool = False, key_id: int = 0) -> "DiskIndex":
         data = b""
         reason = ""
         try:
@@ -199,7 +208,7 @@ class DiskIndex:
                                          f"{exc.strerror or exc}") from exc
             finally:
                 os.close(fd)
-        index = cls(path, -1, capacity, fingerprint, stride, sync)
+        index = cls(path, -1, capacity, fingerprint, stride, sync, key_id)
         if data:
             reason = index._check_header(data[:_HEADER.size])
         elif not reason:
@@ -213,7 +222,7 @@ class DiskIndex:
     def _check_header(self, raw: bytes) -> str:
         if len(raw) < _HEADER.size:
             return "index header is cut short"
-        magic, version, fingerprint, stride, digest = _HEADER.unpack(raw)
+        magic, version, fingerprint, stride, key_id, digest = _HEADER.unpack(raw)
         if magic != _MAGIC or digest != xxhash.xxh3_64_intdigest(raw[:-8]):
             return "index header is damaged"
         if version != INDEX_VERSION:
@@ -222,6 +231,12 @@ class DiskIndex:
             return "index belongs to another fingerprint"
         if stride != self.stride:
             return f"index was written for {stride}-byte blocks, not {self.stride}"
+        if key_id != self.key_id:
+            if not self.key_id:
+                return ("index was kept with a key (the deployment's secret) and none is set "
+                        "now")
+            return ("index was kept without a key" if not key_id
+                    else "index was kept with another key (deployment secret)")
         return ""
 
     def _replay(self, body: bytes) -> None:
@@ -264,6 +279,7 @@ class DiskIndex:
         self._has_parent[where] = (chosen["flags"] & _HAS_PARENT) != 0
         self._local[where] = chosen["local"]
         self._checksum[where] = chosen["checksum"]
+        self._tag[where] = chosen["tag"]
         self._order[where] = live
         self.report = RecoveryReport(len(live), len(records) + corrupt, torn, corrupt,
                                      beyond, duplicates)
@@ -276,7 +292,7 @@ class DiskIndex:
             slots = slots[np.argsort(self._order[slots], kind="stable")]
             return LiveEntries(slots, self._seq[slots].copy(), self._parent[slots].copy(),
                                self._has_parent[slots].copy(), self._local[slots].copy(),
-                               self._checksum[slots].copy())
+                               self._checksum[slots].copy(), self._tag[slots].copy())
 
     def entries(self) -> list[IndexEntry]:
         """The live entries, oldest first, one :class:`IndexEntry` each."""
@@ -291,33 +307,37 @@ class DiskIndex:
         slots = [s for s in slots if self._valid[s]]
         if not slots:
             return
-        body = b"".join(_record(_FREE, s, 0, None, 0, 0) for s in slots)
+        body = b"".join(_record(_FREE, s, 0, None, 0, 0, 0) for s in slots)
         with self._lock:
             self._valid[np.asarray(slots, dtype=np.int64)] = False
             self._append(body, len(slots))
 
     def put(self, slots: Sequence[int], sequence_hashes: Sequence[int],
             parent_hashes: Sequence[int | None], local_hashes: Sequence[int],
-            checksums: Sequence[int], *, data_fd: int | None = None) -> None:
-        """Journal that ``slots`` now hold these blocks (after their bytes were written).
-        With ``sync``, ``data_fd`` is flushed first and the journal after."""
+            checksums: Sequence[int], *, tags: Sequence[int] | None = None,
+            data_fd: int | None = None) -> None:
+        """Journal that ``slots`` now hold these blocks (after their bytes were written),
+        with their keyed ``tags`` (None: zeros, an index kept without a key). With ``sync``,
+        ``data_fd`` is flushed first and the journal after."""
         if not slots:
             return
-        body = b"".join(_record(_PUT, s, h, p, local, c) for s, h, p, local, c in zip(
-            slots, sequence_hashes, parent_hashes, local_hashes, checksums))
+        tags = [0] * len(slots) if tags is None else tags
+        body = b"".join(_record(_PUT, s, h, p, local, c, t) for s, h, p, local, c, t in zip(
+            slots, sequence_hashes, parent_hashes, local_hashes, checksums, tags))
         if self.sync and data_fd is not None:
             os.fdatasync(data_fd)
         with self._lock:
             first = self._records
             self._append(body, len(slots))
-            for n, (s, h, p, local, c) in enumerate(zip(slots, sequence_hashes, parent_hashes,
-                                                        local_hashes, checksums)):
+            for n, (s, h, p, local, c, t) in enumerate(zip(
+                    slots, sequence_hashes, parent_hashes, local_hashes, checksums, tags)):
                 self._valid[s] = True
                 self._seq[s] = h
                 self._parent[s] = 0 if p is None else p
                 self._has_parent[s] = p is not None
                 self._local[s] = local
                 self._checksum[s] = c
+                self._tag[s] = t
                 self._order[s] = first + n
             if self._records > self._compact_at:
                 try:
@@ -352,12 +372,13 @@ class DiskIndex:
         records["parent"] = self._parent[slots]
         records["local"] = self._local[slots]
         records["checksum"] = self._checksum[slots]
+        records["tag"] = self._tag[slots]
         raw = records.tobytes()
         digest = xxhash.xxh3_64_intdigest
         records["xxh"] = np.fromiter((digest(raw[i:i + RECORD_BYTES - 8])
                                       for i in range(0, len(raw), RECORD_BYTES)),
                                      dtype=np.uint64, count=len(records))
-        data = _header(self.fingerprint, self.stride) + records.tobytes()
+        data = _header(self.fingerprint, self.stride, self.key_id) + records.tobytes()
         temp = self.path.with_name(self.path.name + ".tmp")
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW,
                      0o600)
@@ -390,14 +411,15 @@ class DiskIndex:
 
 
 def _record(op: int, slot: int, sequence_hash: int, parent_hash: int | None,
-            local_hash: int, checksum: int) -> bytes:
+            local_hash: int, checksum: int, tag: int) -> bytes:
     body = _BODY.pack(op, _HAS_PARENT if parent_hash is not None else 0, 0, slot,
-                      sequence_hash, parent_hash or 0, local_hash, checksum)
+                      sequence_hash, parent_hash or 0, local_hash, checksum, tag)
     return body + xxhash.xxh3_64_intdigest(body).to_bytes(8, "little")
 
 
-def _header(fingerprint: str, stride: int) -> bytes:
-    raw = _HEADER.pack(_MAGIC, INDEX_VERSION, fingerprint.encode("ascii")[:16], stride, 0)
+def _header(fingerprint: str, stride: int, key_id: int) -> bytes:
+    raw = _HEADER.pack(_MAGIC, INDEX_VERSION, fingerprint.encode("ascii")[:16], stride, key_id,
+                       0)
     return raw[:-8] + xxhash.xxh3_64_intdigest(raw[:-8]).to_bytes(8, "little")
 
 

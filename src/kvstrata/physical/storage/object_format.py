@@ -16,14 +16,19 @@ so a reader never hands out bytes of another model, geometry or sequence::
     118     8     sequence hash (u64)
     126     8     xxh3-64 of the payload
     134     8     payload length
-    142     10    reserved (zero)
+    142     8     keyed tag of bytes 0..141, the sequence hash and the payload
+                  (:mod:`kvstrata.physical.tags`; 0 when written without a key)
+    150     2     reserved (zero)
     152     8     xxh3-64 of header bytes 0..151
 
 :func:`encode_header` builds a header, :func:`decode_header` parses one (raising an
 :class:`ObjectFormatError` subclass on wrong magic, another version, truncation or a corrupt
 header) and :func:`open_object` checks a whole object against what the reader expects
 (fingerprint, geometry, sequence hash, payload length, payload checksum) and returns its
-header and a zero-copy view of the verified payload. Every error class names the
+header and a zero-copy view of the verified payload; given the deployment's
+:class:`~kvstrata.physical.tags.BlockTagger` it also checks the tag, so an object anyone
+with the bucket's credentials wrote (or moved under another key, model or sequence) is
+refused unless they hold the deployment's secret. Every error class names the
 :class:`~kvstrata.protocol.results.FailureKind` it becomes for a block (``failure_kind``):
 objects that are not this block (garbage, another format version, fingerprint, geometry or
 sequence hash) are ``HASH_MISMATCH``; this block's object damaged (truncated, bytes changed) is
@@ -37,18 +42,22 @@ from dataclasses import dataclass
 
 from ..checksum import block_checksum
 from ..errors import FailureKind, StorageError
+from ..tags import BlockTagger
 from ...protocol.layout import LayoutConfig
 
 __all__ = ["MAGIC", "FORMAT_VERSION", "HEADER_SIZE", "MAX_FINGERPRINT_BYTES", "ObjectGeometry",
            "ObjectHeader", "ObjectFormatError", "ObjectMagicError", "ObjectVersionError",
            "ObjectTruncatedError", "ObjectCorruptError", "ForeignObjectError",
+           "ObjectForgedError", "TAG_OFFSET",
            "check_fingerprint", "encode_header", "decode_header", "open_object"]
 
 MAGIC = b"KVSTRATA"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MAX_FINGERPRINT_BYTES = 64
 _MAX_DTYPE_BYTES = 16
-_FIELDS = struct.Struct("<8sHHH64s16sIIIIQQQQ10x")
+_FIELDS = struct.Struct("<8sHHH64s16sIIIIQQQQQ2x")
+TAG_OFFSET = 142
+"""Header bytes before the tag: what the tag covers of the header."""
 _HEADER_HASH = struct.Struct("<Q")
 HEADER_SIZE = _FIELDS.size + _HEADER_HASH.size
 """Bytes before the payload (160)."""
@@ -87,6 +96,13 @@ class ForeignObjectError(ObjectFormatError):
     failure_kind = FailureKind.HASH_MISMATCH
 
 
+class ObjectForgedError(ObjectFormatError):
+    """An object well formed for the block asked for, but without this deployment's tag:
+    written by someone without the key (or under another key, or none)."""
+
+    failure_kind = FailureKind.CHECKSUM_MISMATCH
+
+
 # --------------------------------------------------------------------------- header
 @dataclass(frozen=True)
 class ObjectGeometry:
@@ -117,6 +133,7 @@ class ObjectHeader:
     sequence_hash: int
     checksum: int
     payload_length: int
+    tag: int = 0
 
 
 def _fingerprint_bytes(fingerprint: str) -> bytes:
@@ -132,20 +149,25 @@ def check_fingerprint(fingerprint: str) -> None:
 
 
 def encode_header(*, fingerprint: str, geometry: ObjectGeometry, sequence_hash: int,
-                  checksum: int, payload_length: int | None = None) -> bytes:
+                  checksum: int, payload_length: int | None = None,
+                  tagger: BlockTagger | None = None, payload=None) -> bytes:
     """The :data:`HEADER_SIZE`-byte header of a block's object (``payload_length`` defaults
-    to ``geometry.block_bytes``). Raises ``ValueError`` for a fingerprint over 64 bytes, a
-    dtype name over 16 or values out of range."""
+    to ``geometry.block_bytes``), tagged with ``tagger`` over ``payload`` when given.
+    Raises ``ValueError`` for a fingerprint over 64 bytes, a dtype name over 16 or values
+    out of range."""
     dtype = geometry.dtype.encode("ascii")
     if len(dtype) > _MAX_DTYPE_BYTES:
         raise ValueError(f"dtype name {geometry.dtype!r} is over {_MAX_DTYPE_BYTES} bytes")
     fp = _fingerprint_bytes(fingerprint)
     length = geometry.block_bytes if payload_length is None else payload_length
+    values = [MAGIC, FORMAT_VERSION, HEADER_SIZE, len(fp), fp, dtype, geometry.num_layers,
+              geometry.outer_dim, geometry.page_size, geometry.inner_dim, geometry.block_bytes,
+              sequence_hash, checksum, length, 0]
     try:
-        fields = _FIELDS.pack(MAGIC, FORMAT_VERSION, HEADER_SIZE, len(fp), fp, dtype,
-                              geometry.num_layers, geometry.outer_dim, geometry.page_size,
-                              geometry.inner_dim, geometry.block_bytes, sequence_hash,
-                              checksum, length)
+        fields = _FIELDS.pack(*values)
+        if tagger is not None:
+            values[-1] = tagger.tag(fields[:TAG_OFFSET], sequence_hash, payload)
+            fields = _FIELDS.pack(*values)
     except struct.error as exc:
         raise ValueError(f"object header field out of range: {exc}") from None
     return fields + _HEADER_HASH.pack(block_checksum(fields))
@@ -173,7 +195,7 @@ def decode_header(data) -> ObjectHeader:
     if block_checksum(fields) != stored:
         raise ObjectCorruptError("object header does not match its checksum")
     (_, version, header_size, fp_len, fp, dtype, layers, outer, page, inner, block_bytes,
-     seq, checksum, length) = _FIELDS.unpack(fields)
+     seq, checksum, length, tag) = _FIELDS.unpack(fields)
     if header_size != HEADER_SIZE or fp_len > MAX_FINGERPRINT_BYTES:
         raise ObjectCorruptError(f"object header: size {header_size}, fingerprint length "
                                  f"{fp_len}")
@@ -184,15 +206,16 @@ def decode_header(data) -> ObjectHeader:
         raise ObjectCorruptError(f"object header: undecodable text ({exc})") from None
     return ObjectHeader(version, header_size, fingerprint,
                         ObjectGeometry(layers, outer, page, inner, dtype_name, block_bytes),
-                        seq, checksum, length)
+                        seq, checksum, length, tag)
 
 
-def open_object(data, *, fingerprint: str, geometry: ObjectGeometry,
-                sequence_hash: int) -> tuple[ObjectHeader, memoryview]:
+def open_object(data, *, fingerprint: str, geometry: ObjectGeometry, sequence_hash: int,
+                tagger: BlockTagger | None = None) -> tuple[ObjectHeader, memoryview]:
     """Verify that ``data`` (a whole object) is block ``sequence_hash`` written under
-    ``fingerprint`` with ``geometry``, and that its payload hashes to the recorded xxh3-64.
-    Returns the header and a zero-copy view of the payload; raises an
-    :class:`ObjectFormatError` subclass otherwise (see its ``failure_kind``)."""
+    ``fingerprint`` with ``geometry``, that its payload hashes to the recorded xxh3-64 and,
+    with ``tagger``, that it carries that key's tag. Returns the header and a zero-copy view
+    of the payload; raises an :class:`ObjectFormatError` subclass otherwise (see its
+    ``failure_kind``)."""
     header = decode_header(data)
     if header.fingerprint != fingerprint:
         raise ForeignObjectError(f"object written under fingerprint {header.fingerprint!r}, "
@@ -217,4 +240,8 @@ def open_object(data, *, fingerprint: str, geometry: ObjectGeometry,
     if actual != header.checksum:
         raise ObjectCorruptError(f"payload xxh3-64 {actual:#018x} != recorded "
                                  f"{header.checksum:#018x}")
+    if tagger is not None and tagger.tag(bytes(view[:TAG_OFFSET]), sequence_hash,
+                                         payload) != header.tag:
+        raise ObjectForgedError("object's keyed tag does not match: not written under this "
+                                "deployment's key")
     return header, payload

@@ -51,6 +51,7 @@ from ...protocol.layout_codec import StorageDescriptor
 from .base import BlockStore, StorageStatus
 from .object_format import (HEADER_SIZE, ObjectFormatError, ObjectGeometry,
                             check_fingerprint, encode_header, open_object)
+from ..tags import BlockTagger
 from .s3client import ObjectStoreError, S3Client, S3Config
 
 __all__ = ["ObjectStorage", "ObjectCounters"]
@@ -130,7 +131,7 @@ class ObjectStorage(BlockStore):
 
     def __init__(self, config: LayoutConfig, s3: S3Config | S3Client, *, namespace: str,
                  fingerprint: str, max_concurrency: int = 16,
-                 ensure_bucket: bool = True) -> None:
+                 ensure_bucket: bool = True, tagger: BlockTagger | None = None) -> None:
         super().__init__(FullyContiguousLayout(config))
         namespace = namespace.strip("/")
         try:
@@ -142,6 +143,9 @@ class ObjectStorage(BlockStore):
             raise StorageConfigError(f"max_concurrency must be >= 1, got {max_concurrency}")
         self.namespace = namespace + "/"
         self.fingerprint = fingerprint
+        self.tagger = tagger
+        """Tags every object put and checks the tag of every object got (None: unkeyed,
+        for tests and tools; a G4 tier always has one, :mod:`kvstrata.kinds.object_store`)."""
         self.geometry = ObjectGeometry.of(config)
         self.client = S3Client(s3) if isinstance(s3, S3Config) else s3
         self.max_concurrency = max_concurrency
@@ -188,7 +192,8 @@ class ObjectStorage(BlockStore):
                 body = np.empty(HEADER_SIZE + block_bytes, np.uint8)
                 body[:HEADER_SIZE] = np.frombuffer(encode_header(
                     fingerprint=self.fingerprint, geometry=self.geometry,
-                    sequence_hash=sequence_hashes[p], checksum=checksum), np.uint8)
+                    sequence_hash=sequence_hashes[p], checksum=checksum, tagger=self.tagger,
+                    payload=payload), np.uint8)
                 body[HEADER_SIZE:] = payload
             finally:
                 gate.leave()
@@ -224,7 +229,8 @@ class ObjectStorage(BlockStore):
                 return None
             header, payload = open_object(data, fingerprint=self.fingerprint,
                                           geometry=self.geometry,
-                                          sequence_hash=sequence_hashes[p])
+                                          sequence_hash=sequence_hashes[p],
+                                          tagger=self.tagger)
             if not gate.enter():
                 raise _Abandoned()
             try:     # only verified bytes, and only while the caller waits

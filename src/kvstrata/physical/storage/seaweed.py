@@ -197,6 +197,23 @@ class SeaweedServer:
             conn.close()
         return status in (200, 403)   # 403: alive, and refusing an unsigned request
 
+    def wait_writable(self, timeout: float = START_TIMEOUT) -> "SeaweedServer":
+        """Wait until a PUT succeeds (by readiness, for at most ``timeout`` seconds): a
+        fresh or restarted weed answers reads before it has grown the volumes a first write
+        needs, which on a loaded machine can take longer than one request's timeout."""
+        from .s3client import ObjectStoreError, S3Client
+
+        client = S3Client(self.s3_config())
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                client.put("kvstrata-writable-probe", b"x")
+                return self
+            except ObjectStoreError:
+                if time.monotonic() > deadline or not self.running:
+                    raise
+                time.sleep(0.2)
+
     @property
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

@@ -1,0 +1,115 @@
+"""Issue 27: a durable G3 keyed with the deployment's secret. Someone who can write its slab
+and index but does not hold the secret rewrites a block and journals it with a correct xxh3
+(finding 3's attack): the block is refused, never served; a block relabelled as another
+sequence is refused; a restart under another key, or none, recovers nothing; the same key
+recovers and serves everything untouched."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import xxhash
+
+from kvstrata.physical.storage.disk_index import DiskIndex
+from kvstrata.physical.tags import BlockTagger
+
+from ._util import FP, PUT, home_of, open_durable, read_ok, record, write
+
+SEQS = [0x1111, 0x2222, 0x3333, 0x4444]
+KEY = BlockTagger.from_secret(b"the deployment's secret, 32 bytes")
+OTHER_KEY = BlockTagger.from_secret(b"another deployment's secret, 32b")
+
+
+def _stored(tmp_path):
+    disk = open_durable(tmp_path, tagger=KEY)
+    write(disk, [0, 1, 2, 3], SEQS)
+    stride, block_bytes = disk.layout.block_stride, disk.config.block_bytes
+    disk.close()
+    return home_of(tmp_path), stride, block_bytes
+
+
+def _live_tags(home) -> dict[int, int]:
+    live = DiskIndex.peek(home / "index", capacity=16, fingerprint=FP, stride=4096,
+                          key_id=KEY.key_id)
+    return dict(zip(live.slots.tolist(), live.tags.tolist()))
+
+
+def test_a_block_rewritten_and_journaled_without_the_key_is_refused(tmp_path):
+    home, stride, block_bytes = _stored(tmp_path)
+    tags = _live_tags(home)
+    assert len(tags) == 4 and all(tags.values())
+    forged = bytes(block_bytes)                              # zeros, their own xxh3
+    with open(home / "slab", "r+b") as slab:
+        slab.seek(2 * stride)
+        slab.write(forged)
+    with open(home / "index", "ab") as index:               # a fresh record, xxh3 and all;
+        index.write(record(PUT, 2, SEQS[2], SEQS[1],        # the tag it cannot make
+                           checksum=xxhash.xxh3_64_intdigest(forged), tag=tags[2]))
+    disk = open_durable(tmp_path, tagger=KEY)
+    try:
+        assert len(disk.recovered) == 4
+        assert not read_ok(disk, 2, SEQS[2])
+        assert all(read_ok(disk, slot, SEQS[slot]) for slot in (0, 1, 3))
+    finally:
+        disk.close()
+
+
+def test_a_genuine_block_relabelled_as_another_sequence_is_refused(tmp_path):
+    home, stride, block_bytes = _stored(tmp_path)
+    tags = _live_tags(home)
+    with open(home / "slab", "rb") as slab:
+        slab.seek(0)
+        genuine = slab.read(block_bytes)
+    with open(home / "index", "ab") as index:               # slot 0's bytes and tag, named
+        index.write(record(PUT, 5, 0x5555, SEQS[3],         # as a block of another prefix
+                           checksum=xxhash.xxh3_64_intdigest(genuine), tag=tags[0]))
+    with open(home / "slab", "r+b") as slab:
+        slab.seek(5 * stride)
+        slab.write(genuine)
+    disk = open_durable(tmp_path, tagger=KEY)
+    try:
+        assert not read_ok(disk, 5, 0x5555)
+        assert read_ok(disk, 0, SEQS[0])
+    finally:
+        disk.close()
+
+
+def test_another_key_or_none_recovers_nothing_and_the_same_key_everything(tmp_path):
+    _stored(tmp_path)
+    for tagger, why in ((OTHER_KEY, "another key"), (None, "none is set now")):
+        disk = open_durable(tmp_path, tagger=tagger)
+        try:
+            assert len(disk.recovered) == 0 and why in " ".join(disk.notes)
+        finally:
+            disk.close()
+        _stored(tmp_path)                                    # the journal was replaced
+    disk = open_durable(tmp_path, tagger=KEY)
+    try:
+        assert len(disk.recovered) == 4
+        assert all(read_ok(disk, slot, seq) for slot, seq in enumerate(SEQS))
+    finally:
+        disk.close()
+
+
+def test_an_unkeyed_index_is_not_read_under_a_key(tmp_path):
+    disk = open_durable(tmp_path)                            # no secret when it was written
+    write(disk, [0, 1], SEQS[:2])
+    disk.close()
+    disk = open_durable(tmp_path, tagger=KEY)
+    try:
+        assert len(disk.recovered) == 0 and "kept without a key" in " ".join(disk.notes)
+    finally:
+        disk.close()
+
+
+def test_tags_cost_one_keyed_pass_and_the_bytes_round_trip(tmp_path):
+    """The tagged path moves the same bytes as the unkeyed one (random payloads, 4 slots)."""
+    disk = open_durable(tmp_path, tagger=KEY)
+    try:
+        write(disk, [0, 1, 2, 3], SEQS)
+        assert all(read_ok(disk, slot, seq) for slot, seq in enumerate(SEQS))
+        assert np.count_nonzero(disk._tags[:4]) == 4 and not disk._tags[4:].any()
+    finally:
+        disk.close()
+    assert os.stat(home_of(tmp_path) / "index").st_mode & 0o077 == 0
