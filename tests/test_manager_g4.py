@@ -173,7 +173,8 @@ def test_an_object_forged_by_a_holder_of_the_bucket_credentials_is_never_served(
     """Someone who can write the bucket but does not hold the deployment's secret replaces
     a block's object with other bytes and a correct header (xxh3 and all): the next worker
     refuses it (a failed load, recomputed) and loads the blocks before it byte-exact. The
-    genuine object is refused too by a worker of another deployment (another secret)."""
+    genuine object copied into another tenant's namespace is refused there; a deployment
+    with another secret keeps its objects apart and sees none of these."""
     from kvstrata.physical.checksum import block_checksum
     from kvstrata.physical.storage.object_format import (HEADER_SIZE, decode_header,
                                                           encode_header)
@@ -199,11 +200,21 @@ def test_an_object_forged_by_a_holder_of_the_bucket_credentials_is_never_served(
             assert len(loaded) == 2
             assert [f.kind for f in loaded.failures] == ["checksum_mismatch"]
             assert_g1_bytes(reader, loaded, data)
+    # the genuine object copied into another tenant's corner of the bucket is refused there
+    other_tenant = dataclasses.replace(config, tenant=tenant + "b")
+    with _manager(weed, other_tenant) as thief:
+        copy = thief.storage("G4").namespace + victim[len(namespace):]
+        client.put(copy, real)
+        assert thief.refresh_catalogs() == 1
+        with thief.onboard(hashes_of(records[2:3])).result(HANG_GUARD) as loaded:
+            assert len(loaded) == 0
+            assert [f.kind for f in loaded.failures] == ["checksum_mismatch"]
+    # a deployment with another secret has a namespace of its own: it sees none of these
     client.put(victim, real)
     monkeypatch.setenv("KVSTRATA_SHARING_SECRET", "another deployment's secret, 32 bytes")
     with _manager(weed, config) as other:
-        with other.onboard(hashes_of(records)).result(HANG_GUARD) as loaded:
-            assert len(loaded) == 0 and loaded.failures
+        assert other.storage("G4").namespace != namespace
+        assert other.locate(hashes_of(records)).result(HANG_GUARD) == []
 
 
 def test_a_g4_without_the_deployments_secret_is_refused_at_start(weed, tenant, monkeypatch):

@@ -1,16 +1,19 @@
 """Issue 27: a durable G3 keyed with the deployment's secret. Someone who can write its slab
 and index but does not hold the secret rewrites a block and journals it with a correct xxh3
 (finding 3's attack): the block is refused, never served; a block relabelled as another
-sequence is refused; a restart under another key, or none, recovers nothing; the same key
-recovers and serves everything untouched."""
+sequence, or journaled with another checksum, is refused; a restart under another key, or
+none, is refused and leaves the tier as it was; the same key recovers and serves
+everything untouched."""
 
 from __future__ import annotations
 
 import os
 
 import numpy as np
+import pytest
 import xxhash
 
+from kvstrata.physical.errors import StorageConfigError
 from kvstrata.physical.storage.disk_index import DiskIndex
 from kvstrata.physical.tags import BlockTagger
 
@@ -75,19 +78,47 @@ def test_a_genuine_block_relabelled_as_another_sequence_is_refused(tmp_path):
         disk.close()
 
 
-def test_another_key_or_none_recovers_nothing_and_the_same_key_everything(tmp_path):
-    _stored(tmp_path)
-    for tagger, why in ((OTHER_KEY, "another key"), (None, "none is set now")):
-        disk = open_durable(tmp_path, tagger=tagger)
-        try:
-            assert len(disk.recovered) == 0 and why in " ".join(disk.notes)
-        finally:
-            disk.close()
-        _stored(tmp_path)                                    # the journal was replaced
+def test_another_key_or_none_is_refused_and_destroys_nothing(tmp_path):
+    """A start with a missing or wrong secret (a secret file that failed to mount, say) is a
+    typed error naming the directory, and leaves it as it was: the next start with the right
+    secret serves every block."""
+    home, _, _ = _stored(tmp_path)
+    before = {name: (home / name).read_bytes() for name in ("index", "slab")}
+    for tagger, why in ((OTHER_KEY, "another one is set now"), (None, "none is set now")):
+        with pytest.raises(StorageConfigError, match=why):
+            open_durable(tmp_path, tagger=tagger)
+        assert {name: (home / name).read_bytes() for name in before} == before
     disk = open_durable(tmp_path, tagger=KEY)
     try:
         assert len(disk.recovered) == 4
         assert all(read_ok(disk, slot, seq) for slot, seq in enumerate(SEQS))
+    finally:
+        disk.close()
+
+
+def test_a_journal_record_with_a_swapped_checksum_is_refused(tmp_path):
+    """The tag covers the recorded checksum. Bytes that rotted in G2 before they were
+    written are tagged as they are but recorded with G2's checksum of the good bytes (so a
+    read refuses them); rewriting only the record's checksum to the rotten bytes' own xxh3
+    does not make them pass."""
+    from ._util import blocks_for, payload_of
+
+    disk = open_durable(tmp_path, tagger=KEY)
+    _keep, views = blocks_for(disk, [SEQS[0]])
+    good = xxhash.xxh3_64_intdigest(payload_of(SEQS[0], disk.config.block_bytes).tobytes())
+    views[0][:16] ^= 0xFF                                   # rotted in G2 after its checksum
+    disk.write_blocks([0], views, [SEQS[0]], checksums=[good], parent_hashes=[None],
+                      local_hashes=[1])
+    rotten = views[0][:disk.config.block_bytes].tobytes()
+    tag = int(disk._tags[0])
+    disk.close()
+    home = home_of(tmp_path)
+    with open(home / "index", "ab") as index:
+        index.write(record(PUT, 0, SEQS[0], None, local=1,
+                           checksum=xxhash.xxh3_64_intdigest(rotten), tag=tag))
+    disk = open_durable(tmp_path, tagger=KEY)
+    try:
+        assert not read_ok(disk, 0, SEQS[0])
     finally:
         disk.close()
 

@@ -69,7 +69,8 @@ class ObjectStoreKind(Kind):
         tagger = _tagger(tier)
         try:
             storage = ObjectStorage(geometry.with_blocks(config.tier_blocks(tier)), store,
-                                    namespace=object_namespace(config, compat.fingerprint),
+                                    namespace=object_namespace(config, compat.fingerprint,
+                                                               tagger.key_id),
                                     fingerprint=compat.fingerprint, ensure_bucket=False,
                                     tagger=tagger)
         except PhysicalError as exc:
@@ -87,11 +88,14 @@ class ObjectStoreKind(Kind):
         return storage
 
 
-def object_namespace(config: KvConfig, fingerprint: str) -> str:
-    """The key prefix of a shared object tier: ``kvstrata/<fingerprint>/<tenant>/``, ``_``
-    for the default tenant (no tenant can be named ``_``: tenants start with a letter or a
-    digit)."""
-    return f"kvstrata/{fingerprint}/{config.tenant or '_'}/"
+def object_namespace(config: KvConfig, fingerprint: str, key_id: int) -> str:
+    """The key prefix of a shared object tier: ``kvstrata/<fingerprint>/k<key id>/<tenant>/``,
+    ``_`` for the default tenant (no tenant can be named ``_``: tenants start with a letter or
+    a digit). The key id (:attr:`~kvstrata.physical.tags.BlockTagger.key_id`) keeps the
+    objects of each deployment secret apart: after a change of secret (or from an older,
+    unkeyed release) the old objects are simply elsewhere, never blocks that fail their tag
+    at keys the new ones cannot be stored under."""
+    return f"kvstrata/{fingerprint}/k{key_id:016x}/{config.tenant or '_'}/"
 
 
 def _tagger(tier: str) -> BlockTagger:

@@ -286,23 +286,18 @@ class DiskStorage(BlockStore):
         if self.index is not None:
             self.index.free(block_ids)            # before their bytes change
         block_bytes = self.config.block_bytes
-        hashing = None
         known = [None] * len(block_ids) if checksums is None else list(checksums)
-        missing = [p for p, value in enumerate(known) if value is None]
-        tagging = None
-        if self._tagger is not None:
-            views = [sources[p][:block_bytes] for p in range(len(block_ids))]
-            work = (self._tag_identity, list(sequence_hashes), views)
-            tagging = (self._helper().submit(self._tagger.tags, *work)
-                       if len(views) * block_bytes >= self._overlap_bytes else
-                       self._tagger.tags(*work))
-        if missing:
-            views = [sources[p][:block_bytes] for p in missing]
+        # Blocks without a known checksum are hashed and, with a tagger, every block is
+        # tagged over its recorded checksum too (a journal record whose checksum was swapped
+        # fails): one pass, on the helper thread while the writes run when the batch is big.
+        views = [src[:block_bytes] for src in sources]
+        job = None
+        if self._tagger is not None or None in known:
+            work = (list(sequence_hashes), known, views)
             if len(views) * block_bytes >= self._overlap_bytes:
-                hashing = self._helper().submit(_hash_all, views)
+                job = self._helper().submit(self._hash_and_tag, *work)
             else:
-                for p, value in zip(missing, _hash_all(views)):
-                    known[p] = value
+                job = self._hash_and_tag(*work)
         failures: list[BlockFailure] = []
         failed: set[int] = set()
         try:
@@ -313,11 +308,11 @@ class DiskStorage(BlockStore):
                                                  f"write failed: {exc}") for p in positions)
                     failed.update(positions)
         finally:
-            if hashing is not None:
-                for p, value in zip(missing, hashing.result()):
-                    known[p] = value
-            if tagging is not None and not isinstance(tagging, list):
-                tagging = tagging.result()
+            if job is not None and not isinstance(job, tuple):
+                job = job.result()
+        tagging = None
+        if job is not None:
+            known, tagging = job
         sums: list[int | None] = known
         good = range(len(block_ids))
         if failed:
@@ -484,12 +479,27 @@ class DiskStorage(BlockStore):
         failure = self.checksums.check_bytes(position, slot, data)
         if failure is not None or self._tagger is None:
             return failure
-        tag = self._tagger.tag(self._tag_identity, sequence_hash, data)
+        entry = self.checksums.get(slot)
+        tag = self._tag(sequence_hash, entry[0] if entry is not None else None, data)
         if tag != int(self._tags[slot]):
             return BlockFailure(position, slot, FailureKind.CHECKSUM_MISMATCH,
                                 "keyed tag does not match: not written under this "
                                 "deployment's key")
         return None
+
+    def _hash_and_tag(self, sequence_hashes: list[int], known: list[int | None],
+                      views: list[np.ndarray]) -> tuple[list[int], list[int] | None]:
+        """The checksums of ``views`` (``known`` where given) and, with a tagger, their
+        tags."""
+        sums = [c if c is not None else block_checksum(v) for c, v in zip(known, views)]
+        if self._tagger is None:
+            return sums, None
+        return sums, [self._tag(h, c, v) for h, c, v in zip(sequence_hashes, sums, views)]
+
+    def _tag(self, sequence_hash: int, checksum: int | None, data) -> int:
+        """The tag of ``data`` stored as ``sequence_hash`` with ``checksum`` recorded."""
+        identity = self._tag_identity + (checksum or 0).to_bytes(8, "little")
+        return self._tagger.tag(identity, sequence_hash, data)
 
     def _verify(self, positions: list[int], block_ids: Sequence[int],
                 sequence_hashes: Sequence[int], views: list[np.ndarray]) -> list[BlockFailure]:
@@ -578,10 +588,6 @@ class DiskStorage(BlockStore):
             self._ops.unlink(str(self.path))
         except FileNotFoundError:
             pass
-
-
-def _hash_all(views: Sequence[np.ndarray]) -> list[int]:
-    return [block_checksum(v) for v in views]
 
 
 def _tail(buffers: list[np.ndarray], done: int, stride: int) -> list[np.ndarray]:

@@ -32,7 +32,9 @@ u64, parent_hash u64, local_hash u64, checksum u64, tag u64, record_xxh3 u64``; 
 0 says the block has a parent. The file starts with a 64-byte header: magic, format version,
 the compatibility fingerprint (:mod:`kvstrata.compat`), the block stride and the id of the
 key the tags were made with (0: none). A journal of another version, fingerprint, stride or
-key is not recovered (the tier starts empty). The record's own xxh3 catches damage only; what
+key is not recovered: a journal kept without a key starts empty under one, and one kept with
+a key is refused (:class:`StorageConfigError`) under another key or none, so a start with a
+missing secret destroys nothing. The record's own xxh3 catches damage only; what
 makes a forged record useless is the tag of its block, checked when the block is read.
 """
 
@@ -232,11 +234,15 @@ class DiskIndex:
         if stride != self.stride:
             return f"index was written for {stride}-byte blocks, not {self.stride}"
         if key_id != self.key_id:
-            if not self.key_id:
-                return ("index was kept with a key (the deployment's secret) and none is set "
-                        "now")
-            return ("index was kept without a key" if not key_id
-                    else "index was kept with another key (deployment secret)")
+            if not key_id:                 # unkeyed blocks cannot be trusted under a key
+                return "index was kept without a key"
+            # One start with a missing or wrong secret must not wipe a G3 the right one
+            # would serve: refused, the directory left as it is.
+            now = "none is set now" if not self.key_id else "another one is set now"
+            raise StorageConfigError(
+                f"the disk tier in {self.path.parent} was kept with the deployment's secret "
+                f"and {now}: start with the secret it was kept with, or remove that "
+                f"directory to start it empty")
         return ""
 
     def _replay(self, body: bytes) -> None:

@@ -16,8 +16,9 @@ so a reader never hands out bytes of another model, geometry or sequence::
     118     8     sequence hash (u64)
     126     8     xxh3-64 of the payload
     134     8     payload length
-    142     8     keyed tag of bytes 0..141, the sequence hash and the payload
-                  (:mod:`kvstrata.physical.tags`; 0 when written without a key)
+    142     8     keyed tag of the object's key, bytes 0..141, the sequence hash and
+                  the payload (:mod:`kvstrata.physical.tags`; 0 when written without a
+                  key)
     150     2     reserved (zero)
     152     8     xxh3-64 of header bytes 0..151
 
@@ -150,9 +151,10 @@ def check_fingerprint(fingerprint: str) -> None:
 
 def encode_header(*, fingerprint: str, geometry: ObjectGeometry, sequence_hash: int,
                   checksum: int, payload_length: int | None = None,
-                  tagger: BlockTagger | None = None, payload=None) -> bytes:
+                  tagger: BlockTagger | None = None, payload=None, where: str = "") -> bytes:
     """The :data:`HEADER_SIZE`-byte header of a block's object (``payload_length`` defaults
-    to ``geometry.block_bytes``), tagged with ``tagger`` over ``payload`` when given.
+    to ``geometry.block_bytes``), tagged with ``tagger`` over ``payload`` and ``where`` (the
+    object's whole key: namespace, tenant, and the block's identity in its name) when given.
     Raises ``ValueError`` for a fingerprint over 64 bytes, a dtype name over 16 or values
     out of range."""
     dtype = geometry.dtype.encode("ascii")
@@ -166,7 +168,8 @@ def encode_header(*, fingerprint: str, geometry: ObjectGeometry, sequence_hash: 
     try:
         fields = _FIELDS.pack(*values)
         if tagger is not None:
-            values[-1] = tagger.tag(fields[:TAG_OFFSET], sequence_hash, payload)
+            values[-1] = tagger.tag(where.encode() + fields[:TAG_OFFSET], sequence_hash,
+                                    payload)
             fields = _FIELDS.pack(*values)
     except struct.error as exc:
         raise ValueError(f"object header field out of range: {exc}") from None
@@ -210,10 +213,12 @@ def decode_header(data) -> ObjectHeader:
 
 
 def open_object(data, *, fingerprint: str, geometry: ObjectGeometry, sequence_hash: int,
-                tagger: BlockTagger | None = None) -> tuple[ObjectHeader, memoryview]:
+                tagger: BlockTagger | None = None,
+                where: str = "") -> tuple[ObjectHeader, memoryview]:
     """Verify that ``data`` (a whole object) is block ``sequence_hash`` written under
     ``fingerprint`` with ``geometry``, that its payload hashes to the recorded xxh3-64 and,
-    with ``tagger``, that it carries that key's tag. Returns the header and a zero-copy view
+    with ``tagger``, that it carries that key's tag for the key ``where`` it was read from
+    (an object copied to another key, tenant or namespace fails). Returns the header and a zero-copy view
     of the payload; raises an :class:`ObjectFormatError` subclass otherwise (see its
     ``failure_kind``)."""
     header = decode_header(data)
@@ -240,8 +245,8 @@ def open_object(data, *, fingerprint: str, geometry: ObjectGeometry, sequence_ha
     if actual != header.checksum:
         raise ObjectCorruptError(f"payload xxh3-64 {actual:#018x} != recorded "
                                  f"{header.checksum:#018x}")
-    if tagger is not None and tagger.tag(bytes(view[:TAG_OFFSET]), sequence_hash,
-                                         payload) != header.tag:
+    if tagger is not None and tagger.tag(where.encode() + bytes(view[:TAG_OFFSET]),
+                                         sequence_hash, payload) != header.tag:
         raise ObjectForgedError("object's keyed tag does not match: not written under this "
                                 "deployment's key")
     return header, payload

@@ -193,7 +193,7 @@ class ObjectStorage(BlockStore):
                 body[:HEADER_SIZE] = np.frombuffer(encode_header(
                     fingerprint=self.fingerprint, geometry=self.geometry,
                     sequence_hash=sequence_hashes[p], checksum=checksum, tagger=self.tagger,
-                    payload=payload), np.uint8)
+                    payload=payload, where=self.namespace + keys[p]), np.uint8)
                 body[HEADER_SIZE:] = payload
             finally:
                 gate.leave()
@@ -230,7 +230,7 @@ class ObjectStorage(BlockStore):
             header, payload = open_object(data, fingerprint=self.fingerprint,
                                           geometry=self.geometry,
                                           sequence_hash=sequence_hashes[p],
-                                          tagger=self.tagger)
+                                          tagger=self.tagger, where=self.namespace + keys[p])
             if not gate.enter():
                 raise _Abandoned()
             try:     # only verified bytes, and only while the caller waits
