@@ -126,6 +126,8 @@ def test_native_disk_dir_beats_dynamo_alias():
         ({}, 'policy = "lru"\neviction = "lfu"\n'),
         ({"KVSTRATA_POLICY": "lru", "KVSTRATA_EVICTION": "lfu"}, ""),
         ({}, "block_size = true\n"),
+        ({"KVSTRATA_ENCRYPT_AT_REST": "maybe"}, ""),
+        ({}, 'encrypt_at_rest = "yes"\n'),
     ],
 )
 def test_more_bad_input_is_a_config_error(tmp_path, env, text):
@@ -176,3 +178,12 @@ def test_a_tier_of_more_blocks_than_a_pool_holds_is_refused_naming_it(tier, size
     assert KvConfig(tiers=ok).validate().tier_blocks(tier) == 2**31 - 3
     assert KvConfig(tiers={**ok, tier: TierConfig(bytes=MAX_TIER_BLOCKS * 131072)}
                     ).validate().tier_blocks(tier) == MAX_TIER_BLOCKS
+
+
+def test_encrypt_at_rest_from_toml_and_environment(tmp_path):
+    path = tmp_path / "kv.toml"
+    path.write_text("encrypt_at_rest = true\n")
+    assert load_config(path, env={}).encrypt_at_rest is True
+    assert load_config(env={"KVSTRATA_ENCRYPT_AT_REST": "1"}).encrypt_at_rest is True
+    assert load_config(path, env={"KVSTRATA_ENCRYPT_AT_REST": "off"}).encrypt_at_rest is False
+    assert load_config(env={}).encrypt_at_rest is False

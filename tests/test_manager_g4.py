@@ -226,3 +226,34 @@ def test_a_g4_without_the_deployments_secret_is_refused_at_start(weed, tenant, m
     with pytest.raises((TierSetupError, ValueError), match="needs the deployment's secret"):
         KvBlockManager(g4_config(tenant=tenant), object_store=weed.s3_config(),
                        list_interval=None)
+
+
+def test_encrypt_at_rest_stores_no_block_in_clear_and_loads_them_back(weed, tenant):
+    """``encrypt_at_rest``: the bucket holds ciphertext only; another worker decrypts and
+    loads every block byte-exact; a flipped ciphertext byte is a failed load, never bytes."""
+    config = g4_config(tenant=tenant, encrypt_at_rest=True)
+    records = chain(4, start=900)
+    with _manager(weed, config) as writer:
+        data = payloads(writer, records)
+        _store_all(writer, records, data)
+        namespace = writer.storage("G4").namespace
+    client = S3Client(weed.s3_config())
+    with _manager(weed, config) as reader:
+        keys = {r.sequence_hash: namespace + k for r in records
+                for k in reader.storage("G4").list_keys()
+                if k.startswith(f"{r.sequence_hash:016x}.")}
+        for record in records:
+            stored = client.get(keys[record.sequence_hash])
+            plain = data[record.sequence_hash].tobytes()
+            assert plain[:64] not in stored and plain[-64:] not in stored
+        with reader.onboard(hashes_of(records)).result(HANG_GUARD) as loaded:
+            assert loaded.sources == ("G4",) * 4 and not loaded.failures
+            assert_g1_bytes(reader, loaded, data)
+    victim = keys[records[1].sequence_hash]
+    stored = bytearray(client.get(victim))
+    stored[-10] ^= 1
+    client.put(victim, bytes(stored))
+    with _manager(weed, config) as reader:
+        with reader.onboard(hashes_of(records)).result(HANG_GUARD) as loaded:
+            assert len(loaded) == 1
+            assert [f.kind for f in loaded.failures] == ["checksum_mismatch"]

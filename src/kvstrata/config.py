@@ -141,6 +141,9 @@ class KvConfig:
     tenant: str = ""
     """Who the blocks of a shared tier belong to: part of its namespace, so tenants of one
     store never read each other's blocks ("" is the shared default tenant)."""
+    encrypt_at_rest: bool = False
+    """Encrypt blocks stored in G3 and G4 (AES-256-GCM, a key derived from the deployment's
+    secret, which must then be set): :mod:`kvstrata.physical.tags`."""
 
     @property
     def bytes_per_block(self) -> int:
@@ -165,6 +168,9 @@ class KvConfig:
     def validate(self) -> "KvConfig":
         """Return self if valid, else raise one :class:`ConfigError` naming every problem."""
         problems: list[str] = []
+        if not isinstance(self.encrypt_at_rest, bool):
+            problems.append(f"encrypt_at_rest must be true or false, got "
+                            f"{self.encrypt_at_rest!r:.40}")
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) \
                 or not 0 < self.block_size <= MAX_BLOCK_SIZE:
             problems.append(f"block_size must be an integer in 1..{MAX_BLOCK_SIZE:,}, got "
@@ -261,7 +267,7 @@ class KvConfig:
 # -- loading ---------------------------------------------------------------------------------
 
 _TOP_KEYS = {"block_size", "eviction", "admission", "disk_dir", "keep_tokens", "model_id",
-             "tenant"}
+             "tenant", "encrypt_at_rest"}
 _TIER_KEYS = {"blocks", "bytes", "gb", "eviction", "admission", "path", "url"}
 _MODEL_KEYS = {"num_layers", "kv_heads", "head_dim", "dtype", "outer_dim"}
 
@@ -348,6 +354,7 @@ _ENV_SCALARS = {
     "KVSTRATA_DISK_DIR": "disk_dir",
     "KVSTRATA_MODEL_ID": "model_id",
     "KVSTRATA_TENANT": "tenant",
+    "KVSTRATA_ENCRYPT_AT_REST": "encrypt_at_rest",
 }
 _ENV_TIER_SIZE = re.compile(rf"^KVSTRATA_({'|'.join(TIER_NAMES)})_(BLOCKS|BYTES|GB)$")
 _DYNAMO_TIER_GB = {"DYN_KVBM_CPU_CACHE_GB": first_of_kind(TierKind.HOST),
@@ -363,6 +370,14 @@ def _from_env(env: Mapping[str, str], problems: list[str]) -> tuple[dict[str, An
     both = ("KVSTRATA_EVICTION", "KVSTRATA_POLICY")
     if all(v in env for v in both) and env[both[0]] != env[both[1]]:
         problems.append(f"KVSTRATA_EVICTION={env[both[0]]!r} and KVSTRATA_POLICY={env[both[1]]!r} disagree")
+    if "encrypt_at_rest" in scalars:
+        flag = scalars["encrypt_at_rest"].strip().lower()
+        if flag in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            scalars["encrypt_at_rest"] = flag in ("1", "true", "yes", "on")
+        else:
+            problems.append(f"KVSTRATA_ENCRYPT_AT_REST must be 1 or 0, got "
+                            f"{env['KVSTRATA_ENCRYPT_AT_REST']!r:.40}")
+            del scalars["encrypt_at_rest"]
     if "block_size" in scalars:
         try:
             scalars["block_size"] = _to_int(scalars["block_size"])

@@ -72,11 +72,12 @@ def read_ok(disk: DiskStorage, slot: int, seq: int) -> bool:
 
 
 def record(op: int, slot: int, seq: int, parent: int | None = None, local: int = 0,
-           checksum: int = 0, flags: int | None = None, pad: int = 0, tag: int = 0) -> bytes:
+           checksum: int = 0, flags: int | None = None, pad: int = 0, tag: int = 0,
+           seal: bytes = bytes(32)) -> bytes:
     """One journal record with a valid per-record xxh3 (what the writer would produce)."""
     if flags is None:
         flags = 1 if parent is not None else 0
-    body = di._BODY.pack(op, flags, pad, slot, seq, parent or 0, local, checksum, tag)
+    body = di._BODY.pack(op, flags, pad, slot, seq, parent or 0, local, checksum, tag, seal)
     return body + xxhash.xxh3_64_intdigest(body).to_bytes(8, "little")
 
 

@@ -25,9 +25,9 @@ from ..physical.leftovers import owner_tag, reclaim
 from ..physical.storage.disk import slab_stride
 from ..physical.storage.disk_home import home_name
 from ..physical.storage.disk_index import DiskIndex
-from ..physical.tags import tagger_from_environment
+from ..physical.tags import cipher_from_environment, tagger_from_environment
 from ..placement.costs import CostPrior
-from ..secret import SecretError
+from ..secret import SECRET_ENV, SECRET_FILE_ENV, SecretError
 from ..tiers import TierKind
 from .base import Kind, RecoveredRow, StorageOptions, TierSetupError, layout_config_for
 
@@ -51,9 +51,12 @@ class DiskKind(Kind):
         if problem:
             return [f"tier {tier}: directory {directory} {problem}"]
         try:
-            tagger_from_environment()
+            tagger = tagger_from_environment()
         except SecretError as exc:
             return [f"tier {tier}: {exc}"]
+        if config.encrypt_at_rest and tagger is None:
+            return [f"tier {tier}: encrypt_at_rest needs the deployment's secret "
+                    f"(${SECRET_ENV}, or a private file named by ${SECRET_FILE_ENV})"]
         need = ranks * config.tier_blocks(tier) * slab_stride(layout_config_for(config, 1))
         if directory is not None and options.durable_disk:
             need -= sum(self._kept_bytes(config, tier, directory, options, rank)
@@ -81,8 +84,10 @@ class DiskKind(Kind):
         layout = geometry.with_blocks(config.tier_blocks(tier))
         try:
             tagger = tagger_from_environment()
+            cipher = cipher_from_environment() if tagger is not None else None
         except SecretError as exc:
             raise TierSetupError(f"{tier}: {exc}") from None
+        protection = dict(tagger=tagger, cipher=cipher, encrypt=config.encrypt_at_rest)
         try:
             if durable:
                 compat = options.compatibility(config)
@@ -90,9 +95,9 @@ class DiskKind(Kind):
                                            rank=options.rank, describe=compat.describe(),
                                            sync=options.disk_sync, name=tier.lower(),
                                            o_direct=options.o_direct, file_ops=options.file_ops,
-                                           tagger=tagger)
+                                           **protection)
             return DiskStorage(layout, directory, o_direct=options.o_direct,
-                               file_ops=options.file_ops, tagger=tagger)
+                               file_ops=options.file_ops, **protection)
         except PhysicalError as exc:
             raise TierSetupError(f"{tier} in {directory}: {exc}") from exc
 

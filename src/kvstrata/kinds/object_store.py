@@ -21,7 +21,7 @@ from ..config import KvConfig
 from ..physical import LayoutConfig, PhysicalError, Storage
 from ..physical.storage.objects import ObjectStorage
 from ..physical.storage.s3client import ObjectStoreTransientError, S3Config
-from ..physical.tags import BlockTagger, tagger_from_environment
+from ..physical.tags import BlockTagger, cipher_from_environment, tagger_from_environment
 from ..placement.costs import CostPrior
 from ..secret import SECRET_ENV, SECRET_FILE_ENV, SecretError
 from ..tiers import TierKind
@@ -72,7 +72,9 @@ class ObjectStoreKind(Kind):
                                     namespace=object_namespace(config, compat.fingerprint,
                                                                tagger.key_id),
                                     fingerprint=compat.fingerprint, ensure_bucket=False,
-                                    tagger=tagger)
+                                    tagger=tagger,
+                                    cipher=cipher_from_environment() if config.encrypt_at_rest
+                                    else None)
         except PhysicalError as exc:
             raise TierSetupError(f"{tier} at {store.endpoint_url}/{store.bucket}: {exc}") from exc
         try:

@@ -61,7 +61,7 @@ from .base import BlockStore, StorageStatus
 from .disk_home import DiskTierHome, check_fingerprint, private_file
 from .disk_index import DiskIndex, LiveEntries
 from .fileio import FileOps
-from ..tags import BlockTagger
+from ..tags import NO_SEAL, SEAL_BYTES, BlockCipher, BlockTagger
 
 __all__ = ["DiskStorage", "Durability", "DIRECT_ALIGNMENT", "slab_stride"]
 
@@ -101,7 +101,8 @@ class DiskStorage(BlockStore):
                  file_ops: FileOps | None = None, max_io_bytes: int = 16 << 20,
                  staging_buffers: int = 2, keep_file: bool = False,
                  overlap_bytes: int = 256 << 10, durable: "Durability | None" = None,
-                 tagger: BlockTagger | None = None) -> None:
+                 tagger: BlockTagger | None = None, cipher: BlockCipher | None = None,
+                 encrypt: bool = False) -> None:
         layout = FullyContiguousLayout(
             config.with_alignment(max(config.alignment, DIRECT_ALIGNMENT)))
         super().__init__(layout)
@@ -121,6 +122,12 @@ class DiskStorage(BlockStore):
         self._tag_identity = (durable.fingerprint if durable is not None else "").encode()
         self._tags = np.zeros(config.num_blocks, dtype=np.uint64) if tagger else None
         """The keyed tag of the block in each slot (with a tagger)."""
+        if encrypt and (cipher is None or tagger is None):
+            raise StorageConfigError("encrypting a disk tier needs the deployment's secret")
+        self._cipher = cipher
+        self._encrypt = encrypt
+        self._seals = np.zeros((config.num_blocks, SEAL_BYTES), np.uint8) if tagger else None
+        """The seal of the block in each slot stored encrypted (zeros: stored in clear)."""
         self.index: DiskIndex | None = None
         self.recovered: LiveEntries | None = None
         """Durable only: the entries recovered from the index at start, oldest first."""
@@ -190,6 +197,7 @@ class DiskStorage(BlockStore):
         if len(live):
             if self._tags is not None:
                 self._tags[live.slots] = live.tags
+                self._seals[live.slots] = live.seals
             self.checksums.record_many(live.slots, live.checksums, live.sequence_hashes)
         self.recovered = live
         report = index.report
@@ -298,12 +306,19 @@ class DiskStorage(BlockStore):
                 job = self._helper().submit(self._hash_and_tag, *work)
             else:
                 job = self._hash_and_tag(*work)
+        seals: list[bytes] = [NO_SEAL] * len(block_ids)
+
+        def write(run: list[int]) -> None:
+            sealed = self._write_run(block_ids[run[0]], [sources[p] for p in run],
+                                     [sequence_hashes[p] for p in run])
+            for p, seal in zip(run, sealed):
+                seals[p] = seal
+
         failures: list[BlockFailure] = []
         failed: set[int] = set()
         try:
             for run in self._runs(block_ids):
-                for positions, exc in self._isolating(run, lambda r: self._write_run(
-                        block_ids[r[0]], [sources[p] for p in r])):
+                for positions, exc in self._isolating(run, write):
                     failures.extend(BlockFailure(p, block_ids[p], _failure_kind(exc),
                                                  f"write failed: {exc}") for p in positions)
                     failed.update(positions)
@@ -321,6 +336,8 @@ class DiskStorage(BlockStore):
             good = [p for p in range(len(block_ids)) if p not in failed]
         if tagging is not None:       # before the checksums make the slots readable
             self._tags[[block_ids[p] for p in good]] = [tagging[p] for p in good]
+            self._seals[[block_ids[p] for p in good]] = np.frombuffer(
+                b"".join(seals[p] for p in good), np.uint8).reshape(-1, SEAL_BYTES)
         if failed:
             self.checksums.record_many([block_ids[p] for p in good], [sums[p] for p in good],
                                        [sequence_hashes[p] for p in good])
@@ -330,7 +347,8 @@ class DiskStorage(BlockStore):
             self.index.put([block_ids[p] for p in good], [sequence_hashes[p] for p in good],
                            [parent_hashes[p] for p in good], [local_hashes[p] for p in good],
                            [sums[p] for p in good], data_fd=self._fd,
-                           tags=None if tagging is None else [tagging[p] for p in good])
+                           tags=None if tagging is None else [tagging[p] for p in good],
+                           seals=[seals[p] for p in good])
         raise_for_failures(f"write to {self.path.name}", failures, len(block_ids), sums)
         return sums  # type: ignore[return-value]
 
@@ -422,22 +440,31 @@ class DiskStorage(BlockStore):
         return buf.size >= self._stride and (
             not self.o_direct or address_of(buf) % DIRECT_ALIGNMENT == 0)
 
-    def _write_run(self, first_slot: int, sources: list[np.ndarray]) -> None:
+    def _write_run(self, first_slot: int, sources: list[np.ndarray],
+                   sequence_hashes: list[int]) -> list[bytes]:
+        """Write ``sources`` to consecutive slots from ``first_slot``; returns their seals
+        (encrypting, through staging; :data:`NO_SEAL` each when stored in clear)."""
         offset = first_slot * self._stride
-        if all(self._direct_ok(s) for s in sources):
+        seals = [NO_SEAL] * len(sources)
+        if not self._encrypt and all(self._direct_ok(s) for s in sources):
             self._pwrite_all([s[:self._stride] for s in sources], offset)
-            return
+            return seals
         staging = self._acquire_staging(len(sources))
         try:
             block_bytes = self.config.block_bytes
             views = []
             for i, src in enumerate(sources):
                 view = staging.array[i * self._stride:(i + 1) * self._stride]
-                view[:block_bytes] = src[:block_bytes]
+                if self._encrypt:
+                    seals[i] = self._cipher.encrypt(self._tag_identity, sequence_hashes[i],
+                                                    src[:block_bytes], view[:block_bytes])
+                else:
+                    view[:block_bytes] = src[:block_bytes]
                 views.append(view)
             self._pwrite_all(views, offset)
         finally:
             self._staging.put(staging)
+        return seals
 
     def _read_run(self, first_slot: int, dests: list[np.ndarray], positions: list[int],
                   block_ids: Sequence[int], sequence_hashes: Sequence[int],
@@ -476,6 +503,14 @@ class DiskStorage(BlockStore):
                data: np.ndarray) -> BlockFailure | None:
         """Failure record if ``data`` does not hash to its slot's checksum or, with a
         tagger, does not match its slot's tag."""
+        if self._seals is not None and self._seals[slot].any():    # stored encrypted
+            if self._cipher is None or not self._cipher.decrypt(
+                    self._tag_identity, sequence_hash, data, self._seals[slot].tobytes(), data):
+                return BlockFailure(position, slot, FailureKind.CHECKSUM_MISMATCH,
+                                    "encrypted block does not open under this deployment's "
+                                    "key" if self._cipher is not None else
+                                    "block stored encrypted and encryption is not set up")
+            return self.checksums.check_bytes(position, slot, data)
         failure = self.checksums.check_bytes(position, slot, data)
         if failure is not None or self._tagger is None:
             return failure
@@ -494,6 +529,8 @@ class DiskStorage(BlockStore):
         sums = [c if c is not None else block_checksum(v) for c, v in zip(known, views)]
         if self._tagger is None:
             return sums, None
+        if self._encrypt:                 # GCM authenticates an encrypted block: no tag
+            return sums, [0] * len(sums)
         return sums, [self._tag(h, c, v) for h, c, v in zip(sequence_hashes, sums, views)]
 
     def _tag(self, sequence_hash: int, checksum: int | None, data) -> int:

@@ -9,8 +9,9 @@ of blocks is three steps, in this order:
 1. ``FREE`` records for the slots about to be overwritten (one ``write``);
 2. the block bytes into the slab;
 3. ``PUT`` records for the blocks whose write succeeded (one ``write``): slot, sequence hash,
-   parent hash, local hash, xxh3-64 of the payload, and its keyed tag
-   (:mod:`kvstrata.physical.tags`; 0 in an index kept without a key).
+   parent hash, local hash, xxh3-64 of the payload, its keyed tag
+   (:mod:`kvstrata.physical.tags`; 0 in an index kept without a key, or for an encrypted
+   block) and, for a block stored encrypted, its seal (salt and GCM tag; zeros otherwise).
 
 Whatever instant a process dies at, the index then names only blocks whose bytes were fully
 written before their entry: a slot being overwritten was freed first, and a block whose bytes
@@ -27,9 +28,9 @@ two entries naming one block, and rewrites the journal compactly (written to a t
 file, flushed, renamed over the old one). It is compacted again whenever it holds four times
 more records than the slab has slots, so it stays bounded.
 
-Record layout (56 bytes, little-endian): ``op u8, flags u8, pad u16, slot u32, sequence_hash
-u64, parent_hash u64, local_hash u64, checksum u64, tag u64, record_xxh3 u64``; ``flags`` bit
-0 says the block has a parent. The file starts with a 64-byte header: magic, format version,
+Record layout (88 bytes, little-endian): ``op u8, flags u8, pad u16, slot u32, sequence_hash
+u64, parent_hash u64, local_hash u64, checksum u64, tag u64, seal 32 bytes, record_xxh3
+u64``; ``flags`` bit 0 says the block has a parent. The file starts with a 64-byte header: magic, format version,
 the compatibility fingerprint (:mod:`kvstrata.compat`), the block stride and the id of the
 key the tags were made with (0: none). A journal of another version, fingerprint, stride or
 key is not recovered: a journal kept without a key starts empty under one, and one kept with
@@ -60,16 +61,18 @@ __all__ = ["DiskIndex", "IndexEntry", "LiveEntries", "RecoveryReport", "INDEX_VE
 log = logging.getLogger(__name__)
 
 INDEX_VERSION = 2
-RECORD_BYTES = 56
+RECORD_BYTES = 88
 _MAGIC = b"KVSTRATA-G3-IDX\0"
 _HEADER = struct.Struct("<16sI16sQQ4xQ")   # magic, version, fingerprint, stride, key id, xxh3
-_BODY = struct.Struct("<BBHIQQQQQ")                # the record without its own hash
+_BODY = struct.Struct("<BBHIQQQQQ32s")             # the record without its own hash
 _PUT, _FREE = 1, 2
+_NO_SEAL = bytes(32)
 _HAS_PARENT = 1
 _COMPACT_FACTOR = 4
 _RECORD_DTYPE = np.dtype([("op", "u1"), ("flags", "u1"), ("pad", "<u2"), ("slot", "<u4"),
                           ("seq", "<u8"), ("parent", "<u8"), ("local", "<u8"),
-                          ("checksum", "<u8"), ("tag", "<u8"), ("xxh", "<u8")])
+                          ("checksum", "<u8"), ("tag", "<u8"), ("seal", "u1", (32,)),
+                          ("xxh", "<u8")])
 assert _RECORD_DTYPE.itemsize == RECORD_BYTES and _BODY.size + 8 == RECORD_BYTES
 assert _HEADER.size == 64
 
@@ -98,6 +101,8 @@ class LiveEntries:
     checksums: np.ndarray
     tags: np.ndarray
     """Keyed tags of the blocks (zeros in an index kept without a key)."""
+    seals: np.ndarray
+    """``(n, 32)`` seals of the blocks stored encrypted (rows of zeros for the others)."""
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -156,6 +161,7 @@ class DiskIndex:
         self._local = np.zeros(capacity, dtype=np.uint64)
         self._checksum = np.zeros(capacity, dtype=np.uint64)
         self._tag = np.zeros(capacity, dtype=np.uint64)
+        self._seal = np.zeros((capacity, 32), dtype=np.uint8)
         self._order = np.zeros(capacity, dtype=np.int64)   # record number of the entry
         self._records = 0
         self._compact_at = _COMPACT_FACTOR * max(capacity, 256)
@@ -286,6 +292,7 @@ class DiskIndex:
         self._local[where] = chosen["local"]
         self._checksum[where] = chosen["checksum"]
         self._tag[where] = chosen["tag"]
+        self._seal[where] = chosen["seal"]
         self._order[where] = live
         self.report = RecoveryReport(len(live), len(records) + corrupt, torn, corrupt,
                                      beyond, duplicates)
@@ -298,7 +305,8 @@ class DiskIndex:
             slots = slots[np.argsort(self._order[slots], kind="stable")]
             return LiveEntries(slots, self._seq[slots].copy(), self._parent[slots].copy(),
                                self._has_parent[slots].copy(), self._local[slots].copy(),
-                               self._checksum[slots].copy(), self._tag[slots].copy())
+                               self._checksum[slots].copy(), self._tag[slots].copy(),
+                               self._seal[slots].copy())
 
     def entries(self) -> list[IndexEntry]:
         """The live entries, oldest first, one :class:`IndexEntry` each."""
@@ -313,7 +321,7 @@ class DiskIndex:
         slots = [s for s in slots if self._valid[s]]
         if not slots:
             return
-        body = b"".join(_record(_FREE, s, 0, None, 0, 0, 0) for s in slots)
+        body = b"".join(_record(_FREE, s, 0, None, 0, 0, 0, _NO_SEAL) for s in slots)
         with self._lock:
             self._valid[np.asarray(slots, dtype=np.int64)] = False
             self._append(body, len(slots))
@@ -321,22 +329,27 @@ class DiskIndex:
     def put(self, slots: Sequence[int], sequence_hashes: Sequence[int],
             parent_hashes: Sequence[int | None], local_hashes: Sequence[int],
             checksums: Sequence[int], *, tags: Sequence[int] | None = None,
-            data_fd: int | None = None) -> None:
+            seals: Sequence[bytes] | None = None, data_fd: int | None = None) -> None:
         """Journal that ``slots`` now hold these blocks (after their bytes were written),
-        with their keyed ``tags`` (None: zeros, an index kept without a key). With ``sync``,
-        ``data_fd`` is flushed first and the journal after."""
+        with their keyed ``tags`` (None: zeros, an index kept without a key) and the
+        ``seals`` of those stored encrypted (None: none). With ``sync``, ``data_fd`` is
+        flushed first and the journal after."""
         if not slots:
             return
         tags = [0] * len(slots) if tags is None else tags
-        body = b"".join(_record(_PUT, s, h, p, local, c, t) for s, h, p, local, c, t in zip(
-            slots, sequence_hashes, parent_hashes, local_hashes, checksums, tags))
+        seals = [_NO_SEAL] * len(slots) if seals is None else seals
+        body = b"".join(_record(_PUT, s, h, p, local, c, t, seal)
+                        for s, h, p, local, c, t, seal in zip(
+                            slots, sequence_hashes, parent_hashes, local_hashes, checksums,
+                            tags, seals))
         if self.sync and data_fd is not None:
             os.fdatasync(data_fd)
         with self._lock:
             first = self._records
             self._append(body, len(slots))
-            for n, (s, h, p, local, c, t) in enumerate(zip(
-                    slots, sequence_hashes, parent_hashes, local_hashes, checksums, tags)):
+            for n, (s, h, p, local, c, t, seal) in enumerate(zip(
+                    slots, sequence_hashes, parent_hashes, local_hashes, checksums, tags,
+                    seals)):
                 self._valid[s] = True
                 self._seq[s] = h
                 self._parent[s] = 0 if p is None else p
@@ -344,6 +357,7 @@ class DiskIndex:
                 self._local[s] = local
                 self._checksum[s] = c
                 self._tag[s] = t
+                self._seal[s] = np.frombuffer(seal, np.uint8)
                 self._order[s] = first + n
             if self._records > self._compact_at:
                 try:
@@ -379,6 +393,7 @@ class DiskIndex:
         records["local"] = self._local[slots]
         records["checksum"] = self._checksum[slots]
         records["tag"] = self._tag[slots]
+        records["seal"] = self._seal[slots]
         raw = records.tobytes()
         digest = xxhash.xxh3_64_intdigest
         records["xxh"] = np.fromiter((digest(raw[i:i + RECORD_BYTES - 8])
@@ -417,9 +432,9 @@ class DiskIndex:
 
 
 def _record(op: int, slot: int, sequence_hash: int, parent_hash: int | None,
-            local_hash: int, checksum: int, tag: int) -> bytes:
+            local_hash: int, checksum: int, tag: int, seal: bytes) -> bytes:
     body = _BODY.pack(op, _HAS_PARENT if parent_hash is not None else 0, 0, slot,
-                      sequence_hash, parent_hash or 0, local_hash, checksum, tag)
+                      sequence_hash, parent_hash or 0, local_hash, checksum, tag, seal)
     return body + xxhash.xxh3_64_intdigest(body).to_bytes(8, "little")
 
 

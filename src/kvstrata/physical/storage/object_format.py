@@ -18,9 +18,14 @@ so a reader never hands out bytes of another model, geometry or sequence::
     134     8     payload length
     142     8     keyed tag of the object's key, bytes 0..141, the sequence hash and
                   the payload (:mod:`kvstrata.physical.tags`; 0 when written without a
-                  key)
-    150     2     reserved (zero)
-    152     8     xxh3-64 of header bytes 0..151
+                  key, or encrypted)
+    150     2     flags: bit 0, the payload is encrypted (AES-256-GCM)
+    152     32    the encrypted payload's seal (salt, GCM tag); zeros otherwise
+    184     8     xxh3-64 of header bytes 0..183
+
+An encrypted object's checksum field is the xxh3-64 of the plaintext, checked after
+decryption; its additional authenticated data is the object's key and header bytes 0..141,
+as a tag's identity (:func:`decrypt_payload`).
 
 :func:`encode_header` builds a header, :func:`decode_header` parses one (raising an
 :class:`ObjectFormatError` subclass on wrong magic, another version, truncation or a corrupt
@@ -49,19 +54,22 @@ from ...protocol.layout import LayoutConfig
 __all__ = ["MAGIC", "FORMAT_VERSION", "HEADER_SIZE", "MAX_FINGERPRINT_BYTES", "ObjectGeometry",
            "ObjectHeader", "ObjectFormatError", "ObjectMagicError", "ObjectVersionError",
            "ObjectTruncatedError", "ObjectCorruptError", "ForeignObjectError",
-           "ObjectForgedError", "TAG_OFFSET",
+           "ObjectForgedError", "TAG_OFFSET", "ENCRYPTED", "decrypt_payload",
+           "object_identity",
            "check_fingerprint", "encode_header", "decode_header", "open_object"]
 
 MAGIC = b"KVSTRATA"
 FORMAT_VERSION = 2
 MAX_FINGERPRINT_BYTES = 64
 _MAX_DTYPE_BYTES = 16
-_FIELDS = struct.Struct("<8sHHH64s16sIIIIQQQQQ2x")
+_FIELDS = struct.Struct("<8sHHH64s16sIIIIQQQQQH32s")
+ENCRYPTED = 1
+"""Header flag: the payload is encrypted."""
 TAG_OFFSET = 142
 """Header bytes before the tag: what the tag covers of the header."""
 _HEADER_HASH = struct.Struct("<Q")
 HEADER_SIZE = _FIELDS.size + _HEADER_HASH.size
-"""Bytes before the payload (160)."""
+"""Bytes before the payload (192)."""
 
 
 # --------------------------------------------------------------------------- errors
@@ -135,6 +143,12 @@ class ObjectHeader:
     checksum: int
     payload_length: int
     tag: int = 0
+    flags: int = 0
+    seal: bytes = bytes(32)
+
+    @property
+    def encrypted(self) -> bool:
+        return bool(self.flags & ENCRYPTED)
 
 
 def _fingerprint_bytes(fingerprint: str) -> bytes:
@@ -151,10 +165,13 @@ def check_fingerprint(fingerprint: str) -> None:
 
 def encode_header(*, fingerprint: str, geometry: ObjectGeometry, sequence_hash: int,
                   checksum: int, payload_length: int | None = None,
-                  tagger: BlockTagger | None = None, payload=None, where: str = "") -> bytes:
+                  tagger: BlockTagger | None = None, payload=None, where: str = "",
+                  seal: bytes | None = None) -> bytes:
     """The :data:`HEADER_SIZE`-byte header of a block's object (``payload_length`` defaults
     to ``geometry.block_bytes``), tagged with ``tagger`` over ``payload`` and ``where`` (the
-    object's whole key: namespace, tenant, and the block's identity in its name) when given.
+    object's whole key: namespace, tenant, and the block's identity in its name) when given;
+    ``seal`` marks the payload encrypted (its seal from
+    :meth:`~kvstrata.physical.tags.BlockCipher.encrypt`, over :func:`object_identity`).
     Raises ``ValueError`` for a fingerprint over 64 bytes, a dtype name over 16 or values
     out of range."""
     dtype = geometry.dtype.encode("ascii")
@@ -164,12 +181,14 @@ def encode_header(*, fingerprint: str, geometry: ObjectGeometry, sequence_hash: 
     length = geometry.block_bytes if payload_length is None else payload_length
     values = [MAGIC, FORMAT_VERSION, HEADER_SIZE, len(fp), fp, dtype, geometry.num_layers,
               geometry.outer_dim, geometry.page_size, geometry.inner_dim, geometry.block_bytes,
-              sequence_hash, checksum, length, 0]
+              sequence_hash, checksum, length, 0, 0, bytes(32)]
     try:
         fields = _FIELDS.pack(*values)
-        if tagger is not None:
-            values[-1] = tagger.tag(where.encode() + fields[:TAG_OFFSET], sequence_hash,
-                                    payload)
+        if seal is not None:
+            values[-2:] = [ENCRYPTED, bytes(seal)]
+            fields = _FIELDS.pack(*values)
+        elif tagger is not None:
+            values[-3] = tagger.tag(object_identity(where, fields), sequence_hash, payload)
             fields = _FIELDS.pack(*values)
     except struct.error as exc:
         raise ValueError(f"object header field out of range: {exc}") from None
@@ -198,7 +217,7 @@ def decode_header(data) -> ObjectHeader:
     if block_checksum(fields) != stored:
         raise ObjectCorruptError("object header does not match its checksum")
     (_, version, header_size, fp_len, fp, dtype, layers, outer, page, inner, block_bytes,
-     seq, checksum, length, tag) = _FIELDS.unpack(fields)
+     seq, checksum, length, tag, flags, seal) = _FIELDS.unpack(fields)
     if header_size != HEADER_SIZE or fp_len > MAX_FINGERPRINT_BYTES:
         raise ObjectCorruptError(f"object header: size {header_size}, fingerprint length "
                                  f"{fp_len}")
@@ -209,7 +228,7 @@ def decode_header(data) -> ObjectHeader:
         raise ObjectCorruptError(f"object header: undecodable text ({exc})") from None
     return ObjectHeader(version, header_size, fingerprint,
                         ObjectGeometry(layers, outer, page, inner, dtype_name, block_bytes),
-                        seq, checksum, length, tag)
+                        seq, checksum, length, tag, flags, seal)
 
 
 def open_object(data, *, fingerprint: str, geometry: ObjectGeometry, sequence_hash: int,
@@ -218,7 +237,8 @@ def open_object(data, *, fingerprint: str, geometry: ObjectGeometry, sequence_ha
     """Verify that ``data`` (a whole object) is block ``sequence_hash`` written under
     ``fingerprint`` with ``geometry``, that its payload hashes to the recorded xxh3-64 and,
     with ``tagger``, that it carries that key's tag for the key ``where`` it was read from
-    (an object copied to another key, tenant or namespace fails). Returns the header and a zero-copy view
+    (an object copied to another key, tenant or namespace fails). An encrypted object's
+    payload is returned as it is (ciphertext), unchecked: :func:`decrypt_payload` checks it. Returns the header and a zero-copy view
     of the payload; raises an :class:`ObjectFormatError` subclass otherwise (see its
     ``failure_kind``)."""
     header = decode_header(data)
@@ -241,12 +261,38 @@ def open_object(data, *, fingerprint: str, geometry: ObjectGeometry, sequence_ha
     if len(view) > end:
         raise ObjectCorruptError(f"object has {len(view) - end} bytes after its payload")
     payload = view[header.header_size:end]
+    if header.encrypted:
+        return header, payload               # ciphertext: decrypt_payload checks it
     actual = block_checksum(payload)
     if actual != header.checksum:
         raise ObjectCorruptError(f"payload xxh3-64 {actual:#018x} != recorded "
                                  f"{header.checksum:#018x}")
-    if tagger is not None and tagger.tag(where.encode() + bytes(view[:TAG_OFFSET]),
-                                         sequence_hash, payload) != header.tag:
+    if tagger is not None and tagger.tag(object_identity(where, view), sequence_hash,
+                                         payload) != header.tag:
         raise ObjectForgedError("object's keyed tag does not match: not written under this "
                                 "deployment's key")
     return header, payload
+
+
+def object_identity(where: str, header) -> bytes:
+    """What a tag or an encrypted payload is bound to: the object's key and the header's
+    first :data:`TAG_OFFSET` bytes."""
+    return where.encode() + bytes(memoryview(header).cast("B")[:TAG_OFFSET])
+
+
+def decrypt_payload(data, header: ObjectHeader, payload, *, cipher, where: str, out) -> None:
+    """Decrypt the encrypted ``payload`` of object ``data`` (read from key ``where``) into
+    ``out`` and check its plaintext checksum; :class:`ObjectForgedError` if it was not
+    sealed under this key for this object, :class:`ObjectCorruptError` if the plaintext
+    does not match (``out`` then holds garbage and must not be used)."""
+    if cipher is None:
+        raise ObjectForgedError("object is encrypted and encryption at rest is not set up "
+                                "here")
+    if not cipher.decrypt(object_identity(where, data), header.sequence_hash, payload,
+                          header.seal, out):
+        raise ObjectForgedError("encrypted object does not open under this deployment's key "
+                                "for this key and header")
+    actual = block_checksum(out)
+    if actual != header.checksum:
+        raise ObjectCorruptError(f"decrypted payload xxh3-64 {actual:#018x} != recorded "
+                                 f"{header.checksum:#018x}")

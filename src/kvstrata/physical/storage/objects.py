@@ -50,8 +50,9 @@ from ...protocol.layout import FullyContiguousLayout, LayoutConfig
 from ...protocol.layout_codec import StorageDescriptor
 from .base import BlockStore, StorageStatus
 from .object_format import (HEADER_SIZE, ObjectFormatError, ObjectGeometry,
-                            check_fingerprint, encode_header, open_object)
-from ..tags import BlockTagger
+                            check_fingerprint, decrypt_payload, encode_header, object_identity,
+                            open_object)
+from ..tags import BlockCipher, BlockTagger
 from .s3client import ObjectStoreError, S3Client, S3Config
 
 __all__ = ["ObjectStorage", "ObjectCounters"]
@@ -131,7 +132,8 @@ class ObjectStorage(BlockStore):
 
     def __init__(self, config: LayoutConfig, s3: S3Config | S3Client, *, namespace: str,
                  fingerprint: str, max_concurrency: int = 16,
-                 ensure_bucket: bool = True, tagger: BlockTagger | None = None) -> None:
+                 ensure_bucket: bool = True, tagger: BlockTagger | None = None,
+                 cipher: BlockCipher | None = None) -> None:
         super().__init__(FullyContiguousLayout(config))
         namespace = namespace.strip("/")
         try:
@@ -146,6 +148,9 @@ class ObjectStorage(BlockStore):
         self.tagger = tagger
         """Tags every object put and checks the tag of every object got (None: unkeyed,
         for tests and tools; a G4 tier always has one, :mod:`kvstrata.kinds.object_store`)."""
+        self.cipher = cipher
+        """Encrypts every payload put (``encrypt_at_rest``); None: stored as they are.
+        Encrypted objects are read only with it; others still need their tag."""
         self.geometry = ObjectGeometry.of(config)
         self.client = S3Client(s3) if isinstance(s3, S3Config) else s3
         self.max_concurrency = max_concurrency
@@ -190,11 +195,18 @@ class ObjectStorage(BlockStore):
                 payload = sources[p][:block_bytes]
                 checksum = known[p] if known[p] is not None else block_checksum(payload)
                 body = np.empty(HEADER_SIZE + block_bytes, np.uint8)
-                body[:HEADER_SIZE] = np.frombuffer(encode_header(
-                    fingerprint=self.fingerprint, geometry=self.geometry,
-                    sequence_hash=sequence_hashes[p], checksum=checksum, tagger=self.tagger,
-                    payload=payload, where=self.namespace + keys[p]), np.uint8)
-                body[HEADER_SIZE:] = payload
+                header = dict(fingerprint=self.fingerprint, geometry=self.geometry,
+                              sequence_hash=sequence_hashes[p], checksum=checksum)
+                where = self.namespace + keys[p]
+                if self.cipher is None:
+                    body[:HEADER_SIZE] = np.frombuffer(encode_header(
+                        **header, tagger=self.tagger, payload=payload, where=where), np.uint8)
+                    body[HEADER_SIZE:] = payload
+                else:
+                    seal = self.cipher.encrypt(object_identity(where, encode_header(**header)),
+                                               sequence_hashes[p], payload, body[HEADER_SIZE:])
+                    body[:HEADER_SIZE] = np.frombuffer(encode_header(**header, seal=seal),
+                                                       np.uint8)
             finally:
                 gate.leave()
             return checksum, self.client.put_if_absent(self.namespace + keys[p], body)
@@ -218,8 +230,9 @@ class ObjectStorage(BlockStore):
         verified xxh3-64 of each block. Raises a :class:`BlockIOError` subclass naming the
         failed positions (``NOT_FOUND``, ``HASH_MISMATCH``, ``CHECKSUM_MISMATCH``,
         ``IO_ERROR``; its ``.checksums`` holds the good blocks' values). A failed destination
-        must not be used; nothing but a verified payload is ever copied into a destination,
-        and nothing at all after this call returned."""
+        must not be used; nothing but a verified payload is ever copied into a destination
+        (an encrypted one is decrypted into it and then verified: a failure leaves garbage
+        there), and nothing at all after this call returned."""
         self._check_batch(keys, destinations, sequence_hashes)
         block_bytes = self.config.block_bytes
 
@@ -227,14 +240,20 @@ class ObjectStorage(BlockStore):
             data = self.client.get(self.namespace + keys[p])
             if data is None:
                 return None
+            where = self.namespace + keys[p]
             header, payload = open_object(data, fingerprint=self.fingerprint,
                                           geometry=self.geometry,
                                           sequence_hash=sequence_hashes[p],
-                                          tagger=self.tagger, where=self.namespace + keys[p])
+                                          tagger=self.tagger, where=where)
             if not gate.enter():
                 raise _Abandoned()
-            try:     # only verified bytes, and only while the caller waits
-                destinations[p][:block_bytes] = np.frombuffer(payload, np.uint8)
+            try:     # only while the caller waits; verified bytes, or (decrypting) bytes
+                out = destinations[p][:block_bytes]       # that fail and are not used
+                if header.encrypted:
+                    decrypt_payload(data, header, payload, cipher=self.cipher, where=where,
+                                    out=out)
+                else:
+                    out[:] = np.frombuffer(payload, np.uint8)
             finally:
                 gate.leave()
             return header.checksum
