@@ -168,6 +168,18 @@ def test_g4_events_are_on_the_external_tier_and_the_indexer_shows_who_holds_what
 
 # -- issue 27: keyed tags (what someone with the bucket's credentials cannot do) -------------
 
+def _stored_objects(weed, config, records):
+    """Store ``records`` through one manager: their payloads, the G4 namespace, and each
+    block's object key (by sequence hash)."""
+    with _manager(weed, config) as writer:
+        data = payloads(writer, records)
+        _store_all(writer, records, data)
+        storage = writer.storage("G4")
+        keys = {r.sequence_hash: storage.namespace + k for r in records
+                for k in storage.list_keys() if k.startswith(f"{r.sequence_hash:016x}.")}
+    return data, storage.namespace, keys
+
+
 def test_an_object_forged_by_a_holder_of_the_bucket_credentials_is_never_served(
         weed, tenant, monkeypatch):
     """Someone who can write the bucket but does not hold the deployment's secret replaces
@@ -181,14 +193,10 @@ def test_an_object_forged_by_a_holder_of_the_bucket_credentials_is_never_served(
 
     config = g4_config(tenant=tenant)
     records = chain(4, start=700)
-    with _manager(weed, config) as writer:
-        data = payloads(writer, records)
-        _store_all(writer, records, data)
-        namespace = writer.storage("G4").namespace
+    data, namespace, keys = _stored_objects(weed, config, records)
     client = S3Client(weed.s3_config())
+    victim = keys[records[2].sequence_hash]
     with _manager(weed, config) as reader:
-        [victim] = [namespace + k for k in reader.storage("G4").list_keys()
-                    if k.startswith(f"{records[2].sequence_hash:016x}.")]
         real = client.get(victim)
         header = decode_header(real)
         zeros = bytes(len(real) - HEADER_SIZE)
@@ -233,15 +241,9 @@ def test_encrypt_at_rest_stores_no_block_in_clear_and_loads_them_back(weed, tena
     loads every block byte-exact; a flipped ciphertext byte is a failed load, never bytes."""
     config = g4_config(tenant=tenant, encrypt_at_rest=True)
     records = chain(4, start=900)
-    with _manager(weed, config) as writer:
-        data = payloads(writer, records)
-        _store_all(writer, records, data)
-        namespace = writer.storage("G4").namespace
+    data, _, keys = _stored_objects(weed, config, records)
     client = S3Client(weed.s3_config())
     with _manager(weed, config) as reader:
-        keys = {r.sequence_hash: namespace + k for r in records
-                for k in reader.storage("G4").list_keys()
-                if k.startswith(f"{r.sequence_hash:016x}.")}
         for record in records:
             stored = client.get(keys[record.sequence_hash])
             plain = data[record.sequence_hash].tobytes()
