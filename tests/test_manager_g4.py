@@ -251,6 +251,10 @@ def test_encrypt_at_rest_stores_no_block_in_clear_and_loads_them_back(weed, tena
         with reader.onboard(hashes_of(records)).result(HANG_GUARD) as loaded:
             assert loaded.sources == ("G4",) * 4 and not loaded.failures
             assert_g1_bytes(reader, loaded, data)
+    # encryption turned off: another namespace, so nothing stored encrypted is seen (nor
+    # fails), and the blocks are stored again in clear there
+    with _manager(weed, dataclasses.replace(config, encrypt_at_rest=False)) as clear:
+        assert clear.locate(hashes_of(records)).result(HANG_GUARD) == []
     victim = keys[records[1].sequence_hash]
     stored = bytearray(client.get(victim))
     stored[-10] ^= 1

@@ -225,3 +225,37 @@ def test_an_encrypted_block_under_another_key_or_no_cipher_is_refused(tmp_path):
         assert not read_ok(disk, 0, SEQS[0])
     finally:
         disk.close()
+
+
+def test_turning_encryption_on_drops_the_blocks_kept_in_clear(tmp_path):
+    disk = open_durable(tmp_path, tagger=KEY, cipher=CIPHER)          # in clear, tagged
+    write(disk, [0, 1, 2, 3], SEQS)
+    disk.close()
+    disk = _encrypted(tmp_path)
+    try:
+        assert len(disk.recovered) == 0
+        assert "dropped 4 blocks kept in clear" in " ".join(disk.notes)
+        assert not read_ok(disk, 0, SEQS[0])
+    finally:
+        disk.close()
+
+
+def test_a_block_that_fails_to_decrypt_leaves_zeros_not_plaintext(tmp_path):
+    from kvstrata.physical.buffers import AlignedBuffer
+    from kvstrata.physical.errors import BlockIOError
+
+    disk = _encrypted(tmp_path)
+    write(disk, [0], SEQS[:1])
+    stride = disk.layout.block_stride
+    try:
+        with open(disk.path, "r+b") as slab:                  # one ciphertext bit flipped
+            slab.seek(100)
+            byte = slab.read(1)
+            slab.seek(100)
+            slab.write(bytes([byte[0] ^ 1]))
+        buf = AlignedBuffer(stride)
+        with pytest.raises(BlockIOError):
+            disk.read_blocks([0], [buf.array[:stride]], [SEQS[0]])
+        assert not buf.array[:disk.config.block_bytes].any()
+    finally:
+        disk.close()

@@ -72,9 +72,8 @@ class ObjectStoreKind(Kind):
                                     namespace=object_namespace(config, compat.fingerprint,
                                                                tagger.key_id),
                                     fingerprint=compat.fingerprint, ensure_bucket=False,
-                                    tagger=tagger,
-                                    cipher=cipher_from_environment() if config.encrypt_at_rest
-                                    else None)
+                                    tagger=tagger, cipher=cipher_from_environment(),
+                                    encrypt=config.encrypt_at_rest)
         except PhysicalError as exc:
             raise TierSetupError(f"{tier} at {store.endpoint_url}/{store.bucket}: {exc}") from exc
         try:
@@ -91,13 +90,16 @@ class ObjectStoreKind(Kind):
 
 
 def object_namespace(config: KvConfig, fingerprint: str, key_id: int) -> str:
-    """The key prefix of a shared object tier: ``kvstrata/<fingerprint>/k<key id>/<tenant>/``,
-    ``_`` for the default tenant (no tenant can be named ``_``: tenants start with a letter or
-    a digit). The key id (:attr:`~kvstrata.physical.tags.BlockTagger.key_id`) keeps the
-    objects of each deployment secret apart: after a change of secret (or from an older,
-    unkeyed release) the old objects are simply elsewhere, never blocks that fail their tag
-    at keys the new ones cannot be stored under."""
-    return f"kvstrata/{fingerprint}/k{key_id:016x}/{config.tenant or '_'}/"
+    """The key prefix of a shared object tier:
+    ``kvstrata/<fingerprint>/k<key id>[e]/<tenant>/``, ``e`` when ``encrypt_at_rest``, ``_``
+    for the default tenant (no tenant can be named ``_``: tenants start with a letter or a
+    digit). The key id (:attr:`~kvstrata.physical.tags.BlockTagger.key_id`) and the mode keep
+    the objects of each deployment secret, and of encryption on or off, apart: after a change
+    of either (or from an older, unkeyed release) the old objects are simply elsewhere (to
+    delete), never blocks that fail at keys the new ones cannot be stored under, nor
+    plaintext served once encryption is on."""
+    mode = "e" if config.encrypt_at_rest else ""
+    return f"kvstrata/{fingerprint}/k{key_id:016x}{mode}/{config.tenant or '_'}/"
 
 
 def _tagger(tier: str) -> BlockTagger:

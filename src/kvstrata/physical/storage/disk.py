@@ -194,6 +194,14 @@ class DiskStorage(BlockStore):
                                sync=durable.sync, key_id=self.key_id)
         self.index = index
         live = index.live()
+        if self._encrypt and len(live) and not live.seals.any(axis=1).all():
+            # Encryption turned on: blocks kept in clear are not served (their slots are
+            # overwritten as the tier refills; remove the directory to erase them now).
+            clear = live.slots[~live.seals.any(axis=1)]
+            index.free(clear.tolist())
+            self.notes.append(f"dropped {len(clear)} blocks kept in clear (encrypt_at_rest "
+                              f"is on)")
+            live = index.live()
         if len(live):
             if self._tags is not None:
                 self._tags[live.slots] = live.tags
@@ -506,6 +514,7 @@ class DiskStorage(BlockStore):
         if self._seals is not None and self._seals[slot].any():    # stored encrypted
             if self._cipher is None or not self._cipher.decrypt(
                     self._tag_identity, sequence_hash, data, self._seals[slot].tobytes(), data):
+                data[:] = 0              # what failed its GCM tag is not left readable
                 return BlockFailure(position, slot, FailureKind.CHECKSUM_MISMATCH,
                                     "encrypted block does not open under this deployment's "
                                     "key" if self._cipher is not None else

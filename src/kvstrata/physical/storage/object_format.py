@@ -218,9 +218,9 @@ def decode_header(data) -> ObjectHeader:
         raise ObjectCorruptError("object header does not match its checksum")
     (_, version, header_size, fp_len, fp, dtype, layers, outer, page, inner, block_bytes,
      seq, checksum, length, tag, flags, seal) = _FIELDS.unpack(fields)
-    if header_size != HEADER_SIZE or fp_len > MAX_FINGERPRINT_BYTES:
+    if header_size != HEADER_SIZE or fp_len > MAX_FINGERPRINT_BYTES or flags & ~ENCRYPTED:
         raise ObjectCorruptError(f"object header: size {header_size}, fingerprint length "
-                                 f"{fp_len}")
+                                 f"{fp_len}, flags {flags:#x}")
     try:
         fingerprint = fp[:fp_len].decode("utf-8")
         dtype_name = dtype.rstrip(b"\0").decode("ascii")
@@ -283,13 +283,14 @@ def object_identity(where: str, header) -> bytes:
 def decrypt_payload(data, header: ObjectHeader, payload, *, cipher, where: str, out) -> None:
     """Decrypt the encrypted ``payload`` of object ``data`` (read from key ``where``) into
     ``out`` and check its plaintext checksum; :class:`ObjectForgedError` if it was not
-    sealed under this key for this object, :class:`ObjectCorruptError` if the plaintext
-    does not match (``out`` then holds garbage and must not be used)."""
+    sealed under this key for this object (``out`` zeroed), :class:`ObjectCorruptError` if
+    the plaintext does not match (``out`` must then not be used)."""
     if cipher is None:
         raise ObjectForgedError("object is encrypted and encryption at rest is not set up "
                                 "here")
     if not cipher.decrypt(object_identity(where, data), header.sequence_hash, payload,
                           header.seal, out):
+        out[:] = 0                       # what failed its GCM tag is not left readable
         raise ObjectForgedError("encrypted object does not open under this deployment's key "
                                 "for this key and header")
     actual = block_checksum(out)

@@ -133,7 +133,7 @@ class ObjectStorage(BlockStore):
     def __init__(self, config: LayoutConfig, s3: S3Config | S3Client, *, namespace: str,
                  fingerprint: str, max_concurrency: int = 16,
                  ensure_bucket: bool = True, tagger: BlockTagger | None = None,
-                 cipher: BlockCipher | None = None) -> None:
+                 cipher: BlockCipher | None = None, encrypt: bool = False) -> None:
         super().__init__(FullyContiguousLayout(config))
         namespace = namespace.strip("/")
         try:
@@ -148,9 +148,16 @@ class ObjectStorage(BlockStore):
         self.tagger = tagger
         """Tags every object put and checks the tag of every object got (None: unkeyed,
         for tests and tools; a G4 tier always has one, :mod:`kvstrata.kinds.object_store`)."""
+        if cipher is not None and tagger is None:
+            raise StorageConfigError("an object store with a cipher needs a tagger too: an "
+                                     "object stored in clear must still carry its tag")
+        if encrypt and cipher is None:
+            raise StorageConfigError("encrypting an object store needs a cipher")
         self.cipher = cipher
-        """Encrypts every payload put (``encrypt_at_rest``); None: stored as they are.
-        Encrypted objects are read only with it; others still need their tag."""
+        """Opens encrypted objects (None: they are refused); objects in clear still need
+        their tag."""
+        self.encrypt = encrypt
+        """Encrypt every payload put (``encrypt_at_rest``)."""
         self.geometry = ObjectGeometry.of(config)
         self.client = S3Client(s3) if isinstance(s3, S3Config) else s3
         self.max_concurrency = max_concurrency
@@ -198,7 +205,7 @@ class ObjectStorage(BlockStore):
                 header = dict(fingerprint=self.fingerprint, geometry=self.geometry,
                               sequence_hash=sequence_hashes[p], checksum=checksum)
                 where = self.namespace + keys[p]
-                if self.cipher is None:
+                if not self.encrypt:
                     body[:HEADER_SIZE] = np.frombuffer(encode_header(
                         **header, tagger=self.tagger, payload=payload, where=where), np.uint8)
                     body[HEADER_SIZE:] = payload
