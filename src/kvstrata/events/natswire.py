@@ -28,7 +28,7 @@ import select
 import socket
 import threading
 import time
-from urllib.parse import unquote, urlparse
+from urllib.parse import quote, unquote, urlparse
 
 from kvstrata.events.publisher import SinkUnavailableError
 
@@ -55,6 +55,29 @@ def redacted(url: str) -> str:
     if "@" not in netloc:
         return url
     return f"{scheme}://***@{netloc.rpartition('@')[2]}{slash}{path}"
+
+
+NATS_USER_ENV = "KVSTRATA_NATS_USER"
+NATS_PASSWORD_ENV = "KVSTRATA_NATS_PASSWORD"
+NATS_TOKEN_ENV = "KVSTRATA_NATS_TOKEN"
+
+
+def with_credentials(url: str, env=None) -> str:
+    """``url`` with the bus's credentials from the environment when it names none:
+    ``$KVSTRATA_NATS_USER`` and ``$KVSTRATA_NATS_PASSWORD``, or ``$KVSTRATA_NATS_TOKEN``
+    (a URL or a command line shows in process listings and in vLLM's logged config; the
+    environment does not). Credentials in the URL win."""
+    env = os.environ if env is None else env
+    scheme, sep, rest = url.partition("://")
+    if not sep or "@" in rest.partition("/")[0]:
+        return url
+    if env.get(NATS_USER_ENV) and env.get(NATS_PASSWORD_ENV):
+        userinfo = f"{quote(env[NATS_USER_ENV], safe='')}:{quote(env[NATS_PASSWORD_ENV], safe='')}"
+    elif env.get(NATS_TOKEN_ENV):
+        userinfo = quote(env[NATS_TOKEN_ENV], safe="")
+    else:
+        return url
+    return f"{scheme}://{userinfo}@{rest}"
 
 
 def py_send_nowait(sock: socket.socket, buffers: list) -> int:

@@ -21,7 +21,7 @@ from typing import Callable
 
 from kvstrata.events import formats
 from kvstrata.events.model import EventBatch
-from kvstrata.events.natswire import PayloadTooLargeError, redacted
+from kvstrata.events.natswire import PayloadTooLargeError, redacted, with_credentials
 from kvstrata.events.publisher import EventPublisher, Sink, SinkUnavailableError
 
 log = logging.getLogger(__name__)
@@ -226,19 +226,21 @@ def snapshot_subject(subject: str, worker_id: int | None = None) -> str:
 
 async def nats_connect(url: str, name: str, *, max_reconnect_attempts: int = -1,
                        errors: list | None = None):
-    """nats-py connect that retries forever (cancel the task to give up), quietly; each
-    error is appended to ``errors`` when given (e.g. the server's "Authorization
-    Violation", for the message of a caller that gives up)."""
+    """nats-py connect that retries forever (cancel the task to give up), quietly; the last
+    three distinct errors are kept in ``errors`` when given (e.g. the server's
+    "Authorization Violation", for the message of a caller that gives up)."""
     import nats
 
     async def _quiet(exc: Exception) -> None:
         log.debug("nats %s: %s", redacted(url), exc)
-        if errors is not None:
-            errors.append(exc)
-            del errors[:-1]
+        if errors is not None and str(exc) not in map(str, errors):
+            errors.append(exc)               # a few distinct ones: the server's reason and
+            del errors[:-3]                  # the reset that follows it both show
 
+    server, credentials = _split_credentials(url)
     return await nats.connect(
-        servers=[url],
+        servers=[server],
+        **credentials,
         name=name,
         allow_reconnect=True,
         max_reconnect_attempts=max_reconnect_attempts,
@@ -252,6 +254,21 @@ async def nats_connect(url: str, name: str, *, max_reconnect_attempts: int = -1,
 
 async def _noop() -> None:
     return None
+
+
+def _split_credentials(url: str) -> tuple[str, dict[str, str]]:
+    """``url`` without its ``user:password@`` or ``token@``, and them, percent-decoded, as
+    nats-py's ``user``/``password`` or ``token`` (nats-py would send them still encoded)."""
+    from urllib.parse import unquote, urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.username is None:
+        return url, {}
+    host = parts.netloc.rpartition("@")[2]
+    server = urlunsplit(parts._replace(netloc=host))
+    if parts.password is None:
+        return server, {"token": unquote(parts.username)}
+    return server, {"user": unquote(parts.username), "password": unquote(parts.password)}
 
 
 class NatsSink(Sink):
@@ -289,7 +306,7 @@ class NatsSink(Sink):
     ) -> None:
         if format not in EVENT_FORMATS:
             raise ValueError(f"NATS event format must be one of {EVENT_FORMATS}, got {format!r}")
-        self.url = url
+        self.url = with_credentials(url)
         self.subject = check_subject(subject)
         self.format = format
         self.jetstream = jetstream

@@ -442,6 +442,7 @@ class NatsFollower:
         trusted_workers: Iterable[int] | None = None,
         per_worker: bool = False,
     ) -> None:
+        from kvstrata.events.natswire import with_credentials
         from kvstrata.events.sinks import EVENT_FORMATS, check_subject
 
         if format not in EVENT_FORMATS:
@@ -452,7 +453,7 @@ class NatsFollower:
         """Follow ``SUBJECT.worker.*`` and apply from ``SUBJECT.worker.<id>`` only the events
         of worker ``<id>`` (:func:`~kvstrata.events.sinks.worker_subject`): with NATS
         permissions giving each subject to one worker's user, no user speaks for another."""
-        self.url = url
+        self.url = with_credentials(url)
         self.subject = check_subject(subject)
         self.format = format
         self.jetstream = jetstream
@@ -477,7 +478,8 @@ class NatsFollower:
             self._aio.run(self._start(), timeout)
         except TimeoutError:
             self._aio.stop()
-            last = f" (last error: {self._connect_errors[-1]})" if self._connect_errors else ""
+            last = (f" (last errors: {'; '.join(map(str, self._connect_errors))})"
+                    if self._connect_errors else "")
             raise TimeoutError(f"no connection to the NATS server within {timeout:g} s"
                                f"{last}") from None
         except BaseException:
