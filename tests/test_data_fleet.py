@@ -61,3 +61,15 @@ def test_cli_data_workers(tmp_path):
     assert doc["shared"]["shared_tier"]["store"].startswith("http://127.0.0.1:")
     code, _, err = run("replay", "--data", "--workers", "2", "--plot", str(tmp_path / "p.png"))
     assert code == 2 and "--plot" in err
+
+
+def test_a_store_the_run_starts_is_keyed_with_a_secret_of_its_own(monkeypatch):
+    """No deployment secret in the environment: the SeaweedFS the run starts itself keys its
+    blocks with a random secret of the run's own (a G4 at a given url would be refused)."""
+    monkeypatch.delenv("KVSTRATA_SHARING_SECRET", raising=False)
+    monkeypatch.delenv("KVSTRATA_SHARING_SECRET_FILE", raising=False)
+    requests = load_trace(default_trace_path())[:40]
+    data = run_data_fleet(requests, CONFIG, workers=2, granularity="trace")
+    assert data["mismatches"] == 0 and data["load_failures"] == 0
+    assert data["shared_tier"]["from_other_workers"] > 0
+    assert "/k" in data["shared_tier"]["store"]              # a keyed namespace

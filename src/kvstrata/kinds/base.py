@@ -77,6 +77,9 @@ class StorageOptions:
     object_store: "S3Config | None" = None
     """The object tier's store, instead of the tier's ``url`` (credentials from
     ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` either way)."""
+    secret: bytes | None = None
+    """The deployment's secret (:mod:`kvstrata.secret`) that keys and encrypts stored
+    blocks; None: from the environment."""
 
     def compatibility(self, config: KvConfig, rank: int | None = None) -> Compatibility:
         """What makes stored blocks usable here, for ``rank`` (default :attr:`rank`)."""

@@ -51,7 +51,7 @@ class DiskKind(Kind):
         if problem:
             return [f"tier {tier}: directory {directory} {problem}"]
         try:
-            tagger = tagger_from_environment()
+            tagger = tagger_from_environment(secret=options.secret)
         except SecretError as exc:
             return [f"tier {tier}: {exc}"]
         if config.encrypt_at_rest and tagger is None:
@@ -83,8 +83,9 @@ class DiskKind(Kind):
             durable = options.durable_disk
         layout = geometry.with_blocks(config.tier_blocks(tier))
         try:
-            tagger = tagger_from_environment()
-            cipher = cipher_from_environment() if tagger is not None else None
+            tagger = tagger_from_environment(secret=options.secret)
+            cipher = (cipher_from_environment(secret=options.secret) if tagger is not None
+                      else None)
         except SecretError as exc:
             raise TierSetupError(f"{tier}: {exc}") from None
         protection = dict(tagger=tagger, cipher=cipher, encrypt=config.encrypt_at_rest)
@@ -113,7 +114,7 @@ class DiskKind(Kind):
         fingerprint = options.compatibility(config, rank).fingerprint
         layout = layout_config_for(config, config.tier_blocks(tier))
         try:
-            tagger = tagger_from_environment()
+            tagger = tagger_from_environment(secret=options.secret)
         except SecretError:
             return None
         live = DiskIndex.peek(os.path.join(directory, home_name(tier, rank, fingerprint),

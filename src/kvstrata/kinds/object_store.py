@@ -45,7 +45,7 @@ class ObjectStoreKind(Kind):
             return [f"tier {tier} (object store) needs a url: "
                     f'tiers.{tier}.url = "http://host:port/bucket"']
         try:
-            _tagger(tier)
+            _tagger(tier, options)
         except TierSetupError as exc:
             return [str(exc)]
         return []
@@ -66,13 +66,14 @@ class ObjectStoreKind(Kind):
         compat = options.compatibility(config, rank)
         store = _store_of(config, tier, options)
         geometry = geometry or layout_config_for(config, 1)
-        tagger = _tagger(tier)
+        tagger = _tagger(tier, options)
         try:
             storage = ObjectStorage(geometry.with_blocks(config.tier_blocks(tier)), store,
                                     namespace=object_namespace(config, compat.fingerprint,
                                                                tagger.key_id),
                                     fingerprint=compat.fingerprint, ensure_bucket=False,
-                                    tagger=tagger, cipher=cipher_from_environment(),
+                                    tagger=tagger,
+                                    cipher=cipher_from_environment(secret=options.secret),
                                     encrypt=config.encrypt_at_rest)
         except PhysicalError as exc:
             raise TierSetupError(f"{tier} at {store.endpoint_url}/{store.bucket}: {exc}") from exc
@@ -102,10 +103,10 @@ def object_namespace(config: KvConfig, fingerprint: str, key_id: int) -> str:
     return f"kvstrata/{fingerprint}/k{key_id:016x}{mode}/{config.tenant or '_'}/"
 
 
-def _tagger(tier: str) -> BlockTagger:
+def _tagger(tier: str, options: StorageOptions) -> BlockTagger:
     """The tagger of the deployment's secret; :class:`TierSetupError` without one."""
     try:
-        tagger = tagger_from_environment()
+        tagger = tagger_from_environment(secret=options.secret)
     except SecretError as exc:
         raise TierSetupError(f"tier {tier} (object store): {exc}") from None
     if tagger is None:

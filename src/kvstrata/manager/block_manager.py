@@ -104,6 +104,9 @@ class KvBlockManager:
       ``tiers.G4.url``. G4 is shared: every manager of the same model, geometry and tenant
       on that bucket sees the blocks the others put; the store is listed at start and every
       ``list_interval`` seconds (None: only at start and on :meth:`refresh_catalogs`).
+    * ``secret`` -- the deployment's secret that keys (and with ``encrypt_at_rest``
+      encrypts) the blocks stored in G3 and G4 (:mod:`kvstrata.secret`); default: from the
+      environment. A G4 tier needs one.
     * ``verify_host_reads`` -- re-hash G2 bytes on every read from G2 (G3 reads always verify).
     * ``max_host_bytes`` -- refuse (``ManagerConfigError``) a G2 bigger than this.
     * ``o_direct`` / ``file_ops`` -- passed to :class:`~kvstrata.physical.DiskStorage`
@@ -124,7 +127,7 @@ class KvBlockManager:
                  workers_per_path: int = 1, durable_disk: bool = True,
                  observers: Sequence[RegistryObserver] = (),
                  object_store: "S3Config | None" = None,
-                 list_interval: float | None = 10.0) -> None:
+                 list_interval: float | None = 10.0, secret: bytes | None = None) -> None:
         config = (config or KvConfig()).validate()
         if disk_dir is not None:      # the caller's directory wins over the config's
             try:
@@ -156,7 +159,7 @@ class KvBlockManager:
                     kv_caches=kv_caches, kv_layout=kv_layout, g1_layout=g1_layout,
                     device=device, verify_host_reads=verify_host_reads,
                     max_host_bytes=max_host_bytes, o_direct=o_direct, file_ops=file_ops,
-                    durable_disk=durable_disk, object_store=object_store))
+                    durable_disk=durable_disk, object_store=object_store, secret=secret))
             except TierSetupError as exc:
                 raise ManagerConfigError(str(exc)) from exc
             self.config = self._storages.config

@@ -131,14 +131,18 @@ class BlockCipher:
         return True
 
 
-def cipher_from_environment(env: Mapping[str, str] | None = None) -> BlockCipher | None:
-    """The cipher of the deployment's secret, or None when no secret is set."""
-    secret = resolve_secret(env=env)
+def cipher_from_environment(env: Mapping[str, str] | None = None,
+                            secret: bytes | None = None) -> BlockCipher | None:
+    """The cipher of the deployment's secret (``secret``, else the environment's), or None
+    when no secret is set."""
+    secret = resolve_secret(secret, env=env)
     return None if secret is None else BlockCipher.from_secret(secret)
 
 
-def tagger_from_environment(env: Mapping[str, str] | None = None) -> BlockTagger | None:
-    """The tagger of the deployment's secret, or None when no secret is set
-    (:class:`~kvstrata.secret.SecretError` when one is set but unusable)."""
-    secret = resolve_secret(env=env)
+def tagger_from_environment(env: Mapping[str, str] | None = None,
+                            secret: bytes | None = None) -> BlockTagger | None:
+    """The tagger of the deployment's secret (``secret``, else the environment's), or None
+    when no secret is set (:class:`~kvstrata.secret.SecretError` when one is set but
+    unusable)."""
+    secret = resolve_secret(secret, env=env)
     return None if secret is None else BlockTagger.from_secret(secret)
