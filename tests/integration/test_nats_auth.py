@@ -71,6 +71,17 @@ def _wait(predicate, timeout: float = 15.0) -> bool:
     return True
 
 
+def _stored_reach(publisher: EventPublisher, target: WorkerStates, seed: int, blocks: int):
+    """Once the worker's sink is connected, store a chain of ``blocks`` in G2: the follower's
+    ``target`` then holds exactly those for the worker. Returns the chain."""
+    assert _wait(lambda: publisher.sink.connected), "the worker never connected"
+    stored = chain(seed, blocks)
+    publisher.on_tier_stored("G2", stored)
+    assert publisher.flush(10)
+    assert _wait(lambda: target.hashes(WORKER)["G2"] == {b.sequence_hash for b in stored})
+    return stored
+
+
 def _raw_publish(server: NatsServer, user: str | None, payload: bytes) -> bytes:
     """Speak the NATS protocol by hand: CONNECT (with ``user``'s password, if any), PUB on
     the events subject, PING; returns what the server said."""
@@ -103,12 +114,7 @@ def test_only_the_worker_may_publish_its_events_and_only_the_indexer_reads_them(
         publisher = EventPublisher(NatsSink(_url(server, "worker7"), SUBJECT), max_batch=64,
                                    worker_id=WORKER).start()
         try:
-            assert _wait(lambda: publisher.sink.connected), "the worker never connected"
-            stored = chain(1, 4)
-            publisher.on_tier_stored("G2", stored)
-            assert publisher.flush(10)
-            assert _wait(lambda: target.hashes(WORKER)["G2"] == {b.sequence_hash
-                                                                   for b in stored})
+            stored = _stored_reach(publisher, target, 1, 4)
             # forgeries: the worker's id, the next event id, a clear of its tier
             forged = formats.encode_batch(EventBatch(
                 PublisherIdentity(publisher.identity.publisher_id, WORKER, 0.0),
@@ -249,12 +255,7 @@ def test_credentials_from_the_environment_with_special_characters(tmp_path, monk
             assert password not in sink.describe()
             publisher = EventPublisher(sink, max_batch=64, worker_id=WORKER).start()
             try:
-                assert _wait(lambda: publisher.sink.connected), "the worker never connected"
-                stored = chain(5, 3)
-                publisher.on_tier_stored("G2", stored)
-                assert publisher.flush(10)
-                assert _wait(lambda: target.hashes(WORKER)["G2"] == {b.sequence_hash
-                                                                       for b in stored})
+                _stored_reach(publisher, target, 5, 3)
             finally:
                 publisher.close()
     finally:
