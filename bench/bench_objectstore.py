@@ -13,7 +13,10 @@ the same number of blocks both ways with the same concurrency:
 Every figure is the best of ``--reps`` runs, ours and the baseline interleaved run by run;
 GB/s counts payload bytes. The server shares the machine's cores with the client, so PUTs are
 bound by the server. Goal: ours >= 80 % of the bare loop. Prints ratios, never asserts timing.
-Usage: ``python bench/bench_objectstore.py [--quick] [--reps N] [--concurrency N]``.
+``--protect keyed`` (what a G4 tier does: every object tagged with a key from the deployment's
+secret) or ``--protect encrypted`` (``encrypt_at_rest``: AES-256-GCM) measures ours so.
+Usage: ``python bench/bench_objectstore.py [--quick] [--reps N] [--concurrency N]
+[--protect none|keyed|encrypted]``.
 
 Measured on this 2-core machine (SeaweedFS 4.48, obstore 0.12.1, 256 blocks, 16 in flight,
 best of 3), payload GB/s ours / bare (ratio)::
@@ -47,8 +50,23 @@ def geometry(block_kib: int) -> LayoutConfig:
                         inner_dim=inner, dtype="bf16")
 
 
+def _protection(name: str) -> dict:
+    """ObjectStorage's keyword arguments for ``--protect`` (a random deployment secret)."""
+    import os
+
+    from kvstrata.physical.tags import BlockCipher, BlockTagger
+
+    if name == "none":
+        return {}
+    secret = os.urandom(32)
+    kw = {"tagger": BlockTagger.from_secret(secret)}
+    if name == "encrypted":
+        kw.update(cipher=BlockCipher.from_secret(secret), encrypt=True)
+    return kw
+
+
 def run_size(server: SeaweedServer, block_kib: int, blocks: int, reps: int,
-             concurrency: int) -> dict[str, float]:
+             concurrency: int, protect: str = "none") -> dict[str, float]:
     cfg = geometry(block_kib)
     bb = cfg.block_bytes
     rng = np.random.default_rng(block_kib)
@@ -56,8 +74,9 @@ def run_size(server: SeaweedServer, block_kib: int, blocks: int, reps: int,
     dests = [np.empty(bb, np.uint8) for _ in range(blocks)]
     bodies = [rng.integers(0, 256, HEADER_SIZE + bb, dtype=np.uint8) for _ in range(blocks)]
     seqs = list(range(blocks))
-    store = ObjectStorage(cfg, server.s3_config(), namespace=f"bench/{block_kib}k",
-                          fingerprint="bench", max_concurrency=concurrency)
+    store = ObjectStorage(cfg, server.s3_config(), namespace=f"bench/{protect}/{block_kib}k",
+                          fingerprint="bench", max_concurrency=concurrency,
+                          **_protection(protect))
     raw = store.client.store          # the same obstore S3Store, used bare
     best = {k: float("inf") for k in ("ours_put", "bare_put", "ours_get", "bare_get")}
     with ThreadPoolExecutor(concurrency) as pool:
@@ -91,20 +110,24 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="short CI-sized run")
     parser.add_argument("--reps", type=int, default=None, help="runs per figure (best of)")
     parser.add_argument("--concurrency", type=int, default=16, help="requests in flight")
+    parser.add_argument("--protect", choices=("none", "keyed", "encrypted"), default="none",
+                        help="objects as a G4 tier stores them: tagged, or encrypted")
     args = parser.parse_args()
     blocks, reps = (64, 2) if args.quick else (256, 3)
     reps = args.reps or reps
     with SeaweedServer() as server:
         print(f"SeaweedFS {server.endpoint_url}; {blocks} blocks per batch, concurrency "
-              f"{args.concurrency}, best of {reps}, interleaved; payload GB/s:")
+              f"{args.concurrency}, best of {reps}, interleaved, objects {args.protect}; "
+              f"payload GB/s:")
         for block_kib in (256, 2048):
-            gbs = run_size(server, block_kib, blocks, reps, args.concurrency)
+            gbs = run_size(server, block_kib, blocks, reps, args.concurrency, args.protect)
             label = f"{block_kib // 1024} MiB" if block_kib >= 1024 else f"{block_kib} KiB"
             for op in ("put", "get"):
                 ours, bare = gbs[f"ours_{op}"], gbs[f"bare_{op}"]
                 print(f"  {op} {label:>7}: ours {ours:.3f}  bare {bare:.3f}  "
                       f"ratio {ours / bare:.2f}")
-                name = f"objectstore_{op}_{label.replace(' ', '')}"
+                name = f"objectstore_{op}_{label.replace(' ', '')}" + (
+                    "" if args.protect == "none" else f"_{args.protect}")
                 print(f"RESULT name={name} ours={ours:.3f}GB/s baseline={bare:.3f}GB/s "
                       f"ratio={ours / bare:.2f} goal>={GOAL:.2f}")
 
