@@ -25,7 +25,7 @@ from ..physical.leftovers import owner_tag, reclaim
 from ..physical.storage.disk import slab_stride
 from ..physical.storage.disk_home import home_name
 from ..physical.storage.disk_index import DiskIndex
-from ..physical.tags import cipher_from_environment, tagger_from_environment
+from ..physical.tags import keys_at_rest
 from ..placement.costs import CostPrior
 from ..secret import SECRET_ENV, SECRET_FILE_ENV, SecretError
 from ..tiers import TierKind
@@ -51,10 +51,10 @@ class DiskKind(Kind):
         if problem:
             return [f"tier {tier}: directory {directory} {problem}"]
         try:
-            tagger = tagger_from_environment(secret=options.secret)
+            keys = keys_at_rest(options.secret)
         except SecretError as exc:
             return [f"tier {tier}: {exc}"]
-        if config.encrypt_at_rest and tagger is None:
+        if config.encrypt_at_rest and keys is None:
             return [f"tier {tier}: encrypt_at_rest needs the deployment's secret "
                     f"(${SECRET_ENV}, or a private file named by ${SECRET_FILE_ENV})"]
         need = ranks * config.tier_blocks(tier) * slab_stride(layout_config_for(config, 1))
@@ -83,12 +83,11 @@ class DiskKind(Kind):
             durable = options.durable_disk
         layout = geometry.with_blocks(config.tier_blocks(tier))
         try:
-            tagger = tagger_from_environment(secret=options.secret)
-            cipher = (cipher_from_environment(secret=options.secret) if tagger is not None
-                      else None)
+            keys = keys_at_rest(options.secret)
         except SecretError as exc:
             raise TierSetupError(f"{tier}: {exc}") from None
-        protection = dict(tagger=tagger, cipher=cipher, encrypt=config.encrypt_at_rest)
+        protection = dict(tagger=keys and keys.tagger, cipher=keys and keys.cipher,
+                          encrypt=config.encrypt_at_rest)
         try:
             if durable:
                 compat = options.compatibility(config)
@@ -114,14 +113,14 @@ class DiskKind(Kind):
         fingerprint = options.compatibility(config, rank).fingerprint
         layout = layout_config_for(config, config.tier_blocks(tier))
         try:
-            tagger = tagger_from_environment(secret=options.secret)
+            keys = keys_at_rest(options.secret)
         except SecretError:
             return None
         live = DiskIndex.peek(os.path.join(directory, home_name(tier, rank, fingerprint),
                                            "index"),
                               capacity=layout.num_blocks, fingerprint=fingerprint,
                               stride=slab_stride(layout),
-                              key_id=0 if tagger is None else tagger.key_id)
+                              key_id=0 if keys is None else keys.tagger.key_id)
         return None if live is None else live.rows()
 
     @staticmethod

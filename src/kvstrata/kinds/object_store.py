@@ -21,7 +21,7 @@ from ..config import KvConfig
 from ..physical import LayoutConfig, PhysicalError, Storage
 from ..physical.storage.objects import ObjectStorage
 from ..physical.storage.s3client import ObjectStoreTransientError, S3Config
-from ..physical.tags import BlockTagger, cipher_from_environment, tagger_from_environment
+from ..physical.tags import KeysAtRest, keys_at_rest
 from ..placement.costs import CostPrior
 from ..secret import SECRET_ENV, SECRET_FILE_ENV, SecretError
 from ..tiers import TierKind
@@ -45,7 +45,7 @@ class ObjectStoreKind(Kind):
             return [f"tier {tier} (object store) needs a url: "
                     f'tiers.{tier}.url = "http://host:port/bucket"']
         try:
-            _tagger(tier, options)
+            _keys(tier, options)
         except TierSetupError as exc:
             return [str(exc)]
         return []
@@ -66,14 +66,13 @@ class ObjectStoreKind(Kind):
         compat = options.compatibility(config, rank)
         store = _store_of(config, tier, options)
         geometry = geometry or layout_config_for(config, 1)
-        tagger = _tagger(tier, options)
+        keys = _keys(tier, options)
         try:
             storage = ObjectStorage(geometry.with_blocks(config.tier_blocks(tier)), store,
                                     namespace=object_namespace(config, compat.fingerprint,
-                                                               tagger.key_id),
+                                                               keys.tagger.key_id),
                                     fingerprint=compat.fingerprint, ensure_bucket=False,
-                                    tagger=tagger,
-                                    cipher=cipher_from_environment(secret=options.secret),
+                                    tagger=keys.tagger, cipher=keys.cipher,
                                     encrypt=config.encrypt_at_rest)
         except PhysicalError as exc:
             raise TierSetupError(f"{tier} at {store.endpoint_url}/{store.bucket}: {exc}") from exc
@@ -103,19 +102,19 @@ def object_namespace(config: KvConfig, fingerprint: str, key_id: int) -> str:
     return f"kvstrata/{fingerprint}/k{key_id:016x}{mode}/{config.tenant or '_'}/"
 
 
-def _tagger(tier: str, options: StorageOptions) -> BlockTagger:
-    """The tagger of the deployment's secret; :class:`TierSetupError` without one."""
+def _keys(tier: str, options: StorageOptions) -> KeysAtRest:
+    """The keys of the deployment's secret; :class:`TierSetupError` without one."""
     try:
-        tagger = tagger_from_environment(secret=options.secret)
+        keys = keys_at_rest(options.secret)
     except SecretError as exc:
         raise TierSetupError(f"tier {tier} (object store): {exc}") from None
-    if tagger is None:
+    if keys is None:
         raise TierSetupError(
             f"tier {tier} (object store) needs the deployment's secret (${SECRET_ENV}, or a "
             f"private file named by ${SECRET_FILE_ENV}), the same in every worker: whoever "
             f"can write the bucket could otherwise put blocks that pass as this "
             f"deployment's")
-    return tagger
+    return keys
 
 
 def _store_of(config: KvConfig, tier: str, options: StorageOptions) -> S3Config:

@@ -25,12 +25,12 @@ tier's files or objects written under another key, or none, are not read as its 
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Mapping
 
 from ..secret import derive_key, resolve_secret
 
-__all__ = ["BlockTagger", "BlockCipher", "tagger_from_environment",
-           "cipher_from_environment", "TAG_PURPOSE", "CIPHER_PURPOSE", "SEAL_BYTES", "NO_SEAL"]
+__all__ = ["BlockTagger", "BlockCipher", "KeysAtRest", "keys_at_rest", "TAG_PURPOSE", "CIPHER_PURPOSE", "SEAL_BYTES", "NO_SEAL"]
 
 TAG_PURPOSE = "kvstrata 2026-11-27 stored block tags v1"
 """The key derivation context of stored-block tags (a new one re-keys every stored block)."""
@@ -70,10 +70,6 @@ class BlockTagger:
         h.update(sequence_hash.to_bytes(8, "little"))
         h.update(payload)
         return int.from_bytes(h.digest(8), "little")
-
-    def tags(self, identity: bytes, sequence_hashes: Sequence[int],
-             payloads: Sequence) -> list[int]:
-        return [self.tag(identity, s, p) for s, p in zip(sequence_hashes, payloads)]
 
 
 class BlockCipher:
@@ -131,18 +127,20 @@ class BlockCipher:
         return True
 
 
-def cipher_from_environment(env: Mapping[str, str] | None = None,
-                            secret: bytes | None = None) -> BlockCipher | None:
-    """The cipher of the deployment's secret (``secret``, else the environment's), or None
-    when no secret is set."""
-    secret = resolve_secret(secret, env=env)
-    return None if secret is None else BlockCipher.from_secret(secret)
+@dataclass(frozen=True)
+class KeysAtRest:
+    """What keys a tier's stored blocks: the tagger and the cipher of one secret."""
+
+    tagger: BlockTagger
+    cipher: BlockCipher
 
 
-def tagger_from_environment(env: Mapping[str, str] | None = None,
-                            secret: bytes | None = None) -> BlockTagger | None:
-    """The tagger of the deployment's secret (``secret``, else the environment's), or None
-    when no secret is set (:class:`~kvstrata.secret.SecretError` when one is set but
-    unusable)."""
+def keys_at_rest(secret: bytes | None = None,
+                 env: Mapping[str, str] | None = None) -> KeysAtRest | None:
+    """The tagger and cipher of the deployment's secret (``secret``, else the
+    environment's, resolved once), or None when no secret is set
+    (:class:`~kvstrata.secret.SecretError` when one is set but unusable)."""
     secret = resolve_secret(secret, env=env)
-    return None if secret is None else BlockTagger.from_secret(secret)
+    if secret is None:
+        return None
+    return KeysAtRest(BlockTagger.from_secret(secret), BlockCipher.from_secret(secret))
