@@ -201,13 +201,16 @@ def test_an_engine_loads_a_prefix_from_another_engines_g2_over_nixl(model, tmp_p
         assert on_b["usage"]["prompt_tokens_details"]["cached_tokens"] == expected, \
             b.log_tail(4000)
         assert on_b["choices"][0]["text"] == on_a["choices"][0]["text"]
-        pattern = (r'vllm:kvstrata_tokens_matched_total\{[^}]*tier="remote"[^}]*\} '
-                   rf'{expected}\.0')
-        deadline = time.monotonic() + 30              # stats reach the logger per step
-        while not re.search(pattern, text := http(base_b + "/metrics").decode()) \
-                and time.monotonic() < deadline:
+        # stats reach the logger per step; a load that failed on a loaded machine and was
+        # asked again counts its tokens again, so at least the prefix, not exactly it
+        pattern = r'vllm:kvstrata_tokens_matched_total\{[^}]*tier="remote"[^}]*\} ([0-9.]+)'
+        deadline = time.monotonic() + 30
+        while (found := re.search(pattern, text := http(base_b + "/metrics").decode())) \
+                is None or float(found.group(1)) < expected:
+            if time.monotonic() > deadline:
+                shown = "\n".join(line for line in text.splitlines() if "kvstrata" in line)
+                raise AssertionError(f"{shown}\n--- B's log:\n{b.log_tail(4000)}")
             time.sleep(0.5)
-        assert re.search(pattern, text), text[-2000:]
     finally:
         b.stop()
         a.stop()

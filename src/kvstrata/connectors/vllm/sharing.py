@@ -137,7 +137,10 @@ class RemoteLoader:
         try:
             peer = self._peers.get(load.peer)
             if peer is None:
-                peer = self._peers[load.peer] = self.importer.connect(load.peer)
+                # its control calls (block set, lease, release) get the read's patience:
+                # the exporter answers them from a loaded engine's process too
+                peer = self._peers[load.peer] = self.importer.connect(
+                    load.peer, timeout=self.read_timeout)
             lease = peer.lease(load.sequence_hashes, self.read_timeout + LEASE_MARGIN)
             try:
                 count = len(lease.blocks)
