@@ -103,6 +103,9 @@ class TierConfig:
     admission: str | None = None
     path: str | None = None  # G3: directory for the slab file
     url: str | None = None   # G4: the object store, "http(s)://host:port/bucket"
+    tenant_quota: str | None = None
+    """The most of this tier any one tenant may hold: ``"25%"`` of it or a size
+    (``"1GiB"``); None: no limit. ``KvConfig.tenant_quotas`` overrides it per tenant."""
 
     def num_blocks(self, bytes_per_block: int) -> int:
         if self.blocks is not None:
@@ -144,6 +147,10 @@ class KvConfig:
     encrypt_at_rest: bool = False
     """Encrypt blocks stored in G3 and G4 (AES-256-GCM, a key derived from the deployment's
     secret, which must then be set): :mod:`kvstrata.physical.tags`."""
+    tenant_quotas: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    """Per named tenant (the engine's tenant key: vLLM's ``cache_salt`` or LoRA name), the
+    most of each tier it may hold, as ``tenant_quota`` values: ``{"alice": {"G2": "50%"}}``.
+    Overrides the tiers' ``tenant_quota`` for that tenant (:mod:`kvstrata.placement.tenants`)."""
 
     @property
     def bytes_per_block(self) -> int:
@@ -157,6 +164,16 @@ class KvConfig:
 
     def tier_admission(self, tier: str) -> str:
         return self.tiers[tier].admission or self.admission
+
+    def tenant_limits(self, tier: str) -> tuple[int | None, dict[str, int]]:
+        """The most blocks of ``tier`` one tenant may hold: ``(for any tenant, {named
+        tenant: its own})``; None / absent: no limit. Call on a validated config."""
+        capacity = self.tier_blocks(tier)
+        default = self.tiers[tier].tenant_quota
+        named = {t: quota_blocks(q[tier], capacity, self.bytes_per_block)
+                 for t, q in self.tenant_quotas.items() if tier in q}
+        return (None if default is None
+                else quota_blocks(default, capacity, self.bytes_per_block)), named
 
     def directory_of(self, tier: str) -> str | None:
         """The directory a disk tier lives in: ``disk_dir``, else the tier's ``path``; None
@@ -230,6 +247,11 @@ class KvConfig:
                     problems.append(f"tier {name}: url {problem}")
             if tier.path not in (None, "") and path_problem(tier.path):
                 problems.append(f"tier {name}: path {path_problem(tier.path)}")
+            if tier.tenant_quota is not None:
+                problem = _quota_problem(tier.tenant_quota, name)
+                if problem:
+                    problems.append(f"tier {name}: tenant_quota {problem}")
+        problems.extend(self._tenant_quotas_problems())
         if self.disk_dir not in (None, "") and path_problem(self.disk_dir):
             problems.append(f"disk_dir {path_problem(self.disk_dir)}")
         if self.eviction not in EVICTION_NAMES:
@@ -254,6 +276,29 @@ class KvConfig:
             raise ConfigError(problems)
         return self
 
+    def _tenant_quotas_problems(self) -> list[str]:
+        quotas = self.tenant_quotas
+        if not isinstance(quotas, Mapping):
+            return [f"tenant_quotas must be a table of tenants, got {quotas!r:.80}"]
+        if len(quotas) > MAX_NAMED_TENANTS:
+            return [f"tenant_quotas names {len(quotas):,} tenants; at most "
+                    f"{MAX_NAMED_TENANTS:,} (give the rest the tiers' tenant_quota)"]
+        problems = []
+        for tenant, per_tier in quotas.items():
+            if tenant_problem(tenant):
+                problems.append(f"tenant_quotas: {tenant_problem(tenant)}")
+                continue
+            if not isinstance(per_tier, Mapping):
+                problems.append(f"tenant_quotas.{tenant!r:.40} must be a table of tiers, got "
+                                f"{per_tier!r:.80}")
+                continue
+            for tier, quota in per_tier.items():
+                problem = _quota_problem(quota, tier) if tier in self.tiers \
+                    else f"names tier {tier!r:.20}, which is not configured"
+                if problem:
+                    problems.append(f"tenant_quotas.{tenant!r:.40}.{tier}: {problem}")
+        return problems
+
     def _geometry_ok(self) -> bool:
         m = self.model
         return (
@@ -267,8 +312,8 @@ class KvConfig:
 # -- loading ---------------------------------------------------------------------------------
 
 _TOP_KEYS = {"block_size", "eviction", "admission", "disk_dir", "keep_tokens", "model_id",
-             "tenant", "encrypt_at_rest"}
-_TIER_KEYS = {"blocks", "bytes", "gb", "eviction", "admission", "path", "url"}
+             "tenant", "encrypt_at_rest", "tenant_quotas"}
+_TIER_KEYS = {"blocks", "bytes", "gb", "eviction", "admission", "path", "url", "tenant_quota"}
 _MODEL_KEYS = {"num_layers", "kv_heads", "head_dim", "dtype", "outer_dim"}
 
 
@@ -301,6 +346,7 @@ def _tier_from_mapping(name: str, raw: Mapping[str, Any], problems: list[str]) -
         admission=raw.get("admission"),
         path=raw.get("path"),
         url=raw.get("url"),
+        tenant_quota=raw.get("tenant_quota"),
     )
 
 
@@ -396,6 +442,55 @@ def _from_env(env: Mapping[str, str], problems: list[str]) -> tuple[dict[str, An
 
 MAX_BLOCK_SIZE = 1 << 16
 """Most tokens a block holds (engines use 16 to 256; a trace's own granularity is 512)."""
+
+MAX_NAMED_TENANTS = 4096
+"""Most tenants ``tenant_quotas`` may name (each is a table kept by every tier)."""
+
+MAX_TENANT_CHARS = 256
+"""Longest tenant key (vLLM's cache salts are free-form strings)."""
+
+
+def tenant_problem(tenant: object) -> str | None:
+    """What is wrong with a tenant key (None if nothing): a string of at most
+    :data:`MAX_TENANT_CHARS` characters."""
+    if isinstance(tenant, str) and len(tenant) <= MAX_TENANT_CHARS:
+        return None
+    return f"a tenant is a string of at most {MAX_TENANT_CHARS} characters, got {tenant!r:.60}"
+
+
+def quota_blocks(quota: str, capacity: int, bytes_per_block: int) -> int:
+    """Blocks of a tier of ``capacity`` blocks that a tenant quota allows: ``"25%"`` of it
+    (rounded down), or a size in bytes (``"1GiB"``) over ``bytes_per_block``; at most the
+    capacity. Call on a valid quota (:func:`_quota_problem`)."""
+    text = quota.strip()
+    if text.endswith("%"):
+        return min(capacity, int(capacity * float(text[:-1]) / 100))
+    return min(capacity, parse_size(text) // bytes_per_block)
+
+
+def _quota_problem(quota: object, tier: str) -> str | None:
+    """What is wrong with a tenant quota (None if nothing): a string, ``"N%"`` with N in
+    (0, 100] or a size."""
+    if not isinstance(quota, str):
+        return f"must be a string such as '25%' or '1GiB', got {quota!r:.40}"
+    if tier == TOP_TIER:
+        return (f"applies to the tiers kvstrata stores into, below {TOP_TIER} (the engine's "
+                f"own cache, or the blocks a manager's caller holds)")
+    text = quota.strip()
+    if text.endswith("%"):
+        try:
+            share = float(text[:-1])
+        except ValueError:
+            share = math.nan
+        if not 0 < share <= 100:
+            return f"must be a share in (0%, 100%], got {quota!r:.40}"
+        return None
+    try:
+        size = parse_size(text)
+    except ValueError:
+        return f"must be 'N%' or a size such as '1GiB', got {quota!r:.40}"
+    return None if size > 0 else f"must be more than 0, got {quota!r:.40}"
+
 
 MAX_CONFIG_BYTES = 1 << 20
 """Largest TOML config file read (1 MiB; kvstrata's own are a few hundred bytes)."""

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from ..config import ConfigError, KvConfig
+from ..config import ConfigError, KvConfig, tenant_problem
 from ..logical.block import BlockState
 from ..logical.handles import ImmutableBlocks, MutableBlocks, _Blocks
 from ..logical.registry import BlockRegistry, RegistryObserver
@@ -275,13 +275,20 @@ class KvBlockManager:
         count = int(count)
         return self._call(lambda: self.pools[self._top].allocate(count))
 
-    def register(self, blocks: MutableBlocks, priority: int = 0) -> "Future[ImmutableBlocks]":
+    def register(self, blocks: MutableBlocks, priority: int = 0,
+                 tenant: str | None = None) -> "Future[ImmutableBlocks]":
         """Register Complete G1 blocks (their bytes are written) and start offloading the new
         ones down the tiers. ``blocks`` is consumed; the future holds handles on the
-        registered blocks (a hash already held is deduplicated to the existing block)."""
+        registered blocks (a hash already held is deduplicated to the existing block).
+        ``tenant`` (default: ``config.tenant``) is whose they are: the config's tenant quotas
+        apply to them in the lower tiers (:mod:`kvstrata.placement.tenants`)."""
+        tenant = self.config.tenant if tenant is None else tenant
+        if tenant_problem(tenant):
+            raise InvalidBlockError(f"register: {tenant_problem(tenant)}")
+
         def run() -> ImmutableBlocks:
             self._check_registrable(blocks)
-            return self.planner.register(blocks, priority)
+            return self.planner.register(blocks, priority, tenant)
         return self._call(run)
 
     def _check_registrable(self, blocks: MutableBlocks) -> None:

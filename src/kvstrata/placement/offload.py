@@ -12,7 +12,10 @@ next configured tier:
   reused mid-copy;
 * if the target's slots are all taken by copies in flight, the surplus waits (deferred) and is
   offered again as results free slots -- nobody blocks. An engine's block cannot wait (the
-  engine may reuse it), so its surplus is skipped (``no_slot``).
+  engine may reuse it), so its surplus is skipped (``no_slot``);
+* with tenant quotas (:mod:`.tenants`), a tenant at its quota of the target evicts its own
+  idle blocks there first; what still does not fit is skipped (``quota``). The tenant of a
+  batch travels with it: down the tiers, through deferral, into the copy's job.
 
 :meth:`Offload.register_and_offer` is the one way blocks enter a pool of ours and start down
 the tiers: the planner's ``register`` verbs, an offload copy that arrived
@@ -52,29 +55,46 @@ class Offload:
 
     def __init__(self, state: PlacementState) -> None:
         self.state = state
-        self._deferred: dict[str, deque[tuple[str, list[BlockRecord]]]] = {
+        self._deferred: dict[str, deque[tuple[str, list[BlockRecord], str | None]]] = {
             t: deque() for t in state.tiers}
 
     def register_and_offer(self, pool: BlockPool, blocks: MutableBlocks,
-                           priority: int = 0) -> ImmutableBlocks:
-        """Register ``blocks`` (Complete, of ``pool``; consumed) and offer the newly stored
-        ones to the tier below. Returns handles on the registered blocks (a hash already
-        held dedups onto the existing block, which is not offered again); if the offer
-        raises, they are released first, so nothing stays held."""
+                           priority: int = 0, tenant: str | None = None) -> ImmutableBlocks:
+        """Register ``blocks`` (Complete, of ``pool``; consumed) for ``tenant`` and offer the
+        newly stored ones to the tier below. Returns handles on the registered blocks (a
+        hash already held dedups onto the existing block, which is not offered again); if
+        the offer raises, they are released first, so nothing stays held. With quotas and
+        ``tenant`` None, each block's tenant is the one a lower tier knows it by (a block
+        loaded up the tiers)."""
         before = blocks.block_ids
         registered = pool.register(blocks, priority)
         new = [b.record() for b, slot in zip(registered.blocks, before) if b.block_id == slot]
         try:
-            self.offer(pool.tier, new)
+            ledger = self.state.tenants
+            if ledger is None or tenant is not None:
+                self._stored_and_offered(pool.tier, new, tenant)
+            else:
+                by_tenant: dict[str | None, list[BlockRecord]] = {}
+                for record in new:
+                    by_tenant.setdefault(ledger.owner(record.sequence_hash), []).append(record)
+                for owner, records in by_tenant.items():
+                    self._stored_and_offered(pool.tier, records, owner)
         except BaseException:
             pool.release(registered)
             raise
         return registered
 
+    def _stored_and_offered(self, tier: str, records: list[BlockRecord],
+                            tenant: str | None) -> None:
+        if self.state.tenants is not None:
+            self.state.tenants.stored(tier, (r.sequence_hash for r in records), tenant)
+        self.offer(tier, records, tenant=tenant)
+
     def offer(self, source_tier: str, records: Sequence[BlockRecord],
-              engine_ids: Sequence[int] | None = None) -> None:
-        """Offer blocks newly registered in ``source_tier`` (held by the engine's blocks
-        ``engine_ids`` when the engine owns that tier) to the next tier down."""
+              engine_ids: Sequence[int] | None = None, tenant: str | None = None) -> None:
+        """Offer blocks of ``tenant`` (None: unknown) newly registered in ``source_tier``
+        (held by the engine's blocks ``engine_ids`` when the engine owns that tier) to the
+        next tier down."""
         state = self.state
         target = state.below(source_tier)
         if target is None or not records:
@@ -100,22 +120,35 @@ class Offload:
         chosen = [records[i] for i in admitted]
         receiving.update(r.sequence_hash for r in chosen)
         ids = None if engine_ids is None else [engine_ids[i] for i in admitted]
-        self._copy(source_tier, target, chosen, ids)
+        self._copy(source_tier, target, chosen, ids, tenant)
 
     def _copy(self, source_tier: str, target: str, records: list[BlockRecord],
-              engine_ids: list[int] | None, *, oldest: bool = False) -> None:
-        """Plan the copy of ``records`` (already marked as receiving) as far as target slots
-        can be had now; defer or skip the rest (at the front of the queue if ``records`` were
-        the oldest deferred batch, so deferred blocks keep their order)."""
+              engine_ids: list[int] | None, tenant: str | None, *,
+              oldest: bool = False) -> None:
+        """Plan the copy of ``records`` (already marked as receiving) as far as ``tenant``'s
+        quota and target slots allow now; defer or skip the rest (at the front of the queue
+        if ``records`` were the oldest deferred batch, so deferred blocks keep their order)."""
         state = self.state
-        slots = allocate_up_to(state.pools[target], len(records))
+        pool = state.pools[target]
+        if state.tenants is not None:
+            allowed = state.tenants.room(pool, tenant, len(records))
+            if allowed < len(records):
+                state.receiving[target].difference_update(
+                    r.sequence_hash for r in records[allowed:])
+                state.skipped(target, "quota", len(records) - allowed)
+                records = records[:allowed]
+                if engine_ids is not None:
+                    engine_ids = engine_ids[:allowed]
+                if not records:
+                    return
+        slots = allocate_up_to(pool, len(records))
         got = len(slots) if slots is not None else 0
         if got < len(records):
             rest = records[got:]
             if engine_ids is None and (got or state.jobs):
                 # Copies in flight (this one included) hold the slots; retried as they finish.
                 queue = self._deferred[target]
-                (queue.appendleft if oldest else queue.append)((source_tier, rest))
+                (queue.appendleft if oldest else queue.append)((source_tier, rest, tenant))
                 state.waiting += 1
                 state.announce_pending()
             else:
@@ -128,9 +161,11 @@ class Offload:
         if engine_ids is None:
             source = state.pools[source_tier].acquire([r.sequence_hash for r in records])
             assert len(source) == len(records), f"offload source {source_tier} lost blocks"
-            state.new_job(source_tier, target, records, source=source, target=slots)
+            state.new_job(source_tier, target, records, source=source, target=slots,
+                          tenant=tenant)
         else:
-            state.new_job(source_tier, target, records, engine_src=engine_ids[:got], target=slots)
+            state.new_job(source_tier, target, records, engine_src=engine_ids[:got],
+                          target=slots, tenant=tenant)
 
     def finish(self, job: Job, good: MutableBlocks | None, bad: MutableBlocks | None,
                result: TransferResult) -> None:
@@ -149,7 +184,7 @@ class Offload:
             if broken:   # the source's bytes failed their check: drop them where they live
                 state.drop(job.src_tier, broken)
         if good is not None:
-            target.release(self.register_and_offer(target, good))
+            target.release(self.register_and_offer(target, good, tenant=job.tenant))
 
     def retry_deferred(self) -> None:
         """Offer deferred blocks again, oldest first, while their target has free slots."""
@@ -158,7 +193,7 @@ class Offload:
             return
         for target, deferred in self._deferred.items():
             while deferred:
-                source_tier, records = deferred[0]
+                source_tier, records, tenant = deferred[0]
                 source, bad = state.pools[source_tier], state.quarantine[source_tier]
                 live = [r for r in records if r.sequence_hash in source
                         and r.sequence_hash not in bad]
@@ -174,5 +209,5 @@ class Offload:
                 if stuck:                      # nothing in flight can free one: give up
                     state.skipped(target, "no_slot", len(live))
                 elif live:
-                    self._copy(source_tier, target, live, None, oldest=True)
+                    self._copy(source_tier, target, live, None, tenant, oldest=True)
         state.announce_pending()

@@ -272,6 +272,9 @@ class Onboarding:
             state.drop(job.src_tier, drop)
         if good is not None:   # registered in the top tier; offered on to the second
             ticket.holds.append(self.offload.register_and_offer(good.pool, good))
+        if state.tenants is not None and loaded_positions:
+            state.tenants.used(job.src_tier, (job.records[p].sequence_hash
+                                              for p in loaded_positions))
         job.settled = True
         self._count_down(ticket)
 

@@ -21,7 +21,8 @@ threads, no futures and no I/O. Its public verbs, by what a driver does with the
   blocks after handles were released outside the planner.
 * **restore / learn** -- :meth:`~Planner.restore` (blocks a durable tier recovered at start),
   :meth:`~Planner.learn` (blocks other workers put in a shared key-addressed tier).
-* **observe** -- :attr:`~Planner.stats`, :attr:`~Planner.costs`, :attr:`~Planner.pending`,
+* **observe** -- :attr:`~Planner.stats`, :attr:`~Planner.costs`, :attr:`~Planner.tenants`,
+  :attr:`~Planner.pending`,
   :attr:`~Planner.idle`, :meth:`~Planner.quarantined`, :meth:`~Planner.engine_blocks_in_use`,
   and what it manages: :attr:`~Planner.tiers`, :attr:`~Planner.top`, :attr:`~Planner.pools`,
   :attr:`~Planner.registry`.
@@ -46,7 +47,7 @@ from __future__ import annotations
 import logging
 from typing import Callable, Iterable, Sequence
 
-from ..config import KvConfig
+from ..config import KvConfig, tenant_problem
 from ..logical.admission import AdmissionPolicy
 from ..logical.handles import ImmutableBlocks, MutableBlocks
 from ..logical.policy import make_tier_policies
@@ -63,10 +64,19 @@ from .offload import Offload, allocate_up_to
 from .onboard import OnboardResult, Onboarding
 from .state import Job, PlacementState
 from .telemetry import PlacementListener, PlacementStats
+from .tenants import TenantLedger
 
 __all__ = ["Planner", "PlacementError"]
 
 log = logging.getLogger(__name__)
+
+
+def _tenant(tenant: object) -> str:
+    """A store verb's ``tenant``, checked (``PlacementError``)."""
+    problem = tenant_problem(tenant)
+    if problem:
+        raise PlacementError(problem)
+    return tenant  # type: ignore[return-value]
 
 
 def _release_handle(handle: ImmutableBlocks) -> None:
@@ -112,9 +122,14 @@ class Planner:
             pools[name] = BlockPool(name, capacity, config.block_size,
                                     eviction=policies.eviction, registry=self.registry,
                                     keep_tokens=config.keep_tokens)
+        limits = {name: config.tenant_limits(name) for name in pools if name != tiers[0]}
+        tenants = None
+        if any(default is not None or named for default, named in limits.values()):
+            tenants = TenantLedger(limits)
+            self.registry.add_observer(tenants)
         self._state = PlacementState(tiers, pools, admission, engine_owns_top=engine_owns_top,
                                      worker=worker, key_of=key_of, listeners=listeners,
-                                     costs=costs)
+                                     costs=costs, tenants=tenants)
         self._offload = Offload(self._state)
         self._onboarding = Onboarding(self._state, self._offload,
                                       release if release is not None else _release_handle)
@@ -143,6 +158,12 @@ class Planner:
         """What moving blocks costs on each path, learned from the completed plans
         (:mod:`.costs`); None when the planner was built without a cost model."""
         return self._state.costs
+
+    @property
+    def tenants(self) -> TenantLedger | None:
+        """Whose blocks each tier holds and what their quotas evicted and refused
+        (:mod:`.tenants`); None when the config sets no tenant quota."""
+        return self._state.tenants
 
     def quarantined(self, tier: str) -> int:
         """Blocks of ``tier`` found bad while in use, waiting to be dropped."""
@@ -264,11 +285,13 @@ class Planner:
         return done
 
     # -- offload ---------------------------------------------------------------------------
-    def register(self, blocks: MutableBlocks, priority: int = 0) -> ImmutableBlocks:
-        """Owned top tier: register computed blocks (consumed) and offer the newly stored
-        ones down the tiers. Returns handles on the registered blocks (a hash already held
-        dedups onto the existing block); on error nothing stays held."""
-        return self._offload.register_and_offer(self._owned_top("register"), blocks, priority)
+    def register(self, blocks: MutableBlocks, priority: int = 0,
+                 tenant: str = "") -> ImmutableBlocks:
+        """Owned top tier: register blocks computed for ``tenant`` (consumed) and offer the
+        newly stored ones down the tiers. Returns handles on the registered blocks (a hash
+        already held dedups onto the existing block); on error nothing stays held."""
+        return self._offload.register_and_offer(self._owned_top("register"), blocks, priority,
+                                                _tenant(tenant))
 
     def register_fetched(self, blocks: MutableBlocks, priority: int = 0) -> ImmutableBlocks:
         """Register blocks of a tier below the top whose bytes were filled from outside (read
@@ -283,13 +306,16 @@ class Planner:
         return self._offload.register_and_offer(owner, blocks, priority)
 
     def prepare_offload(self, tier: str, records: Sequence[BlockRecord],
-                        engine_block_ids: Sequence[int] | None = None) -> None:
-        """Offer blocks newly stored in ``tier`` to the next tier down (write-through).
+                        engine_block_ids: Sequence[int] | None = None,
+                        tenant: str = "") -> None:
+        """Offer blocks newly stored in ``tier`` for ``tenant`` to the next tier down
+        (write-through; the tenant's quotas apply there and further down).
 
         For an engine-owned top tier, ``engine_block_ids`` names the engine block holding
         each record (read by the copy; see :meth:`engine_blocks_in_use`). For a kvstrata
         tier the records must be registered there."""
         tier = self._tier(tier)
+        tenant = _tenant(tenant)
         s = self._state
         records = list(records)
         if tier == s.top and s.engine_owns_top:
@@ -298,7 +324,7 @@ class Planner:
             if busy:
                 raise PlacementError(f"prepare_offload: engine blocks {busy} are still being "
                                      f"filled by an onboard in flight")
-            self._offload.offer(tier, records, ids)
+            self._offload.offer(tier, records, ids, tenant)
             return
         if engine_block_ids is not None:
             raise PlacementError(f"prepare_offload: {tier} is kvstrata's; engine_block_ids "
@@ -308,7 +334,7 @@ class Planner:
         if missing:
             raise PlacementError(f"prepare_offload: {len(missing)} block(s) are not "
                                  f"registered in {tier}, e.g. {missing[0]:#x}")
-        self._offload.offer(tier, records)
+        self._offload.offer(tier, records, tenant=tenant)
 
     def admit(self, tier: str, records: Sequence[BlockRecord]) -> list[BlockRecord]:
         """The records ``tier``'s admission filter accepts (refusals are counted as skipped

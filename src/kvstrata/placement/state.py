@@ -25,6 +25,7 @@ from ..tiers import Addressing, spec
 from ..types import BlockRecord
 from .costs import CostModel
 from .telemetry import PlacementListener, PlacementStats
+from .tenants import TenantLedger
 
 __all__ = ["Job", "PlacementState"]
 
@@ -51,6 +52,8 @@ class Job:
     taken_at: float = 0.0
     settled: bool = False
     """Its onboard has counted it as done."""
+    tenant: str | None = None
+    """Whose blocks an offload copies (None: unknown; :mod:`.tenants`)."""
 
     @property
     def path(self) -> str:
@@ -72,7 +75,8 @@ class PlacementState:
                  admission: dict[str, AdmissionPolicy], *, engine_owns_top: bool,
                  worker: int, key_of: Callable[[BlockRecord], str],
                  listeners: Iterable[PlacementListener],
-                 costs: CostModel | None = None) -> None:
+                 costs: CostModel | None = None,
+                 tenants: TenantLedger | None = None) -> None:
         self.tiers = tuple(tier_names)
         """Configured tiers, fastest first."""
         self.pools = pools
@@ -103,6 +107,8 @@ class PlacementState:
         """Those that onboards in flight write."""
         self.waiting = 0
         """Batches waiting for a slot in their target tier (see :mod:`.offload`)."""
+        self.tenants = tenants
+        """Whose blocks each tier holds, and their quotas; None when no quota is set."""
         self._next_job = 1
         self._endpoints = {t: Endpoint(t, worker) for t in self.tiers}
 
@@ -132,9 +138,10 @@ class PlacementState:
     def new_job(self, source_tier: str, target_tier: str, records: list[BlockRecord], *,
                 source: ImmutableBlocks | None = None, target: MutableBlocks | None = None,
                 engine_src: Sequence[int] = (), engine_dst: Sequence[int] = (),
-                ticket: Any = None) -> Job:
+                ticket: Any = None, tenant: str | None = None) -> Job:
         """Plan copying ``records`` from ``source_tier`` to ``target_tier`` and queue the plan
-        for the next :meth:`take_plans`. Each side is a held pool handle or engine block ids."""
+        for the next :meth:`take_plans`. Each side is a held pool handle or engine block ids;
+        an offload's ``tenant`` counts them against its quota until the copy ends."""
         hashes = tuple(r.sequence_hash for r in records)
         src_ids, src_keys = self._address(source_tier, records,
                                           source.block_ids if source is not None else engine_src)
@@ -151,7 +158,10 @@ class PlacementState:
                                     self._endpoints[target_tier], hashes, src_ids, dst_ids,
                                     src_keys, dst_keys, parents, locals_)
         engine = (*engine_src, *engine_dst)
-        job = Job(plan, records, source, target, ticket, engine, tuple(engine_dst))
+        job = Job(plan, records, source, target, ticket, engine, tuple(engine_dst),
+                  tenant=tenant)
+        if tenant is not None and self.tenants is not None:
+            self.tenants.coming(target_tier, tenant, len(hashes))
         self.jobs[job_id] = job
         self.blocks_in_flight[job.path] += len(hashes)
         self.outbox.append(job)
@@ -180,6 +190,8 @@ class PlacementState:
     def close_job(self, job: Job) -> None:
         """``job``'s result was taken: it no longer counts as in flight."""
         if self.jobs.pop(job.plan.job_id, None) is not None:
+            if job.tenant is not None and self.tenants is not None:
+                self.tenants.coming(job.dst_tier, job.tenant, -len(job.plan.sequence_hashes))
             left = self.blocks_in_flight[job.path] - len(job.plan.sequence_hashes)
             if left > 0:
                 self.blocks_in_flight[job.path] = left

@@ -15,10 +15,11 @@ from typing import Iterable, Sequence
 
 __all__ = ["PlacementListener", "PathStats", "PlacementStats", "SKIP_REASONS"]
 
-SKIP_REASONS = ("admission", "evicted", "no_slot")
+SKIP_REASONS = ("admission", "evicted", "no_slot", "quota")
 """Why blocks offered to a tier were not copied there: its admission filter refused them; they
 left their source tier while waiting for a slot; no slot could be had and the source could not
-wait (an engine-owned block, or nothing in flight that would free one)."""
+wait (an engine-owned block, or nothing in flight that would free one); their tenant was at
+its quota of the tier and had no idle block of its own there to evict (:mod:`.tenants`)."""
 
 
 class PlacementListener:

@@ -1,0 +1,184 @@
+"""Tenant quotas in the planner (engine-owned G1, no bytes): a tenant at its quota of a tier
+evicts its own blocks first, so another tenant keeps its quota's worth; what cannot fit is
+skipped for ``quota``; the ledger holds exactly what the tiers hold."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from kvstrata.config import ConfigError, KvConfig, TierConfig
+from kvstrata.placement import PlacementError, Planner, drive
+from kvstrata.tokens import hash_blocks
+from kvstrata.types import BlockRecord
+
+BS = 4
+
+
+def chain(n: int, start: int) -> list[BlockRecord]:
+    local, seqs = hash_blocks(np.arange(start, start + n * BS, dtype="<u4"), BS)
+    return [BlockRecord(s, l, p, BS) for s, l, p in zip(seqs, local, [None, *seqs[:-1]])]
+
+
+def planner(g2=16, g3=0, quota=None, g3_quota=None, named=None, eviction="lru") -> Planner:
+    tiers = {"G1": TierConfig(blocks=64), "G2": TierConfig(blocks=g2, tenant_quota=quota)}
+    if g3:
+        tiers["G3"] = TierConfig(blocks=g3, tenant_quota=g3_quota)
+    return Planner(KvConfig(block_size=BS, eviction=eviction, tiers=tiers,
+                            tenant_quotas=named or {}), engine_owns_top=True)
+
+
+def store(p: Planner, records, tenant: str) -> None:
+    p.prepare_offload("G1", records, engine_block_ids=list(range(len(records))),
+                      tenant=tenant)
+    drive(p)
+
+
+def held(p: Planner, tier: str, records) -> int:
+    return sum(r.sequence_hash in p.pools[tier] for r in records)
+
+
+@pytest.mark.parametrize("eviction", ["lru", "default"])
+def test_a_hammering_tenant_evicts_its_own_blocks_and_the_other_keeps_its_share(eviction):
+    def run(quota):
+        p = planner(g2=16, quota=quota, eviction=eviction)
+        quiet = chain(6, start=500_000)
+        store(p, quiet, "quiet")
+        for i in range(20):                       # 20 conversations of 4 blocks
+            store(p, chain(4, start=i * 1000), "busy")
+        return p, quiet
+
+    p, quiet = run(None)
+    assert held(p, "G2", quiet) == 0              # without quotas the busy tenant wins
+    p, quiet = run("50%")
+    assert held(p, "G2", quiet) == 6
+    usage = p.tenants.usage()["G2"]
+    assert usage == {"quiet": 6, "busy": 8}
+    assert p.tenants.evicted["G2", "*"] == 20 * 4 - 8
+    assert p.tenants.held == {("G2", "*"): 14}
+    assert p.stats.skipped_for("quota") == {}
+    # the busy tenant kept its newest conversations, whole
+    newest = [r for i in (18, 19) for r in chain(4, start=i * 1000)]
+    assert held(p, "G2", newest) == 8
+
+
+def test_a_named_tenant_has_its_own_quota_and_others_share_the_default():
+    p = planner(g2=16, quota="25%", named={"gold": {"G2": "75%"}})
+    for i in range(10):
+        store(p, chain(2, start=i * 1000), "gold")
+        store(p, chain(2, start=500 + i * 1000), "free")
+    usage = p.tenants.usage()["G2"]
+    assert usage == {"gold": 12, "free": 4}
+    assert p.tenants.held == {("G2", "gold"): 12, ("G2", "*"): 4}
+    assert p.tenants.label("gold") == "gold" and p.tenants.label("free") == "*"
+
+
+def test_a_tenant_whose_blocks_are_all_in_use_is_refused_for_quota():
+    p = planner(g2=16, quota="25%")
+    first = chain(4, start=0)
+    store(p, first, "a")
+    hold = p.pools["G2"].acquire([r.sequence_hash for r in first])   # a load reads them
+    store(p, chain(3, start=1000), "a")
+    assert p.stats.skipped_for("quota") == {"G2": 3}
+    assert p.tenants.refused["G2", "*"] == 3
+    assert held(p, "G2", first) == 4
+    p.pools["G2"].release(hold)
+    store(p, chain(3, start=2000), "a")           # idle again: its oldest make room
+    assert p.tenants.usage()["G2"] == {"a": 4}
+    assert held(p, "G2", chain(3, start=2000)) == 3
+
+
+def test_quotas_apply_in_every_tier_the_blocks_go_down_to():
+    p = planner(g2=8, g3=32, quota="100%", g3_quota="25%")
+    quiet = chain(8, start=50_000)
+    store(p, quiet, "quiet")
+    for i in range(10):
+        store(p, chain(4, start=i * 1000), "busy")
+    usage = p.tenants.usage()
+    assert usage["G3"] == {"quiet": 8, "busy": 8}
+    assert held(p, "G3", quiet) == 8
+
+
+def test_the_ledger_holds_exactly_what_the_tiers_hold_under_random_traffic():
+    rng = random.Random(7)
+    p = planner(g2=24, g3=48, quota="40%", g3_quota="30%", named={"t0": {"G3": "60%"}},
+                eviction="default")
+    for step in range(400):
+        tenant = f"t{rng.randrange(4)}"
+        start = rng.randrange(60) * 1000 + int(tenant[1]) * 100
+        records = chain(rng.randrange(1, 6), start=start)
+        store(p, records, tenant)
+        if rng.random() < 0.1:
+            victims = rng.sample(p.pools["G2"].hashes(), k=min(3, len(p.pools["G2"].hashes())))
+            p.pools["G2"].reset_blocks(victims)
+        if rng.random() < 0.02:
+            p.pools["G3"].clear()
+        for tier in ("G2", "G3"):
+            usage = p.tenants.usage()[tier]
+            assert sum(usage.values()) == len(p.pools[tier].hashes()), (step, tier)
+            assert sum(n for (t, _), n in p.tenants.held.items() if t == tier) \
+                == sum(usage.values()), (step, tier)
+            default, named = KvConfig(block_size=BS, tiers={
+                "G1": TierConfig(blocks=64), "G2": TierConfig(blocks=24, tenant_quota="40%"),
+                "G3": TierConfig(blocks=48, tenant_quota="30%")},
+                tenant_quotas={"t0": {"G3": "60%"}}).tenant_limits(tier)
+            for t, n in usage.items():
+                assert n <= named.get(t, default), (step, tier, t, n)
+        p.pools["G2"].check_invariants()
+        p.pools["G3"].check_invariants()
+
+
+def test_blocks_of_no_known_tenant_count_against_no_quota():
+    p = planner(g2=16, quota="25%")
+    p.prepare_offload("G1", chain(8, start=0), engine_block_ids=list(range(8)))
+    drive(p)                                      # the default tenant "" has a quota too
+    assert p.tenants.usage()["G2"] == {"": 4}
+    restored = chain(6, start=9000)
+    p.restore("G2", list(zip(range(10, 16), restored)))
+    assert held(p, "G2", restored) == 6
+    assert p.tenants.usage()["G2"] == {"": 4}
+
+
+def test_no_quota_configured_means_no_ledger():
+    assert planner().tenants is None
+
+
+@pytest.mark.parametrize("bad", [7, "0%", "150%", "x%", "lots", "0"])
+def test_a_bad_tenant_quota_is_refused(bad):
+    with pytest.raises(ConfigError, match="tenant_quota"):
+        KvConfig(tiers={"G1": TierConfig(blocks=8), "G2": TierConfig(blocks=8,
+                                                                    tenant_quota=bad)}).validate()
+
+
+@pytest.mark.parametrize("quotas, match", [
+    ({"a": {"G3": "10%"}}, "not configured"),
+    ({"a": {"G1": "10%"}}, "below G1"),
+    ({"a": "10%"}, "table of tiers"),
+    ({"a": {"G2": "200%"}}, "share"),
+    ({1: {"G2": "10%"}}, "string"),
+])
+def test_bad_named_tenant_quotas_are_refused(quotas, match):
+    with pytest.raises(ConfigError, match=match):
+        KvConfig(tiers={"G1": TierConfig(blocks=8), "G2": TierConfig(blocks=8)},
+                 tenant_quotas=quotas).validate()
+
+
+def test_a_tenant_that_is_not_a_short_string_is_refused():
+    p = planner(g2=16, quota="25%")
+    with pytest.raises(PlacementError, match="tenant"):
+        p.prepare_offload("G1", chain(1, start=0), engine_block_ids=[0], tenant=None)
+    with pytest.raises(PlacementError, match="tenant"):
+        p.prepare_offload("G1", chain(1, start=0), engine_block_ids=[0], tenant="x" * 300)
+    assert p.pending == 0
+
+
+def test_quotas_come_from_toml(tmp_path):
+    from kvstrata.config import load_config
+
+    path = tmp_path / "kv.toml"
+    path.write_text('[tiers.G1]\nblocks = 8\n[tiers.G2]\nblocks = 100\ntenant_quota = "10%"\n'
+                    '[tenant_quotas.gold]\nG2 = "60%"\n')
+    config = load_config(path, env={})
+    assert config.tenant_limits("G2") == (10, {"gold": 60})
