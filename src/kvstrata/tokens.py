@@ -14,6 +14,7 @@ The seed is 1337 unless the tokens belong to a LoRA adapter or carry a per-reque
 
 from __future__ import annotations
 
+import hashlib
 import struct
 import sys
 from array import array
@@ -103,6 +104,24 @@ def isolation_seed(lora_name: str | None = None, cache_salt: str | bytes | None 
         salt = cache_salt.encode("utf-8") if isinstance(cache_salt, str) else bytes(cache_salt)
         seed = _xxh3(b"salt:" + salt, seed=seed)
     return seed
+
+
+def tenant_key(lora_name: str | None = None, cache_salt: str | bytes | None = None) -> str:
+    """Whose blocks a request's are, for tenant quotas (:mod:`kvstrata.placement.tenants`):
+    its cache salt if it has one, else ``"lora:" + lora_name``, else ``""`` (the default
+    tenant). A salt longer than 200 characters (or not UTF-8 text) is named by
+    ``"salt#"`` and the first 32 hex digits of its SHA-256, so a key stays short."""
+    if cache_salt:
+        if isinstance(cache_salt, str) and len(cache_salt) <= 200:
+            return cache_salt
+        raw = cache_salt.encode("utf-8", "surrogatepass") if isinstance(cache_salt, str) \
+            else bytes(cache_salt)
+        return "salt#" + hashlib.sha256(raw).hexdigest()[:32]
+    if lora_name:
+        if len(lora_name) <= 195:
+            return "lora:" + lora_name
+        return "lora#" + hashlib.sha256(lora_name.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+    return ""
 
 
 def _as_uint32(tokens: Sequence[int] | np.ndarray) -> np.ndarray:

@@ -88,3 +88,29 @@ def test_cost_estimates_become_gauges_sent_when_they_move():
     assert value("vllm:kvstrata_path_bandwidth_bytes_per_second",
                  {"engine": "0", "path": "G3->G1"}) == stats.data["estimates"]["bandwidth"]["G3->G1"]
     assert value("vllm:kvstrata_prefill_tokens_per_second", {"engine": "0"}) == est["prefill"]
+
+
+def test_per_tenant_counters_and_held_blocks_reach_prometheus():
+    prom, registry = prom_metrics()
+    before = {"tenant_tokens_matched": {}, "tenant_blocks_evicted": {}}
+    now = {"tenant_tokens_matched": {"gold": 64, "*": 32},
+           "tenant_blocks_evicted": {"G2:gold": 3, "G3:lora:sql": 1},
+           "tenant_blocks_refused": {"G2:*": 2}}
+    stats = KvStrataStats(data=delta(now, before))
+    assert not stats.is_empty()
+    held = KvStrataStats(data={"tenant_blocks": {"G2:gold": 12, "G2:*": 5}})
+    assert not held.is_empty()
+    stats.aggregate(held)
+    prom.observe(stats.data, 0)
+    prom.observe(KvStrataStats(data={"tenant_blocks": {"G2:gold": 0, "G2:*": 7}}).data, 0)
+    value = registry.get_sample_value
+    assert value("vllm:kvstrata_tenant_tokens_matched_total",
+                 {"engine": "0", "tenant": "gold"}) == 64
+    assert value("vllm:kvstrata_tenant_blocks_evicted_total",
+                 {"engine": "0", "tier": "G3", "tenant": "lora:sql"}) == 1
+    assert value("vllm:kvstrata_tenant_blocks_refused_total",
+                 {"engine": "0", "tier": "G2", "tenant": "*"}) == 2
+    assert value("vllm:kvstrata_tenant_blocks", {"engine": "0", "tier": "G2",
+                                                 "tenant": "gold"}) == 0
+    assert value("vllm:kvstrata_tenant_blocks", {"engine": "0", "tier": "G2",
+                                                 "tenant": "*"}) == 7

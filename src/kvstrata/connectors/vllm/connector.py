@@ -86,6 +86,7 @@ class KvStrataConnector(KVConnectorBase_V1, SupportsHMA):
             self._publishers = observers
             self._reported = self.scheduler.counters.as_dict()
             self._estimates_sent: dict | None = None
+            self._tenant_blocks_sent: dict[str, int] = {}
         else:
             from .worker import WorkerHalf
 
@@ -208,6 +209,14 @@ class KvStrataConnector(KVConnectorBase_V1, SupportsHMA):
         current = estimates(self.scheduler.planner.costs.snapshot())
         if moved(current, self._estimates_sent):
             stats.data["estimates"] = self._estimates_sent = current
+        tenants = self.scheduler.planner.tenants
+        if tenants is not None:
+            held = {f"{tier}:{label}": n for (tier, label), n in tenants.held.items()}
+            sent = self._tenant_blocks_sent
+            if held != sent:
+                # a label whose last block went is sent as 0, so its gauge does not stick
+                stats.data["tenant_blocks"] = {**{k: 0 for k in sent}, **held}
+                self._tenant_blocks_sent = held
         return None if stats.is_empty() else stats
 
     @classmethod

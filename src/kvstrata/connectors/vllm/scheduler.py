@@ -38,7 +38,7 @@ from ...placement import PlacementError, Planner
 from ...placement.onboard import OnboardResult
 from ...protocol.plans import TransferPlan
 from ...tiers import TOP_TIER, Addressing, spec
-from ...tokens import hash_blocks, isolation_seed
+from ...tokens import hash_blocks, isolation_seed, tenant_key
 from ...types import BlockRecord
 from .events import VllmEventCollector
 from .groups import KvGroups
@@ -70,6 +70,13 @@ class ConnectorCounters:
     """Tokens held in a tier but recomputed because loading them was estimated slower."""
     writes_held_seconds: dict[str, float] = field(default_factory=dict)
     """Seconds writes to a tier were held back while the engine's forward ran."""
+    tenant_tokens_matched: dict[str, int] = field(default_factory=dict)
+    """With tenant quotas: tokens answered as loadable, by tenant label
+    (:meth:`~kvstrata.placement.tenants.TenantLedger.label`)."""
+    tenant_blocks_evicted: dict[str, int] = field(default_factory=dict)
+    """With tenant quotas: blocks a tenant's stores evicted of its own, by ``"tier:label"``."""
+    tenant_blocks_refused: dict[str, int] = field(default_factory=dict)
+    """With tenant quotas: blocks not stored, their tenant at its quota, by ``"tier:label"``."""
 
     def as_dict(self) -> dict[str, Any]:
         return {"lookups": self.lookups, "tokens_matched": dict(self.tokens_matched),
@@ -78,17 +85,23 @@ class ConnectorCounters:
                 "blocks_offered": self.blocks_offered, "requests_held": self.requests_held,
                 "blocks_not_stored": dict(self.blocks_not_stored),
                 "tokens_not_loaded": dict(self.tokens_not_loaded),
-                "writes_held_seconds": dict(self.writes_held_seconds)}
+                "writes_held_seconds": dict(self.writes_held_seconds),
+                "tenant_tokens_matched": dict(self.tenant_tokens_matched),
+                "tenant_blocks_evicted": dict(self.tenant_blocks_evicted),
+                "tenant_blocks_refused": dict(self.tenant_blocks_refused)}
 
 
 class _Tracked:
     """One live request: its block hashes so far, the blocks offered, its engine blocks."""
 
-    __slots__ = ("request", "seed", "local", "seq", "offered", "load", "remote", "reading")
+    __slots__ = ("request", "seed", "tenant", "local", "seq", "offered", "load", "remote",
+                 "reading")
 
-    def __init__(self, request: Any, seed: int, groups: int = 1) -> None:
+    def __init__(self, request: Any, seed: int, groups: int = 1, tenant: str = "") -> None:
         self.request = request
         self.seed = seed
+        self.tenant = tenant
+        """Whose blocks these are, for tenant quotas (:func:`kvstrata.tokens.tenant_key`)."""
         self.local: list[int] = []
         self.seq: list[int] = []
         self.offered = [0] * groups
@@ -253,6 +266,7 @@ class SchedulerHalf:
         matched = self.counters.tokens_matched
         for tier in tiers[:count]:
             matched[tier] = matched.get(tier, 0) + self.block_size
+        self._count_tenant_match(tracked, count)
         self._loading.add(request.request_id)
         try:
             hashes, targets = self._load_targets(tracked, block_ids, start, start + count)
@@ -288,6 +302,7 @@ class SchedulerHalf:
         self.counters.lookups += 1
         matched = self.counters.tokens_matched
         matched["remote"] = matched.get("remote", 0) + count * self.block_size
+        self._count_tenant_match(tracked, count)
         self._peers.forget(req_id)
 
     def build_connector_meta(self, scheduler_output: Any) -> StepOrders:
@@ -299,6 +314,7 @@ class SchedulerHalf:
             self._offer_new_blocks(scheduler_output)
         self._outbox.extend(self.planner.take_plans())
         self._count_not_stored()
+        self._count_tenants()
         orders = StepOrders(plans=self._outbox, loads=self._loads, flush=self._flush,
                             step=step, remote_loads=self._remote_loads)
         self._outbox, self._loads, self._flush = [], {}, False
@@ -505,10 +521,11 @@ class SchedulerHalf:
             # zeros) or multimodal inputs: the token ids do not name the KV
             return None
         lora = getattr(request, "lora_request", None)
-        seed = isolation_seed(getattr(lora, "lora_name", None) if lora else None,
-                              getattr(request, "cache_salt", None))
-        tracked = self._requests[request.request_id] = _Tracked(request, seed,
-                                                                len(self.groups.groups))
+        lora_name = getattr(lora, "lora_name", None) if lora else None
+        salt = getattr(request, "cache_salt", None)
+        tracked = self._requests[request.request_id] = _Tracked(
+            request, isolation_seed(lora_name, salt), len(self.groups.groups),
+            tenant_key(lora_name, salt))
         return tracked
 
     def _tier_of(self, key: int) -> str | None:
@@ -578,7 +595,8 @@ class SchedulerHalf:
             records = tracked.records(blocks, self.block_size, self.groups, pos)
             engine_ids = [ids[i] for i in blocks]
             try:
-                self.planner.prepare_offload(TOP_TIER, records, engine_block_ids=engine_ids)
+                self.planner.prepare_offload(TOP_TIER, records, engine_block_ids=engine_ids,
+                                             tenant=tracked.tenant)
             except PlacementError as exc:
                 log.debug("kvstrata: store of request %s deferred: %s",
                           tracked.request.request_id, exc)
@@ -613,6 +631,25 @@ class SchedulerHalf:
                 log.warning("kvstrata: %d block(s) not stored in %s: its free slots were all "
                             "taken by copies in flight; grow %s to hold what a few engine "
                             "steps store (docs/vllm.md)", n - before, tier, tier)
+
+    def _count_tenant_match(self, tracked: "_Tracked", blocks: int) -> None:
+        ledger = self.planner.tenants
+        if ledger is not None and blocks > 0:
+            label = ledger.label(tracked.tenant)
+            matched = self.counters.tenant_tokens_matched
+            matched[label] = matched.get(label, 0) + blocks * self.block_size
+
+    def _count_tenants(self) -> None:
+        """The ledger's quota evictions and refusals into the counters (a few entries: one
+        per tier and named tenant, plus the others')."""
+        ledger = self.planner.tenants
+        if ledger is None:
+            return
+        counters = self.counters
+        counters.tenant_blocks_evicted = {f"{t}:{label}": n
+                                          for (t, label), n in ledger.evicted.items()}
+        counters.tenant_blocks_refused = {f"{t}:{label}": n
+                                          for (t, label), n in ledger.refused.items()}
 
     def _count_held(self, results) -> None:
         held = self.counters.writes_held_seconds

@@ -17,6 +17,12 @@ key                    meaning                                     default
 ``list_interval``      seconds between listings of a shared G4     10
                        (``{"G4": {"blocks": N, "url": URL}}``)
 ``tenant``             the tenant of a shared G4's blocks          ``""`` (shared)
+``tenant_quotas``      per named tenant (a request's cache salt,   none
+                       else ``lora:<adapter>``), the most of each
+                       tier it may hold: ``{"alice": {"G2":
+                       "50%"}}``; a tier's own ``tenant_quota``
+                       (``{"G2": {"bytes": "4GiB", "tenant_quota":
+                       "25%"}}``) is every other tenant's
 ``cost_aware``         load a held prefix only while loading it    ``true``
                        beats recomputing it (learned costs)
 ``eviction``           ``default``, ``lru``, ``lfu``, ``adaptive``  ``lru``
@@ -76,7 +82,7 @@ DEFAULT_TIERS: dict[str, TierConfig] = {first_of_kind(TierKind.HOST): TierConfig
 _KNOWN = {"tiers", "disk_dir", "eviction", "admission", "events", "verify_host_reads",
           "o_direct", "load", "store", "worker_id", "config", "fail_on_load_error",
           "list_interval", "tenant", "cost_aware", "export", "peers", "store_nice",
-          "yield_to_forward", "peer_ask_timeout", "peer_read_timeout"}
+          "yield_to_forward", "peer_ask_timeout", "peer_read_timeout", "tenant_quotas"}
 
 
 MAX_PEER_READ_TIMEOUT = 240
@@ -323,10 +329,17 @@ def _check_sharing_secret(env: Mapping[str, str], problems: list[str]) -> None:
         problems.append(f"export/peers: {exc}")
 
 
-def _config_overrides(extra: Mapping[str, Any], problems: list[str]) -> dict[str, str]:
+def _config_overrides(extra: Mapping[str, Any], problems: list[str]) -> dict[str, Any]:
     """The keys of kvstrata's own config that the extra config may set (``tenant``,
-    ``eviction``, ``admission``, ``disk_dir``), checked."""
-    overrides: dict[str, str] = {}
+    ``eviction``, ``admission``, ``disk_dir``, ``tenant_quotas``), checked (the quotas'
+    values when the config is validated)."""
+    overrides: dict[str, Any] = {}
+    if "tenant_quotas" in extra:
+        if not isinstance(extra["tenant_quotas"], Mapping):
+            problems.append(f"tenant_quotas must be a table of tenants, got "
+                            f"{extra['tenant_quotas']!r:.80}")
+        else:
+            overrides["tenant_quotas"] = extra["tenant_quotas"]
     if "tenant" in extra:
         if not isinstance(extra["tenant"], str):
             problems.append(f"tenant must be a string, got {extra['tenant']!r}")
@@ -342,7 +355,7 @@ def _config_overrides(extra: Mapping[str, Any], problems: list[str]) -> dict[str
 
 
 def _kv_config(geometry: KvGeometry, tiers: dict[str, TierConfig] | None,
-               overrides: Mapping[str, str], config_path: str | None,
+               overrides: Mapping[str, Any], config_path: str | None,
                env: Mapping[str, str], model_id: str) -> KvConfig:
     """kvstrata's config for this engine: its own sources (TOML, env) under the extra
     config's keys, with G1 being vLLM's cache and vLLM's block size and KV geometry."""
@@ -370,7 +383,9 @@ def _kv_config(geometry: KvGeometry, tiers: dict[str, TierConfig] | None,
                        tiers={TOP_TIER: TierConfig(blocks=geometry.num_gpu_blocks), **chosen},
                        eviction=eviction, admission=overrides.get("admission", base.admission),
                        disk_dir=disk_dir, model_id=base.model_id or model_id,
-                       tenant=overrides.get("tenant", base.tenant)).validate()
+                       tenant=overrides.get("tenant", base.tenant),
+                       tenant_quotas=overrides.get("tenant_quotas", base.tenant_quotas)
+                       ).validate()
     except ConfigError as exc:
         raise ConnectorConfigError("kvstrata connector: " + "; ".join(exc.problems)) from None
 

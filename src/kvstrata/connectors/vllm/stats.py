@@ -14,7 +14,17 @@ vLLM aggregates, logs ("KV Transfer metrics") and passes to :class:`KvStrataProm
 * ``vllm:kvstrata_tokens_not_loaded{tier}`` -- prompt tokens held in a tier but recomputed
   because the cost model estimated loading them slower;
 * ``vllm:kvstrata_writes_held_seconds{tier}`` -- seconds writes to a lower tier were held
-  back while the engine's forward ran (``yield_to_forward``).
+  back while the engine's forward ran (``yield_to_forward``);
+
+with tenant quotas (:mod:`kvstrata.placement.tenants`), per tenant label (a tenant the config
+names, or ``*`` for all the others together: a tenant key can be a secret cache salt):
+
+* ``vllm:kvstrata_tenant_tokens_matched{tenant}`` -- prompt tokens answered as loadable;
+* ``vllm:kvstrata_tenant_blocks_evicted{tier, tenant}`` -- blocks a tenant's own stores
+  evicted to stay in its quota;
+* ``vllm:kvstrata_tenant_blocks_refused{tier, tenant}`` -- blocks not stored, their tenant at
+  its quota with nothing of its own idle to evict;
+* ``vllm:kvstrata_tenant_blocks{tier, tenant}`` (gauge) -- blocks held now;
 
 and, as gauges, what the cost model (:mod:`kvstrata.placement.costs`) estimates now, sent
 when an estimate moved by more than 1 % since last sent:
@@ -35,7 +45,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (KVConnectorPro
 __all__ = ["KvStrataStats", "KvStrataPromMetrics", "delta", "estimates", "moved"]
 
 _BY_TIER = ("tokens_matched", "blocks_loaded", "blocks_not_stored", "tokens_not_loaded",
-            "writes_held_seconds")
+            "writes_held_seconds", "tenant_tokens_matched", "tenant_blocks_evicted",
+            "tenant_blocks_refused")
 _PLAIN = ("blocks_load_failed", "blocks_offered", "requests_held")
 
 
@@ -89,8 +100,9 @@ class KvStrataStats(KVConnectorStats):
         self.data = _empty()
 
     def aggregate(self, other: KVConnectorStats) -> "KvStrataStats":
-        if other.data.get("estimates"):            # gauges: the later report wins
-            self.data["estimates"] = other.data["estimates"]
+        for gauges in ("estimates", "tenant_blocks"):   # gauges: the later report wins
+            if other.data.get(gauges):
+                self.data[gauges] = other.data[gauges]
         for key in _BY_TIER:
             mine = self.data.setdefault(key, {})
             for tier, n in other.data.get(key, {}).items():
@@ -115,7 +127,8 @@ class KvStrataStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not any(self.data.get(k) for k in _BY_TIER) and \
-            not any(self.data.get(k) for k in _PLAIN) and not self.data.get("estimates")
+            not any(self.data.get(k) for k in _PLAIN) and not self.data.get("estimates") \
+            and not self.data.get("tenant_blocks")
 
 
 class KvStrataPromMetrics(KVConnectorPromMetrics):
@@ -152,6 +165,21 @@ class KvStrataPromMetrics(KVConnectorPromMetrics):
         self._prefill = gauge(name="vllm:kvstrata_prefill_tokens_per_second",
                               documentation="The engine's prefill rate as kvstrata measures it",
                               labelnames=labelnames, multiprocess_mode="mostrecent")
+        self._tenant_matched = counter(name="vllm:kvstrata_tenant_tokens_matched",
+                                       documentation="Prompt tokens kvstrata offered to load, "
+                                       "by tenant ('*': tenants the config does not name)",
+                                       labelnames=labelnames + ["tenant"])
+        self._by_tenant = {
+            key: counter(name=f"vllm:kvstrata_{key}", documentation=doc,
+                         labelnames=labelnames + ["tier", "tenant"])
+            for key, doc in (("tenant_blocks_evicted", "Blocks of its own a tenant's stores "
+                              "evicted to stay in its quota, by tier and tenant"),
+                             ("tenant_blocks_refused", "Blocks not stored: their tenant was at "
+                              "its quota, by tier and tenant"))}
+        self._tenant_held = gauge(name="vllm:kvstrata_tenant_blocks",
+                                  documentation="Blocks kvstrata holds now, by tier and tenant",
+                                  labelnames=labelnames + ["tier", "tenant"],
+                                  multiprocess_mode="mostrecent")
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = self.per_engine_labelvalues[engine_idx]
@@ -167,6 +195,17 @@ class KvStrataPromMetrics(KVConnectorPromMetrics):
             n = transfer_stats_data.get(key, 0)
             if n:
                 metric.labels(*labels).inc(n)
+        for label, n in transfer_stats_data.get("tenant_tokens_matched", {}).items():
+            if n:
+                self._tenant_matched.labels(*labels, label).inc(n)
+        for key, metric in self._by_tenant.items():
+            for where, n in transfer_stats_data.get(key, {}).items():
+                tier, _, label = where.partition(":")   # tier names hold no ':'
+                if n:
+                    metric.labels(*labels, tier, label).inc(n)
+        for where, n in (transfer_stats_data.get("tenant_blocks") or {}).items():
+            tier, _, label = where.partition(":")
+            self._tenant_held.labels(*labels, tier, label).set(n)
         est = transfer_stats_data.get("estimates")
         if est:
             for path, v in est["bandwidth"].items():
