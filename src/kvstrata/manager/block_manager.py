@@ -442,8 +442,10 @@ class KvBlockManager:
         """Per tier: pool counts (capacity, active, inactive, reset, evictions), storage
         status (kind, bytes, stand_in, o_direct, path, ...), quarantined blocks; plus
         ``stand_in`` (G1 is a CPU tensor), ``transfers_pending``, ``costs`` (per path the
-        learned bandwidth and overhead, :mod:`kvstrata.placement.costs`), ``block_bytes`` and
-        ``disk_dir``."""
+        learned bandwidth and overhead, :mod:`kvstrata.placement.costs`), ``block_bytes``,
+        ``disk_dir``, and with tenant quotas ``tenants``: per tier, the blocks each tenant
+        holds, and per ``"tier:label"`` the blocks quotas evicted and refused
+        (:mod:`kvstrata.placement.tenants`)."""
         def run() -> dict[str, Any]:
             storages = self._storages.by_tier
             tiers = {tier: {"pool": asdict(pool.status()),
@@ -456,8 +458,19 @@ class KvBlockManager:
                     "transfers_pending": self.planner.pending,
                     "costs": self.planner.costs.snapshot(),
                     "block_bytes": g1.block_bytes,
-                    "disk_dir": str(disk.path.parent) if disk is not None else None}
+                    "disk_dir": str(disk.path.parent) if disk is not None else None,
+                    **self._tenants_status()}
         return self._call(run, internal=True).result()
+
+    def _tenants_status(self) -> dict[str, Any]:
+        ledger = self.planner.tenants
+        if ledger is None:
+            return {}
+        return {"tenants": {"held": ledger.usage(),
+                            "evicted": {f"{t}:{label}": n for (t, label), n in
+                                        ledger.evicted.items()},
+                            "refused": {f"{t}:{label}": n for (t, label), n in
+                                        ledger.refused.items()}}}
 
     def worth_loading(self, sources: Sequence[str]) -> "Future[tuple[int, float]]":
         """For a prefix held in ``sources`` (the tier of each block), how many blocks the cost
