@@ -290,3 +290,28 @@ def test_connections_beyond_the_bound_are_closed_and_threads_stay_bounded():
         for sock in socks:
             sock.close()
         server.close()
+
+
+def test_the_indexer_never_answers_one_tenants_prefix_to_another():
+    """A prompt stored under one cache salt (or LoRA) is no match, by sequence or by local
+    hashes, for the same tokens under another salt, an adapter, or none."""
+    from kvstrata.tokens import hash_blocks, isolation_seed
+    from kvstrata.types import BlockRecord
+
+    tokens = list(range(100, 100 + 6 * 16))
+
+    def records(seed):
+        local, seq = hash_blocks(tokens, 16, seed)
+        return [BlockRecord(s, lh, p, 16) for s, lh, p in zip(seq, local, [None, *seq[:-1]])]
+
+    mine = records(isolation_seed(cache_salt="tenant-1"))
+    idx = PrefixIndex()
+    idx.apply_event(1, stored_event(1, "G2", mine, 0))
+    assert idx.match(seqs(mine)) == {1: {"G2": 6}}
+    assert idx.match_local([r.local_hash for r in mine]) == {1: {"G2": 6}}
+    for seed in (isolation_seed(cache_salt="tenant-2"), isolation_seed(),
+                 isolation_seed(lora_name="tenant-1")):
+        other = records(seed)
+        assert idx.match(seqs(other)) == {}
+        assert idx.match_local([r.local_hash for r in other]) == {}
+        assert match_response(idx, seqs(other))["best"] is None

@@ -228,19 +228,30 @@ def test_aborted_while_loading_is_not_held_twice(make):
 
 
 def test_requests_with_other_salts_never_share(make):
+    """Neither in G2 nor, once pushed out of G2, in G3: a prompt stored for one salt is no hit
+    for another (nor for no salt), and is one for its own."""
     sim = make()
     tokens = prompt(12, 5 * BS + 1)
     request = sim.add("a", tokens)
     request.cache_salt = "tenant-1"
     sim.run()
-    other = sim.add("b", tokens)
-    other.cache_salt = "tenant-2"
-    assert sim.scheduler.get_num_new_matched_tokens(other, 0) == (0, False)
-    same = sim.add("c", tokens)
-    same.cache_salt = "tenant-1"
-    assert sim.scheduler.get_num_new_matched_tokens(same, 0)[0] == 5 * BS
-    for req_id in ("b", "c"):
+
+    def matched(req_id: str, salt: str | None) -> tuple[int, str | None]:
+        asking = sim.add(req_id, tokens)
+        asking.cache_salt = salt
+        count = sim.scheduler.get_num_new_matched_tokens(asking, 0)[0]
+        load = sim.scheduler._requests[req_id].load
         sim.scheduler.request_finished(sim.requests.pop(req_id), [])
+        return count, load[1][0] if load else None
+
+    assert matched("b", "tenant-2") == (0, None)
+    assert matched("n", None) == (0, None)
+    assert matched("c", "tenant-1") == (5 * BS, "G2")
+    for i in range(6):                        # push it out of G2 (kept in G3)
+        sim.add(f"x{i}", prompt(100 + i, 5 * BS + 1))
+        sim.run()
+    assert matched("d", "tenant-2") == (0, None)
+    assert matched("e", "tenant-1") == (5 * BS, "G3")
     assert_idle(sim)
 
 
