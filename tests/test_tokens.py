@@ -181,3 +181,16 @@ def test_two_salts_never_share_a_block():
     assert not chains["tenant-a"] & chains[None]
     # Same salt, same tokens: identical chains (sharing inside a tenant still works).
     assert set(hash_blocks(tokens, 16, isolation_seed(cache_salt="tenant-a"))[1]) == chains["tenant-a"]
+
+
+def test_a_salt_never_names_an_adapters_tenant():
+    from kvstrata.tokens import tenant_key
+
+    assert tenant_key(lora_name="gold") == "lora:gold"
+    assert tenant_key(cache_salt="lora:gold") == "salt:lora:gold"
+    assert tenant_key(lora_name="gold", cache_salt="x") == "salt:x"
+    assert tenant_key() == ""
+    long = tenant_key(cache_salt="s" * 201)
+    assert long.startswith("salt#") and len(long) == 37
+    assert tenant_key(cache_salt=b"raw").startswith("salt#")
+    assert tenant_key(lora_name="l" * 196).startswith("lora#")

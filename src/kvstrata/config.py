@@ -23,7 +23,7 @@ from .dtypes import ALIASES, DTYPE_NAMES, DtypeError, canonical_dtype, itemsize
 from .paths import InputTooLargeError, path_problem, read_bounded
 from .logical.policy import ADMISSION_NAMES, EVICTION_NAMES
 from .logical.slots import MAX_SLOTS as MAX_TIER_BLOCKS
-from .tiers import TIER_NAMES, TIERS, TOP_TIER, TierKind, first_of_kind
+from .tiers import TIER_NAMES, TIERS, TOP_TIER, Addressing, TierKind, first_of_kind, spec
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "ki": 1024, "kib": 1024,
@@ -248,7 +248,7 @@ class KvConfig:
             if tier.path not in (None, "") and path_problem(tier.path):
                 problems.append(f"tier {name}: path {path_problem(tier.path)}")
             if tier.tenant_quota is not None:
-                problem = _quota_problem(tier.tenant_quota, name)
+                problem = self._quota_problem(tier.tenant_quota, name)
                 if problem:
                     problems.append(f"tier {name}: tenant_quota {problem}")
         problems.extend(self._tenant_quotas_problems())
@@ -288,16 +288,38 @@ class KvConfig:
             if tenant_problem(tenant):
                 problems.append(f"tenant_quotas: {tenant_problem(tenant)}")
                 continue
+            if tenant == "*":
+                problems.append("tenant_quotas: '*' is the label of every tenant not named; "
+                                "give every tenant a quota with the tiers' tenant_quota")
+                continue
             if not isinstance(per_tier, Mapping):
                 problems.append(f"tenant_quotas.{tenant!r:.40} must be a table of tiers, got "
                                 f"{per_tier!r:.80}")
                 continue
             for tier, quota in per_tier.items():
-                problem = _quota_problem(quota, tier) if tier in self.tiers \
+                problem = self._quota_problem(quota, tier) if tier in self.tiers \
                     else f"names tier {tier!r:.20}, which is not configured"
                 if problem:
-                    problems.append(f"tenant_quotas.{tenant!r:.40}.{tier}: {problem}")
+                    problems.append(f"tenant_quotas.{tenant!r:.40}.{tier!r:.20}: {problem}")
         return problems
+
+    def _quota_problem(self, quota: object, tier: str) -> str | None:
+        """What is wrong with a tenant quota of ``tier`` (None if nothing): see
+        :func:`_quota_problem`, and it must allow at least one block."""
+        problem = _quota_problem(quota, tier)
+        if problem or not self._geometry_ok() or tier not in self.tiers:
+            return problem
+        tier_config = self.tiers[tier]
+        if not isinstance(tier_config.blocks, (int, type(None))) or \
+                not isinstance(tier_config.bytes, (int, type(None))):
+            return None                       # the tier's own size is reported
+        capacity = self.tier_blocks(tier)
+        if capacity > 0 and quota_blocks(quota, capacity, self.bytes_per_block) < 1:
+            hint = "" if quota.strip().endswith("%") else \
+                f" (a size is bytes: did you mean '{quota.strip()}%'?)"
+            return (f"{quota!r:.40} allows no block of the tier's {capacity:,} of "
+                    f"{format_size(self.bytes_per_block)}{hint}")
+        return None
 
     def _geometry_ok(self) -> bool:
         m = self.model
@@ -443,6 +465,8 @@ def _from_env(env: Mapping[str, str], problems: list[str]) -> tuple[dict[str, An
 MAX_BLOCK_SIZE = 1 << 16
 """Most tokens a block holds (engines use 16 to 256; a trace's own granularity is 512)."""
 
+_SHARE_RE = re.compile(r"[0-9]{1,3}(\.[0-9]{1,6})?\s*%")
+
 MAX_NAMED_TENANTS = 4096
 """Most tenants ``tenant_quotas`` may name (each is a table kept by every tier)."""
 
@@ -476,18 +500,17 @@ def _quota_problem(quota: object, tier: str) -> str | None:
     if tier == TOP_TIER:
         return (f"applies to the tiers kvstrata stores into, below {TOP_TIER} (the engine's "
                 f"own cache, or the blocks a manager's caller holds)")
+    if tier in TIER_NAMES and spec(tier).addressing is Addressing.KEYS:
+        return (f"cannot apply to {tier}: a shared store keeps what each worker writes, and "
+                f"every listing brings it back whatever one worker evicts")
     text = quota.strip()
     if text.endswith("%"):
-        try:
-            share = float(text[:-1])
-        except ValueError:
-            share = math.nan
-        if not 0 < share <= 100:
-            return f"must be a share in (0%, 100%], got {quota!r:.40}"
+        if not _SHARE_RE.fullmatch(text) or not 0 < float(text[:-1]) <= 100:
+            return f"must be a share in (0%, 100%] such as '25%', got {quota!r:.40}"
         return None
     try:
         size = parse_size(text)
-    except ValueError:
+    except (ValueError, OverflowError):
         return f"must be 'N%' or a size such as '1GiB', got {quota!r:.40}"
     return None if size > 0 else f"must be more than 0, got {quota!r:.40}"
 

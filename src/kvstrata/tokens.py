@@ -108,12 +108,15 @@ def isolation_seed(lora_name: str | None = None, cache_salt: str | bytes | None 
 
 def tenant_key(lora_name: str | None = None, cache_salt: str | bytes | None = None) -> str:
     """Whose blocks a request's are, for tenant quotas (:mod:`kvstrata.placement.tenants`):
-    its cache salt if it has one, else ``"lora:" + lora_name``, else ``""`` (the default
-    tenant). A salt longer than 200 characters (or not UTF-8 text) is named by
-    ``"salt#"`` and the first 32 hex digits of its SHA-256, so a key stays short."""
+    ``"salt:" + cache_salt`` if it has a salt (the salt names the tenant, whatever adapter
+    the request uses), else ``"lora:" + lora_name``, else ``""`` (the default tenant). The
+    prefixes keep salts and adapter names apart, as :func:`isolation_seed` does: no salt
+    takes an adapter's quota. A salt over 200 characters (or given as bytes) is named
+    ``"salt#"`` and the first 32 hex digits of its SHA-256, an adapter name over 195
+    ``"lora#"`` and the same, so a key stays short."""
     if cache_salt:
         if isinstance(cache_salt, str) and len(cache_salt) <= 200:
-            return cache_salt
+            return "salt:" + cache_salt
         raw = cache_salt.encode("utf-8", "surrogatepass") if isinstance(cache_salt, str) \
             else bytes(cache_salt)
         return "salt#" + hashlib.sha256(raw).hexdigest()[:32]

@@ -26,9 +26,9 @@ def llm(in_process_vllm, model_dir):
               "kv_role": "kv_both",
               "kv_connector_extra_config": {
                   "tiers": {"G2": {"blocks": G2_BLOCKS}},
-                  # "busy" may hold half of G2; tenants the config does not name are not
+                  # salt "busy" may hold half of G2; tenants the config does not name are not
                   # limited (no tier tenant_quota): the control below is one of them
-                  "tenant_quotas": {"busy": {"G2": "50%"}},
+                  "tenant_quotas": {"salt:busy": {"G2": "50%"}},
                   "cost_aware": False,            # these tests are about what is held
               }}
     engine = _engine(model_dir, config)
@@ -59,14 +59,15 @@ def test_a_hammering_tenant_at_its_quota_leaves_the_others_their_hits(llm):
     for i in range(6):                              # 6 x 9 blocks into a 24-block G2
         _ask(llm, _tokens(2000 + i, PROMPT), "busy")
     ledger = half.planner.tenants
-    assert ledger.usage()["G2"]["busy"] <= G2_BLOCKS // 2
-    assert ledger.evicted["G2", "busy"] > 0
-    assert half.counters.tenant_blocks_evicted["G2:busy"] == ledger.evicted["G2", "busy"]
+    assert ledger.usage()["G2"]["salt:busy"] <= G2_BLOCKS // 2
+    assert ledger.evicted["G2", "salt:busy"] > 0
+    assert half.counters.tenant_blocks_evicted["G2:salt:busy"] == \
+        ledger.evicted["G2", "salt:busy"]
     connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
     connector.get_kv_connector_stats()              # what vLLM's next step would report
     assert connector._tenant_blocks_sent == {f"G2:{label}": n for (_, label), n
                                              in ledger.held.items()}
-    assert set(connector._tenant_blocks_sent) == {"G2:busy", "G2:*"}
+    assert set(connector._tenant_blocks_sent) == {"G2:salt:busy", "G2:*"}
     assert _ask(llm, quiet, "quiet") == held        # every block still in G2
     assert half.counters.tenant_tokens_matched["*"] >= held
 

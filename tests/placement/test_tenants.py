@@ -168,7 +168,7 @@ def test_bad_named_tenant_quotas_are_refused(quotas, match):
 def test_a_tenant_that_is_not_a_short_string_is_refused():
     p = planner(g2=16, quota="25%")
     with pytest.raises(PlacementError, match="tenant"):
-        p.prepare_offload("G1", chain(1, start=0), engine_block_ids=[0], tenant=None)
+        p.prepare_offload("G1", chain(1, start=0), engine_block_ids=[0], tenant=7)
     with pytest.raises(PlacementError, match="tenant"):
         p.prepare_offload("G1", chain(1, start=0), engine_block_ids=[0], tenant="x" * 300)
     assert p.pending == 0
@@ -182,3 +182,80 @@ def test_quotas_come_from_toml(tmp_path):
                     '[tenant_quotas.gold]\nG2 = "60%"\n')
     config = load_config(path, env={})
     assert config.tenant_limits("G2") == (10, {"gold": 60})
+
+
+@pytest.mark.parametrize("eviction", ["lru", "default"])
+def test_a_conversation_longer_than_its_quota_keeps_a_reachable_prefix(eviction):
+    """One conversation extended a block at a time past its tenant's quota: own-first
+    eviction never cuts its prefix (the parent of what is stored is kept, a chain leaves tail
+    first), so a lookup still reaches a whole quota's worth, on a plain LRU tier too."""
+    p = planner(g2=16, quota="50%", eviction=eviction)
+    conversation = chain(16, start=0)
+    for i in range(16):
+        store(p, conversation[i:i + 1], "a")
+    assert p.tenants.usage()["G2"] == {"a": 8}
+    assert p.pools["G2"].match_length([r.sequence_hash for r in conversation]) == 8
+
+
+@pytest.mark.parametrize("eviction", ["lru", "default"])
+def test_own_eviction_takes_the_oldest_conversation_tail_first(eviction):
+    p = planner(g2=32, quota="25%", eviction=eviction)
+    old, new = chain(4, start=0), chain(4, start=1000)
+    store(p, old, "a")
+    store(p, new, "a")                          # a's 8: at its quota
+    store(p, chain(2, start=2000), "a")         # needs 2: the old conversation's last two
+    assert held(p, "G2", new) == 4
+    assert [r.sequence_hash in p.pools["G2"] for r in old] == [True, True, False, False]
+
+
+def test_own_eviction_costs_what_it_evicts_not_what_the_tenant_holds():
+    """A tenant at its quota holding one long chain: storing one more block resets a
+    handful of blocks, not the chain (the ledger keeps its leaves in order)."""
+    p = planner(g2=4096, quota="50%", eviction="default")
+    store(p, chain(2048, start=0), "a")
+    pool = p.pools["G2"]
+    calls = []
+    real = pool.reset_blocks
+    pool.reset_blocks = lambda hashes: calls.append(len(tuple(hashes))) or real(hashes)
+    store(p, chain(1, start=10**6), "a")
+    assert sum(calls) <= 4
+    assert p.tenants.usage()["G2"] == {"a": 2048}
+
+
+def test_blocks_fetched_from_outside_are_held_to_their_tenants_quota():
+    p = Planner(KvConfig(block_size=BS, eviction="lru", tiers={
+        "G1": TierConfig(blocks=64), "G2": TierConfig(blocks=32, tenant_quota="25%"),
+        "G3": TierConfig(blocks=64)}))
+    g2 = p.pools["G2"]
+    for start in (0, 1000, 2000):
+        records = chain(6, start=start)
+        slots = g2.allocate(len(records))
+        slots.apply_token_blocks(records)
+        g2.release(p.register_fetched(slots, tenant="a"))
+        drive(p)
+    assert p.tenants.usage()["G2"] == {"a": 8}
+    assert g2.status().active == 0
+
+
+def test_a_key_addressed_tier_takes_no_quota():
+    with pytest.raises(ConfigError, match="G4"):
+        KvConfig(tiers={"G1": TierConfig(blocks=8), "G2": TierConfig(blocks=8),
+                        "G4": TierConfig(blocks=8, url="http://127.0.0.1:8333/bucket",
+                                         tenant_quota="50%")}).validate()
+
+
+@pytest.mark.parametrize("bad, match", [
+    ("50", "did you mean '50%'"), ("1KiB", "allows no block"), ("0.0001%", "allows no block"),
+    ("9" * 400, "size"), ("1e2%", "share"), ("1_0%", "share"), ("\u0665\u0660%", "share"),
+])
+def test_a_quota_that_allows_no_block_or_does_not_parse_is_one_problem_line(bad, match):
+    with pytest.raises(ConfigError, match=match) as caught:
+        KvConfig(block_size=BS, tiers={"G1": TierConfig(blocks=8),
+                                       "G2": TierConfig(blocks=100, tenant_quota=bad)}).validate()
+    assert len(caught.value.problems) == 1
+
+
+def test_the_others_label_cannot_be_named():
+    with pytest.raises(ConfigError, match="'\\*'"):
+        KvConfig(tiers={"G1": TierConfig(blocks=8), "G2": TierConfig(blocks=8)},
+                 tenant_quotas={"*": {"G2": "10%"}}).validate()

@@ -547,18 +547,22 @@ class KvBlockManager:
         return self._importers[tier]
 
     def fetch_remote(self, peer: "RemotePeer", records: Sequence[BlockRecord],
-                     ttl: float = 10.0) -> "Future[int]":
+                     ttl: float = 10.0, tenant: str | None = None) -> "Future[int]":
         """Bring a prefix another worker holds into this manager's tier over NIXL instead of
         recomputing it: lease the longest prefix of ``records`` (after the part this tier
         already holds) from ``peer``, read it into free slots, verified, and register it
         (then offered down the tiers like any stored block; :meth:`onboard` loads it into
-        G1). The future gives the number of blocks fetched; it fails with
+        G1) for ``tenant`` (default ``config.tenant``; blocks beyond its quota of the tier
+        are not kept). The future gives the number of blocks fetched and kept; it fails with
         :class:`~kvstrata.remote.RemoteReadError` or :class:`~kvstrata.remote.LeaseError`
         with nothing registered and the slots freed."""
         records = list(records)
         bad = first_bad_record(records, self.config.block_size)
         if bad is not None:
             raise InvalidBlockError(f"records[{bad}] is not a block record of this manager")
+        tenant = self.config.tenant if tenant is None else tenant
+        if tenant_problem(tenant):
+            raise InvalidBlockError(f"fetch_remote: {tenant_problem(tenant)}")
         tier = next((t for t, imp in self._importers.items()
                      if imp is getattr(peer, "importer", None)), None)
         if tier is None:
@@ -583,11 +587,13 @@ class KvBlockManager:
                     self._call(lambda: pool.release(slots), internal=True).result()
                     raise
 
-                def register() -> None:
+                def register() -> int:
                     slots.apply_token_blocks(wanted[:count])
-                    self.planner.register_fetched(slots).release()
-                self._call(register, internal=True).result()
-                return count
+                    kept = self.planner.register_fetched(slots, tenant=tenant)
+                    held = len(kept)
+                    kept.release()
+                    return held
+                return self._call(register, internal=True).result()
             finally:
                 peer.release(lease)
 

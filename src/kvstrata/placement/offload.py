@@ -63,32 +63,59 @@ class Offload:
         """Register ``blocks`` (Complete, of ``pool``; consumed) for ``tenant`` and offer the
         newly stored ones to the tier below. Returns handles on the registered blocks (a
         hash already held dedups onto the existing block, which is not offered again); if
-        the offer raises, they are released first, so nothing stays held. With quotas and
-        ``tenant`` None, each block's tenant is the one a lower tier knows it by (a block
-        loaded up the tiers)."""
+        the offer raises, they are released first, so nothing stays held. With quotas, new
+        blocks beyond their tenant's quota of the tier (after it evicted its own) are given
+        back, not registered; with ``tenant`` None, each block's tenant is the one another
+        tier knows it by (a block loaded up the tiers), else unknown."""
+        ledger = self.state.tenants
+        owners: list[str | None] = [tenant] * len(blocks)
+        if ledger is not None:
+            if tenant is None:
+                owners = [ledger.owner(b.sequence_hash) for b in blocks.blocks]
+            blocks, owners = self._within_quota(pool, blocks, owners)
         before = blocks.block_ids
         registered = pool.register(blocks, priority)
-        new = [b.record() for b, slot in zip(registered.blocks, before) if b.block_id == slot]
+        new = [(b.record(), owner) for b, slot, owner
+               in zip(registered.blocks, before, owners) if b.block_id == slot]
         try:
-            ledger = self.state.tenants
-            if ledger is None or tenant is not None:
-                self._stored_and_offered(pool.tier, new, tenant)
-            else:
-                by_tenant: dict[str | None, list[BlockRecord]] = {}
-                for record in new:
-                    by_tenant.setdefault(ledger.owner(record.sequence_hash), []).append(record)
-                for owner, records in by_tenant.items():
-                    self._stored_and_offered(pool.tier, records, owner)
+            by_tenant: dict[str | None, list[BlockRecord]] = {}
+            for record, owner in new:
+                by_tenant.setdefault(owner, []).append(record)
+            for owner, records in by_tenant.items():
+                if ledger is not None:
+                    ledger.stored(pool.tier, records, owner)
+                self.offer(pool.tier, records, tenant=owner)
         except BaseException:
             pool.release(registered)
             raise
         return registered
 
-    def _stored_and_offered(self, tier: str, records: list[BlockRecord],
-                            tenant: str | None) -> None:
-        if self.state.tenants is not None:
-            self.state.tenants.stored(tier, (r.sequence_hash for r in records), tenant)
-        self.offer(tier, records, tenant=tenant)
+    def _within_quota(self, pool: BlockPool, blocks: MutableBlocks,
+                      owners: list[str | None]) -> tuple[MutableBlocks, list[str | None]]:
+        """``blocks`` (and their owners) less the new ones their tenant has no room for in
+        ``pool``'s tier (given back, counted as skipped for ``quota``)."""
+        ledger = self.state.tenants
+        assert ledger is not None
+        views = blocks.blocks                     # built once: a property makes a list
+        wanted: dict[str, list[int]] = {}
+        for i, (block, owner) in enumerate(zip(views, owners)):
+            if owner is not None and block.sequence_hash not in pool:
+                wanted.setdefault(owner, []).append(i)
+        keep = [True] * len(owners)
+        for owner, positions in wanted.items():
+            parents = {views[i].parent_hash for i in positions}
+            allowed = ledger.room(pool, owner, len(positions), parents)
+            for i in positions[allowed:]:
+                keep[i] = False
+        if all(keep):
+            return blocks, owners
+        self.state.skipped(pool.tier, "quota", keep.count(False))
+        kept, refused = blocks.split(keep)
+        if refused is not None:
+            pool.release(refused)
+        if kept is None:
+            return MutableBlocks(pool, []), []
+        return kept, [o for o, k in zip(owners, keep) if k]
 
     def offer(self, source_tier: str, records: Sequence[BlockRecord],
               engine_ids: Sequence[int] | None = None, tenant: str | None = None) -> None:
@@ -130,17 +157,10 @@ class Offload:
         if ``records`` were the oldest deferred batch, so deferred blocks keep their order)."""
         state = self.state
         pool = state.pools[target]
-        if state.tenants is not None:
-            allowed = state.tenants.room(pool, tenant, len(records))
-            if allowed < len(records):
-                state.receiving[target].difference_update(
-                    r.sequence_hash for r in records[allowed:])
-                state.skipped(target, "quota", len(records) - allowed)
-                records = records[:allowed]
-                if engine_ids is not None:
-                    engine_ids = engine_ids[:allowed]
-                if not records:
-                    return
+        if state.tenants is not None and tenant is not None:
+            records, engine_ids = self._within_tenant_quota(target, records, engine_ids, tenant)
+            if not records:
+                return
         slots = allocate_up_to(pool, len(records))
         got = len(slots) if slots is not None else 0
         if got < len(records):
@@ -166,6 +186,39 @@ class Offload:
         else:
             state.new_job(source_tier, target, records, engine_src=engine_ids[:got],
                           target=slots, tenant=tenant)
+
+    def _within_tenant_quota(self, target: str, records: list[BlockRecord],
+                             engine_ids: list[int] | None, tenant: str
+                             ) -> tuple[list[BlockRecord], list[int] | None]:
+        """The records (and engine ids) of ``tenant`` its quota of ``target`` has room for,
+        after it evicted its own; the rest are no longer receiving and count as skipped for
+        ``quota``. At its quota, a block whose parent the target neither holds nor receives
+        is refused first: it could only be stored by evicting a prefix that is reachable."""
+        state, ledger = self.state, self.state.tenants
+        assert ledger is not None
+        pool, receiving = state.pools[target], state.receiving[target]
+        keep = list(range(len(records)))
+        if ledger.over(target, tenant, len(records)) > 0:
+            orphans: set[int] = set()
+            keep = []
+            for i, r in enumerate(records):
+                p = r.parent_hash
+                if p is not None and (p in orphans or (p not in pool and p not in receiving)):
+                    orphans.add(r.sequence_hash)
+                else:
+                    keep.append(i)
+            ledger.refuse(target, tenant, len(orphans))
+        allowed = ledger.room(pool, tenant, len(keep),
+                              {records[i].parent_hash for i in keep})
+        kept = keep[:allowed]
+        if len(kept) == len(records):
+            return records, engine_ids
+        chosen = set(kept)
+        receiving.difference_update(r.sequence_hash for i, r in enumerate(records)
+                                    if i not in chosen)
+        state.skipped(target, "quota", len(records) - len(kept))
+        return ([records[i] for i in kept],
+                None if engine_ids is None else [engine_ids[i] for i in kept])
 
     def finish(self, job: Job, good: MutableBlocks | None, bad: MutableBlocks | None,
                result: TransferResult) -> None:

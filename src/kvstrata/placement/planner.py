@@ -293,29 +293,35 @@ class Planner:
         return self._offload.register_and_offer(self._owned_top("register"), blocks, priority,
                                                 _tenant(tenant))
 
-    def register_fetched(self, blocks: MutableBlocks, priority: int = 0) -> ImmutableBlocks:
+    def register_fetched(self, blocks: MutableBlocks, priority: int = 0,
+                         tenant: str | None = None) -> ImmutableBlocks:
         """Register blocks of a tier below the top whose bytes were filled from outside (read
-        from another worker's memory; consumed), and offer them further down, as
-        :meth:`register` does for computed ones."""
+        from another worker's memory; consumed) for ``tenant`` (None: whoever another tier
+        knows them by), and offer them further down, as :meth:`register` does for computed
+        ones. With quotas, blocks beyond the tenant's are given back, not registered."""
+        if tenant is not None:
+            tenant = _tenant(tenant)
         s = self._state
         owner = getattr(blocks, "pool", None)
         tier = getattr(owner, "tier", None)
         if tier is None or tier == s.top or s.pools.get(tier) is not owner:
             raise PlacementError("register_fetched: blocks must come from a pool of ours "
                                  "below the top tier")
-        return self._offload.register_and_offer(owner, blocks, priority)
+        return self._offload.register_and_offer(owner, blocks, priority, tenant)
 
     def prepare_offload(self, tier: str, records: Sequence[BlockRecord],
                         engine_block_ids: Sequence[int] | None = None,
-                        tenant: str = "") -> None:
+                        tenant: str | None = None) -> None:
         """Offer blocks newly stored in ``tier`` for ``tenant`` to the next tier down
         (write-through; the tenant's quotas apply there and further down).
 
         For an engine-owned top tier, ``engine_block_ids`` names the engine block holding
-        each record (read by the copy; see :meth:`engine_blocks_in_use`). For a kvstrata
-        tier the records must be registered there."""
+        each record (read by the copy; see :meth:`engine_blocks_in_use`), and ``tenant``
+        None is the default tenant ``""``. For a kvstrata tier the records must be
+        registered there, and ``tenant`` None means whoever holds them there."""
         tier = self._tier(tier)
-        tenant = _tenant(tenant)
+        if tenant is not None:
+            tenant = _tenant(tenant)
         s = self._state
         records = list(records)
         if tier == s.top and s.engine_owns_top:
@@ -324,7 +330,7 @@ class Planner:
             if busy:
                 raise PlacementError(f"prepare_offload: engine blocks {busy} are still being "
                                      f"filled by an onboard in flight")
-            self._offload.offer(tier, records, ids, tenant)
+            self._offload.offer(tier, records, ids, "" if tenant is None else tenant)
             return
         if engine_block_ids is not None:
             raise PlacementError(f"prepare_offload: {tier} is kvstrata's; engine_block_ids "
@@ -334,7 +340,15 @@ class Planner:
         if missing:
             raise PlacementError(f"prepare_offload: {len(missing)} block(s) are not "
                                  f"registered in {tier}, e.g. {missing[0]:#x}")
-        self._offload.offer(tier, records, tenant=tenant)
+        ledger = s.tenants
+        if tenant is not None or ledger is None:
+            self._offload.offer(tier, records, tenant=tenant)
+            return
+        by_owner: dict[str | None, list[BlockRecord]] = {}
+        for record in records:
+            by_owner.setdefault(ledger.owner(record.sequence_hash), []).append(record)
+        for owner, mine in by_owner.items():
+            self._offload.offer(tier, mine, tenant=owner)
 
     def admit(self, tier: str, records: Sequence[BlockRecord]) -> list[BlockRecord]:
         """The records ``tier``'s admission filter accepts (refusals are counted as skipped

@@ -1,38 +1,43 @@
 """Per-tenant quotas on the tiers kvstrata stores into: one busy tenant cannot evict the rest.
 
-A *tenant* is whoever the engine says a block was computed for: vLLM's ``cache_salt`` of the
-request, else its LoRA adapter's name (:mod:`kvstrata.connectors.vllm.scheduler`); the
-``tenant`` argument of a manager's or planner's store verbs; ``""`` is the default tenant of
-requests that name none. Tenants never share a block: their salt or adapter already seeds every
-sequence hash (:func:`kvstrata.tokens.isolation_seed`). A *quota* is the most blocks of one
-tier one tenant may hold (config: a tier's ``tenant_quota`` for every tenant,
+A *tenant* is whoever the engine says a block was computed for: in the vLLM connector
+``"salt:" + cache_salt`` of the request, else ``"lora:" + adapter name``, else ``""``
+(:func:`kvstrata.tokens.tenant_key`); the ``tenant`` argument of a manager's or planner's
+store verbs. vLLM's salts and adapters also seed every sequence hash
+(:func:`kvstrata.tokens.isolation_seed`), so its tenants never share a block; a manager's
+caller must seed its hashes so too. A *quota* is the most blocks of one slot-addressed tier
+(G2, G3) one tenant may hold (config: a tier's ``tenant_quota`` for every tenant,
 ``tenant_quotas`` per named tenant; :meth:`kvstrata.config.KvConfig.tenant_limits`).
 
-The rules, applied when blocks are offered to a tier (:mod:`.offload`):
+The rules, applied when blocks are offered to a tier (:mod:`.offload`) and when blocks fetched
+from outside are registered in one:
 
 * a tenant under its quota stores as before: the tier's eviction policy picks victims among
   everyone's idle blocks;
-* a tenant that would go over its quota first evicts its own idle blocks, oldest stored
-  first, a chain's newest blocks before its prefix (a leaf-first pool keeps a prefix while
-  its children are held); what still does not fit is not stored (skipped, reason ``quota``).
+* a tenant that would go over its quota first evicts its own idle blocks: its oldest
+  conversation first, tail first (a block leaves only once no held block extends it, whatever
+  the tier's policy, so no prefix is cut out from under a held block), never the parent of a
+  block being stored; what still does not fit is not stored (skipped, reason ``quota``);
+* blocks on their way into a tier count against the quota until they arrive.
 
-So with quotas that add up to at most a tier's size, every tenant keeps its quota's worth of
-that tier whatever the others store. Blocks whose tenant is not known belong to none and
-count against no quota: blocks a durable G3 recovered at start (its index keeps no tenant)
-and blocks learned from a shared G4's listing.
+So when every block of a tier belongs to a tenant with a quota and the quotas add up to at
+most the tier, every tenant keeps its quota's worth of it whatever the others store. Blocks
+whose tenant is not known belong to none and count against no quota (they compete by the
+tier's policy alone): blocks a durable G3 recovered at start (its index keeps no tenant).
 
-:class:`TenantLedger` keeps, per tier, which tenant each held block belongs to and each
-tenant's blocks in the order they were stored (a loaded block moves to the end: it was just
-used). It hears every removal (evictions by the policy, drops, clears) from the registry, so
-it holds exactly the blocks the tiers hold. Without any quota configured the planner makes no
+:class:`TenantLedger` keeps, per tier, which tenant each held block belongs to, which held
+block extends which, and per tenant its *leaves* (held blocks nothing held extends) in a heap
+by the order they were stored or last loaded: the next own victim is the heap's oldest, O(log
+n). It hears every removal (evictions by the policy, drops, clears) from the registry, so it
+holds exactly the blocks the tiers hold. Without any quota configured the planner makes no
 ledger: nothing is tracked and nothing costs.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import Counter
-from itertools import islice
-from typing import Iterable, Mapping, Sequence
+from typing import Collection, Iterable, Mapping, Sequence
 
 from ..logical.pool import BlockPool
 from ..logical.registry import RegistryObserver
@@ -44,22 +49,50 @@ TENANT_OTHERS = "*"
 """The label of tenants that ``tenant_quotas`` does not name, summed, in per-tenant
 metrics: a tenant key can be a secret salt, so only names the operator wrote are shown."""
 
+BUSY_TRIES = 64
+"""Idle-looking own blocks a store tries beyond what it needs before it gives up (those in
+use by a load, or extended by another tenant's block, cannot go): bounds the cost of a store
+refused because nearly everything the tenant holds is in use."""
+
+
+class _TierBook:
+    """One tier's blocks of known tenants (see :class:`TenantLedger`)."""
+
+    __slots__ = ("owner", "parent", "born", "kids", "tick", "leaves", "count", "leaf_count")
+
+    def __init__(self) -> None:
+        self.owner: dict[int, str] = {}
+        self.born: dict[int, int] = {}
+        """When each block was stored (a hash stored again after it left is another block)."""
+        self.parent: dict[int, tuple[int, int]] = {}
+        """A block's parent and the parent's ``born``, as it was when the block was stored."""
+        self.kids: Counter[int] = Counter()
+        """Held blocks here extending each block (absent: none)."""
+        self.tick: dict[int, int] = {}
+        """When each block was stored or last loaded."""
+        self.leaves: dict[str, list[tuple[int, int]]] = {}
+        """Per tenant, a heap of ``(tick, block)``; entries whose tick or leafness changed
+        are stale and skipped (compacted when they outnumber the live ones)."""
+        self.count: Counter[str] = Counter()
+        self.leaf_count: Counter[str] = Counter()
+        """Per tenant, its held blocks that no held block extends (its heap's live ones)."""
+
 
 class TenantLedger(RegistryObserver):
     """Which tenant holds which blocks of each tier, and their quotas (module docstring).
 
-    ``limits`` maps a tier to ``(quota of any tenant or None, {named tenant: quota})`` in
-    blocks. Owner-thread only, like the pools; register it as an observer of the pools'
-    registry so it hears removals."""
+    ``limits`` maps each tier the ledger keeps to ``(quota of any tenant or None, {named
+    tenant: quota})`` in blocks. Owner-thread only, like the pools; register it as an observer
+    of the pools' registry so it hears removals."""
 
     def __init__(self, limits: Mapping[str, tuple[int | None, Mapping[str, int]]]) -> None:
         self._default = {tier: default for tier, (default, _) in limits.items()}
         self._named = {tier: dict(named) for tier, (_, named) in limits.items()}
         self.named = frozenset(t for _, named in limits.values() for t in named)
         """Tenants that the config names (their own label in metrics)."""
-        self._owner: dict[str, dict[int, str]] = {tier: {} for tier in limits}
-        self._mine: dict[str, dict[str, dict[int, None]]] = {tier: {} for tier in limits}
+        self._books = {tier: _TierBook() for tier in limits}
         self._incoming: dict[str, Counter[str]] = {tier: Counter() for tier in limits}
+        self._clock = 0
         # by (tier, label): what metrics show, kept as it changes (O(1) to read per step)
         self.held: Counter[tuple[str, str]] = Counter()
         """``(tier, label) -> blocks`` held now (labels: :meth:`label`)."""
@@ -76,44 +109,67 @@ class TenantLedger(RegistryObserver):
             return None
         return named.get(tenant, self._default[tier])
 
-    def room(self, pool: BlockPool, tenant: str | None, count: int) -> int:
+    def over(self, tier: str, tenant: str | None, count: int) -> int:
+        """By how many blocks storing ``count`` more of ``tenant`` would exceed its quota of
+        ``tier`` (0 or less: it fits)."""
+        limit = None if tenant is None else self.limit(tier, tenant)
+        if limit is None:
+            return 0
+        return self._books[tier].count[tenant] + self._incoming[tier][tenant] + count - limit
+
+    def refuse(self, tier: str, tenant: str, count: int) -> None:
+        """Count ``count`` blocks of ``tenant`` not stored in ``tier`` for its quota."""
+        if count:
+            self.refused[tier, self.label(tenant)] += count
+
+    def room(self, pool: BlockPool, tenant: str | None, count: int,
+             protect: Collection[int] = ()) -> int:
         """How many of ``count`` blocks of ``tenant`` may be stored in ``pool``'s tier now;
-        evicts the tenant's own idle blocks first to make room. Counts what is refused."""
-        if tenant is None:
+        evicts the tenant's own idle blocks first to make room, never one of ``protect``
+        (the parents of the blocks being stored). Counts what is refused."""
+        if tenant is None or count <= 0:
             return count
         tier = pool.tier
         limit = self.limit(tier, tenant)
         if limit is None:
             return count
-        mine = self._mine[tier].get(tenant)
-        held = len(mine) if mine else 0
-        over = held + self._incoming[tier][tenant] + count - limit
-        if over > 0 and mine:
-            made = self._evict_own(pool, mine, over)
+        book = self._books[tier]
+        over = self.over(tier, tenant, count)
+        if over > 0 and book.count[tenant]:
+            made = self._evict_own(pool, book, tenant, over, protect)
             self.evicted[tier, self.label(tenant)] += made
             over -= made
         if over <= 0:
             return count
         allowed = max(count - over, 0)
-        self.refused[tier, self.label(tenant)] += count - allowed
+        self.refuse(tier, tenant, count - allowed)
         return allowed
 
-    @staticmethod
-    def _evict_own(pool: BlockPool, mine: dict[int, None], wanted: int) -> int:
-        """Drop up to ``wanted`` of ``mine`` (oldest stored first) that are idle; returns how
-        many. A window of the oldest is tried newest first, so a chain's blocks go before its
-        prefix; it doubles while that frees too few (a chain longer than the window)."""
-        dropped, window, total = 0, wanted, len(mine)
-        while dropped < wanted:
-            for h in reversed(list(islice(mine, window))):
-                if pool.reset_blocks((h,)):      # the registry tells us: ``mine`` shrinks
-                    dropped += 1
-                    if dropped == wanted:
-                        break
-            if window >= total:
-                break
-            window *= 2
+    def _evict_own(self, pool: BlockPool, book: _TierBook, tenant: str, wanted: int,
+                   protect: Collection[int]) -> int:
+        """Drop up to ``wanted`` of ``tenant``'s leaves in ``pool``, oldest first; returns how
+        many. A dropped leaf's parent becomes a leaf at its own (older) tick, so it comes
+        next: a conversation goes tail first."""
+        heap = book.leaves.get(tenant)
+        dropped, tries, passed = 0, 0, []
+        while heap and dropped < wanted and tries < wanted + BUSY_TRIES:
+            entry = heapq.heappop(heap)
+            h = entry[1]
+            if not self._live(book, tenant, entry):
+                continue
+            tries += 1
+            if h in protect or not pool.reset_blocks((h,)):   # the registry tells us
+                passed.append(entry)
+                continue
+            dropped += 1
+        for entry in passed:
+            heapq.heappush(heap, entry)
         return dropped
+
+    @staticmethod
+    def _live(book: _TierBook, tenant: str, entry: tuple[int, int]) -> bool:
+        tick, h = entry
+        return book.tick.get(h) == tick and book.owner.get(h) == tenant and h not in book.kids
 
     def coming(self, tier: str, tenant: str | None, count: int) -> None:
         """``count`` blocks of ``tenant`` are on their way into ``tier`` (negative: no
@@ -124,48 +180,78 @@ class TenantLedger(RegistryObserver):
             if incoming[tenant] <= 0:
                 del incoming[tenant]
 
-    def stored(self, tier: str, hashes: Iterable[int], tenant: str | None) -> None:
-        """``hashes`` were newly registered in ``tier`` for ``tenant`` (None: unknown)."""
-        if tenant is None or tier not in self._owner:
+    def stored(self, tier: str, records: Iterable[BlockRecord], tenant: str | None) -> None:
+        """``records`` were newly registered in ``tier`` for ``tenant`` (None: unknown),
+        parents before their children."""
+        book = self._books.get(tier)
+        if tenant is None or book is None:
             return
-        owner = self._owner[tier]
-        mine = self._mine[tier].setdefault(tenant, {})
-        before = len(mine)
-        for h in hashes:
-            if h not in owner:
-                owner[h] = tenant
-                mine[h] = None
-        if len(mine) > before:
-            self.held[tier, self.label(tenant)] += len(mine) - before
-        elif not mine:
-            del self._mine[tier][tenant]
+        owner, parent, kids, tick, born = book.owner, book.parent, book.kids, book.tick, \
+            book.born
+        heap = book.leaves.setdefault(tenant, [])
+        new = 0
+        for record in records:
+            h = record.sequence_hash
+            if h in owner:
+                continue
+            self._clock += 1
+            owner[h] = tenant
+            tick[h] = born[h] = self._clock
+            p = record.parent_hash
+            if p is not None and p in owner:
+                parent[h] = (p, born[p])
+                if p not in kids:
+                    book.leaf_count[owner[p]] -= 1
+                kids[p] += 1
+            heapq.heappush(heap, (self._clock, h))
+            book.leaf_count[tenant] += 1
+            new += 1
+        if new:
+            book.count[tenant] += new
+            self.held[tier, self.label(tenant)] += new
+            self._compact(book, tenant)
 
     def used(self, tier: str, hashes: Iterable[int]) -> None:
         """``hashes`` of ``tier`` were just loaded: the newest of their tenants' blocks."""
-        owner = self._owner.get(tier)
-        if not owner:
+        book = self._books.get(tier)
+        if book is None or not book.owner:
             return
-        by_tenant = self._mine[tier]
+        owner, tick, kids = book.owner, book.tick, book.kids
+        touched: set[str] = set()
         for h in hashes:
             tenant = owner.get(h)
-            if tenant is not None:
-                mine = by_tenant[tenant]
-                del mine[h]
-                mine[h] = None
+            if tenant is None:
+                continue
+            self._clock += 1
+            tick[h] = self._clock
+            if h not in kids:
+                heapq.heappush(book.leaves[tenant], (self._clock, h))
+                touched.add(tenant)
+        for tenant in touched:
+            self._compact(book, tenant)
+
+    def _compact(self, book: _TierBook, tenant: str) -> None:
+        """Drop stale heap entries once they outnumber the live ones (amortized O(1) per
+        entry, and an eviction never wades through more stale entries than live ones)."""
+        heap = book.leaves[tenant]
+        if len(heap) > 2 * book.leaf_count[tenant] + 64:
+            heap[:] = [e for e in heap if self._live(book, tenant, e)]
+            heapq.heapify(heap)
 
     def owner(self, sequence_hash: int) -> str | None:
         """The tenant of a held block, in whichever tier holds it (None: unknown)."""
-        for owner in self._owner.values():
-            tenant = owner.get(sequence_hash)
+        for book in self._books.values():
+            tenant = book.owner.get(sequence_hash)
             if tenant is not None:
                 return tenant
         return None
 
     # -- what is held ----------------------------------------------------------------------
     def usage(self) -> dict[str, dict[str, int]]:
-        """``{tier: {tenant: blocks held}}``, tenants with none left out."""
-        return {tier: {t: len(m) for t, m in by_tenant.items() if m}
-                for tier, by_tenant in self._mine.items()}
+        """``{tier: {tenant: blocks held}}``, tenants with none left out (raw tenant keys:
+        for tests and the process's own use, never for metrics)."""
+        return {tier: {t: n for t, n in book.count.items() if n}
+                for tier, book in self._books.items()}
 
     def label(self, tenant: str) -> str:
         """``tenant`` as metrics show it: its name if the config names it, else
@@ -174,26 +260,42 @@ class TenantLedger(RegistryObserver):
 
     # -- registry observer: removals ---------------------------------------------------------
     def on_tier_removed(self, tier: str, sequence_hashes: Sequence[int]) -> None:
-        owner = self._owner.get(tier)
-        if not owner:
+        book = self._books.get(tier)
+        if book is None or not book.owner:
             return
-        by_tenant, held = self._mine[tier], self.held
+        owner, parent, kids, tick, born = book.owner, book.parent, book.kids, book.tick, \
+            book.born
         for h in sequence_hashes:
             tenant = owner.pop(h, None)
-            if tenant is not None:
-                mine = by_tenant[tenant]
-                del mine[h]
-                if not mine:
-                    del by_tenant[tenant]
-                key = (tier, self.label(tenant))
-                held[key] -= 1
-                if not held[key]:
-                    del held[key]
+            if tenant is None:
+                continue
+            del tick[h]
+            del born[h]
+            if kids.pop(h, None) is None:     # held blocks naming it as parent no longer
+                book.leaf_count[tenant] -= 1  # count (their link names its ``born``)
+            book.count[tenant] -= 1
+            if not book.count[tenant]:
+                del book.count[tenant]
+                book.leaves.pop(tenant, None)
+                book.leaf_count.pop(tenant, None)
+            key = (tier, self.label(tenant))
+            self.held[key] -= 1
+            if not self.held[key]:
+                del self.held[key]
+            link = parent.pop(h, None)
+            if link is None:
+                continue
+            p, p_born = link
+            if born.get(p) == p_born:   # the same parent block, still held
+                kids[p] -= 1
+                if not kids[p]:
+                    del kids[p]           # a leaf again, at its own tick: next in line
+                    book.leaf_count[owner[p]] += 1
+                    heapq.heappush(book.leaves[owner[p]], (tick[p], p))
 
     def on_tier_cleared(self, tier: str) -> None:
-        if tier in self._owner:
-            self._owner[tier].clear()
-            self._mine[tier].clear()
+        if tier in self._books:
+            self._books[tier] = _TierBook()
             for key in [k for k in self.held if k[0] == tier]:
                 del self.held[key]
 
