@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create (or refresh) the project's virtual environment in .venv with the pinned packages of
 # requirements.txt and kvstrata itself in editable mode. With --vllm, also vLLM's CPU build
-# (requirements-vllm.txt), which the connector's tests and benchmarks need. Idempotent and
+# (requirements-vllm.txt), which the connector's tests and benchmarks need, and SGLang's
+# storage interface (requirements-sglang.txt, without its dependencies: see that file). Idempotent and
 # quick when nothing changed: a stamp per part records the hash of what was installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,7 +22,7 @@ STAMP=$VENV/.kvstrata-setup
 VLLM_STAMP=$VENV/.kvstrata-setup-vllm
 # every native source counts: a changed kernel is rebuilt
 want=$(cat requirements.txt requirements-nixl.txt pyproject.toml $(find src -name '*.c' -o -name '*.h' | sort) | sha256sum | cut -d' ' -f1)
-want_vllm=$(cat requirements.txt requirements-vllm.txt | sha256sum | cut -d' ' -f1)
+want_vllm=$(cat requirements.txt requirements-vllm.txt requirements-sglang.txt | sha256sum | cut -d' ' -f1)
 
 core_ok=0
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] && [ -x "$VENV/bin/kvstrata" ]; then
@@ -58,6 +59,9 @@ if [ "$vllm_ok" = 0 ]; then
   fi
   "$VENV/bin/python" -c "import vllm" >/dev/null 2>&1 \
     || { echo "setup: vllm does not import after install" >&2; exit 1; }
+  "${PIP[@]}" --no-deps -r requirements-sglang.txt
+  "$VENV/bin/python" -c "import sglang.srt.mem_cache.hicache_storage" >/dev/null 2>&1 \
+    || { echo "setup: SGLang's storage interface does not import after install" >&2; exit 1; }
   echo "$want_vllm" > "$VLLM_STAMP"
 fi
 if [ "$core_ok" = 0 ]; then

@@ -10,6 +10,7 @@ building them (a scheduler whose workers build them).
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Mapping
 
 from ..config import KvConfig
 from ..physical import LayoutConfig, Storage
@@ -24,8 +25,9 @@ def check_tiers(config: KvConfig, options: StorageOptions, ranks: int = 1) -> li
     """Every reason the tiers of ``config`` cannot be built on this machine by ``ranks``
     ranks (from ``options.rank`` on; each holds its share of every block), found without
     allocating anything: a kind of tier with no module, a fastest tier that is not device
-    memory, a tier whose blocks move through host RAM without a host tier, a tier of no
-    block, and what each kind finds (:meth:`~kvstrata.kinds.base.Kind.problems`)."""
+    memory, a tier whose blocks move through host RAM without a host tier (or KV tensors
+    wrapped as the device tier that are themselves in host RAM, as SGLang's host pool is), a
+    tier of no block, and what each kind finds (:meth:`~kvstrata.kinds.base.Kind.problems`)."""
     tiers = ordered(config.tiers)
     missing = [t for t in tiers if kind_of(t) is None]
     if missing:
@@ -36,9 +38,10 @@ def check_tiers(config: KvConfig, options: StorageOptions, ranks: int = 1) -> li
     if spec(tiers[0]).kind is not TierKind.DEVICE:
         problems.append(f"the fastest tier must be device memory, got {tiers[0]}")
     kinds = {spec(t).kind for t in tiers}
+    host_ram = TierKind.HOST in kinds or _wrapped_in_host_ram(options.kv_caches)
     for tier in tiers:
         kind = kind_of(tier)
-        if kind.through_host and TierKind.HOST not in kinds:
+        if kind.through_host and not host_ram:
             problems.append(f"tier {tier} ({kind.kind.value}) needs tier "
                             f"{first_of_kind(TierKind.HOST)} (host): its blocks move through "
                             f"host RAM")
@@ -47,6 +50,15 @@ def check_tiers(config: KvConfig, options: StorageOptions, ranks: int = 1) -> li
             continue
         problems.extend(kind.problems(config, tier, options, ranks))
     return problems
+
+
+def _wrapped_in_host_ram(kv_caches) -> bool:
+    """Whether KV tensors given to wrap as the device tier all live in host RAM."""
+    if kv_caches is None:
+        return False
+    tensors = list(kv_caches.values()) if isinstance(kv_caches, Mapping) else list(kv_caches)
+    return bool(tensors) and all(getattr(getattr(t, "device", None), "type", None) == "cpu"
+                                 for t in tensors)
 
 
 def build_storages(config: KvConfig, options: StorageOptions) -> Storages:

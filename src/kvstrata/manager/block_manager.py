@@ -115,7 +115,17 @@ class KvBlockManager:
       one); ``metrics_port`` -- serve ``/metrics`` on 127.0.0.1:port (0 = any free port; off
       by default), the bound port is :attr:`metrics_port`.
     * ``workers_per_path`` -- transfer worker threads per path.
+    * ``rank`` / ``world_size`` -- this process's tensor-parallel rank and the ranks a model's
+      KV heads are split over: each rank's stored blocks are its own (a durable G3 home per
+      rank in one ``disk_dir``).
+
+    :class:`~kvstrata.manager.engine_owned.EngineOwnedManager` is the same manager over an
+    engine's own KV memory, whose blocks the engine allocates (SGLang's host pool).
     """
+
+    engine_owns_g1 = False
+    """Whether G1's blocks are the engine's to allocate (a subclass's choice): the planner
+    then fills and reads the engine's block ids it is given and keeps no G1 pool."""
 
     def __init__(self, config: KvConfig | None = None, *,
                  kv_caches: Mapping[str, torch.Tensor] | Sequence[torch.Tensor] | None = None,
@@ -127,7 +137,8 @@ class KvBlockManager:
                  workers_per_path: int = 1, durable_disk: bool = True,
                  observers: Sequence[RegistryObserver] = (),
                  object_store: "S3Config | None" = None,
-                 list_interval: float | None = 10.0, secret: bytes | None = None) -> None:
+                 list_interval: float | None = 10.0, secret: bytes | None = None,
+                 rank: int = 0, world_size: int = 1) -> None:
         config = (config or KvConfig()).validate()
         if disk_dir is not None:      # the caller's directory wins over the config's
             try:
@@ -159,12 +170,14 @@ class KvBlockManager:
                     kv_caches=kv_caches, kv_layout=kv_layout, g1_layout=g1_layout,
                     device=device, verify_host_reads=verify_host_reads,
                     max_host_bytes=max_host_bytes, o_direct=o_direct, file_ops=file_ops,
-                    durable_disk=durable_disk, object_store=object_store, secret=secret))
+                    durable_disk=durable_disk, object_store=object_store, secret=secret,
+                    rank=rank, world_size=world_size))
             except TierSetupError as exc:
                 raise ManagerConfigError(str(exc)) from exc
             self.config = self._storages.config
             self.planner = Planner(self.config, listeners=[self.metrics], release=self.release,
-                                   costs=CostModel(cost_priors()))
+                                   costs=CostModel(cost_priors()),
+                                   engine_owns_top=self.engine_owns_g1)
             for observer in observers:
                 self.planner.registry.add_observer(observer)
             for tier, entries in self._storages.recovered().items():

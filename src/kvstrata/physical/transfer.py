@@ -121,7 +121,8 @@ class TransferEngine:
         # per round of the store's writes (False)
         self._paced_paths = {p: self._storages[split_path(p)[1]].write_round is None
                              for p, h in self._handlers.items()
-                             if h in (self._store_in_place, self._store_staged)}
+                             if h in (self._store_in_place, self._store_staged,
+                                      self._store_from_memory)}
         self._queues = {p: queue.Queue(maxsize=max(1, queue_depth)) for p in self.paths}
         self._local = threading.local()
         self._lock = threading.Lock()
@@ -281,8 +282,8 @@ class TransferEngine:
         if isinstance(src, BlockStore) and isinstance(dst, MemoryStorage):
             return self._load_in_place if dst.host_arrays else self._load_staged
         if isinstance(dst, BlockStore) and not is_onboard(source_tier, target_tier):
-            if isinstance(src, MemoryStorage) and src.host_arrays:
-                return self._store_in_place
+            if isinstance(src, MemoryStorage):
+                return self._store_in_place if src.host_arrays else self._store_from_memory
             if isinstance(src, BlockStore):
                 return self._store_staged
         return None
@@ -452,6 +453,32 @@ class TransferEngine:
             src.checksums.fill(src_ids, sums, seqs)
         for p, value in zip(good, sums):
             checksums[p] = value
+
+    def _store_from_memory(self, plan, src, store, failures, checksums) -> None:
+        """A memory whose blocks are not host arrays (an engine's KV tensors, with no host
+        tier in between: SGLang's host pool over a G3) written to a block store through the
+        staging buffer, round by round: the round's blocks copied in, then written (the
+        store hashes them as it writes)."""
+        good = _readable(src, plan, failures)
+        if not good:
+            return
+        _, memory = self._staging(store)
+        per_round = memory.layout.config.num_blocks
+        stride = memory.layout.block_stride
+        staged = memory.regions[0].numpy()
+        for first in range(0, len(good), per_round):
+            chosen = good[first:first + per_round]
+            self.copy_engine.copy(src.memory, [plan.src_block_ids[p] for p in chosen], memory,
+                                  list(range(len(chosen))), direction=OFFLOAD)
+            try:
+                sums = self._write(plan, store, chosen,
+                                   [staged[i * stride:(i + 1) * stride]
+                                    for i in range(len(chosen))], None)
+            except BlockIOError as exc:
+                _remap(exc.failures, chosen, failures)
+                sums = exc.checksums or [None] * len(chosen)
+            for p, value in zip(chosen, sums):
+                checksums[p] = value
 
     def _store_staged(self, plan, src, store, failures, checksums) -> None:
         """One block store into another through the staging buffer (G3 -> G4): only blocks
