@@ -282,8 +282,12 @@ class TransferEngine:
         if isinstance(src, BlockStore) and isinstance(dst, MemoryStorage):
             return self._load_in_place if dst.host_arrays else self._load_staged
         if isinstance(dst, BlockStore) and not is_onboard(source_tier, target_tier):
-            if isinstance(src, MemoryStorage):
-                return self._store_in_place if src.host_arrays else self._store_from_memory
+            if isinstance(src, MemoryStorage) and src.host_arrays:
+                return self._store_in_place
+            if isinstance(src, MemoryStorage) and not any(
+                    isinstance(s, MemoryStorage) and s.host_arrays
+                    for s in self._storages.values()):
+                return self._store_from_memory     # no host tier to stage in: ours
             if isinstance(src, BlockStore):
                 return self._store_staged
         return None
