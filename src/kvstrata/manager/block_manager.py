@@ -374,6 +374,12 @@ class KvBlockManager:
         except ManagerError:
             return resolved(None)
 
+    def clear(self) -> "Future[int]":
+        """Drop every idle block of the tiers below G1 (a "cleared" event where nothing was
+        in use; blocks in use stay); the future gives how many were dropped."""
+        return self._call(lambda: sum(pool.clear() for tier, pool in self.pools.items()
+                                      if tier != self._top))
+
     def evict(self, tier: str, sequence_hashes: Sequence[int]) -> "Future[list[int]]":
         """Drop idle blocks from ``tier`` (invalidation); returns the hashes dropped. Blocks
         in use, or (leaf-first policies) with registered children, are left alone."""

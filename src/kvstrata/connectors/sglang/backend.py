@@ -1,0 +1,193 @@
+"""kvstrata as SGLang HiCache's storage tier (L3): a ``HiCacheStorage`` backend.
+
+SGLang's hierarchical cache keeps KV pages in GPU memory (L1) and a host pool (L2), and backs
+host pages up to a storage backend (L3), which it asks for a returning prefix before
+computing it. SGLang loads this class by name (``--hicache-storage-backend dynamic`` with
+``{"backend_name": "kvstrata", "module_path": "kvstrata.connectors.sglang",
+"class_name": "KvStrataStorage", "interface_v1": 1, ...}``); docs/sglang.md shows the flags.
+
+How the verbs map onto kvstrata (an :class:`~kvstrata.manager.EngineOwnedManager` whose G1
+is SGLang's host pool, wrapped without a copy by :mod:`.host_pool`):
+
+* ``batch_exists(keys)`` -- how long a prefix of the pages the tiers hold;
+* ``batch_set_v1(keys, host_indices)`` -- the pages at those host slots are copied down the
+  tiers (G3, G4; verified on every later read); returns once nothing reads those host pages;
+* ``batch_get_v1(keys, host_indices)`` -- the longest held prefix is copied into those host
+  slots, verified; a page that fails its check is dropped and reported missing, so SGLang
+  computes it (never reads wrong bytes).
+
+**Keys.** SGLang names a page by the hex SHA-256 of the previous page's digest and the page's
+tokens (seeded by the request's cache salt): a chain, like kvstrata's. A page's kvstrata hash
+is the key's first 64 bits (:func:`page_hash`); its parent is the key before it in the batch,
+or the last of ``extra_info.prefix_keys`` when SGLang passes them
+(``hicache_storage_pass_prefix_keys``), else none. The backend never sees the tokens, so these
+hashes are SGLang's chain, not the xxh3 chain vLLM's and Dynamo's routers compute.
+
+**Ranks.** Each tensor-parallel rank stores its own heads (its own G3 home in one
+``disk_dir``). An MLA model's KV is the same on every rank and SGLang backs it up from one
+rank only; with more than one rank that needs one store every rank reads, which this
+backend does not offer yet: it refuses MLA with ``tp_size > 1``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, List, Optional, Sequence
+
+import torch
+import xxhash
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+
+from ...manager import ManagerError
+from ...manager.engine_owned import EngineOwnedManager
+from ...types import BlockRecord
+from .host_pool import wrap_host_pool
+from .settings import SGLangConfigError, kv_config, settings_from
+
+__all__ = ["KvStrataStorage", "page_hash"]
+
+log = logging.getLogger(__name__)
+
+
+def page_hash(key: str) -> int:
+    """kvstrata's 64-bit hash of an SGLang page key: the first 16 hex digits of its SHA-256
+    (any other string: its xxh3-64)."""
+    if isinstance(key, str) and len(key) >= 16:
+        try:
+            return int(key[:16], 16)
+        except ValueError:
+            pass
+    return xxhash.xxh3_64_intdigest(str(key).encode("utf-8", "surrogatepass"))
+
+
+class KvStrataStorage(HiCacheStorage):
+    """See the module docstring. SGLang's factory calls ``KvStrataStorage(storage_config,
+    kwargs)``, then ``register_mem_pool_host(host_pool)``; kvstrata's tiers are built then."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Any = None) -> None:
+        self.storage_config = storage_config
+        self.settings = settings_from(getattr(storage_config, "extra_config", None))
+        self.is_mla = bool(storage_config.is_mla_model)
+        if self.is_mla and storage_config.tp_size > 1:
+            raise SGLangConfigError(
+                f"kvstrata HiCache backend: an MLA model over {storage_config.tp_size} ranks "
+                f"needs one store every rank reads (SGLang backs MLA up from one rank); not "
+                f"offered yet: run it with one rank")
+        self.manager: EngineOwnedManager | None = None
+        self._page_size = 0
+
+    # -- set-up ----------------------------------------------------------------------------
+    def register_mem_pool_host(self, mem_pool_host) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        pool = wrap_host_pool(mem_pool_host, self.is_mla)
+        config = kv_config(self.settings, pool, self.storage_config.model_name)
+        if self.manager is not None:
+            self.manager.close()
+        self.manager = EngineOwnedManager(
+            config, kv_caches=pool.runs, kv_layout="block_page",
+            rank=self.storage_config.tp_rank, world_size=self.storage_config.tp_size)
+        self._page_size = pool.page_size
+        log.info("kvstrata: HiCache storage for %s (rank %d of %d): %d host pages of %d "
+                 "tokens over %s", self.storage_config.model_name, self.storage_config.tp_rank,
+                 self.storage_config.tp_size, pool.pages, pool.page_size,
+                 ", ".join(t for t in config.tiers if t != "G1"))
+
+    # -- the verbs SGLang calls ------------------------------------------------------------
+    def batch_exists(self, keys: List[str], extra_info=None) -> int:
+        manager = self._manager("batch_exists")
+        if not keys:
+            return 0
+        try:
+            return manager.held([page_hash(k) for k in keys]).result()
+        except ManagerError as exc:
+            log.warning("kvstrata: batch_exists answered 0: %s", exc)
+            return 0
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
+                     extra_info=None) -> List[bool]:
+        manager = self._manager("batch_set_v1")
+        if not keys:
+            return []
+        try:
+            records = self._records(keys, extra_info)
+            manager.store(records, self._pages(host_indices, len(keys))).result()
+            held = manager.held([r.sequence_hash for r in records]).result()
+        except (ManagerError, ValueError) as exc:
+            log.warning("kvstrata: %d page(s) not stored: %s", len(keys), exc)
+            return [False] * len(keys)
+        return [i < held for i in range(len(keys))]
+
+    def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
+                     extra_info=None) -> List[bool]:
+        manager = self._manager("batch_get_v1")
+        if not keys:
+            return []
+        try:
+            result = manager.load([page_hash(k) for k in keys],
+                                  self._pages(host_indices, len(keys))).result()
+        except (ManagerError, ValueError) as exc:
+            log.warning("kvstrata: %d page(s) not loaded: %s", len(keys), exc)
+            return [False] * len(keys)
+        if result.failures:
+            log.warning("kvstrata: %d page(s) failed their check and were dropped: %s",
+                        len(result.failures), ", ".join(sorted({f.kind for f in result.failures})))
+        return [i < len(result) for i in range(len(keys))]
+
+    # the copying path (no interface_v1): refused at start by settings_from
+    def get(self, key, target_location=None, target_sizes=None):
+        raise NotImplementedError("kvstrata serves HiCache through interface_v1")
+
+    def batch_get(self, keys, target_locations=None, target_sizes=None):
+        raise NotImplementedError("kvstrata serves HiCache through interface_v1")
+
+    def set(self, key, value=None, target_location=None, target_sizes=None):
+        raise NotImplementedError("kvstrata serves HiCache through interface_v1")
+
+    def batch_set(self, keys, values=None, target_locations=None, target_sizes=None):
+        raise NotImplementedError("kvstrata serves HiCache through interface_v1")
+
+    def clear(self) -> None:
+        """Drop every idle block of kvstrata's tiers (SGLang's ``/clear_hicache_storage``)."""
+        if self.manager is not None:
+            self.manager.clear().result()
+
+    def close(self) -> None:
+        if self.manager is not None:
+            self.manager.close()
+
+    def get_stats(self):
+        return None
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _manager(self, verb: str) -> EngineOwnedManager:
+        if self.manager is None:
+            raise RuntimeError(f"{verb} before register_mem_pool_host: SGLang registers its "
+                               f"host pool first")
+        return self.manager
+
+    def _records(self, keys: Sequence[str], extra_info) -> list[BlockRecord]:
+        """Block records of the pages ``keys`` name, chained (see the module docstring)."""
+        prefix = getattr(extra_info, "prefix_keys", None) if extra_info is not None else None
+        parent: Optional[int] = page_hash(prefix[-1]) if prefix else None
+        records = []
+        for key in keys:
+            h = page_hash(key)
+            records.append(BlockRecord(h, h, parent, self._page_size))
+            parent = h
+        return records
+
+    def _pages(self, host_indices: torch.Tensor, count: int) -> list[int]:
+        """The host pool page of each of ``count`` pages: its first token slot over the page
+        size (slots of a page are consecutive and page-aligned in SGLang's host pool)."""
+        page = self._page_size
+        slots = host_indices.reshape(-1)
+        if slots.numel() != count * page:
+            raise ValueError(f"{count} pages need {count * page} host slots, got "
+                             f"{slots.numel()}")
+        firsts = slots[::page].tolist()
+        if any(s % page for s in firsts):
+            raise ValueError("host slots of a page do not start on a page boundary")
+        return [s // page for s in firsts]

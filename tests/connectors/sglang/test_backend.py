@@ -1,0 +1,228 @@
+"""kvstrata as SGLang HiCache's storage backend, against SGLang's own classes (the pinned
+sglang package): loaded by SGLang's ``StorageBackendFactory`` as a dynamic backend, pages of a
+host pool stored and loaded back byte for byte in every host layout SGLang has, a corrupt G3
+page reported missing (never wrong bytes), and a durable G3 that a restarted backend serves.
+
+SGLang's host pool classes themselves cannot be built here (they import torchvision, which
+vLLM's CPU build excludes from this environment): the pool given to the backend is an object
+with the attributes the backend reads (``layout``, ``page_size``, ``size``, ``kv_buffer``)
+and SGLang's buffer shapes for each layout (sglang/srt/mem_cache/pool_host/{mha,mla}.py)."""
+
+from __future__ import annotations
+
+import hashlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
+
+from sglang.srt.mem_cache.hicache_storage import (HiCacheStorageConfig,  # noqa: E402
+                                                  HiCacheStorageExtraInfo)
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
+
+from kvstrata.connectors.sglang import KvStrataStorage, page_hash  # noqa: E402
+from kvstrata.connectors.sglang.settings import SGLangConfigError  # noqa: E402
+
+PAGE, PAGES, LAYERS, HEADS, DIM, LATENT = 4, 16, 3, 2, 8, 24
+TOKENS = PAGE * PAGES
+
+SHAPES = {   # SGLang's host kv_buffer shapes (pool_host/mha.py, pool_host/mla.py)
+    ("page_first", False): (2, TOKENS, LAYERS, HEADS, DIM),
+    ("layer_first", False): (2, LAYERS, TOKENS, HEADS, DIM),
+    ("page_first_direct", False): (2, PAGES, LAYERS, PAGE, HEADS, DIM),
+    ("page_head", False): (2, PAGES, HEADS, PAGE, LAYERS, DIM),
+    ("page_first", True): (TOKENS, LAYERS, 1, LATENT),
+    ("layer_first", True): (LAYERS, TOKENS, 1, LATENT),
+}
+
+
+def host_pool(layout: str, mla: bool, seed: int = 0):
+    buffer = torch.randn(SHAPES[layout, mla], generator=torch.Generator().manual_seed(seed))
+    return SimpleNamespace(layout=layout, page_size=PAGE, size=TOKENS,
+                           kv_buffer=buffer.to(torch.bfloat16))
+
+
+def storage_config(tmp_path, mla=False, tp_rank=0, tp_size=1, **extra):
+    extra_config = {"backend_name": "kvstrata", "module_path": "kvstrata.connectors.sglang",
+                    "class_name": "KvStrataStorage", "interface_v1": 1,
+                    "tiers": {"G3": {"blocks": 64}}, "disk_dir": str(tmp_path / "g3"), **extra}
+    return HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1,
+                                attn_cp_rank=0, attn_cp_size=1, is_mla_model=mla,
+                                enable_storage_metrics=False, is_page_first_layout=True,
+                                model_name="tiny-test", extra_config=extra_config)
+
+
+def backend(tmp_path, pool, mla=False, **extra) -> KvStrataStorage:
+    made = StorageBackendFactory.create_backend("dynamic", storage_config(tmp_path, mla,
+                                                                          **extra), None)
+    assert isinstance(made, KvStrataStorage)
+    made.register_mem_pool_host(pool)
+    return made
+
+
+def keys_of(n: int, salt: bytes = b"") -> list[str]:
+    """Chained page keys as SGLang makes them: hex SHA-256 of the previous digest and the
+    page's tokens (little-endian uint32)."""
+    keys, digest = [], hashlib.sha256(salt).digest() if salt else b""
+    for i in range(n):
+        tokens = b"".join((1000 * i + t).to_bytes(4, "little") for t in range(PAGE))
+        digest = hashlib.sha256(digest + tokens).digest()
+        keys.append(digest.hex())
+    return keys
+
+
+def slots(pages: list[int]) -> torch.Tensor:
+    return torch.tensor([p * PAGE + t for p in pages for t in range(PAGE)], dtype=torch.int64)
+
+
+def page_bytes(pool, page: int, mla: bool) -> list[torch.Tensor]:
+    """Every value of host page ``page`` (in whatever layout), for comparisons."""
+    from kvstrata.connectors.sglang.host_pool import wrap_host_pool
+
+    return [run[page].clone() for run in wrap_host_pool(pool, mla).runs]
+
+
+@pytest.mark.parametrize("layout, mla", list(SHAPES))
+def test_pages_go_down_and_come_back_byte_for_byte(tmp_path, layout, mla):
+    pool = host_pool(layout, mla)
+    store = backend(tmp_path, pool, mla)
+    try:
+        keys = keys_of(6)
+        written = [page_bytes(pool, p, mla) for p in range(6)]
+        assert store.batch_exists(keys) == 0
+        assert store.batch_set_v1(keys, slots(list(range(6)))) == [True] * 6
+        assert store.batch_exists(keys) == 6
+        assert store.batch_exists(keys[:3] + keys_of(1, b"other")) == 3
+        pool.kv_buffer[...] = 0                        # SGLang reuses its host pages
+        assert store.batch_get_v1(keys, slots([9, 10, 11, 12, 13, 14])) == [True] * 6
+        for i, page in enumerate(range(9, 15)):
+            for got, want in zip(page_bytes(pool, page, mla), written[i]):
+                assert torch.equal(got, want), (layout, mla, i)
+        assert page_bytes(pool, 0, mla)[0].abs().sum() == 0     # nothing else written
+    finally:
+        store.close()
+
+
+def test_a_prefix_past_what_is_held_loads_only_the_held_pages(tmp_path):
+    pool = host_pool("page_first", False)
+    store = backend(tmp_path, pool)
+    try:
+        keys = keys_of(5)
+        store.batch_set_v1(keys[:3], slots([0, 1, 2]))
+        before = page_bytes(pool, 7, False)
+        assert store.batch_get_v1(keys, slots([4, 5, 6, 7, 8])) == [True] * 3 + [False] * 2
+        assert all(torch.equal(a, b) for a, b in zip(page_bytes(pool, 7, False), before))
+    finally:
+        store.close()
+
+
+def test_a_corrupt_g3_page_is_reported_missing_never_loaded(tmp_path):
+    pool = host_pool("page_first", False)
+    store = backend(tmp_path, pool)
+    try:
+        keys = keys_of(4)
+        store.batch_set_v1(keys, slots([0, 1, 2, 3]))
+        store.manager.wait_idle(10)
+        disk = store.manager.storage("G3")
+        slot = store.manager.pools["G3"].lookup(page_hash(keys[2])).block_id
+        with open(disk.path, "r+b") as fh:          # another writer flips one byte
+            fh.seek(slot * disk.layout.block_stride + 5)
+            byte = fh.read(1)
+            fh.seek(slot * disk.layout.block_stride + 5)
+            fh.write(bytes([byte[0] ^ 0xFF]))
+        before = page_bytes(pool, 12, False)
+        got = store.batch_get_v1(keys, slots([10, 11, 12, 13]))
+        assert got == [True, True, False, False]
+        assert all(torch.equal(a, b) for a, b in zip(page_bytes(pool, 12, False), before))
+        assert store.batch_exists(keys) == 2           # the bad page was dropped
+    finally:
+        store.close()
+
+
+def test_a_restarted_backend_serves_its_durable_g3(tmp_path):
+    pool = host_pool("layer_first", False, seed=3)
+    keys = keys_of(4)
+    written = [page_bytes(pool, p, False) for p in range(4)]
+    first = backend(tmp_path, pool)
+    first.batch_set_v1(keys, slots([0, 1, 2, 3]))
+    first.close()
+    fresh = host_pool("layer_first", False, seed=4)
+    second = backend(tmp_path, fresh)
+    try:
+        assert second.batch_exists(keys) == 4
+        assert second.batch_get_v1(keys, slots([5, 6, 7, 8])) == [True] * 4
+        for i in range(4):
+            assert all(torch.equal(a, b) for a, b in zip(page_bytes(fresh, 5 + i, False),
+                                                         written[i]))
+    finally:
+        second.close()
+
+
+def test_another_host_layout_never_reads_the_stored_pages(tmp_path):
+    keys = keys_of(2)
+    first = backend(tmp_path, host_pool("page_first", False))
+    first.batch_set_v1(keys, slots([0, 1]))
+    first.close()
+    second = backend(tmp_path, host_pool("page_head", False))   # same sizes, other order
+    try:
+        assert second.batch_exists(keys) == 0
+    finally:
+        second.close()
+
+
+def test_prefix_keys_chain_the_first_page_of_a_batch(tmp_path):
+    pool = host_pool("page_first", False)
+    store = backend(tmp_path, pool)
+    try:
+        keys = keys_of(4)
+        info = HiCacheStorageExtraInfo(prefix_keys=keys[:2])
+        records = store._records(keys[2:], info)
+        assert records[0].parent_hash == page_hash(keys[1])
+        assert records[1].parent_hash == page_hash(keys[2])
+        assert store._records(keys[:1], None)[0].parent_hash is None
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"interface_v1": 0}, "interface_v1"),
+    ({"colour": "blue"}, "unknown keys"),
+    ({"tiers": {"G1": {"blocks": 4}, "G3": {"blocks": 4}}}, "host pool"),
+    ({"tiers": 7}, "tiers must be"),
+])
+def test_bad_settings_are_refused_with_every_problem(tmp_path, extra, match):
+    with pytest.raises(SGLangConfigError, match=match):
+        StorageBackendFactory.create_backend("dynamic", storage_config(tmp_path, **extra), None)
+
+
+def test_mla_over_several_ranks_is_refused_until_one_store_serves_them(tmp_path):
+    with pytest.raises(SGLangConfigError, match="MLA"):
+        StorageBackendFactory.create_backend(
+            "dynamic", storage_config(tmp_path, mla=True, tp_rank=0, tp_size=2), None)
+
+
+def test_ranks_keep_their_own_pages(tmp_path):
+    pools = [host_pool("page_first", False, seed=r) for r in (0, 1)]
+    stores = [backend(tmp_path, pools[r], tp_rank=r, tp_size=2) for r in (0, 1)]
+    try:
+        keys = keys_of(2)
+        stores[0].batch_set_v1(keys, slots([0, 1]))
+        assert stores[0].batch_exists(keys) == 2 and stores[1].batch_exists(keys) == 0
+    finally:
+        for s in stores:
+            s.close()
+
+
+def test_host_slots_that_are_not_whole_pages_store_nothing(tmp_path):
+    pool = host_pool("page_first", False)
+    store = backend(tmp_path, pool)
+    try:
+        keys = keys_of(2)
+        assert store.batch_set_v1(keys, slots([0, 1])[1:]) == [False, False]
+        shifted = slots([0, 1]) + 1
+        assert store.batch_set_v1(keys, shifted) == [False, False]
+        assert store.batch_exists(keys) == 0
+    finally:
+        store.close()
