@@ -204,6 +204,25 @@ def make_sink(spec: str | SinkSpec, callback: Callable | None = None) -> Sink:
     raise SinkSpecError(f"unknown sink kind {s.kind!r}")
 
 
+def sink_specs(value: object, problems: list[str]) -> tuple[str, ...]:
+    """An engine config's ``events`` (one sink spec or a list of them), checked with
+    :func:`sink_problem`; what is wrong is added to ``problems`` (and left out)."""
+    if isinstance(value, str):
+        value = (value,) if value else ()
+    if not isinstance(value, (list, tuple)) or not all(isinstance(e, str) and e
+                                                       for e in value):
+        problems.append(f"events must be a sink spec or a list of them, got {value!r:.80}")
+        return ()
+    good = []
+    for spec_text in value:
+        problem = sink_problem(spec_text)
+        if problem:
+            problems.append(f"events: {problem}")
+        else:
+            good.append(spec_text)
+    return tuple(good)
+
+
 def make_publisher(spec: str, *, start: bool = True, callback: Callable | None = None, **options: Any) -> EventPublisher:
     """An :class:`EventPublisher` for a sink spec, started unless ``start=False``.
 

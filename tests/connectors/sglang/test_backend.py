@@ -226,3 +226,27 @@ def test_host_slots_that_are_not_whole_pages_store_nothing(tmp_path):
         assert store.batch_exists(keys) == 0
     finally:
         store.close()
+
+
+def test_stored_pages_are_published_as_events(tmp_path):
+    import json
+
+    sink = tmp_path / "events.jsonl"
+    pool = host_pool("page_first", False)
+    store = backend(tmp_path, pool, events=f"jsonl:{sink}", worker_id=7)
+    keys = keys_of(3)
+    try:
+        store.batch_set_v1(keys, slots([0, 1, 2]))
+        store.manager.wait_idle(10)
+    finally:
+        store.close()                                  # flushes the sink
+    lines = [json.loads(line) for line in sink.read_text().splitlines()]
+    text = json.dumps(lines)
+    assert all(str(page_hash(k)) in text for k in keys), text[:400]
+    assert all(line.get("worker_id", 7) == 7 for line in lines)
+
+
+def test_a_bad_event_sink_is_refused_at_start(tmp_path):
+    with pytest.raises(SGLangConfigError, match="events"):
+        StorageBackendFactory.create_backend(
+            "dynamic", storage_config(tmp_path, events=f"jsonl:{tmp_path}/no/such/dir/x"), None)

@@ -74,6 +74,7 @@ class KvStrataStorage(HiCacheStorage):
                 f"needs one store every rank reads (SGLang backs MLA up from one rank); not "
                 f"offered yet: run it with one rank")
         self.manager: EngineOwnedManager | None = None
+        self._publishers: list = []
         self._page_size = 0
 
     # -- set-up ----------------------------------------------------------------------------
@@ -81,11 +82,19 @@ class KvStrataStorage(HiCacheStorage):
         super().register_mem_pool_host(mem_pool_host)
         pool = wrap_host_pool(mem_pool_host, self.is_mla)
         config = kv_config(self.settings, pool, self.storage_config.model_name)
-        if self.manager is not None:
-            self.manager.close()
-        self.manager = EngineOwnedManager(
-            config, kv_caches=pool.runs, kv_layout="block_page",
-            rank=self.storage_config.tp_rank, world_size=self.storage_config.tp_size)
+        self.close()
+        from ...events.spec import make_publisher
+
+        self._publishers = [make_publisher(s, worker_id=self.settings.worker_id)
+                            for s in self.settings.events]
+        try:
+            self.manager = EngineOwnedManager(
+                config, kv_caches=pool.runs, kv_layout="block_page",
+                rank=self.storage_config.tp_rank, world_size=self.storage_config.tp_size,
+                observers=self._publishers)
+        except BaseException:
+            self.close()
+            raise
         self._page_size = pool.page_size
         log.info("kvstrata: HiCache storage for %s (rank %d of %d): %d host pages of %d "
                  "tokens over %s", self.storage_config.model_name, self.storage_config.tp_rank,
@@ -155,8 +164,13 @@ class KvStrataStorage(HiCacheStorage):
             self.manager.clear().result()
 
     def close(self) -> None:
+        """Stop kvstrata: its copies finish, a durable G3 is kept, event sinks flushed."""
         if self.manager is not None:
             self.manager.close()
+            self.manager = None
+        publishers, self._publishers = self._publishers, []
+        for publisher in publishers:
+            publisher.close()
 
     def get_stats(self):
         return None

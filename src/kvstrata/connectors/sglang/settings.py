@@ -22,6 +22,9 @@ key                meaning                                           default
 ``tenant_quotas``  per named tenant, its quota per tier               none
 ``eviction`` /     kvstrata's eviction order / admission filter       ``default`` / ``always``
 ``admission``
+``events``         kvstrata event sinks (``nats://...``, ``jsonl:``   none
+                   ``PATH``, ...; docs/events.md): one or a list
+``worker_id``      this server's id in its events (an integer)       0
 =================  ================================================  =======================
 
 Sources, lowest precedence first: kvstrata's defaults, its TOML file, ``KVSTRATA_*``
@@ -37,6 +40,7 @@ from typing import Any, Mapping
 
 from ...config import ConfigError, KvConfig, TierConfig, load_config, normalize_tiers, \
     parse_tiers_flag
+from ...events.spec import sink_specs
 from ...tiers import TOP_TIER
 from .host_pool import HostPoolView
 
@@ -47,7 +51,7 @@ SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface
 """SGLang's own keys that reach a dynamic backend's extra config."""
 
 KNOWN = frozenset({"tiers", "disk_dir", "config", "tenant", "tenant_quotas", "eviction",
-                   "admission"})
+                   "admission", "events", "worker_id"})
 
 DEFAULT_TIERS = {"G3": {"bytes": "4GiB"}}
 """kvstrata under SGLang's host pool when nothing says otherwise: a 4 GiB G3."""
@@ -65,6 +69,9 @@ class BackendSettings:
     tiers: dict[str, TierConfig]
     config_path: str | None = None
     overrides: dict[str, Any] = field(default_factory=dict)
+    events: tuple[str, ...] = ()
+    """kvstrata event sink specs (:mod:`kvstrata.events.spec`)."""
+    worker_id: int = 0
 
 
 def settings_from(extra_config: Mapping[str, Any] | None) -> BackendSettings:
@@ -99,9 +106,14 @@ def settings_from(extra_config: Mapping[str, Any] | None) -> BackendSettings:
         problems.append(f"config must be a path, got {config_path!r:.80}")
     overrides = {k: extra[k] for k in ("disk_dir", "tenant", "tenant_quotas", "eviction",
                                        "admission") if k in extra}
+    events = sink_specs(extra.get("events", ()), problems)
+    worker_id = extra.get("worker_id", 0)
+    if isinstance(worker_id, bool) or not isinstance(worker_id, int) \
+            or not 0 <= worker_id < 2**64:
+        problems.append(f"worker_id must be an integer in 0..2^64-1, got {worker_id!r:.40}")
     if problems:
         raise SGLangConfigError("kvstrata HiCache backend: " + "; ".join(problems))
-    return BackendSettings(tiers, config_path, overrides)
+    return BackendSettings(tiers, config_path, overrides, events, worker_id)
 
 
 def kv_config(settings: BackendSettings, pool: HostPoolView, model_name: str | None,

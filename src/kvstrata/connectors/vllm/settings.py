@@ -66,7 +66,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
 from ...config import ConfigError, KvConfig, ModelGeometry, TierConfig, load_config
-from ...events.spec import sink_problem
+from ...events.spec import sink_specs
 from ...kinds import StorageOptions, check_tiers
 from ...remote.control import can_listen_on, parse_control
 from ...tiers import TIER_NAMES, TOP_TIER, TierKind, first_of_kind, spec
@@ -282,17 +282,7 @@ def _switches(extra: Mapping[str, Any], geometry: KvGeometry,
                     lambda v: isinstance(v, bool) or (isinstance(v, str) and v == "auto"),
                     'true, false or "auto"', problems)
     out["yield_to_forward"] = None if pace == "auto" else pace
-    events = extra.get("events", ())
-    if isinstance(events, str):
-        events = (events,) if events else ()
-    out["events"] = tuple(_checked({"events": events}, "events", (),
-                                   lambda v: isinstance(v, (list, tuple))
-                                   and all(isinstance(e, str) and e for e in v),
-                                   "a sink spec or a list of them", problems))
-    for spec_text in out["events"]:
-        problem = sink_problem(spec_text)
-        if problem:
-            problems.append(f"events: {problem}")
+    out["events"] = sink_specs(extra.get("events", ()), problems)
     out["export"] = _checked(extra, "export", None,
                              lambda v: v is None or _control_address(v, local=True),
                              "tcp://host:port, a port in 1..65535 on an address of this host",
