@@ -376,9 +376,23 @@ class KvBlockManager:
 
     def clear(self) -> "Future[int]":
         """Drop every idle block of the tiers below G1 (a "cleared" event where nothing was
-        in use; blocks in use stay); the future gives how many were dropped."""
-        return self._call(lambda: sum(pool.clear() for tier, pool in self.pools.items()
-                                      if tier != self._top))
+        in use; blocks in use stay), for good: a durable G3 journals it, so a restart does
+        not bring them back (after a change of weights, say). The future gives how many were
+        dropped. Objects in a shared G4 stay in the store (other workers may use them): this
+        worker forgets them until a listing finds them again."""
+        def run() -> int:
+            dropped = 0
+            for tier, pool in self.pools.items():
+                if tier == self._top:
+                    continue
+                held = {h: pool.lookup(h).block_id for h in pool.hashes()}
+                dropped += pool.clear()
+                forget = getattr(self._storages.by_tier[tier], "forget", None)
+                gone = [slot for h, slot in held.items() if h not in pool]
+                if forget is not None and gone:
+                    forget(gone)
+            return dropped
+        return self._call(run)
 
     def evict(self, tier: str, sequence_hashes: Sequence[int]) -> "Future[list[int]]":
         """Drop idle blocks from ``tier`` (invalidation); returns the hashes dropped. Blocks

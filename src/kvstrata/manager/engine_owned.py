@@ -124,6 +124,11 @@ class EngineOwnedManager(KvBlockManager):
             self._stores = waiting
 
     def _fail_onboards(self, error: ManagerError) -> None:
+        # The owner broke: copies may still fill or read the engine's blocks. Let the running
+        # ones end (queued ones are cancelled) before the engine hears its loads failed and
+        # its stores are over: it reuses those blocks as soon as it does.
+        if self.engine is not None:
+            self.engine.close(cancel_pending=True)
         super()._fail_onboards(error)
         stores, self._stores = self._stores, []
         for _, future in stores:
@@ -150,3 +155,18 @@ class EngineOwnedManager(KvBlockManager):
     def release(self, handle):
         """Refused: there are no G1 handles here (a load's result holds none)."""
         raise self._refuse("release")
+
+    def write_g1(self, block_ids, payloads) -> None:
+        raise self._refuse("write_g1")
+
+    def read_g1(self, block_ids):
+        raise self._refuse("read_g1")
+
+    def export(self, *args, **kwargs):
+        raise self._refuse("export")
+
+    def importer(self, *args, **kwargs):
+        raise self._refuse("importer")
+
+    def fetch_remote(self, *args, **kwargs):
+        raise self._refuse("fetch_remote")

@@ -44,14 +44,16 @@ def host_pool(layout: str, mla: bool, seed: int = 0):
                            kv_buffer=buffer.to(torch.bfloat16))
 
 
-def storage_config(tmp_path, mla=False, tp_rank=0, tp_size=1, **extra):
+def storage_config(tmp_path, mla=False, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1,
+                   dp_rank=0, **extra):
     extra_config = {"backend_name": "kvstrata", "module_path": "kvstrata.connectors.sglang",
                     "class_name": "KvStrataStorage", "interface_v1": 1,
                     "tiers": {"G3": {"blocks": 64}}, "disk_dir": str(tmp_path / "g3"), **extra}
-    return HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1,
-                                attn_cp_rank=0, attn_cp_size=1, is_mla_model=mla,
-                                enable_storage_metrics=False, is_page_first_layout=True,
-                                model_name="tiny-test", extra_config=extra_config)
+    return HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank,
+                                pp_size=pp_size, attn_cp_rank=0, attn_cp_size=1,
+                                is_mla_model=mla, enable_storage_metrics=False,
+                                is_page_first_layout=True, model_name="tiny-test",
+                                dp_rank=dp_rank, extra_config=extra_config)
 
 
 def backend(tmp_path, pool, mla=False, **extra) -> KvStrataStorage:
@@ -250,3 +252,78 @@ def test_a_bad_event_sink_is_refused_at_start(tmp_path):
     with pytest.raises(SGLangConfigError, match="events"):
         StorageBackendFactory.create_backend(
             "dynamic", storage_config(tmp_path, events=f"jsonl:{tmp_path}/no/such/dir/x"), None)
+
+
+def test_pipeline_stages_and_data_parallel_ranks_keep_their_own_pages(tmp_path):
+    """Two pipeline stages hold other layers under one model name, data-parallel attention
+    ranks are all tp rank 0: each starts beside the others in one disk_dir, none reads
+    another's pages."""
+    keys = keys_of(2)
+    made = [backend(tmp_path, host_pool("page_first", False, seed=i), **kw)
+            for i, kw in enumerate([{"pp_rank": 0, "pp_size": 2}, {"pp_rank": 1, "pp_size": 2},
+                                    {"dp_rank": 1}])]
+    try:
+        made[0].batch_set_v1(keys, slots([0, 1]))
+        assert [m.batch_exists(keys) for m in made] == [2, 0, 0]
+    finally:
+        for m in made:
+            m.close()
+
+
+def test_a_pool_with_part_of_its_pages_elsewhere_is_refused(tmp_path):
+    pool = host_pool("page_first", False)
+    pool.k_scale_host = torch.zeros(4)             # an MXFP8 pool keeps scales aside
+    with pytest.raises(SGLangConfigError, match="outside"):
+        backend(tmp_path, pool)
+
+
+def test_a_hybrid_models_side_pools_are_refused_at_start(tmp_path):
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    store = backend(tmp_path, host_pool("page_first", False))
+    try:
+        store.register_mem_host_pool_v2(store.mem_pool_host, PoolName.KV)   # the KV anchor
+        with pytest.raises(SGLangConfigError, match="mamba"):
+            store.register_mem_host_pool_v2(object(), PoolName.MAMBA)
+    finally:
+        store.close()
+
+
+def test_cleared_pages_stay_gone_after_a_restart(tmp_path):
+    keys = keys_of(3)
+    first = backend(tmp_path, host_pool("page_first", False))
+    first.batch_set_v1(keys, slots([0, 1, 2]))
+    first.clear()
+    assert first.batch_exists(keys) == 0
+    first.close()
+    second = backend(tmp_path, host_pool("page_first", False))
+    try:
+        assert second.batch_exists(keys) == 0
+    finally:
+        second.close()
+
+
+def test_keys_that_share_a_prefix_are_other_pages():
+    a = "ab" * 32
+    assert page_hash(a) == int(a[:16], 16)
+    assert page_hash(a + "_L0-3") != page_hash(a + "_L4-7") != page_hash(a)
+    assert 0 <= page_hash("-" + a[1:]) < 2**64
+
+
+def test_a_page_whose_slots_are_not_one_whole_page_stores_nothing(tmp_path):
+    store = backend(tmp_path, host_pool("page_first", False))
+    try:
+        mixed = torch.tensor([8, 21, 22, 23, 4, 5, 6, 7])
+        assert store.batch_set_v1(keys_of(2), mixed) == [False, False]
+        assert store.batch_exists(keys_of(2)) == 0
+    finally:
+        store.close()
+
+
+def test_a_closed_backend_answers_misses(tmp_path):
+    store = backend(tmp_path, host_pool("page_first", False))
+    store.close()
+    keys = keys_of(1)
+    assert store.batch_exists(keys) == 0
+    assert store.batch_set_v1(keys, slots([0])) == [False]
+    assert store.batch_get_v1(keys, slots([0])) == [False]

@@ -32,17 +32,23 @@ backend does not offer yet: it refuses MLA with ``tp_size > 1``.
 from __future__ import annotations
 
 import logging
+import os
+import re
+from dataclasses import replace
 from typing import Any, List, Optional, Sequence
 
 import torch
 import xxhash
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
-from ...manager import ManagerError
+from ...manager import ManagerConfigError, ManagerError
 from ...manager.engine_owned import EngineOwnedManager
+from ...physical.errors import PhysicalError
 from ...types import BlockRecord
-from .host_pool import wrap_host_pool
+from .host_pool import HostPoolError, wrap_host_pool
 from .settings import SGLangConfigError, kv_config, settings_from
+
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 __all__ = ["KvStrataStorage", "page_hash"]
 
@@ -51,12 +57,9 @@ log = logging.getLogger(__name__)
 
 def page_hash(key: str) -> int:
     """kvstrata's 64-bit hash of an SGLang page key: the first 16 hex digits of its SHA-256
-    (any other string: its xxh3-64)."""
-    if isinstance(key, str) and len(key) >= 16:
-        try:
-            return int(key[:16], 16)
-        except ValueError:
-            pass
+    (a key that is not exactly 64 lowercase hex digits: the xxh3-64 of the whole key)."""
+    if isinstance(key, str) and _SHA256_HEX.fullmatch(key):
+        return int(key[:16], 16)
     return xxhash.xxh3_64_intdigest(str(key).encode("utf-8", "surrogatepass"))
 
 
@@ -76,13 +79,22 @@ class KvStrataStorage(HiCacheStorage):
         self.manager: EngineOwnedManager | None = None
         self._publishers: list = []
         self._page_size = 0
+        self._closed = False
 
     # -- set-up ----------------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host) -> None:
         super().register_mem_pool_host(mem_pool_host)
-        pool = wrap_host_pool(mem_pool_host, self.is_mla)
-        config = kv_config(self.settings, pool, self.storage_config.model_name)
+        try:
+            pool = wrap_host_pool(mem_pool_host, self.is_mla)
+        except HostPoolError as exc:
+            raise SGLangConfigError(f"kvstrata HiCache backend: {exc}") from None
+        config = kv_config(self.settings, pool, self._identity())
+        if config.disk_dir and getattr(self.storage_config, "dp_rank", 0):
+            # data-parallel attention ranks each have a backend of tp rank 0: one home each
+            config = replace(config, disk_dir=os.path.join(
+                config.disk_dir, f"dp{self.storage_config.dp_rank}"))
         self.close()
+        self._closed = False
         from ...events.spec import make_publisher
 
         self._publishers = [make_publisher(s, worker_id=self.settings.worker_id)
@@ -92,6 +104,9 @@ class KvStrataStorage(HiCacheStorage):
                 config, kv_caches=pool.runs, kv_layout="block_page",
                 rank=self.storage_config.tp_rank, world_size=self.storage_config.tp_size,
                 observers=self._publishers)
+        except (ManagerConfigError, PhysicalError) as exc:
+            self.close()
+            raise SGLangConfigError(f"kvstrata HiCache backend: {exc}") from None
         except BaseException:
             self.close()
             raise
@@ -101,10 +116,31 @@ class KvStrataStorage(HiCacheStorage):
                  self.storage_config.tp_size, pool.pages, pool.page_size,
                  ", ".join(t for t in config.tiers if t != "G1"))
 
+    def _identity(self) -> str:
+        """The model as stored blocks name it: SGLang's model name, and the pipeline stage and
+        context-parallel rank when there are several (each holds other layers or tokens)."""
+        c = self.storage_config
+        name = c.model_name or ""
+        if c.pp_size > 1:
+            name += f"|pp{c.pp_rank}of{c.pp_size}"
+        if c.attn_cp_size > 1:
+            name += f"|cp{c.attn_cp_rank}of{c.attn_cp_size}"
+        return name
+
+    def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
+        """SGLang registers each pool of a hybrid model (Mamba state, sliding-window KV, an
+        indexer) here: kvstrata holds the KV pool alone, so any other is refused at start
+        (serving KV without the state it goes with would never be a usable hit)."""
+        name = getattr(host_pool_name, "value", host_pool_name)
+        if name != "kv":
+            raise SGLangConfigError(f"kvstrata HiCache backend: a {name!r} host pool (a hybrid "
+                                    f"model's) is not held yet; kvstrata holds plain KV pools")
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+
     # -- the verbs SGLang calls ------------------------------------------------------------
     def batch_exists(self, keys: List[str], extra_info=None) -> int:
         manager = self._manager("batch_exists")
-        if not keys:
+        if not keys or manager is None:
             return 0
         try:
             return manager.held([page_hash(k) for k in keys]).result()
@@ -118,8 +154,8 @@ class KvStrataStorage(HiCacheStorage):
     def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info=None) -> List[bool]:
         manager = self._manager("batch_set_v1")
-        if not keys:
-            return []
+        if not keys or manager is None:
+            return [False] * len(keys)
         try:
             records = self._records(keys, extra_info)
             manager.store(records, self._pages(host_indices, len(keys))).result()
@@ -132,8 +168,8 @@ class KvStrataStorage(HiCacheStorage):
     def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info=None) -> List[bool]:
         manager = self._manager("batch_get_v1")
-        if not keys:
-            return []
+        if not keys or manager is None:
+            return [False] * len(keys)
         try:
             result = manager.load([page_hash(k) for k in keys],
                                   self._pages(host_indices, len(keys))).result()
@@ -164,7 +200,9 @@ class KvStrataStorage(HiCacheStorage):
             self.manager.clear().result()
 
     def close(self) -> None:
-        """Stop kvstrata: its copies finish, a durable G3 is kept, event sinks flushed."""
+        """Stop kvstrata: its copies finish, a durable G3 is kept, event sinks flushed. Later
+        calls are answered as misses."""
+        self._closed = True
         if self.manager is not None:
             self.manager.close()
             self.manager = None
@@ -176,8 +214,9 @@ class KvStrataStorage(HiCacheStorage):
         return None
 
     # -- helpers ---------------------------------------------------------------------------
-    def _manager(self, verb: str) -> EngineOwnedManager:
-        if self.manager is None:
+    def _manager(self, verb: str) -> EngineOwnedManager | None:
+        """The manager; None once closed (the verb answers a miss)."""
+        if self.manager is None and not self._closed:
             raise RuntimeError(f"{verb} before register_mem_pool_host: SGLang registers its "
                                f"host pool first")
         return self.manager
@@ -197,11 +236,13 @@ class KvStrataStorage(HiCacheStorage):
         """The host pool page of each of ``count`` pages: its first token slot over the page
         size (slots of a page are consecutive and page-aligned in SGLang's host pool)."""
         page = self._page_size
-        slots = host_indices.reshape(-1)
+        slots = host_indices.reshape(-1).to("cpu", torch.int64)
         if slots.numel() != count * page:
             raise ValueError(f"{count} pages need {count * page} host slots, got "
                              f"{slots.numel()}")
-        firsts = slots[::page].tolist()
-        if any(s % page for s in firsts):
-            raise ValueError("host slots of a page do not start on a page boundary")
-        return [s // page for s in firsts]
+        rows = slots.view(count, page)
+        firsts = rows[:, 0]
+        if bool((firsts % page != 0).any()) or not torch.equal(
+                rows, firsts[:, None] + torch.arange(page, dtype=torch.int64)):
+            raise ValueError("host slots of a page are not one whole page")
+        return (firsts // page).tolist()

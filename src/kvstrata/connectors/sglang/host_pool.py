@@ -31,6 +31,12 @@ __all__ = ["HostPoolView", "HostPoolError", "wrap_host_pool", "PAGE_MAJOR_LAYOUT
 PAGE_MAJOR_LAYOUTS = ("page_first", "page_first_direct", "page_head")
 """Layouts whose buffer holds each page's K (and V) in one run (MLA: its latent)."""
 
+SIDE_BUFFERS = ("k_scale_host", "v_scale_host", "index_k_buffer", "index_k_scale_buffer",
+                "index_k_with_scale_buffer")
+"""Host pool attributes that hold part of a page outside ``kv_buffer`` (an MXFP8 pool's
+scales, a sparse-attention indexer's keys): such a pool is refused, since storing
+``kv_buffer`` alone would load pages without them."""
+
 
 class HostPoolError(ValueError):
     """A host pool kvstrata cannot hold: its layout or buffer is not one it knows."""
@@ -51,7 +57,10 @@ class HostPoolView:
 def wrap_host_pool(host, is_mla: bool) -> HostPoolView:
     """Views of ``host.kv_buffer`` (an SGLang ``HostKVCache``: ``layout``, ``page_size``,
     ``size`` in tokens, ``kv_buffer``) as runs of whole pages; :class:`HostPoolError` if it
-    cannot be held so."""
+    cannot be held so. A ``HostPoolGroup`` stands for its anchor (KV) pool."""
+    anchor = getattr(host, "anchor_entry", None)
+    if anchor is not None:
+        host = anchor.host_pool
     layout = getattr(host, "layout", None)
     page = getattr(host, "page_size", None)
     tokens = getattr(host, "size", None)
@@ -59,6 +68,12 @@ def wrap_host_pool(host, is_mla: bool) -> HostPoolView:
     if not isinstance(buf, torch.Tensor) or not _positive(page) or not _positive(tokens):
         raise HostPoolError(f"host pool {type(host).__name__} has no kv_buffer tensor, page "
                             f"size and size kvstrata can read")
+    side = [a for a in SIDE_BUFFERS if getattr(host, a, None) is not None]
+    tag = getattr(host, "storage_format_tag", None)
+    if side or tag is not None:
+        raise HostPoolError(f"host pool {type(host).__name__} keeps part of each page outside "
+                            f"its kv_buffer ({', '.join(side) or f'format {tag!r}'}): not held "
+                            f"by kvstrata yet")
     if buf.device.type != "cpu" or not buf.is_contiguous():
         raise HostPoolError(f"host pool buffer on {buf.device} (contiguous: "
                             f"{buf.is_contiguous()}): kvstrata holds a contiguous host buffer")

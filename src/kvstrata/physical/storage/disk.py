@@ -360,6 +360,14 @@ class DiskStorage(BlockStore):
         raise_for_failures(f"write to {self.path.name}", failures, len(block_ids), sums)
         return sums  # type: ignore[return-value]
 
+    def forget(self, block_ids: Sequence[int]) -> None:
+        """Slots ``block_ids`` no longer hold their blocks, for good: a durable slab journals
+        it, so a restart does not recover them (an invalidation, as opposed to an eviction,
+        whose bytes stay valid until the slot is written again)."""
+        self.checksums.invalidate(block_ids)
+        if self.index is not None:
+            self.index.free(block_ids)
+
     def read_blocks(self, block_ids: Sequence[int], destinations: Sequence[np.ndarray],
                     sequence_hashes: Sequence[int]) -> list[int]:
         """Read slot ``block_ids[i]`` into ``destinations[i]`` (``uint8`` arrays of at least
