@@ -512,7 +512,11 @@ def _quota_problem(quota: object, tier: str) -> str | None:
         size = parse_size(text)
     except (ValueError, OverflowError):
         return f"must be 'N%' or a size such as '1GiB', got {quota!r:.40}"
-    return None if size > 0 else f"must be more than 0, got {quota!r:.40}"
+    if size > 0:
+        return None
+    if re.fullmatch(r"[0-9.]+", text):
+        return f"{quota!r:.40} is a size in bytes and allows no block (did you mean '{text}%'?)"
+    return f"must be more than 0, got {quota!r:.40}"
 
 
 MAX_CONFIG_BYTES = 1 << 20

@@ -259,3 +259,84 @@ def test_the_others_label_cannot_be_named():
     with pytest.raises(ConfigError, match="'\\*'"):
         KvConfig(tiers={"G1": TierConfig(blocks=8), "G2": TierConfig(blocks=8)},
                  tenant_quotas={"*": {"G2": "10%"}}).validate()
+
+
+def test_a_block_whose_child_is_on_its_way_is_not_its_tenants_leaf():
+    """C (extending B) is still being copied when D is offered at quota: B is not a leaf
+    (its child is coming), so it stays and the conversation stays reachable."""
+    from kvstrata.protocol import TransferResult
+
+    p = planner(g2=30, quota="10%")                        # a quota of 3
+    a, b, c, d = chain(4, start=0)
+    store(p, [a, b], "t")
+    p.prepare_offload("G1", [c], engine_block_ids=[2], tenant="t")
+    in_flight = p.take_plans()
+    p.prepare_offload("G1", [d], engine_block_ids=[3], tenant="t")
+    assert b.sequence_hash in p.pools["G2"]
+    p.complete([TransferResult.success(plan) for plan in in_flight])
+    drive(p)
+    assert p.pools["G2"].match_length([r.sequence_hash for r in (a, b, c, d)]) == 3
+
+
+def test_a_parent_stored_after_its_child_knows_it_is_extended():
+    """A's first copy fails, B's lands; A is stored again later: A knows B extends it, so
+    own eviction takes B (the tail) before A."""
+    from kvstrata.protocol.results import BlockFailure, FailureKind
+    from kvstrata.protocol import TransferResult
+
+    p = planner(g2=40, quota="10%")                        # a quota of 4
+    a, b = chain(2, start=0)
+    p.prepare_offload("G1", [a, b], engine_block_ids=[0, 1], tenant="t")
+    [plan] = p.take_plans()
+    p.complete([TransferResult(plan, (False, True), (None, None), 0, 0.0, (
+        BlockFailure(0, plan.dst_block_ids[0], FailureKind.IO_ERROR, "x"),))])
+    store(p, [a, b], "t")                                  # A arrives now
+    p.prepare_onboard([a.sequence_hash, b.sequence_hash], engine_block_ids=[100, 101])
+    drive(p)
+    for result in p.take_finished():
+        result.release()
+    store(p, chain(2, start=10_000), "t")
+    store(p, chain(1, start=20_000), "t")                  # 5 of 4: one own eviction
+    assert a.sequence_hash in p.pools["G2"] and b.sequence_hash not in p.pools["G2"]
+
+
+def test_a_batch_with_a_held_block_never_evicts_it_to_make_room():
+    p = Planner(KvConfig(block_size=BS, eviction="default", tiers={
+        "G1": TierConfig(blocks=64), "G2": TierConfig(blocks=40, tenant_quota="5%")}),
+        engine_owns_top=True)                              # a quota of 2
+    a, b, x = chain(1, start=0)[0], chain(1, start=1000)[0], chain(1, start=2000)[0]
+    store(p, [a], "t")
+    store(p, [b], "t")
+    g2 = p.pools["G2"]
+    slots = g2.allocate(2)
+    slots.apply_token_blocks([a, x])
+    g2.release(p.register_fetched(slots, tenant="t"))
+    drive(p)
+    assert p.tenants.usage()["G2"] == {"t": 2}
+    assert a.sequence_hash in g2
+
+
+def test_busy_leaves_count_as_used_and_idle_ones_still_go():
+    p = planner(g2=256, quota="50%", eviction="lru")
+    busy = [chain(1, start=1000 * i) for i in range(80)]
+    for c in busy:
+        store(p, c, "a")
+    idle = [chain(1, start=500_000 + 1000 * i) for i in range(48)]
+    for c in idle:
+        store(p, c, "a")                                   # 128: at its quota
+    hold = p.pools["G2"].acquire([c[0].sequence_hash for c in busy])
+    store(p, chain(1, start=900_000), "a")
+    assert p.tenants.evicted["G2", "*"] == 1
+    assert all(c[0].sequence_hash in p.pools["G2"] for c in busy)
+    p.pools["G2"].release(hold)
+
+
+def test_a_tenants_heap_stays_bounded_when_others_extend_its_blocks():
+    p = planner(g2=64, quota="2%", eviction="default")     # a quota of one block
+    shared = chain(1, start=0)
+    store(p, shared, "x")
+    for k in range(3000):
+        local, seqs = hash_blocks(np.array([*range(BS), *([10**6 + k] * BS)], dtype="<u4"), BS)
+        store(p, [shared[0], BlockRecord(seqs[1], local[1], seqs[0], BS)], "y")
+    book = p.tenants._books["G2"]
+    assert len(book.leaves.get("x", [])) < 200

@@ -97,14 +97,17 @@ class Offload:
         ledger = self.state.tenants
         assert ledger is not None
         views = blocks.blocks                     # built once: a property makes a list
+        hashes = [b.sequence_hash for b in views]
+        protect = set(hashes) | {b.parent_hash for b in views}
         wanted: dict[str, list[int]] = {}
-        for i, (block, owner) in enumerate(zip(views, owners)):
-            if owner is not None and block.sequence_hash not in pool:
+        seen: set[int] = set()
+        for i, (h, owner) in enumerate(zip(hashes, owners)):
+            if owner is not None and h not in pool and h not in seen:   # new, counted once
+                seen.add(h)
                 wanted.setdefault(owner, []).append(i)
         keep = [True] * len(owners)
         for owner, positions in wanted.items():
-            parents = {views[i].parent_hash for i in positions}
-            allowed = ledger.room(pool, owner, len(positions), parents)
+            allowed = ledger.room(pool, owner, len(positions), protect)
             for i in positions[allowed:]:
                 keep[i] = False
         if all(keep):
@@ -198,18 +201,20 @@ class Offload:
         assert ledger is not None
         pool, receiving = state.pools[target], state.receiving[target]
         keep = list(range(len(records)))
-        if ledger.over(target, tenant, len(records)) > 0:
+        if ledger.over(target, tenant, 0) >= 0:           # at its quota already
+            held_anywhere = state.pools.values()
             orphans: set[int] = set()
             keep = []
             for i, r in enumerate(records):
                 p = r.parent_hash
-                if p is not None and (p in orphans or (p not in pool and p not in receiving)):
+                if p is not None and (p in orphans or (
+                        p not in receiving and not any(p in q for q in held_anywhere))):
                     orphans.add(r.sequence_hash)
                 else:
                     keep.append(i)
             ledger.refuse(target, tenant, len(orphans))
-        allowed = ledger.room(pool, tenant, len(keep),
-                              {records[i].parent_hash for i in keep})
+        protect = {r.sequence_hash for r in records} | {r.parent_hash for r in records}
+        allowed = ledger.room(pool, tenant, len(keep), protect)
         kept = keep[:allowed]
         if len(kept) == len(records):
             return records, engine_ids

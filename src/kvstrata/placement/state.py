@@ -160,8 +160,8 @@ class PlacementState:
         engine = (*engine_src, *engine_dst)
         job = Job(plan, records, source, target, ticket, engine, tuple(engine_dst),
                   tenant=tenant)
-        if tenant is not None and self.tenants is not None:
-            self.tenants.coming(target_tier, tenant, len(hashes))
+        if self.tenants is not None and ticket is None:
+            self.tenants.coming(target_tier, tenant, records, True)
         self.jobs[job_id] = job
         self.blocks_in_flight[job.path] += len(hashes)
         self.outbox.append(job)
@@ -190,8 +190,8 @@ class PlacementState:
     def close_job(self, job: Job) -> None:
         """``job``'s result was taken: it no longer counts as in flight."""
         if self.jobs.pop(job.plan.job_id, None) is not None:
-            if job.tenant is not None and self.tenants is not None:
-                self.tenants.coming(job.dst_tier, job.tenant, -len(job.plan.sequence_hashes))
+            if self.tenants is not None and job.ticket is None:
+                self.tenants.coming(job.dst_tier, job.tenant, job.records, False)
             left = self.blocks_in_flight[job.path] - len(job.plan.sequence_hashes)
             if left > 0:
                 self.blocks_in_flight[job.path] = left

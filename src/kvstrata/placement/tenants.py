@@ -15,9 +15,12 @@ from outside are registered in one:
 * a tenant under its quota stores as before: the tier's eviction policy picks victims among
   everyone's idle blocks;
 * a tenant that would go over its quota first evicts its own idle blocks: its oldest
-  conversation first, tail first (a block leaves only once no held block extends it, whatever
-  the tier's policy, so no prefix is cut out from under a held block), never the parent of a
-  block being stored; what still does not fit is not stored (skipped, reason ``quota``);
+  conversation first, tail first (a block leaves only once no block held in the tier, or on
+  its way there, extends it, whatever the tier's policy, so no prefix is cut out from under a
+  held block), never a block of the batch or the parent of one; a block in use (being read)
+  counts as just used; what still does not fit is not stored (skipped, reason ``quota``);
+* a tenant already at its quota does not store a block whose parent kvstrata holds nowhere
+  and is not receiving: it could only evict a reachable block to be unreachable itself;
 * blocks on their way into a tier count against the quota until they arrive.
 
 So when every block of a tier belongs to a tenant with a quota and the quotas add up to at
@@ -25,12 +28,15 @@ most the tier, every tenant keeps its quota's worth of it whatever the others st
 whose tenant is not known belong to none and count against no quota (they compete by the
 tier's policy alone): blocks a durable G3 recovered at start (its index keeps no tenant).
 
-:class:`TenantLedger` keeps, per tier, which tenant each held block belongs to, which held
-block extends which, and per tenant its *leaves* (held blocks nothing held extends) in a heap
-by the order they were stored or last loaded: the next own victim is the heap's oldest, O(log
-n). It hears every removal (evictions by the policy, drops, clears) from the registry, so it
-holds exactly the blocks the tiers hold. Without any quota configured the planner makes no
-ledger: nothing is tracked and nothing costs.
+:class:`TenantLedger` keeps, per tier, which tenant each held block belongs to; in a tier
+with a quota also how many held blocks (and blocks on their way) name each hash as their
+parent, whether that parent is held or not (so a parent stored after its children, or again,
+knows them), and per tenant its *leaves* (held blocks nothing extends) in a heap by the order
+they were stored or last loaded: the next own victim is the heap's oldest, O(log n). It hears
+every removal (evictions by the policy, drops, clears) from the registry, so it holds exactly
+the blocks the tiers hold. Without any quota configured the planner makes no ledger: nothing
+is tracked and nothing costs; a tier without a quota keeps only whose its blocks are (about
+100 bytes a block), for blocks loaded up from it.
 """
 
 from __future__ import annotations
@@ -49,33 +55,34 @@ TENANT_OTHERS = "*"
 """The label of tenants that ``tenant_quotas`` does not name, summed, in per-tenant
 metrics: a tenant key can be a secret salt, so only names the operator wrote are shown."""
 
-BUSY_TRIES = 64
-"""Idle-looking own blocks a store tries beyond what it needs before it gives up (those in
-use by a load, or extended by another tenant's block, cannot go): bounds the cost of a store
-refused because nearly everything the tenant holds is in use."""
-
 
 class _TierBook:
-    """One tier's blocks of known tenants (see :class:`TenantLedger`)."""
+    """One tier's blocks of known tenants (see :class:`TenantLedger`). A tier without a
+    quota (``limited`` False) keeps ``owner`` and ``count`` only."""
 
-    __slots__ = ("owner", "parent", "born", "kids", "tick", "leaves", "count", "leaf_count")
+    __slots__ = ("limited", "owner", "count", "parent", "kids", "pending", "tick", "leaves",
+                 "leaf_count")
 
-    def __init__(self) -> None:
+    def __init__(self, limited: bool) -> None:
+        self.limited = limited
         self.owner: dict[int, str] = {}
-        self.born: dict[int, int] = {}
-        """When each block was stored (a hash stored again after it left is another block)."""
-        self.parent: dict[int, tuple[int, int]] = {}
-        """A block's parent and the parent's ``born``, as it was when the block was stored."""
+        self.count: Counter[str] = Counter()
+        self.parent: dict[int, int] = {}
+        """Each tracked block's recorded parent (held or not)."""
         self.kids: Counter[int] = Counter()
-        """Held blocks here extending each block (absent: none)."""
+        """Per hash, tracked held blocks naming it as their parent (absent: none)."""
+        self.pending: Counter[int] = Counter()
+        """Per hash, blocks on their way into this tier naming it as their parent."""
         self.tick: dict[int, int] = {}
-        """When each block was stored or last loaded."""
+        """When each block was stored or last used."""
         self.leaves: dict[str, list[tuple[int, int]]] = {}
         """Per tenant, a heap of ``(tick, block)``; entries whose tick or leafness changed
         are stale and skipped (compacted when they outnumber the live ones)."""
-        self.count: Counter[str] = Counter()
         self.leaf_count: Counter[str] = Counter()
-        """Per tenant, its held blocks that no held block extends (its heap's live ones)."""
+        """Per tenant, its held blocks that nothing held or coming extends."""
+
+    def is_leaf(self, h: int) -> bool:
+        return h in self.owner and h not in self.kids and h not in self.pending
 
 
 class TenantLedger(RegistryObserver):
@@ -90,7 +97,8 @@ class TenantLedger(RegistryObserver):
         self._named = {tier: dict(named) for tier, (_, named) in limits.items()}
         self.named = frozenset(t for _, named in limits.values() for t in named)
         """Tenants that the config names (their own label in metrics)."""
-        self._books = {tier: _TierBook() for tier in limits}
+        self._books = {tier: _TierBook(default is not None or bool(named))
+                       for tier, (default, named) in limits.items()}
         self._incoming: dict[str, Counter[str]] = {tier: Counter() for tier in limits}
         self._clock = 0
         # by (tier, label): what metrics show, kept as it changes (O(1) to read per step)
@@ -114,7 +122,7 @@ class TenantLedger(RegistryObserver):
         ``tier`` (0 or less: it fits)."""
         limit = None if tenant is None else self.limit(tier, tenant)
         if limit is None:
-            return 0
+            return -1
         return self._books[tier].count[tenant] + self._incoming[tier][tenant] + count - limit
 
     def refuse(self, tier: str, tenant: str, count: int) -> None:
@@ -126,18 +134,18 @@ class TenantLedger(RegistryObserver):
              protect: Collection[int] = ()) -> int:
         """How many of ``count`` blocks of ``tenant`` may be stored in ``pool``'s tier now;
         evicts the tenant's own idle blocks first to make room, never one of ``protect``
-        (the parents of the blocks being stored). Counts what is refused."""
+        (the batch's blocks and their parents). Counts what is refused."""
         if tenant is None or count <= 0:
             return count
         tier = pool.tier
-        limit = self.limit(tier, tenant)
-        if limit is None:
+        over = self.over(tier, tenant, count)
+        if over <= 0:
             return count
         book = self._books[tier]
-        over = self.over(tier, tenant, count)
-        if over > 0 and book.count[tenant]:
+        if book.count[tenant]:
             made = self._evict_own(pool, book, tenant, over, protect)
-            self.evicted[tier, self.label(tenant)] += made
+            if made:
+                self.evicted[tier, self.label(tenant)] += made
             over -= made
         if over <= 0:
             return count
@@ -149,19 +157,25 @@ class TenantLedger(RegistryObserver):
                    protect: Collection[int]) -> int:
         """Drop up to ``wanted`` of ``tenant``'s leaves in ``pool``, oldest first; returns how
         many. A dropped leaf's parent becomes a leaf at its own (older) tick, so it comes
-        next: a conversation goes tail first."""
+        next: a conversation goes tail first. A leaf in use is being read: it counts as just
+        used. Each live leaf is tried once."""
         heap = book.leaves.get(tenant)
         dropped, tries, passed = 0, 0, []
-        while heap and dropped < wanted and tries < wanted + BUSY_TRIES:
+        budget = book.leaf_count[tenant] + wanted
+        while heap and dropped < wanted and tries < budget:
             entry = heapq.heappop(heap)
-            h = entry[1]
             if not self._live(book, tenant, entry):
                 continue
             tries += 1
-            if h in protect or not pool.reset_blocks((h,)):   # the registry tells us
+            h = entry[1]
+            if h in protect:
                 passed.append(entry)
-                continue
-            dropped += 1
+            elif pool.reset_blocks((h,)):        # the registry tells us: the books update
+                dropped += 1
+            else:                                # in use, or extended by an untracked block
+                self._clock += 1
+                book.tick[h] = self._clock
+                passed.append((self._clock, h))
         for entry in passed:
             heapq.heappush(heap, entry)
         return dropped
@@ -169,63 +183,88 @@ class TenantLedger(RegistryObserver):
     @staticmethod
     def _live(book: _TierBook, tenant: str, entry: tuple[int, int]) -> bool:
         tick, h = entry
-        return book.tick.get(h) == tick and book.owner.get(h) == tenant and h not in book.kids
+        return book.tick.get(h) == tick and book.owner.get(h) == tenant and book.is_leaf(h)
 
-    def coming(self, tier: str, tenant: str | None, count: int) -> None:
-        """``count`` blocks of ``tenant`` are on their way into ``tier`` (negative: no
-        longer): they count against its quota until they arrive."""
-        if tenant is not None and tier in self._incoming:
+    def coming(self, tier: str, tenant: str | None, records: Sequence[BlockRecord],
+               arriving: bool) -> None:
+        """``records`` of ``tenant`` (None: unknown) are on their way into ``tier``
+        (``arriving`` False: no longer, whether they arrived or not): they count against the
+        tenant's quota, and their parents held there are no leaves, until then."""
+        book = self._books.get(tier)
+        if book is None:
+            return
+        step = 1 if arriving else -1
+        if tenant is not None:
             incoming = self._incoming[tier]
-            incoming[tenant] += count
+            incoming[tenant] += step * len(records)
             if incoming[tenant] <= 0:
                 del incoming[tenant]
+        if not book.limited:
+            return
+        for record in records:
+            p = record.parent_hash
+            if p is not None:
+                self._extend(book, p, book.pending, step)
+
+    def _extend(self, book: _TierBook, p: int, counter: Counter[int], step: int) -> None:
+        """One more (``step`` 1) or one fewer (-1) block extending ``p`` in ``counter``
+        (held children or children on their way), keeping ``p``'s leafness in step."""
+        was = book.is_leaf(p)
+        counter[p] += step
+        if counter[p] <= 0:
+            del counter[p]
+        now = book.is_leaf(p)
+        if was != now:
+            tenant = book.owner[p]
+            book.leaf_count[tenant] += 1 if now else -1
+            if now:                            # a leaf again, at its own tick: next in line
+                heapq.heappush(book.leaves.setdefault(tenant, []), (book.tick[p], p))
+                self._compact(book, tenant)
 
     def stored(self, tier: str, records: Iterable[BlockRecord], tenant: str | None) -> None:
-        """``records`` were newly registered in ``tier`` for ``tenant`` (None: unknown),
-        parents before their children."""
+        """``records`` were newly registered in ``tier`` for ``tenant`` (None: unknown)."""
         book = self._books.get(tier)
         if tenant is None or book is None:
             return
-        owner, parent, kids, tick, born = book.owner, book.parent, book.kids, book.tick, \
-            book.born
-        heap = book.leaves.setdefault(tenant, [])
+        owner = book.owner
         new = 0
         for record in records:
             h = record.sequence_hash
             if h in owner:
                 continue
-            self._clock += 1
             owner[h] = tenant
-            tick[h] = born[h] = self._clock
-            p = record.parent_hash
-            if p is not None and p in owner:
-                parent[h] = (p, born[p])
-                if p not in kids:
-                    book.leaf_count[owner[p]] -= 1
-                kids[p] += 1
-            heapq.heappush(heap, (self._clock, h))
-            book.leaf_count[tenant] += 1
             new += 1
+            if not book.limited:
+                continue
+            self._clock += 1
+            book.tick[h] = self._clock
+            p = record.parent_hash
+            if p is not None:
+                book.parent[h] = p
+                self._extend(book, p, book.kids, 1)
+            if book.is_leaf(h):
+                book.leaf_count[tenant] += 1
+                heapq.heappush(book.leaves.setdefault(tenant, []), (self._clock, h))
         if new:
             book.count[tenant] += new
             self.held[tier, self.label(tenant)] += new
-            self._compact(book, tenant)
+            if book.limited and tenant in book.leaves:
+                self._compact(book, tenant)
 
     def used(self, tier: str, hashes: Iterable[int]) -> None:
         """``hashes`` of ``tier`` were just loaded: the newest of their tenants' blocks."""
         book = self._books.get(tier)
-        if book is None or not book.owner:
+        if book is None or not book.limited or not book.owner:
             return
-        owner, tick, kids = book.owner, book.tick, book.kids
         touched: set[str] = set()
         for h in hashes:
-            tenant = owner.get(h)
+            tenant = book.owner.get(h)
             if tenant is None:
                 continue
             self._clock += 1
-            tick[h] = self._clock
-            if h not in kids:
-                heapq.heappush(book.leaves[tenant], (self._clock, h))
+            book.tick[h] = self._clock
+            if book.is_leaf(h):
+                heapq.heappush(book.leaves.setdefault(tenant, []), (self._clock, h))
                 touched.add(tenant)
         for tenant in touched:
             self._compact(book, tenant)
@@ -233,9 +272,10 @@ class TenantLedger(RegistryObserver):
     def _compact(self, book: _TierBook, tenant: str) -> None:
         """Drop stale heap entries once they outnumber the live ones (amortized O(1) per
         entry, and an eviction never wades through more stale entries than live ones)."""
-        heap = book.leaves[tenant]
-        if len(heap) > 2 * book.leaf_count[tenant] + 64:
-            heap[:] = [e for e in heap if self._live(book, tenant, e)]
+        heap = book.leaves.get(tenant)
+        if heap is not None and len(heap) > 2 * book.leaf_count[tenant] + 64:
+            # a block that became a leaf again is pushed at its old tick: one entry kept
+            heap[:] = {e for e in heap if self._live(book, tenant, e)}
             heapq.heapify(heap)
 
     def owner(self, sequence_hash: int) -> str | None:
@@ -263,39 +303,37 @@ class TenantLedger(RegistryObserver):
         book = self._books.get(tier)
         if book is None or not book.owner:
             return
-        owner, parent, kids, tick, born = book.owner, book.parent, book.kids, book.tick, \
-            book.born
+        owner = book.owner
         for h in sequence_hashes:
-            tenant = owner.pop(h, None)
-            if tenant is None:
+            if h not in owner:
                 continue
-            del tick[h]
-            del born[h]
-            if kids.pop(h, None) is None:     # held blocks naming it as parent no longer
-                book.leaf_count[tenant] -= 1  # count (their link names its ``born``)
+            leaf = book.is_leaf(h)
+            tenant = owner.pop(h)
             book.count[tenant] -= 1
-            if not book.count[tenant]:
-                del book.count[tenant]
-                book.leaves.pop(tenant, None)
-                book.leaf_count.pop(tenant, None)
             key = (tier, self.label(tenant))
             self.held[key] -= 1
             if not self.held[key]:
                 del self.held[key]
-            link = parent.pop(h, None)
-            if link is None:
+            if not book.limited:
+                if not book.count[tenant]:
+                    del book.count[tenant]
                 continue
-            p, p_born = link
-            if born.get(p) == p_born:   # the same parent block, still held
-                kids[p] -= 1
-                if not kids[p]:
-                    del kids[p]           # a leaf again, at its own tick: next in line
-                    book.leaf_count[owner[p]] += 1
-                    heapq.heappush(book.leaves[owner[p]], (tick[p], p))
+            del book.tick[h]
+            if leaf:
+                book.leaf_count[tenant] -= 1
+            p = book.parent.pop(h, None)
+            if p is not None:
+                self._extend(book, p, book.kids, -1)
+            if not book.count[tenant]:
+                del book.count[tenant]
+                book.leaves.pop(tenant, None)
+                book.leaf_count.pop(tenant, None)
 
     def on_tier_cleared(self, tier: str) -> None:
         if tier in self._books:
-            self._books[tier] = _TierBook()
+            old = self._books[tier]
+            self._books[tier] = _TierBook(old.limited)
+            self._books[tier].pending = old.pending   # copies still on their way
             for key in [k for k in self.held if k[0] == tier]:
                 del self.held[key]
 
