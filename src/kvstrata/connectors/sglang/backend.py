@@ -44,6 +44,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 from ...manager import ManagerConfigError, ManagerError
 from ...manager.engine_owned import EngineOwnedManager
 from ...physical.errors import PhysicalError
+from ...tiers import TOP_TIER
 from ...types import BlockRecord
 from .host_pool import HostPoolError, wrap_host_pool
 from .settings import SGLangConfigError, kv_config, settings_from
@@ -114,7 +115,7 @@ class KvStrataStorage(HiCacheStorage):
         log.info("kvstrata: HiCache storage for %s (rank %d of %d): %d host pages of %d "
                  "tokens over %s", self.storage_config.model_name, self.storage_config.tp_rank,
                  self.storage_config.tp_size, pool.pages, pool.page_size,
-                 ", ".join(t for t in config.tiers if t != "G1"))
+                 ", ".join(t for t in config.tiers if t != TOP_TIER))
 
     def _identity(self) -> str:
         """The model as stored blocks name it: SGLang's model name, and the pipeline stage and

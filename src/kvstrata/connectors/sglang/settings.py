@@ -41,7 +41,7 @@ from typing import Any, Mapping
 from ...config import ConfigError, KvConfig, TierConfig, load_config, normalize_tiers, \
     parse_tiers_flag
 from ...events.spec import sink_specs
-from ...tiers import TOP_TIER
+from ...tiers import TOP_TIER, TierKind, first_of_kind
 from .host_pool import HostPoolView
 
 __all__ = ["BackendSettings", "SGLangConfigError", "settings_from", "kv_config", "KNOWN",
@@ -53,7 +53,7 @@ SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface
 KNOWN = frozenset({"tiers", "disk_dir", "config", "tenant", "tenant_quotas", "eviction",
                    "admission", "events", "worker_id"})
 
-DEFAULT_TIERS = {"G3": {"bytes": "4GiB"}}
+DEFAULT_TIERS = {first_of_kind(TierKind.DISK): {"bytes": "4GiB"}}
 """kvstrata under SGLang's host pool when nothing says otherwise: a 4 GiB G3."""
 
 
