@@ -86,6 +86,29 @@ def test_other_models_and_tenants_never_see_the_blocks(weed, tenant):
             assert mgr.locate(hashes_of(records)).result(HANG_GUARD) == []
 
 
+def test_a_prompt_stored_under_one_cache_salt_is_no_hit_for_another_in_g4(weed, tenant):
+    """One tenant namespace, requests of two salts (vLLM's cache_salt): the same tokens
+    hashed under another salt, or none, find nothing in the shared store."""
+    from kvstrata.tokens import hash_blocks, isolation_seed
+    from kvstrata.types import BlockRecord
+
+    tokens = list(range(300, 300 + 4 * BS))
+
+    def salted(salt):
+        local, seqs = hash_blocks(tokens, BS, isolation_seed(cache_salt=salt))
+        return [BlockRecord(q, lh, par, BS) for q, lh, par in zip(seqs, local,
+                                                                  [None, *seqs[:-1]])]
+
+    mine = salted("alice")
+    config = g4_config(tenant=tenant)
+    with _manager(weed, config) as mgr:
+        _store_all(mgr, mine, payloads(mgr, mine))
+    with _manager(weed, config) as mgr:                   # a fresh worker: G4 only
+        assert mgr.locate(hashes_of(mine)).result(HANG_GUARD) == ["G4"] * 4
+        for other in (salted("bob"), salted(None)):
+            assert mgr.locate(hashes_of(other)).result(HANG_GUARD) == []
+
+
 def test_an_object_deleted_behind_our_back_is_a_miss_never_wrong_bytes(weed, tenant):
     config = g4_config(tenant=tenant)
     records = chain(6, start=300)
