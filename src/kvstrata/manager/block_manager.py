@@ -355,13 +355,15 @@ class KvBlockManager:
         hashes = _hashes(sequence_hashes, "onboard")
 
         def run(future: Future) -> None:
-            wanted = hashes
-            if cost_aware:
-                tiers = self.planner.lookup(hashes)
-                wanted = hashes[:self.planner.costs.worth_loading(
-                    tiers, self._top, self.config.bytes_per_block, self.config.block_size)]
+            wanted = self._worth_loading(hashes) if cost_aware else hashes
             self._onboards[self.planner.prepare_onboard(wanted)] = future
         return self._call(run, deferred=True)
+
+    def _worth_loading(self, hashes: list[int]) -> list[int]:
+        """The part of ``hashes`` the cost model would load (owner thread)."""
+        tiers = self.planner.lookup(hashes)
+        return hashes[:self.planner.costs.worth_loading(
+            tiers, self._top, self.config.bytes_per_block, self.config.block_size)]
 
     def release(self, handle: _Blocks) -> "Future[None]":
         """Give a handle of the G1 pool back (on the owner thread). After :meth:`close` (or

@@ -87,11 +87,7 @@ class EngineOwnedManager(KvBlockManager):
         ids = self._engine_ids(engine_block_ids, len(hashes), "load")
 
         def run(future: Future) -> None:
-            wanted = hashes
-            if cost_aware:
-                tiers = self.planner.lookup(hashes)
-                wanted = hashes[:self.planner.costs.worth_loading(
-                    tiers, self._top, self.config.bytes_per_block, self.config.block_size)]
+            wanted = self._worth_loading(hashes) if cost_aware else hashes
             ticket = self.planner.prepare_onboard(wanted, engine_block_ids=ids[:len(wanted)])
             self._onboards[ticket] = future
         return self._call(run, deferred=True)
