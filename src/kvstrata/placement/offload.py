@@ -195,8 +195,9 @@ class Offload:
                              ) -> tuple[list[BlockRecord], list[int] | None]:
         """The records (and engine ids) of ``tenant`` its quota of ``target`` has room for,
         after it evicted its own; the rest are no longer receiving and count as skipped for
-        ``quota``. At its quota, a block whose parent the target neither holds nor receives
-        is refused first: it could only be stored by evicting a prefix that is reachable."""
+        ``quota``. A tenant already at its quota is refused first the blocks whose parent
+        kvstrata holds in no tier and the target is not receiving: each could only be stored
+        by evicting a reachable block, to be unreachable itself."""
         state, ledger = self.state, self.state.tenants
         assert ledger is not None
         pool, receiving = state.pools[target], state.receiving[target]
