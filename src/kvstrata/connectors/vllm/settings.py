@@ -17,10 +17,10 @@ key                    meaning                                     default
 ``list_interval``      seconds between listings of a shared G4     10
                        (``{"G4": {"blocks": N, "url": URL}}``)
 ``tenant``             the tenant of a shared G4's blocks          ``""`` (shared)
-``tenant_quotas``      per named tenant (a request's cache salt,   none
-                       else ``lora:<adapter>``), the most of each
-                       tier it may hold: ``{"alice": {"G2":
-                       "50%"}}``; a tier's own ``tenant_quota``
+``tenant_quotas``      per named tenant (``salt:<cache_salt>`` of   none
+                       a request, else ``lora:<adapter>``), the
+                       most of each tier it may hold: ``{"salt:a":
+                       {"G2": "50%"}}``; a tier's own ``tenant_quota``
                        (``{"G2": {"bytes": "4GiB", "tenant_quota":
                        "25%"}}``) is every other tenant's
 ``cost_aware``         load a held prefix only while loading it    ``true``
