@@ -148,8 +148,9 @@ class KvConfig:
     """Encrypt blocks stored in G3 and G4 (AES-256-GCM, a key derived from the deployment's
     secret, which must then be set): :mod:`kvstrata.physical.tags`."""
     tenant_quotas: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
-    """Per named tenant (the engine's tenant key: vLLM's ``cache_salt`` or LoRA name), the
-    most of each tier it may hold, as ``tenant_quota`` values: ``{"alice": {"G2": "50%"}}``.
+    """Per named tenant (the engine's tenant key: ``salt:<cache_salt>`` or ``lora:<name>``
+    in vLLM, :func:`kvstrata.tokens.tenant_key`), the most of each tier it may hold, as
+    ``tenant_quota`` values: ``{"salt:alice": {"G2": "50%"}}``.
     Overrides the tiers' ``tenant_quota`` for that tenant (:mod:`kvstrata.placement.tenants`)."""
 
     @property
