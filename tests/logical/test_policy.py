@@ -161,6 +161,27 @@ def test_adaptive_by_name_builds_working_policies():
     assert make_admission("adaptive", 4).name == "adaptive"
 
 
+
+@pytest.mark.parametrize("eviction", ["lru", "default", "lfu"])
+def test_every_fixed_order_takes_an_adaptive_admission(eviction):
+    """``--policy default --admission adaptive`` once failed with a KeyError: the duel had no
+    shadow for the default order. Each fixed order now duels its admission."""
+    from kvstrata.logical.eviction import EVICTION_ORDERS
+    from kvstrata.logical.policy import make_tier_policies
+
+    assert eviction in EVICTION_ORDERS
+    policies = make_tier_policies(eviction, "adaptive", 40)
+    tier = (BlockPool("G1", 40, 1, eviction=policies.eviction), policies.admission,
+            policies.observe_request.__self__)
+    fresh = 10_000
+    for _ in range(60):  # a hot set of 30 blocks between floods of one-offs, 3 per request
+        for k in range(10):
+            _serve(tier, [7 * k, 7 * k + 1, 7 * k + 2])
+        for _ in range(10):
+            _serve(tier, [fresh, fresh + 1, fresh + 2])
+            fresh += 3
+    assert tier[2].admission == "second-offer"
+
 # -- the duel's shadow caches are exact stand-ins for one-tier pools ---------------------------
 
 from hypothesis import given, settings  # noqa: E402
