@@ -38,8 +38,13 @@ def test_toml_file(tmp_path):
     assert config.bytes_per_block == 2 * 2 * 32 * 2 * 64 * 2  # 32 KiB
     assert config.tier_blocks("G2") == 32 and config.tier_eviction("G2") == "lru"
     assert config.tier_blocks("G3") == int(0.001 * 1024**3) // 32768
-    assert config.tier_admission("G1") == "second-offer"
-    assert config.tier_admission("G3") == "always"
+    assert config.tier_admission("G3") == "always"    # its own
+    # The global filter is the bottom tier's; the tiers above it admit every block, since a
+    # block they refused would never reach the tiers below (write-through).
+    assert config.tier_admission("G1") == config.tier_admission("G2") == "always"
+    bottom_g2 = load_config(None, env={}, tiers={"G1": 10, "G2": 20}, admission="second-offer")
+    assert bottom_g2.tier_admission("G2") == "second-offer"
+    assert bottom_g2.tier_admission("G1") == "always"
 
 
 def test_env_vars_and_dynamo_aliases():

@@ -136,6 +136,20 @@ def test_second_offer_admission_rejects_first_offers():
     assert result.moves["G2->G3"] < result.moves["G1->G2"]
 
 
+
+def test_global_admission_filters_the_bottom_tier_only():
+    """A block a tier refuses never reaches the tiers below it (write-through), so the
+    global filter applies to the bottom tier: with second-offer everywhere, G2 refused every
+    first offer and G3 starved (on the packaged trace the three tiers' hit rate fell from
+    26.3 % to 10.8 %)."""
+    requests = random_trace(6, n=300)
+    result = replay(requests, three_tiers(admission="second-offer"), granularity="trace")
+    report = result.as_dict()
+    assert [report["tiers"][t]["admission"] for t in ("G1", "G2", "G3")] == \
+        ["always", "always", "second-offer"]
+    assert report["rejected"].get("G2", 0) == 0 and report["rejected"]["G3"] > 0
+    assert result.moves["G1->G2"] > 0 and 0 < result.moves["G2->G3"] < result.moves["G1->G2"]
+
 def test_replay_is_deterministic():
     requests = random_trace(7, n=500)
     runs = [replay(requests, three_tiers(eviction=p), granularity="engine").as_dict()

@@ -23,7 +23,7 @@ from .dtypes import ALIASES, DTYPE_NAMES, DtypeError, canonical_dtype, itemsize
 from .paths import InputTooLargeError, path_problem, read_bounded
 from .logical.policy import ADMISSION_NAMES, EVICTION_NAMES
 from .logical.slots import MAX_SLOTS as MAX_TIER_BLOCKS
-from .tiers import TIER_NAMES, TIERS, TOP_TIER, Addressing, TierKind, first_of_kind, spec
+from .tiers import TIER_NAMES, TIERS, TOP_TIER, Addressing, TierKind, first_of_kind, ordered, spec
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "ki": 1024, "kib": 1024,
@@ -126,9 +126,11 @@ DEFAULT_TIERS: dict[str, TierConfig] = {
 class KvConfig:
     """Everything a block manager needs to know; immutable, validated by :meth:`validate`.
 
-    ``eviction`` is the default order of every tier and ``admission`` the default filter of
-    every tier (blocks the engine computes are offered to G1, blocks registered in a tier are
-    offered to the next one down); a tier may override either.
+    ``eviction`` is the default order of every tier; ``admission`` is the filter of the
+    bottom tier (blocks the engine computes are offered to G1, blocks registered in a tier are
+    offered to the next one down); a tier may override either. Tiers above the bottom admit
+    every block unless they name a filter themselves: offload is write-through, so a block a
+    tier refuses never reaches the tiers below it either (docs/policies.md, "Several tiers").
     """
 
     block_size: int = 16
@@ -164,7 +166,12 @@ class KvConfig:
         return self.tiers[tier].eviction or self.eviction
 
     def tier_admission(self, tier: str) -> str:
-        return self.tiers[tier].admission or self.admission
+        """``tier``'s admission filter: its own, else ``admission`` for the bottom tier and
+        ``always`` for the tiers above it (see the class docstring)."""
+        own = self.tiers[tier].admission
+        if own:
+            return own
+        return self.admission if tier == ordered(self.tiers)[-1] else "always"
 
     def tenant_limits(self, tier: str) -> tuple[int | None, dict[str, int]]:
         """The most blocks of ``tier`` one tenant may hold: ``(for any tenant, {named
