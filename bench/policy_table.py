@@ -1,39 +1,54 @@
-"""Compare eviction / admission policies on a trace: one tier, trace granularity.
+"""Compare eviction / admission policies on many traces: one tier, trace granularity.
 
-Prints a Markdown table of prefix hit ratios per policy and capacity, beside plain LRU and the
-clairvoyant ceiling (Belady: evict the block whose next use is farthest; it reads the future,
-so it is a bound, not a policy) computed here on the same trace. Any Mooncake-format trace
-works: ``python bench/policy_table.py --trace other.jsonl``.
+For each trace and capacity, prints the prefix hit ratio of each policy beside plain LRU and
+the clairvoyant bound (Belady: evict the block whose next use is farthest; it reads the
+future, so it is a bound, not a policy), both computed here on the same trace, and the share
+of the LRU-to-Belady gap each policy closes. The traces: the packaged conversation trace, one
+trace per workload of ``bench/synth_trace.py``'s ``PROFILES`` (different statistics: chat,
+agents, retrieval, scans...), and any Mooncake-format file given with ``--trace``.
+
+Example: ``python bench/policy_table.py --trace other.jsonl --capacities 5000,10000``.
 """
 
 from __future__ import annotations
 
 import argparse
 import heapq
-from collections import defaultdict
+import json
+import os
+import sys
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
 
 from kvstrata.config import KvConfig, TierConfig
-from kvstrata.replay import load_trace, replay
+from kvstrata.replay import TraceRequest, load_trace, parse_request, replay
 
-POLICIES = [
-    ("lru", "always"),
-    ("default", "always"),
-    ("lfu", "always"),
-    ("lru", "second-offer"),
-    ("lfu", "second-offer"),
-    ("adaptive", "always"),
-    ("adaptive", "adaptive"),
-]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from synth_trace import PROFILES, generate  # noqa: E402  (a sibling script)
+
+DEFAULT_POLICIES = "lru,default,lfu,lru+second-offer,adaptive+adaptive"
+"""Policies compared by default: ``eviction[+admission]``."""
 
 
-def belady_hits(requests, capacity: int) -> int:
-    """Prefix hits of the clairvoyant policy (touch order as the LRU reference)."""
+NEVER = 1 << 62
+
+
+def next_uses(requests: list[TraceRequest]) -> list[int]:
+    """For each block look-up in trace order, the position of that block's next look-up
+    (``NEVER`` if none): the future, which only the references below may read."""
     accesses = [h for r in requests for h in r.hash_ids]
     next_use = [0] * len(accesses)
     last: dict[int, int] = {}
     for i in range(len(accesses) - 1, -1, -1):
-        next_use[i] = last.get(accesses[i], 1 << 62)
+        next_use[i] = last.get(accesses[i], NEVER)
         last[accesses[i]] = i
+    return next_use
+
+
+def belady_hits(requests: list[TraceRequest], capacity: int) -> int:
+    """Prefix hits of the clairvoyant policy (touch order as the LRU reference)."""
+    next_use = next_uses(requests)
     resident: dict[int, int] = {}  # id -> its next use
     heap: list[tuple[int, int]] = []  # (-next_use, id), lazy
     hits, pos = 0, 0
@@ -54,33 +69,123 @@ def belady_hits(requests, capacity: int) -> int:
     return hits
 
 
+def returning_lru_hits(requests: list[TraceRequest], capacity: int) -> int:
+    """Prefix hits of LRU told, at each look-up, whether the block will ever be looked up
+    again (a block that will not is dropped or never stored). It knows *which* blocks return
+    but not *when*: the part of Belady's lead that predicting reuse alone would win."""
+    next_use = next_uses(requests)
+    held: OrderedDict[int, None] = OrderedDict()
+    hits, pos = 0, 0
+    for r in requests:
+        for h in r.hash_ids:
+            if h not in held:
+                break
+            hits += 1
+        for h in r.hash_ids:
+            returns = next_use[pos] != NEVER
+            pos += 1
+            if h in held:
+                if returns:
+                    held.move_to_end(h)
+                else:
+                    del held[h]
+            elif returns:
+                held[h] = None
+                if len(held) > capacity:
+                    held.popitem(last=False)
+    return hits
+
+
+def policy_hits(requests: list[TraceRequest], capacity: int, policy: str) -> int:
+    """Prefix hits of ``policy`` (``eviction[+admission]``) replayed by kvstrata's planner."""
+    eviction, _, admission = policy.partition("+")
+    config = KvConfig(tiers={"G1": TierConfig(blocks=capacity)}, eviction=eviction,
+                      admission=admission or "always")
+    return replay(requests, config, granularity="trace").blocks_hit
+
+
+@dataclass
+class Row:
+    trace: str
+    capacity: int
+    lookups: int
+    lru: int
+    belady: int
+    returning: int
+    hits: dict[str, int]
+
+    def closed(self, policy: str) -> float:
+        """Share of the LRU-to-Belady gap ``policy`` closes (0 when there is no gap)."""
+        gap = self.belady - self.lru
+        return (self.hits[policy] - self.lru) / gap if gap > 0 else 0.0
+
+
+def synthetic_traces(requests: int, seed: int) -> dict[str, list[TraceRequest]]:
+    """One trace per synthetic workload profile, reproducible from ``seed``."""
+    return {f"synthetic {name}": [parse_request(json.dumps(r), f"{name}:{i + 1}")
+                                  for i, r in enumerate(generate(requests, seed, workload))]
+            for name, workload in PROFILES.items()}
+
+
+def measure(traces: dict[str, list[TraceRequest]], capacities: list[int],
+            policies: list[str]) -> list[Row]:
+    rows = []
+    for name, requests in traces.items():
+        lookups = sum(len(r.hash_ids) for r in requests)
+        for cap in capacities:
+            started = time.perf_counter()
+            hits = {p: policy_hits(requests, cap, p) for p in policies}
+            lru = hits["lru"] if "lru" in hits else policy_hits(requests, cap, "lru")
+            rows.append(Row(name, cap, lookups, lru, belady_hits(requests, cap),
+                            returning_lru_hits(requests, cap), hits))
+            print(f"  measured {name} at C = {cap:,} in {time.perf_counter() - started:.1f} s",
+                  file=sys.stderr, flush=True)
+    return rows
+
+
+def print_tables(rows: list[Row], policies: list[str]) -> None:
+    shown = [p for p in policies if p != "lru"]
+    header = ["trace", "look-ups", "LRU", *shown, "LRU knowing which blocks return", "Belady"]
+    for cap in sorted({r.capacity for r in rows}):
+        print(f"\n**C = {cap:,} blocks**: prefix hit ratio, and in brackets the share of the "
+              f"LRU-to-Belady gap closed\n")
+        print("| " + " | ".join(header) + " |")
+        print("|---|" + "---:|" * (len(header) - 1))
+        for r in (r for r in rows if r.capacity == cap):
+            cells = [r.trace, f"{r.lookups:,}", _ratio(r.lru, r)]
+            cells += [f"{_ratio(r.hits[p], r)} ({100 * r.closed(p):+.0f} %)" for p in shown]
+            cells += [_ratio(r.returning, r), _ratio(r.belady, r)]
+            print("| " + " | ".join(cells) + " |")
+    if shown:
+        print("\nworst share of the gap closed, over every trace and capacity:")
+    for p in shown:
+        worst = min(rows, key=lambda r: r.closed(p))
+        print(f"  {p:<24} {100 * worst.closed(p):+.0f} % ({worst.trace}, C = {worst.capacity:,})")
+
+
+def _ratio(hits: int, row: Row) -> str:
+    return f"{100 * hits / row.lookups:.2f} %"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--trace", help="Mooncake-format trace (default: the packaged one)")
-    parser.add_argument("--capacities", default="1000,5000,10000,16000")
+    parser.add_argument("--trace", action="append", default=[],
+                        help="a further Mooncake-format trace (repeatable)")
+    parser.add_argument("--capacities", default="5000,10000")
+    parser.add_argument("--policies", default=DEFAULT_POLICIES,
+                        help="comma-separated eviction[+admission] names")
+    parser.add_argument("--requests", type=int, default=12_000,
+                        help="requests per synthetic trace (0: none)")
+    parser.add_argument("--seed", type=int, default=11, help="seed of the synthetic traces")
     args = parser.parse_args()
-    requests = load_trace(args.trace)
-    total = sum(len(r.hash_ids) for r in requests)
-    caps = [int(c) for c in args.capacities.split(",")]
-    rows: dict[str, dict[int, float]] = defaultdict(dict)
-    for cap in caps:
-        rows["clairvoyant (bound)"][cap] = belady_hits(requests, cap) / total
-        for eviction, admission in POLICIES:
-            cfg = KvConfig(tiers={"G1": TierConfig(blocks=cap)}, eviction=eviction, admission=admission)
-            res = replay(requests, cfg, granularity="trace")
-            name = eviction if admission == "always" else f"{eviction} + {admission}"
-            rows[name][cap] = res.blocks_hit / res.blocks
-    print(f"{len(requests):,} requests, {total:,} block look-ups, one tier, trace granularity\n")
-    print("| policy | " + " | ".join(f"C = {c:,}" for c in caps) + " |")
-    print("|---|" + "---:|" * len(caps))
-    order = [n for n in rows if n != "clairvoyant (bound)"] + ["clairvoyant (bound)"]
-    for name in order:
-        print(f"| {name} | " + " | ".join(f"{100 * rows[name][c]:.2f} %" for c in caps) + " |")
-    lru, best = rows["lru"], rows["clairvoyant (bound)"]
-    print("\nshare of the LRU-to-clairvoyant gap closed:")
-    for name in order[1:-1]:
-        closed = [(rows[name][c] - lru[c]) / (best[c] - lru[c]) if best[c] > lru[c] else 0.0 for c in caps]
-        print(f"  {name:<22} " + "  ".join(f"C={c:,}: {100 * x:+.0f} %" for c, x in zip(caps, closed)))
+    traces = {"packaged conversation": load_trace(None)}
+    for path in args.trace:
+        traces[os.path.basename(path)] = load_trace(path)
+    if args.requests:
+        traces.update(synthetic_traces(args.requests, args.seed))
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    rows = measure(traces, [int(c) for c in args.capacities.split(",")], policies)
+    print_tables(rows, policies)
 
 
 if __name__ == "__main__":

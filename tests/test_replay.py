@@ -141,7 +141,7 @@ def test_global_admission_filters_the_bottom_tier_only():
     """A block a tier refuses never reaches the tiers below it (write-through), so the
     global filter applies to the bottom tier: with second-offer everywhere, G2 refused every
     first offer and G3 starved (on the packaged trace the three tiers' hit rate fell from
-    26.3 % to 10.8 %)."""
+    26.3 % to 11.0 %)."""
     requests = random_trace(6, n=300)
     result = replay(requests, three_tiers(admission="second-offer"), granularity="trace")
     report = result.as_dict()
