@@ -617,6 +617,14 @@ class BlockPool:
         self.registry.record_cleared(self.tier, hashes)
         return len(held)
 
+    def clear_slots(self) -> list[int]:
+        """As :meth:`clear`; returns the slots whose blocks were dropped, for the tier's
+        storage to forget them for good (a durable tier must not recover them)."""
+        seq = self._store.seq
+        before = {seq[slot]: slot for slot in self._registered()}
+        self.clear()
+        return [slot for h, slot in before.items() if h not in self]
+
     def drop_with_descendants(self, roots: Iterable[int]) -> list[int]:
         """Drop the idle blocks ``roots`` together with their idle descendants in this pool;
         returns the hashes dropped.

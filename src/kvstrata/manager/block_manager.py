@@ -387,10 +387,9 @@ class KvBlockManager:
             for tier, pool in self.pools.items():
                 if tier == self._top:
                     continue
-                held = {h: pool.lookup(h).block_id for h in pool.hashes()}
-                dropped += pool.clear()
+                gone = pool.clear_slots()
+                dropped += len(gone)
                 forget = getattr(self._storages.by_tier[tier], "forget", None)
-                gone = [slot for h, slot in held.items() if h not in pool]
                 if forget is not None and gone:
                     forget(gone)
             return dropped

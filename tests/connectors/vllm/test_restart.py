@@ -112,3 +112,30 @@ def test_a_restart_counts_its_own_kept_slab_as_free_space(tmp_path, monkeypatch)
         fh.truncate(need)
     monkeypatch.setattr(settings_module, "free_disk_bytes", lambda d: need // 10)
     settings_from(extra, geometry, env={})               # no error: the slab is reused
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_reset_cache_is_for_good_across_a_restart(tmp_path, ranks):
+    """vLLM's reset_prefix_cache (e.g. after new weights) reaches the workers' durable G3:
+    a restarted engine recovers nothing that was dropped, yet keeps what was stored after
+    the reset, in the very slots the reset freed."""
+    old, new = prompt(44, 6 * BS + 1), prompt(45, 3 * BS + 1)
+    sim = SimEngine(tmp_path, g2_blocks=16, g3_blocks=64, ranks=ranks, block_size=BS)
+    sim.add("a", old)
+    sim.run()
+    g3 = sim.scheduler.planner.pools["G3"]
+    freed = sorted(g3.lookup(h).block_id for h in hash_blocks(old, BS)[1])
+    assert sim.scheduler.reset_cache() is True
+    sim.add("b", new)                        # the reset travels with this step's orders
+    sim.run()
+    reused = sorted(g3.lookup(h).block_id for h in hash_blocks(new, BS)[1])
+    assert set(reused) <= set(freed)         # the new blocks took freed slots
+    for worker in sim.workers:
+        worker.shutdown()
+    sim = SimEngine(tmp_path, g2_blocks=16, g3_blocks=64, ranks=ranks, block_size=BS)
+    assert sorted(sim.scheduler.planner.registry.hashes_in("G3")) == \
+        sorted(hash_blocks(new, BS)[1])
+    run_and_check_load(sim, "c", new + [5], expect_blocks=3)
+    assert_idle(sim)
+    for worker in sim.workers:
+        worker.shutdown()

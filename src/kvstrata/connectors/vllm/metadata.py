@@ -49,6 +49,10 @@ class StepOrders(KVConnectorMetadata):
     step: int = 0
     remote_loads: dict[str, Any] = field(default_factory=dict)
     """Request id -> :class:`~.sharing.RemoteLoad`: prefixes to read from a peer engine."""
+    forget: dict[str, list[int]] = field(default_factory=dict)
+    """Per tier, slots whose blocks were dropped for good (``reset_cache``): the workers'
+    storages forget them (a durable tier journals it) before this step's plans run, which
+    may write the same slots again."""
 
 
 @dataclass

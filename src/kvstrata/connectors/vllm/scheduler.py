@@ -173,6 +173,8 @@ class SchedulerHalf:
         self._learned: queue.SimpleQueue = queue.SimpleQueue()
         self._peers = PeerDirectory(settings.peers, settings.peer_ask_timeout) if settings.peers else None
         self._remote_loads: dict[str, RemoteLoad] = {}
+        self._forget: dict[str, list[int]] = {}
+        """Per tier, slots dropped by ``reset_cache`` that the workers must forget."""
         self._timed_steps: dict[int, int] = {}
         """Steps whose forward the workers time, and the tokens each scheduled."""
         self._step = 0
@@ -316,9 +318,9 @@ class SchedulerHalf:
         self._count_not_stored()
         self._count_tenants()
         orders = StepOrders(plans=self._outbox, loads=self._loads, flush=self._flush,
-                            step=step, remote_loads=self._remote_loads)
+                            step=step, remote_loads=self._remote_loads, forget=self._forget)
         self._outbox, self._loads, self._flush = [], {}, False
-        self._remote_loads = {}
+        self._remote_loads, self._forget = {}, {}
         return orders
 
     def update_connector_output(self, output: Any) -> None:
@@ -498,12 +500,16 @@ class SchedulerHalf:
         return self.events.take()
 
     def reset_cache(self) -> bool:
-        """Drop every idle block of kvstrata's tiers (only when no copy is in flight)."""
+        """Drop every idle block of kvstrata's tiers (only when no copy is in flight), for
+        good: the next step's orders tell the workers to forget their slots, so a durable G3
+        journals it and a restart does not bring them back (after a change of weights, say)."""
         if not self.idle:
             return False
         for tier, pool in self.planner.pools.items():
             held = self.registry.hashes_in(tier)
-            pool.clear()
+            slots = pool.clear_slots()
+            if slots and tier != TOP_TIER:
+                self._forget.setdefault(tier, []).extend(slots)
             gone = held - self.registry.hashes_in(tier)
             if gone:
                 self.events.on_tier_removed(tier, sorted(gone))

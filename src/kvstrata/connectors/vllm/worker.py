@@ -173,6 +173,10 @@ class WorkerHalf:
         does not read vLLM's KV."""
         if self.pacer is not None:
             self.pacer.forward_started()
+        for tier, slots in orders.forget.items():
+            forget = getattr(self.storages.by_tier.get(tier), "forget", None)
+            if forget is not None:
+                forget(slots)
         for req_id, order in orders.loads.items():
             self._request_jobs[req_id] = set(order.job_ids)
             if order.unloadable:
