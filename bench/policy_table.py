@@ -46,6 +46,16 @@ def next_uses(requests: list[TraceRequest]) -> list[int]:
     return next_use
 
 
+def held_prefix(hash_ids: list[int], held) -> int:
+    """How many of ``hash_ids``, from the first, ``held`` contains: a request's prefix hit."""
+    count = 0
+    for h in hash_ids:
+        if h not in held:
+            break
+        count += 1
+    return count
+
+
 def belady_hits(requests: list[TraceRequest], capacity: int) -> int:
     """Prefix hits of the clairvoyant policy (touch order as the LRU reference)."""
     next_use = next_uses(requests)
@@ -53,10 +63,7 @@ def belady_hits(requests: list[TraceRequest], capacity: int) -> int:
     heap: list[tuple[int, int]] = []  # (-next_use, id), lazy
     hits, pos = 0, 0
     for r in requests:
-        for h in r.hash_ids:
-            if h not in resident:
-                break
-            hits += 1
+        hits += held_prefix(r.hash_ids, resident)
         for h in r.hash_ids:
             nu = next_use[pos]
             pos += 1
@@ -77,10 +84,7 @@ def returning_lru_hits(requests: list[TraceRequest], capacity: int) -> int:
     held: OrderedDict[int, None] = OrderedDict()
     hits, pos = 0, 0
     for r in requests:
-        for h in r.hash_ids:
-            if h not in held:
-                break
-            hits += 1
+        hits += held_prefix(r.hash_ids, held)
         for h in r.hash_ids:
             returns = next_use[pos] != NEVER
             pos += 1

@@ -25,6 +25,7 @@ def _load(name):
         sys.path.remove(str(BENCH))
 
 
+common = _load("_common")
 synth = _load("synth_trace")
 table = _load("policy_table")
 
@@ -58,20 +59,4 @@ def test_references_bound_lru_from_above(profile):
         lru = table.policy_hits(requests, capacity, "lru")
         returning = table.returning_lru_hits(requests, capacity)
         assert lru <= returning <= table.belady_hits(requests, capacity)
-        assert lru == _plain_lru(requests, capacity)
-
-
-def _plain_lru(requests, capacity):
-    from collections import OrderedDict
-    held, hits = OrderedDict(), 0
-    for r in requests:
-        for h in r.hash_ids:
-            if h not in held:
-                break
-            hits += 1
-        for h in r.hash_ids:
-            held[h] = None
-            held.move_to_end(h)
-            if len(held) > capacity:
-                held.popitem(last=False)
-    return hits
+        assert lru == common.bare_lru_hits(requests, capacity)
