@@ -38,10 +38,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ...config import ConfigError, KvConfig, TierConfig, load_config, normalize_tiers, \
-    parse_tiers_flag
-from ...events.spec import sink_specs
+from ...config import ConfigError, KvConfig, TierConfig, load_config
 from ...tiers import TOP_TIER, TierKind, first_of_kind
+from .. import engine_config
+from ..engine_config import ENGINE_KEYS
 from .host_pool import HostPoolView
 
 __all__ = ["BackendSettings", "SGLangConfigError", "settings_from", "kv_config", "KNOWN",
@@ -50,8 +50,8 @@ __all__ = ["BackendSettings", "SGLangConfigError", "settings_from", "kv_config",
 SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
 """SGLang's own keys that reach a dynamic backend's extra config."""
 
-KNOWN = frozenset({"tiers", "disk_dir", "config", "tenant", "tenant_quotas", "eviction",
-                   "admission", "events", "worker_id"})
+KNOWN = ENGINE_KEYS
+"""The keys kvstrata reads: the ones every engine connector reads, no SGLang-only ones."""
 
 DEFAULT_TIERS = {first_of_kind(TierKind.DISK): {"bytes": "4GiB"}}
 """kvstrata under SGLang's host pool when nothing says otherwise: a 4 GiB G3."""
@@ -86,31 +86,12 @@ def settings_from(extra_config: Mapping[str, Any] | None) -> BackendSettings:
         problems.append("set \"interface_v1\": 1 in --hicache-storage-backend-extra-config: "
                         "kvstrata fills and reads SGLang's host pool pages in place (the "
                         "copying get/set path is not served)")
-    raw_tiers = extra.get("tiers", DEFAULT_TIERS)
-    tiers: dict[str, TierConfig] = {}
-    try:
-        if isinstance(raw_tiers, str):
-            tiers = parse_tiers_flag(raw_tiers)
-        elif isinstance(raw_tiers, Mapping):
-            tiers = normalize_tiers(raw_tiers, problems)
-        else:
-            problems.append(f"tiers must be a table or 'G3=64GiB', got {raw_tiers!r:.80}")
-    except (ConfigError, ValueError) as exc:
-        problems.append(f"tiers: {exc}")
-    if TOP_TIER in tiers:
-        problems.append(f"tiers: {TOP_TIER} is SGLang's host pool; give the tiers under it")
-    if not tiers and not problems:
-        problems.append("tiers: give at least one tier under SGLang's host pool (G3, G4)")
-    config_path = extra.get("config")
-    if config_path is not None and not isinstance(config_path, str):
-        problems.append(f"config must be a path, got {config_path!r:.80}")
-    overrides = {k: extra[k] for k in ("disk_dir", "tenant", "tenant_quotas", "eviction",
-                                       "admission") if k in extra}
-    events = sink_specs(extra.get("events", ()), problems)
-    worker_id = extra.get("worker_id", 0)
-    if isinstance(worker_id, bool) or not isinstance(worker_id, int) \
-            or not 0 <= worker_id < 2**64:
-        problems.append(f"worker_id must be an integer in 0..2^64-1, got {worker_id!r:.40}")
+    tiers = engine_config.lower_tiers(extra.get("tiers", DEFAULT_TIERS), problems,
+                                      "SGLang's host pool")
+    config_path = engine_config.config_path(extra, problems)
+    overrides = engine_config.config_overrides(extra, problems)
+    events = engine_config.events(extra, problems)
+    worker_id = engine_config.worker_id(extra, problems)
     if problems:
         raise SGLangConfigError("kvstrata HiCache backend: " + "; ".join(problems))
     return BackendSettings(tiers, config_path, overrides, events, worker_id)

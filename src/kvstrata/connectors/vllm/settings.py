@@ -63,13 +63,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 from ...config import ConfigError, KvConfig, ModelGeometry, TierConfig, load_config
-from ...events.spec import sink_specs
 from ...kinds import StorageOptions, check_tiers
 from ...remote.control import can_listen_on, parse_control
 from ...tiers import TIER_NAMES, TOP_TIER, TierKind, first_of_kind, spec
+from .. import engine_config
+from ..engine_config import ENGINE_KEYS, checked, is_int, is_number
 from .groups import MAMBA, MLA, KvGroups, group_of_spec
 
 __all__ = ["ConnectorConfigError", "ConnectorSettings", "KvGeometry", "DEFAULT_TIERS",
@@ -79,10 +80,9 @@ DEFAULT_TIERS: dict[str, TierConfig] = {first_of_kind(TierKind.HOST): TierConfig
                                         first_of_kind(TierKind.DISK): TierConfig(bytes=4 << 30)}
 """Lower tiers used when nothing says otherwise: 1 GiB of host RAM (G2), 4 GiB of disk (G3)."""
 
-_KNOWN = {"tiers", "disk_dir", "eviction", "admission", "events", "verify_host_reads",
-          "o_direct", "load", "store", "worker_id", "config", "fail_on_load_error",
-          "list_interval", "tenant", "cost_aware", "export", "peers", "store_nice",
-          "yield_to_forward", "peer_ask_timeout", "peer_read_timeout", "tenant_quotas"}
+_KNOWN = ENGINE_KEYS | {"verify_host_reads", "o_direct", "load", "store", "fail_on_load_error",
+                       "list_interval", "cost_aware", "export", "peers", "store_nice",
+                       "yield_to_forward", "peer_ask_timeout", "peer_read_timeout"}
 
 
 MAX_PEER_READ_TIMEOUT = 240
@@ -238,11 +238,10 @@ def settings_from(extra: Mapping[str, Any] | None, geometry: KvGeometry,
     switches = _switches(extra, geometry, problems)
     if switches["export"] or switches["peers"]:
         _check_sharing_secret(env, problems)
-    overrides = _config_overrides(extra, problems)
-    tiers = _tiers(extra.get("tiers"), problems) if "tiers" in extra else None
-    config_path = extra.get("config")
-    if config_path is not None and not isinstance(config_path, str):
-        problems.append(f"config must be a path, got {config_path!r}")
+    overrides = engine_config.config_overrides(extra, problems)
+    tiers = (engine_config.lower_tiers(extra["tiers"], problems, "vLLM's own KV cache")
+             if "tiers" in extra else None)
+    config_path = engine_config.config_path(extra, problems)
     if problems:
         raise ConnectorConfigError("kvstrata connector: " + "; ".join(problems))
     kv = _kv_config(geometry, tiers, overrides, config_path, env, model_id)
@@ -260,35 +259,33 @@ def _switches(extra: Mapping[str, Any], geometry: KvGeometry,
     out: dict[str, Any] = {}
     for key, default in (("verify_host_reads", True), ("load", True), ("store", True),
                          ("fail_on_load_error", False), ("cost_aware", True)):
-        out[key] = _checked(extra, key, default, lambda v: isinstance(v, bool),
+        out[key] = checked(extra, key, default, lambda v: isinstance(v, bool),
                             "true or false", problems)
-    out["o_direct"] = _checked(extra, "o_direct", None,
+    out["o_direct"] = checked(extra, "o_direct", None,
                                lambda v: v is None or isinstance(v, bool),
                                "true, false or null", problems)
-    out["list_interval"] = float(_checked(
-        extra, "list_interval", 10.0, lambda v: _is_number(v) and 0 < v <= 86_400,
+    out["list_interval"] = float(checked(
+        extra, "list_interval", 10.0, lambda v: is_number(v) and 0 < v <= 86_400,
         "seconds in (0, 86400]", problems))
     for key, default, most in (("peer_ask_timeout", 0.2, 60), ("peer_read_timeout", 5.0,
                                                                    MAX_PEER_READ_TIMEOUT)):
-        out[key] = float(_checked(extra, key, default,
-                                  lambda v, most=most: _is_number(v) and 0 < v <= most,
+        out[key] = float(checked(extra, key, default,
+                                  lambda v, most=most: is_number(v) and 0 < v <= most,
                                   f"seconds in (0, {most}]", problems))
-    out["worker_id"] = _checked(extra, "worker_id", 0,
-                                lambda v: _is_int(v) and 0 <= v < 2**64,
-                                "an integer in 0..2^64-1", problems)
-    out["store_nice"] = _checked(extra, "store_nice", 10, lambda v: _is_int(v) and 0 <= v <= 19,
+    out["worker_id"] = engine_config.worker_id(extra, problems)
+    out["store_nice"] = checked(extra, "store_nice", 10, lambda v: is_int(v) and 0 <= v <= 19,
                                  "an integer in 0..19", problems)
-    pace = _checked(extra, "yield_to_forward", "auto",
+    pace = checked(extra, "yield_to_forward", "auto",
                     lambda v: isinstance(v, bool) or (isinstance(v, str) and v == "auto"),
                     'true, false or "auto"', problems)
     out["yield_to_forward"] = None if pace == "auto" else pace
-    out["events"] = sink_specs(extra.get("events", ()), problems)
-    out["export"] = _checked(extra, "export", None,
+    out["events"] = engine_config.events(extra, problems)
+    out["export"] = checked(extra, "export", None,
                              lambda v: v is None or _control_address(v, local=True),
                              "tcp://host:port, a port in 1..65535 on an address of this host",
                              problems)
     peers = extra.get("peers", ())
-    out["peers"] = tuple(_checked({"peers": (peers,) if isinstance(peers, str) else peers},
+    out["peers"] = tuple(checked({"peers": (peers,) if isinstance(peers, str) else peers},
                                   "peers", (),
                                   lambda v: isinstance(v, (list, tuple))
                                   and len(v) <= MAX_PEERS
@@ -317,31 +314,6 @@ def _check_sharing_secret(env: Mapping[str, str], problems: list[str]) -> None:
                             f"user's) to the same value in every engine")
     except SecretError as exc:
         problems.append(f"export/peers: {exc}")
-
-
-def _config_overrides(extra: Mapping[str, Any], problems: list[str]) -> dict[str, Any]:
-    """The keys of kvstrata's own config that the extra config may set (``tenant``,
-    ``eviction``, ``admission``, ``disk_dir``, ``tenant_quotas``), checked (the quotas'
-    values when the config is validated)."""
-    overrides: dict[str, Any] = {}
-    if "tenant_quotas" in extra:
-        if not isinstance(extra["tenant_quotas"], Mapping):
-            problems.append(f"tenant_quotas must be a table of tenants, got "
-                            f"{extra['tenant_quotas']!r:.80}")
-        else:
-            overrides["tenant_quotas"] = extra["tenant_quotas"]
-    if "tenant" in extra:
-        if not isinstance(extra["tenant"], str):
-            problems.append(f"tenant must be a string, got {extra['tenant']!r}")
-        else:
-            overrides["tenant"] = extra["tenant"]
-    for key in ("eviction", "admission", "disk_dir"):
-        if key in extra:
-            if not isinstance(extra[key], str) or not extra[key]:
-                problems.append(f"{key} must be a non-empty string, got {extra[key]!r}")
-            else:
-                overrides[key] = extra[key]
-    return overrides
 
 
 def _kv_config(geometry: KvGeometry, tiers: dict[str, TierConfig] | None,
@@ -380,17 +352,6 @@ def _kv_config(geometry: KvGeometry, tiers: dict[str, TierConfig] | None,
         raise ConnectorConfigError("kvstrata connector: " + "; ".join(exc.problems)) from None
 
 
-def _checked(extra: Mapping[str, Any], key: str, default: Any, ok: Callable[[Any], bool],
-             what: str, problems: list[str]) -> Any:
-    """``extra[key]`` (``default`` when absent) if ``ok`` says it is valid; else
-    ``default``, and ``"<key> must be <what>, got <value>"`` in ``problems``."""
-    value = extra.get(key, default)
-    if ok(value):
-        return value
-    problems.append(f"{key} must be {what}, got {value!r:.80}")
-    return default
-
-
 def _control_address(value: Any, local: bool = False) -> bool:
     """Whether ``value`` is a ``tcp://host:port`` control address (port 1..65535), and with
     ``local`` one this host can listen on."""
@@ -399,14 +360,6 @@ def _control_address(value: Any, local: bool = False) -> bool:
     except ValueError:
         return False
     return not local or can_listen_on(host)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _check_runnable(kv: KvConfig, workers: int = 1, block_layout: str = "vllm") -> None:
@@ -420,32 +373,6 @@ def _check_runnable(kv: KvConfig, workers: int = 1, block_layout: str = "vllm") 
     problems = check_tiers(kv, options, ranks=workers)
     if problems:
         raise ConnectorConfigError("kvstrata connector: " + "; ".join(problems))
-
-
-def _tiers(raw: Any, problems: list[str]) -> dict[str, TierConfig]:
-    from ...config import normalize_tiers, parse_tiers_flag
-
-    try:
-        if isinstance(raw, str):
-            tiers = dict(parse_tiers_flag(raw))
-        elif isinstance(raw, Mapping):
-            tiers = dict(normalize_tiers(raw, problems))
-        else:
-            problems.append(f"tiers must be a mapping or 'G2=4GiB,G3=16GiB', got {raw!r}")
-            return {}
-    except ConfigError as exc:
-        problems.append("tiers: " + "; ".join(exc.problems))
-        return {}
-    except ValueError as exc:
-        problems.append(f"tiers: {exc}")
-        return {}
-    if TOP_TIER in tiers:
-        problems.append(f"tiers: {TOP_TIER} is vLLM's own KV cache; size it with vLLM's "
-                        f"options, not here")
-        tiers.pop(TOP_TIER)
-    if not tiers:
-        problems.append("tiers: name at least one lower tier (G2)")
-    return tiers
 
 
 def _lower_tiers_of(base: KvConfig, env: Mapping[str, str],
