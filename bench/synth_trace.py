@@ -42,7 +42,7 @@ class Workload:
     rag_share: float = 0.0         # sessions that ask about a shared document
     library: int = 2000            # shared documents
     library_skew: float = 1.0      # Zipf exponent of document popularity
-    chat_turns: float = 3.0        # mean turns of a conversation after its first
+    chat_turns: float = 3.0        # a conversation has 1 + int(Exp(mean chat_turns)) turns
     chat_think: float = 90.0       # mean seconds between a conversation's turns
     first_blocks: tuple[int, int] = (1, 6)
     turn_blocks: tuple[int, int] = (1, 4)

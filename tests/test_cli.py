@@ -122,6 +122,20 @@ def test_policy_flag_overrides_per_tier_policies_from_a_file(capsys, tmp_path):
     assert code == 0 and (g1["eviction"], g1["admission"]) == ("lru", "always")
 
 
+
+def test_admission_flag_sets_the_bottom_tiers_filter_and_keeps_the_others(capsys, tmp_path):
+    """The global filter is the bottom tier's: the flag overrides the bottom tier's own
+    choice from a file, while a filter a file gave a tier above stays."""
+    cfg = tmp_path / "kv.toml"
+    cfg.write_text('[tiers.G1]\nblocks = 3\n[tiers.G2]\nblocks = 6\nadmission = "second-offer"\n'
+                   '[tiers.G3]\nblocks = 12\nadmission = "always"\n')
+    code, out, _ = run(capsys, "replay", str(small_trace(tmp_path)), "--config", str(cfg),
+                       "--admission", "adaptive", "--json")
+    tiers = json.loads(out)["tiers"]
+    assert code == 0
+    assert [tiers[t]["admission"] for t in ("G1", "G2", "G3")] == \
+        ["always", "second-offer", "adaptive"]
+
 # -- every input error: one line on stderr naming the input, exit 2, no traceback -----------
 
 def _cli(*argv, stdin=None, env=None):

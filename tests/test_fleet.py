@@ -90,3 +90,15 @@ def test_cli_workers_json_and_errors(tmp_path):
         code, _, err = run("replay", *argv)
         lines = [line for line in err.splitlines() if line.strip() and "Triton" not in line]
         assert code == 2 and len(lines) == 1, err
+
+
+def test_the_added_shared_tier_leaves_the_filter_where_one_worker_has_it():
+    """A fleet adds G4 under each worker's tiers; the global admission filter, the bottom
+    tier's, must stay on the tier that was the bottom, as in a one-worker replay."""
+    from kvstrata.fleet import with_shared_tier
+
+    config = KvConfig(tiers={"G1": TierConfig(blocks=10), "G2": TierConfig(blocks=20),
+                             "G3": TierConfig(blocks=40)}, admission="second-offer")
+    fleet = with_shared_tier(config)
+    assert [fleet.tier_admission(t) for t in ("G1", "G2", "G3", "G4")] == \
+        ["always", "always", "second-offer", "always"]

@@ -26,6 +26,7 @@ from .cliparse import OneLineParser
 from .config import ConfigError, load_config, parse_tiers_flag
 from .paths import writable_file_problem
 from .logical.policy import ADMISSION_NAMES, EVICTION_NAMES
+from .tiers import ordered
 from .tokens import TokenError, hash_blocks, isolation_seed
 
 
@@ -74,13 +75,16 @@ def _build_replay_config(args: argparse.Namespace):
     if args.admission is not None:
         overrides["admission"] = args.admission
     config = load_config(args.config, **overrides)
-    # A flag names the policy of every tier: per-tier choices from a file must not win.
+    # --policy names every tier's order and --admission the bottom tier's filter (the
+    # global ones): per-tier choices from a file must not win over them.
     if args.policy is not None or args.admission is not None:
+        bottom = ordered(config.tiers)[-1]
         tiers = {
             name: replace(
                 tier,
                 eviction=None if args.policy is not None else tier.eviction,
-                admission=None if args.admission is not None else tier.admission,
+                admission=None if args.admission is not None and name == bottom
+                else tier.admission,
             )
             for name, tier in config.tiers.items()
         }
@@ -307,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_replay.add_argument("--tiers", help="e.g. G1=1000,G2=4000,G3=16000 (the default, in blocks) or G2=4GiB")
     p_replay.add_argument("--policy", help=f"eviction policy: {', '.join(sorted(EVICTION_NAMES))}")
     p_replay.add_argument("--admission",
-                          help=f"lower-tier admission: {', '.join(sorted(ADMISSION_NAMES))}")
+                          help=f"the bottom tier's admission filter: {', '.join(sorted(ADMISSION_NAMES))}")
     p_replay.add_argument("--limit", type=int, help="replay only the first N requests")
     p_replay.add_argument("--json", action="store_true", help="print the report as JSON")
     p_replay.add_argument("--plot", metavar="PNG", help="write a hit-rate-along-the-trace plot")

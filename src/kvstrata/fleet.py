@@ -34,7 +34,7 @@ from .logical.registry import RegistryObserver
 from .placement import Planner
 from .replay import (ReplayResult, ReplayWorker, RequestHasher, TraceRequest, hit_summary,
                      replay_config)
-from .tiers import Addressing, TIERS
+from .tiers import Addressing, TIERS, ordered
 from .types import BlockRecord
 
 __all__ = ["ROUTES", "SHARED_DEFAULT_BLOCKS", "FleetResult", "PrefixRouter", "replay_fleet",
@@ -67,11 +67,17 @@ def shared_tier() -> str:
 
 
 def with_shared_tier(config: KvConfig) -> KvConfig:
-    """``config`` with the shared tier, :data:`SHARED_DEFAULT_BLOCKS` big if it had none."""
+    """``config`` with the shared tier, :data:`SHARED_DEFAULT_BLOCKS` big if it had none.
+    An added shared tier admits every block and the tier that was the bottom keeps its
+    filter: the fleet's tiers filter as one worker's did."""
     tier = shared_tier()
     if tier in config.tiers:
         return config
-    return replace(config, tiers={**config.tiers, tier: TierConfig(blocks=SHARED_DEFAULT_BLOCKS)})
+    bottom = ordered(config.tiers)[-1]
+    tiers = {**config.tiers,
+             bottom: replace(config.tiers[bottom], admission=config.tier_admission(bottom)),
+             tier: TierConfig(blocks=SHARED_DEFAULT_BLOCKS, admission="always")}
+    return replace(config, tiers=tiers)
 
 
 @dataclass

@@ -366,6 +366,13 @@ class BlockPool:
         self.registry.record_stored(self.tier, stored)
         return ImmutableBlocks(self, out)
 
+    def unused_slots(self, slot_ids: Iterable[int]) -> list[int]:
+        """Of ``slot_ids``, those holding no block and taken by nothing here now (never
+        used, or freed): the ones whose old contents a durable tier may forget."""
+        free = set(self._free)
+        return [slot for slot in slot_ids if 0 <= slot < self.capacity
+                and (slot >= self._made or slot in free)]
+
     def restore(self, entries: Sequence[tuple[int, BlockRecord]]) -> int:
         """Register blocks a durable tier recovered, each in the slot that holds its bytes;
         returns how many were restored. ``entries`` (slot, record) come oldest first and

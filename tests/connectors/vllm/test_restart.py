@@ -139,3 +139,32 @@ def test_a_reset_cache_is_for_good_across_a_restart(tmp_path, ranks):
     assert_idle(sim)
     for worker in sim.workers:
         worker.shutdown()
+
+
+def test_a_reset_before_the_workers_report_what_they_kept_drops_that_too(tmp_path,
+                                                                         monkeypatch):
+    """A scheduler that cannot read the workers' index files learns what they kept from
+    their first reports; a reset_cache before those reports must not bring it back then,
+    nor after another restart."""
+    import kvstrata.connectors.vllm.scheduler as scheduler_module
+
+    old, new = prompt(46, 5 * BS + 1), prompt(47, 3 * BS + 1)
+    _first_run(tmp_path, old, ranks=2)
+    with monkeypatch.context() as patch:
+        patch.setattr(scheduler_module, "peek_recovered", lambda *a, **k: None)
+        sim = SimEngine(tmp_path, g2_blocks=16, g3_blocks=64, ranks=2, block_size=BS)
+        assert sim.scheduler.reset_cache() is True     # before any report
+        sim.add("b", new)
+        sim.run()
+        held = sim.scheduler.planner.registry.hashes_in("G3")
+        assert not held & set(hash_blocks(old, BS)[1])
+        assert held == set(hash_blocks(new, BS)[1])
+        for worker in sim.workers:
+            worker.shutdown()
+    sim = SimEngine(tmp_path, g2_blocks=16, g3_blocks=64, ranks=2, block_size=BS)
+    assert sorted(sim.scheduler.planner.registry.hashes_in("G3")) == \
+        sorted(hash_blocks(new, BS)[1])
+    run_and_check_load(sim, "c", new + [5], expect_blocks=3)
+    assert_idle(sim)
+    for worker in sim.workers:
+        worker.shutdown()

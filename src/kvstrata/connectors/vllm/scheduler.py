@@ -167,6 +167,8 @@ class SchedulerHalf:
         self.counters = ConnectorCounters()
         self._results = RankResults(world_size)
         self._world_size = world_size
+        self._reset_before_recovery = False
+        """``reset_cache`` ran while workers' reports of their recovered blocks were due."""
         self._recovered: dict[int, dict[str, list]] | None = {}
         """Each worker's recovered durable blocks until every rank reported (then None)."""
         self._restore_from_index_files()
@@ -434,6 +436,9 @@ class SchedulerHalf:
         some rank lost is a miss), then announce them. Slots the planner used meanwhile are
         skipped (:meth:`Planner.restore`)."""
         per_rank, self._recovered = list(self._recovered.values()), None
+        if self._reset_before_recovery:
+            self._forget_recovered(per_rank)
+            return
         for tier in per_rank[0]:
             common = set(map(tuple, per_rank[0][tier]))
             for other in per_rank[1:]:
@@ -448,6 +453,21 @@ class SchedulerHalf:
                 continue
             log.info("kvstrata: %s serves %d block(s) kept from the last run (of %d that "
                      "every worker recovered)", tier, restored, len(entries))
+
+    def _forget_recovered(self, per_rank: list[dict[str, list]]) -> None:
+        """``reset_cache`` ran before every worker reported its recovered blocks: restore
+        none of them, and have the workers forget their slots (those the planner has not
+        used since)."""
+        for tier in {t for rows in per_rank for t in rows}:
+            pool = self.planner.pools.get(tier)
+            if pool is None:
+                continue
+            slots = {row[0] for rows in per_rank for row in rows.get(tier, ())}
+            unused = pool.unused_slots(sorted(slots))
+            if unused:
+                self._forget.setdefault(tier, []).extend(unused)
+        log.info("kvstrata: the cache was reset before the workers reported what they kept; "
+                 "it is dropped")
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         """vLLM's scheduler-side KV cache manager: its null block's id, and each KV cache
@@ -505,6 +525,10 @@ class SchedulerHalf:
         journals it and a restart does not bring them back (after a change of weights, say)."""
         if not self.idle:
             return False
+        if self._recovered is not None:
+            # The workers have not all reported what their durable tiers recovered: when
+            # they do, those blocks are dropped too (:meth:`_restore_recovered`).
+            self._reset_before_recovery = True
         for tier, pool in self.planner.pools.items():
             held = self.registry.hashes_in(tier)
             slots = pool.clear_slots()
