@@ -173,7 +173,7 @@ def print_tables(rows: list[Row], policies: list[str]) -> None:
               "(where there is a gap), and the most points below LRU")
     for p in shown:
         worst = min(gapped, key=lambda r: r.closed(p)) if gapped else None
-        lowest = min(rows, key=lambda r: r.hits[p] - r.lru)
+        lowest = min(rows, key=lambda r: (r.hits[p] - r.lru) / r.lookups)
         share = (f"{100 * worst.closed(p):+.0f} % ({worst.trace}, C = {worst.capacity:,})"
                  if worst else "no gap anywhere")
         below = 100 * max(0, lowest.lru - lowest.hits[p]) / lowest.lookups

@@ -17,8 +17,8 @@ from ..config import ConfigError, TierConfig, normalize_tiers, parse_tiers_flag
 from ..events.spec import sink_specs
 from ..tiers import TOP_TIER
 
-__all__ = ["ENGINE_KEYS", "checked", "is_int", "is_number", "lower_tiers", "config_overrides",
-           "config_path", "events", "worker_id"]
+__all__ = ["ENGINE_KEYS", "OVERRIDE_KEYS", "checked", "is_int", "is_number", "lower_tiers",
+           "config_overrides", "config_path", "events", "worker_id"]
 
 ENGINE_KEYS = frozenset({"tiers", "disk_dir", "eviction", "admission", "events", "worker_id",
                          "config", "tenant", "tenant_quotas"})
