@@ -132,13 +132,7 @@ def test_a_reset_cache_is_for_good_across_a_restart(tmp_path, ranks):
     assert set(reused) <= set(freed)         # the new blocks took freed slots
     for worker in sim.workers:
         worker.shutdown()
-    sim = SimEngine(tmp_path, g2_blocks=16, g3_blocks=64, ranks=ranks, block_size=BS)
-    assert sorted(sim.scheduler.planner.registry.hashes_in("G3")) == \
-        sorted(hash_blocks(new, BS)[1])
-    run_and_check_load(sim, "c", new + [5], expect_blocks=3)
-    assert_idle(sim)
-    for worker in sim.workers:
-        worker.shutdown()
+    _a_restart_serves_only(tmp_path, new, ranks)
 
 
 def test_a_reset_before_the_workers_report_what_they_kept_drops_that_too(tmp_path,
@@ -161,10 +155,15 @@ def test_a_reset_before_the_workers_report_what_they_kept_drops_that_too(tmp_pat
         assert held == set(hash_blocks(new, BS)[1])
         for worker in sim.workers:
             worker.shutdown()
-    sim = SimEngine(tmp_path, g2_blocks=16, g3_blocks=64, ranks=2, block_size=BS)
-    assert sorted(sim.scheduler.planner.registry.hashes_in("G3")) == \
-        sorted(hash_blocks(new, BS)[1])
-    run_and_check_load(sim, "c", new + [5], expect_blocks=3)
+    _a_restart_serves_only(tmp_path, new, ranks=2)
+
+
+def _a_restart_serves_only(tmp_path, tokens, ranks):
+    """A restarted engine holds exactly ``tokens``' full blocks in G3 and loads them."""
+    sim = SimEngine(tmp_path, g2_blocks=16, g3_blocks=64, ranks=ranks, block_size=BS)
+    held = hash_blocks(tokens, BS)[1]
+    assert sorted(sim.scheduler.planner.registry.hashes_in("G3")) == sorted(held)
+    run_and_check_load(sim, "c", tokens + [5], expect_blocks=len(held))
     assert_idle(sim)
     for worker in sim.workers:
         worker.shutdown()
