@@ -246,14 +246,24 @@ class Planner:
             out.append(tier)
         return out
 
-    def _observe_request(self, sequence_hashes: Sequence[int]) -> None:
-        """Show a request's block hashes to the policies that learn from requests."""
+    @property
+    def learns_from_requests(self) -> bool:
+        """Whether a tier's policy learns from the requests (:meth:`observe_request`)."""
+        return bool(self._request_observers)
+
+    def observe_request(self, sequence_hashes: Sequence[int]) -> None:
+        """Show a request's block hashes, from its first block, to the policies that learn
+        from requests (the ``adaptive`` duel). :meth:`prepare_onboard` does it for the
+        request it serves; a connector whose engine serves some requests without asking
+        (its own cache hit them) calls this once per request and onboards with
+        ``observe=False``."""
         for observe in self._request_observers:
             observe(sequence_hashes)
 
     # -- onboard ---------------------------------------------------------------------------
     def prepare_onboard(self, sequence_hashes: Sequence[int],
-                        engine_block_ids: Sequence[int] | None = None) -> int:
+                        engine_block_ids: Sequence[int] | None = None, *,
+                        observe: bool = True) -> int:
         """Start bringing the longest held prefix of a request into the top tier; returns
         the onboard's ticket number. Its :class:`OnboardResult` appears in
         :meth:`take_finished` once the copies it needs completed (at once if it needs none).
@@ -268,12 +278,14 @@ class Planner:
             if busy:
                 raise PlacementError(f"prepare_onboard: engine blocks {busy} are still read or "
                                      f"written by copies in flight (engine_blocks_in_use)")
-            self._observe_request(hashes)
+            if observe:
+                self.observe_request(hashes)
             return self._onboarding.prepare_external(hashes, ids)
         if engine_block_ids is not None:
             raise PlacementError("prepare_onboard: kvstrata owns the top tier here; "
                                  "engine_block_ids must be left out")
-        self._observe_request(hashes)
+        if observe:
+            self.observe_request(hashes)
         return self._onboarding.prepare_owned(hashes)
 
     def take_finished(self) -> list[OnboardResult]:

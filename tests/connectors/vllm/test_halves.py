@@ -474,3 +474,22 @@ def test_the_wait_of_a_store_for_the_forward_is_not_its_paths_overhead(make):
         sim.run()
     costs = sim.scheduler.planner.costs
     assert costs.overhead("G1->G2") < 0.01, costs.snapshot()
+
+
+def test_the_adaptive_duel_sees_every_request_from_its_first_block(make):
+    """The duel learns from the requests: the scheduler shows it each one once, from its
+    first block, whether it loads anything or not (it once saw only loads, and only the
+    loaded part)."""
+    sim = make(extra={"admission": "adaptive"})
+    observers = sim.scheduler.planner._request_observers
+    assert len(observers) == 1                # the bottom tier's duel
+    seen: list[list[int]] = []
+    serve = observers[0]
+    observers[0] = lambda hashes: (seen.append(list(hashes)), serve(hashes))[1]
+    first, second = prompt(60, 6 * BS + 1), prompt(60, 6 * BS) + prompt(61, 3 * BS + 1)
+    sim.add("a", first)                       # a miss: loads nothing
+    sim.run()
+    sim.add("b", second)                      # loads its first 6 blocks from G2
+    sim.run()
+    assert sim.scheduler.counters.blocks_loaded
+    assert seen == [hash_blocks(first, BS)[1], hash_blocks(second, BS)[1]]

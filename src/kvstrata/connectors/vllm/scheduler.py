@@ -95,7 +95,7 @@ class _Tracked:
     """One live request: its block hashes so far, the blocks offered, its engine blocks."""
 
     __slots__ = ("request", "seed", "tenant", "local", "seq", "offered", "load", "remote",
-                 "reading")
+                 "reading", "observed")
 
     def __init__(self, request: Any, seed: int, groups: int = 1, tenant: str = "") -> None:
         self.request = request
@@ -114,6 +114,8 @@ class _Tracked:
         while the request runs (sliding window), until no copy reads them."""
         self.remote: tuple[int, str, int] | None = None
         """(first block, peer, blocks) last answered as loadable from a peer engine."""
+        self.observed = False
+        """Whether the tiers' request-learning policies saw its hashes."""
 
     def hash_upto(self, blocks: int, block_size: int) -> None:
         """Hash the request's tokens up to ``blocks`` full blocks (incrementally)."""
@@ -219,6 +221,10 @@ class SchedulerHalf:
         bs = self.block_size
         start = num_computed_tokens // bs
         limit = (request.num_tokens - 1) // bs        # vLLM computes at least one token
+        if limit > 0 and not tracked.observed and self.planner.learns_from_requests:
+            tracked.observed = True             # once, whoever serves it (vLLM asks again)
+            tracked.hash_upto(limit, bs)
+            self.planner.observe_request(tracked.seq[:limit])
         if limit <= start:
             return 0, False
         tracked.hash_upto(limit, bs)
@@ -274,7 +280,7 @@ class SchedulerHalf:
         self._loading.add(request.request_id)
         try:
             hashes, targets = self._load_targets(tracked, block_ids, start, start + count)
-            self.planner.prepare_onboard(hashes, engine_block_ids=targets)
+            self.planner.prepare_onboard(hashes, engine_block_ids=targets, observe=False)
         except PlacementError as exc:
             # e.g. a block vLLM reused while a copy still reads it: recompute instead
             log.warning("kvstrata: load for request %s not planned: %s", request.request_id, exc)
