@@ -476,11 +476,12 @@ def test_the_wait_of_a_store_for_the_forward_is_not_its_paths_overhead(make):
     assert costs.overhead("G1->G2") < 0.01, costs.snapshot()
 
 
-def test_the_adaptive_duel_sees_every_request_from_its_first_block(make):
+@pytest.mark.parametrize("load", [True, False])
+def test_the_adaptive_duel_sees_every_request_from_its_first_block(make, load):
     """The duel learns from the requests: the scheduler shows it each one once, from its
-    first block, whether it loads anything or not (it once saw only loads, and only the
-    loaded part)."""
-    sim = make(extra={"admission": "adaptive"})
+    first block, whether it loads anything or not, loads on or off (it once saw only
+    loads, and only the loaded part)."""
+    sim = make(extra={"admission": "adaptive", "load": load})
     observers = sim.scheduler.planner._request_observers
     assert len(observers) == 1                # the bottom tier's duel
     seen: list[list[int]] = []
@@ -491,5 +492,5 @@ def test_the_adaptive_duel_sees_every_request_from_its_first_block(make):
     sim.run()
     sim.add("b", second)                      # loads its first 6 blocks from G2
     sim.run()
-    assert sim.scheduler.counters.blocks_loaded
+    assert bool(sim.scheduler.counters.blocks_loaded) is load
     assert seen == [hash_blocks(first, BS)[1], hash_blocks(second, BS)[1]]

@@ -214,17 +214,19 @@ class SchedulerHalf:
     def get_num_new_matched_tokens(self, request: Any,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         tracked = self._track(request)          # tracked for its stores even with loads off
-        if tracked is None or not self.settings.load:
+        if tracked is None:
             return 0, False
-        if self._listers:
-            self._apply_learned()
         bs = self.block_size
-        start = num_computed_tokens // bs
         limit = (request.num_tokens - 1) // bs        # vLLM computes at least one token
         if limit > 0 and not tracked.observed and self.planner.learns_from_requests:
             tracked.observed = True             # once, whoever serves it (vLLM asks again)
             tracked.hash_upto(limit, bs)
             self.planner.observe_request(tracked.seq[:limit])
+        if not self.settings.load:
+            return 0, False
+        if self._listers:
+            self._apply_learned()
+        start = num_computed_tokens // bs
         if limit <= start:
             return 0, False
         tracked.hash_upto(limit, bs)
