@@ -11,6 +11,7 @@ and SGLang's buffer shapes for each layout (sglang/srt/mem_cache/pool_host/{mha,
 from __future__ import annotations
 
 import hashlib
+from contextlib import closing
 from types import SimpleNamespace
 
 import pytest
@@ -89,8 +90,7 @@ def page_bytes(pool, page: int, mla: bool) -> list[torch.Tensor]:
 @pytest.mark.parametrize("layout, mla", list(SHAPES))
 def test_pages_go_down_and_come_back_byte_for_byte(tmp_path, layout, mla):
     pool = host_pool(layout, mla)
-    store = backend(tmp_path, pool, mla)
-    try:
+    with closing(backend(tmp_path, pool, mla)) as store:
         keys = keys_of(6)
         written = [page_bytes(pool, p, mla) for p in range(6)]
         assert store.batch_exists(keys) == 0
@@ -103,27 +103,21 @@ def test_pages_go_down_and_come_back_byte_for_byte(tmp_path, layout, mla):
             for got, want in zip(page_bytes(pool, page, mla), written[i]):
                 assert torch.equal(got, want), (layout, mla, i)
         assert page_bytes(pool, 0, mla)[0].abs().sum() == 0     # nothing else written
-    finally:
-        store.close()
 
 
 def test_a_prefix_past_what_is_held_loads_only_the_held_pages(tmp_path):
     pool = host_pool("page_first", False)
-    store = backend(tmp_path, pool)
-    try:
+    with closing(backend(tmp_path, pool)) as store:
         keys = keys_of(5)
         store.batch_set_v1(keys[:3], slots([0, 1, 2]))
         before = page_bytes(pool, 7, False)
         assert store.batch_get_v1(keys, slots([4, 5, 6, 7, 8])) == [True] * 3 + [False] * 2
         assert all(torch.equal(a, b) for a, b in zip(page_bytes(pool, 7, False), before))
-    finally:
-        store.close()
 
 
 def test_a_corrupt_g3_page_is_reported_missing_never_loaded(tmp_path):
     pool = host_pool("page_first", False)
-    store = backend(tmp_path, pool)
-    try:
+    with closing(backend(tmp_path, pool)) as store:
         keys = keys_of(4)
         store.batch_set_v1(keys, slots([0, 1, 2, 3]))
         store.manager.wait_idle(10)
@@ -139,8 +133,6 @@ def test_a_corrupt_g3_page_is_reported_missing_never_loaded(tmp_path):
         assert got == [True, True, False, False]
         assert all(torch.equal(a, b) for a, b in zip(page_bytes(pool, 12, False), before))
         assert store.batch_exists(keys) == 2           # the bad page was dropped
-    finally:
-        store.close()
 
 
 def test_a_restarted_backend_serves_its_durable_g3(tmp_path):
@@ -176,16 +168,13 @@ def test_another_host_layout_never_reads_the_stored_pages(tmp_path):
 
 def test_prefix_keys_chain_the_first_page_of_a_batch(tmp_path):
     pool = host_pool("page_first", False)
-    store = backend(tmp_path, pool)
-    try:
+    with closing(backend(tmp_path, pool)) as store:
         keys = keys_of(4)
         info = HiCacheStorageExtraInfo(prefix_keys=keys[:2])
         records = store._records(keys[2:], info)
         assert records[0].parent_hash == page_hash(keys[1])
         assert records[1].parent_hash == page_hash(keys[2])
         assert store._records(keys[:1], None)[0].parent_hash is None
-    finally:
-        store.close()
 
 
 @pytest.mark.parametrize("extra, match", [
@@ -219,15 +208,12 @@ def test_ranks_keep_their_own_pages(tmp_path):
 
 def test_host_slots_that_are_not_whole_pages_store_nothing(tmp_path):
     pool = host_pool("page_first", False)
-    store = backend(tmp_path, pool)
-    try:
+    with closing(backend(tmp_path, pool)) as store:
         keys = keys_of(2)
         assert store.batch_set_v1(keys, slots([0, 1])[1:]) == [False, False]
         shifted = slots([0, 1]) + 1
         assert store.batch_set_v1(keys, shifted) == [False, False]
         assert store.batch_exists(keys) == 0
-    finally:
-        store.close()
 
 
 def test_stored_pages_are_published_as_events(tmp_path):
@@ -280,13 +266,10 @@ def test_a_pool_with_part_of_its_pages_elsewhere_is_refused(tmp_path):
 def test_a_hybrid_models_side_pools_are_refused_at_start(tmp_path):
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
-    store = backend(tmp_path, host_pool("page_first", False))
-    try:
+    with closing(backend(tmp_path, host_pool("page_first", False))) as store:
         store.register_mem_host_pool_v2(store.mem_pool_host, PoolName.KV)   # the KV anchor
         with pytest.raises(SGLangConfigError, match="mamba"):
             store.register_mem_host_pool_v2(object(), PoolName.MAMBA)
-    finally:
-        store.close()
 
 
 def test_cleared_pages_stay_gone_after_a_restart(tmp_path):
@@ -311,13 +294,10 @@ def test_keys_that_share_a_prefix_are_other_pages():
 
 
 def test_a_page_whose_slots_are_not_one_whole_page_stores_nothing(tmp_path):
-    store = backend(tmp_path, host_pool("page_first", False))
-    try:
+    with closing(backend(tmp_path, host_pool("page_first", False))) as store:
         mixed = torch.tensor([8, 21, 22, 23, 4, 5, 6, 7])
         assert store.batch_set_v1(keys_of(2), mixed) == [False, False]
         assert store.batch_exists(keys_of(2)) == 0
-    finally:
-        store.close()
 
 
 def test_a_closed_backend_answers_misses(tmp_path):
