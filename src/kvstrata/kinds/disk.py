@@ -101,6 +101,30 @@ class DiskKind(Kind):
         except PhysicalError as exc:
             raise TierSetupError(f"{tier} in {directory}: {exc}") from exc
 
+    def open_followed(self, config: KvConfig, tier: str, geometry: LayoutConfig,
+                      options: StorageOptions) -> DiskStorage:
+        """The durable ``tier`` that another process with these ``options`` (its rank, its
+        fingerprint) keeps in the config's directory, opened read-only to follow it
+        (:meth:`~kvstrata.physical.DiskStorage.follow`); ``geometry`` is the fastest tier's.
+        Raises :class:`TierSetupError` when the tier is not durable here, or when there is
+        no such tier yet or it cannot be trusted."""
+        directory = config.directory_of(tier)
+        if directory is None or not options.durable_disk:
+            raise TierSetupError(f"{tier} is followed only where it is durable: give it a "
+                                 f"directory")
+        try:
+            keys = keys_at_rest(options.secret)
+        except SecretError as exc:
+            raise TierSetupError(f"{tier}: {exc}") from None
+        try:
+            return DiskStorage.follow(geometry.with_blocks(config.tier_blocks(tier)), directory,
+                                      fingerprint=options.compatibility(config).fingerprint,
+                                      rank=options.rank, name=tier.lower(),
+                                      o_direct=options.o_direct, file_ops=options.file_ops,
+                                      tagger=keys and keys.tagger, cipher=keys and keys.cipher)
+        except PhysicalError as exc:
+            raise TierSetupError(f"{tier} in {directory}: {exc}") from exc
+
     def recovered_rows(self, storage: Storage) -> list[RecoveredRow]:
         live = getattr(storage, "recovered", None)
         return live.rows() if live else []

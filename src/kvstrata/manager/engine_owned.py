@@ -28,7 +28,23 @@ from ..types import BlockRecord, first_bad_record
 from .block_manager import KvBlockManager, _hashes
 from .errors import InvalidBlockError, ManagerConfigError, ManagerError
 
-__all__ = ["EngineOwnedManager"]
+__all__ = ["EngineOwnedManager", "checked_engine_ids"]
+
+
+def checked_engine_ids(engine_block_ids: Sequence[int], count: int, capacity: int,
+                       what: str) -> list[int]:
+    """The engine's block ids, checked: ``count`` distinct ints in ``0..capacity-1``
+    (:class:`InvalidBlockError` naming ``what`` otherwise)."""
+    try:
+        ids = [int(b) for b in engine_block_ids]
+    except (TypeError, ValueError):
+        raise InvalidBlockError(f"{what}: engine_block_ids must be integers") from None
+    if len(ids) != count or len(set(ids)) != count \
+            or any(not 0 <= b < capacity for b in ids):
+        raise InvalidBlockError(f"{what}: give {count} distinct engine block ids in "
+                                f"0..{capacity - 1}, got {len(ids)} "
+                                f"({ids[:4]}{'...' if len(ids) > 4 else ''})")
+    return ids
 
 
 class EngineOwnedManager(KvBlockManager):
@@ -93,18 +109,8 @@ class EngineOwnedManager(KvBlockManager):
         return self._call(run, deferred=True)
 
     def _engine_ids(self, engine_block_ids: Sequence[int], count: int, what: str) -> list[int]:
-        """The engine's block ids, checked: ``count`` distinct ints inside G1."""
-        try:
-            ids = [int(b) for b in engine_block_ids]
-        except (TypeError, ValueError):
-            raise InvalidBlockError(f"{what}: engine_block_ids must be integers") from None
-        capacity = self.config.tier_blocks(self._top)
-        if len(ids) != count or len(set(ids)) != count \
-                or any(not 0 <= b < capacity for b in ids):
-            raise InvalidBlockError(f"{what}: give {count} distinct engine block ids in "
-                                    f"0..{capacity - 1}, got {len(ids)} "
-                                    f"({ids[:4]}{'...' if len(ids) > 4 else ''})")
-        return ids
+        return checked_engine_ids(engine_block_ids, count,
+                                  self.config.tier_blocks(self._top), what)
 
     # ------------------------------------------------------------------ owner thread steps
     def _after_step(self) -> None:

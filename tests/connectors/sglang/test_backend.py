@@ -188,12 +188,6 @@ def test_bad_settings_are_refused_with_every_problem(tmp_path, extra, match):
         StorageBackendFactory.create_backend("dynamic", storage_config(tmp_path, **extra), None)
 
 
-def test_mla_over_several_ranks_is_refused_until_one_store_serves_them(tmp_path):
-    with pytest.raises(SGLangConfigError, match="MLA"):
-        StorageBackendFactory.create_backend(
-            "dynamic", storage_config(tmp_path, mla=True, tp_rank=0, tp_size=2), None)
-
-
 def test_ranks_keep_their_own_pages(tmp_path):
     pools = [host_pool("page_first", False, seed=r) for r in (0, 1)]
     stores = [backend(tmp_path, pools[r], tp_rank=r, tp_size=2) for r in (0, 1)]

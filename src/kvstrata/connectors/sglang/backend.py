@@ -24,9 +24,14 @@ or the last of ``extra_info.prefix_keys`` when SGLang passes them
 hashes are SGLang's chain, not the xxh3 chain vLLM's and Dynamo's routers compute.
 
 **Ranks.** Each tensor-parallel rank stores its own heads (its own G3 home in one
-``disk_dir``). An MLA model's KV is the same on every rank and SGLang backs it up from one
-rank only; with more than one rank that needs one store every rank reads, which this
-backend does not offer yet: it refuses MLA with ``tp_size > 1``.
+``disk_dir``). An MLA model's KV is the same on every rank, and SGLang backs it up from one
+rank only (``is_storage_writer``) and has every rank load it: kvstrata stores it once. The
+writer rank runs kvstrata's tiers as above, under the identity of rank 0 of 1 (MLA pages do
+not depend on the number of ranks); every other rank reads the writer's durable G3 in place
+(:class:`~kvstrata.manager.follower.FollowerReader`), so MLA over several ranks needs
+``disk_dir``. Only that G3 is read by the other ranks: a page the writer holds only in a G2
+of kvstrata's own or in a G4 is a miss for them, and SGLang loads the shortest hit of all
+ranks. Decode-context-parallel MLA (``dcp_size > 1``, one writer per shard) is refused.
 """
 
 from __future__ import annotations
@@ -43,8 +48,9 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 
 from ...manager import ManagerConfigError, ManagerError
 from ...manager.engine_owned import EngineOwnedManager
+from ...manager.follower import FollowerReader
 from ...physical.errors import PhysicalError
-from ...tiers import TOP_TIER
+from ...tiers import TOP_TIER, TierKind, first_of_kind
 from ...types import BlockRecord
 from .host_pool import HostPoolError, wrap_host_pool
 from .settings import SGLangConfigError, kv_config, settings_from
@@ -72,12 +78,17 @@ class KvStrataStorage(HiCacheStorage):
         self.storage_config = storage_config
         self.settings = settings_from(getattr(storage_config, "extra_config", None))
         self.is_mla = bool(storage_config.is_mla_model)
-        if self.is_mla and storage_config.tp_size > 1:
+        if self.is_mla and getattr(storage_config, "dcp_size", 1) > 1:
             raise SGLangConfigError(
-                f"kvstrata HiCache backend: an MLA model over {storage_config.tp_size} ranks "
-                f"needs one store every rank reads (SGLang backs MLA up from one rank); not "
-                f"offered yet: run it with one rank")
+                f"kvstrata HiCache backend: MLA with decode context parallelism (dcp_size "
+                f"{storage_config.dcp_size}) is not held yet: run it without")
+        self.shared = self.is_mla and storage_config.tp_size > 1
+        """Every rank holds the same pages (MLA over several ranks): one rank stores them."""
+        self.writer = not self.shared or storage_config.tp_rank == 0
+        """Whether this rank stores pages (see the module docstring, "Ranks")."""
         self.manager: EngineOwnedManager | None = None
+        self.reader: FollowerReader | None = None
+        """On a rank that does not store (shared pages): the writer's G3, read in place."""
         self._publishers: list = []
         self._page_size = 0
         self._closed = False
@@ -94,17 +105,30 @@ class KvStrataStorage(HiCacheStorage):
             # data-parallel attention ranks each have a backend of tp rank 0: one home each
             config = replace(config, disk_dir=os.path.join(
                 config.disk_dir, f"dp{self.storage_config.dp_rank}"))
+        disk = first_of_kind(TierKind.DISK)
+        if self.shared and (disk not in config.tiers or config.directory_of(disk) is None):
+            raise SGLangConfigError(
+                f"kvstrata HiCache backend: an MLA model over {self.storage_config.tp_size} "
+                f"ranks is stored once, in rank 0's {disk}, which the other ranks read in "
+                f"place: give {disk} a directory (\"disk_dir\")")
         self.close()
         self._closed = False
-        from ...events.spec import make_publisher
-
-        self._publishers = [make_publisher(s, worker_id=self.settings.worker_id)
-                            for s in self.settings.events]
+        # shared pages are stored as rank 0 of 1 by their one writer
+        rank, world_size = ((0, 1) if self.shared else
+                            (self.storage_config.tp_rank, self.storage_config.tp_size))
         try:
-            self.manager = EngineOwnedManager(
-                config, kv_caches=pool.runs, kv_layout="block_page",
-                rank=self.storage_config.tp_rank, world_size=self.storage_config.tp_size,
-                observers=self._publishers)
+            if not self.writer:
+                self.reader = FollowerReader(config, kv_caches=pool.runs,
+                                             kv_layout="block_page", writer_rank=rank,
+                                             world_size=world_size)
+            else:
+                from ...events.spec import make_publisher
+
+                self._publishers = [make_publisher(s, worker_id=self.settings.worker_id)
+                                    for s in self.settings.events]
+                self.manager = EngineOwnedManager(
+                    config, kv_caches=pool.runs, kv_layout="block_page", rank=rank,
+                    world_size=world_size, observers=self._publishers)
         except (ManagerConfigError, PhysicalError) as exc:
             self.close()
             raise SGLangConfigError(f"kvstrata HiCache backend: {exc}") from None
@@ -113,9 +137,10 @@ class KvStrataStorage(HiCacheStorage):
             raise
         self._page_size = pool.page_size
         log.info("kvstrata: HiCache storage for %s (rank %d of %d): %d host pages of %d "
-                 "tokens over %s", self.storage_config.model_name, self.storage_config.tp_rank,
-                 self.storage_config.tp_size, pool.pages, pool.page_size,
-                 ", ".join(t for t in config.tiers if t != TOP_TIER))
+                 "tokens over %s%s", self.storage_config.model_name,
+                 self.storage_config.tp_rank, self.storage_config.tp_size, pool.pages,
+                 pool.page_size, ", ".join(t for t in config.tiers if t != TOP_TIER),
+                 "" if self.writer else " (read from rank 0's; stored there only)")
 
     def _identity(self) -> str:
         """The model as stored blocks name it: SGLang's model name, and the pipeline stage and
@@ -144,8 +169,10 @@ class KvStrataStorage(HiCacheStorage):
         if not keys or manager is None:
             return 0
         try:
+            if self.reader is not None:
+                return self.reader.held([page_hash(k) for k in keys])
             return manager.held([page_hash(k) for k in keys]).result()
-        except ManagerError as exc:
+        except (ManagerError, PhysicalError) as exc:
             log.warning("kvstrata: batch_exists answered 0: %s", exc)
             return 0
 
@@ -157,6 +184,9 @@ class KvStrataStorage(HiCacheStorage):
         manager = self._manager("batch_set_v1")
         if not keys or manager is None:
             return [False] * len(keys)
+        if self.reader is not None:       # stored by the writer rank: say what it holds
+            held = self.batch_exists(keys)
+            return [i < held for i in range(len(keys))]
         try:
             records = self._records(keys, extra_info)
             manager.store(records, self._pages(host_indices, len(keys))).result()
@@ -172,9 +202,12 @@ class KvStrataStorage(HiCacheStorage):
         if not keys or manager is None:
             return [False] * len(keys)
         try:
-            result = manager.load([page_hash(k) for k in keys],
-                                  self._pages(host_indices, len(keys))).result()
-        except (ManagerError, ValueError) as exc:
+            hashes, pages = [page_hash(k) for k in keys], self._pages(host_indices, len(keys))
+            if self.reader is not None:
+                result = self.reader.load(hashes, pages)
+            else:
+                result = manager.load(hashes, pages).result()
+        except (ManagerError, PhysicalError, ValueError) as exc:
             log.warning("kvstrata: %d page(s) not loaded: %s", len(keys), exc)
             return [False] * len(keys)
         if result.failures:
@@ -196,7 +229,8 @@ class KvStrataStorage(HiCacheStorage):
         raise NotImplementedError("kvstrata serves HiCache through interface_v1")
 
     def clear(self) -> None:
-        """Drop every idle block of kvstrata's tiers (SGLang's ``/clear_hicache_storage``)."""
+        """Drop every idle block of kvstrata's tiers (SGLang's ``/clear_hicache_storage``;
+        shared pages are dropped by their writer rank, and the others see them go)."""
         if self.manager is not None:
             self.manager.clear().result()
 
@@ -207,6 +241,9 @@ class KvStrataStorage(HiCacheStorage):
         if self.manager is not None:
             self.manager.close()
             self.manager = None
+        if self.reader is not None:
+            self.reader.close()
+            self.reader = None
         publishers, self._publishers = self._publishers, []
         for publisher in publishers:
             publisher.close()
@@ -215,12 +252,14 @@ class KvStrataStorage(HiCacheStorage):
         return None
 
     # -- helpers ---------------------------------------------------------------------------
-    def _manager(self, verb: str) -> EngineOwnedManager | None:
-        """The manager; None once closed (the verb answers a miss)."""
-        if self.manager is None and not self._closed:
+    def _manager(self, verb: str) -> EngineOwnedManager | FollowerReader | None:
+        """The manager, or on a rank that does not store, the reader; None once closed (the
+        verb answers a miss)."""
+        held = self.manager if self.manager is not None else self.reader
+        if held is None and not self._closed:
             raise RuntimeError(f"{verb} before register_mem_pool_host: SGLang registers its "
                                f"host pool first")
-        return self.manager
+        return held
 
     def _records(self, keys: Sequence[str], extra_info) -> list[BlockRecord]:
         """Block records of the pages ``keys`` name, chained (see the module docstring)."""

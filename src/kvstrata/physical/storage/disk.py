@@ -34,6 +34,12 @@ an index journal beside it (:mod:`.disk_index`): a write frees the slots in the 
 the bytes, then records the blocks. A restart recovers the recorded blocks (:attr:`recovered`)
 into the checksum table, so every recovered block is verified when first read; the slab is
 resized (never rewritten) to the configured size.
+
+**Followed** (:meth:`DiskStorage.follow`): another process's durable slab, opened read-only
+where that process keeps it, for blocks that are the same on several ranks and stored once
+(:mod:`.disk_follow`). :meth:`DiskStorage.refresh` takes in what the writer journaled since,
+and every read is verified against that, so a block the writer overwrote meanwhile fails its
+check; nothing is ever written, journaled or locked.
 """
 
 from __future__ import annotations
@@ -58,7 +64,8 @@ from ..errors import (BlockFailure, DiskFullError, FailureKind, StorageConfigErr
 from ...protocol.layout import FullyContiguousLayout, LayoutConfig
 from ...protocol.layout_codec import StorageDescriptor
 from .base import BlockStore, StorageStatus
-from .disk_home import DiskTierHome, check_fingerprint, private_file
+from .disk_follow import FollowedJournal
+from .disk_home import DiskTierHome, check_fingerprint, home_name, private_file
 from .disk_index import DiskIndex, LiveEntries
 from .fileio import FileOps
 from ..tags import NO_SEAL, SEAL_BYTES, BlockCipher, BlockTagger
@@ -102,14 +109,18 @@ class DiskStorage(BlockStore):
                  staging_buffers: int = 2, keep_file: bool = False,
                  overlap_bytes: int = 256 << 10, durable: "Durability | None" = None,
                  tagger: BlockTagger | None = None, cipher: BlockCipher | None = None,
-                 encrypt: bool = False) -> None:
+                 encrypt: bool = False, followed: str | None = None) -> None:
         layout = FullyContiguousLayout(
             config.with_alignment(max(config.alignment, DIRECT_ALIGNMENT)))
         super().__init__(layout)
         self._ops = file_ops or FileOps()
         self._stride = layout.block_stride
         self._max_run = max(1, min(max_io_bytes // self._stride, _IOV_MAX))
-        self._keep_file = keep_file or durable is not None
+        self._keep_file = keep_file or durable is not None or followed is not None
+        self._followed = followed
+        """The fingerprint of the durable tier in ``directory`` another process writes,
+        which this one reads (:meth:`follow`); None: this process writes its slab."""
+        self._journal: FollowedJournal | None = None
         self.notes: list[str] = []
         self.checksums = ChecksumTable(config.num_blocks)
         self._staging: queue.SimpleQueue[AlignedBuffer] = queue.SimpleQueue()
@@ -119,7 +130,8 @@ class DiskStorage(BlockStore):
         self._overlap_bytes = overlap_bytes
         self._durable = durable
         self._tagger = tagger
-        self._tag_identity = (durable.fingerprint if durable is not None else "").encode()
+        fingerprint = durable.fingerprint if durable is not None else followed
+        self._tag_identity = (fingerprint or "").encode()
         self._tags = np.zeros(config.num_blocks, dtype=np.uint64) if tagger else None
         """The keyed tag of the block in each slot (with a tagger)."""
         if encrypt and (cipher is None or tagger is None):
@@ -134,11 +146,15 @@ class DiskStorage(BlockStore):
 
         directory = Path(directory)
         try:
-            directory.mkdir(parents=True, exist_ok=True)
+            if followed is None:
+                directory.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise StorageConfigError(f"cannot create disk pool directory {directory}: {exc}") from exc
         self.size = layout.region_bytes(0)
-        if durable is None:
+        if followed is not None:
+            self.path = directory / "slab"
+            flags = os.O_RDONLY | os.O_CLOEXEC
+        elif durable is None:
             reclaim(directory, f"kvstrata-{name}-")       # slabs of killed processes
             self.path = directory / f"kvstrata-{name}-{owner_tag()}-{secrets.token_hex(4)}.slab"
             flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
@@ -151,23 +167,29 @@ class DiskStorage(BlockStore):
             raise StorageConfigError(f"cannot open the slab {self.path}: "
                                      f"{exc.strerror or exc}") from exc
         try:
-            if durable is not None:
-                private_file(fd, self.path)
-            self._preallocate(fd)
+            if durable is not None or followed is not None:
+                private_file(fd, self.path, tighten=followed is None)
+            if followed is None:
+                self._preallocate(fd)
             self._fd, self.o_direct = self._open_for_io(fd, o_direct)
         except BaseException:
             self._ops.close(fd)
-            if durable is None:
+            if durable is None and followed is None:
                 self._remove_file()
             raise
         if self._fd != fd:
             self._ops.close(fd)
-        if durable is not None:
-            try:
+        try:
+            if durable is not None:
                 self._recover(durable)
-            except BaseException:
-                self._ops.close(self._fd)
-                raise
+            elif followed is not None:
+                self._journal = FollowedJournal(directory / "index", capacity=self.num_blocks,
+                                                fingerprint=followed, stride=self._stride,
+                                                key_id=self.key_id)
+                self.refresh()
+        except BaseException:
+            self._ops.close(self._fd)
+            raise
 
     @classmethod
     def durable(cls, config: LayoutConfig, directory: str | os.PathLike, *, fingerprint: str,
@@ -187,6 +209,50 @@ class DiskStorage(BlockStore):
         except BaseException:
             home.release()
             raise
+
+    @classmethod
+    def follow(cls, config: LayoutConfig, directory: str | os.PathLike, *, fingerprint: str,
+               rank: int = 0, name: str = "g3", **options) -> "DiskStorage":
+        """The durable disk tier another process keeps under ``directory`` (the
+        :meth:`durable` one of the same ``fingerprint``, ``rank`` and ``name``), read in
+        place and never written (:mod:`.disk_follow`): :meth:`refresh` learns what it holds
+        now, and every block read is verified against that. Raises ``StorageConfigError``
+        when there is no such tier (yet), or its files are not this user's alone."""
+        check_fingerprint(fingerprint)
+        return cls(config, Path(directory) / home_name(name, rank, fingerprint), name=name,
+                   followed=fingerprint, **options)
+
+    @property
+    def followed(self) -> bool:
+        """Whether another process writes this slab (:meth:`follow`): read-only here."""
+        return self._followed is not None
+
+    def slot_of(self, sequence_hash: int) -> int | None:
+        """A followed tier: the slot its writer keeps block ``sequence_hash`` in, as of the
+        last :meth:`refresh` (None: not held, or this tier is not followed)."""
+        return None if self._journal is None else self._journal.slot_of(sequence_hash)
+
+    def refresh(self) -> bool:
+        """A followed tier (:meth:`follow`): take in what its writer journaled since the
+        last call. False when the writer's slab was replaced since this one opened it
+        (another home was made in its place): reopen to follow the new one."""
+        if self._journal is None:
+            return True
+        changed = self._journal.refresh()
+        if len(changed):
+            self.checksums.invalidate(changed.tolist())
+            live = self._journal.entries_at(changed)
+            if len(live):
+                self.checksums.record_many(live.slots, live.checksums, live.sequence_hashes)
+                if self._tags is not None:
+                    self._tags[live.slots] = live.tags
+                    self._seals[live.slots] = live.seals
+        try:
+            now = os.stat(self.path)
+        except OSError:
+            return False
+        opened = os.fstat(self._fd)
+        return (now.st_dev, now.st_ino) == (opened.st_dev, opened.st_ino)
 
     def _recover(self, durable: "Durability") -> None:
         index = DiskIndex.open(self.path.parent / "index", capacity=self.num_blocks,
@@ -255,15 +321,18 @@ class DiskStorage(BlockStore):
             reason = "this platform has no O_DIRECT"
         else:
             direct_fd = None
+            mode = os.O_RDONLY if self.followed else os.O_RDWR
             try:
                 direct_fd = self._ops.open(str(self.path),
-                                          os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC | os.O_NOFOLLOW)
+                                          mode | os.O_DIRECT | os.O_CLOEXEC | os.O_NOFOLLOW)
                 probe = AlignedBuffer(DIRECT_ALIGNMENT)
-                # Rewrite the first page with what it holds (a durable slab keeps its blocks).
-                if self._durable is not None and \
+                # Rewrite the first page with what it holds (a durable slab keeps its blocks;
+                # a followed one is only read).
+                if (self._durable is not None or self.followed) and \
                         self._ops.preadv(direct_fd, [probe.array], 0) != DIRECT_ALIGNMENT:
                     raise OSError(errno.EIO, "short probe read")
-                if self._ops.pwritev(direct_fd, [probe.array], 0) != DIRECT_ALIGNMENT:
+                if not self.followed and \
+                        self._ops.pwritev(direct_fd, [probe.array], 0) != DIRECT_ALIGNMENT:
                     raise OSError(errno.EIO, "short probe write")
                 return direct_fd, True
             except OSError as exc:
@@ -295,6 +364,9 @@ class DiskStorage(BlockStore):
         A durable storage journals the written blocks in its index after their bytes landed
         when ``parent_hashes`` and ``local_hashes`` give their identity (without it they are
         served until the process ends, but not recovered)."""
+        if self.followed:
+            raise StorageConfigError(f"{self.path} is followed read-only: another process "
+                                     f"writes it")
         self._check_batch(block_ids, sources, sequence_hashes)
         if checksums is not None and len(checksums) != len(block_ids):
             raise ValueError(f"{len(checksums)} checksums for {len(block_ids)} blocks")

@@ -255,14 +255,7 @@ class DiskIndex:
         whole = len(body) // RECORD_BYTES * RECORD_BYTES
         torn = len(body) - whole
         records = np.frombuffer(body[:whole], dtype=_RECORD_DTYPE)
-        digest = xxhash.xxh3_64_intdigest
-        good = np.fromiter((digest(body[i:i + RECORD_BYTES - 8])
-                            for i in range(0, whole, RECORD_BYTES)), dtype=np.uint64,
-                           count=len(records)) == records["xxh"]
-        good &= (records["op"] == _PUT) | (records["op"] == _FREE)
-        # a block that names itself as its parent cannot have been written by us
-        good &= ~((records["op"] == _PUT) & ((records["flags"] & _HAS_PARENT) != 0)
-                  & (records["parent"] == records["seq"]))
+        good = _sound(body[:whole], records)
         corrupt = int(len(records) - good.sum())
         records = records[good]
         slots = records["slot"].astype(np.int64)
@@ -429,6 +422,20 @@ class DiskIndex:
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
+
+
+def _sound(body: bytes, records: np.ndarray) -> np.ndarray:
+    """Which of ``records`` (decoded from ``body``, whole records) are sound: their own
+    xxh3 matches, their op is known, and a block does not name itself as its parent (no
+    block we wrote can)."""
+    digest = xxhash.xxh3_64_intdigest
+    good = np.fromiter((digest(body[i:i + RECORD_BYTES - 8])
+                        for i in range(0, len(records) * RECORD_BYTES, RECORD_BYTES)),
+                       dtype=np.uint64, count=len(records)) == records["xxh"]
+    good &= (records["op"] == _PUT) | (records["op"] == _FREE)
+    good &= ~((records["op"] == _PUT) & ((records["flags"] & _HAS_PARENT) != 0)
+              & (records["parent"] == records["seq"]))
+    return good
 
 
 def _record(op: int, slot: int, sequence_hash: int, parent_hash: int | None,
