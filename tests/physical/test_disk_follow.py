@@ -42,9 +42,9 @@ def test_what_the_writer_journals_is_read_by_the_follower(tmp_path):
     follower = _follow(tmp_path)
     assert follower.followed and not writer.followed
     blocks = _write(writer, [2, 3, 7], [11, 12, 13])
-    assert _failed_positions(follower, [2], [11]) == [0]      # not refreshed yet
-    assert follower.refresh()
-    out = _read(follower, [2, 3, 7], [11, 12, 13])
+    assert follower.slot_of(11) is None                        # not refreshed yet
+    out = _read(follower, [2, 3, 7], [11, 12, 13])             # a read refreshes first
+    assert follower.slot_of(11) == 2
     assert _same(blocks, out, writer.config.block_bytes)
     more = _write(writer, [4], [14], seed=5, parents=[13])
     follower.refresh()
@@ -57,14 +57,19 @@ def test_an_overwritten_slot_is_never_served_as_the_block_it_held(tmp_path):
     writer = _open(tmp_path)
     _write(writer, [5], [50])
     follower = _follow(tmp_path)
-    newer = _write(writer, [5], [51], seed=3, parents=[None])
-    # stale view: slot 5 still "holds" block 50, whose checksum the new bytes fail
+    _read(follower, [5], [50])
+    # bytes that change under the follower's view (a write whose journal record it has not
+    # read yet) fail the checksum of the block the view names
+    _, other = _aligned_blocks(writer, 1, seed=77)
+    with open(writer.path, "r+b") as fh:
+        fh.seek(5 * writer.layout.block_stride)
+        fh.write(other[0][:writer.config.block_bytes].tobytes())
     try:
         _read(follower, [5], [50])
-        pytest.fail("a block overwritten since the last refresh was served")
+        pytest.fail("bytes that changed under the follower were served")
     except BlockIOError as exc:
         assert exc.failures[0].kind is FailureKind.CHECKSUM_MISMATCH
-    follower.refresh()
+    newer = _write(writer, [5], [51], seed=3, parents=[None])
     assert _failed_positions(follower, [5], [50]) == [0]
     assert _same(newer, _read(follower, [5], [51]), writer.config.block_bytes)
     assert os.path.exists(writer.index.path)       # the follower removed nothing
@@ -209,3 +214,141 @@ def test_a_writer_in_another_process_is_followed_while_it_writes(tmp_path):
     finally:
         writer.kill()
         writer.wait()
+
+
+def _views_agree(writer, follower) -> None:
+    follower.refresh()
+    assert {e.slot: e.sequence_hash for e in follower._journal.entries()} == \
+        {e.slot: e.sequence_hash for e in writer.index.entries()}
+
+
+def test_two_compactions_between_refreshes_are_seen_even_if_an_inode_comes_back(tmp_path):
+    """The writer rewrites its journal twice while the follower looks away; a filesystem may
+    give the second rewrite the first file's inode. The follower keeps the file it read open,
+    so that inode cannot come back: it sees a new file and reads it whole."""
+    writer = _open(tmp_path, num_blocks=16)
+    _write(writer, list(range(16)), list(range(100, 116)))
+    follower = _follow(tmp_path, num_blocks=16)
+    inodes = [os.stat(writer.index.path).st_ino]
+    i = 0
+    while len(inodes) < 3:
+        i += 1
+        _write(writer, [0, 1, 2, 3], [1000 + 4 * i + k for k in range(4)], seed=i,
+               parents=[None] * 4)
+        inode = os.stat(writer.index.path).st_ino
+        if inode != inodes[-1]:
+            inodes.append(inode)
+            if len(inodes) == 2:
+                _write(writer, [10], [5000], seed=5, parents=[None])
+    _views_agree(writer, follower)
+    assert follower.slot_of(5000) == 10 and follower.slot_of(110) is None
+    follower.close()
+    writer.close()
+
+
+def test_a_long_journal_is_read_in_bounded_chunks_with_the_same_result(tmp_path, monkeypatch):
+    from kvstrata.physical.storage import disk_follow
+    from kvstrata.physical.storage.disk_index import DiskIndex
+    monkeypatch.setattr(disk_follow, "_READ_CHUNK", 5 * RECORD_BYTES + 7)
+    writer = _open(tmp_path, num_blocks=64)
+    follower = _follow(tmp_path, num_blocks=64)
+    rng = np.random.default_rng(3)
+    for i in range(300):            # puts, frees and moves (a block put again elsewhere)
+        slot = int(rng.integers(0, 64))
+        if rng.random() < 0.2:
+            writer.forget([slot])
+        else:
+            _write(writer, [slot], [int(rng.integers(1, 90))], seed=i, parents=[None])
+        if i % 37 == 0:
+            follower.refresh()
+    fresh = _follow(tmp_path, num_blocks=64)          # the whole journal, 5 records a time
+    replayed = DiskIndex.peek(writer.index.path, capacity=64, fingerprint=FP,
+                              stride=writer.layout.block_stride)
+    writer_would_recover = set(zip(replayed.slots.tolist(),
+                                   replayed.sequence_hashes.tolist()))
+    for view in (follower, fresh):
+        view.refresh()
+        held = {(e.slot, e.sequence_hash) for e in view._journal.entries()}
+        # never more than the writer's own replay; fewer only where a moved block's newer
+        # slot was freed again
+        assert held <= writer_would_recover
+        assert len(held) >= len(writer_would_recover) - 8
+        for slot, seq in held:
+            _read(view, [slot], [seq])
+            assert view.slot_of(seq) == slot
+    fresh.close()
+    follower.close()
+    writer.close()
+
+
+def test_a_refresh_while_a_block_is_read_never_passes_another_blocks_bytes(tmp_path):
+    """The writer overwrites slot 5 and another thread refreshes while a read of slot 5 is
+    between its identity check and its byte check: the refresh waits for the read, which
+    fails its check instead of passing block 51's bytes as block 50."""
+    import threading
+    writer = _open(tmp_path)
+    _write(writer, [5], [50], seed=1)
+    follower = _follow(tmp_path)
+    real = follower._pread_all
+    threads = []
+
+    def read_with_a_refresh_meanwhile(buffers, offset):
+        _write(writer, [5], [51], seed=2, parents=[None])
+        thread = threading.Thread(target=follower.refresh)
+        thread.start()
+        threads.append(thread)
+        thread.join(0.3)
+        assert thread.is_alive()                  # waits for this read
+        return real(buffers, offset)
+
+    follower._pread_all = read_with_a_refresh_meanwhile
+    with pytest.raises(BlockIOError) as caught:
+        _read(follower, [5], [50])
+    assert caught.value.failures[0].kind is FailureKind.CHECKSUM_MISMATCH
+    follower._pread_all = real
+    threads[0].join(10)
+    assert follower.slot_of(51) == 5
+    follower.close()
+    writer.close()
+
+
+def test_a_block_that_fails_here_is_not_found_again_until_rewritten(tmp_path):
+    writer = _open(tmp_path)
+    _write(writer, [4], [40])
+    follower = _follow(tmp_path)
+    with open(writer.path, "r+b") as fh:
+        fh.seek(4 * writer.layout.block_stride + 1)
+        fh.write(b"\xff\x00")
+    assert _failed_positions(follower, [4], [40]) == [0]
+    assert follower.slot_of(40) is None               # no longer counted as held here
+    assert len(writer.index.entries()) == 1           # the writer's journal is untouched
+    again = _write(writer, [4], [40], seed=6, parents=[None])
+    assert follower.refresh() and follower.slot_of(40) == 4     # written again: back
+    assert _same(again, _read(follower, [4], [40]), writer.config.block_bytes)
+    follower.close()
+    writer.close()
+
+
+def test_encrypted_blocks_are_followed_and_opened_with_the_key(tmp_path):
+    from kvstrata.physical.tags import BlockCipher
+    key = b"s" * 32
+    writer = _open(tmp_path, tagger=BlockTagger(key), cipher=BlockCipher(key), encrypt=True)
+    blocks = _write(writer, [1, 2], [7, 8])
+    raw = writer.path.read_bytes()[writer.layout.block_stride:
+                                   writer.layout.block_stride + writer.config.block_bytes]
+    assert raw != blocks[0][:writer.config.block_bytes].tobytes()      # stored encrypted
+    follower = _follow(tmp_path, tagger=BlockTagger(key), cipher=BlockCipher(key))
+    assert _same(blocks, _read(follower, [1, 2], [7, 8]), writer.config.block_bytes)
+    assert _failed_positions(follower, [1], [8]) == [0]           # another block's name
+    follower.close()
+    writer.close()
+
+
+def test_a_slab_not_sized_yet_is_still_read_with_o_direct_once_it_is(tmp_path):
+    writer = _open(tmp_path)
+    direct = writer.o_direct
+    writer.close()
+    os.truncate(writer.path, 0)                  # as the writer has just created it
+    follower = _follow(tmp_path)
+    assert follower.o_direct == direct
+    follower.close()

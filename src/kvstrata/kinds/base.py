@@ -80,6 +80,11 @@ class StorageOptions:
     secret: bytes | None = None
     """The deployment's secret (:mod:`kvstrata.secret`) that keys and encrypts stored
     blocks; None: from the environment."""
+    follow_durable: bool = False
+    """Read the durable disk tier that another process of the same ``rank`` identity writes
+    (a rank holding the same bytes as the writer: an MLA model's replicated latent) instead
+    of keeping one: it is followed read-only (:meth:`DiskStorage.follow`), and it must exist
+    already (built by the writer)."""
 
     def compatibility(self, config: KvConfig, rank: int | None = None) -> Compatibility:
         """What makes stored blocks usable here, for ``rank`` (default :attr:`rank`)."""

@@ -21,13 +21,16 @@ from .base import RecoveredRow, StorageOptions, Storages, TierSetupError
 __all__ = ["Storages", "check_tiers", "build_storages", "peek_recovered"]
 
 
-def check_tiers(config: KvConfig, options: StorageOptions, ranks: int = 1) -> list[str]:
+def check_tiers(config: KvConfig, options: StorageOptions, ranks: int = 1,
+                disk_copies: int | None = None) -> list[str]:
     """Every reason the tiers of ``config`` cannot be built on this machine by ``ranks``
     ranks (from ``options.rank`` on; each holds its share of every block), found without
     allocating anything: a kind of tier with no module, a fastest tier that is not device
     memory, a tier whose blocks move through host RAM without a host tier (or KV tensors
     wrapped as the device tier that are themselves in host RAM, as SGLang's host pool is), a
-    tier of no block, and what each kind finds (:meth:`~kvstrata.kinds.base.Kind.problems`)."""
+    tier of no block, and what each kind finds (:meth:`~kvstrata.kinds.base.Kind.problems`).
+    ``disk_copies``: how many disk tiers those ranks keep, where ranks holding the same bytes
+    share one (None: one per rank)."""
     tiers = ordered(config.tiers)
     missing = [t for t in tiers if kind_of(t) is None]
     if missing:
@@ -48,7 +51,9 @@ def check_tiers(config: KvConfig, options: StorageOptions, ranks: int = 1) -> li
         if config.tier_blocks(tier) < 1:
             problems.append(f"tier {tier} holds no block of {config.bytes_per_block} bytes")
             continue
-        problems.extend(kind.problems(config, tier, options, ranks))
+        copies = disk_copies if disk_copies is not None and kind.kind is TierKind.DISK \
+            else ranks
+        problems.extend(kind.problems(config, tier, options, copies))
     return problems
 
 

@@ -72,6 +72,8 @@ class DiskKind(Kind):
     def build(self, tier: str, built, geometry: LayoutConfig | None,
               options: StorageOptions) -> Storage:
         config = built.config
+        if options.follow_durable:          # another process writes it: nothing made here
+            return self.open_followed(config, tier, geometry, options)
         directory = config.directory_of(tier)
         if directory is None:
             prefix = f"kvstrata-{tier.lower()}-"

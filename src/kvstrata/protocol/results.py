@@ -104,6 +104,13 @@ class TransferResult:
         return cls(plan, (False,) * n, (None,) * n, 0, 0.0,
                    tuple(BlockFailure(p, ids[p], kind, detail) for p in range(n)), detail)
 
+    @classmethod
+    def done_elsewhere(cls, plan: TransferPlan) -> "TransferResult":
+        """Every block of ``plan`` is in place, put there by another worker (one that holds
+        the same bytes and writes them for both): nothing moved here."""
+        n = len(plan)
+        return cls(plan, (True,) * n, (None,) * n, 0, 0.0)
+
     @property
     def job_id(self) -> int:
         return self.plan.job_id

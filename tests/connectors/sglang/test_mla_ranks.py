@@ -185,3 +185,26 @@ def test_one_rank_mla_and_rank_0_of_two_share_their_pages(tmp_path):
     writer, _ = rank(tmp_path, 0)
     with closing(writer):
         assert writer.batch_exists(keys) == 2
+
+
+def test_a_page_that_fails_on_rank_1_is_no_longer_counted_there(tmp_path):
+    """Rank 0 serves the page from a G2 of its own and never reads its bad G3 copy; rank 1,
+    which found it corrupt, stops counting it (SGLang then loads the shortest hit)."""
+    tiers = {"tiers": {"G2": {"blocks": 64}, "G3": {"blocks": 64}}}
+    keys = keys_of(4)
+    writer, _ = rank(tmp_path, 0, **tiers)
+    follower, fpool = rank(tmp_path, 1, **tiers)
+    with closing(writer), closing(follower):
+        writer.batch_set_v1(keys, slots([0, 1, 2, 3]))
+        writer.manager.wait_idle(10)
+        disk = writer.manager.storage("G3")
+        slot = writer.manager.pools["G3"].lookup(page_hash(keys[1])).block_id
+        with open(disk.path, "r+b") as fh:
+            fh.seek(slot * disk.layout.block_stride + 9)
+            byte = fh.read(1)
+            fh.seek(slot * disk.layout.block_stride + 9)
+            fh.write(bytes([byte[0] ^ 0x01]))
+        assert follower.batch_exists(keys) == 4
+        assert follower.batch_get_v1(keys, slots([4, 5, 6, 7])) == [True, False, False, False]
+        assert follower.batch_exists(keys) == 1
+        assert follower.batch_get_v1(keys, slots([4, 5, 6, 7])) == [True, False, False, False]

@@ -96,22 +96,27 @@ class SimEngine:
     def __init__(self, tmp_path, *, g1_blocks: int = 64, g2_blocks: int = 32,
                  g3_blocks: int | None = 64, ranks: int = 1, block_size: int = 4,
                  extra: dict | None = None, copy_engine=None,
-                 groups: KvGroups = KvGroups(), mla: bool = False) -> None:
+                 groups: KvGroups = KvGroups(), mla: bool = False,
+                 durable: bool = True) -> None:
         self.block_size = block_size
         # MLA: one latent of HEADS * 2 * HEAD_DIM per token, as vLLM's CPU MLA page
         # [blocks, 1, block_size, latent]
         page = (1, block_size, HEADS * 2 * HEAD_DIM) if mla \
             else (HEADS, block_size, 2 * HEAD_DIM)
+        # MLA over several ranks: every rank holds the same latent (vLLM's replicated MLA)
+        self.replicas = ranks if mla else 1
         geometry = KvGeometry(block_size, LAYERS, page[0], page[2] // (1 if mla else 2),
-                              "bfloat16", g1_blocks, outer_dim=1 if mla else 2, groups=groups)
+                              "bfloat16", g1_blocks, outer_dim=1 if mla else 2, groups=groups,
+                              workers=ranks, replicas=self.replicas)
         tiers = {"G2": {"blocks": g2_blocks}}
         if g3_blocks:
             tiers["G3"] = {"blocks": g3_blocks}
         # The simulator's blocks are tiny and its steps instant: a cost model would rightly
         # recompute rather than load them. Tests of the load path turn it off; tests of the
         # decision turn it on and teach it costs.
-        config = {"tiers": tiers, "disk_dir": str(tmp_path), "o_direct": False,
-                  "cost_aware": False, **(extra or {})}
+        config = {"tiers": tiers, "o_direct": False, "cost_aware": False, **(extra or {})}
+        if durable:                 # else G3 is a temporary slab
+            config.setdefault("disk_dir", str(tmp_path))
         # no kvstrata setting from the environment but the deployment's sharing secret
         self.settings = settings_from(config, geometry, env={
             k: v for k, v in os.environ.items() if k.startswith("KVSTRATA_SHARING_")})
@@ -266,6 +271,7 @@ class SimEngine:
     def page_kv(self, sequence_hash: int, layer: int, rank: int) -> torch.Tensor:
         """:func:`block_kv` in the shape of this engine's KV page."""
         page = self.kv[0][0].shape[1:]
+        rank = rank if self.replicas == 1 else 0       # replicated: the same on every rank
         return block_kv(sequence_hash, layer, rank, self.block_size).reshape(page)
 
     def _after_step(self, scheduled: dict[str, int], output: _ConnectorOutput) -> None:

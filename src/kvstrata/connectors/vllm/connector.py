@@ -58,7 +58,9 @@ class KvStrataConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         world_size = vllm_config.parallel_config.world_size
-        settings = settings_from(extra, KvGeometry.from_vllm(kv_cache_config, world_size),
+        geometry = KvGeometry.from_vllm(kv_cache_config, world_size,
+                                        _replicating_ranks(vllm_config.parallel_config))
+        settings = settings_from(extra, geometry,
                                  model_id=_model_id(vllm_config),
                                  block_layout=_block_layout())
         if settings.load and not _engine_reads_cached_prefixes(vllm_config):
@@ -261,6 +263,14 @@ def _block_layout() -> str:
 
     backend = os.environ.get("VLLM_ATTENTION_BACKEND") or "default"
     return f"vllm {vllm.__version__} {current_platform.device_type} {backend}"
+
+
+def _replicating_ranks(parallel_config: Any) -> int:
+    """How many consecutive workers would hold the same MLA latent: a tensor-parallel
+    group's ranks, unless decode context parallelism splits the latent's tokens over them."""
+    if int(getattr(parallel_config, "decode_context_parallel_size", 1) or 1) > 1:
+        return 1
+    return int(getattr(parallel_config, "tensor_parallel_size", 1) or 1)
 
 
 def _worker_rank() -> int:

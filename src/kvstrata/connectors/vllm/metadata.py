@@ -123,7 +123,9 @@ def combine(results: list[TransferResult]) -> TransferResult:
             failures[i] = BlockFailure(i, first.plan.dst_block_ids[i] if
                                        first.plan.dst_block_ids else -1,
                                        FailureKind.INTERNAL, "failed on another rank")
-    checksums = tuple(first.checksums[i] if ok[i] else None for i in range(n))
+    # a rank whose blocks another wrote reports no checksum: take one that says
+    checksums = tuple(next((r.checksums[i] for r in results if r.checksums[i] is not None),
+                           None) if ok[i] else None for i in range(n))
     errors = [r.error for r in results if r.error]
     return TransferResult(first.plan, ok, checksums,
                           sum(r.bytes_moved for r in results),

@@ -374,13 +374,13 @@ class SchedulerHalf:
         on the scheduler's thread."""
         listers = []
         kv = self.settings.kv
-        options = StorageOptions(world_size=self._world_size,
-                                 block_layout=self.settings.block_layout)
+        identities = sorted({(i.rank, i.world_size) for i in self._identities()})
         for tier in self.planner.tiers:
             if spec(tier).addressing is not Addressing.KEYS:
                 continue
-            storages = [kind_of(tier).open_shared(kv, tier, options, rank)
-                        for rank in range(self._world_size)]
+            storages = [kind_of(tier).open_shared(kv, tier, StorageOptions(
+                            world_size=world_size, block_layout=self.settings.block_layout),
+                            rank) for rank, world_size in identities]
             lister = StoreLister(storages, tier, self.block_size,
                                  lambda t, records: self._learned.put((t, records)),
                                  self.settings.list_interval, limit=kv.tier_blocks(tier))
@@ -430,13 +430,17 @@ class SchedulerHalf:
         one machine they are readable here; vLLM builds the workers' caches before the
         scheduler), so the first request already finds the blocks. Otherwise the workers'
         first reports bring the same rows a step later."""
-        options = StorageOptions(world_size=self._world_size,
-                                 block_layout=self.settings.block_layout)
-        per_rank = [peek_recovered(self.settings.kv, options, rank)
-                    for rank in range(self._world_size)]
+        per_rank = [peek_recovered(self.settings.kv, StorageOptions(
+                        world_size=i.world_size, block_layout=self.settings.block_layout),
+                        i.rank) for i in self._identities()]
         if all(rows is not None for rows in per_rank) and any(per_rank):
             self._recovered = dict(enumerate(per_rank))
             self._restore_recovered()
+
+    def _identities(self) -> list:
+        """How each worker, by rank, stores blocks (:meth:`ConnectorSettings.stored_as`)."""
+        return [self.settings.stored_as(rank, self._world_size)
+                for rank in range(self._world_size)]
 
     def _restore_recovered(self) -> None:
         """Every worker reported the blocks its durable tiers recovered: restore those that

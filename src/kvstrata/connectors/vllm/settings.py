@@ -74,7 +74,7 @@ from ..engine_config import ENGINE_KEYS, checked, is_int, is_number
 from .groups import MAMBA, MLA, KvGroups, group_of_spec
 
 __all__ = ["ConnectorConfigError", "ConnectorSettings", "KvGeometry", "DEFAULT_TIERS",
-           "settings_from"]
+           "StoredAs", "settings_from", "stored_as"]
 
 DEFAULT_TIERS: dict[str, TierConfig] = {first_of_kind(TierKind.HOST): TierConfig(bytes=1 << 30),
                                         first_of_kind(TierKind.DISK): TierConfig(bytes=4 << 30)}
@@ -115,13 +115,20 @@ class KvGeometry:
     """Workers holding a share of each block (tier sizes are per worker)."""
     outer_dim: int = 2
     groups: KvGroups = KvGroups()
+    replicas: int = 1
+    """Consecutive workers holding the same bytes of each block (an MLA model's latent is
+    replicated over its tensor-parallel ranks): persistent tiers keep one copy of them
+    (:func:`stored_as`)."""
 
     @classmethod
-    def from_vllm(cls, kv_cache_config: Any, workers: int = 1) -> "KvGeometry":
+    def from_vllm(cls, kv_cache_config: Any, workers: int = 1,
+                  tensor_parallel: int = 1) -> "KvGeometry":
         """From vLLM's ``KVCacheConfig``: its KV cache groups of full-attention (MLA
         included), sliding-window and Mamba (align mode) layers; anything else is refused
         (:func:`~.groups.group_of_spec`). The page geometry is the attention groups'; a
-        Mamba group's state page is padded by vLLM to the same size."""
+        Mamba group's state page is padded by vLLM to the same size. ``tensor_parallel``:
+        the ranks of a tensor-parallel group whose MLA latent would be the same (1 where
+        they split it, as decode context parallelism does)."""
         groups = list(getattr(kv_cache_config, "kv_cache_groups", ()) or ())
         if not groups:
             raise ConnectorConfigError("kvstrata's vLLM connector: vLLM's KV cache has no "
@@ -157,7 +164,8 @@ class KvGeometry:
                    kv_heads=int(first.num_kv_heads), head_dim=int(first.head_size),
                    dtype=dtype, num_gpu_blocks=int(kv_cache_config.num_blocks),
                    workers=workers, outer_dim=1 if mla == {True} else 2,
-                   groups=KvGroups(kinds))
+                   groups=KvGroups(kinds),
+                   replicas=tensor_parallel if mla == {True} and tensor_parallel > 1 else 1)
 
 
 def _pages_per_block(kv_cache_config: Any) -> int:
@@ -216,9 +224,40 @@ class ConnectorSettings:
     groups: KvGroups = KvGroups()
     """vLLM's KV cache groups (:mod:`.groups`): how each group's blocks are named and
     which of them a load needs."""
+    replicas: int = 1
+    """:attr:`KvGeometry.replicas`."""
 
     def tier_blocks(self, tier: str) -> int:
         return self.kv.tier_blocks(tier)
+
+    def stored_as(self, rank: int, world_size: int) -> "StoredAs":
+        """How worker ``rank`` of ``world_size`` keeps blocks (:func:`stored_as`)."""
+        return stored_as(rank, world_size, self.replicas)
+
+
+@dataclass(frozen=True)
+class StoredAs:
+    """How a worker names and keeps blocks in persistent tiers (G3, G4)."""
+
+    rank: int
+    world_size: int
+    """The rank and world size its blocks are stored under (part of their fingerprint and of
+    a durable G3's home)."""
+    writer: bool
+    """Whether it writes them; otherwise it reads what the writer of the same identity
+    stores (its G3 followed read-only, the same G4 keys) and writes none."""
+
+
+def stored_as(rank: int, world_size: int, replicas: int = 1) -> StoredAs:
+    """Worker ``rank``'s identity in persistent tiers. Each worker keeps its own share of
+    every block, except where ``replicas`` consecutive workers hold the same bytes (an MLA
+    model over tensor-parallel ranks, whose groups are consecutive ranks in vLLM): those are
+    stored once, under the identity of the group (rank ``rank // replicas`` of ``world_size
+    // replicas``), by its first worker; the others read that copy. G2 (host RAM) stays each
+    worker's own."""
+    if replicas <= 1:
+        return StoredAs(rank, world_size, True)
+    return StoredAs(rank // replicas, max(1, world_size // replicas), rank % replicas == 0)
 
 
 def settings_from(extra: Mapping[str, Any] | None, geometry: KvGeometry,
@@ -247,9 +286,13 @@ def settings_from(extra: Mapping[str, Any] | None, geometry: KvGeometry,
     kv = _kv_config(geometry, tiers, overrides, config_path, env, model_id)
     if geometry.groups != KvGroups():
         block_layout = f"{block_layout} groups {geometry.groups.signature()}"
-    _check_runnable(kv, geometry.workers, block_layout)
+    replicas = geometry.replicas
+    disk = first_of_kind(TierKind.DISK)
+    if replicas > 1 and disk in kv.tiers and kv.directory_of(disk) is None:
+        replicas = 1    # a temporary G3 cannot be found by the other ranks: one copy each
+    _check_runnable(kv, geometry.workers, block_layout, replicas)
     return ConnectorSettings(kv=kv, block_layout=block_layout, groups=geometry.groups,
-                             **switches)
+                             replicas=replicas, **switches)
 
 
 def _switches(extra: Mapping[str, Any], geometry: KvGeometry,
@@ -362,15 +405,18 @@ def _control_address(value: Any, local: bool = False) -> bool:
     return not local or can_listen_on(host)
 
 
-def _check_runnable(kv: KvConfig, workers: int = 1, block_layout: str = "vllm") -> None:
+def _check_runnable(kv: KvConfig, workers: int = 1, block_layout: str = "vllm",
+                    replicas: int = 1) -> None:
     """Refuse, before anything is allocated, what the workers could not build: the tiers'
     own checks (:func:`kvstrata.kinds.check_tiers`: a kind with no backend, a disk or object
     tier without the host tier its blocks move through, a tier of no block, host tiers over
     this machine's memory, disk tiers over their filesystem's free space), for every worker
     of this engine on this machine (tier sizes are per worker: each tensor-parallel rank
-    holds its own heads' share of a block)."""
-    options = StorageOptions(world_size=workers, block_layout=block_layout, engine_kv=True)
-    problems = check_tiers(kv, options, ranks=workers)
+    holds its own heads' share of a block; replicated blocks are kept once on disk)."""
+    first = stored_as(0, workers, replicas)
+    options = StorageOptions(world_size=first.world_size, block_layout=block_layout,
+                             engine_kv=True)
+    problems = check_tiers(kv, options, ranks=workers, disk_copies=first.world_size)
     if problems:
         raise ConnectorConfigError("kvstrata connector: " + "; ".join(problems))
 

@@ -19,6 +19,12 @@ and runs the plans the scheduler half ships each step (:class:`StepOrders`):
 * every finished plan's :class:`~kvstrata.protocol.TransferResult` goes back to the scheduler
   in the step's :class:`WorkerReport`.
 
+An MLA model over tensor-parallel ranks holds the same latent on every rank of a group
+(:attr:`~.settings.KvGeometry.replicas`): its first rank writes G3/G4 for the group; the
+others build their G3 as the first rank's, followed read-only
+(:attr:`~kvstrata.kinds.StorageOptions.follow_durable`), report plans into G3/G4 done
+without running them, and load from that one copy (G2 stays each rank's own).
+
 On a GPU build the only difference is the copy engine (the device copy kernel between the KV
 tensors and G2 registered with CUDA, on its own CUDA streams): this module is the same. Without a GPU the G1 "device" is vLLM's CPU KV
 cache, which is what vLLM's CPU build runs on.
@@ -35,6 +41,7 @@ from typing import Callable, Mapping
 import torch
 
 from ...kinds import StorageOptions, Storages, build_storages
+from ...kinds.base import TierSetupError
 from ...physical import DeviceStorage, TransferEngine
 from ...physical.copy import CopyEngine
 from ...physical.errors import LayoutError
@@ -42,7 +49,7 @@ from ...physical.pacing import ForwardPacer
 from ...placement import EngineExecutor
 from ...protocol.plans import TransferPlan
 from ...protocol.results import FailureKind, TransferResult
-from ...tiers import TOP_TIER
+from ...tiers import TOP_TIER, TierKind, spec
 from .metadata import StepOrders, WorkerReport
 from .settings import ConnectorSettings
 from .sharing import HOST, G2Export, RemoteLoader
@@ -53,6 +60,9 @@ log = logging.getLogger(__name__)
 
 FLUSH_TIMEOUT = 300.0
 """Seconds ``handle_preemptions`` / ``shutdown`` wait for copies before giving up on them."""
+WRITER_WAIT = 600.0
+"""Seconds a worker that reads another's G3 waits at start for that worker to make it."""
+_PERSISTENT = (TierKind.DISK, TierKind.OBJECT)
 
 
 def wrap_vllm_kv_caches(kv_caches: Mapping[str, torch.Tensor], num_blocks: int,
@@ -131,6 +141,9 @@ class WorkerHalf:
         self._export: G2Export | None = None
         self._remote: RemoteLoader | None = None
         self.pacer: ForwardPacer | None = None
+        self._written_elsewhere: set[str] = set()
+        """Persistent tiers another worker writes for this one (it holds the same bytes):
+        plans into them are done there, and reported done here without running."""
 
     # -- set-up ----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
@@ -140,11 +153,17 @@ class WorkerHalf:
             raise LayoutError(f"vLLM's KV cache has {g1.config.num_layers} distinct pages per "
                               f"block here, its KV cache config says "
                               f"{kv.model.num_layers}: layout not supported")
+        identity = self.settings.stored_as(self.rank, self.world_size)
         options = StorageOptions(g1=g1, verify_host_reads=self.settings.verify_host_reads,
-                                 o_direct=self.settings.o_direct, rank=self.rank,
-                                 world_size=self.world_size,
-                                 block_layout=self.settings.block_layout)
-        self.storages = build_storages(kv, options)
+                                 o_direct=self.settings.o_direct, rank=identity.rank,
+                                 world_size=identity.world_size,
+                                 block_layout=self.settings.block_layout,
+                                 follow_durable=not identity.writer)
+        self.storages = self._build(kv, options)
+        if not identity.writer:
+            # the writer of this identity stores them; this worker reads its copy
+            self._written_elsewhere = {t for t in self.storages.by_tier
+                                       if spec(t).kind in _PERSISTENT}
         self._recovered = self.storages.recovered_rows()
         pace = self.settings.yield_to_forward
         if pace is None:              # auto: where the forward computes on the host's cores
@@ -161,6 +180,23 @@ class WorkerHalf:
         log.info("kvstrata: worker %d holds %s", self.rank,
                  ", ".join(f"{t}={s.config.num_blocks} blocks"
                            for t, s in self.storages.by_tier.items()))
+
+    def _build(self, kv, options: StorageOptions) -> Storages:
+        """The storages; a worker that follows another's durable G3 waits for that worker
+        to have made it (they start together), up to :data:`WRITER_WAIT` seconds."""
+        if not options.follow_durable:
+            return build_storages(kv, options)
+        deadline = time.monotonic() + WRITER_WAIT
+        while True:
+            try:
+                return build_storages(kv, options)
+            except TierSetupError as exc:
+                if time.monotonic() > deadline:
+                    raise TierSetupError(f"worker {self.rank} reads the G3 that worker "
+                                         f"{self.rank - self.rank % self.settings.replicas} "
+                                         f"writes, which did not appear in {WRITER_WAIT:.0f} "
+                                         f"s: {exc}") from exc
+                time.sleep(0.05)
 
     @property
     def outstanding(self) -> int:
@@ -293,11 +329,18 @@ class WorkerHalf:
                 self._finished(TransferResult.failed(plan, FailureKind.INTERNAL,
                                                      "the worker has no storages"))
             return
+        if self._written_elsewhere:
+            elsewhere = [p for p in plans if p.dst_tier in self._written_elsewhere]
+            plans = [p for p in plans if p.dst_tier not in self._written_elsewhere]
+            for plan in elsewhere:
+                self._outstanding.add(plan.job_id)
+                self._finished(TransferResult.done_elsewhere(plan))
         for plan in plans:
             self._outstanding.add(plan.job_id)
             if plan.src_tier == TOP_TIER:
                 self._reading_g1.add(plan.job_id)
-        self._executor.submit(plans)
+        if plans:
+            self._executor.submit(plans)
 
     def _drain(self, until: Callable[[], bool] | None = None) -> None:
         """Take finished copies: results for the scheduler, finished loads for vLLM. With

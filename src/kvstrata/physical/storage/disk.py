@@ -121,6 +121,7 @@ class DiskStorage(BlockStore):
         """The fingerprint of the durable tier in ``directory`` another process writes,
         which this one reads (:meth:`follow`); None: this process writes its slab."""
         self._journal: FollowedJournal | None = None
+        self._refresh_lock = threading.Lock()
         self.notes: list[str] = []
         self.checksums = ChecksumTable(config.num_blocks)
         self._staging: queue.SimpleQueue[AlignedBuffer] = queue.SimpleQueue()
@@ -187,8 +188,11 @@ class DiskStorage(BlockStore):
                                                 fingerprint=followed, stride=self._stride,
                                                 key_id=self.key_id)
                 self.refresh()
+                self.recovered = self._journal.live()
         except BaseException:
             self._ops.close(self._fd)
+            if self._journal is not None:
+                self._journal.close()
             raise
 
     @classmethod
@@ -238,6 +242,17 @@ class DiskStorage(BlockStore):
         (another home was made in its place): reopen to follow the new one."""
         if self._journal is None:
             return True
+        with self._refresh_lock:
+            self._take_in_journal()
+        try:
+            now = os.stat(self.path)
+        except OSError:
+            return False
+        opened = os.fstat(self._fd)
+        return (now.st_dev, now.st_ino) == (opened.st_dev, opened.st_ino)
+
+    def _take_in_journal(self) -> None:
+        """Apply the followed journal's changes to the checks reads make (refresh lock held)."""
         changed = self._journal.refresh()
         if len(changed):
             self.checksums.invalidate(changed.tolist())
@@ -247,12 +262,6 @@ class DiskStorage(BlockStore):
                 if self._tags is not None:
                     self._tags[live.slots] = live.tags
                     self._seals[live.slots] = live.seals
-        try:
-            now = os.stat(self.path)
-        except OSError:
-            return False
-        opened = os.fstat(self._fd)
-        return (now.st_dev, now.st_ino) == (opened.st_dev, opened.st_ino)
 
     def _recover(self, durable: "Durability") -> None:
         index = DiskIndex.open(self.path.parent / "index", capacity=self.num_blocks,
@@ -327,8 +336,10 @@ class DiskStorage(BlockStore):
                                           mode | os.O_DIRECT | os.O_CLOEXEC | os.O_NOFOLLOW)
                 probe = AlignedBuffer(DIRECT_ALIGNMENT)
                 # Rewrite the first page with what it holds (a durable slab keeps its blocks;
-                # a followed one is only read).
-                if (self._durable is not None or self.followed) and \
+                # a followed one is only read, and its writer may not have sized it yet: then
+                # the open with O_DIRECT is the probe).
+                sized = not self.followed or os.fstat(direct_fd).st_size >= DIRECT_ALIGNMENT
+                if (self._durable is not None or self.followed) and sized and \
                         self._ops.preadv(direct_fd, [probe.array], 0) != DIRECT_ALIGNMENT:
                     raise OSError(errno.EIO, "short probe read")
                 if not self.followed and \
@@ -447,8 +458,17 @@ class DiskStorage(BlockStore):
         slots is verified on a helper thread while the next run is read); returns the
         verified checksums. Raises a :class:`BlockIOError` subclass naming failed positions
         (its ``checksums`` hold the good blocks'); a failed destination may hold garbage and
-        must not be used."""
+        must not be used. A followed tier first takes in what its writer journaled until now,
+        and no refresh changes what a block is checked against while it is read."""
         self._check_batch(block_ids, destinations, sequence_hashes)
+        if self._journal is None:
+            return self._read_verified(block_ids, destinations, sequence_hashes)
+        with self._refresh_lock:
+            self._take_in_journal()
+            return self._read_verified(block_ids, destinations, sequence_hashes)
+
+    def _read_verified(self, block_ids: Sequence[int], destinations: Sequence[np.ndarray],
+                       sequence_hashes: Sequence[int]) -> list[int]:
         failures = self.checksums.check_identities(block_ids, sequence_hashes)
         if failures:
             refused = {f.position for f in failures}
@@ -468,13 +488,16 @@ class DiskStorage(BlockStore):
         finally:
             for item in pending:
                 failures.extend(item.result() if hasattr(item, "result") else item)
-        if failures and self.index is not None:
+        rotten = [f.block_id for f in failures if f.kind is FailureKind.CHECKSUM_MISMATCH]
+        if rotten:
             # Bytes that fail their checksum are gone for good: forget them in the index too,
-            # or every restart would recover and announce them again.
-            rotten = [f.block_id for f in failures if f.kind is FailureKind.CHECKSUM_MISMATCH]
-            if rotten:
-                self.checksums.invalidate(rotten)
+            # or every restart would recover and announce them again (a followed tier's
+            # writer keeps its journal: they are forgotten here until it writes them again).
+            self.checksums.invalidate(rotten)
+            if self.index is not None:
                 self.index.free(rotten)
+            elif self._journal is not None:
+                self._journal.forget_here(rotten)
         sums = self.checksums.checksums_of(block_ids)
         if failures:
             for f in failures:
@@ -704,6 +727,8 @@ class DiskStorage(BlockStore):
         finally:
             if self.index is not None:
                 self.index.close()
+            if self._journal is not None:
+                self._journal.close()
             if self._durable is not None:
                 self._durable.home.release()
             if not self._keep_file:

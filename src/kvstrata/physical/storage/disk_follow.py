@@ -8,15 +8,21 @@ place (:meth:`~.disk.DiskStorage.follow`), and learn what it holds from its inde
 
 :meth:`FollowedJournal.refresh` reads the records appended since the last call and applies
 them in order, as the writer's own replay would (a ``FREE`` empties a slot, a ``PUT`` fills it
-and supersedes an older slot naming the same block). When the journal file was replaced (the
-writer compacted it or restarted) or shrank, it is read again from the start.
+and supersedes an older slot naming the same block; the one difference: a block whose newer
+slot is freed again is not found in its older one, a miss where the writer would still find
+it). When the journal file was replaced (the writer compacted it or restarted) or shrank, it
+is read again from the start. The journal read last is kept open, so its file cannot be
+replaced by one that reuses its inode unnoticed. Records are read and applied
+:data:`_READ_CHUNK` bytes at a time: a journal of any length takes bounded memory.
 
 Why a view that is always a little stale is safe: the writer journals a ``FREE`` before it
 overwrites a slot and a ``PUT`` only after the bytes landed, and every block a follower reads
 is checked against the checksum (and keyed tag) of the record it read. A block overwritten
 since the last refresh fails that check and is reported missing; it is never served as the
 block it replaced. A record cut short or damaged is skipped (the last one of a read is left
-for the next refresh: its write may still be under way).
+for the next refresh: its write may still be under way). A block the follower found corrupt
+is forgotten here (:meth:`FollowedJournal.forget_here`) until the writer journals its slot
+again.
 """
 
 from __future__ import annotations
@@ -28,13 +34,13 @@ import numpy as np
 
 from ..errors import StorageConfigError
 from .disk_home import private_file
-from .disk_index import (_FREE, _HAS_PARENT, _HEADER, _PUT, _RECORD_DTYPE, RECORD_BYTES,
+from .disk_index import (_HAS_PARENT, _HEADER, _PUT, _RECORD_DTYPE, RECORD_BYTES,
                          DiskIndex, LiveEntries, _sound)
 
 __all__ = ["FollowedJournal"]
 
-_READ_CHUNK = 64 << 20
-"""Bytes of journal read per ``pread`` (a long journal is read in several)."""
+_READ_CHUNK = 4 << 20
+"""Bytes of journal read and applied at a time (a multiple of the record size is taken)."""
 
 
 class FollowedJournal(DiskIndex):
@@ -45,10 +51,9 @@ class FollowedJournal(DiskIndex):
     def __init__(self, path: str | os.PathLike, *, capacity: int, fingerprint: str,
                  stride: int, key_id: int = 0) -> None:
         super().__init__(Path(path), -1, capacity, fingerprint, stride, False, key_id)
-        self._file: tuple[int, int] | None = None
-        """(device, inode) of the journal file read so far."""
         self._offset: int | None = 0
-        """Bytes of it applied; None: its header is not ours (nothing of it is applied)."""
+        """Bytes of the open journal applied; None: its header is not ours (nothing of it is
+        applied)."""
         self._by_sequence: dict[int, int] = {}
         self.problem = "not read yet"
         """Why nothing is followed ("" while the journal is read)."""
@@ -66,101 +71,128 @@ class FollowedJournal(DiskIndex):
                                self._checksum[slots].copy(), self._tag[slots].copy(),
                                self._seal[slots].copy())
 
+    def forget_here(self, slots) -> None:
+        """Take ``slots`` out of this view (their blocks failed a check here) until the
+        writer journals them again; the journal is not touched."""
+        with self._lock:
+            for slot in slots:
+                if 0 <= slot < self.capacity and self._valid[slot]:
+                    self._drop(int(slot))
+
     def refresh(self) -> np.ndarray:
         """Apply what the writer journaled since the last call; returns the slots whose
         entry changed (emptied, replaced or filled). Raises ``StorageConfigError`` when the
         journal cannot be trusted (not private to this user) or was kept under another key."""
         with self._lock:
             try:
-                fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-            except FileNotFoundError:
-                self.problem = "no journal yet"
-                self._file, self._offset = None, 0
-                return self._forget_all()
+                return self._refresh()
             except OSError as exc:
                 raise StorageConfigError(f"cannot read the disk tier index {self.path}: "
                                          f"{exc.strerror or exc}") from exc
-            try:
-                private_file(fd, self.path, tighten=False)
-                info = os.fstat(fd)
-                identity = (info.st_dev, info.st_ino)
-                fresh = identity != self._file or (
-                    self._offset is not None and info.st_size < self._offset)
-                changed = [self._forget_all()] if fresh else []
-                if fresh:
-                    self._file, self._offset = None, None
-                    self.problem = self._check_header(os.pread(fd, _HEADER.size, 0))
-                    self._file = identity
-                    self._offset = None if self.problem else _HEADER.size
-                if self._offset is not None and info.st_size > self._offset:
-                    changed.append(self._read(fd, info.st_size, replay=fresh))
-            except OSError as exc:
-                raise StorageConfigError(f"cannot read the disk tier index {self.path}: "
-                                         f"{exc.strerror or exc}") from exc
-            finally:
-                os.close(fd)
-            return np.unique(np.concatenate(changed)) if changed else np.zeros(0, np.int64)
+
+    def close(self) -> None:
+        """Close the journal kept open. Idempotent."""
+        with self._lock:
+            self._close_file()
 
     # ------------------------------------------------------------------ reading
-    def _read(self, fd: int, size: int, replay: bool) -> np.ndarray:
-        """Apply the whole records from the offset to ``size``; all of them at once through
-        the writer's own replay when the journal is read from the start."""
-        end = self._offset + (size - self._offset) // RECORD_BYTES * RECORD_BYTES
-        parts = []
-        at = self._offset
-        while at < end:
-            chunk = os.pread(fd, min(_READ_CHUNK, end - at), at)
-            if not chunk:
+    def _refresh(self) -> np.ndarray:
+        changed = []
+        try:
+            now = os.stat(self.path, follow_symlinks=False)
+        except FileNotFoundError:
+            now = None
+        held = os.fstat(self._fd) if self._fd >= 0 else None
+        same = now is not None and held is not None and \
+            (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino) and \
+            (self._offset is None or now.st_size >= self._offset)
+        if not same:                      # replaced, shrunk, gone, or never opened
+            changed.append(self._forget_all())
+            self._close_file()
+            if now is None:
+                self.problem = "no journal yet"
+                return changed[0]
+            self._open_file()
+        if self._offset is not None:
+            changed.extend(self._read_to_end())
+        return np.unique(np.concatenate(changed)) if changed else np.zeros(0, np.int64)
+
+    def _open_file(self) -> None:
+        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            private_file(fd, self.path, tighten=False)
+            self._offset = None
+            problem = self._check_header(os.pread(fd, _HEADER.size, 0))
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        self.problem = problem
+        self._offset = None if problem else _HEADER.size
+
+    def _close_file(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def _read_to_end(self) -> list[np.ndarray]:
+        """Apply the whole records from the offset to the end, a chunk at a time."""
+        changed = []
+        size = os.fstat(self._fd).st_size
+        chunk_bytes = max(1, _READ_CHUNK // RECORD_BYTES) * RECORD_BYTES
+        while self._offset + RECORD_BYTES <= size:
+            want = min(chunk_bytes, (size - self._offset) // RECORD_BYTES * RECORD_BYTES)
+            body = os.pread(self._fd, want, self._offset)
+            body = body[:len(body) // RECORD_BYTES * RECORD_BYTES]
+            if not body:
                 break
-            parts.append(chunk)
-            at += len(chunk)
-        body = b"".join(parts)
-        body = body[:len(body) // RECORD_BYTES * RECORD_BYTES]
-        records = np.frombuffer(body, dtype=_RECORD_DTYPE)
-        good = _sound(body, records)
-        if len(records) and not good[-1]:
-            # the last record may be a write still under way: read it again next time
-            records, good, body = records[:-1], good[:-1], body[:-RECORD_BYTES]
-        self._offset += len(body)
-        if replay:
-            self._replay(body)
-            slots = np.flatnonzero(self._valid)
-            self._by_sequence = dict(zip(self._seq[slots].tolist(), slots.tolist()))
-            self._records = len(records)
-            return slots
-        return self._apply(records[good])
+            records = np.frombuffer(body, dtype=_RECORD_DTYPE)
+            good = _sound(body, records)
+            last_chunk = self._offset + len(body) + RECORD_BYTES > size
+            if last_chunk and not good[-1]:
+                # the last record may be a write still under way: read it again next time
+                records, good = records[:-1], good[:-1]
+            self._offset += len(records) * RECORD_BYTES
+            changed.append(self._apply(records[good]))
+            self._records += len(records)
+            if last_chunk:
+                break
+        return changed
 
     def _apply(self, records: np.ndarray) -> np.ndarray:
-        """Apply sound ``records`` in order (see the module docstring); the slots changed."""
-        changed = []
-        for record in records:
-            slot = int(record["slot"])
-            if slot >= self.capacity:
-                continue
-            if self._valid[slot]:
-                self._drop(slot)
-                changed.append(slot)
-            if record["op"] == _PUT:
-                sequence_hash = int(record["seq"])
-                older = self._by_sequence.get(sequence_hash)
-                if older is not None:       # the block moved: its newest entry counts
-                    self._drop(older)
-                    changed.append(older)
-                self._valid[slot] = True
-                self._seq[slot] = record["seq"]
-                self._parent[slot] = record["parent"]
-                self._has_parent[slot] = (int(record["flags"]) & _HAS_PARENT) != 0
-                self._local[slot] = record["local"]
-                self._checksum[slot] = record["checksum"]
-                self._tag[slot] = record["tag"]
-                self._seal[slot] = record["seal"]
-                self._order[slot] = self._records
-                self._by_sequence[sequence_hash] = slot
-                changed.append(slot)
-            else:
-                assert record["op"] == _FREE
-            self._records += 1
-        return np.asarray(changed, dtype=np.int64)
+        """Apply sound ``records`` in order (see the module docstring), vectorized: each
+        slot's last record decides what it holds; then a block put anew supersedes an older
+        slot naming it. Returns the slots changed."""
+        slots = records["slot"].astype(np.int64)
+        inside = np.flatnonzero(slots < self.capacity)
+        if not len(inside):
+            return np.zeros(0, np.int64)
+        backwards = inside[::-1]
+        _, first = np.unique(slots[backwards], return_index=True)
+        last = np.sort(backwards[first])            # each slot's last record, in order
+        touched = slots[last]
+        for slot in touched[self._valid[touched]].tolist():
+            self._drop(slot)
+        puts = last[records["op"][last] == _PUT]
+        where = slots[puts]
+        chosen = records[puts]
+        self._valid[where] = True
+        self._seq[where] = chosen["seq"]
+        self._parent[where] = chosen["parent"]
+        self._has_parent[where] = (chosen["flags"] & _HAS_PARENT) != 0
+        self._local[where] = chosen["local"]
+        self._checksum[where] = chosen["checksum"]
+        self._tag[where] = chosen["tag"]
+        self._seal[where] = chosen["seal"]
+        self._order[where] = self._records + puts
+        superseded = []
+        for slot, sequence_hash in zip(where.tolist(), chosen["seq"].tolist()):
+            older = self._by_sequence.get(sequence_hash)
+            if older is not None and older != slot and self._valid[older]:
+                self._drop(older)               # the block moved: its newest entry counts
+                superseded.append(older)
+            self._by_sequence[sequence_hash] = slot
+        return np.concatenate([touched, np.asarray(superseded, dtype=np.int64)])
 
     def _drop(self, slot: int) -> None:
         self._valid[slot] = False
@@ -184,6 +216,3 @@ class FollowedJournal(DiskIndex):
     def put(self, *args, **kwargs) -> None:
         raise StorageConfigError(f"{self.path} is followed read-only: another process "
                                  f"writes it")
-
-    def close(self) -> None:
-        """Nothing to close (no file is held between refreshes)."""

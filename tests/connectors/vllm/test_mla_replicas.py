@@ -1,0 +1,218 @@
+"""An MLA model over several tensor-parallel ranks (vLLM's latent ``[blocks, 1, block_size,
+latent]`` is the same on every rank): its persistent tiers keep one copy. Rank 0 writes G3,
+rank 1 reads rank 0's G3 in place (followed read-only) and writes none; each rank keeps its
+own G2. Loads come back byte for byte into both ranks from G2 and from G3, after a restart
+too; a corrupt block in the one copy is recomputed on both ranks; the disk check counts one
+copy. (vLLM's CPU build does not load MLA prefixes, so this runs in the simulator.)"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from kvstrata.connectors.vllm import worker as worker_module  # noqa: E402
+from kvstrata.connectors.vllm.settings import (ConnectorConfigError, KvGeometry,  # noqa: E402
+                                               settings_from, stored_as)
+from kvstrata.kinds.base import TierSetupError  # noqa: E402
+from kvstrata.physical.capacity import free_disk_bytes  # noqa: E402
+
+from .sim import LAYERS, SimEngine, assert_idle  # noqa: E402
+
+BS = 4
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 900, (n,), generator=gen).tolist()
+
+
+@pytest.fixture
+def sims():
+    made: list[SimEngine] = []
+    yield made
+    for sim in made:
+        for worker in sim.workers:
+            worker.shutdown()
+
+
+def mla_sim(sims, directory, ranks=2, **kw) -> SimEngine:
+    sim = SimEngine(directory, block_size=BS, g2_blocks=8, mla=True, ranks=ranks, **kw)
+    sims.append(sim)
+    return sim
+
+
+def homes(directory) -> list[str]:
+    return sorted(n for n in os.listdir(directory) if n.startswith("kvstrata-g3-"))
+
+
+def returning(sim: SimEngine, tokens: list[int], name: str):
+    request = sim.add(name, tokens + [5])
+    for _ in range(2000):
+        if request.state not in ("loading", "waiting"):
+            break
+        sim.step()
+        time.sleep(0.001)
+    return request
+
+
+def seq_hashes(sim: SimEngine, tokens: list[int]) -> list[int]:
+    probe = sim.add("_probe", tokens)
+    tracked = sim.scheduler._track(probe)
+    tracked.hash_upto(len(tokens) // BS, BS)
+    seq = list(tracked.seq)
+    sim.requests.pop("_probe")
+    sim.scheduler.request_finished(probe, [])
+    return seq
+
+
+def assert_both_ranks_hold(sim: SimEngine, request, tokens: list[int], blocks: int) -> None:
+    seq = seq_hashes(sim, tokens)
+    for rank in range(len(sim.workers)):
+        for layer in range(LAYERS):
+            for b in range(blocks):
+                assert torch.equal(sim.kv[rank][layer][request.block_ids[b]],
+                                   sim.page_kv(seq[b], layer, rank)), (rank, layer, b)
+
+
+def test_identities_of_replicated_ranks():
+    assert [stored_as(r, 4, 2) for r in range(4)] == [
+        stored_as(0, 2), stored_as(0, 2, 1).__class__(0, 2, False),
+        stored_as(1, 2), stored_as(1, 2, 1).__class__(1, 2, False)]
+    assert stored_as(3, 4) == stored_as(3, 4, 1)
+    assert stored_as(3, 4).writer and (stored_as(3, 4).rank, stored_as(3, 4).world_size) == (3, 4)
+
+
+def test_g3_keeps_one_copy_that_loads_into_both_ranks(sims, tmp_path):
+    sim = mla_sim(sims, tmp_path / "mla")
+    assert sim.settings.replicas == 2
+    first = prompt(10, 6 * BS + 1)
+    sim.add("a", first)
+    sim.run()
+    for i in range(2):                            # push "a" out of G2 into G3
+        sim.add(f"f{i}", prompt(20 + i, 6 * BS + 1))
+        sim.run()
+    request = returning(sim, first, "b")
+    assert request.loaded == 6
+    assert sim.scheduler.counters.blocks_loaded.get("G3", 0) > 0
+    assert_both_ranks_hold(sim, request, first, 6)
+    sim.run()
+    assert_idle(sim)
+    assert homes(tmp_path / "mla") == [homes(tmp_path / "mla")[0]]
+    assert "-r0-" in homes(tmp_path / "mla")[0]
+    writer, reader = (w.storages.by_tier["G3"] for w in sim.workers)
+    assert not writer.followed and reader.followed
+    assert reader.path == writer.path             # the same file, read in place
+
+
+def test_each_rank_loads_its_own_g2_copy(sims, tmp_path):
+    sim = mla_sim(sims, tmp_path / "mla")
+    first = prompt(11, 5 * BS + 1)
+    sim.add("a", first)
+    sim.run()
+    request = returning(sim, first, "b")
+    assert request.loaded == 5
+    assert sim.scheduler.counters.blocks_loaded.get("G2", 0) == 5
+    assert_both_ranks_hold(sim, request, first, 5)
+    g2 = [w.storages.by_tier["G2"] for w in sim.workers]
+    assert g2[0] is not g2[1] and all(len(s.checksums) == 8 for s in g2)
+    sim.run()
+
+
+def test_a_restart_recovers_the_one_copy_into_both_ranks(sims, tmp_path):
+    first = prompt(12, 6 * BS + 1)
+    sim = mla_sim(sims, tmp_path / "mla")
+    sim.add("a", first)
+    sim.run()
+    for worker in sim.workers:
+        worker.shutdown()
+    sims.remove(sim)
+    again = mla_sim(sims, tmp_path / "mla")
+    request = returning(again, first, "b")
+    assert request.loaded == 6
+    assert again.scheduler.counters.blocks_loaded.get("G3", 0) == 6
+    assert_both_ranks_hold(again, request, first, 6)
+    again.run()
+
+
+def test_a_corrupt_block_in_the_one_copy_is_recomputed_on_both_ranks(sims, tmp_path):
+    sim = mla_sim(sims, tmp_path / "mla")
+    first = prompt(13, 6 * BS + 1)
+    sim.add("a", first)
+    sim.run()
+    for i in range(2):
+        sim.add(f"f{i}", prompt(30 + i, 6 * BS + 1))
+        sim.run()
+    disk = sim.workers[0].storages.by_tier["G3"]
+    seq = seq_hashes(sim, first)
+    slot = sim.scheduler.planner.pools["G3"].lookup(seq[2]).block_id
+    with open(disk.path, "r+b") as fh:              # one byte flipped on disk
+        fh.seek(slot * disk.layout.block_stride + 3)
+        byte = fh.read(1)
+        fh.seek(slot * disk.layout.block_stride + 3)
+        fh.write(bytes([byte[0] ^ 0x10]))
+    request = returning(sim, first, "b")
+    assert sim.invalid_seen                        # the bad block was reported, recomputed
+    assert request.num_computed_tokens <= 2 * BS   # vLLM recomputes from it
+    sim.step()                                     # the forward that recomputes them
+    assert_both_ranks_hold(sim, request, first, 6)
+    sim.run()
+
+
+def test_ranks_of_a_model_that_is_not_mla_keep_their_own_g3(sims, tmp_path):
+    sim = SimEngine(tmp_path / "mha", block_size=BS, g2_blocks=8, ranks=2)
+    sims.append(sim)
+    sim.add("a", prompt(14, 3 * BS + 1))
+    sim.run()
+    names = homes(tmp_path / "mha")
+    assert len(names) == 2 and "-r0-" in names[0] and "-r1-" in names[1]
+    assert not any(w.storages.by_tier["G3"].followed for w in sim.workers)
+
+
+def test_the_disk_check_counts_one_copy_of_replicated_blocks(tmp_path):
+    free = free_disk_bytes(str(tmp_path))
+    if not free:
+        pytest.skip("this filesystem does not say how much it has free")
+    extra = {"tiers": {"G2": {"blocks": 8}, "G3": {"bytes": int(free * 0.6)}},
+             "disk_dir": str(tmp_path), "o_direct": False}
+    geometry = dict(block_size=BS, num_layers=LAYERS, kv_heads=1, head_dim=512,  # 8 KiB
+                    dtype="bfloat16", num_gpu_blocks=64, outer_dim=1, workers=8)
+    settings = settings_from(extra, KvGeometry(**geometry, replicas=8), env={})
+    assert settings.replicas == 8
+    with pytest.raises(ConnectorConfigError, match="disk"):
+        settings_from(extra, KvGeometry(**geometry, replicas=1), env={})
+
+
+def test_a_rank_whose_writer_never_comes_gives_up_with_the_reason(sims, tmp_path,
+                                                                     monkeypatch):
+    monkeypatch.setattr(worker_module, "WRITER_WAIT", 0.3)
+    sim = mla_sim(sims, tmp_path / "mla")
+    lone = worker_module.WorkerHalf(sim.settings, rank=1, world_size=2)
+    settings = sim.settings
+    other = tmp_path / "elsewhere"
+    from dataclasses import replace
+    lone.settings = replace(settings, kv=replace(settings.kv, disk_dir=str(other)))
+    with pytest.raises(TierSetupError, match="did not appear"):
+        lone.register_kv_caches({f"model.layers.{i}.attn": torch.zeros(64, 1, BS, 32,
+                                                                       dtype=torch.bfloat16)
+                                 for i in range(LAYERS)})
+    assert not other.exists()
+
+
+def test_a_temporary_g3_keeps_a_copy_per_rank_as_before(sims, tmp_path):
+    sim = SimEngine(tmp_path / "tmp", block_size=BS, g2_blocks=8, mla=True, ranks=2,
+                    durable=False)
+    sims.append(sim)
+    assert sim.settings.replicas == 1
+    first = prompt(15, 4 * BS + 1)
+    sim.add("a", first)
+    sim.run()
+    assert not any(w.storages.by_tier["G3"].followed for w in sim.workers)
+    request = returning(sim, first, "b")
+    assert request.loaded == 4
+    assert_both_ranks_hold(sim, request, first, 4)
+    sim.run()
