@@ -29,6 +29,14 @@ def _follow(tmp_path, num_blocks=16, fingerprint=FP, **kw):
                               fingerprint=fingerprint, **kw)
 
 
+def _scribble(writer, slot, at, data: bytes) -> None:
+    """Write ``data`` into ``slot`` of the writer's slab at byte ``at``, without journaling
+    (bytes changing under a reader)."""
+    with open(writer.path, "r+b") as fh:
+        fh.seek(slot * writer.layout.block_stride + at)
+        fh.write(data[:writer.config.block_bytes - at])
+
+
 def _failed_positions(disk, slots, seqs):
     try:
         _read(disk, slots, seqs)
@@ -60,10 +68,7 @@ def test_an_overwritten_slot_is_never_served_as_the_block_it_held(tmp_path):
     _read(follower, [5], [50])
     # bytes that change under the follower's view (a write whose journal record it has not
     # read yet) fail the checksum of the block the view names
-    _, other = _aligned_blocks(writer, 1, seed=77)
-    with open(writer.path, "r+b") as fh:
-        fh.seek(5 * writer.layout.block_stride)
-        fh.write(other[0][:writer.config.block_bytes].tobytes())
+    _scribble(writer, 5, 0, _aligned_blocks(writer, 1, seed=77)[1][0].tobytes())
     try:
         _read(follower, [5], [50])
         pytest.fail("bytes that changed under the follower were served")
@@ -316,9 +321,7 @@ def test_a_block_that_fails_here_is_not_found_again_until_rewritten(tmp_path):
     writer = _open(tmp_path)
     _write(writer, [4], [40])
     follower = _follow(tmp_path)
-    with open(writer.path, "r+b") as fh:
-        fh.seek(4 * writer.layout.block_stride + 1)
-        fh.write(b"\xff\x00")
+    _scribble(writer, 4, 1, b"\xff\x00")
     assert _failed_positions(follower, [4], [40]) == [0]
     assert follower.slot_of(40) is None               # no longer counted as held here
     assert len(writer.index.entries()) == 1           # the writer's journal is untouched

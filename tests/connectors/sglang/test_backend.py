@@ -76,6 +76,18 @@ def keys_of(n: int, salt: bytes = b"") -> list[str]:
     return keys
 
 
+def flip_g3_byte(store: KvStrataStorage, key: str, at: int) -> None:
+    """Flip byte ``at`` of the page ``key`` in ``store``'s G3 slab (another writer)."""
+    store.manager.wait_idle(10)
+    disk = store.manager.storage("G3")
+    slot = store.manager.pools["G3"].lookup(page_hash(key)).block_id
+    with open(disk.path, "r+b") as fh:
+        fh.seek(slot * disk.layout.block_stride + at)
+        byte = fh.read(1)
+        fh.seek(slot * disk.layout.block_stride + at)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+
+
 def slots(pages: list[int]) -> torch.Tensor:
     return torch.tensor([p * PAGE + t for p in pages for t in range(PAGE)], dtype=torch.int64)
 
@@ -120,14 +132,7 @@ def test_a_corrupt_g3_page_is_reported_missing_never_loaded(tmp_path):
     with closing(backend(tmp_path, pool)) as store:
         keys = keys_of(4)
         store.batch_set_v1(keys, slots([0, 1, 2, 3]))
-        store.manager.wait_idle(10)
-        disk = store.manager.storage("G3")
-        slot = store.manager.pools["G3"].lookup(page_hash(keys[2])).block_id
-        with open(disk.path, "r+b") as fh:          # another writer flips one byte
-            fh.seek(slot * disk.layout.block_stride + 5)
-            byte = fh.read(1)
-            fh.seek(slot * disk.layout.block_stride + 5)
-            fh.write(bytes([byte[0] ^ 0xFF]))
+        flip_g3_byte(store, keys[2], 5)
         before = page_bytes(pool, 12, False)
         got = store.batch_get_v1(keys, slots([10, 11, 12, 13]))
         assert got == [True, True, False, False]

@@ -23,11 +23,10 @@ pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
 
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 
-from kvstrata.connectors.sglang import page_hash  # noqa: E402
 from kvstrata.connectors.sglang.settings import SGLangConfigError  # noqa: E402
 
-from .test_backend import (PAGE, backend, host_pool, keys_of, page_bytes, slots,  # noqa: E402
-                           storage_config)
+from .test_backend import (PAGE, backend, flip_g3_byte, host_pool, keys_of,  # noqa: E402
+                           page_bytes, slots, storage_config)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
@@ -127,14 +126,7 @@ def test_a_corrupt_page_in_rank_0s_g3_is_missing_for_rank_1_too(tmp_path):
     follower, fpool = rank(tmp_path, 1)
     with closing(writer), closing(follower):
         writer.batch_set_v1(keys, slots([0, 1, 2, 3]))
-        writer.manager.wait_idle(10)
-        disk = writer.manager.storage("G3")
-        slot = writer.manager.pools["G3"].lookup(page_hash(keys[1])).block_id
-        with open(disk.path, "r+b") as fh:           # one byte flipped on disk
-            fh.seek(slot * disk.layout.block_stride + 9)
-            byte = fh.read(1)
-            fh.seek(slot * disk.layout.block_stride + 9)
-            fh.write(bytes([byte[0] ^ 0x01]))
+        flip_g3_byte(writer, keys[1], 9)
         before = digest(fpool, [5])
         assert follower.batch_get_v1(keys, slots([4, 5, 6, 7])) == [True, False, False, False]
         assert digest(fpool, [5]) == before
@@ -196,14 +188,7 @@ def test_a_page_that_fails_on_rank_1_is_no_longer_counted_there(tmp_path):
     follower, fpool = rank(tmp_path, 1, **tiers)
     with closing(writer), closing(follower):
         writer.batch_set_v1(keys, slots([0, 1, 2, 3]))
-        writer.manager.wait_idle(10)
-        disk = writer.manager.storage("G3")
-        slot = writer.manager.pools["G3"].lookup(page_hash(keys[1])).block_id
-        with open(disk.path, "r+b") as fh:
-            fh.seek(slot * disk.layout.block_stride + 9)
-            byte = fh.read(1)
-            fh.seek(slot * disk.layout.block_stride + 9)
-            fh.write(bytes([byte[0] ^ 0x01]))
+        flip_g3_byte(writer, keys[1], 9)
         assert follower.batch_exists(keys) == 4
         assert follower.batch_get_v1(keys, slots([4, 5, 6, 7])) == [True, False, False, False]
         assert follower.batch_exists(keys) == 1

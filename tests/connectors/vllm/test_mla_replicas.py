@@ -22,9 +22,7 @@ from kvstrata.kinds.base import TierSetupError  # noqa: E402
 from kvstrata.physical.capacity import free_disk_bytes  # noqa: E402
 
 from .sim import LAYERS, SimEngine, assert_idle  # noqa: E402
-
-BS = 4
-
+from .test_groups import BS, hashes_of  # noqa: E402
 
 def prompt(seed: int, n: int) -> list[int]:
     gen = torch.Generator().manual_seed(seed)
@@ -60,18 +58,8 @@ def returning(sim: SimEngine, tokens: list[int], name: str):
     return request
 
 
-def seq_hashes(sim: SimEngine, tokens: list[int]) -> list[int]:
-    probe = sim.add("_probe", tokens)
-    tracked = sim.scheduler._track(probe)
-    tracked.hash_upto(len(tokens) // BS, BS)
-    seq = list(tracked.seq)
-    sim.requests.pop("_probe")
-    sim.scheduler.request_finished(probe, [])
-    return seq
-
-
 def assert_both_ranks_hold(sim: SimEngine, request, tokens: list[int], blocks: int) -> None:
-    seq = seq_hashes(sim, tokens)
+    seq = hashes_of(sim, tokens)
     for rank in range(len(sim.workers)):
         for layer in range(LAYERS):
             for b in range(blocks):
@@ -148,7 +136,7 @@ def test_a_corrupt_block_in_the_one_copy_is_recomputed_on_both_ranks(sims, tmp_p
         sim.add(f"f{i}", prompt(30 + i, 6 * BS + 1))
         sim.run()
     disk = sim.workers[0].storages.by_tier["G3"]
-    seq = seq_hashes(sim, first)
+    seq = hashes_of(sim, first)
     slot = sim.scheduler.planner.pools["G3"].lookup(seq[2]).block_id
     with open(disk.path, "r+b") as fh:              # one byte flipped on disk
         fh.seek(slot * disk.layout.block_stride + 3)

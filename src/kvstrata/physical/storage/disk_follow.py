@@ -34,7 +34,7 @@ import numpy as np
 
 from ..errors import StorageConfigError
 from .disk_home import private_file
-from .disk_index import (_HAS_PARENT, _HEADER, _PUT, _RECORD_DTYPE, RECORD_BYTES,
+from .disk_index import (_HEADER, _PUT, _RECORD_DTYPE, RECORD_BYTES,
                          DiskIndex, LiveEntries, _sound)
 
 __all__ = ["FollowedJournal"]
@@ -174,17 +174,8 @@ class FollowedJournal(DiskIndex):
         for slot in touched[self._valid[touched]].tolist():
             self._drop(slot)
         puts = last[records["op"][last] == _PUT]
-        where = slots[puts]
         chosen = records[puts]
-        self._valid[where] = True
-        self._seq[where] = chosen["seq"]
-        self._parent[where] = chosen["parent"]
-        self._has_parent[where] = (chosen["flags"] & _HAS_PARENT) != 0
-        self._local[where] = chosen["local"]
-        self._checksum[where] = chosen["checksum"]
-        self._tag[where] = chosen["tag"]
-        self._seal[where] = chosen["seal"]
-        self._order[where] = self._records + puts
+        where = self._set_entries(chosen, self._records + puts)
         superseded = []
         for slot, sequence_hash in zip(where.tolist(), chosen["seq"].tolist()):
             older = self._by_sequence.get(sequence_hash)

@@ -276,7 +276,13 @@ class DiskIndex:
         newest[:-1] = seqs[by_seq][:-1] != seqs[by_seq][1:]
         duplicates = int(len(live) - newest.sum())
         live = np.sort(live[by_seq[newest]])
-        chosen = records[live]
+        self._set_entries(records[live], live)
+        self.report = RecoveryReport(len(live), len(records) + corrupt, torn, corrupt,
+                                     beyond, duplicates)
+
+    def _set_entries(self, chosen: np.ndarray, order: np.ndarray) -> np.ndarray:
+        """Make the ``PUT`` records ``chosen`` (record numbers ``order``) their slots' live
+        entries; returns those slots."""
         where = chosen["slot"].astype(np.int64)
         self._valid[where] = True
         self._seq[where] = chosen["seq"]
@@ -286,9 +292,8 @@ class DiskIndex:
         self._checksum[where] = chosen["checksum"]
         self._tag[where] = chosen["tag"]
         self._seal[where] = chosen["seal"]
-        self._order[where] = live
-        self.report = RecoveryReport(len(live), len(records) + corrupt, torn, corrupt,
-                                     beyond, duplicates)
+        self._order[where] = order
+        return where
 
     # ------------------------------------------------------------------ reading
     def live(self) -> "LiveEntries":
