@@ -127,6 +127,15 @@ class DiskKind(Kind):
         except PhysicalError as exc:
             raise TierSetupError(f"{tier} in {directory}: {exc}") from exc
 
+    def followed_exists(self, config: KvConfig, tier: str, options: StorageOptions) -> bool:
+        """Whether the durable ``tier`` that :meth:`open_followed` would open has been made
+        (by the process that writes it)."""
+        directory = config.directory_of(tier)
+        if directory is None:
+            return False
+        home = home_name(tier.lower(), options.rank, options.compatibility(config).fingerprint)
+        return os.path.exists(os.path.join(directory, home, "slab"))
+
     def recovered_rows(self, storage: Storage) -> list[RecoveredRow]:
         live = getattr(storage, "recovered", None)
         return live.rows() if live else []

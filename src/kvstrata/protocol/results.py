@@ -77,7 +77,9 @@ class TransferResult:
     ``held_seconds`` the time it was held back on purpose besides (background writes wait
     while the engine's forward runs), which is not the path being slow; ``waited_seconds``
     the time the finished result waited for its driver to collect it (a vLLM engine that
-    did not step for a while), which is not the path's latency either."""
+    did not step for a while), which is not the path's latency either. ``moved_here`` is
+    False when another worker holding the same bytes moved them (:meth:`done_elsewhere`):
+    such a result says nothing of the path's speed."""
 
     plan: TransferPlan
     ok: tuple[bool, ...]
@@ -88,6 +90,7 @@ class TransferResult:
     error: str | None = None
     held_seconds: float = 0.0
     waited_seconds: float = 0.0
+    moved_here: bool = True
 
     @classmethod
     def success(cls, plan: TransferPlan, bytes_moved: int = 0, seconds: float = 0.0
@@ -109,7 +112,7 @@ class TransferResult:
         """Every block of ``plan`` is in place, put there by another worker (one that holds
         the same bytes and writes them for both): nothing moved here."""
         n = len(plan)
-        return cls(plan, (True,) * n, (None,) * n, 0, 0.0)
+        return cls(plan, (True,) * n, (None,) * n, 0, 0.0, moved_here=False)
 
     @property
     def job_id(self) -> int:
@@ -135,7 +138,7 @@ class TransferResult:
                 "checksums": list(self.checksums), "bytes_moved": self.bytes_moved,
                 "seconds": self.seconds, "failures": [f.to_dict() for f in self.failures],
                 "error": self.error, "held_seconds": self.held_seconds,
-                "waited_seconds": self.waited_seconds}
+                "waited_seconds": self.waited_seconds, "moved_here": self.moved_here}
 
     @classmethod
     def from_dict(cls, data: Any) -> "TransferResult":
@@ -147,7 +150,8 @@ class TransferResult:
             failures = tuple(BlockFailure.from_dict(f) for f in data["failures"])
             result = cls(plan, ok, checksums, int(data["bytes_moved"]), float(data["seconds"]),
                          failures, data.get("error"), float(data.get("held_seconds", 0.0)),
-                         float(data.get("waited_seconds", 0.0)))
+                         float(data.get("waited_seconds", 0.0)),
+                         _strict_bool(data.get("moved_here", True)))
         except TransferPlanError:
             raise
         except (KeyError, TypeError, ValueError) as exc:

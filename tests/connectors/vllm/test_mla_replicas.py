@@ -204,3 +204,60 @@ def test_a_temporary_g3_keeps_a_copy_per_rank_as_before(sims, tmp_path):
     assert request.loaded == 4
     assert_both_ranks_hold(sim, request, first, 4)
     sim.run()
+
+
+def test_a_rank_that_registers_before_the_writer_waits_for_it(sims, tmp_path):
+    """vLLM starts its workers together: rank 1 may wrap its KV cache before rank 0 made
+    the G3 it follows. It waits (its own G1 and G2 intact), then follows it."""
+    import threading
+    from dataclasses import replace
+
+    proto = mla_sim(sims, tmp_path / "proto")
+    settings = replace(proto.settings,
+                       kv=replace(proto.settings.kv, disk_dir=str(tmp_path / "late")))
+    workers = [worker_module.WorkerHalf(settings, rank=r, world_size=2) for r in (0, 1)]
+    caches = [{f"model.layers.{i}.attn": torch.zeros(64, 1, BS, 32, dtype=torch.bfloat16)
+               for i in range(LAYERS)} for _ in workers]
+    errors = []
+
+    def register_follower():
+        try:
+            workers[1].register_kv_caches(caches[1])
+        except BaseException as exc:      # reported below
+            errors.append(exc)
+
+    follower = threading.Thread(target=register_follower)
+    follower.start()
+    try:
+        follower.join(0.5)
+        assert follower.is_alive() and workers[1].storages is None    # waiting for rank 0
+        workers[0].register_kv_caches(caches[0])
+        follower.join(60)
+        assert not errors, errors
+        g3 = workers[1].storages.by_tier["G3"]
+        assert g3.followed and g3.path == workers[0].storages.by_tier["G3"].path
+        assert not workers[1].storages.by_tier["G1"].closed
+        assert workers[1].engine is not None
+    finally:
+        follower.join(60)
+        for worker in workers:
+            worker.shutdown()
+
+
+def test_which_ranks_share_one_copy_in_vllms_parallel_configs():
+    """From vLLM's own ``ParallelConfig``: a tensor-parallel group shares a copy only where
+    it runs whole on one machine, and not where decode context parallelism splits it."""
+    from vllm.config import ParallelConfig
+
+    from kvstrata.connectors.vllm.connector import _replicating_ranks
+
+    def ranks(**kw):
+        return _replicating_ranks(ParallelConfig(**kw))
+
+    assert ranks(tensor_parallel_size=1) == 1
+    assert ranks(tensor_parallel_size=4) == 4
+    assert ranks(tensor_parallel_size=4, pipeline_parallel_size=2) == 4
+    assert ranks(tensor_parallel_size=4, decode_context_parallel_size=2) == 1
+    assert ranks(tensor_parallel_size=8, pipeline_parallel_size=2, nnodes=2) == 8
+    assert ranks(tensor_parallel_size=16, nnodes=2) == 1       # a group over two machines
+    assert ranks(tensor_parallel_size=4, distributed_executor_backend="external_launcher") == 1

@@ -266,11 +266,23 @@ def _block_layout() -> str:
 
 
 def _replicating_ranks(parallel_config: Any) -> int:
-    """How many consecutive workers would hold the same MLA latent: a tensor-parallel
-    group's ranks, unless decode context parallelism splits the latent's tokens over them."""
-    if int(getattr(parallel_config, "decode_context_parallel_size", 1) or 1) > 1:
+    """How many consecutive workers would hold the same MLA latent and share one copy of it
+    on this machine's disk: a tensor-parallel group's ranks, when the whole group runs on
+    one machine (vLLM's own processes, each machine's ranks a whole number of groups). 1
+    (a copy per rank, as for other models) where decode context parallelism splits the
+    latent's tokens over them, or where a group may span machines (Ray, an external
+    launcher, or groups cut by the machines' ranks)."""
+    tp = int(getattr(parallel_config, "tensor_parallel_size", 1) or 1)
+    if tp <= 1 or int(getattr(parallel_config, "decode_context_parallel_size", 1) or 1) > 1:
         return 1
-    return int(getattr(parallel_config, "tensor_parallel_size", 1) or 1)
+    backend = getattr(parallel_config, "distributed_executor_backend", None)
+    if backend not in (None, "mp", "uni"):
+        return 1
+    try:
+        local = int(parallel_config.local_world_size)
+    except (AttributeError, TypeError, ValueError):
+        return 1
+    return tp if local % tp == 0 else 1
 
 
 def _worker_rank() -> int:

@@ -127,11 +127,15 @@ def combine(results: list[TransferResult]) -> TransferResult:
     checksums = tuple(next((r.checksums[i] for r in results if r.checksums[i] is not None),
                            None) if ok[i] else None for i in range(n))
     errors = [r.error for r in results if r.error]
+    # the time a plan took is that of the ranks that moved its bytes (not of those whose
+    # blocks another rank wrote for them: done at once, they time nothing)
+    timed = [r for r in results if r.moved_here] or results
     return TransferResult(first.plan, ok, checksums,
                           sum(r.bytes_moved for r in results),
-                          max(r.seconds for r in results),
+                          max(r.seconds for r in timed),
                           tuple(failures[i] for i in sorted(failures)),
                           "; ".join(errors) if errors else None,
-                          max(r.held_seconds for r in results),
-                          min(r.waited_seconds for r in results))
+                          max(r.held_seconds for r in timed),
+                          min(r.waited_seconds for r in timed),
+                          all(r.moved_here for r in timed))
 

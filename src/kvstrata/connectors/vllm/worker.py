@@ -40,7 +40,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from ...kinds import StorageOptions, Storages, build_storages
+from ...kinds import StorageOptions, Storages, build_storages, kind_of
 from ...kinds.base import TierSetupError
 from ...physical import DeviceStorage, TransferEngine
 from ...physical.copy import CopyEngine
@@ -182,21 +182,22 @@ class WorkerHalf:
                            for t, s in self.storages.by_tier.items()))
 
     def _build(self, kv, options: StorageOptions) -> Storages:
-        """The storages; a worker that follows another's durable G3 waits for that worker
-        to have made it (they start together), up to :data:`WRITER_WAIT` seconds."""
-        if not options.follow_durable:
-            return build_storages(kv, options)
-        deadline = time.monotonic() + WRITER_WAIT
-        while True:
-            try:
-                return build_storages(kv, options)
-            except TierSetupError as exc:
-                if time.monotonic() > deadline:
-                    raise TierSetupError(f"worker {self.rank} reads the G3 that worker "
-                                         f"{self.rank - self.rank % self.settings.replicas} "
-                                         f"writes, which did not appear in {WRITER_WAIT:.0f} "
-                                         f"s: {exc}") from exc
-                time.sleep(0.05)
+        """The storages; a worker that follows another's durable G3 first waits for that
+        worker to have made it (they start together), up to :data:`WRITER_WAIT` seconds."""
+        if options.follow_durable:
+            deadline = time.monotonic() + WRITER_WAIT
+            for tier in kv.tiers:
+                if spec(tier).kind is not TierKind.DISK:
+                    continue
+                while not kind_of(tier).followed_exists(kv, tier, options):
+                    if time.monotonic() > deadline:
+                        raise TierSetupError(
+                            f"worker {self.rank} reads the {tier} that worker "
+                            f"{self.rank - self.rank % self.settings.replicas} writes, which "
+                            f"did not appear in {WRITER_WAIT:.0f} s in "
+                            f"{kv.directory_of(tier)}")
+                    time.sleep(0.05)
+        return build_storages(kv, options)
 
     @property
     def outstanding(self) -> int:
