@@ -129,12 +129,14 @@ class DiskKind(Kind):
 
     def followed_exists(self, config: KvConfig, tier: str, options: StorageOptions) -> bool:
         """Whether the durable ``tier`` that :meth:`open_followed` would open has been made
-        (by the process that writes it)."""
+        (by the process that writes it): its slab, sized, and its journal, which the writer
+        makes after sizing the slab."""
         directory = config.directory_of(tier)
         if directory is None:
             return False
-        home = home_name(tier.lower(), options.rank, options.compatibility(config).fingerprint)
-        return os.path.exists(os.path.join(directory, home, "slab"))
+        home = os.path.join(directory, home_name(tier.lower(), options.rank,
+                                                 options.compatibility(config).fingerprint))
+        return all(os.path.exists(os.path.join(home, name)) for name in ("slab", "index"))
 
     def recovered_rows(self, storage: Storage) -> list[RecoveredRow]:
         live = getattr(storage, "recovered", None)

@@ -140,9 +140,13 @@ class FollowerReader:
         if self._disk is not None and self._disk.refresh():
             return self._disk
         self._drop()
+        kind = kind_of(self.tier)
         try:
-            disk = kind_of(self.tier).open_followed(
-                self.config, self.tier, self._top.by_tier[TOP_TIER].config, self._options)
+            if not kind.followed_exists(self.config, self.tier, self._options):
+                raise TierSetupError(f"the writer has not made its {self.tier} in "
+                                     f"{self.config.directory_of(self.tier)} yet")
+            disk = kind.open_followed(self.config, self.tier,
+                                      self._top.by_tier[TOP_TIER].config, self._options)
         except TierSetupError as exc:
             if str(exc) != self.waiting_for:
                 log.info("kvstrata: not reading the writer's %s yet: %s", self.tier, exc)
