@@ -299,3 +299,26 @@ def test_disk_dir_precedence_in_the_connector(tmp_path):
     # KvConfig.directory_of decides for any one config (was: the path won there only).
     assert where({"config": str(toml), "tiers": tiers, "disk_dir": str(tmp_path / "x")},
                  env) == str(tmp_path / "x")
+
+
+def test_a_failed_build_leaves_the_callers_device_tier_open(tmp_path):
+    """An engine connector wraps its KV cache as G1 itself (``StorageOptions.g1``): a build
+    that fails on a later tier closes what it built, not the caller's G1, which the caller
+    may use again (a retry) or close itself."""
+    import torch
+
+    from kvstrata.physical import DeviceStorage
+
+    g1 = DeviceStorage.wrap([torch.zeros(2, 8, BS, MODEL.kv_heads * MODEL.head_dim,
+                                         dtype=torch.float16)
+                             for _ in range(MODEL.num_layers)], kv_layout="outer_contiguous",
+                            page_size=BS)
+    followed = _config(disk_dir=str(tmp_path / "none"), G2=TierConfig(blocks=4),
+                       G3=TierConfig(blocks=4))
+    with pytest.raises(TierSetupError, match="G3"):         # no writer's G3 to follow
+        build_storages(followed, StorageOptions(g1=g1, follow_durable=True))
+    assert not g1.closed
+    built = build_storages(_config(G2=TierConfig(blocks=4)), StorageOptions(g1=g1))
+    assert built.by_tier["G1"] is g1
+    built.close()
+    assert g1.closed

@@ -68,7 +68,8 @@ def _wrapped_in_host_ram(kv_caches) -> bool:
 
 def build_storages(config: KvConfig, options: StorageOptions) -> Storages:
     """One storage per tier of ``config``, fastest first (:func:`check_tiers` first); on
-    error (:class:`~kvstrata.kinds.base.TierSetupError`) nothing is left behind."""
+    error (:class:`~kvstrata.kinds.base.TierSetupError`) nothing built here is left behind,
+    and a device tier the caller wrapped (``options.g1``) is left open, as it came."""
     problems = check_tiers(config, options)
     if problems:
         raise TierSetupError(problems)
@@ -87,6 +88,8 @@ def build_storages(config: KvConfig, options: StorageOptions) -> Storages:
                     sized[tier] = replace(sized[tier], blocks=geometry.num_blocks, bytes=None)
                     built.config = replace(config, tiers=sized)
     except BaseException:
+        if options.g1 is not None:               # the caller's: it closes it
+            built.by_tier = {t: s for t, s in built.by_tier.items() if s is not options.g1}
         built.close()
         raise
     return built
