@@ -11,8 +11,7 @@ slab of ``--blocks`` blocks of ``--block-kib`` KiB written by a writer:
 * the follower again while the writer keeps writing (every batch read first takes in the
   records of the writes since the last one).
 
-Reads are verified (xxh3, and a keyed tag with the deployment's secret when one is set) in
-every case; the page cache is not dropped (both read the same file the same way), so this is
+Reads are verified (xxh3 against the record) in every case; the page cache is not dropped (both read the same file the same way), so this is
 the follower's overhead, not the disk's speed. Run: ``.venv/bin/python
 bench/bench_g3_follow.py`` (``--quick`` for a smaller run).
 """

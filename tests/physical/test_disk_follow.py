@@ -355,3 +355,28 @@ def test_a_slab_not_sized_yet_is_still_read_with_o_direct_once_it_is(tmp_path):
     follower = _follow(tmp_path)
     assert follower.o_direct == direct
     follower.close()
+
+
+def test_the_kind_says_when_a_writers_g3_can_be_followed(tmp_path):
+    """``DiskKind.followed_exists``: only once the writer of that identity made its home with
+    both slab and journal, for a durable G3."""
+    from dataclasses import replace as with_
+
+    from kvstrata.config import KvConfig, ModelGeometry, TierConfig
+    from kvstrata.kinds import StorageOptions, build_storages, kind_of
+
+    config = KvConfig(block_size=4, model=ModelGeometry(num_layers=1, kv_heads=1, head_dim=8,
+                                                        dtype="fp16"),
+                      tiers={"G1": TierConfig(blocks=4), "G2": TierConfig(blocks=4),
+                             "G3": TierConfig(blocks=4)}, disk_dir=str(tmp_path))
+    kind = kind_of("G3")
+    options = StorageOptions()
+    assert not kind.followed_exists(config, "G3", options)
+    built = build_storages(config, options)
+    home = built.by_tier["G3"].path.parent
+    assert kind.followed_exists(config, "G3", options)
+    assert not kind.followed_exists(config, "G3", with_(options, rank=1, world_size=2))
+    assert not kind.followed_exists(config, "G3", with_(options, durable_disk=False))
+    built.close()
+    os.unlink(home / "index")                     # a slab whose journal is not made yet
+    assert not kind.followed_exists(config, "G3", options)

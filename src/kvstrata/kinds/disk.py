@@ -132,7 +132,7 @@ class DiskKind(Kind):
         (by the process that writes it): its slab, sized, and its journal, which the writer
         makes after sizing the slab."""
         directory = config.directory_of(tier)
-        if directory is None:
+        if directory is None or not options.durable_disk:
             return False
         home = os.path.join(directory, home_name(tier.lower(), options.rank,
                                                  options.compatibility(config).fingerprint))

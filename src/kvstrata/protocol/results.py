@@ -151,7 +151,7 @@ class TransferResult:
             result = cls(plan, ok, checksums, int(data["bytes_moved"]), float(data["seconds"]),
                          failures, data.get("error"), float(data.get("held_seconds", 0.0)),
                          float(data.get("waited_seconds", 0.0)),
-                         _strict_bool(data.get("moved_here", True)))
+                         _strict_bool(data.get("moved_here", True), "moved_here"))
         except TransferPlanError:
             raise
         except (KeyError, TypeError, ValueError) as exc:
@@ -168,7 +168,7 @@ class TransferResult:
         return result
 
 
-def _strict_bool(value: Any) -> bool:
+def _strict_bool(value: Any, what: str = "ok entries") -> bool:
     if not isinstance(value, bool):
-        raise TypeError(f"ok entries must be booleans, got {value!r}")
+        raise TypeError(f"{what} must be booleans, got {value!r}")
     return value

@@ -206,12 +206,13 @@ def test_a_temporary_g3_keeps_a_copy_per_rank_as_before(sims, tmp_path):
     sim.run()
 
 
-def test_a_rank_that_registers_before_the_writer_waits_for_it(sims, tmp_path):
+def test_a_rank_that_registers_before_the_writer_waits_for_it(sims, tmp_path, monkeypatch):
     """vLLM starts its workers together: rank 1 may wrap its KV cache before rank 0 made
     the G3 it follows. It waits (its own G1 and G2 intact), then follows it."""
     import threading
     from dataclasses import replace
 
+    monkeypatch.setattr(worker_module, "WRITER_WAIT", 60.0)
     proto = mla_sim(sims, tmp_path / "proto")
     settings = replace(proto.settings,
                        kv=replace(proto.settings.kv, disk_dir=str(tmp_path / "late")))
@@ -226,7 +227,7 @@ def test_a_rank_that_registers_before_the_writer_waits_for_it(sims, tmp_path):
         except BaseException as exc:      # reported below
             errors.append(exc)
 
-    follower = threading.Thread(target=register_follower)
+    follower = threading.Thread(target=register_follower, daemon=True)
     follower.start()
     try:
         follower.join(0.5)
@@ -261,3 +262,35 @@ def test_which_ranks_share_one_copy_in_vllms_parallel_configs():
     assert ranks(tensor_parallel_size=8, pipeline_parallel_size=2, nnodes=2) == 8
     assert ranks(tensor_parallel_size=16, nnodes=2) == 1       # a group over two machines
     assert ranks(tensor_parallel_size=4, distributed_executor_backend="external_launcher") == 1
+
+
+def test_ranks_whose_blocks_another_wrote_time_nothing_in_the_combined_result():
+    """A follower reports a plan into G3 done at once (``done_elsewhere``): the combined
+    result takes its time, wait and checksums from the rank that moved the bytes, so an
+    engine's idle gap before the writer's report is not learned as G3 latency."""
+    from dataclasses import replace
+
+    from kvstrata.connectors.vllm.metadata import combine
+    from kvstrata.protocol.plans import Endpoint, TransferPlan
+    from kvstrata.protocol.results import FailureKind, TransferResult
+
+    plan = TransferPlan(1, Endpoint("G2"), Endpoint("G3"), (11, 12), src_block_ids=(0, 1),
+                        dst_block_ids=(2, 3))
+    moved = TransferResult(plan, (True, True), (7, 8), 1024, 0.01, held_seconds=0.002,
+                           waited_seconds=0.25)
+    elsewhere = TransferResult.done_elsewhere(plan)
+    assert not elsewhere.moved_here and elsewhere.bytes_moved == 0
+    for results in ([elsewhere, moved], [moved, elsewhere]):
+        got = combine(results)
+        assert (got.seconds, got.held_seconds, got.waited_seconds) == (0.01, 0.002, 0.25)
+        assert got.checksums == (7, 8) and got.bytes_moved == 1024 and got.moved_here
+    failed = replace(moved, ok=(True, False), checksums=(7, None), failures=(
+        TransferResult.failed(plan, FailureKind.DISK_FULL, "full").failures[1],))
+    assert combine([elsewhere, failed]).ok == (True, False)
+    again = TransferResult.from_dict(elsewhere.to_dict())
+    assert again == elsewhere
+    old = elsewhere.to_dict()
+    del old["moved_here"]                         # a report from before the field
+    assert TransferResult.from_dict(old).moved_here
+    with pytest.raises(Exception, match="moved_here"):
+        TransferResult.from_dict({**elsewhere.to_dict(), "moved_here": 1})

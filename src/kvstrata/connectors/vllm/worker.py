@@ -159,7 +159,11 @@ class WorkerHalf:
                                  world_size=identity.world_size,
                                  block_layout=self.settings.block_layout,
                                  follow_durable=not identity.writer)
-        self.storages = self._build(kv, options)
+        try:
+            self.storages = self._build(kv, options)
+        except BaseException:
+            g1.close()
+            raise
         if not identity.writer:
             # the writer of this identity stores them; this worker reads its copy
             self._written_elsewhere = {t for t in self.storages.by_tier
@@ -183,21 +187,32 @@ class WorkerHalf:
 
     def _build(self, kv, options: StorageOptions) -> Storages:
         """The storages; a worker that follows another's durable G3 first waits for that
-        worker to have made it (they start together), up to :data:`WRITER_WAIT` seconds."""
-        if options.follow_durable:
-            deadline = time.monotonic() + WRITER_WAIT
-            for tier in kv.tiers:
-                if spec(tier).kind is not TierKind.DISK:
-                    continue
-                while not kind_of(tier).followed_exists(kv, tier, options):
-                    if time.monotonic() > deadline:
-                        raise TierSetupError(
-                            f"worker {self.rank} reads the {tier} that worker "
-                            f"{self.rank - self.rank % self.settings.replicas} writes, which "
-                            f"did not appear in {WRITER_WAIT:.0f} s in "
-                            f"{kv.directory_of(tier)}")
-                    time.sleep(0.05)
-        return build_storages(kv, options)
+        worker to have made it (they start together), and while that worker is still taking
+        it over (a restart), up to :data:`WRITER_WAIT` seconds in all."""
+        if not options.follow_durable:
+            return build_storages(kv, options)
+        deadline = time.monotonic() + WRITER_WAIT
+        writer = self.rank - self.rank % self.settings.replicas
+        for tier in kv.tiers:
+            if spec(tier).kind is not TierKind.DISK:
+                continue
+            while not kind_of(tier).followed_exists(kv, tier, options):
+                if time.monotonic() > deadline:
+                    raise TierSetupError(
+                        f"worker {self.rank} reads the {tier} that worker {writer} writes, "
+                        f"which did not appear in {WRITER_WAIT:.0f} s in "
+                        f"{kv.directory_of(tier)}")
+                time.sleep(0.05)
+        while True:
+            try:
+                return build_storages(kv, options)
+            except TierSetupError as exc:
+                if time.monotonic() > deadline:
+                    raise TierSetupError(f"worker {self.rank} cannot read the G3 worker "
+                                         f"{writer} writes: {exc}") from exc
+                log.info("kvstrata: worker %d waits for worker %d's G3: %s", self.rank,
+                         writer, exc)
+                time.sleep(0.5)
 
     @property
     def outstanding(self) -> int:
