@@ -62,6 +62,8 @@ FLUSH_TIMEOUT = 300.0
 """Seconds ``handle_preemptions`` / ``shutdown`` wait for copies before giving up on them."""
 WRITER_WAIT = 600.0
 """Seconds a worker that reads another's G3 waits at start for that worker to make it."""
+TAKEOVER_WAIT = 60.0
+"""Seconds such a worker retries building once that G3 exists (its writer restarting)."""
 _PERSISTENT = (TierKind.DISK, TierKind.OBJECT)
 
 
@@ -187,8 +189,9 @@ class WorkerHalf:
 
     def _build(self, kv, options: StorageOptions) -> Storages:
         """The storages; a worker that follows another's durable G3 first waits for that
-        worker to have made it (they start together), and while that worker is still taking
-        it over (a restart), up to :data:`WRITER_WAIT` seconds in all."""
+        worker to have made it (they start together: up to :data:`WRITER_WAIT` seconds),
+        then retries while that worker may still be taking it over after a restart (up to
+        :data:`TAKEOVER_WAIT` seconds, so that a lasting problem is reported soon)."""
         if not options.follow_durable:
             return build_storages(kv, options)
         deadline = time.monotonic() + WRITER_WAIT
@@ -203,6 +206,7 @@ class WorkerHalf:
                         f"which did not appear in {WRITER_WAIT:.0f} s in "
                         f"{kv.directory_of(tier)}")
                 time.sleep(0.05)
+        deadline = min(deadline, time.monotonic() + TAKEOVER_WAIT)
         while True:
             try:
                 return build_storages(kv, options)
