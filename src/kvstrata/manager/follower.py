@@ -14,16 +14,15 @@ writer rank's durable G3:
   never writes), loading into its own engine memory:
 
   - :meth:`FollowerReader.held`: how long a prefix the writer's G3 holds, as its journal
-    says now, or, for blocks it no longer holds there, its G4 (the object store every rank
-    reads by the same keys);
+    says now;
   - :meth:`FollowerReader.load`: that prefix copied into the engine's block ids, verified
     (a block the writer overwrote since is reported failed and ends the prefix: never loaded
     as the block it replaced).
 
-What the writer holds only in a G2 of kvstrata's own is a miss here, and an engine that takes
-the shortest hit of its ranks then loads what G3 and G4 hold. Until the writer's G3 exists
-(the writer starts later, or restarts), everything is a miss. Both ranks must name the
-blocks alike: the same config and the writer's rank.
+Only the writer's G3 is read. What the writer holds only in a G2 of kvstrata's own or in a
+G4 is a miss here, and an engine that takes the shortest hit of its ranks then loads what G3
+holds. Until the writer's G3 exists (the writer starts later, or restarts), everything is a
+miss. Both ranks must name the blocks alike: the same config and the writer's rank.
 """
 
 from __future__ import annotations
@@ -38,13 +37,12 @@ from ..config import KvConfig
 from ..kinds import StorageOptions, build_storages, kind_of
 from ..kinds.base import TierSetupError
 from ..physical import DiskStorage, TransferEngine
-from ..physical.errors import BlockFailure, PhysicalError
-from ..placement.keys import block_key
+from ..physical.errors import BlockFailure
 from ..protocol.plans import Endpoint, TransferPlan
 from ..tiers import TOP_TIER, TierKind, ordered, spec
-from ..types import BlockRecord
+from .block_manager import _hashes
 from .engine_owned import checked_engine_ids
-from .errors import InvalidBlockError, ManagerClosedError, ManagerConfigError
+from .errors import ManagerClosedError, ManagerConfigError
 
 __all__ = ["FollowerReader", "FollowedLoad"]
 
@@ -72,9 +70,8 @@ class FollowerReader:
 
     def __init__(self, config: KvConfig, *, kv_caches, kv_layout: str = "block_page",
                  writer_rank: int = 0, world_size: int = 1, secret: bytes | None = None,
-                 o_direct: bool | None = None, object_store=None) -> None:
+                 o_direct: bool | None = None) -> None:
         disks = [t for t in ordered(config.tiers) if spec(t).kind is TierKind.DISK]
-        stores = [t for t in ordered(config.tiers) if spec(t).kind is TierKind.OBJECT]
         if not disks or config.directory_of(disks[0]) is None:
             raise ManagerConfigError(
                 "a rank that reads what another rank stores needs that rank's G3 in a "
@@ -83,22 +80,12 @@ class FollowerReader:
         self.tier = disks[0]
         self._options = StorageOptions(kv_caches=kv_caches, kv_layout=kv_layout,
                                        rank=writer_rank, world_size=world_size, secret=secret,
-                                       o_direct=o_direct, object_store=object_store)
+                                       o_direct=o_direct)
         try:
             self._top = build_storages(replace(config, tiers={TOP_TIER: config.tiers[TOP_TIER]}),
                                        self._options)
         except TierSetupError as exc:
             raise ManagerConfigError(str(exc)) from exc
-        self.store_tier = stores[0] if stores else None
-        self._objects = None
-        if self.store_tier is not None:
-            try:
-                self._objects = kind_of(self.store_tier).open(
-                    config, self.store_tier, self._options,
-                    geometry=self._top.by_tier[TOP_TIER].config)
-            except TierSetupError as exc:
-                self._top.close()
-                raise ManagerConfigError(str(exc)) from exc
         self._disk: DiskStorage | None = None
         self._engine: TransferEngine | None = None
         self._lock = threading.Lock()
@@ -108,51 +95,40 @@ class FollowerReader:
         """Why the writer's G3 is not read now ("" while it is)."""
 
     # ------------------------------------------------------------------ the verbs
-    def held(self, records: Sequence[BlockRecord]) -> int:
-        """How many blocks of the longest prefix of ``records`` (a chain, as the writer
-        stored it) the writer's G3 or G4 holds now (0 while its G3 cannot be read)."""
-        records = _checked_records(records, "held")
+    def held(self, sequence_hashes: Sequence[int]) -> int:
+        """How many blocks of the longest prefix of ``sequence_hashes`` the writer's G3
+        holds now (0 while it cannot be read)."""
+        hashes = _hashes(sequence_hashes, "held")
         with self._lock:
-            return len(self._sources(records))
+            disk = self._follow()
+            return 0 if disk is None else len(_prefix_slots(disk, hashes))
 
-    def load(self, records: Sequence[BlockRecord],
+    def load(self, sequence_hashes: Sequence[int],
              engine_block_ids: Sequence[int]) -> FollowedLoad:
-        """Copy the longest prefix of ``records`` the writer's G3 or G4 holds into the
-        engine's ``engine_block_ids`` (one per record), verified; the load ends at the first
+        """Copy the longest prefix of ``sequence_hashes`` the writer's G3 holds into the
+        engine's ``engine_block_ids`` (one per hash), verified; the load ends at the first
         block that fails. Blocks past what is returned as loaded must not be used."""
-        records = _checked_records(records, "load")
-        ids = checked_engine_ids(engine_block_ids, len(records),
+        hashes = _hashes(sequence_hashes, "load")
+        ids = checked_engine_ids(engine_block_ids, len(hashes),
                                  self.config.tier_blocks(TOP_TIER), "load")
         with self._lock:
-            sources = self._sources(records)
-            futures = []
-            start = 0
-            for tier, run in itertools.groupby(sources, key=lambda s: s[0]):
-                where = [address for _, address in run]
-                end = start + len(where)
-                by = {"src_block_ids": tuple(where)} if tier == self.tier else \
-                    {"src_keys": tuple(where)}
-                futures.append((start, self._engine.submit(TransferPlan(
-                    next(self._jobs), Endpoint(tier), Endpoint(TOP_TIER),
-                    tuple(r.sequence_hash for r in records[start:end]),
-                    dst_block_ids=tuple(ids[start:end]), **by))))
-                start = end
-            results = [(first, future.result()) for first, future in futures]
-        loaded, failures = len(sources), []
-        for first, result in results:
-            failures.extend(result.failures)
-            bad = next((i for i, ok in enumerate(result.ok) if not ok), None)
-            if bad is not None:
-                loaded = min(loaded, first + bad)
-        return FollowedLoad(loaded, tuple(failures))
+            disk = self._follow()
+            slots = [] if disk is None else _prefix_slots(disk, hashes)
+            if not slots:
+                return FollowedLoad(0)
+            count = len(slots)
+            plan = TransferPlan(next(self._jobs), Endpoint(self.tier), Endpoint(TOP_TIER),
+                                tuple(hashes[:count]), src_block_ids=tuple(slots),
+                                dst_block_ids=tuple(ids[:count]))
+            result = self._engine.submit(plan).result()
+        loaded = next((i for i, ok in enumerate(result.ok) if not ok), count)
+        return FollowedLoad(loaded, tuple(result.failures))
 
     def close(self) -> None:
-        """Let go of the writer's G3 and G4 and this rank's wrap of its memory. Idempotent."""
+        """Let go of the writer's G3 and this rank's wrap of its memory. Idempotent."""
         with self._lock:
             self._closed = True
             self._drop()
-            if self._objects is not None:
-                self._objects.close()
             self._top.close()
 
     # ------------------------------------------------------------------ helpers
@@ -178,37 +154,8 @@ class FollowerReader:
             return None
         self.waiting_for = ""
         self._disk = disk
-        storages = {TOP_TIER: self._top.by_tier[TOP_TIER], self.tier: disk}
-        if self._objects is not None:
-            storages[self.store_tier] = self._objects
-        self._engine = TransferEngine(storages)
+        self._engine = TransferEngine({TOP_TIER: self._top.by_tier[TOP_TIER], self.tier: disk})
         return disk
-
-    def _sources(self, records: list[BlockRecord]) -> list[tuple[str, int | str]]:
-        """Where each block of the longest prefix of ``records`` the writer holds is: (its
-        G3, slot) or (its G4, key). Call with the lock held."""
-        disk = self._follow()
-        if disk is None:
-            return []
-        slots = [disk.slot_of(r.sequence_hash) for r in records]
-        stored = {}
-        elsewhere = [i for i, slot in enumerate(slots) if slot is None]
-        if elsewhere and self._objects is not None:
-            keys = [block_key(records[i]) for i in elsewhere]
-            try:
-                stored = {i: key for i, key, held in zip(elsewhere, keys,
-                                                          self._objects.exists(keys)) if held}
-            except PhysicalError as exc:      # a store that does not answer: misses
-                log.warning("kvstrata: %s did not answer: %s", self.store_tier, exc)
-        sources: list[tuple[str, int | str]] = []
-        for i, slot in enumerate(slots):
-            if slot is not None:
-                sources.append((self.tier, slot))
-            elif i in stored:
-                sources.append((self.store_tier, stored[i]))
-            else:
-                break
-        return sources
 
     def _drop(self) -> None:
         if self._engine is not None:
@@ -219,9 +166,12 @@ class FollowerReader:
             self._disk = None
 
 
-def _checked_records(records: Sequence[BlockRecord], what: str) -> list[BlockRecord]:
-    records = list(records)
-    bad = next((i for i, r in enumerate(records) if not isinstance(r, BlockRecord)), None)
-    if bad is not None:
-        raise InvalidBlockError(f"{what}: records[{bad}] is not a BlockRecord")
-    return records
+def _prefix_slots(disk: DiskStorage, hashes: list[int]) -> list[int]:
+    """The slots of the longest prefix of ``hashes`` that ``disk`` holds."""
+    slots = []
+    for h in hashes:
+        slot = disk.slot_of(h)
+        if slot is None:
+            break
+        slots.append(slot)
+    return slots

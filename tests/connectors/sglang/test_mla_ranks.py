@@ -21,7 +21,6 @@ import torch
 
 pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
 
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo  # noqa: E402
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 
 from kvstrata.connectors.sglang.settings import SGLangConfigError  # noqa: E402
@@ -194,39 +193,3 @@ def test_a_page_that_fails_on_rank_1_is_no_longer_counted_there(tmp_path):
         assert follower.batch_get_v1(keys, slots([4, 5, 6, 7])) == [True, False, False, False]
         assert follower.batch_exists(keys) == 1
         assert follower.batch_get_v1(keys, slots([4, 5, 6, 7])) == [True, False, False, False]
-
-
-def test_pages_rank_0_keeps_only_in_g4_are_read_from_g4_by_rank_1(tmp_path, weed,
-                                                                    monkeypatch):
-    """Rank 0's G3 of 4 pages keeps the last 4 of 8 (write-through: G4 has all 8); rank 1
-    finds the first 4 in the shared G4 by the keys rank 0 stored them under, the rest in rank
-    0's G3, and loads all 8 byte for byte. With the store down, only what G3 holds."""
-    import uuid
-
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", weed.access_key)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", weed.secret_key)
-    tiers = {"tiers": {"G3": {"blocks": 4},
-                       "G4": {"blocks": 256, "url": f"{weed.endpoint_url}/{weed.bucket}"}},
-             "tenant": f"mla{uuid.uuid4().hex[:8]}"}
-    keys = keys_of(8)
-    writer, wpool = rank(tmp_path, 0, **tiers)
-    follower, fpool = rank(tmp_path, 1, **tiers)
-    with closing(writer), closing(follower):
-        assert writer.batch_set_v1(keys[:4], slots([0, 1, 2, 3])) == [True] * 4
-        writer.manager.wait_idle(30)
-        extra = HiCacheStorageExtraInfo(prefix_keys=keys[:4])
-        assert writer.batch_set_v1(keys[4:], slots([4, 5, 6, 7]), extra) == [True] * 4
-        writer.manager.wait_idle(30)
-        assert follower.batch_exists(keys[:4]) == 4         # from G4 only (G3 holds 4..7)
-        assert follower.batch_exists(keys) == 8
-        assert follower.batch_get_v1(keys, slots(list(range(8, 16)))) == [True] * 8
-        assert digest(fpool, list(range(8, 16))) == digest(wpool, list(range(8)))
-    # the same ranks with the store down: rank 1 finds only what rank 0's G3 holds
-    down = {**tiers, "tiers": {"G3": {"blocks": 4},
-                               "G4": {"blocks": 256, "url": "http://127.0.0.1:9/bucket"}}}
-    writer, _ = rank(tmp_path, 0, **down)
-    follower, _ = rank(tmp_path, 1, **down)
-    with closing(writer), closing(follower):
-        assert follower.batch_exists(keys) == 0
-        assert follower.batch_exists(keys[4:], extra) == 4
-        assert follower.batch_get_v1(keys[4:], slots([8, 9, 10, 11]), extra) == [True] * 4

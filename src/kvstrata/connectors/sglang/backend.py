@@ -29,9 +29,9 @@ rank only (``is_storage_writer``) and has every rank load it: kvstrata stores it
 writer rank runs kvstrata's tiers as above, under the identity of rank 0 of 1 (MLA pages do
 not depend on the number of ranks); every other rank reads the writer's durable G3 in place
 (:class:`~kvstrata.manager.follower.FollowerReader`), so MLA over several ranks needs
-``disk_dir``; pages the writer keeps only in G4 they read from G4 by the same keys. A page the
-writer holds only in a G2 of kvstrata's own is a miss for them, and SGLang loads the shortest
-hit of all ranks. Decode-context-parallel MLA (``dcp_size > 1``, one writer per shard) is refused.
+``disk_dir``. Only that G3 is read by the other ranks: a page the writer holds only in a G2
+of kvstrata's own or in a G4 is a miss for them, and SGLang loads the shortest hit of all
+ranks. Decode-context-parallel MLA (``dcp_size > 1``, one writer per shard) is refused.
 """
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ class KvStrataStorage(HiCacheStorage):
             return 0
         try:
             if self.reader is not None:
-                return self.reader.held(self._records(keys, extra_info))
+                return self.reader.held([page_hash(k) for k in keys])
             return manager.held([page_hash(k) for k in keys]).result()
         except (ManagerError, PhysicalError) as exc:
             log.warning("kvstrata: batch_exists answered 0: %s", exc)
@@ -185,7 +185,7 @@ class KvStrataStorage(HiCacheStorage):
         if not keys or manager is None:
             return [False] * len(keys)
         if self.reader is not None:       # stored by the writer rank: say what it holds
-            held = self.batch_exists(keys, extra_info)
+            held = self.batch_exists(keys)
             return [i < held for i in range(len(keys))]
         try:
             records = self._records(keys, extra_info)
@@ -202,11 +202,11 @@ class KvStrataStorage(HiCacheStorage):
         if not keys or manager is None:
             return [False] * len(keys)
         try:
-            pages = self._pages(host_indices, len(keys))
+            hashes, pages = [page_hash(k) for k in keys], self._pages(host_indices, len(keys))
             if self.reader is not None:
-                result = self.reader.load(self._records(keys, extra_info), pages)
+                result = self.reader.load(hashes, pages)
             else:
-                result = manager.load([page_hash(k) for k in keys], pages).result()
+                result = manager.load(hashes, pages).result()
         except (ManagerError, PhysicalError, ValueError) as exc:
             log.warning("kvstrata: %d page(s) not loaded: %s", len(keys), exc)
             return [False] * len(keys)
