@@ -21,10 +21,8 @@ import torch
 
 pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
 
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo  # noqa: E402
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 
-from kvstrata.connectors.sglang import page_hash  # noqa: E402
 from kvstrata.connectors.sglang.settings import SGLangConfigError  # noqa: E402
 
 from .test_backend import (PAGE, backend, flip_g3_byte, host_pool, keys_of,  # noqa: E402
@@ -195,76 +193,3 @@ def test_a_page_that_fails_on_rank_1_is_no_longer_counted_there(tmp_path):
         assert follower.batch_get_v1(keys, slots([4, 5, 6, 7])) == [True, False, False, False]
         assert follower.batch_exists(keys) == 1
         assert follower.batch_get_v1(keys, slots([4, 5, 6, 7])) == [True, False, False, False]
-
-
-def _until(condition, seconds: float = 60.0) -> bool:
-    """Wait (polling) until ``condition()`` holds, at most ``seconds``."""
-    import time
-
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
-def test_pages_rank_0_keeps_only_in_g4_are_read_from_g4_by_rank_1(tmp_path, weed,
-                                                                    monkeypatch):
-    """Rank 0's G3 of 4 pages keeps the last 4 of 8 (write-through: G4 has all 8); rank 1
-    learns rank 0's G4 namespace by listing it, finds the first 4 there whatever batch
-    they come in (with or without SGLang's prefix keys), and loads all 8 byte for byte. A
-    corrupt object fails and is no longer counted; with the store down, lookups do not wait
-    for it and only what G3 holds is found."""
-    import time
-    import uuid
-
-    from kvstrata.connectors.sglang import backend as backend_module
-    from kvstrata.physical.storage.s3client import S3Client
-
-    monkeypatch.setattr(backend_module, "STORE_LIST_INTERVAL", 0.2)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", weed.access_key)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", weed.secret_key)
-    tenant = f"mla{uuid.uuid4().hex[:8]}"
-    tiers = {"tiers": {"G3": {"blocks": 4},
-                       "G4": {"blocks": 256, "url": f"{weed.endpoint_url}/{weed.bucket}"}},
-             "tenant": tenant}
-    keys = keys_of(8)
-    writer, wpool = rank(tmp_path, 0, **tiers)
-    follower, fpool = rank(tmp_path, 1, **tiers)
-    with closing(writer), closing(follower):
-        assert writer.batch_set_v1(keys[:4], slots([0, 1, 2, 3])) == [True] * 4
-        writer.manager.wait_idle(30)
-        extra = HiCacheStorageExtraInfo(prefix_keys=keys[:4])
-        assert writer.batch_set_v1(keys[4:], slots([4, 5, 6, 7]), extra) == [True] * 4
-        writer.manager.wait_idle(30)
-        assert _until(lambda: follower.batch_exists(keys) == 8)
-        assert follower.batch_exists(keys[:4]) == 4         # from G4 only (G3 holds 4..7)
-        assert follower.batch_exists(keys[2:]) == 6         # a batch starting mid-chain
-        assert follower.batch_get_v1(keys, slots(list(range(8, 16)))) == [True] * 8
-        assert digest(fpool, list(range(8, 16))) == digest(wpool, list(range(8)))
-        # one object of the store damaged: loaded by no rank, no longer counted by rank 1
-        client = S3Client(weed.s3_config())
-        damaged = next(k for k in client.list_keys("kvstrata")
-                       if f"/{tenant}/" in k and k.rsplit("/", 1)[1].startswith(
-                           f"{page_hash(keys[1]):016x}."))
-        body = bytearray(client.get(damaged))
-        body[-7] ^= 0xFF
-        client.put(damaged, bytes(body))
-        before = digest(fpool, [1])
-        assert follower.batch_get_v1(keys, slots(list(range(8)))) == [True] + [False] * 7
-        assert digest(fpool, [1]) == before
-        assert follower.batch_exists(keys) == 1
-        time.sleep(0.6)                               # listings find the object again
-        assert follower.batch_exists(keys) == 1       # it is not counted again
-    # the same ranks with the store down: rank 1 finds only what rank 0's G3 holds, at once
-    down = {**tiers, "tiers": {"G3": {"blocks": 4},
-                               "G4": {"blocks": 256, "url": "http://127.0.0.1:9/bucket"}}}
-    writer, _ = rank(tmp_path, 0, **down)
-    follower, _ = rank(tmp_path, 1, **down)
-    with closing(writer), closing(follower):
-        started = time.monotonic()
-        assert follower.batch_exists(keys) == 0
-        assert follower.batch_exists(keys[4:], extra) == 4
-        assert time.monotonic() - started < 2.0
-        assert follower.batch_get_v1(keys[4:], slots([8, 9, 10, 11]), extra) == [True] * 4

@@ -29,10 +29,9 @@ rank only (``is_storage_writer``) and has every rank load it: kvstrata stores it
 writer rank runs kvstrata's tiers as above, under the identity of rank 0 of 1 (MLA pages do
 not depend on the number of ranks); every other rank reads the writer's durable G3 in place
 (:class:`~kvstrata.manager.follower.FollowerReader`), so MLA over several ranks needs
-``disk_dir``; pages the writer keeps only in G4 they find in their catalog of its G4
-namespace, listed every :data:`STORE_LIST_INTERVAL` seconds, and read from G4. A page the
-writer holds only in a G2 of kvstrata's own is a miss for them, and SGLang loads the
-shortest hit of all ranks. Decode-context-parallel MLA (``dcp_size > 1``, one writer per shard) is refused.
+``disk_dir``. Only that G3 is read by the other ranks: a page the writer holds only in a G2
+of kvstrata's own or in a G4 is a miss for them, and SGLang loads the shortest hit of all
+ranks. Decode-context-parallel MLA (``dcp_size > 1``, one writer per shard) is refused.
 """
 
 from __future__ import annotations
@@ -57,10 +56,6 @@ from .host_pool import HostPoolError, wrap_host_pool
 from .settings import SGLangConfigError, kv_config, settings_from
 
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
-
-STORE_LIST_INTERVAL = 10.0
-"""Seconds between two listings of the writer's G4 by a rank that does not store (MLA over
-several ranks), as a vLLM scheduler lists a shared G4."""
 
 __all__ = ["KvStrataStorage", "page_hash"]
 
@@ -125,8 +120,7 @@ class KvStrataStorage(HiCacheStorage):
             if not self.writer:
                 self.reader = FollowerReader(config, kv_caches=pool.runs,
                                              kv_layout="block_page", writer_rank=rank,
-                                             world_size=world_size,
-                                             list_interval=STORE_LIST_INTERVAL)
+                                             world_size=world_size)
             else:
                 from ...events.spec import make_publisher
 
