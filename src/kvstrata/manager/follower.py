@@ -120,7 +120,10 @@ class FollowerReader:
             plan = TransferPlan(next(self._jobs), Endpoint(self.tier), Endpoint(TOP_TIER),
                                 tuple(hashes[:count]), src_block_ids=tuple(slots),
                                 dst_block_ids=tuple(ids[:count]))
-            result = self._engine.submit(plan).result()
+            future = self._engine.submit(plan)
+        # waited for outside the lock, so that lookups do not wait for reads; closing the
+        # engine (a reopen, close()) runs the plans queued before it ends
+        result = future.result()
         loaded = next((i for i, ok in enumerate(result.ok) if not ok), count)
         return FollowedLoad(loaded, tuple(result.failures))
 

@@ -26,7 +26,9 @@ in the slab (and the index) do not pass without the key. Failures raise a
 other blocks of the batch completed.
 
 The file is deleted on :meth:`close` unless ``keep_file=True``. Nothing here holds a lock
-across I/O; concurrent calls on distinct slots are safe.
+across I/O, but for a followed slab (below), whose reads hold one so that no journal refresh
+changes what a block is checked against while it is read; concurrent calls on distinct slots
+are safe.
 
 **Durable** (:meth:`DiskStorage.durable`): the slab is ``slab`` in a home directory named by
 the blocks' compatibility fingerprint and locked for this process (:mod:`.disk_home`), with
