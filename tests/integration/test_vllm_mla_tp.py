@@ -1,11 +1,13 @@
 """An MLA model (DeepSeek-V2-style, random weights) in a real vLLM engine with two
 tensor-parallel workers, each its own process: the latent KV is the same on both, so
-kvstrata keeps one copy of it in G3 (rank 0 writes, rank 1 follows rank 0's G3 read-only).
+kvstrata keeps one copy of it in G2 and G3 (rank 0 writes them; rank 1 maps rank 0's G2 from
+shared memory and follows rank 0's G3, both read-only).
 
 Shown here with vLLM's own processes: the engine starts (rank 1 waits for, then follows, rank
-0's G3, whichever registers first), only rank 0's G3 home exists and it holds the prompts'
-blocks, the outputs are vLLM's without a connector at the same parallelism, and a restarted
-engine restores the one copy through both workers' reports. (vLLM's CPU build loads no MLA
+0's G2 and G3, whichever registers first), one G2 file exists while it runs and none after,
+only rank 0's G3 home exists and it holds the prompts' blocks, the outputs are vLLM's without
+a connector at the same parallelism, and a restarted engine restores the one copy through
+both workers' reports. (vLLM's CPU build loads no MLA
 prefix; loads into both ranks are checked in tests/connectors/vllm/test_mla_replicas.py.)
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import os
 import random
 import time
+from pathlib import Path
 
 import pytest
 
@@ -71,8 +74,20 @@ def _generate(llm, prompt: list[int]) -> list[int]:
     return list(out.outputs[0].token_ids)
 
 
-def test_two_mla_ranks_keep_one_g3_copy_in_a_real_engine(in_process_vllm, two_cpus,
-                                                         tmp_path):
+@pytest.fixture
+def shared_memory(tmp_path):
+    """A private directory in /dev/shm where there is one (else on disk: the same files)."""
+    import shutil
+
+    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else str(tmp_path)
+    directory = os.path.join(base, f"kvstrata-test-{os.getpid()}-{os.urandom(3).hex()}")
+    os.mkdir(directory, 0o700)
+    yield Path(directory)
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_two_mla_ranks_keep_one_g2_and_g3_copy_in_a_real_engine(in_process_vllm, two_cpus,
+                                                                tmp_path, shared_memory):
     from kvstrata.physical.storage.disk_index import DiskIndex
     from kvstrata.physical.tags import keys_at_rest
     from kvstrata.testing.random_model import ModelShape, make_random_model
@@ -85,17 +100,25 @@ def test_two_mla_ranks_keep_one_g3_copy_in_a_real_engine(in_process_vllm, two_cp
     shutdown_engine(llm)
 
     g3 = tmp_path / "g3"
+    shm = shared_memory / "g2"
+    shm.mkdir(mode=0o700)
     config = {"kv_connector": "KvStrataConnector",
               "kv_connector_module_path": "kvstrata.connectors.vllm", "kv_role": "kv_both",
               "kv_connector_extra_config": {"tiers": {"G2": {"blocks": 64},
                                                       "G3": {"blocks": 512, "path": str(g3)}},
-                                            "cost_aware": False}}
+                                            "cost_aware": False,
+                                            "shared_memory_dir": str(shm)}}
     llm = _engine(path, config)
     try:
         assert _half(llm).settings.replicas == 2
+        assert _half(llm).settings.shared_host_dir == str(shm)
         assert [_generate(llm, p) for p in PROMPTS] == reference
+        (g2,) = os.listdir(shm)                 # one G2 for both ranks
+        assert g2.startswith("kvstrata-g2-") and g2.endswith("-r0")
+        assert os.stat(shm / g2).st_mode & 0o777 == 0o600
     finally:
         shutdown_engine(llm)
+    assert os.listdir(shm) == []                # removed with rank 0
     homes = sorted(os.listdir(g3))
     assert len(homes) == 1 and homes[0].startswith("kvstrata-g3-r0-"), homes
     stride = os.path.getsize(g3 / homes[0] / "slab") // 512

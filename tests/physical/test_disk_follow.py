@@ -370,9 +370,10 @@ def test_the_kind_says_when_a_writers_g3_can_be_followed(tmp_path):
                       tiers={"G1": TierConfig(blocks=4), "G2": TierConfig(blocks=4),
                              "G3": TierConfig(blocks=4)}, disk_dir=str(tmp_path))
     kind = kind_of("G3")
-    options = StorageOptions()
+    options = StorageOptions(follow_durable=True)
     assert not kind.followed_exists(config, "G3", options)
-    built = build_storages(config, options)
+    assert kind.followed_exists(config, "G3", StorageOptions())     # not followed: nothing to wait for
+    built = build_storages(config, StorageOptions())
     home = built.by_tier["G3"].path.parent
     assert kind.followed_exists(config, "G3", options)
     assert not kind.followed_exists(config, "G3", with_(options, rank=1, world_size=2))

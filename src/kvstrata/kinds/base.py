@@ -23,6 +23,7 @@ from ..tiers import TierKind
 from ..types import BlockRecord
 
 if TYPE_CHECKING:
+    from ..physical.storage.host_shared import SharedHost
     from ..physical.storage.s3client import S3Config
 
 __all__ = ["Kind", "StorageOptions", "Storages", "TierSetupError", "RecoveredRow",
@@ -85,6 +86,11 @@ class StorageOptions:
     (a rank holding the same bytes as the writer: an MLA model's replicated latent) instead
     of keeping one: it is followed read-only (:meth:`DiskStorage.follow`), and it must exist
     already (built by the writer)."""
+
+    shared_host: "SharedHost | None" = None
+    """Keep the host tier once for the processes holding the same bytes (an MLA model's
+    replicated latent), in shared memory: this process writes it or reads the writer's
+    (:mod:`kvstrata.physical.storage.host_shared`). None: a host tier of its own."""
 
     def compatibility(self, config: KvConfig, rank: int | None = None) -> Compatibility:
         """What makes stored blocks usable here, for ``rank`` (default :attr:`rank`)."""
@@ -163,6 +169,11 @@ class Kind(ABC):
         """What :meth:`build` recovers (or recovered) for ``rank``, read without touching
         the storage; None when it cannot be read from here (none kept here)."""
         return []
+
+    def followed_exists(self, config: KvConfig, tier: str, options: StorageOptions) -> bool:
+        """Whether what :meth:`build` with these ``options`` reads from another process
+        (which writes it) has been made; true where it reads nothing of another's."""
+        return True
 
     def open_shared(self, config: KvConfig, tier: str, options: StorageOptions,
                     rank: int) -> Storage:

@@ -22,15 +22,15 @@ __all__ = ["Storages", "check_tiers", "build_storages", "peek_recovered"]
 
 
 def check_tiers(config: KvConfig, options: StorageOptions, ranks: int = 1,
-                disk_copies: int | None = None) -> list[str]:
+                copies: Mapping[TierKind, int] | None = None) -> list[str]:
     """Every reason the tiers of ``config`` cannot be built on this machine by ``ranks``
     ranks (from ``options.rank`` on; each holds its share of every block), found without
     allocating anything: a kind of tier with no module, a fastest tier that is not device
     memory, a tier whose blocks move through host RAM without a host tier (or KV tensors
     wrapped as the device tier that are themselves in host RAM, as SGLang's host pool is), a
     tier of no block, and what each kind finds (:meth:`~kvstrata.kinds.base.Kind.problems`).
-    ``disk_copies``: how many disk tiers those ranks keep, where ranks holding the same bytes
-    share one (None: one per rank)."""
+    ``copies``: per kind of tier, how many of it those ranks keep, where ranks holding the
+    same bytes share one (a kind not named: one per rank)."""
     tiers = ordered(config.tiers)
     missing = [t for t in tiers if kind_of(t) is None]
     if missing:
@@ -51,9 +51,8 @@ def check_tiers(config: KvConfig, options: StorageOptions, ranks: int = 1,
         if config.tier_blocks(tier) < 1:
             problems.append(f"tier {tier} holds no block of {config.bytes_per_block} bytes")
             continue
-        copies = disk_copies if disk_copies is not None and kind.kind is TierKind.DISK \
-            else ranks
-        problems.extend(kind.problems(config, tier, options, copies))
+        problems.extend(kind.problems(config, tier, options,
+                                      (copies or {}).get(kind.kind, ranks)))
     return problems
 
 

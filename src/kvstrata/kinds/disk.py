@@ -130,7 +130,9 @@ class DiskKind(Kind):
     def followed_exists(self, config: KvConfig, tier: str, options: StorageOptions) -> bool:
         """Whether the durable ``tier`` that :meth:`open_followed` would open has been made
         (by the process that writes it): its slab, sized, and its journal, which the writer
-        makes after sizing the slab."""
+        makes after sizing the slab. True where ``options`` do not follow it."""
+        if not options.follow_durable:
+            return True
         directory = config.directory_of(tier)
         if directory is None or not options.durable_disk:
             return False

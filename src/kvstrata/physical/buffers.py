@@ -45,22 +45,28 @@ def cuda_mapped(address: int, nbytes: int) -> bool:
     return False
 
 
-def _cuda_register(address: int, size: int) -> None:
+CUDA_HOST_REGISTER_READ_ONLY = 8
+"""``cudaHostRegisterReadOnly``: the device only reads the range (needed for memory mapped
+without write permission)."""
+
+
+def _cuda_register(address: int, size: int, flags: int = 0) -> None:
     # flags 0 = cudaHostRegisterDefault: with unified addressing (every 64-bit Linux CUDA
     # platform) the range is mapped for the device at the same address, and portable.
-    code = int(torch.cuda.cudart().cudaHostRegister(address, size, 0))
+    code = int(torch.cuda.cudart().cudaHostRegister(address, size, flags))
     if code != 0:
         raise CudaRegistrationError(f"cudaHostRegister of {size} bytes failed with CUDA "
                                     f"error {code}")
     _registered[address] = size
 
 
-def pinned_if_possible(size: int) -> AlignedBuffer:
+def pinned_if_possible(size: int, **mapped) -> AlignedBuffer:
     """An :class:`AlignedBuffer` registered with CUDA, or, where the driver refuses (a
     locked-memory limit, say), an unregistered one with a warning: copies then go through
-    a staging engine, slower but right."""
+    a staging engine, slower but right. ``mapped``: :class:`AlignedBuffer`'s ``mapping``,
+    ``offset`` and ``read_only``."""
     try:
-        return AlignedBuffer(size, pin=True)
+        return AlignedBuffer(size, pin=True, **mapped)
     except CudaRegistrationError as exc:
         import warnings
         if torch.cuda.is_available():
@@ -69,7 +75,7 @@ def pinned_if_possible(size: int) -> AlignedBuffer:
                 clear()
         warnings.warn(f"{exc}; host memory left unpinned (GPU copies will be staged)",
                       RuntimeWarning, stacklevel=2)
-        return AlignedBuffer(size)
+        return AlignedBuffer(size, **mapped)
 
 
 def _cuda_unregister(address: int) -> None:
@@ -79,30 +85,48 @@ def _cuda_unregister(address: int) -> None:
 
 class AlignedBuffer:
     """``size`` bytes of page-aligned, pre-touched anonymous memory; ``pin``: also
-    page-locked and mapped for CUDA (requires CUDA; see the module docstring)."""
+    page-locked and mapped for CUDA (requires CUDA; see the module docstring).
 
-    def __init__(self, size: int, *, huge_pages: bool = True, pin: bool = False) -> None:
+    ``mapping``: the bytes are instead ``size`` bytes of that memory map (a shared file's,
+    say) from ``offset`` (a multiple of :data:`PAGE_SIZE`); ``read_only``: the map was made
+    without write permission (pages are pre-touched by reading, and pinned read-only)."""
+
+    def __init__(self, size: int, *, huge_pages: bool = True, pin: bool = False,
+                 mapping: mmap.mmap | None = None, offset: int = 0,
+                 read_only: bool = False) -> None:
         if size < 1:
             raise ValueError(f"buffer size must be positive, got {size}")
+        if offset % PAGE_SIZE:
+            raise ValueError(f"buffer offset {offset} is not a multiple of {PAGE_SIZE}")
         self.size = size
-        self._mmap = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.huge_pages = False
-        if huge_pages and size >= HUGE_PAGE_SIZE and hasattr(mmap, "MADV_HUGEPAGE"):
-            try:   # transparent huge pages: far fewer TLB misses on random block access
-                self._mmap.madvise(mmap.MADV_HUGEPAGE)
-                self.huge_pages = True
-            except OSError:
-                pass
-        self.array: np.ndarray = np.frombuffer(self._mmap, dtype=np.uint8)
-        self.array[::PAGE_SIZE] = 0   # pre-touch every page: no faults on the data path
+        if mapping is None:
+            self._mmap = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            if huge_pages and size >= HUGE_PAGE_SIZE and hasattr(mmap, "MADV_HUGEPAGE"):
+                try:   # transparent huge pages: far fewer TLB misses on random block access
+                    self._mmap.madvise(mmap.MADV_HUGEPAGE)
+                    self.huge_pages = True
+                except OSError:
+                    pass
+        else:
+            self._mmap = mapping
+        self.array: np.ndarray = np.frombuffer(self._mmap, dtype=np.uint8, count=size,
+                                               offset=offset)
+        # pre-touch every page: no faults on the data path
+        if read_only:
+            int(self.array[::PAGE_SIZE].max())
+        else:
+            self.array[::PAGE_SIZE] = 0 if mapping is None else self.array[::PAGE_SIZE]
         with _quiet():
-            self.tensor: torch.Tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
+            self.tensor: torch.Tensor = torch.frombuffer(self._mmap, dtype=torch.uint8,
+                                                         count=size, offset=offset)
         self.pinned = False
         self._unpin = None
         if pin:
             if not torch.cuda.is_available():
                 raise CudaRegistrationError("pinning a buffer needs CUDA")
-            _cuda_register(self.address, size)
+            _cuda_register(self.address, size,
+                           CUDA_HOST_REGISTER_READ_ONLY if read_only else 0)
             self.pinned = True
             # unregistered before the mapping goes, whoever drops the buffer last
             self._unpin = weakref.finalize(self, _cuda_unregister, self.address)

@@ -29,7 +29,8 @@ import xxhash
 from .errors import BlockFailure, FailureKind
 
 __all__ = ["block_checksum", "ChecksumTable", "native_range_checksums", "BATCH_VERIFIER",
-           "memory_checksums", "device_checksum", "memory_device_checksums"]
+           "memory_checksums", "device_checksum", "memory_device_checksums", "fmix64",
+           "GOLDEN_GAMMA"]
 
 
 def block_checksum(data) -> int:
@@ -112,6 +113,8 @@ def native_range_checksums(addresses: np.ndarray, lengths: np.ndarray,
 
 _PHI, _M1, _M2 = (np.uint64(v) for v in (0x9E3779B97F4A7C15, 0xFF51AFD7ED558CCD,
                                           0xC4CEB9FE1A85EC53))
+GOLDEN_GAMMA = _PHI
+"""2**64 / the golden ratio, odd: multiplying distinct small integers by it spreads them."""
 _S33 = np.uint64(33)
 
 
@@ -123,13 +126,18 @@ def device_checksum(payload) -> int:
     (:mod:`._triton_copy`); this is the same function on the host, in numpy, for checks
     and tests. Not a cryptographic hash: it detects corruption, not forgery."""
     words = np.frombuffer(payload, dtype="<u8")
-    k = words ^ (np.arange(1, words.size + 1, dtype=np.uint64) * _PHI)
-    k ^= k >> _S33
+    return int(fmix64(words ^ (np.arange(1, words.size + 1, dtype=np.uint64) * _PHI))
+               .sum(dtype=np.uint64))
+
+
+def fmix64(k: np.ndarray) -> np.ndarray:
+    """murmur3's 64-bit finalizer of each ``uint64`` of ``k`` (a new array)."""
+    k = k ^ (k >> _S33)
     k *= _M1
     k ^= k >> _S33
     k *= _M2
     k ^= k >> _S33
-    return int(k.sum(dtype=np.uint64))
+    return k
 
 
 def _load_device_sums():
@@ -231,7 +239,11 @@ def memory_checksums(addresses: Sequence[int] | np.ndarray, length: int, *,
 
 
 class ChecksumTable:
-    """Per-slot (valid, checksum, sequence hash) records for ``num_blocks`` slots."""
+    """Per-slot (valid, checksum, sequence hash) records for ``num_blocks`` slots.
+
+    Every change to records ends with :meth:`_changed` on their slots, which a table
+    published to other processes overrides
+    (:class:`~kvstrata.physical.storage.host_shared.PublishedChecksumTable`)."""
 
     def __init__(self, num_blocks: int) -> None:
         self._valid = np.zeros(num_blocks, dtype=bool)
@@ -255,7 +267,17 @@ class ChecksumTable:
 
     def invalidate(self, slots: Sequence[int]) -> None:
         """Mark slots empty (call before writing new bytes into them)."""
-        self._valid[np.asarray(slots, dtype=np.int64)] = False
+        idx = np.asarray(slots, dtype=np.int64)
+        self._valid[idx] = False
+        self._changed(idx)
+
+    def _changed(self, idx: np.ndarray) -> None:
+        """The records of slots ``idx`` (``int64``) just changed (nothing to do here)."""
+
+    def sealed(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per slot of ``idx``: whether it is valid with its checksum known, its sequence
+        hash and its checksum (the last two meaningful where the first is true)."""
+        return self._valid[idx] & self._known[idx], self._seq[idx], self._checksum[idx]
 
     def record(self, slot: int, checksum: int | None, sequence_hash: int) -> None:
         """Mark ``slot`` valid, holding ``sequence_hash`` with payload hash ``checksum``
@@ -265,6 +287,7 @@ class ChecksumTable:
         self._device_known[slot] = False
         self._seq[slot] = sequence_hash
         self._valid[slot] = True
+        self._changed(np.array([slot], dtype=np.int64))
 
     def record_many(self, slots: Sequence[int], checksums: Sequence[int | None] | None,
                     sequence_hashes: Sequence[int], device_sums: np.ndarray | None = None) -> None:
@@ -287,16 +310,20 @@ class ChecksumTable:
             self._known[idx] = True
         self._seq[idx] = np.asarray(sequence_hashes, dtype=np.uint64)
         self._valid[idx] = True
+        self._changed(idx)
 
     def fill(self, slots: Sequence[int], checksums: Sequence[int | None],
              sequence_hashes: Sequence[int]) -> None:
         """Record late-computed checksums for slots that are still valid, still hold
         ``sequence_hashes`` and have none yet (others are left alone)."""
+        filled = []
         for slot, value, seq in zip(slots, checksums, sequence_hashes):
             if (value is not None and self._valid[slot] and not self._known[slot]
                     and int(self._seq[slot]) == seq):
                 self._checksum[slot] = value
                 self._known[slot] = True
+                filled.append(slot)
+        self._changed(np.asarray(filled, dtype=np.int64))
 
     def device_sums_of(self, slots: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """``(sums, known)``: the device checksums recorded for ``slots`` and where one is

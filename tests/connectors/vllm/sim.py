@@ -14,6 +14,7 @@ ranks, failed loads) and runs in milliseconds.
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from kvstrata.connectors.vllm.metadata import WorkerReport
 from kvstrata.connectors.vllm.scheduler import SchedulerHalf
 from kvstrata.connectors.vllm.settings import KvGeometry, settings_from
 from kvstrata.connectors.vllm.worker import WorkerHalf
+from kvstrata.physical.leftovers import owner_tag
 
 LAYERS, HEADS, HEAD_DIM = 2, 2, 8
 
@@ -90,6 +92,9 @@ class _ConnectorOutput:
     failed_recving: set[str] = field(default_factory=set)
 
 
+_SERVERS = itertools.count()
+
+
 class SimEngine:
     """See the module docstring."""
 
@@ -121,8 +126,10 @@ class SimEngine:
         self.settings = settings_from(config, geometry, env={
             k: v for k, v in os.environ.items() if k.startswith("KVSTRATA_SHARING_")})
         self.scheduler = SchedulerHalf(self.settings, world_size=ranks)
+        # the engine's name on this host (vLLM's: its engine core's owner tag and instance)
+        server = f"{owner_tag()}-sim{next(_SERVERS)}"
         self.workers = [WorkerHalf(self.settings, rank=r, copy_engine=copy_engine,
-                                   world_size=ranks)
+                                   world_size=ranks, server=server)
                         for r in range(ranks)]
         self.kv = [[torch.zeros(g1_blocks, *page, dtype=torch.bfloat16)
                     for _ in range(LAYERS)] for _ in range(ranks)]

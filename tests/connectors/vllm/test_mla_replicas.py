@@ -1,9 +1,10 @@
 """An MLA model over several tensor-parallel ranks (vLLM's latent ``[blocks, 1, block_size,
-latent]`` is the same on every rank): its persistent tiers keep one copy. Rank 0 writes G3,
-rank 1 reads rank 0's G3 in place (followed read-only) and writes none; each rank keeps its
-own G2. Loads come back byte for byte into both ranks from G2 and from G3, after a restart
-too; a corrupt block in the one copy is recomputed on both ranks; the disk check counts one
-copy. (vLLM's CPU build does not load MLA prefixes, so this runs in the simulator.)"""
+latent]`` is the same on every rank): its tiers keep one copy. Rank 0 writes G2 (in shared
+memory) and G3; rank 1 reads rank 0's G2 and G3 in place (read-only) and writes none. Loads
+come back byte for byte into both ranks from G2 and from G3, after a restart too; a corrupt
+block in the one copy is recomputed on both ranks; the disk check counts one copy; each rank
+keeps its own G2 where asked, or where shared memory is too small. (vLLM's CPU build does
+not load MLA prefixes, so this runs in the simulator.)"""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from kvstrata.connectors.vllm.settings import (ConnectorConfigError, KvGeometry,
                                                settings_from, stored_as)
 from kvstrata.kinds.base import TierSetupError  # noqa: E402
 from kvstrata.physical.capacity import free_disk_bytes  # noqa: E402
+from kvstrata.physical.storage.host_shared import (FollowedHostStorage,  # noqa: E402
+                                                   PublishedHostStorage)
 
 from .sim import LAYERS, SimEngine, assert_idle  # noqa: E402
 from .test_groups import BS, hashes_of  # noqa: E402
@@ -39,7 +42,8 @@ def sims():
 
 
 def mla_sim(sims, directory, ranks=2, **kw) -> SimEngine:
-    sim = SimEngine(directory, block_size=BS, g2_blocks=8, mla=True, ranks=ranks, **kw)
+    kw.setdefault("g2_blocks", 8)
+    sim = SimEngine(directory, block_size=BS, mla=True, ranks=ranks, **kw)
     sims.append(sim)
     return sim
 
@@ -97,8 +101,9 @@ def test_g3_keeps_one_copy_that_loads_into_both_ranks(sims, tmp_path):
     assert reader.path == writer.path             # the same file, read in place
 
 
-def test_each_rank_loads_its_own_g2_copy(sims, tmp_path):
+def test_both_ranks_load_from_one_g2_copy_in_shared_memory(sims, tmp_path):
     sim = mla_sim(sims, tmp_path / "mla")
+    assert sim.settings.shared_host_dir == "/dev/shm"
     first = prompt(11, 5 * BS + 1)
     sim.add("a", first)
     sim.run()
@@ -106,9 +111,60 @@ def test_each_rank_loads_its_own_g2_copy(sims, tmp_path):
     assert request.loaded == 5
     assert sim.scheduler.counters.blocks_loaded.get("G2", 0) == 5
     assert_both_ranks_hold(sim, request, first, 5)
-    g2 = [w.storages.by_tier["G2"] for w in sim.workers]
-    assert g2[0] is not g2[1] and all(len(s.checksums) == 8 for s in g2)
+    writer, reader = (w.storages.by_tier["G2"] for w in sim.workers)
+    assert isinstance(writer, PublishedHostStorage) and isinstance(reader, FollowedHostStorage)
+    assert reader.file.path == writer.file.path and writer.file.path.exists()
+    assert reader.checksums.valid_mask().sum() == 0       # rank 1 sealed nothing itself
     sim.run()
+    assert_idle(sim)
+    for worker in sim.workers:
+        worker.shutdown()
+    sims.remove(sim)
+    assert not writer.file.path.exists()                  # removed with the writer
+
+
+def test_a_corrupt_block_in_the_shared_g2_is_recomputed_on_both_ranks(sims, tmp_path):
+    sim = mla_sim(sims, tmp_path / "mla", g3_blocks=None)
+    first = prompt(16, 5 * BS + 1)
+    sim.add("a", first)
+    sim.run()
+    g2 = sim.workers[0].storages.by_tier["G2"]
+    slot = sim.scheduler.planner.pools["G2"].lookup(hashes_of(sim, first)[1]).block_id
+    g2.payload(slot)[7] ^= 0x40                     # one bit flipped in the one copy
+    request = returning(sim, first, "b")
+    assert sim.invalid_seen                          # reported, recomputed from there
+    assert request.num_computed_tokens <= BS
+    sim.step()
+    assert_both_ranks_hold(sim, request, first, 5)
+    sim.run()
+
+
+def test_each_rank_keeps_its_own_g2_where_asked_or_where_shared_memory_is_too_small(
+        sims, tmp_path, monkeypatch):
+    own = mla_sim(sims, tmp_path / "own", extra={"share_host_tier": False})
+    assert own.settings.replicas == 2 and own.settings.shared_host_dir is None
+    first = prompt(17, 4 * BS + 1)
+    own.add("a", first)
+    own.run()
+    request = returning(own, first, "b")
+    assert request.loaded == 4
+    assert_both_ranks_hold(own, request, first, 4)
+    g2 = [w.storages.by_tier["G2"] for w in own.workers]
+    assert not any(isinstance(s, (PublishedHostStorage, FollowedHostStorage)) for s in g2)
+    own.run()
+    import collections
+    import types
+
+    from kvstrata.kinds import host as host_kind
+    small = collections.namedtuple("usage", "total used free")(1 << 20, 0, 1 << 20)
+    monkeypatch.setattr(host_kind, "shutil",                         # a 1 MiB /dev/shm
+                        types.SimpleNamespace(disk_usage=lambda path: small))
+    auto = mla_sim(sims, tmp_path / "auto", g2_blocks=512)
+    assert auto.settings.shared_host_dir is None
+    with pytest.raises(ConnectorConfigError, match="share_host_tier.*shared memory"):
+        mla_sim(sims, tmp_path / "must", g2_blocks=512, extra={"share_host_tier": True})
+    with pytest.raises(ConnectorConfigError, match="shared_memory_dir"):
+        mla_sim(sims, tmp_path / "bad", extra={"shared_memory_dir": "relative/dir"})
 
 
 def test_a_restart_recovers_the_one_copy_into_both_ranks(sims, tmp_path):

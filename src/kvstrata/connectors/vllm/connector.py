@@ -92,7 +92,8 @@ class KvStrataConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             from .worker import WorkerHalf
 
-            self.worker = WorkerHalf(settings, _worker_rank(), world_size=world_size)
+            self.worker = WorkerHalf(settings, _worker_rank(), world_size=world_size,
+                                     server=_server_name(vllm_config))
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -283,6 +284,14 @@ def _replicating_ranks(parallel_config: Any) -> int:
     except (AttributeError, TypeError, ValueError):
         return 1
     return tp if local % tp == 0 else 1
+
+
+def _server_name(vllm_config: "VllmConfig") -> str:
+    """A name for this engine unique among the host's live engines: the owner tag of its
+    engine core (the parent of vLLM's worker processes) and vLLM's instance id."""
+    from ...physical.leftovers import owner_tag
+
+    return f"{owner_tag(os.getppid())}-{getattr(vllm_config, 'instance_id', '') or 'engine'}"
 
 
 def _worker_rank() -> int:

@@ -51,6 +51,10 @@ key                    meaning                                     default
                        them
 ``peer_read_timeout``  seconds a remote load may take before its   5
                        blocks are recomputed instead
+``share_host_tier``    an MLA model over tensor-parallel workers:  ``"auto"``: where the
+                       one G2 per group, in shared memory          shared memory holds it
+                       (``true``, ``false`` or ``"auto"``)
+``shared_memory_dir``  where such a G2 lives                       ``/dev/shm``
 ``config``             a kvstrata TOML file                        ``$KVSTRATA_CONFIG``
 =====================  =========================================  ==========================
 
@@ -61,17 +65,21 @@ every problem, before anything is allocated.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 from ...config import ConfigError, KvConfig, ModelGeometry, TierConfig, load_config
 from ...kinds import StorageOptions, check_tiers
+from ...kinds.host import shared_host_problem
 from ...remote.control import can_listen_on, parse_control
 from ...tiers import TIER_NAMES, TOP_TIER, TierKind, first_of_kind, spec
 from .. import engine_config
 from ..engine_config import ENGINE_KEYS, checked, is_int, is_number
 from .groups import MAMBA, MLA, KvGroups, group_of_spec
+
+log = logging.getLogger(__name__)
 
 __all__ = ["ConnectorConfigError", "ConnectorSettings", "KvGeometry", "DEFAULT_TIERS",
            "StoredAs", "settings_from", "stored_as"]
@@ -82,7 +90,8 @@ DEFAULT_TIERS: dict[str, TierConfig] = {first_of_kind(TierKind.HOST): TierConfig
 
 _KNOWN = ENGINE_KEYS | {"verify_host_reads", "o_direct", "load", "store", "fail_on_load_error",
                        "list_interval", "cost_aware", "export", "peers", "store_nice",
-                       "yield_to_forward", "peer_ask_timeout", "peer_read_timeout"}
+                       "yield_to_forward", "peer_ask_timeout", "peer_read_timeout",
+                       "share_host_tier", "shared_memory_dir"}
 
 
 MAX_PEER_READ_TIMEOUT = 240
@@ -226,6 +235,10 @@ class ConnectorSettings:
     which of them a load needs."""
     replicas: int = 1
     """:attr:`KvGeometry.replicas`."""
+    shared_host_dir: str | None = None
+    """Where the workers of a group of :attr:`replicas` keep one G2 for the group, in
+    shared memory (its first worker writes it, the others read it in place); None: each
+    worker keeps its own."""
 
     def tier_blocks(self, tier: str) -> int:
         return self.kv.tier_blocks(tier)
@@ -253,8 +266,8 @@ def stored_as(rank: int, world_size: int, replicas: int = 1) -> StoredAs:
     every block, except where ``replicas`` consecutive workers hold the same bytes (an MLA
     model over tensor-parallel ranks, whose groups are consecutive ranks in vLLM): those are
     stored once, under the identity of the group (rank ``rank // replicas`` of ``world_size
-    // replicas``), by its first worker; the others read that copy. G2 (host RAM) stays each
-    worker's own."""
+    // replicas``), by its first worker; the others read that copy (and its G2, where
+    :attr:`ConnectorSettings.shared_host_dir` keeps one for the group)."""
     if replicas <= 1:
         return StoredAs(rank, world_size, True)
     return StoredAs(rank // replicas, max(1, world_size // replicas), rank % replicas == 0)
@@ -290,9 +303,31 @@ def settings_from(extra: Mapping[str, Any] | None, geometry: KvGeometry,
     disk = first_of_kind(TierKind.DISK)
     if replicas > 1 and disk in kv.tiers and kv.directory_of(disk) is None:
         replicas = 1    # a temporary G3 cannot be found by the other ranks: one copy each
-    _check_runnable(kv, geometry.workers, block_layout, replicas)
+    share, directory = switches.pop("share_host_tier"), switches.pop("shared_memory_dir")
+    shared_host_dir = _shared_host_dir(kv, share, directory, replicas, geometry.workers)
+    _check_runnable(kv, geometry.workers, block_layout, replicas, shared_host_dir)
     return ConnectorSettings(kv=kv, block_layout=block_layout, groups=geometry.groups,
-                             replicas=replicas, **switches)
+                             replicas=replicas, shared_host_dir=shared_host_dir, **switches)
+
+
+def _shared_host_dir(kv: KvConfig, share: bool | None, directory: str, replicas: int,
+                     workers: int) -> str | None:
+    """Where a group of ``replicas`` workers keeps one G2 (None: each its own):
+    ``share_host_tier`` true, or "auto" (None here) where the shared-memory directory can
+    hold the G2 of every group (:func:`~kvstrata.kinds.host.shared_host_problem`, which
+    every process of the server answers alike); never for one worker per group."""
+    host = first_of_kind(TierKind.HOST)
+    if replicas <= 1 or share is False or host not in kv.tiers:
+        return None
+    problem = shared_host_problem(kv, host, directory, max(1, workers // replicas))
+    if problem is None:
+        return directory
+    if share:
+        raise ConnectorConfigError(f"kvstrata connector: share_host_tier: {problem}; give it "
+                                   f"more (docker run --shm-size), or set share_host_tier "
+                                   f"to false")
+    log.info("kvstrata: each worker keeps its own %s (%s)", host, problem)
+    return None
 
 
 def _switches(extra: Mapping[str, Any], geometry: KvGeometry,
@@ -322,6 +357,13 @@ def _switches(extra: Mapping[str, Any], geometry: KvGeometry,
                     lambda v: isinstance(v, bool) or (isinstance(v, str) and v == "auto"),
                     'true, false or "auto"', problems)
     out["yield_to_forward"] = None if pace == "auto" else pace
+    share = checked(extra, "share_host_tier", "auto",
+                    lambda v: isinstance(v, bool) or (isinstance(v, str) and v == "auto"),
+                    'true, false or "auto"', problems)
+    out["share_host_tier"] = None if share == "auto" else share
+    out["shared_memory_dir"] = checked(extra, "shared_memory_dir", "/dev/shm",
+                                        lambda v: isinstance(v, str) and os.path.isabs(v),
+                                        "an absolute path", problems)
     out["events"] = engine_config.events(extra, problems)
     out["export"] = checked(extra, "export", None,
                              lambda v: v is None or _control_address(v, local=True),
@@ -406,17 +448,21 @@ def _control_address(value: Any, local: bool = False) -> bool:
 
 
 def _check_runnable(kv: KvConfig, workers: int = 1, block_layout: str = "vllm",
-                    replicas: int = 1) -> None:
+                    replicas: int = 1, shared_host_dir: str | None = None) -> None:
     """Refuse, before anything is allocated, what the workers could not build: the tiers'
     own checks (:func:`kvstrata.kinds.check_tiers`: a kind with no backend, a disk or object
     tier without the host tier its blocks move through, a tier of no block, host tiers over
     this machine's memory, disk tiers over their filesystem's free space), for every worker
     of this engine on this machine (tier sizes are per worker: each tensor-parallel rank
-    holds its own heads' share of a block; replicated blocks are kept once on disk)."""
+    holds its own heads' share of a block; replicated blocks are kept once on disk, and
+    in host RAM where ``shared_host_dir`` keeps them)."""
     first = stored_as(0, workers, replicas)
     options = StorageOptions(world_size=first.world_size, block_layout=block_layout,
                              engine_kv=True)
-    problems = check_tiers(kv, options, ranks=workers, disk_copies=first.world_size)
+    copies = {TierKind.DISK: first.world_size}
+    if shared_host_dir is not None:
+        copies[TierKind.HOST] = first.world_size
+    problems = check_tiers(kv, options, ranks=workers, copies=copies)
     if problems:
         raise ConnectorConfigError("kvstrata connector: " + "; ".join(problems))
 

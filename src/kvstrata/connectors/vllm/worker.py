@@ -20,10 +20,13 @@ and runs the plans the scheduler half ships each step (:class:`StepOrders`):
   in the step's :class:`WorkerReport`.
 
 An MLA model over tensor-parallel ranks holds the same latent on every rank of a group
-(:attr:`~.settings.KvGeometry.replicas`): its first rank writes G3/G4 for the group; the
+(:attr:`~.settings.KvGeometry.replicas`): its first rank writes G2/G3/G4 for the group; the
 others build their G3 as the first rank's, followed read-only
-(:attr:`~kvstrata.kinds.StorageOptions.follow_durable`), report plans into G3/G4 done
-without running them, and load from that one copy (G2 stays each rank's own).
+(:attr:`~kvstrata.kinds.StorageOptions.follow_durable`), and their G2 as the first rank's,
+mapped read-only from shared memory (:attr:`~kvstrata.kinds.StorageOptions.shared_host`,
+where :attr:`~.settings.ConnectorSettings.shared_host_dir` says so; else a G2 of their
+own), report plans into those tiers done without running them, and load from that one
+copy.
 
 On a GPU build the only difference is the copy engine (the device copy kernel between the KV
 tensors and G2 registered with CUDA, on its own CUDA streams): this module is the same. Without a GPU the G1 "device" is vLLM's CPU KV
@@ -33,6 +36,7 @@ cache, which is what vLLM's CPU build runs on.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import time
 from dataclasses import replace
@@ -45,6 +49,8 @@ from ...kinds.base import TierSetupError
 from ...physical import DeviceStorage, TransferEngine
 from ...physical.copy import CopyEngine
 from ...physical.errors import LayoutError
+from ...physical.leftovers import owner_tag
+from ...physical.storage.host_shared import SharedHost
 from ...physical.pacing import ForwardPacer
 from ...placement import EngineExecutor
 from ...protocol.plans import TransferPlan
@@ -112,10 +118,14 @@ class WorkerHalf:
     memmove engine otherwise)."""
 
     def __init__(self, settings: ConnectorSettings, rank: int = 0,
-                 copy_engine: CopyEngine | None = None, world_size: int = 1) -> None:
+                 copy_engine: CopyEngine | None = None, world_size: int = 1,
+                 server: str | None = None) -> None:
         self.settings = settings
         self.rank = rank
         self.world_size = world_size
+        self.server = server or owner_tag(os.getppid())
+        """A name of this engine unique among the host's live engines, with an owner tag
+        (names a G2 its workers share)."""
         self._recovered: dict[str, list[tuple[int, int, int | None, int]]] | None = None
         self._copy_engine = copy_engine
         self.storages: Storages | None = None
@@ -160,7 +170,8 @@ class WorkerHalf:
                                  o_direct=self.settings.o_direct, rank=identity.rank,
                                  world_size=identity.world_size,
                                  block_layout=self.settings.block_layout,
-                                 follow_durable=not identity.writer)
+                                 follow_durable=not identity.writer,
+                                 shared_host=self._shared_host(identity))
         try:
             self.storages = self._build(kv, options)
         except BaseException:
@@ -168,8 +179,9 @@ class WorkerHalf:
             raise
         if not identity.writer:
             # the writer of this identity stores them; this worker reads its copy
+            written_there = _PERSISTENT + ((TierKind.HOST,) if options.shared_host else ())
             self._written_elsewhere = {t for t in self.storages.by_tier
-                                       if spec(t).kind in _PERSISTENT}
+                                       if spec(t).kind in written_there}
         self._recovered = self.storages.recovered_rows()
         pace = self.settings.yield_to_forward
         if pace is None:              # auto: where the forward computes on the host's cores
@@ -187,24 +199,29 @@ class WorkerHalf:
                  ", ".join(f"{t}={s.config.num_blocks} blocks"
                            for t, s in self.storages.by_tier.items()))
 
+    def _shared_host(self, identity) -> SharedHost | None:
+        """The G2 this worker's group keeps once (None: it keeps its own)."""
+        if self.settings.shared_host_dir is None or self.settings.replicas <= 1:
+            return None
+        return SharedHost(self.settings.shared_host_dir, f"{self.server}-r{identity.rank}",
+                          identity.writer)
+
     def _build(self, kv, options: StorageOptions) -> Storages:
-        """The storages; a worker that follows another's durable G3 first waits for that
-        worker to have made it (they start together: up to :data:`WRITER_WAIT` seconds),
-        then retries while that worker may still be taking it over after a restart (up to
-        :data:`TAKEOVER_WAIT` seconds, so that a lasting problem is reported soon)."""
+        """The storages; a worker that follows another's durable G3 (and shared G2) first
+        waits for that worker to have made them (they start together: up to
+        :data:`WRITER_WAIT` seconds), then retries while that worker may still be taking
+        its G3 over after a restart (up to :data:`TAKEOVER_WAIT` seconds, so that a lasting
+        problem is reported soon)."""
         if not options.follow_durable:
             return build_storages(kv, options)
         deadline = time.monotonic() + WRITER_WAIT
         writer = self.rank - self.rank % self.settings.replicas
         for tier in kv.tiers:
-            if spec(tier).kind is not TierKind.DISK:
-                continue
             while not kind_of(tier).followed_exists(kv, tier, options):
                 if time.monotonic() > deadline:
                     raise TierSetupError(
                         f"worker {self.rank} reads the {tier} that worker {writer} writes, "
-                        f"which did not appear in {WRITER_WAIT:.0f} s in "
-                        f"{kv.directory_of(tier)}")
+                        f"which did not appear in {WRITER_WAIT:.0f} s")
                 time.sleep(0.05)
         deadline = min(deadline, time.monotonic() + TAKEOVER_WAIT)
         while True:
@@ -212,9 +229,9 @@ class WorkerHalf:
                 return build_storages(kv, options)
             except TierSetupError as exc:
                 if time.monotonic() > deadline:
-                    raise TierSetupError(f"worker {self.rank} cannot read the G3 worker "
+                    raise TierSetupError(f"worker {self.rank} cannot read the tiers worker "
                                          f"{writer} writes: {exc}") from exc
-                log.info("kvstrata: worker %d waits for worker %d's G3: %s", self.rank,
+                log.info("kvstrata: worker %d waits for worker %d's tiers: %s", self.rank,
                          writer, exc)
                 time.sleep(0.5)
 

@@ -68,7 +68,9 @@ def default_hash_threads() -> int:
 class HostStorage(MemoryStorage):
     """Host-RAM block pool (G2). ``pin=None`` pins (registers with CUDA) iff
     ``torch.cuda.is_available()``; ``hash_threads`` (default :func:`default_hash_threads`)
-    hash a batch's blocks when verifying or sealing."""
+    hash a batch's blocks when verifying or sealing. ``buffer`` and ``table``: the slots'
+    memory and checksum table, made by the caller (G2 shared between processes,
+    :mod:`.host_shared`), instead of private ones."""
 
     kind = "host"
     keeps_checksums = True
@@ -76,7 +78,8 @@ class HostStorage(MemoryStorage):
 
     def __init__(self, config: LayoutConfig, *, pin: bool | None = None,
                  verify_reads: bool = False, checksums: str = "auto",
-                 hash_threads: int | None = None) -> None:
+                 hash_threads: int | None = None, buffer: AlignedBuffer | None = None,
+                 table: ChecksumTable | None = None) -> None:
         if checksums not in ("auto", "eager", "deferred"):
             raise StorageConfigError(f"checksums must be 'auto', 'eager' or 'deferred', "
                                      f"got {checksums!r}")
@@ -85,8 +88,12 @@ class HostStorage(MemoryStorage):
         if pin and not torch.cuda.is_available():
             raise StorageConfigError("pin=True needs CUDA (pin=None pins where CUDA is)")
         want_pin = torch.cuda.is_available() if pin is None else bool(pin)
-        self._buffer: AlignedBuffer | None = (pinned_if_possible(size) if want_pin
-                                              else AlignedBuffer(size))
+        if buffer is not None and buffer.size < size:
+            raise StorageConfigError(f"a buffer of {buffer.size} bytes cannot hold "
+                                     f"{config.num_blocks} slots of {layout.block_stride}")
+        self._buffer: AlignedBuffer | None = (
+            buffer if buffer is not None
+            else pinned_if_possible(size) if want_pin else AlignedBuffer(size))
         self.pinned = self._buffer.pinned
         region = self._buffer.tensor
         self.hash_threads = default_hash_threads() if hash_threads is None else max(1, hash_threads)
@@ -94,7 +101,7 @@ class HostStorage(MemoryStorage):
         self._array = region.numpy()
         self.verify_reads = verify_reads
         self.checksum_mode = checksums
-        self.checksums = ChecksumTable(config.num_blocks)
+        self.checksums = ChecksumTable(config.num_blocks) if table is None else table
         self._pins: Counter[int] = Counter()
         self._pin_lock = threading.Lock()
 

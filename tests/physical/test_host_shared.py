@@ -1,0 +1,257 @@
+"""G2 shared between processes (:mod:`kvstrata.physical.storage.host_shared`): one process
+writes slots in a shared-memory file, others read them in place, every read verified
+against one snapshot of the writer's seals. A reader serves a block only with the bytes the
+writer sealed for it (a writer in another process rewriting slots all the while included),
+writes nothing, and trusts only a file of this user's alone with the expected geometry."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstrata.kinds import StorageOptions, TierSetupError, build_storages
+from kvstrata.kinds.host import shared_host_problem
+from kvstrata.physical import LayoutConfig
+from kvstrata.physical.errors import FailureKind, StorageConfigError
+from kvstrata.physical.leftovers import owner_tag
+from kvstrata.physical.storage.host_shared import (FollowedHostStorage, PublishedHostStorage,
+                                                   SharedHost, shared_host_path)
+
+ROOT = str(Path(__file__).resolve().parents[2])
+CFG = LayoutConfig(num_blocks=8, num_layers=2, outer_dim=1, page_size=4, inner_dim=128,
+                   dtype="float16")
+
+
+@pytest.fixture
+def shm(tmp_path):
+    """A directory in shared memory where there is one (else on disk: the same mechanism)."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) \
+        else str(tmp_path)
+    directory = Path(base) / f"kvstrata-test-{owner_tag()}-{os.urandom(3).hex()}"
+    directory.mkdir(mode=0o700)
+    yield directory
+    for entry in directory.iterdir():
+        entry.unlink()
+    directory.rmdir()
+
+
+def fill(storage, slot: int, seq: int) -> np.ndarray:
+    """Write block ``seq``'s bytes (a pattern made from it) into ``slot`` and seal it."""
+    storage.begin_write([slot])
+    payload = pattern(seq)
+    storage.payload(slot)[:] = payload
+    storage.seal([slot], [seq])
+    return payload
+
+
+def pattern(seq: int) -> np.ndarray:
+    return np.random.default_rng(seq).integers(0, 255, CFG.block_bytes, dtype=np.uint8)
+
+
+def test_a_reader_reads_what_the_writer_sealed_and_nothing_else(shm):
+    path = shm / "kvstrata-g2-a"
+    writer = PublishedHostStorage(CFG, path)
+    reader = FollowedHostStorage(CFG, path)
+    assert oct(os.stat(path).st_mode & 0o777) == "0o600"
+    expected = {slot: fill(writer, slot, 100 + slot) for slot in range(4)}
+    assert reader.check_readable([0, 1, 2, 3], [100, 101, 102, 103]) == []
+    for slot, payload in expected.items():
+        assert np.array_equal(reader.payload(slot), payload)
+    kinds = [f.kind for f in reader.check_readable([4, 1], [104, 999])]
+    assert kinds == [FailureKind.NOT_WRITTEN, FailureKind.HASH_MISMATCH]
+    writer.begin_write([2])                          # being overwritten: not readable
+    assert [f.kind for f in reader.check_readable([2], [102])] == [FailureKind.NOT_WRITTEN]
+    writer.close()
+    assert not path.exists()                         # the writer's close removes the name
+    assert reader.check_readable([0], [100]) == []   # a reader's mapping stays whole
+    reader.close()
+
+
+def test_bytes_changed_after_the_seal_fail_the_readers_check(shm):
+    path = shm / "kvstrata-g2-b"
+    writer = PublishedHostStorage(CFG, path)
+    reader = FollowedHostStorage(CFG, path)
+    fill(writer, 0, 7)
+    fill(writer, 1, 8)
+    writer.payload(1)[10] ^= 0xFF                    # corrupted in place, seal unchanged
+    failures = reader.check_readable([0, 1], [7, 8])
+    assert [(f.position, f.kind) for f in failures] == [(1, FailureKind.CHECKSUM_MISMATCH)]
+    # identity only (a caller that verifies as it copies) does not hash
+    assert reader.check_readable([0, 1], [7, 8], verify=False) == []
+    writer.close()
+    reader.close()
+
+
+def test_a_seal_torn_between_two_blocks_is_never_valid(shm):
+    """Fields of two seals (a reader looking while the writer rewrites one) fail the check
+    word, whatever the order of the stores."""
+    path = shm / "kvstrata-g2-c"
+    writer = PublishedHostStorage(CFG, path)
+    reader = FollowedHostStorage(CFG, path)
+    fill(writer, 0, 7)
+    seals = writer.file.seals
+    old = seals[0].copy()
+    fill(writer, 0, 9)
+    new = seals[0].copy()
+    for torn in ([new[0], old[1], new[2]], [old[0], new[1], new[2]],
+                 [new[0], new[1], old[2]], [old[0], old[1], new[2]]):
+        seals[0] = torn
+        assert reader.check_readable([0], [9]) != [] and reader.check_readable([0], [7]) != []
+    seals[0] = new
+    assert reader.check_readable([0], [9]) == []
+    writer.close()
+    reader.close()
+
+
+def test_a_reader_writes_nothing(shm):
+    path = shm / "kvstrata-g2-d"
+    writer = PublishedHostStorage(CFG, path)
+    reader = FollowedHostStorage(CFG, path)
+    for call in (lambda: reader.begin_write([0]), lambda: reader.seal([0], [1]),
+                 lambda: reader.pin_held([1]), lambda: reader.ensure_checksums([0])):
+        with pytest.raises(StorageConfigError, match="read here"):
+            call()
+    assert not reader.payload(0).flags.writeable     # mapped without write permission
+    writer.close()
+    reader.close()
+
+
+def test_deferred_seals_are_hashed_for_the_readers_at_once(shm):
+    """A seal without a checksum (the GPU copy's deferred one) is hashed by the writer
+    before it returns, so readers can verify the block."""
+    path = shm / "kvstrata-g2-e"
+    writer = PublishedHostStorage(CFG, path)
+    reader = FollowedHostStorage(CFG, path)
+    writer.begin_write([3])
+    writer.payload(3)[:] = pattern(5)
+    assert writer.seal([3], [5], defer=True) == [None]
+    assert writer.checksums.checksums_of([3])[0] is not None
+    assert reader.check_readable([3], [5]) == []
+    writer.close()
+    reader.close()
+
+
+def test_only_a_file_of_this_users_alone_with_these_slots_is_trusted(shm):
+    path = shm / "kvstrata-g2-f"
+    with pytest.raises(StorageConfigError, match="no shared host memory"):
+        FollowedHostStorage(CFG, path)
+    writer = PublishedHostStorage(CFG, path)
+    with pytest.raises(StorageConfigError, match="cannot publish"):
+        PublishedHostStorage(CFG, path)              # a second writer of the same name
+    assert sorted(p.name for p in shm.iterdir()) == [path.name]    # nothing left behind
+    with pytest.raises(StorageConfigError, match="bytes"):
+        FollowedHostStorage(CFG.with_blocks(16), path)
+    other = LayoutConfig(num_blocks=8, num_layers=1, outer_dim=2, page_size=4, inner_dim=128,
+                         dtype="float16")            # same size, other geometry
+    with pytest.raises(StorageConfigError, match="other slots"):
+        FollowedHostStorage(other, path)
+    os.chmod(path, 0o640)
+    with pytest.raises(StorageConfigError, match="not trusted"):
+        FollowedHostStorage(CFG, path)
+    os.chmod(path, 0o600)
+    link = shm / "kvstrata-g2-link"
+    link.symlink_to(path)
+    with pytest.raises(StorageConfigError):
+        FollowedHostStorage(CFG, link)
+    link.unlink()
+    writer.close()
+
+
+def test_a_writer_in_another_process_is_read_while_it_rewrites(shm):
+    """The writer is a separate process rewriting slots as fast as it can; every block the
+    reader verifies and copies out is the one the writer wrote under that name."""
+    path = shm / "kvstrata-g2-g"
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {ROOT!r})
+        from tests.physical.test_host_shared import CFG, fill
+        from kvstrata.physical.storage.host_shared import PublishedHostStorage
+        writer = PublishedHostStorage(CFG, {str(path)!r})
+        for slot in range(8):
+            fill(writer, slot, 1 + slot)
+        print("ready", flush=True)
+        for i in range(8, 4000):
+            fill(writer, i % 8, 1 + i)
+        print("done", flush=True)
+        sys.stdin.readline()
+        writer.close()
+    """)
+    writer = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline().strip() == "ready"
+        reader = FollowedHostStorage(CFG, path)
+        served = missed = 0
+        for _ in range(400):
+            for slot in range(8):
+                seq = int(reader.file.seals[slot, 0])
+                if reader.check_readable([slot], [seq]):
+                    missed += 1                      # being rewritten: a miss
+                    continue
+                copy = reader.payload(slot).copy()   # verified, then copied (the engine's order)
+                if np.array_equal(copy, pattern(seq)):
+                    served += 1
+                else:
+                    # rewritten after the check: the writer invalidated the seal first
+                    assert reader.check_readable([slot], [seq]) != []
+                    missed += 1
+        assert served > 0
+        assert writer.stdout.readline().strip() == "done"
+        # the last seals name the last blocks written, byte for byte
+        for slot in range(8):
+            seq = int(reader.file.seals[slot, 0])
+            assert reader.check_readable([slot], [seq]) == []
+            assert np.array_equal(reader.payload(slot), pattern(seq))
+        reader.close()
+    finally:
+        writer.communicate("\n", timeout=60)
+    assert not path.exists()
+
+
+def test_the_kind_builds_one_writer_and_readers(shm, tmp_path):
+    from kvstrata.config import KvConfig, ModelGeometry, TierConfig
+    from kvstrata.kinds import kind_of
+
+    config = KvConfig(block_size=4, model=ModelGeometry(num_layers=2, kv_heads=1,
+                                                        head_dim=64, dtype="fp16"),
+                      tiers={"G1": TierConfig(blocks=4), "G2": TierConfig(blocks=8)})
+    name = f"{owner_tag()}-kind"
+    reading = StorageOptions(shared_host=SharedHost(str(shm), name, writer=False))
+    assert not kind_of("G2").followed_exists(config, "G2", reading)
+    with pytest.raises(TierSetupError, match="no shared host memory"):
+        build_storages(config, reading)
+    writing = StorageOptions(shared_host=SharedHost(str(shm), name, writer=True))
+    written = build_storages(config, writing)
+    assert kind_of("G2").followed_exists(config, "G2", reading)
+    read = build_storages(config, reading)
+    g2w, g2r = written.by_tier["G2"], read.by_tier["G2"]
+    assert isinstance(g2w, PublishedHostStorage) and isinstance(g2r, FollowedHostStorage)
+    assert g2w.file.path == g2r.file.path == shared_host_path(shm, "G2", name)
+    fill_cfg = g2w.config
+    g2w.begin_write([1])
+    g2w.payload(1)[:] = 3
+    g2w.seal([1], [42])
+    assert g2r.check_readable([1], [42]) == []
+    assert fill_cfg == g2r.config
+    read.close()
+    written.close()
+    assert list(shm.iterdir()) == []
+    # what a killed server left is removed by the next writer in that directory
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    left = shm / f"kvstrata-g2-{owner_tag(int(dead))}-x-r0"
+    left.write_bytes(b"x")
+    again = build_storages(config, writing)
+    assert not left.exists()
+    again.close()
+    assert shared_host_problem(config, "G2", str(shm)) is None
+    assert "does not exist" in shared_host_problem(config, "G2", str(shm / "none"))
+    huge = KvConfig(block_size=4, model=config.model,
+                    tiers={"G1": TierConfig(blocks=4), "G2": TierConfig(blocks=2**40)})
+    assert "of shared memory" in shared_host_problem(huge, "G2", str(shm))
