@@ -39,6 +39,24 @@ def test_reclaim_removes_only_dead_owners_of_this_host(tmp_path):
     assert mine.exists() and other_host.exists() and unrelated.exists()
 
 
+def test_reclaim_leaves_what_another_pid_namespace_owns(tmp_path):
+    """Another container with the same host name sharing the directory (``--ipc=host``):
+    its pids mean nothing here, so its entries are never taken for a dead owner's."""
+    import socket
+
+    import xxhash
+
+    dead = _dead_pid()
+    other = "h" + xxhash.xxh32_hexdigest(f"{socket.gethostname()}\0pid:[1]".encode())
+    assert not owner_tag(dead).startswith(other)
+    theirs = tmp_path / f"kvstrata-g2-{other}-{dead}-x-r0"
+    ours = tmp_path / f"kvstrata-g2-{owner_tag(dead)}-x-r0"
+    for path in (theirs, ours):
+        path.write_bytes(b"x")
+    assert reclaim(tmp_path, "kvstrata-g2-") == [str(ours)]
+    assert theirs.exists()
+
+
 def test_a_new_disk_tier_reclaims_slabs_of_killed_processes(tmp_path):
     pytest.importorskip("torch")
     from kvstrata.physical import DiskStorage

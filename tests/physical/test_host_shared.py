@@ -1,8 +1,10 @@
 """G2 shared between processes (:mod:`kvstrata.physical.storage.host_shared`): one process
-writes slots in a shared-memory file, others read them in place, every read verified
-against one snapshot of the writer's seals. A reader serves a block only with the bytes the
-writer sealed for it (a writer in another process rewriting slots all the while included),
-writes nothing, and trusts only a file of this user's alone with the expected geometry."""
+writes slots in its shared memory (a memfd), others map it through a rendezvous file and read
+it in place, every read verified against one snapshot of the writer's seals. A reader serves
+a block only with the bytes the writer sealed for it (a writer in another process rewriting
+slots all the while included), writes nothing, trusts only a rendezvous file of this user's
+alone naming memory of this user's with the expected geometry, and keeps reading what it
+mapped after the writer is killed, whose memory no file keeps."""
 
 from __future__ import annotations
 
@@ -163,6 +165,69 @@ def test_only_a_file_of_this_users_alone_with_these_slots_is_trusted(shm):
     writer.close()
 
 
+def test_a_rendezvous_naming_other_memory_is_refused(shm, tmp_path):
+    """A rendezvous file forged to name another descriptor of a process of this user (a
+    plain file of the right size), or a process that is gone, is not trusted."""
+    from kvstrata.physical.storage import host_shared
+
+    path = shm / "kvstrata-g2-forged"
+    size = host_shared._placement(CFG.num_blocks, 2048)[2]
+    decoy = tmp_path / "decoy"
+    decoy.write_bytes(b"\0" * size)
+    fd = os.open(decoy, os.O_RDONLY)
+    try:
+        host_shared._publish(path, host_shared._RENDEZVOUS.pack(
+            host_shared._RENDEZVOUS_MAGIC, os.getpid(), fd, size))
+        with pytest.raises(StorageConfigError, match="other slots"):
+            FollowedHostStorage(CFG, path)
+        path.unlink()
+        gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+        host_shared._publish(path, host_shared._RENDEZVOUS.pack(
+            host_shared._RENDEZVOUS_MAGIC, int(gone), fd, size))
+        with pytest.raises(StorageConfigError, match=f"process {gone}"):
+            FollowedHostStorage(CFG, path)
+        path.unlink()
+        path.write_bytes(b"garbage" * 3)
+        os.chmod(path, 0o600)
+        with pytest.raises(StorageConfigError, match="not trusted"):
+            FollowedHostStorage(CFG, path)
+    finally:
+        os.close(fd)
+
+
+def test_a_killed_writer_leaves_no_memory_behind_and_readers_keep_theirs(shm):
+    """SIGKILL: the writer cannot clean up. Its memory is no file: what a reader mapped stays
+    readable, a reader that comes later is told the writer is gone, and what is left (the
+    rendezvous file, a few dozen bytes) the next writer in the directory removes."""
+    path = shm / f"kvstrata-g2-{owner_tag()}-killed"
+    script = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {ROOT!r})
+        from tests.physical.test_host_shared import CFG, fill
+        from kvstrata.physical.storage.host_shared import PublishedHostStorage
+        writer = PublishedHostStorage(CFG, {str(path)!r})
+        fill(writer, 2, 77)
+        print("ready", flush=True)
+        time.sleep(600)
+    """)
+    writer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert writer.stdout.readline().strip() == "ready"
+        reader = FollowedHostStorage(CFG, path)
+    finally:
+        writer.kill()
+        writer.wait()
+    assert reader.check_readable([2], [77]) == []
+    assert np.array_equal(reader.payload(2), pattern(77))
+    reader.close()
+    assert [p.name for p in shm.iterdir()] == [path.name]
+    assert path.stat().st_size < 64                       # no slots in any file
+    with pytest.raises(StorageConfigError, match="cannot open"):
+        FollowedHostStorage(CFG, path)
+
+
 def test_a_writer_in_another_process_is_read_while_it_rewrites(shm):
     """The writer is a separate process rewriting slots as fast as it can; every block the
     reader verifies and copies out is the one the writer wrote under that name."""
@@ -250,8 +315,5 @@ def test_the_kind_builds_one_writer_and_readers(shm, tmp_path):
     again = build_storages(config, writing)
     assert not left.exists()
     again.close()
-    assert shared_host_problem(config, "G2", str(shm)) is None
-    assert "does not exist" in shared_host_problem(config, "G2", str(shm / "none"))
-    huge = KvConfig(block_size=4, model=config.model,
-                    tiers={"G1": TierConfig(blocks=4), "G2": TierConfig(blocks=2**40)})
-    assert "of shared memory" in shared_host_problem(huge, "G2", str(shm))
+    assert shared_host_problem("G2", str(shm)) is None
+    assert "not a directory" in shared_host_problem("G2", str(shm / "none"))

@@ -175,6 +175,10 @@ class Kind(ABC):
         (which writes it) has been made; true where it reads nothing of another's."""
         return True
 
+    def followed_where(self, config: KvConfig, tier: str, options: StorageOptions) -> str:
+        """Where :meth:`followed_exists` looks (for messages)."""
+        return ""
+
     def open_shared(self, config: KvConfig, tier: str, options: StorageOptions,
                     rank: int) -> Storage:
         """The storage of a shared ``tier`` (addressed by keys: others write it too) as

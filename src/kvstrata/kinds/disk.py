@@ -136,9 +136,15 @@ class DiskKind(Kind):
         directory = config.directory_of(tier)
         if directory is None or not options.durable_disk:
             return False
-        home = os.path.join(directory, home_name(tier.lower(), options.rank,
-                                                 options.compatibility(config).fingerprint))
+        home = self.followed_where(config, tier, options)
         return all(os.path.exists(os.path.join(home, name)) for name in ("slab", "index"))
+
+    def followed_where(self, config: KvConfig, tier: str, options: StorageOptions) -> str:
+        directory = config.directory_of(tier)
+        if directory is None:
+            return ""
+        return os.path.join(directory, home_name(tier.lower(), options.rank,
+                                                 options.compatibility(config).fingerprint))
 
     def recovered_rows(self, storage: Storage) -> list[RecoveredRow]:
         live = getattr(storage, "recovered", None)

@@ -5,13 +5,11 @@ every tier further down pass through it."""
 from __future__ import annotations
 
 import os
-import shutil
 
 from ..config import KvConfig, format_size
 from ..physical import HostStorage, LayoutConfig, PhysicalError, Storage
 from ..physical.leftovers import reclaim
-from ..physical.storage.host_shared import (FollowedHostStorage, PublishedHostStorage,
-                                            shared_file_bytes)
+from ..physical.storage.host_shared import FollowedHostStorage, PublishedHostStorage
 from ..placement.costs import CostPrior
 from ..tiers import TierKind
 from .base import Kind, StorageOptions, TierSetupError, layout_config_for, ram_problem
@@ -25,8 +23,7 @@ HOST_ALIGNMENT = 4096
 class HostKind(Kind):
     """Host RAM: must fit this machine's memory (and ``max_host_bytes``); assumed fast.
     With :attr:`~.base.StorageOptions.shared_host` it is kept once in shared memory for the
-    processes that hold the same bytes (:mod:`kvstrata.physical.storage.host_shared`); it
-    must then also fit the shared-memory filesystem."""
+    processes that hold the same bytes (:mod:`kvstrata.physical.storage.host_shared`)."""
 
     kind = TierKind.HOST
     cost_prior = CostPrior(bandwidth=5e9, overhead=100e-6)
@@ -45,7 +42,7 @@ class HostKind(Kind):
         if problem:
             problems.append(problem)
         if options.shared_host is not None:
-            problem = shared_host_problem(config, tier, options.shared_host.directory, ranks)
+            problem = shared_host_problem(tier, options.shared_host.directory)
             if problem:
                 problems.append(problem)
         return problems
@@ -71,6 +68,9 @@ class HostKind(Kind):
         shared = options.shared_host
         return shared is None or shared.writer or shared.path(tier).exists()
 
+    def followed_where(self, config: KvConfig, tier: str, options: StorageOptions) -> str:
+        return "" if options.shared_host is None else str(options.shared_host.path(tier))
+
 
 def host_slot_bytes(geometry: LayoutConfig) -> int:
     """The bytes one block of ``geometry`` takes in host RAM: its payload rounded up to
@@ -78,20 +78,14 @@ def host_slot_bytes(geometry: LayoutConfig) -> int:
     return -(-geometry.block_bytes // HOST_ALIGNMENT) * HOST_ALIGNMENT
 
 
-def shared_host_problem(config: KvConfig, tier: str, directory: str, copies: int = 1) -> str | None:
-    """Why ``copies`` shared host tiers ``tier`` of ``config`` cannot be kept in the
-    shared-memory ``directory`` (None if they can). Its filesystem's whole size is what
-    counts, not its free space: every process of a server decides the same, whenever it
-    asks (a writer may have taken its share already)."""
-    if not os.path.isdir(directory):
-        return f"tier {tier}: shared-memory directory {directory} does not exist"
-    stride = host_slot_bytes(layout_config_for(config, 1))
-    need = copies * shared_file_bytes(config.tier_blocks(tier), stride)
-    total = shutil.disk_usage(directory).total
-    if need > total:
-        held_by = f" ({copies} copies)" if copies > 1 else ""
-        return (f"tier {tier}{held_by} needs {format_size(need)} of shared memory; "
-                f"{directory} holds {format_size(total)} in all")
+def shared_host_problem(tier: str, directory: str) -> str | None:
+    """Why a shared host tier ``tier`` cannot be kept with its rendezvous files in
+    ``directory`` (None if it can): its memory is no file (a memfd, counted as RAM like any
+    host tier), but the other processes find it through that directory."""
+    if not hasattr(os, "memfd_create"):
+        return f"tier {tier}: this platform has no memfd_create to share host memory"
+    if not os.path.isdir(directory) or not os.access(directory, os.W_OK | os.X_OK):
+        return f"tier {tier}: {directory} is not a directory this process can write in"
     return None
 
 

@@ -2,12 +2,14 @@
 
 Files and directories that kvstrata creates for the life of one process (a G3 slab, a
 temporary directory) carry their owner in their name: :func:`owner_tag` gives
-``h<hash of the host name>-<pid>``, e.g. ``kvstrata-g3-h1a2b3c4d-4242-9f3e.slab``. A process
-that exits or is stopped by a signal it can handle removes them itself; one killed by
-SIGKILL (or the OOM killer) cannot. :func:`reclaim` removes, in one directory, the entries of
-a given prefix whose owner ran on this host and is gone. Entries of another host (a shared
-network filesystem) and of a live process are left alone; a pid reused by another process
-makes a leftover look alive, which only delays its removal.
+``h<hash of the host name and pid namespace>-<pid>``, e.g.
+``kvstrata-g3-h1a2b3c4d-4242-9f3e.slab``. A process that exits or is stopped by a signal it
+can handle removes them itself; one killed by SIGKILL (or the OOM killer) cannot.
+:func:`reclaim` removes, in one directory, the entries of a given prefix whose owner ran on
+this host, in this pid namespace, and is gone. Entries of another host (a shared network
+filesystem), of another pid namespace (another container sharing the directory) and of a
+live process are left alone; a pid reused by another process makes a leftover look alive,
+which only delays its removal.
 """
 
 from __future__ import annotations
@@ -26,7 +28,18 @@ __all__ = ["owner_tag", "reclaim"]
 
 log = logging.getLogger(__name__)
 
-_HOST = "h" + xxhash.xxh32_hexdigest(socket.gethostname().encode("utf-8", "replace"))
+def _pid_namespace() -> str:
+    """The pid namespace this process runs in: a pid means a process only within it."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+# the host, and the pid namespace on it: two containers with one host name that share a
+# directory never take each other's live processes for gone
+_HOST = "h" + xxhash.xxh32_hexdigest(
+    f"{socket.gethostname()}\0{_pid_namespace()}".encode("utf-8", "replace"))
 _TAG = re.compile(r"-h([0-9a-f]{8})-(\d+)-")
 
 

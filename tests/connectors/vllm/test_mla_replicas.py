@@ -139,8 +139,7 @@ def test_a_corrupt_block_in_the_shared_g2_is_recomputed_on_both_ranks(sims, tmp_
     sim.run()
 
 
-def test_each_rank_keeps_its_own_g2_where_asked_or_where_shared_memory_is_too_small(
-        sims, tmp_path, monkeypatch):
+def test_each_rank_keeps_its_own_g2_where_asked_or_where_it_cannot_share(sims, tmp_path):
     own = mla_sim(sims, tmp_path / "own", extra={"share_host_tier": False})
     assert own.settings.replicas == 2 and own.settings.shared_host_dir is None
     first = prompt(17, 4 * BS + 1)
@@ -152,17 +151,12 @@ def test_each_rank_keeps_its_own_g2_where_asked_or_where_shared_memory_is_too_sm
     g2 = [w.storages.by_tier["G2"] for w in own.workers]
     assert not any(isinstance(s, (PublishedHostStorage, FollowedHostStorage)) for s in g2)
     own.run()
-    import collections
-    import types
-
-    from kvstrata.kinds import host as host_kind
-    small = collections.namedtuple("usage", "total used free")(1 << 20, 0, 1 << 20)
-    monkeypatch.setattr(host_kind, "shutil",                         # a 1 MiB /dev/shm
-                        types.SimpleNamespace(disk_usage=lambda path: small))
-    auto = mla_sim(sims, tmp_path / "auto", g2_blocks=512)
+    nowhere = str(tmp_path / "no-such-dir")
+    auto = mla_sim(sims, tmp_path / "auto", extra={"shared_memory_dir": nowhere})
     assert auto.settings.shared_host_dir is None
-    with pytest.raises(ConnectorConfigError, match="share_host_tier.*shared memory"):
-        mla_sim(sims, tmp_path / "must", g2_blocks=512, extra={"share_host_tier": True})
+    with pytest.raises(ConnectorConfigError, match="share_host_tier.*not a directory"):
+        mla_sim(sims, tmp_path / "must", extra={"share_host_tier": True,
+                                                "shared_memory_dir": nowhere})
     with pytest.raises(ConnectorConfigError, match="shared_memory_dir"):
         mla_sim(sims, tmp_path / "bad", extra={"shared_memory_dir": "relative/dir"})
 
@@ -235,12 +229,13 @@ def test_a_rank_whose_writer_never_comes_gives_up_with_the_reason(sims, tmp_path
                                                                      monkeypatch):
     monkeypatch.setattr(worker_module, "WRITER_WAIT", 0.3)
     sim = mla_sim(sims, tmp_path / "mla")
-    lone = worker_module.WorkerHalf(sim.settings, rank=1, world_size=2)
+    lone = worker_module.WorkerHalf(sim.settings, rank=1, world_size=2,
+                                    server=sim.workers[0].server)
     settings = sim.settings
     other = tmp_path / "elsewhere"
     from dataclasses import replace
     lone.settings = replace(settings, kv=replace(settings.kv, disk_dir=str(other)))
-    with pytest.raises(TierSetupError, match="did not appear"):
+    with pytest.raises(TierSetupError, match=f"G3 .*did not appear.*{other}"):
         lone.register_kv_caches({f"model.layers.{i}.attn": torch.zeros(64, 1, BS, 32,
                                                                        dtype=torch.bfloat16)
                                  for i in range(LAYERS)})
@@ -272,7 +267,9 @@ def test_a_rank_that_registers_before_the_writer_waits_for_it(sims, tmp_path, mo
     proto = mla_sim(sims, tmp_path / "proto")
     settings = replace(proto.settings,
                        kv=replace(proto.settings.kv, disk_dir=str(tmp_path / "late")))
-    workers = [worker_module.WorkerHalf(settings, rank=r, world_size=2) for r in (0, 1)]
+    server = f"{proto.workers[0].server}-late"
+    workers = [worker_module.WorkerHalf(settings, rank=r, world_size=2, server=server)
+               for r in (0, 1)]
     caches = [{f"model.layers.{i}.attn": torch.zeros(64, 1, BS, 32, dtype=torch.bfloat16)
                for i in range(LAYERS)} for _ in workers]
     errors = []
@@ -293,6 +290,7 @@ def test_a_rank_that_registers_before_the_writer_waits_for_it(sims, tmp_path, mo
         assert not errors, errors
         g3 = workers[1].storages.by_tier["G3"]
         assert g3.followed and g3.path == workers[0].storages.by_tier["G3"].path
+        assert isinstance(workers[1].storages.by_tier["G2"], FollowedHostStorage)
         assert not workers[1].storages.by_tier["G1"].closed
         assert workers[1].engine is not None
     finally:

@@ -51,10 +51,10 @@ key                    meaning                                     default
                        them
 ``peer_read_timeout``  seconds a remote load may take before its   5
                        blocks are recomputed instead
-``share_host_tier``    an MLA model over tensor-parallel workers:  ``"auto"``: where the
-                       one G2 per group, in shared memory          shared memory holds it
+``share_host_tier``    an MLA model over tensor-parallel workers:  ``"auto"``: where it
+                       one G2 per group, in shared memory          can be done here
                        (``true``, ``false`` or ``"auto"``)
-``shared_memory_dir``  where such a G2 lives                       ``/dev/shm``
+``shared_memory_dir``  where the workers of a group find it        ``/dev/shm``
 ``config``             a kvstrata TOML file                        ``$KVSTRATA_CONFIG``
 =====================  =========================================  ==========================
 
@@ -304,28 +304,26 @@ def settings_from(extra: Mapping[str, Any] | None, geometry: KvGeometry,
     if replicas > 1 and disk in kv.tiers and kv.directory_of(disk) is None:
         replicas = 1    # a temporary G3 cannot be found by the other ranks: one copy each
     share, directory = switches.pop("share_host_tier"), switches.pop("shared_memory_dir")
-    shared_host_dir = _shared_host_dir(kv, share, directory, replicas, geometry.workers)
+    shared_host_dir = _shared_host_dir(kv, share, directory, replicas)
     _check_runnable(kv, geometry.workers, block_layout, replicas, shared_host_dir)
     return ConnectorSettings(kv=kv, block_layout=block_layout, groups=geometry.groups,
                              replicas=replicas, shared_host_dir=shared_host_dir, **switches)
 
 
-def _shared_host_dir(kv: KvConfig, share: bool | None, directory: str, replicas: int,
-                     workers: int) -> str | None:
-    """Where a group of ``replicas`` workers keeps one G2 (None: each its own):
-    ``share_host_tier`` true, or "auto" (None here) where the shared-memory directory can
-    hold the G2 of every group (:func:`~kvstrata.kinds.host.shared_host_problem`, which
-    every process of the server answers alike); never for one worker per group."""
+def _shared_host_dir(kv: KvConfig, share: bool | None, directory: str,
+                     replicas: int) -> str | None:
+    """Where a group of ``replicas`` workers finds its one G2 (None: each keeps its own):
+    ``share_host_tier`` true, or "auto" (None here) where that can be done here
+    (:func:`~kvstrata.kinds.host.shared_host_problem`); never for one worker per group."""
     host = first_of_kind(TierKind.HOST)
     if replicas <= 1 or share is False or host not in kv.tiers:
         return None
-    problem = shared_host_problem(kv, host, directory, max(1, workers // replicas))
+    problem = shared_host_problem(host, directory)
     if problem is None:
         return directory
     if share:
-        raise ConnectorConfigError(f"kvstrata connector: share_host_tier: {problem}; give it "
-                                   f"more (docker run --shm-size), or set share_host_tier "
-                                   f"to false")
+        raise ConnectorConfigError(f"kvstrata connector: share_host_tier: {problem}; set "
+                                   f"shared_memory_dir, or share_host_tier false")
     log.info("kvstrata: each worker keeps its own %s (%s)", host, problem)
     return None
 

@@ -221,7 +221,8 @@ class WorkerHalf:
                 if time.monotonic() > deadline:
                     raise TierSetupError(
                         f"worker {self.rank} reads the {tier} that worker {writer} writes, "
-                        f"which did not appear in {WRITER_WAIT:.0f} s")
+                        f"which did not appear in {WRITER_WAIT:.0f} s in "
+                        f"{kind_of(tier).followed_where(kv, tier, options)}")
                 time.sleep(0.05)
         deadline = min(deadline, time.monotonic() + TAKEOVER_WAIT)
         while True:

@@ -1,18 +1,24 @@
 """G2 host RAM that one process writes and others read in place: the ranks of a
 tensor-parallel group serving an MLA model hold the same blocks, so they keep one G2.
 
-**Where it lives.** One file in a shared-memory directory (``/dev/shm``: its pages are the
-RAM itself), named ``kvstrata-<tier>-<name>``, where the caller makes ``name`` unique among
-this host's live servers and puts an owner tag in it
-(:func:`~kvstrata.physical.leftovers.owner_tag`): a server killed by SIGKILL leaves a file
-that the next writer in that directory removes. The file is a header page (magic, version,
-slot count, slot stride, payload bytes), the seal table (three ``uint64`` per slot, rounded
-up to whole pages), then the slots. The writer makes it under a temporary name with O_EXCL
-and mode 0600, sizes it with ``posix_fallocate`` (on tmpfs the RAM is taken then, or
-``ENOSPC`` then), writes the header and links it under its name, so a reader never sees a
-file half made; the writer's close removes the name (readers keep their mapping until their
-own close). A reader opens it read-only and trusts it only if it is a regular file of this
-user that no one else can read or write, with the header and size the reader expects.
+**Where it lives.** In an anonymous shared-memory file of the writer (``memfd_create``):
+memory that goes back to the system when the writer and the last reader are gone, however
+they end (SIGKILL and the OOM killer included), that no filesystem's size limits (Docker's
+64 MiB ``/dev/shm``), and that no other process can open by a name. It holds a header page
+(magic, slot count, stride, payload bytes, block geometry, dtype), the seal table (three
+``uint64`` per slot, rounded up to whole pages), then the slots; its size is sealed
+(``F_SEAL_GROW | F_SEAL_SHRINK``), so no one can cut it under a reader's mapping. Readers
+find it through a small *rendezvous file* named ``kvstrata-<tier>-<name>`` in a directory
+(``/dev/shm`` by default), where the caller makes ``name`` unique among this host's live
+servers with an owner tag (:func:`~kvstrata.physical.leftovers.owner_tag`): it says which
+process holds the memory and under which descriptor, and a reader opens that descriptor
+through ``/proc/<pid>/fd`` (which the kernel allows only to processes that may inspect the
+writer: the same user, in the same pid namespace). The rendezvous file is made under a
+temporary name with O_EXCL and mode 0600 and linked under its name whole; the writer's close
+removes it, and one left by a killed writer (a few dozen bytes) is removed by the next
+writer in that directory. A reader trusts a rendezvous file only if it is a regular file of
+this user that no one else can read or write, and the memory only if it is this user's, of
+the size and header the reader expects.
 
 **Why a reader never serves a wrong block.** The writer's checksum table
 (:class:`PublishedChecksumTable`) publishes each slot's seal as it changes: invalidated
@@ -22,14 +28,16 @@ the writer makes it only from the bytes it put in the slot. The check word mixes
 and checksum, so a seal read while the writer rewrites it (fields of two seals) fails its
 check. A reader (:class:`FollowedHostStorage`) takes one snapshot of a batch's seals,
 checks the identities against it, then hashes the slots' bytes and compares them with the
-snapshot's checksums: bytes replaced after the snapshot hash to another value. So a block is
-served only with the bytes its writer sealed, whatever order the two processes see each
-other's stores in.
+snapshot's checksums: bytes replaced after the snapshot hash to another value, whatever
+order the two processes see each other's stores in. What this checks is the bytes as they
+were hashed; the copy out of the slot comes after, so the slot must not be reused before
+the reader's load is done. The vLLM connector's scheduler makes sure of it: a G2 slot being
+loaded is held until every rank reported its load.
 """
 
 from __future__ import annotations
 
-import errno
+import fcntl
 import mmap
 import os
 import secrets
@@ -49,7 +57,7 @@ from ...protocol.layout import FullyContiguousLayout, LayoutConfig
 from .host import HostStorage
 
 __all__ = ["SharedHost", "SharedHostFile", "PublishedChecksumTable", "PublishedHostStorage",
-           "FollowedHostStorage", "shared_host_path", "shared_file_bytes"]
+           "FollowedHostStorage", "shared_host_path"]
 
 _MAGIC = b"kvstrata-g2-v1\0\0"
 # magic, slots, stride, payload bytes, seals at, slots at, layers, outer, page, inner, dtype
@@ -91,11 +99,6 @@ def _header(config: LayoutConfig, stride: int) -> tuple:
             str(config.dtype).encode()[:16].ljust(16, b"\0"))
 
 
-def shared_file_bytes(num_blocks: int, stride: int) -> int:
-    """The size of the file of a shared host tier of ``num_blocks`` slots of ``stride``."""
-    return _placement(num_blocks, stride)[2]
-
-
 def _check_words(slots: np.ndarray, seqs: np.ndarray, sums: np.ndarray) -> np.ndarray:
     """The check word of each seal (odd, so a zeroed seal is never valid)."""
     with np.errstate(over="ignore"):
@@ -105,15 +108,18 @@ def _check_words(slots: np.ndarray, seqs: np.ndarray, sums: np.ndarray) -> np.nd
 
 
 class SharedHostFile:
-    """The mapped file of a shared host tier: :attr:`seals` (``uint64 [slots, 3]``) and
-    :meth:`buffer` over its slots. Make it with :meth:`create` (the writer) or
-    :meth:`open` (a reader); raises :class:`StorageConfigError`."""
+    """The mapped shared memory of a shared host tier: :attr:`seals` (``uint64 [slots,
+    3]``) and :meth:`buffer` over its slots. Made with :meth:`create` (the writer, which
+    also publishes the rendezvous file at ``path``) or :meth:`open` (a reader, which finds
+    the writer's memory through it); both raise :class:`StorageConfigError`."""
 
     def __init__(self, path: Path, mapping: mmap.mmap, config: LayoutConfig, stride: int,
-                 writable: bool, identity: tuple[int, int]) -> None:
+                 writable: bool, memory_fd: int | None = None,
+                 rendezvous: tuple[int, int] | None = None) -> None:
         self.path = path
         self.writable = writable
-        self._identity = identity
+        self._memory_fd = memory_fd          # the writer keeps it open for readers to find
+        self._rendezvous = rendezvous        # (device, inode) of the file the writer made
         self._mapping: mmap.mmap | None = mapping
         seals_at, self._slots_at, _ = _placement(config.num_blocks, stride)
         self._slots_bytes = config.num_blocks * stride
@@ -124,74 +130,70 @@ class SharedHostFile:
     @classmethod
     def create(cls, path: str | os.PathLike, config: LayoutConfig,
                stride: int) -> "SharedHostFile":
-        """Make the file of ``config.num_blocks`` slots of ``stride`` bytes at ``path``
-        (none may exist there), every seal invalid."""
+        """Make the memory of ``config.num_blocks`` slots of ``stride`` bytes, every seal
+        invalid, and publish its rendezvous file at ``path`` (none may exist there)."""
         path = Path(path)
-        seals_at, slots_at, size = _placement(config.num_blocks, stride)
-        part = path.with_name(f"{path.name}.part-{secrets.token_hex(4)}")
+        size = _placement(config.num_blocks, stride)[2]
         try:
-            fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                         | os.O_CLOEXEC, 0o600)
-        except OSError as exc:
-            raise StorageConfigError(f"cannot create shared host memory {part}: "
-                                     f"{exc.strerror}") from exc
+            fd = os.memfd_create(f"kvstrata-{path.name}",
+                                 os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        except (AttributeError, OSError) as exc:
+            raise StorageConfigError(f"cannot make shared host memory (memfd_create): "
+                                     f"{exc}") from exc
         try:
             try:
-                os.posix_fallocate(fd, 0, size)
+                os.posix_fallocate(fd, 0, size)   # the RAM is taken now, or refused now
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                            fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
+                mapping = mmap.mmap(fd, size, mmap.MAP_SHARED,
+                                    mmap.PROT_READ | mmap.PROT_WRITE)
             except OSError as exc:
-                if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                    raise StorageConfigError(
-                        f"cannot reserve {size} bytes of shared host memory in "
-                        f"{path.parent}: {exc.strerror}") from exc
-                os.ftruncate(fd, size)
-            mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                raise StorageConfigError(f"cannot reserve {size} bytes of shared host "
+                                         f"memory: {exc.strerror}") from exc
             mapping[:_HEADER.size] = _HEADER.pack(*_header(config, stride))
-            try:
-                os.link(part, path)
-            except OSError as exc:
-                raise StorageConfigError(f"cannot publish shared host memory at {path}: "
-                                         f"{exc.strerror}") from exc
-            st = os.fstat(fd)
-            return cls(path, mapping, config, stride, True, (st.st_dev, st.st_ino))
-        finally:
+            rendezvous = _publish(path, _RENDEZVOUS.pack(_RENDEZVOUS_MAGIC, os.getpid(), fd,
+                                                         size))
+        except BaseException:
             os.close(fd)
-            try:
-                os.unlink(part)
-            except OSError:
-                pass
+            raise
+        return cls(path, mapping, config, stride, True, memory_fd=fd, rendezvous=rendezvous)
 
     @classmethod
     def open(cls, path: str | os.PathLike, config: LayoutConfig,
              stride: int) -> "SharedHostFile":
-        """Map, read-only, the file another process of this user made at ``path`` for
-        these slots."""
+        """Map, read-only, the memory that the rendezvous file at ``path`` names, made by
+        another process of this user for these slots."""
         path = Path(path)
+        pid, number, size = _read_rendezvous(path)
+        expected_size = _placement(config.num_blocks, stride)[2]
+        if size != expected_size:
+            raise StorageConfigError(f"shared host memory of {path} has {size} bytes, "
+                                     f"{expected_size} expected")
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(f"/proc/{pid}/fd/{number}", os.O_RDONLY | os.O_CLOEXEC)
         except OSError as exc:
-            raise StorageConfigError(f"no shared host memory at {path}: "
-                                     f"{exc.strerror}") from exc
+            raise StorageConfigError(f"cannot open the shared host memory that process {pid} "
+                                     f"holds for {path}: {exc.strerror}") from exc
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() \
-                    or st.st_mode & 0o077:
-                raise StorageConfigError(f"shared host memory {path} is not a file of this "
-                                         f"user's alone (uid {st.st_uid}, mode "
-                                         f"{stat.S_IMODE(st.st_mode):o}): not trusted")
-            seals_at, slots_at, size = _placement(config.num_blocks, stride)
-            if st.st_size != size:
-                raise StorageConfigError(f"shared host memory {path} has {st.st_size} bytes, "
-                                         f"{size} expected")
-            mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+                    or st.st_size != size:
+                raise StorageConfigError(f"the memory {path} names is not this user's shared "
+                                         f"host memory of {size} bytes: not trusted")
+            try:
+                mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+            except OSError as exc:
+                raise StorageConfigError(f"cannot map the shared host memory of {path}: "
+                                         f"{exc.strerror}") from exc
         finally:
             os.close(fd)
         header = _HEADER.unpack(mapping[:_HEADER.size])
         expected = _header(config, stride)
         if header != expected:
             mapping.close()
-            raise StorageConfigError(f"shared host memory {path} holds other slots "
+            raise StorageConfigError(f"shared host memory of {path} holds other slots "
                                      f"({header[1:]}; {expected[1:]} expected)")
-        return cls(path, mapping, config, stride, False, (st.st_dev, st.st_ino))
+        return cls(path, mapping, config, stride, False)
 
     def buffer(self, pin: bool) -> AlignedBuffer:
         """The slots as an :class:`AlignedBuffer` (registered with CUDA if ``pin`` and the
@@ -210,18 +212,79 @@ class SharedHostFile:
         return ok, rows[:, 0], rows[:, 1]
 
     def remove(self) -> None:
-        """Remove the file's name if it is still this file's (the writer's close)."""
+        """Remove the rendezvous file if it is still the one this writer made."""
+        if self._rendezvous is None:
+            return
         try:
             st = os.stat(self.path, follow_symlinks=False)
-            if (st.st_dev, st.st_ino) == self._identity:
+            if (st.st_dev, st.st_ino) == self._rendezvous:
                 os.unlink(self.path)
         except OSError:
             pass
 
     def release(self) -> None:
-        """Drop this object's views (the mapping goes with the last view of it)."""
+        """Drop this object's views (the mapping goes with the last view of it) and the
+        writer's descriptor (the memory goes with the last process mapping it)."""
         self.seals = None
         self._mapping = None
+        if self._memory_fd is not None:
+            os.close(self._memory_fd)
+            self._memory_fd = None
+
+
+_RENDEZVOUS_MAGIC = b"kvstrata-g2-rdv1"
+_RENDEZVOUS = struct.Struct("<16sQQQ")     # magic, writer's pid, its descriptor, bytes
+
+
+def _publish(path: Path, content: bytes) -> tuple[int, int]:
+    """Write ``content`` to a new file at ``path`` (mode 0600, whole or not at all);
+    returns its (device, inode)."""
+    part = path.with_name(f"{path.name}.part-{secrets.token_hex(4)}")
+    try:
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                     | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise StorageConfigError(f"cannot create {part}: {exc.strerror}") from exc
+    try:
+        os.write(fd, content)
+        st = os.fstat(fd)
+        try:
+            os.link(part, path)
+        except OSError as exc:
+            raise StorageConfigError(f"cannot publish shared host memory at {path}: "
+                                     f"{exc.strerror}") from exc
+        return st.st_dev, st.st_ino
+    finally:
+        os.close(fd)
+        try:
+            os.unlink(part)
+        except OSError:
+            pass
+
+
+def _read_rendezvous(path: Path) -> tuple[int, int, int]:
+    """(pid, descriptor, bytes) from the rendezvous file at ``path``, trusted only as a
+    regular file of this user's alone holding exactly one record."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise StorageConfigError(f"no shared host memory at {path}: {exc.strerror}") from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077 \
+                or st.st_size != _RENDEZVOUS.size:
+            raise StorageConfigError(f"{path} is not a file of this user's alone naming "
+                                     f"shared host memory (uid {st.st_uid}, mode "
+                                     f"{stat.S_IMODE(st.st_mode):o}, {st.st_size} bytes): "
+                                     f"not trusted")
+        data = os.pread(fd, _RENDEZVOUS.size, 0)
+    finally:
+        os.close(fd)
+    magic, pid, number, size = _RENDEZVOUS.unpack(data) if len(data) == _RENDEZVOUS.size \
+        else (b"", 0, 0, 0)
+    if magic != _RENDEZVOUS_MAGIC or not 0 < pid < 2**31 or number >= 2**31:
+        raise StorageConfigError(f"{path} does not name shared host memory: not trusted")
+    return pid, number, size
 
 
 class PublishedChecksumTable(ChecksumTable):
@@ -314,6 +377,11 @@ class FollowedHostStorage(HostStorage):
 
     def begin_write(self, block_ids: Sequence[int]) -> None:
         raise self._refuse("begin_write")
+
+    def block_view(self, block_id: int) -> torch.Tensor:
+        """A copy of slot ``block_id`` as a typed tensor (a view would be a writable tensor
+        over memory mapped read-only)."""
+        return super().block_view(block_id).clone()
 
     def seal(self, block_ids, sequence_hashes, checksums=None, *, defer=False,
              device_sums=None):
