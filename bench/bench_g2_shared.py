@@ -95,7 +95,7 @@ def main() -> None:
                     best[key] = min(best[key], time.perf_counter() - start)
         gbs = {k: nbytes / v / 1e9 for k, v in best.items()}
         print(f"{args.blocks} blocks of {cfg.block_bytes >> 10} KiB, loads of {args.batch} "
-              f"random blocks, best of {args.reps}, interleaved; shared file in {base}")
+              f"random blocks, best of {args.reps}, interleaved; the writer's G2 in a memfd")
         print(f"  {'plain copy of the bytes':38s} {gbs['copy']:6.2f} GB/s")
         print(f"  {'load from its own G2 (verified)':38s} {gbs['own']:6.2f} GB/s "
               f"({gbs['own'] / gbs['copy']:.2f} of the copy)")
