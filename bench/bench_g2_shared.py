@@ -5,7 +5,8 @@ An MLA model's latent is the same on every tensor-parallel rank, so a group keep
 the first rank writes it in a shared-memory file (``PublishedHostStorage``), the others map
 it read-only and verify every block they load against the writer's seals
 (``FollowedHostStorage``). This measures, in one run, G2 -> G1 loads of ``--batch`` random
-blocks (a CPU G1, as vLLM's CPU build has) through the transfer engine:
+blocks (into a G1 on the GPU where there is one, else on the CPU, as vLLM's CPU build has)
+through the transfer engine:
 
 * a plain copy of the same bytes (``torch`` ``copy_`` of one contiguous tensor): the
   hardware's figure;
@@ -46,6 +47,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="where G1 is (default: the GPU where there is one); the plain "
+                             "copy is then host (pinned) -> device")
     args = parser.parse_args()
     if args.quick:
         args.blocks, args.batch, args.reps = 64, 16, 5
@@ -57,7 +61,7 @@ def main() -> None:
         own = HostStorage(cfg, verify_reads=True)
         writer = PublishedHostStorage(cfg, path, verify_reads=True)
         reader = FollowedHostStorage(cfg, path)
-        g1s = [DeviceStorage.allocate(cfg, device="cpu") for _ in range(3)]
+        g1s = [DeviceStorage.allocate(cfg, device=args.device) for _ in range(3)]
         for g1 in g1s:
             for region in g1.memory.regions:
                 region.random_(0, 256)
@@ -72,8 +76,14 @@ def main() -> None:
         nbytes = args.batch * cfg.block_bytes
         # the copy's bytes as far apart as the loads' (a window of a pool as big, in turn):
         # not the same few MB left in the cache by the run before
-        src_t = torch.empty(args.blocks * cfg.block_bytes, dtype=torch.uint8).random_(0, 256)
-        dst_t = torch.empty_like(src_t).zero_()
+        src_t = torch.empty(args.blocks * cfg.block_bytes, dtype=torch.uint8,
+                            pin_memory=args.device != "cpu").random_(0, 256)
+        dst_t = torch.zeros_like(src_t, device=args.device)
+
+        def sync() -> None:
+            if args.device != "cpu":
+                torch.cuda.synchronize()
+
         windows = args.blocks // args.batch
         rng = random.Random(0)
         best = {"copy": float("inf"), "own": float("inf"), "reader": float("inf")}
@@ -89,13 +99,17 @@ def main() -> None:
             at = (rep % windows) * nbytes
             for key, fn in (("copy", lambda: dst_t[at:at + nbytes].copy_(src_t[at:at + nbytes])),
                             ("own", lambda: load("own")), ("reader", lambda: load("reader"))):
+                sync()
                 start = time.perf_counter()
                 fn()
+                sync()
                 if rep:
                     best[key] = min(best[key], time.perf_counter() - start)
         gbs = {k: nbytes / v / 1e9 for k, v in best.items()}
         print(f"{args.blocks} blocks of {cfg.block_bytes >> 10} KiB, loads of {args.batch} "
-              f"random blocks, best of {args.reps}, interleaved; the writer's G2 in a memfd")
+              f"random blocks into G1 on {args.device}, best of {args.reps}, interleaved; "
+              f"the writer's G2 in a memfd (pinned: own {own.pinned}, writer {writer.pinned}, "
+              f"reader {reader.pinned})")
         print(f"  {'plain copy of the bytes':38s} {gbs['copy']:6.2f} GB/s")
         print(f"  {'load from its own G2 (verified)':38s} {gbs['own']:6.2f} GB/s "
               f"({gbs['own'] / gbs['copy']:.2f} of the copy)")
