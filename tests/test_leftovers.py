@@ -55,6 +55,11 @@ def test_reclaim_leaves_what_another_pid_namespace_owns(tmp_path):
         path.write_bytes(b"x")
     assert reclaim(tmp_path, "kvstrata-g2-") == [str(ours)]
     assert theirs.exists()
+    # what a version before the namespace was in the tag left is still reclaimed
+    legacy = tmp_path / (f"kvstrata-g3-h{xxhash.xxh32_hexdigest(socket.gethostname().encode())}"
+                         f"-{dead}-abcd.slab")
+    legacy.write_bytes(b"x")
+    assert reclaim(tmp_path, "kvstrata-g3-") == [str(legacy)]
 
 
 def test_a_new_disk_tier_reclaims_slabs_of_killed_processes(tmp_path):

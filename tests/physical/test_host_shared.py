@@ -166,8 +166,9 @@ def test_only_a_file_of_this_users_alone_with_these_slots_is_trusted(shm):
 
 
 def test_a_rendezvous_naming_other_memory_is_refused(shm, tmp_path):
-    """A rendezvous file forged to name another descriptor of a process of this user (a
-    plain file of the right size), or a process that is gone, is not trusted."""
+    """A rendezvous file naming another descriptor of a process of this user (a plain file
+    of the right size), the memory of another writer of the same geometry (a pid reused
+    after the writer died would name it), or a process that is gone, is not trusted."""
     from kvstrata.physical.storage import host_shared
 
     path = shm / "kvstrata-g2-forged"
@@ -175,25 +176,40 @@ def test_a_rendezvous_naming_other_memory_is_refused(shm, tmp_path):
     decoy = tmp_path / "decoy"
     decoy.write_bytes(b"\0" * size)
     fd = os.open(decoy, os.O_RDONLY)
-    try:
+    other = PublishedHostStorage(CFG, shm / "kvstrata-g2-other")
+
+    def forge(pid: int, number: int, nonce: bytes = b"n" * 16) -> None:
+        path.unlink(missing_ok=True)
         host_shared._publish(path, host_shared._RENDEZVOUS.pack(
-            host_shared._RENDEZVOUS_MAGIC, os.getpid(), fd, size))
-        with pytest.raises(StorageConfigError, match="other slots"):
+            host_shared._RENDEZVOUS_MAGIC, pid, number, size, nonce))
+
+    try:
+        forge(os.getpid(), fd)
+        with pytest.raises(StorageConfigError, match="not trusted"):   # not a memfd
             FollowedHostStorage(CFG, path)
-        path.unlink()
+        forge(os.getpid(), other.file._memory_fd)
+        with pytest.raises(StorageConfigError, match="another writer's"):
+            FollowedHostStorage(CFG, path)
         gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                               capture_output=True, text=True, check=True).stdout.strip()
-        host_shared._publish(path, host_shared._RENDEZVOUS.pack(
-            host_shared._RENDEZVOUS_MAGIC, int(gone), fd, size))
-        with pytest.raises(StorageConfigError, match=f"process {gone}"):
+        forge(int(gone), fd)
+        with pytest.raises(StorageConfigError, match=f"process {gone}.*share_host_tier"):
             FollowedHostStorage(CFG, path)
         path.unlink()
         path.write_bytes(b"garbage" * 3)
         os.chmod(path, 0o600)
         with pytest.raises(StorageConfigError, match="not trusted"):
             FollowedHostStorage(CFG, path)
+        path.unlink()
     finally:
         os.close(fd)
+        other.close()
+
+
+def test_this_machine_can_share_memory_the_way_the_readers_open_it():
+    from kvstrata.physical.storage.host_shared import memory_sharing_problem
+
+    assert memory_sharing_problem() is None
 
 
 def test_a_killed_writer_leaves_no_memory_behind_and_readers_keep_theirs(shm):

@@ -9,7 +9,8 @@ import os
 from ..config import KvConfig, format_size
 from ..physical import HostStorage, LayoutConfig, PhysicalError, Storage
 from ..physical.leftovers import reclaim
-from ..physical.storage.host_shared import FollowedHostStorage, PublishedHostStorage
+from ..physical.storage.host_shared import (FollowedHostStorage, PublishedHostStorage,
+                                            memory_sharing_problem)
 from ..placement.costs import CostPrior
 from ..tiers import TierKind
 from .base import Kind, StorageOptions, TierSetupError, layout_config_for, ram_problem
@@ -86,7 +87,8 @@ def shared_host_problem(tier: str, directory: str) -> str | None:
         return f"tier {tier}: this platform has no memfd_create to share host memory"
     if not os.path.isdir(directory) or not os.access(directory, os.W_OK | os.X_OK):
         return f"tier {tier}: {directory} is not a directory this process can write in"
-    return None
+    problem = memory_sharing_problem()
+    return f"tier {tier}: {problem}" if problem else None
 
 
 KIND = HostKind()

@@ -40,6 +40,9 @@ def _pid_namespace() -> str:
 # directory never take each other's live processes for gone
 _HOST = "h" + xxhash.xxh32_hexdigest(
     f"{socket.gethostname()}\0{_pid_namespace()}".encode("utf-8", "replace"))
+# the tag of kvstrata versions before the namespace was in it: their leftovers are still
+# reclaimed (as they were then)
+_LEGACY_HOST = "h" + xxhash.xxh32_hexdigest(socket.gethostname().encode("utf-8", "replace"))
 _TAG = re.compile(r"-h([0-9a-f]{8})-(\d+)-")
 
 
@@ -74,7 +77,7 @@ def reclaim(directory: str | os.PathLike, prefix: str,
         if not name.startswith(prefix):
             continue
         match = _TAG.search(name[len(prefix) - 1:])
-        if match is None or "h" + match.group(1) != _HOST:
+        if match is None or "h" + match.group(1) not in (_HOST, _LEGACY_HOST):
             continue
         pid = int(match.group(2))
         if pid == os.getpid() or _alive(pid):

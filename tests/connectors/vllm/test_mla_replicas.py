@@ -159,6 +159,8 @@ def test_each_rank_keeps_its_own_g2_where_asked_or_where_it_cannot_share(sims, t
                                                 "shared_memory_dir": nowhere})
     with pytest.raises(ConnectorConfigError, match="shared_memory_dir"):
         mla_sim(sims, tmp_path / "bad", extra={"shared_memory_dir": "relative/dir"})
+    with pytest.raises(ConnectorConfigError, match="share_host_tier.*G3 is in a directory"):
+        mla_sim(sims, tmp_path / "temp", durable=False, extra={"share_host_tier": True})
 
 
 def test_a_restart_recovers_the_one_copy_into_both_ranks(sims, tmp_path):

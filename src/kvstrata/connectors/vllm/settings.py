@@ -301,9 +301,17 @@ def settings_from(extra: Mapping[str, Any] | None, geometry: KvGeometry,
         block_layout = f"{block_layout} groups {geometry.groups.signature()}"
     replicas = geometry.replicas
     disk = first_of_kind(TierKind.DISK)
-    if replicas > 1 and disk in kv.tiers and kv.directory_of(disk) is None:
-        replicas = 1    # a temporary G3 cannot be found by the other ranks: one copy each
     share, directory = switches.pop("share_host_tier"), switches.pop("shared_memory_dir")
+    if replicas > 1 and disk in kv.tiers and kv.directory_of(disk) is None:
+        # a temporary G3 cannot be found by the other ranks: one copy each, G2 too
+        if share:
+            raise ConnectorConfigError(
+                f"kvstrata connector: share_host_tier: the workers of a tensor-parallel group "
+                f"share their tiers only where {disk} is in a directory (disk_dir, or the "
+                f"tier's path) or left out; set one, or share_host_tier false")
+        log.info("kvstrata: each worker keeps its own copy of the MLA latent (%s is "
+                 "temporary: give it a directory to keep one per group)", disk)
+        replicas = 1
     shared_host_dir = _shared_host_dir(kv, share, directory, replicas)
     _check_runnable(kv, geometry.workers, block_layout, replicas, shared_host_dir)
     return ConnectorSettings(kv=kv, block_layout=block_layout, groups=geometry.groups,
@@ -322,8 +330,8 @@ def _shared_host_dir(kv: KvConfig, share: bool | None, directory: str,
     if problem is None:
         return directory
     if share:
-        raise ConnectorConfigError(f"kvstrata connector: share_host_tier: {problem}; set "
-                                   f"shared_memory_dir, or share_host_tier false")
+        raise ConnectorConfigError(f"kvstrata connector: share_host_tier: {problem}; "
+                                   f"set share_host_tier false")
     log.info("kvstrata: each worker keeps its own %s (%s)", host, problem)
     return None
 

@@ -4,7 +4,7 @@ tensor-parallel group serving an MLA model hold the same blocks, so they keep on
 **Where it lives.** In an anonymous shared-memory file of the writer (``memfd_create``):
 memory that goes back to the system when the writer and the last reader are gone, however
 they end (SIGKILL and the OOM killer included), that no filesystem's size limits (Docker's
-64 MiB ``/dev/shm``), and that no other process can open by a name. It holds a header page
+64 MiB ``/dev/shm``), and that has no name in any directory. It holds a header page
 (magic, slot count, stride, payload bytes, block geometry, dtype), the seal table (three
 ``uint64`` per slot, rounded up to whole pages), then the slots; its size is sealed
 (``F_SEAL_GROW | F_SEAL_SHRINK``), so no one can cut it under a reader's mapping. Readers
@@ -12,13 +12,14 @@ find it through a small *rendezvous file* named ``kvstrata-<tier>-<name>`` in a 
 (``/dev/shm`` by default), where the caller makes ``name`` unique among this host's live
 servers with an owner tag (:func:`~kvstrata.physical.leftovers.owner_tag`): it says which
 process holds the memory and under which descriptor, and a reader opens that descriptor
-through ``/proc/<pid>/fd`` (which the kernel allows only to processes that may inspect the
-writer: the same user, in the same pid namespace). The rendezvous file is made under a
+through ``/proc/<pid>/fd`` (which the kernel allows to processes that may inspect the
+writer: the same user, in its pid namespace or an ancestor's, the writer dumpable). The rendezvous file is made under a
 temporary name with O_EXCL and mode 0600 and linked under its name whole; the writer's close
 removes it, and one left by a killed writer (a few dozen bytes) is removed by the next
 writer in that directory. A reader trusts a rendezvous file only if it is a regular file of
-this user that no one else can read or write, and the memory only if it is this user's, of
-the size and header the reader expects.
+this user that no one else can read or write, and the memory only if it is a memfd of this
+user's sealed against resizing, of the size and header the reader expects, with the random
+nonce the rendezvous file names (a pid reused after a writer died names other memory).
 
 **Why a reader never serves a wrong block.** The writer's checksum table
 (:class:`PublishedChecksumTable`) publishes each slot's seal as it changes: invalidated
@@ -37,6 +38,7 @@ loaded is held until every rank reported its load.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import mmap
 import os
@@ -57,11 +59,13 @@ from ...protocol.layout import FullyContiguousLayout, LayoutConfig
 from .host import HostStorage
 
 __all__ = ["SharedHost", "SharedHostFile", "PublishedChecksumTable", "PublishedHostStorage",
-           "FollowedHostStorage", "shared_host_path"]
+           "FollowedHostStorage", "shared_host_path", "memory_sharing_problem"]
 
 _MAGIC = b"kvstrata-g2-v1\0\0"
-# magic, slots, stride, payload bytes, seals at, slots at, layers, outer, page, inner, dtype
-_HEADER = struct.Struct("<16sQQQQQQQQQ16s")
+# magic, slots, stride, payload bytes, seals at, slots at, layers, outer, page, inner, dtype,
+# then the writer's nonce (also in its rendezvous file: this memory, not another like it)
+_HEADER = struct.Struct("<16sQQQQQQQQQ16s16s")
+_SIZE_SEALS = fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK
 _SEAL_WORDS = 3                         # sequence hash, xxh3-64, check word
 
 
@@ -92,11 +96,39 @@ def _placement(num_blocks: int, stride: int) -> tuple[int, int, int]:
     return seals_at, slots_at, slots_at + num_blocks * stride
 
 
-def _header(config: LayoutConfig, stride: int) -> tuple:
+def _header(config: LayoutConfig, stride: int, nonce: bytes) -> tuple:
     seals_at, slots_at, _ = _placement(config.num_blocks, stride)
     return (_MAGIC, config.num_blocks, stride, config.block_bytes, seals_at, slots_at,
             config.num_layers, config.outer_dim, config.page_size, config.inner_dim,
-            str(config.dtype).encode()[:16].ljust(16, b"\0"))
+            str(config.dtype).encode()[:16].ljust(16, b"\0"), nonce)
+
+
+def memory_sharing_problem() -> str | None:
+    """Why processes of this user cannot share host memory here the way
+    :class:`SharedHostFile` does (None if they can): a memfd opened again through
+    ``/proc/<pid>/fd``, which needs a mounted ``/proc`` and a writer the kernel lets its
+    peers inspect (dumpable)."""
+    try:
+        fd = os.memfd_create("kvstrata-probe", os.MFD_CLOEXEC)
+    except (AttributeError, OSError) as exc:
+        return f"cannot make shared memory (memfd_create): {exc}"
+    try:
+        try:
+            os.close(os.open(f"/proc/{os.getpid()}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC))
+        except OSError as exc:
+            return f"shared memory cannot be opened through /proc here: {exc.strerror}"
+    finally:
+        os.close(fd)
+    try:
+        import ctypes
+
+        dumpable = ctypes.CDLL(None, use_errno=True).prctl(3, 0, 0, 0, 0)  # PR_GET_DUMPABLE
+    except (OSError, AttributeError):
+        return None
+    if dumpable != 1:
+        return ("this process is not dumpable (PR_SET_DUMPABLE): its peers cannot open its "
+                "shared memory")
+    return None
 
 
 def _check_words(slots: np.ndarray, seqs: np.ndarray, sums: np.ndarray) -> np.ndarray:
@@ -150,9 +182,10 @@ class SharedHostFile:
             except OSError as exc:
                 raise StorageConfigError(f"cannot reserve {size} bytes of shared host "
                                          f"memory: {exc.strerror}") from exc
-            mapping[:_HEADER.size] = _HEADER.pack(*_header(config, stride))
+            nonce = secrets.token_bytes(16)
+            mapping[:_HEADER.size] = _HEADER.pack(*_header(config, stride, nonce))
             rendezvous = _publish(path, _RENDEZVOUS.pack(_RENDEZVOUS_MAGIC, os.getpid(), fd,
-                                                         size))
+                                                         size, nonce))
         except BaseException:
             os.close(fd)
             raise
@@ -164,7 +197,7 @@ class SharedHostFile:
         """Map, read-only, the memory that the rendezvous file at ``path`` names, made by
         another process of this user for these slots."""
         path = Path(path)
-        pid, number, size = _read_rendezvous(path)
+        pid, number, size, nonce = _read_rendezvous(path)
         expected_size = _placement(config.num_blocks, stride)[2]
         if size != expected_size:
             raise StorageConfigError(f"shared host memory of {path} has {size} bytes, "
@@ -172,12 +205,17 @@ class SharedHostFile:
         try:
             fd = os.open(f"/proc/{pid}/fd/{number}", os.O_RDONLY | os.O_CLOEXEC)
         except OSError as exc:
-            raise StorageConfigError(f"cannot open the shared host memory that process {pid} "
-                                     f"holds for {path}: {exc.strerror}") from exc
+            raise StorageConfigError(
+                f"cannot open the shared host memory that process {pid} holds for {path}: "
+                f"{exc.strerror} (share_host_tier false keeps a host tier per process)") from exc
         try:
             st = os.fstat(fd)
+            try:
+                sealed = fcntl.fcntl(fd, fcntl.F_GET_SEALS) & _SIZE_SEALS == _SIZE_SEALS
+            except OSError:
+                sealed = False                   # not a memfd
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() \
-                    or st.st_size != size:
+                    or st.st_size != size or not sealed:
                 raise StorageConfigError(f"the memory {path} names is not this user's shared "
                                          f"host memory of {size} bytes: not trusted")
             try:
@@ -188,11 +226,12 @@ class SharedHostFile:
         finally:
             os.close(fd)
         header = _HEADER.unpack(mapping[:_HEADER.size])
-        expected = _header(config, stride)
+        expected = _header(config, stride, nonce)
         if header != expected:
             mapping.close()
-            raise StorageConfigError(f"shared host memory of {path} holds other slots "
-                                     f"({header[1:]}; {expected[1:]} expected)")
+            what = ("is another writer's (its nonce differs)" if header[:-1] == expected[:-1]
+                    else f"holds other slots ({header[1:-1]}; {expected[1:-1]} expected)")
+            raise StorageConfigError(f"shared host memory of {path} {what}")
         return cls(path, mapping, config, stride, False)
 
     def buffer(self, pin: bool) -> AlignedBuffer:
@@ -233,7 +272,7 @@ class SharedHostFile:
 
 
 _RENDEZVOUS_MAGIC = b"kvstrata-g2-rdv1"
-_RENDEZVOUS = struct.Struct("<16sQQQ")     # magic, writer's pid, its descriptor, bytes
+_RENDEZVOUS = struct.Struct("<16sQQQ16s")  # magic, writer's pid, its descriptor, bytes, nonce
 
 
 def _publish(path: Path, content: bytes) -> tuple[int, int]:
@@ -246,9 +285,10 @@ def _publish(path: Path, content: bytes) -> tuple[int, int]:
     except OSError as exc:
         raise StorageConfigError(f"cannot create {part}: {exc.strerror}") from exc
     try:
-        os.write(fd, content)
-        st = os.fstat(fd)
         try:
+            if os.write(fd, content) != len(content):
+                raise OSError(errno.ENOSPC, "short write")
+            st = os.fstat(fd)
             os.link(part, path)
         except OSError as exc:
             raise StorageConfigError(f"cannot publish shared host memory at {path}: "
@@ -262,9 +302,9 @@ def _publish(path: Path, content: bytes) -> tuple[int, int]:
             pass
 
 
-def _read_rendezvous(path: Path) -> tuple[int, int, int]:
-    """(pid, descriptor, bytes) from the rendezvous file at ``path``, trusted only as a
-    regular file of this user's alone holding exactly one record."""
+def _read_rendezvous(path: Path) -> tuple[int, int, int, bytes]:
+    """(pid, descriptor, bytes, nonce) from the rendezvous file at ``path``, trusted only as
+    a regular file of this user's alone holding exactly one record."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
@@ -280,11 +320,11 @@ def _read_rendezvous(path: Path) -> tuple[int, int, int]:
         data = os.pread(fd, _RENDEZVOUS.size, 0)
     finally:
         os.close(fd)
-    magic, pid, number, size = _RENDEZVOUS.unpack(data) if len(data) == _RENDEZVOUS.size \
-        else (b"", 0, 0, 0)
+    magic, pid, number, size, nonce = _RENDEZVOUS.unpack(data) \
+        if len(data) == _RENDEZVOUS.size else (b"", 0, 0, 0, b"")
     if magic != _RENDEZVOUS_MAGIC or not 0 < pid < 2**31 or number >= 2**31:
         raise StorageConfigError(f"{path} does not name shared host memory: not trusted")
-    return pid, number, size
+    return pid, number, size, nonce
 
 
 class PublishedChecksumTable(ChecksumTable):
