@@ -333,3 +333,49 @@ def test_the_kind_builds_one_writer_and_readers(shm, tmp_path):
     again.close()
     assert shared_host_problem("G2", str(shm)) is None
     assert "not a directory" in shared_host_problem("G2", str(shm / "none"))
+
+
+def test_a_slot_rewritten_while_it_is_copied_out_is_reported_failed(shm):
+    """The writer rewrites a slot between the reader's check and its copy (a scheduler that
+    let a slot be reused during a load): the copy lands, but the transfer engine reports
+    the block failed (the engine recomputes it), never loaded as the block it replaced."""
+    from kvstrata.physical import DeviceStorage, TransferEngine, TransferPlan
+    from kvstrata.physical.engines import default_copy_engine
+
+    path = shm / "kvstrata-g2-race"
+    writer = PublishedHostStorage(CFG, path)
+    reader = FollowedHostStorage(CFG, path)
+    for slot in range(4):
+        fill(writer, slot, 100 + slot)
+    g1 = DeviceStorage.allocate(CFG, device="cpu")
+    inner = default_copy_engine()
+
+    class Meddling:
+        """The host copy engine, with the writer rewriting slot 2 after the check."""
+
+        def __getattr__(self, name):
+            return getattr(inner, name)
+
+        def copy_checked(self, src, src_ids, dst, dst_ids, check, **kw):
+            good = check(0, len(src_ids))
+            fill(writer, 2, 999)
+            inner.copy(src, [src_ids[p] for p in good], dst, [dst_ids[p] for p in good],
+                       direction=kw.get("direction"))
+            return good
+
+    for engine, rewritten in ((TransferEngine({"G1": g1, "G2": reader}), False),
+                              (TransferEngine({"G1": g1, "G2": reader},
+                                              copy_engine=Meddling()), True)):
+        if rewritten:
+            fill(writer, 2, 102)                 # as it was
+        result = engine.submit(TransferPlan.for_path("G2->G1", [0, 1, 2, 3], [4, 5, 6, 7],
+                                                     [100, 101, 102, 103], job_id=0)).result()
+        failed = [p for p in range(4) if not result.ok[p]]
+        assert failed == ([2] if rewritten else []), failed
+        if rewritten:
+            assert [f.position for f in result.failures] == [2]
+            assert "rewritten" in result.failures[0].detail
+        engine.close()
+    writer.close()
+    reader.close()
+    g1.close()

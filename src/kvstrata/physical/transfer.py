@@ -317,6 +317,7 @@ class TransferEngine:
             good = self.copy_engine.copy_checked(
                 src.memory, plan.src_block_ids, dst.memory, plan.dst_block_ids, check,
                 direction=direction, slice_bytes=self.hash_slice_bytes)
+            good = _confirmed(src, plan, failures, good)
             if dst.keeps_checksums and good:   # deferred: hashed on first need (HostStorage)
                 dst.seal(_at(plan.dst_block_ids, good, len(plan)),
                          _at(plan.sequence_hashes, good, len(plan)), defer=True)
@@ -402,10 +403,11 @@ class TransferEngine:
                 passed = set(_readable(src, plan, failures, rest[lo:hi]))
                 return [j for j in range(lo, hi) if rest[j] in passed]
 
-            self.copy_engine.copy_checked(src.memory, [plan.src_block_ids[p] for p in rest],
-                                          dst.memory, [plan.dst_block_ids[p] for p in rest],
-                                          check, direction=direction,
-                                          slice_bytes=self.hash_slice_bytes)
+            copied = self.copy_engine.copy_checked(
+                src.memory, [plan.src_block_ids[p] for p in rest],
+                dst.memory, [plan.dst_block_ids[p] for p in rest], check,
+                direction=direction, slice_bytes=self.hash_slice_bytes)
+            _confirmed(src, plan, failures, [rest[j] for j in copied])
 
     def _load_in_place(self, plan, store, dst, failures, checksums) -> None:
         """A block store read straight into a memory's host arrays, then sealed with the
@@ -607,6 +609,22 @@ def _readable(source: Storage, plan: TransferPlan, failures: dict[int, BlockFail
         p = positions[f.position]
         failures[p] = f if p == f.position else replace(f, position=p)
     return [p for p in positions if p not in failures]
+
+
+def _confirmed(source: Storage, plan: TransferPlan, failures: dict[int, BlockFailure],
+               positions: list[int]) -> list[int]:
+    """Of the plan ``positions`` just copied out of a memory ``source``, those its
+    :meth:`~.storage.base.MemoryStorage.confirm_read` still vouches for (the others are
+    recorded as failed: rewritten by another process while they were read)."""
+    if not positions:
+        return positions
+    found = source.confirm_read([plan.src_block_ids[p] for p in positions],
+                                [plan.sequence_hashes[p] for p in positions])
+    for f in found:
+        p = positions[f.position]
+        failures[p] = replace(f, position=p)
+    bad = {positions[f.position] for f in found}
+    return [p for p in positions if p not in bad] if bad else positions
 
 
 def _at(values: Sequence, positions: list[int], n: int) -> Sequence:

@@ -184,6 +184,13 @@ class MemoryStorage(Storage):
         """Failures of the slots that must not be read as ``sequence_hashes`` (none here)."""
         return []
 
+    def confirm_read(self, block_ids: Sequence[int],
+                     sequence_hashes: Sequence[int]) -> list[BlockFailure]:
+        """After a copy out of slots that :meth:`check_readable` passed has landed: failures
+        of those that changed meanwhile (none here: only a storage another process writes
+        can change under a read)."""
+        return []
+
     def begin_write(self, block_ids: Sequence[int]) -> None:
         """Slots ``block_ids`` are about to be overwritten (nothing to invalidate here)."""
 

@@ -30,10 +30,12 @@ and checksum, so a seal read while the writer rewrites it (fields of two seals) 
 check. A reader (:class:`FollowedHostStorage`) takes one snapshot of a batch's seals,
 checks the identities against it, then hashes the slots' bytes and compares them with the
 snapshot's checksums: bytes replaced after the snapshot hash to another value, whatever
-order the two processes see each other's stores in. What this checks is the bytes as they
-were hashed; the copy out of the slot comes after, so the slot must not be reused before
-the reader's load is done. The vLLM connector's scheduler makes sure of it: a G2 slot being
-loaded is held until every rank reported its load.
+order the two processes see each other's stores in. The copy out of the slot comes after
+the hash, so once it has landed the transfer engine asks :meth:`FollowedHostStorage.
+confirm_read`: a slot whose seal is no longer the one its bytes were verified against (the
+writer invalidates a seal before it touches the bytes) is reported failed, and the engine
+recomputes that block. (The vLLM connector's scheduler also holds a G2 slot being loaded
+until every rank reported its load, so this is a second line.)
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import os
 import secrets
 import stat
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -410,6 +413,7 @@ class FollowedHostStorage(HostStorage):
             self.file.release()
             raise
         self._array.flags.writeable = False   # a stray write raises here, not SIGSEGV
+        self._verified = threading.local()    # per copying thread: slot -> (hash, checksum)
 
     def _refuse(self, what: str) -> StorageConfigError:
         return StorageConfigError(f"{what}: this host tier is read here, written by the "
@@ -460,6 +464,31 @@ class FollowedHostStorage(HostStorage):
                                           f"{int(sums[at[i]]):#018x}")
                              for i in np.flatnonzero(actual != sums[at])]
         failures.sort(key=lambda f: f.position)
+        if verify is not False:
+            bad = {f.position for f in failures}
+            verified = self._verified.__dict__.setdefault("seals", {})
+            for p in range(len(idx)):
+                if p not in bad:
+                    verified[int(idx[p])] = (int(seqs[p]), int(sums[p]))
+        return failures
+
+    def confirm_read(self, block_ids: Sequence[int],
+                     sequence_hashes: Sequence[int]) -> list[BlockFailure]:
+        """After the copy out of slots this thread's :meth:`check_readable` verified has
+        landed: failures of those whose seal is no longer the one their bytes were verified
+        against. The writer invalidates a seal before it touches a slot's bytes, so a slot
+        rewritten while it was copied out fails here, and a block copied whole is never
+        passed on as another's."""
+        verified = self._verified.__dict__.setdefault("seals", {})
+        idx = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+        ok, seqs, sums = self.file.snapshot(idx)
+        failures = []
+        for p, slot in enumerate(idx.tolist()):
+            then = verified.pop(slot, None)
+            if then is None or not ok[p] or then != (int(seqs[p]), int(sums[p])) \
+                    or then[0] != int(sequence_hashes[p]):
+                failures.append(BlockFailure(p, slot, FailureKind.CHECKSUM_MISMATCH,
+                                             "slot rewritten while it was read"))
         return failures
 
     def close(self) -> None:
