@@ -101,9 +101,8 @@ def test_a_seal_torn_between_two_blocks_is_never_valid(shm):
     old = seals[0].copy()
     fill(writer, 0, 9)
     new = seals[0].copy()
-    for torn in ([new[0], old[1], new[2]], [old[0], new[1], new[2]],
-                 [new[0], new[1], old[2]], [old[0], old[1], new[2]]):
-        seals[0] = torn
+    for mix in range(1, 15):                         # every mix of the two seals' fields
+        seals[0] = [new[i] if mix >> i & 1 else old[i] for i in range(4)]
         assert reader.check_readable([0], [9]) != [] and reader.check_readable([0], [7]) != []
     seals[0] = new
     assert reader.check_readable([0], [9]) == []
@@ -335,47 +334,95 @@ def test_the_kind_builds_one_writer_and_readers(shm, tmp_path):
     assert "not a directory" in shared_host_problem("G2", str(shm / "none"))
 
 
-def test_a_slot_rewritten_while_it_is_copied_out_is_reported_failed(shm):
-    """The writer rewrites a slot between the reader's check and its copy (a scheduler that
-    let a slot be reused during a load): the copy lands, but the transfer engine reports
-    the block failed (the engine recomputes it), never loaded as the block it replaced."""
-    from kvstrata.physical import DeviceStorage, TransferEngine, TransferPlan
+def _meddled_load(writer, reader, g1, meddle, slots, seqs, *, summable=False):
+    """A G2 -> G1 load out of ``reader`` through the host copy engine, with ``meddle()``
+    (the writer at work) run between the reader's check and the copy; the result."""
+    from kvstrata.physical import TransferEngine, TransferPlan
     from kvstrata.physical.engines import default_copy_engine
 
-    path = shm / "kvstrata-g2-race"
-    writer = PublishedHostStorage(CFG, path)
-    reader = FollowedHostStorage(CFG, path)
-    for slot in range(4):
-        fill(writer, slot, 100 + slot)
-    g1 = DeviceStorage.allocate(CFG, device="cpu")
     inner = default_copy_engine()
 
     class Meddling:
-        """The host copy engine, with the writer rewriting slot 2 after the check."""
-
         def __getattr__(self, name):
             return getattr(inner, name)
 
+        def summable(self, a, b):                # the GPU kernel's path (_onboard_summed)
+            return summable
+
         def copy_checked(self, src, src_ids, dst, dst_ids, check, **kw):
             good = check(0, len(src_ids))
-            fill(writer, 2, 999)
+            meddle()
             inner.copy(src, [src_ids[p] for p in good], dst, [dst_ids[p] for p in good],
                        direction=kw.get("direction"))
             return good
 
-    for engine, rewritten in ((TransferEngine({"G1": g1, "G2": reader}), False),
-                              (TransferEngine({"G1": g1, "G2": reader},
-                                              copy_engine=Meddling()), True)):
-        if rewritten:
-            fill(writer, 2, 102)                 # as it was
-        result = engine.submit(TransferPlan.for_path("G2->G1", [0, 1, 2, 3], [4, 5, 6, 7],
-                                                     [100, 101, 102, 103], job_id=0)).result()
-        failed = [p for p in range(4) if not result.ok[p]]
-        assert failed == ([2] if rewritten else []), failed
-        if rewritten:
-            assert [f.position for f in result.failures] == [2]
-            assert "rewritten" in result.failures[0].detail
+    engine = TransferEngine({"G1": g1, "G2": reader}, copy_engine=Meddling())
+    try:
+        return engine.submit(TransferPlan.for_path("G2->G1", slots, list(range(4, 4 + len(
+            slots))), seqs, job_id=0)).result()
+    finally:
         engine.close()
+
+
+@pytest.mark.parametrize("summable", [False, True])
+def test_a_slot_rewritten_while_it_is_copied_out_is_reported_failed(shm, summable):
+    """The writer rewrites a slot between the reader's check and its copy (a scheduler that
+    let a slot be reused during a load), even giving it back its block afterwards (same
+    hash and checksum): the copy lands, but the transfer engine reports the block failed
+    (the engine recomputes it), never loaded as the block it replaced."""
+    from kvstrata.physical import DeviceStorage
+
+    path = shm / "kvstrata-g2-race"
+    writer = PublishedHostStorage(CFG, path)
+    reader = FollowedHostStorage(CFG, path)
+    g1 = DeviceStorage.allocate(CFG, device="cpu")
+    for slot in range(4):
+        fill(writer, slot, 100 + slot)
+    seqs = [100, 101, 102, 103]
+    calm = _meddled_load(writer, reader, g1, lambda: None, [0, 1, 2, 3], seqs,
+                         summable=summable)
+    assert all(calm.ok)
+    rewritten = _meddled_load(writer, reader, g1, lambda: fill(writer, 2, 999),
+                              [0, 1, 2, 3], seqs, summable=summable)
+    assert [p for p in range(4) if not rewritten.ok[p]] == [2]
+    assert "rewritten" in rewritten.failures[0].detail
+    fill(writer, 2, 102)
+
+    def rewritten_and_given_back():
+        fill(writer, 2, 999)
+        fill(writer, 2, 102)
+
+    restored = _meddled_load(writer, reader, g1, rewritten_and_given_back, [0, 1, 2, 3],
+                             seqs, summable=summable)
+    assert [p for p in range(4) if not restored.ok[p]] == [2]
+    # one slot twice in a plan: a rewrite after the first check fails both copies
+    twice = _meddled_load(writer, reader, g1, lambda: fill(writer, 1, 101), [1, 0, 1],
+                          [101, 100, 101], summable=summable)
+    assert list(twice.ok) == [False, True, False]
+    again = _meddled_load(writer, reader, g1, lambda: None, [1, 0, 1], [101, 100, 101],
+                          summable=summable)
+    assert all(again.ok)
+    assert not reader._verified.__dict__.get("seals")       # nothing left behind
     writer.close()
     reader.close()
     g1.close()
+
+
+def test_nothing_is_stored_from_a_reader(shm, tmp_path):
+    """The writer stores what the shared G2 holds; a store plan out of a reader fails
+    whole, and nothing reaches the disk tier."""
+    from kvstrata.physical import DeviceStorage, DiskStorage, TransferEngine, TransferPlan
+
+    path = shm / "kvstrata-g2-store"
+    writer = PublishedHostStorage(CFG, path)
+    reader = FollowedHostStorage(CFG, path)
+    fill(writer, 0, 100)
+    g1 = DeviceStorage.allocate(CFG, device="cpu")
+    disk = DiskStorage(CFG, tmp_path, o_direct=False)
+    engine = TransferEngine({"G1": g1, "G2": reader, "G3": disk})
+    result = engine.submit(TransferPlan.for_path("G2->G3", [0], [0], [100], job_id=0)).result()
+    assert not any(result.ok) and "another process writes" in result.failures[0].detail
+    assert disk.checksums.get(0) is None
+    engine.close()
+    for storage in (disk, g1, reader, writer):
+        storage.close()

@@ -444,6 +444,8 @@ class TransferEngine:
         memory (no second hash pass; bytes corrupted there since then fail the store's
         read). Deferred ones are hashed by the store while it writes, and filled in the
         memory's table too."""
+        if _written_elsewhere(src, plan, failures):
+            return
         good = _readable(src, plan, failures)
         if not good:
             return
@@ -465,6 +467,8 @@ class TransferEngine:
         tier in between: SGLang's host pool over a G3) written to a block store through the
         staging buffer, round by round: the round's blocks copied in, then written (the
         store hashes them as it writes)."""
+        if _written_elsewhere(src, plan, failures):
+            return
         good = _readable(src, plan, failures)
         if not good:
             return
@@ -609,6 +613,19 @@ def _readable(source: Storage, plan: TransferPlan, failures: dict[int, BlockFail
         p = positions[f.position]
         failures[p] = f if p == f.position else replace(f, position=p)
     return [p for p in positions if p not in failures]
+
+
+def _written_elsewhere(source: MemoryStorage, plan: TransferPlan,
+                       failures: dict[int, BlockFailure]) -> bool:
+    """Whether ``source`` is written by another process, which stores what it holds: then
+    every block of this store fails, none is stored from here."""
+    if not source.written_elsewhere:
+        return False
+    for p, block in enumerate(plan.src_block_ids):
+        failures[p] = BlockFailure(p, block, FailureKind.INTERNAL,
+                                   "not stored from a tier another process writes (it "
+                                   "stores it)")
+    return True
 
 
 def _confirmed(source: Storage, plan: TransferPlan, failures: dict[int, BlockFailure],

@@ -166,6 +166,10 @@ class MemoryStorage(Storage):
     (``eager_checksums``) and re-hashes on every read (``verify_reads``)."""
     eager_checksums: bool = False
     verify_reads: bool = False
+    written_elsewhere: bool = False
+    """Whether another process writes these slots: a copy out of them is confirmed once it
+    landed (:meth:`confirm_read`), and no store reads from them (what they hold is stored
+    by the process that writes them)."""
     host_arrays: bool = False
     """Whether each block is one contiguous host array (:meth:`block_array`), which a
     :class:`BlockStore` reads from or writes into without a bounce buffer."""

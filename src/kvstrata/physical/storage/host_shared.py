@@ -5,8 +5,8 @@ tensor-parallel group serving an MLA model hold the same blocks, so they keep on
 memory that goes back to the system when the writer and the last reader are gone, however
 they end (SIGKILL and the OOM killer included), that no filesystem's size limits (Docker's
 64 MiB ``/dev/shm``), and that has no name in any directory. It holds a header page
-(magic, slot count, stride, payload bytes, block geometry, dtype), the seal table (three
-``uint64`` per slot, rounded up to whole pages), then the slots; its size is sealed
+(magic, slot count, stride, payload bytes, block geometry, dtype, nonce), the seal table
+(four ``uint64`` per slot, rounded up to whole pages), then the slots; its size is sealed
 (``F_SEAL_GROW | F_SEAL_SHRINK``), so no one can cut it under a reader's mapping. Readers
 find it through a small *rendezvous file* named ``kvstrata-<tier>-<name>`` in a directory
 (``/dev/shm`` by default), where the caller makes ``name`` unique among this host's live
@@ -23,8 +23,8 @@ nonce the rendezvous file names (a pid reused after a writer died names other me
 
 **Why a reader never serves a wrong block.** The writer's checksum table
 (:class:`PublishedChecksumTable`) publishes each slot's seal as it changes: invalidated
-before the slot is overwritten; (sequence hash, xxh3-64, check word) once the bytes are in
-place and hashed. A seal states "the block of this hash has bytes of this checksum", and
+before the slot is overwritten; (sequence hash, xxh3-64, generation, check word) once the
+bytes are in place and hashed. A seal states "the block of this hash has bytes of this checksum", and
 the writer makes it only from the bytes it put in the slot. The check word mixes slot, hash
 and checksum, so a seal read while the writer rewrites it (fields of two seals) fails its
 check. A reader (:class:`FollowedHostStorage`) takes one snapshot of a batch's seals,
@@ -32,10 +32,11 @@ checks the identities against it, then hashes the slots' bytes and compares them
 snapshot's checksums: bytes replaced after the snapshot hash to another value, whatever
 order the two processes see each other's stores in. The copy out of the slot comes after
 the hash, so once it has landed the transfer engine asks :meth:`FollowedHostStorage.
-confirm_read`: a slot whose seal is no longer the one its bytes were verified against (the
-writer invalidates a seal before it touches the bytes) is reported failed, and the engine
-recomputes that block. (The vLLM connector's scheduler also holds a G2 slot being loaded
-until every rank reported its load, so this is a second line.)
+confirm_read`: a slot whose seal is no longer the one its bytes were verified against (its
+generation changes with every change; the writer invalidates a seal before it touches the
+bytes, and this relies on that store being seen first, as x86-64 guarantees) is reported
+failed, and the engine recomputes that block. (The vLLM connector's scheduler also holds a
+G2 slot being loaded until every rank reported its load, so this is a second line.)
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ _MAGIC = b"kvstrata-g2-v1\0\0"
 # then the writer's nonce (also in its rendezvous file: this memory, not another like it)
 _HEADER = struct.Struct("<16sQQQQQQQQQ16s16s")
 _SIZE_SEALS = fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK
-_SEAL_WORDS = 3                         # sequence hash, xxh3-64, check word
+_SEAL_WORDS = 4                         # sequence hash, xxh3-64, generation, check word
 
 
 def shared_host_path(directory: str | os.PathLike, tier: str, name: str) -> Path:
@@ -134,11 +135,12 @@ def memory_sharing_problem() -> str | None:
     return None
 
 
-def _check_words(slots: np.ndarray, seqs: np.ndarray, sums: np.ndarray) -> np.ndarray:
+def _check_words(slots: np.ndarray, seqs: np.ndarray, sums: np.ndarray,
+                 generations: np.ndarray) -> np.ndarray:
     """The check word of each seal (odd, so a zeroed seal is never valid)."""
     with np.errstate(over="ignore"):
-        mixed = fmix64(seqs ^ fmix64(sums ^ ((slots.astype(np.uint64) + np.uint64(1))
-                                             * GOLDEN_GAMMA)))
+        mixed = fmix64(seqs ^ fmix64(sums ^ fmix64(
+            generations ^ ((slots.astype(np.uint64) + np.uint64(1)) * GOLDEN_GAMMA))))
     return mixed | np.uint64(1)
 
 
@@ -246,12 +248,14 @@ class SharedHostFile:
             return pinned_if_possible(self._slots_bytes, **mapped)
         return AlignedBuffer(self._slots_bytes, **mapped)
 
-    def snapshot(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def snapshot(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray,
+                                                   np.ndarray]:
         """One read of the seals of ``slots``: per slot whether its seal is whole and
-        valid, its sequence hash and its checksum."""
+        valid, its sequence hash, its checksum and its generation (how many times the
+        writer changed it)."""
         rows = self.seals[slots].copy()
-        ok = rows[:, 2] == _check_words(slots, rows[:, 0], rows[:, 1])
-        return ok, rows[:, 0], rows[:, 1]
+        ok = rows[:, 3] == _check_words(slots, rows[:, 0], rows[:, 1], rows[:, 2])
+        return ok, rows[:, 0], rows[:, 1], rows[:, 2]
 
     def remove(self) -> None:
         """Remove the rendezvous file if it is still the one this writer made."""
@@ -342,13 +346,17 @@ class PublishedChecksumTable(ChecksumTable):
         if self._seals is None or not idx.size:
             return
         ok, seqs, sums = self.sealed(idx)
-        self._seals[idx[~ok], 2] = 0
+        generations = self._seals[idx, 2] + np.uint64(1)    # every change: a new generation
+        bad = idx[~ok]
+        self._seals[bad, 3] = 0
+        self._seals[bad, 2] = generations[~ok]
         good = idx[ok]
         if good.size:
-            seqs, sums = seqs[ok], sums[ok]
+            seqs, sums, generations = seqs[ok], sums[ok], generations[ok]
             self._seals[good, 0] = seqs
             self._seals[good, 1] = sums
-            self._seals[good, 2] = _check_words(good, seqs, sums)
+            self._seals[good, 2] = generations
+            self._seals[good, 3] = _check_words(good, seqs, sums, generations)
 
     def detach(self) -> None:
         """Stop publishing (the file is going)."""
@@ -397,7 +405,10 @@ class PublishedHostStorage(HostStorage):
 class FollowedHostStorage(HostStorage):
     """A reader's side of a shared G2: the writer's slots mapped read-only, every read
     verified against one snapshot of the writer's seals (see the module docstring).
-    Nothing is ever written: :meth:`begin_write` and :meth:`seal` refuse."""
+    Nothing is ever written: :meth:`begin_write` and :meth:`seal` refuse; nothing is stored
+    from it (:attr:`written_elsewhere`)."""
+
+    written_elsewhere = True
 
     def __init__(self, config: LayoutConfig, path: str | os.PathLike, *,
                  pin: bool | None = None, hash_threads: int | None = None) -> None:
@@ -445,7 +456,7 @@ class FollowedHostStorage(HostStorage):
         self._check_open()
         idx = np.asarray(block_ids, dtype=np.int64).reshape(-1)
         self.check_block_ids(idx)
-        ok, seqs, sums = self.file.snapshot(idx)
+        ok, seqs, sums, generations = self.file.snapshot(idx)
         wanted = np.asarray(sequence_hashes, dtype=np.uint64).reshape(-1)
         failures = [BlockFailure(int(p), int(idx[p]), FailureKind.NOT_WRITTEN,
                                  "slot holds no sealed block")
@@ -464,12 +475,16 @@ class FollowedHostStorage(HostStorage):
                                           f"{int(sums[at[i]]):#018x}")
                              for i in np.flatnonzero(actual != sums[at])]
         failures.sort(key=lambda f: f.position)
-        if verify is not False:
+        if verify is not False:          # what confirm_read compares with after the copy
             bad = {f.position for f in failures}
             verified = self._verified.__dict__.setdefault("seals", {})
-            for p in range(len(idx)):
+            for p, slot, seal in zip(range(len(idx)), idx.tolist(),
+                                     zip(seqs.tolist(), sums.tolist(), generations.tolist())):
                 if p not in bad:
-                    verified[int(idx[p])] = (int(seqs[p]), int(sums[p]))
+                    held = verified.get(slot)
+                    # the earliest seal of a slot checked more than once before its copies
+                    # are confirmed: a change since any of those checks fails them all
+                    verified[slot] = [seal, 1] if held is None else [held[0], held[1] + 1]
         return failures
 
     def confirm_read(self, block_ids: Sequence[int],
@@ -481,13 +496,20 @@ class FollowedHostStorage(HostStorage):
         passed on as another's."""
         verified = self._verified.__dict__.setdefault("seals", {})
         idx = np.asarray(block_ids, dtype=np.int64).reshape(-1)
-        ok, seqs, sums = self.file.snapshot(idx)
+        ok, seqs, sums, generations = self.file.snapshot(idx)
+        now = list(zip(seqs.tolist(), sums.tolist(), generations.tolist()))
         failures = []
         for p, slot in enumerate(idx.tolist()):
-            then = verified.pop(slot, None)
-            if then is None or not ok[p] or then != (int(seqs[p]), int(sums[p])) \
-                    or then[0] != int(sequence_hashes[p]):
-                failures.append(BlockFailure(p, slot, FailureKind.CHECKSUM_MISMATCH,
+            held = verified.get(slot)
+            if held is not None:
+                held[1] -= 1
+                if held[1] <= 0:
+                    del verified[slot]
+            # the generation changes with every change of the seal: a slot rewritten and
+            # then given back its block (same hash and checksum) fails too
+            if held is None or not ok[p] or held[0] != now[p] \
+                    or held[0][0] != int(sequence_hashes[p]):
+                failures.append(BlockFailure(p, slot, FailureKind.NOT_WRITTEN,
                                              "slot rewritten while it was read"))
         return failures
 
