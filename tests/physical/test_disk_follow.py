@@ -372,7 +372,7 @@ def test_the_kind_says_when_a_writers_g3_can_be_followed(tmp_path):
     kind = kind_of("G3")
     options = StorageOptions(follow_durable=True)
     assert not kind.followed_exists(config, "G3", options)
-    assert kind.followed_exists(config, "G3", StorageOptions())     # not followed: nothing to wait for
+    assert kind.followed_exists(config, "G3", StorageOptions())   # not followed: no wait
     built = build_storages(config, StorageOptions())
     home = built.by_tier["G3"].path.parent
     assert kind.followed_exists(config, "G3", options)

@@ -13,9 +13,9 @@ find it through a small *rendezvous file* named ``kvstrata-<tier>-<name>`` in a 
 servers with an owner tag (:func:`~kvstrata.physical.leftovers.owner_tag`): it says which
 process holds the memory and under which descriptor, and a reader opens that descriptor
 through ``/proc/<pid>/fd`` (which the kernel allows to processes that may inspect the
-writer: the same user, in its pid namespace or an ancestor's, the writer dumpable). The rendezvous file is made under a
-temporary name with O_EXCL and mode 0600 and linked under its name whole; the writer's close
-removes it, and one left by a killed writer (a few dozen bytes) is removed by the next
+writer: the same user, in its pid namespace or an ancestor's, the writer dumpable). The
+rendezvous file is made under a temporary name with O_EXCL and mode 0600 and linked under
+its name whole; the writer's close removes it, and one left by a killed writer (a few dozen bytes) is removed by the next
 writer in that directory. A reader trusts a rendezvous file only if it is a regular file of
 this user that no one else can read or write, and the memory only if it is a memfd of this
 user's sealed against resizing, of the size and header the reader expects, with the random
@@ -24,10 +24,10 @@ nonce the rendezvous file names (a pid reused after a writer died names other me
 **Why a reader never serves a wrong block.** The writer's checksum table
 (:class:`PublishedChecksumTable`) publishes each slot's seal as it changes: invalidated
 before the slot is overwritten; (sequence hash, xxh3-64, generation, check word) once the
-bytes are in place and hashed. A seal states "the block of this hash has bytes of this checksum", and
-the writer makes it only from the bytes it put in the slot. The check word mixes slot, hash
-and checksum, so a seal read while the writer rewrites it (fields of two seals) fails its
-check. A reader (:class:`FollowedHostStorage`) takes one snapshot of a batch's seals,
+bytes are in place and hashed. A seal states "the block of this hash has bytes of this
+checksum", and the writer makes it only from the bytes it put in the slot. The check word
+mixes slot, hash, checksum and generation, so a seal read while the writer rewrites it
+(fields of two seals) fails its check. A reader (:class:`FollowedHostStorage`) takes one snapshot of a batch's seals,
 checks the identities against it, then hashes the slots' bytes and compares them with the
 snapshot's checksums: bytes replaced after the snapshot hash to another value, whatever
 order the two processes see each other's stores in. The copy out of the slot comes after
