@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import errno
 import os
+import secrets
 import stat
 from typing import IO, BinaryIO, Iterator
 
@@ -208,20 +209,34 @@ def bounded_lines(fh: IO, limit: int = MAX_LINE_BYTES) -> Iterator:
         yield line
 
 
-def write_atomically(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` as the file ``path``: into a new file beside it, flushed, then renamed
-    over it. A failure (a full filesystem) leaves ``path`` as it was and nothing else."""
+def write_atomically(path: str | os.PathLike, data: bytes, *, exclusive: bool = False,
+                     mode: int = 0o666) -> tuple[int, int]:
+    """Write ``data`` as the file ``path``: into a new file beside it (``mode``, less the
+    umask; never through a symbolic link), flushed, then renamed over it, or with
+    ``exclusive`` linked under it only if no ``path`` exists yet (:class:`FileExistsError`
+    otherwise). A failure (a full filesystem) leaves ``path`` as it was and nothing else.
+    Returns the (device, inode) of the file written."""
     path = os.fspath(path)
-    temp = f"{path}.tmp-{os.getpid()}"
+    temp = f"{path}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 mode)
     try:
-        with open(temp, "xb") as fh:
+        with open(fd, "wb", closefd=False) as fh:
             fh.write(data)
             fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(temp, path)
+        os.fsync(fd)
+        st = os.fstat(fd)
+        if exclusive:
+            os.link(temp, path)
+            os.unlink(temp)
+        else:
+            os.replace(temp, path)
+        return st.st_dev, st.st_ino
     except BaseException:
         try:
             os.unlink(temp)
         except FileNotFoundError:
             pass
         raise
+    finally:
+        os.close(fd)

@@ -41,7 +41,6 @@ G2 slot being loaded until every rank reported its load, so this is a second lin
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import mmap
 import os
@@ -59,6 +58,7 @@ import torch
 from ..buffers import PAGE_SIZE, AlignedBuffer, pinned_if_possible
 from ..checksum import GOLDEN_GAMMA, ChecksumTable, fmix64
 from ..errors import BlockFailure, FailureKind, StorageConfigError
+from ...paths import write_atomically
 from ...protocol.layout import FullyContiguousLayout, LayoutConfig
 from .host import HostStorage
 
@@ -283,30 +283,13 @@ _RENDEZVOUS = struct.Struct("<16sQQQ16s")  # magic, writer's pid, its descriptor
 
 
 def _publish(path: Path, content: bytes) -> tuple[int, int]:
-    """Write ``content`` to a new file at ``path`` (mode 0600, whole or not at all);
-    returns its (device, inode)."""
-    part = path.with_name(f"{path.name}.part-{secrets.token_hex(4)}")
+    """Write ``content`` to a new file at ``path`` (mode 0600, whole or not at all; none
+    may exist there); returns its (device, inode)."""
     try:
-        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                     | os.O_CLOEXEC, 0o600)
+        return write_atomically(path, content, exclusive=True, mode=0o600)
     except OSError as exc:
-        raise StorageConfigError(f"cannot create {part}: {exc.strerror}") from exc
-    try:
-        try:
-            if os.write(fd, content) != len(content):
-                raise OSError(errno.ENOSPC, "short write")
-            st = os.fstat(fd)
-            os.link(part, path)
-        except OSError as exc:
-            raise StorageConfigError(f"cannot publish shared host memory at {path}: "
-                                     f"{exc.strerror}") from exc
-        return st.st_dev, st.st_ino
-    finally:
-        os.close(fd)
-        try:
-            os.unlink(part)
-        except OSError:
-            pass
+        raise StorageConfigError(f"cannot publish shared host memory at {path}: "
+                                 f"{exc.strerror}") from exc
 
 
 def _read_rendezvous(path: Path) -> tuple[int, int, int, bytes]:
