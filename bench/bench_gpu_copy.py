@@ -11,19 +11,20 @@ sides, best of ``--reps``, all in one run:
   then one DMA into host memory (offload); one DMA then per-layer ``index_copy_`` (onboard);
 * **kvstrata**: TransferEngine plans G1->G2 and G2->G1 with integrity on (G2 verifies reads:
   every block offloaded gets its device checksum computed on the GPU, every block onboarded is
-  checked against it), for each transport (the Triton copy kernel; DMA by
-  ``cuMemcpyBatchAsync`` with a checksum kernel in device memory), each transport's copy alone,
-  and the same plans verified on the host instead (xxh3 on host threads);
+  checked against it), for each transport (the Triton copy kernel through host memory; DMA
+  by ``cuMemcpyBatchAsync`` per piece with a checksum kernel in device memory; staged: the
+  kernel packs blocks in device memory, DMA moves each run of host slots), each transport's
+  copy alone, and the same plans verified on the host instead (xxh3 on host threads);
 * **overlap**: a forward-sized run of bf16 matrix products on the default stream alone, an
   onboard alone, and both at once: both together should take about max(), not sum();
 * **G3 -> G1**: blocks read from a slab file (O_DIRECT where the filesystem allows) through
   the engine's registered bounce buffer into G1, against a raw ``preadv`` of the same blocks;
-* host hashing rates, and with ``--sweep`` the transports alone at other grid sizes.
+* host hashing rates, and with ``--sweep`` the transports alone at other launch shapes.
 
 Bytes are checked once per layout outside the timing. Prints a table (ratios to the DMA
 limit) and, with ``--json PATH``, writes every figure. Needs CUDA; exits 2 without it.
 Usage: ``python bench/bench_gpu_copy.py [--quick] [--reps N] [--batch-mib M] [--json PATH]
-[--sweep]`` (``scripts/gpu-check`` runs it).
+[--sweep] [--transports kernel,dma,staged,host]`` (``scripts/gpu-check`` runs it).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ GEOMETRIES = {   # name: (layers, page, kv heads, head dim, MLA latent dim); bf1
 }
 LAYOUTS = ("flash_attn", "flashinfer", "mla")
 GOALS = {"2MiB": 0.85, "64KiB": 0.70}
+TRANSPORTS = ("kernel", "dma", "staged")   # each measured; "host": verified on host threads
 
 
 def _tensors(layout: str, geometry: str, blocks: int) -> list[torch.Tensor]:
@@ -113,7 +115,8 @@ def naive(tensors, layout: str, src_ids, packed_host: torch.Tensor, reps: int):
     return _timed(offload, reps), _timed(onboard, reps)
 
 
-def bench_layout(layout: str, geometry: str, batch_bytes: int, reps: int, results: dict) -> None:
+def bench_layout(layout: str, geometry: str, batch_bytes: int, reps: int, results: dict,
+                 names: tuple[str, ...]) -> None:
     block_bytes = DeviceStorage.wrap(_tensors(layout, geometry, 4)).config.block_bytes
     batch = max(1, batch_bytes // block_bytes)
     pool = 2 * batch
@@ -130,11 +133,10 @@ def bench_layout(layout: str, geometry: str, batch_bytes: int, reps: int, result
     seq = [1000 + i for i in range(batch)]
     # the blocks onboarded land where no source block is, so each can be compared
     back = rng.permutation(np.setdiff1d(np.arange(pool), src))[:batch].tolist()
-    engines = {"kernel": DeviceCopyEngine(transport="kernel"),
-               "dma": DeviceCopyEngine(transport="dma"),
-               # integrity checked on the host instead (xxh3 on hash_threads threads)
-               "host": DeviceCopyEngine(transport="kernel", device_checksums=False)}
-    row["hash_threads"] = engines["host"].hash_threads
+    engines = {name: DeviceCopyEngine(transport=name) for name in names if name != "host"}
+    if "host" in names:   # integrity checked on the host instead (xxh3 on host threads)
+        engines["host"] = DeviceCopyEngine(transport="kernel", device_checksums=False)
+        row["hash_threads"] = engines["host"].hash_threads
     for name, engine in engines.items():
         with TransferEngine({"G1": g1, "G2": g2}, copy_engine=engine) as transfers:
             def plan(path, src, dst, seq):
@@ -214,9 +216,9 @@ def hash_rates(nbytes: int) -> dict:
     return out
 
 
-# (transport, programs): None = the default (the SM count), 1 << 30 = a program per piece
-SWEEP = (("kernel", 16), ("kernel", 66), ("kernel", None), ("kernel", 528),
-         ("kernel", 1 << 30), ("dma", None))
+# (transport, programs, slice MiB): programs None = the default (the SM count)
+SWEEP = (("kernel", None, 32), ("dma", None, 32), ("staged", None, 8), ("staged", None, 32),
+         ("staged", None, 64))
 
 
 def sweep(batch_bytes: int, reps: int) -> list[dict]:
@@ -233,10 +235,12 @@ def sweep(batch_bytes: int, reps: int) -> list[dict]:
         g2 = HostStorage(g1.config.with_blocks(batch).with_alignment(4096))
         ids, slots = list(range(0, 2 * batch, 2)), list(range(batch))
         nbytes = batch * g1.config.block_bytes
-        for transport, programs in SWEEP:
-            engine = DeviceCopyEngine(transport=transport, programs=programs)
+        for transport, programs, slice_mib in SWEEP:
+            engine = DeviceCopyEngine(transport=transport, programs=programs,
+                                      slice_bytes=slice_mib << 20)
             row = {"geometry": geometry, "transport": engine.transport_on("cuda"),
-                   "programs": {None: "SMs", 1 << 30: "pieces"}.get(programs, programs)}
+                   "programs": {None: "SMs", 1 << 30: "pieces"}.get(programs, programs),
+                   "slice_mib": slice_mib}
             times = {}
             for name, fn in (
                     ("off", lambda: engine.copy(g1.memory, ids, g2.memory, slots)),
@@ -293,6 +297,43 @@ def g3_to_g1(batch_bytes: int, reps: int, directory: str | None, dma_h2d: float)
             "limit_gbs": min(raw_gbs, dma_h2d), "ratio": nbytes / ours / 1e9 / min(raw_gbs, dma_h2d)}
 
 
+def profile_plans(batch_bytes: int, transport: str, out_path: str | None) -> str:
+    """Where the host time of a 64 KiB-block offload and onboard with integrity goes
+    (cProfile of three of each after a warm-up), as text (also written to ``out_path``)."""
+    import cProfile
+    import io
+    import pstats
+    tensors = _tensors("flash_attn", "64KiB", 2 * max(1, batch_bytes // (64 << 10)))
+    g1 = DeviceStorage.wrap(tensors)
+    batch = g1.config.num_blocks // 2
+    g2 = HostStorage(g1.config.with_blocks(batch).with_alignment(4096), verify_reads=True)
+    rng = np.random.default_rng(5)
+    src = rng.choice(2 * batch, batch, replace=False).tolist()
+    slots = rng.permutation(batch).tolist()
+    seq = [5000 + i for i in range(batch)]
+    text = io.StringIO()
+    with TransferEngine({"G1": g1, "G2": g2},
+                        copy_engine=DeviceCopyEngine(transport=transport)) as transfers:
+        def both():   # on this thread (not the engine's workers), so the profiler sees it
+            for path, a, b in (("G1->G2", src, slots), ("G2->G1", slots, src)):
+                out = transfers._execute(TransferPlan.for_path(path, a, b, seq, job_id=3))
+                assert out.all_ok, (path, out.failures[:1], out.error)
+        both()
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(3):
+            both()
+        profiler.disable()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(20)
+    stats.sort_stats("cumulative").print_stats(30)
+    g2.close()
+    if out_path:
+        with open(out_path, "w") as f:
+            f.write(text.getvalue())
+    return text.getvalue()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="64 MiB batches, 3 runs")
@@ -301,7 +342,12 @@ def main() -> int:
     parser.add_argument("--dir", default=None, help="directory for the G3 slab")
     parser.add_argument("--json", default=None, help="write every figure here")
     parser.add_argument("--sweep", action="store_true",
-                        help="also time the kernel alone at other launch shapes")
+                        help="also time the transports alone at other launch shapes")
+    parser.add_argument("--transports", default=",".join(TRANSPORTS) + ",host",
+                        help="which to measure through the transfer engine (comma-separated; "
+                             "host: verified on host threads)")
+    parser.add_argument("--profile", default=None, metavar="PATH",
+                        help="also profile the host side of 64 KiB plans (staged), to PATH")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_gpu_copy: needs a CUDA GPU (none here)", file=sys.stderr)
@@ -314,20 +360,23 @@ def main() -> int:
                "rows": []}
     print(f"{results['device']}: DMA limit D2H {d2h:.1f} GB/s, H2D {h2d:.1f} GB/s "
           f"({batch_bytes >> 20} MiB contiguous, registered host memory)", flush=True)
+    names = tuple(n for n in args.transports.split(",") if n)
     for geometry in GEOMETRIES:
         for layout in LAYOUTS:
-            bench_layout(layout, geometry, batch_bytes, reps, results)
+            bench_layout(layout, geometry, batch_bytes, reps, results, names)
             r = results["rows"][-1]
             print(f"  {geometry:6} {layout:10} " + "  ".join(
                 f"{n} {r[n + '_offload_gbs']:5.1f}/{r[n + '_onboard_gbs']:5.1f} "
-                f"({r[n + '_used']})" for n in ("kernel", "dma", "host")), flush=True)
-            for n in ("kernel", "dma", "host"):
+                f"({r[n + '_used']})" for n in names), flush=True)
+            for n in names:
                 if r[n + "_error"]:
                     print(f"    {n}: {r[n + '_error']}", flush=True)
     results["g3_to_g1"] = g3_to_g1(batch_bytes, reps, args.dir, h2d)
     results["hash_rates"] = hash_rates(batch_bytes)
     if args.sweep:
         results["sweep"] = sweep(batch_bytes, reps)
+    if args.profile:
+        profile_plans(batch_bytes, "staged", args.profile)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
@@ -336,24 +385,29 @@ def main() -> int:
     print("GB/s offload/onboard (ratio to the DMA limit: D2H for offload, H2D for onboard). "
           "naive: index_select + one DMA; copy: the transport alone; kvstrata: TransferEngine "
           "plans with integrity on (device checksums); host-verified: xxh3 on host threads")
-    print(f"{'geometry':8} {'layout':10} {'block':>7} | {'naive':>11} | {'kernel copy':>11} | "
-          f"{'dma copy':>11} | {'kvstrata kernel':>21} | {'kvstrata dma':>21} | "
-          f"{'host-verified':>13} | goal")
+    copies = [n for n in names if n != "host"]
+    print(f"{'geometry':8} {'layout':10} {'block':>7} | {'naive':>11} | "
+          + " | ".join(f"{n + ' copy':>11}" for n in copies) + " | "
+          + " | ".join(f"{'kvstrata ' + n:>21}" for n in copies)
+          + (f" | {'host-verified':>13}" if "host" in names else "") + " | goal")
     for r in results["rows"]:
         def pair(key, ratios=False):
             off, on = r[key + "_offload_gbs"], r[key + "_onboard_gbs"]
             text = f"{off:4.1f}/{on:4.1f}"
             return text + (f" ({off / d2h:.2f}/{on / h2d:.2f})" if ratios else "")
         print(f"{r['geometry']:8} {r['layout']:10} {r['block_bytes'] >> 10:>5}Ki | "
-              f"{pair('naive'):>11} | {pair('kernel_copy'):>11} | {pair('dma_copy'):>11} | "
-              f"{pair('kernel', True):>21} | {pair('dma', True):>21} | {pair('host'):>13} | "
-              f">={GOALS[r['geometry']]:.2f}")
+              f"{pair('naive'):>11} | "
+              + " | ".join(f"{pair(n + '_copy'):>11}" for n in copies) + " | "
+              + " | ".join(f"{pair(n, True):>21}" for n in copies)
+              + (f" | {pair('host'):>13}" if "host" in names else "")
+              + f" | >={GOALS[r['geometry']]:.2f}")
     print("host hashing of 2 MiB blocks in registered memory, GB/s: " + ", ".join(
         f"{k[:-4]} {v:.1f}" for k, v in results["hash_rates"].items()))
     for r in results.get("sweep", []):
         overlap = (f"  overlap with matmuls {r['overlap_vs_max']:.2f} x max, "
                    f"{r['overlap_vs_sum']:.2f} x sum" if "overlap_vs_max" in r else "")
-        print(f"sweep {r['geometry']:6} {r['transport']:6} programs {str(r['programs']):>6}: "
+        print(f"sweep {r['geometry']:6} {r['transport']:6} programs {str(r['programs']):>6} "
+              f"slices {r['slice_mib']:>2} MiB: "
               f"off {r['off']:5.1f} "
               f"on {r['on']:5.1f} summed off {r['summed_off']:5.1f} on {r['summed_on']:5.1f}"
               + overlap)
@@ -365,7 +419,7 @@ def main() -> int:
     print(f"G3->G1: {g['ours_gbs']:.1f} GB/s vs raw preadv {g['raw_o_direct_gbs']:.1f} GB/s "
           f"(o_direct={g['o_direct']}), DMA {h2d:.1f}: ratio {g['ratio']:.2f} to the lower")
     for r in results["rows"]:
-        for name in ("kernel", "dma"):
+        for name in copies:
             ratio = min(r[name + "_offload_gbs"] / d2h, r[name + "_onboard_gbs"] / h2d)
             print(f"RESULT name=gpu_copy_{r['geometry']}_{r['layout']}_{name} "
                   f"ours={min(r[name + '_offload_gbs'], r[name + '_onboard_gbs']):.1f}GB/s "

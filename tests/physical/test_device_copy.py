@@ -19,6 +19,7 @@ from kvstrata.physical.errors import ChecksumMismatchError
 from kvstrata.physical.engines import default_copy_engine
 from kvstrata.physical.device_copy import DeviceCopyEngine, device_kernel_status, device_kernels
 from kvstrata.physical.device_plan import _split, plan_device_pieces
+from kvstrata.physical.device_staging import host_runs
 
 from .conftest import block_bytes_of, fill_random, small_config
 
@@ -79,6 +80,14 @@ def test_bad_settings_are_refused():
         interpreter(transport="dma")
 
 
+def test_host_runs_are_the_consecutive_slots_of_a_slice():
+    positions, slots, lengths = host_runs([7, 8, 9, 3, 5, 6, 6, 0], stride=4096, block_bytes=4000)
+    assert positions.tolist() == [0, 3, 4, 6, 7]
+    assert slots.tolist() == [7, 3, 5, 6, 0]
+    assert lengths.tolist() == [2 * 4096 + 4000, 4000, 4096 + 4000, 4000, 4000]
+    assert [a.size for a in host_runs([], 64, 64)] == [0, 0, 0]
+
+
 def test_slices_keep_the_unoverlapped_ends_short():
     engine = interpreter(slice_bytes=800)
     cuts = engine._slices(100, 10)      # 80 blocks a slice, edges of 10
@@ -88,16 +97,17 @@ def test_slices_keep_the_unoverlapped_ends_short():
 
 
 @needs_triton
+@pytest.mark.parametrize("transport", ["kernel", "staged"])
 @pytest.mark.parametrize("kind", ["outer_contiguous", "block_contiguous", "fully_contiguous"])
-def test_odd_geometry_round_trips_through_the_interpreted_kernel(kind):
+def test_odd_geometry_round_trips_through_the_interpreted_kernel(kind, transport):
     cfg = small_config(num_blocks=6, dtype="float16", inner_dim=3, alignment=2)
     g1 = DeviceStorage.allocate(cfg, kv_layout=kind, device="cpu")
     fill_random(g1.memory.regions, seed=11)
     host = HostStorage(cfg.with_blocks(5))
-    engine = interpreter()
-    engine.copy(g1.memory, [5, 1, 2], host.memory, [0, 4, 2])
+    engine = interpreter(transport=transport)
+    engine.copy(g1.memory, [5, 1, 2], host.memory, [0, 4, 2], direction="offload")
     back = DeviceStorage.allocate(cfg, kv_layout=kind, device="cpu")
-    engine.copy(host.memory, [0, 4, 2], back.memory, [1, 3, 5])
+    engine.copy(host.memory, [0, 4, 2], back.memory, [1, 3, 5], direction="onboard")
     for s, d in zip([5, 1, 2], [1, 3, 5]):
         assert torch.equal(block_bytes_of(g1, s), block_bytes_of(back, d))
     for untouched in (0, 2, 4):
@@ -105,12 +115,13 @@ def test_odd_geometry_round_trips_through_the_interpreted_kernel(kind):
 
 
 @needs_triton
-def test_copy_checked_copies_only_what_passed_slice_by_slice():
+@pytest.mark.parametrize("transport", ["kernel", "staged"])
+def test_copy_checked_copies_only_what_passed_slice_by_slice(transport):
     cfg = small_config(num_blocks=12, alignment=64)
     host = HostStorage(cfg)
     fill_random([host.memory.regions[0]], seed=4)
     g1 = DeviceStorage.allocate(cfg, kv_layout="outer_contiguous", device="cpu")
-    engine = interpreter(slice_bytes=3 * cfg.block_bytes)
+    engine = interpreter(slice_bytes=3 * cfg.block_bytes, transport=transport)
     asked = []
 
     def check(lo, hi):
@@ -132,20 +143,22 @@ def test_copy_checked_copies_only_what_passed_slice_by_slice():
 @pytest.mark.parametrize("kind", ["outer_contiguous", "block_contiguous", "fully_contiguous"])
 @pytest.mark.parametrize("block_elements", [4096, 4])     # a piece in one step, or in many
 @pytest.mark.parametrize("dtype, inner", [("bfloat16", 8), ("float16", 3)])   # 64 B / 24 B pieces
+@pytest.mark.parametrize("transport", ["kernel", "staged"])
 def test_copy_summed_returns_the_device_checksum_of_every_block(kind, block_elements, dtype,
-                                                                inner):
+                                                                inner, transport):
     cfg = small_config(num_blocks=9, dtype=dtype, inner_dim=inner, alignment=8)
     g1 = DeviceStorage.allocate(cfg, kv_layout=kind, device="cpu")
     fill_random(g1.memory.regions, seed=13)
     host = HostStorage(cfg.with_blocks(7))
     engine = interpreter(block_elements=block_elements, slice_bytes=2 * cfg.block_bytes,
-                         programs=5)       # fewer programs than pieces: each takes several
+                         programs=5,       # fewer programs than pieces: each takes several
+                         transport=transport)
     assert engine.summable(g1.memory, host.memory)
-    src, dst = [8, 0, 3, 4, 5], [2, 6, 3, 4, 0]
-    sums = engine.copy_summed(g1.memory, src, host.memory, dst)
+    src, dst = [8, 0, 3, 4, 5], [2, 3, 4, 6, 0]      # a run of consecutive slots too
+    sums = engine.copy_summed(g1.memory, src, host.memory, dst, direction="offload")
     assert sums.tolist() == [device_checksum(host.payload(d)) for d in dst]
     back = DeviceStorage.allocate(cfg, kv_layout=kind, device="cpu")
-    again = engine.copy_summed(host.memory, dst, back.memory, src)
+    again = engine.copy_summed(host.memory, dst, back.memory, src, direction="onboard")
     assert again.tolist() == sums.tolist()
     for s_ in src:
         assert torch.equal(block_bytes_of(g1, s_), block_bytes_of(back, s_))
@@ -253,7 +266,7 @@ def test_default_engine_follows_the_machine():
 @gpu
 @needs_triton
 @pytest.mark.parametrize("transport, block_elements", [("kernel", 4096), ("kernel", 256),
-                                                       ("dma", 4096)])
+                                                       ("dma", 4096), ("staged", 4096)])
 @pytest.mark.parametrize("layout", sorted(CUDA_LAYOUTS))
 def test_gpu_every_vllm_layout_round_trips_through_registered_g2(layout, transport,
                                                                  block_elements):
@@ -288,6 +301,64 @@ def test_gpu_every_vllm_layout_round_trips_through_registered_g2(layout, transpo
         got = block_bytes_of(back, s).cpu()
         assert torch.equal(got, expected) if expected is not None else not got.any()
     engine.close()
+
+
+def _flash_g1_and_g2(blocks: int, slots: int):
+    g1 = DeviceStorage.wrap([CUDA_LAYOUTS["flash_attn"](blocks).cuda() for _ in range(3)])
+    for t in g1.tensors:
+        t.view(torch.uint8).random_(0, 256)
+    return g1, HostStorage(g1.config.with_blocks(slots).with_alignment(PAGE_SIZE))
+
+
+@gpu
+@needs_triton
+def test_gpu_staged_slices_of_two_threads_at_once_each_land_right():
+    """Two threads share the staging ring of a direction: every block lands byte for byte."""
+    import threading
+    g1, host = _flash_g1_and_g2(96, 96)
+    engine = DeviceCopyEngine(transport="staged", slice_bytes=3 * g1.config.block_bytes)
+    assert engine.transport_on("cuda") == "staged", engine.kernel_error
+    back = DeviceStorage.wrap([torch.zeros_like(t) for t in g1.tensors])
+    errors = []
+
+    def work(part: int) -> None:
+        try:
+            ids = list(range(part, 96, 2))
+            for _ in range(5):
+                engine.copy_summed(g1.memory, ids, host.memory, ids[::-1], direction="offload")
+                engine.copy_summed(host.memory, ids[::-1], back.memory, ids,
+                                   direction="onboard")
+        except Exception as exc:     # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(p,)) for p in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for t, b in zip(g1.tensors, back.tensors):
+        assert torch.equal(t.view(torch.int16), b.view(torch.int16))
+    engine.close()
+
+
+@gpu
+@needs_triton
+def test_gpu_staged_goes_to_the_kernel_when_the_driver_refuses_its_dma(monkeypatch):
+    from kvstrata.physical import _cuda_dma
+    g1, host = _flash_g1_and_g2(16, 16)
+    engine = DeviceCopyEngine(transport="staged")
+    assert engine.transport_on("cuda") == "staged", engine.kernel_error
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("cuMemcpyBatchAsync of 1 copies failed with CUDA driver error 1")
+
+    monkeypatch.setattr(_cuda_dma, "memcpy_batch", refuse)
+    sums = engine.copy_summed(g1.memory, [3, 4, 9], host.memory, [0, 1, 7])
+    assert sums.tolist() == [device_checksum(host.payload(d)) for d in (0, 1, 7)]
+    assert engine.transport_on("cuda") == "kernel" and "staged" in engine.kernel_error
+    for s, d in zip([3, 4, 9], [0, 1, 7]):
+        assert torch.equal(block_bytes_of(g1, s).cpu(), block_bytes_of(host, d))
 
 
 @gpu

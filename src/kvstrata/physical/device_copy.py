@@ -41,6 +41,7 @@ without a GPU use to check the plan, the kernels and the checksums byte for byte
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import threading
 import weakref
@@ -49,11 +50,12 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..protocol.layout import FullyContiguousLayout
+from ..protocol.layout import FullyContiguousLayout, LayoutConfig
 from .buffers import AlignedBuffer, cuda_mapped
 from .checksum import device_checksum, memory_checksums
 from .copy import OFFLOAD, ONBOARD, CopyEngine, StagedCopyEngine
 from .device_plan import DevicePiecePlan, plan_device_pieces
+from .device_staging import StagingRing, host_runs
 from .storage.base import BlockMemory
 
 __all__ = ["DeviceCopyEngine", "device_kernel_status", "device_kernels", "TRANSPORTS"]
@@ -112,7 +114,7 @@ def _mapped_host(memory: BlockMemory) -> bool:
     return cached
 
 
-TRANSPORTS = ("kernel", "dma")
+TRANSPORTS = ("kernel", "dma", "staged")
 _DMA_BATCH = 8192          # copies per cuMemcpyBatchAsync call
 
 
@@ -162,6 +164,7 @@ class DeviceCopyEngine(CopyEngine):
         self.device_checksums = device_checksums
         self._streams: dict[tuple[str, torch.device], torch.cuda.Stream] = {}
         self._lock = threading.Lock()
+        self._rings: dict[tuple[str, torch.device], StagingRing] = {}
         self._transports: dict[torch.device, str | None] = {}   # what passed the self-test
         self.kernel_error: str | None = None   # why a transport failed its self-test
 
@@ -191,7 +194,10 @@ class DeviceCopyEngine(CopyEngine):
             return False
         if not all(_mapped_host(m) for m in (src, dst) if m.device.type == "cpu"):
             return False
-        return self._self_test(self._device_of(src, dst)) is not None
+        transport = self._self_test(self._device_of(src, dst))
+        if transport == "staged" and "cpu" in kinds:   # the host side must be one run of
+            return self._host_side(src, dst, OFFLOAD) is not None   # slots (G2 is)
+        return transport is not None
 
     def copy(self, src, src_ids, dst, dst_ids, *, direction=OFFLOAD) -> int:
         if not self.handles(src, dst):
@@ -321,6 +327,8 @@ class DeviceCopyEngine(CopyEngine):
         """Why ``transport`` cannot be used on ``device`` (None: it can). It moves random
         bytes host -> device and back in reversed pieces, the way back with device
         checksums (the 16 pieces as one block), and compares bytes and checksum."""
+        if transport == "staged":
+            return self._try_staged(device)
         try:
             host = AlignedBuffer(1 << 16, pin=True)
             expected = torch.randint(0, 256, (16, 4096), dtype=torch.uint8)
@@ -344,6 +352,42 @@ class DeviceCopyEngine(CopyEngine):
             if not torch.equal(host.tensor.view(16, 4096), expected):
                 return "its self-test wrote wrong bytes to host memory"
             if launch.block_sums().tolist() != [device_checksum(expected.numpy())]:
+                return "its self-test computed a wrong device checksum"
+            host.unpin()
+            return None
+        except Exception as exc:      # noqa: BLE001 - any failure means: do not use it
+            return f"{type(exc).__name__}: {exc}"
+
+    def _try_staged(self, device: torch.device) -> str | None:
+        """The staged transport's self-test: 16 random 4 KiB blocks from registered host
+        memory to the device in runs of consecutive and reversed slots, and back to other
+        slots with device checksums, compared block by block."""
+        try:
+            layout = FullyContiguousLayout(LayoutConfig(num_blocks=16, num_layers=1,
+                                                        outer_dim=1, page_size=16,
+                                                        inner_dim=128, dtype="bfloat16"))
+            host = AlignedBuffer(1 << 16, pin=True)
+            expected = torch.randint(0, 256, (16, 4096), dtype=torch.uint8)
+            host.tensor.copy_(expected.reshape(-1))
+            host_memory = BlockMemory(layout, (host.tensor,))
+            device_memory = BlockMemory(layout, (torch.zeros(1 << 16, dtype=torch.uint8,
+                                                             device=device),))
+            slots = [4, 5, 6, 7, 0, 1, 2, 3, 15, 14, 13, 12, 8, 9, 10, 11]
+            here = list(range(16))
+            launch = self._launch_staged(host_memory, slots, device_memory, here, ONBOARD,
+                                         False, device, fall_back=False)
+            self._wait(launch)
+            if not torch.equal(device_memory.regions[0].cpu().view(16, 4096), expected[slots]):
+                return "its self-test read wrong bytes from host memory"
+            host.tensor.zero_()
+            back = slots[::-1]
+            launch = self._launch_staged(device_memory, here, host_memory, back, OFFLOAD,
+                                         True, device, fall_back=False)
+            self._wait(launch)
+            if not torch.equal(host.tensor.view(16, 4096)[back], expected[slots]):
+                return "its self-test wrote wrong bytes to host memory"
+            if launch.block_sums().tolist() != [device_checksum(b) for b in
+                                                expected[slots].numpy()]:
                 return "its self-test computed a wrong device checksum"
             host.unpin()
             return None
@@ -387,17 +431,19 @@ class DeviceCopyEngine(CopyEngine):
         8-byte aligned: see :meth:`summable`); None when there is nothing to copy."""
         if not len(src_ids):
             return None
-        plan = plan_device_pieces(src, src_ids, dst, dst_ids,
-                                  max_piece_bytes=self.max_piece_bytes)
-        if summed and plan.unit_bytes < 8:
-            raise ValueError(f"device checksums need 8-byte aligned pieces, these are aligned "
-                             f"to {plan.unit_bytes} (see summable)")
-        per_block = plan.pieces // len(src_ids) if summed else 0
+        if self.interpret:
+            transport, device = self.transport, None
+        else:
+            device = self._device_of(src, dst)
+            transport = self._self_test(device)
+        if transport == "staged" and self._host_side(src, dst, direction) is not None:
+            return self._launch_staged(src, src_ids, dst, dst_ids, direction, summed, device)
+        plan, per_block = self._plan(src, src_ids, dst, dst_ids, summed)
         src_region, dst_region = src.regions[plan.src_base], dst.regions[plan.dst_base]
         if self.interpret:
             return self._queue("kernel", src_region, dst_region, plan, per_block, None, None)
-        device = self._device_of(src, dst)
-        transport = self._self_test(device)
+        if transport == "staged":   # device <-> device (handles() says): the kernel
+            transport = "kernel"
         stream = self._stream(direction, device)
         with torch.cuda.device(device), torch.cuda.stream(stream):
             launch = self._queue(transport, src_region, dst_region, plan, per_block, device,
@@ -405,6 +451,118 @@ class DeviceCopyEngine(CopyEngine):
             launch.event = torch.cuda.Event(blocking=True)
             launch.event.record(stream)
         return launch
+
+    def _plan(self, src: BlockMemory, src_ids, dst: BlockMemory, dst_ids,
+              summed: bool) -> tuple[DevicePiecePlan, int]:
+        """The kernel's plan and, ``summed``, its pieces per block (0 otherwise)."""
+        plan = plan_device_pieces(src, src_ids, dst, dst_ids,
+                                  max_piece_bytes=self.max_piece_bytes)
+        if summed and plan.unit_bytes < 8:
+            raise ValueError(f"device checksums need 8-byte aligned pieces, these are aligned "
+                             f"to {plan.unit_bytes} (see summable)")
+        return plan, (plan.pieces // len(src_ids) if summed else 0)
+
+    def _host_side(self, src: BlockMemory, dst: BlockMemory, direction: str) -> str | None:
+        """Which side of a pair the staged transport moves by DMA: ``"src"`` or ``"dst"``,
+        the host memory, when it is one FullyContiguous region (G2 and bounce buffers
+        are); None where there is none (device <-> device) or it is laid out otherwise.
+        Under the interpreter both sides are CPU tensors and ``direction`` says."""
+        if self.interpret:
+            side = "src" if direction == ONBOARD else "dst"
+        elif src.device.type == "cpu":
+            side = "src"
+        elif dst.device.type == "cpu":
+            side = "dst"
+        else:
+            return None
+        host = src if side == "src" else dst
+        return side if isinstance(host.layout, FullyContiguousLayout) else None
+
+    def _ring(self, direction: str, device: torch.device) -> StagingRing:
+        key = (direction, device)
+        with self._lock:
+            ring = self._rings.get(key)
+            if ring is None:
+                ring = self._rings[key] = StagingRing(device)
+            return ring
+
+    def _launch_staged(self, src: BlockMemory, src_ids, dst: BlockMemory, dst_ids,
+                       direction: str, summed: bool, device: torch.device | None, *,
+                       fall_back: bool = True) -> "_Launch":
+        """Queue one slice through device staging (:mod:`.device_staging`): an offload packs
+        the blocks from G1 into a staging buffer with the kernel (device checksums taken
+        there, ``summed``), then DMA copies each run of consecutive host slots; an onboard
+        copies the runs into staging by DMA, then the kernel unpacks them into G1, taking
+        the checksums from the bytes it writes. Under the interpreter the DMA is a host
+        copy and the buffer a CPU tensor."""
+        onboard = self._host_side(src, dst, direction) == "src"
+        host, host_ids = (src, src_ids) if onboard else (dst, dst_ids)
+        n = len(src_ids)
+        layout = FullyContiguousLayout(host.layout.config.with_blocks(n))
+        stride = layout.block_stride
+        positions, slots, lengths = host_runs(host_ids, stride, layout.config.block_bytes)
+        ring = None if device is None else self._ring(direction, device)
+        with ring.lock if ring is not None else contextlib.nullcontext():
+            if ring is None:
+                buffer, released = torch.empty(n * stride, dtype=torch.uint8), None
+            else:
+                buffer, released = ring.take(n * stride)
+            staging = BlockMemory(layout, (buffer,))
+            host_addresses = (np.uint64(host.regions[0].data_ptr())
+                              + slots.astype(np.uint64) * np.uint64(stride))
+            staged_addresses = (np.uint64(buffer.data_ptr())
+                                + positions.astype(np.uint64) * np.uint64(stride))
+            sizes = lengths.astype(np.uint64)
+            staged_ids = range(n)
+            if onboard:
+                plan, per_block = self._plan(staging, staged_ids, dst, dst_ids, summed)
+                pack_src, pack_dst = buffer, dst.regions[plan.dst_base]
+                dma = (staged_addresses, host_addresses, sizes)
+            else:
+                plan, per_block = self._plan(src, src_ids, staging, staged_ids, summed)
+                pack_src, pack_dst = src.regions[plan.src_base], buffer
+                dma = (host_addresses, staged_addresses, sizes)
+            if ring is None:           # the interpreter: every step runs as it is queued
+                if onboard:
+                    _host_memcpy(*dma)
+                launch = self._queue("kernel", pack_src, pack_dst, plan, per_block, None,
+                                     None)
+                if not onboard:
+                    _host_memcpy(*dma)
+                launch.keep += [buffer]
+                return launch
+            from ._cuda_dma import memcpy_batch
+            stream = self._stream(direction, device)
+            first, last = (ring.dma_stream, stream) if onboard else (stream, ring.dma_stream)
+            try:
+                if released is not None:
+                    first.wait_event(released)
+                with torch.cuda.device(device):
+                    if onboard:
+                        memcpy_batch(*dma, ring.dma_stream.cuda_stream, device.index or 0)
+                    with torch.cuda.stream(stream):
+                        if onboard:
+                            stream.wait_event(_recorded(ring.dma_stream))
+                        launch = self._queue("kernel", pack_src, pack_dst, plan, per_block,
+                                             device, stream)
+                    if not onboard:
+                        ring.dma_stream.wait_event(_recorded(stream))
+                        memcpy_batch(*dma, ring.dma_stream.cuda_stream, device.index or 0)
+                    launch.event = torch.cuda.Event(blocking=True)
+                    launch.event.record(last)
+            except RuntimeError as exc:
+                if not fall_back or ("cuMemcpyBatchAsync" not in str(exc)
+                                     and "batched DMA" not in str(exc)):
+                    raise
+                failed = exc        # the driver refused the DMA: nothing reached the host side
+            else:
+                ring.release(launch.event)
+                launch.keep += [buffer, *dma]
+                return launch
+        with self._lock:          # the kernel takes this device from now on
+            self._transports[device] = "kernel"
+            self.kernel_error = f"staged: {failed}"
+        return self._launch(src, src_ids, dst, dst_ids, direction, summed)
 
     def _queue(self, transport: str, src: torch.Tensor, dst: torch.Tensor,
                plan: DevicePiecePlan, per_block: int, device: torch.device | None,
@@ -503,6 +661,19 @@ class DeviceCopyEngine(CopyEngine):
     def _wait(launch: "_Launch | None") -> None:
         if launch is not None and launch.event is not None:
             launch.event.synchronize()
+
+
+def _recorded(stream: "torch.cuda.Stream") -> "torch.cuda.Event":
+    """An event recorded now on ``stream`` (for another stream to wait on)."""
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+def _host_memcpy(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray) -> None:
+    """The staged transport's DMA step under the interpreter: host copies."""
+    for dst, src, size in zip(dsts.tolist(), srcs.tolist(), sizes.tolist()):
+        ctypes.memmove(dst, src, size)
 
 
 class _Launch:

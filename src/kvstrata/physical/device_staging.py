@@ -1,0 +1,80 @@
+"""Device staging for the GPU data path's ``staged`` transport (:mod:`.device_copy`).
+
+A staged copy moves a slice of blocks between G1 and host memory in two steps: a kernel packs
+the slice's blocks between G1's layout (pieces of a few KiB scattered over every layer's
+tensor) and a device buffer laid out as the host side is (block after block), at device memory
+speed; the GPU's copy engines (DMA) move the packed bytes across PCIe in one copy per run of
+consecutive host slots. The copy engines reach the DMA limit only with large copies, and the
+kernel holds streaming multiprocessors only for the short device-side pack.
+
+This module holds the two pieces that are not the copy itself: :func:`host_runs` (the slice's
+host slots as runs of consecutive slots, pure numpy, checked on CPU) and :class:`StagingRing`
+(two device buffers one direction takes turns in, so the DMA of one slice overlaps the pack
+of the next, and the stream the DMA runs on).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+
+__all__ = ["host_runs", "StagingRing"]
+
+
+def host_runs(slots, stride: int, block_bytes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The host slots of a staged slice as runs of consecutive slots: ``(first position in
+    the slice, first slot, byte length)`` per run. Staging position ``j`` holds the block of
+    ``slots[j]``, both laid out ``stride`` bytes apart, so a run of ``k`` consecutive slots is
+    one copy of ``(k - 1) * stride + block_bytes`` bytes (the padding between blocks comes
+    along; no reader looks at it)."""
+    slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+    if not slots.size:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty
+    breaks = np.flatnonzero(np.diff(slots) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [slots.size]))
+    return starts, slots[starts], (ends - starts - 1) * stride + block_bytes
+
+
+class StagingRing:
+    """Two device buffers that one direction's staged slices on one device take turns in,
+    and the CUDA stream their DMA runs on. Callers hold :attr:`lock` from :meth:`take` to
+    :meth:`release` so two threads' slices never share a buffer; the GPU orders the rest
+    (a slice waits for the event of the last slice that used its buffer)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.lock = threading.Lock()
+        self.dma_stream = torch.cuda.Stream(device=device)
+        self._buffers: list[torch.Tensor | None] = [None, None]
+        self._released: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
+
+    def take(self, nbytes: int) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
+        """The next buffer (at least ``nbytes``, as a 1-D ``uint8`` tensor of exactly that
+        size) and the event its previous use ends with (None: never used); the caller makes
+        its first step wait for that event."""
+        turn = self._turn
+        buffer = self._buffers[turn]
+        released = self._released[turn]
+        if buffer is None or buffer.numel() < nbytes:
+            if released is not None:       # the old one may still be read: let it finish
+                released.synchronize()
+                released = None
+            buffer = self._buffers[turn] = None
+            buffer = self._buffers[turn] = torch.empty(nbytes, dtype=torch.uint8,
+                                                       device=self.device)
+        return buffer[:nbytes], released
+
+    def release(self, event: "torch.cuda.Event") -> None:
+        """The buffer :meth:`take` gave last is in use until ``event``; the next take gets
+        the other."""
+        self._released[self._turn] = event
+        self._turn ^= 1
+
+    def nbytes(self) -> int:
+        """Device memory the ring holds."""
+        return sum(b.numel() for b in self._buffers if b is not None)
