@@ -217,8 +217,8 @@ def hash_rates(nbytes: int) -> dict:
 
 
 # (transport, programs, slice MiB): programs None = the default (the SM count)
-SWEEP = (("kernel", None, 32), ("dma", None, 32), ("staged", None, 8), ("staged", None, 32),
-         ("staged", None, 64))
+SWEEP = (("kernel", None, 8), ("kernel", None, 32), ("dma", None, 32), ("staged", None, 8),
+         ("staged", None, 32), ("staged", None, 64))
 
 
 def sweep(batch_bytes: int, reps: int) -> list[dict]:
@@ -347,7 +347,7 @@ def main() -> int:
                         help="which to measure through the transfer engine (comma-separated; "
                              "host: verified on host threads)")
     parser.add_argument("--profile", default=None, metavar="PATH",
-                        help="also profile the host side of 64 KiB plans (staged), to PATH")
+                        help="also profile the host side of 64 KiB plans, to PATH")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_gpu_copy: needs a CUDA GPU (none here)", file=sys.stderr)
@@ -376,7 +376,9 @@ def main() -> int:
     if args.sweep:
         results["sweep"] = sweep(batch_bytes, reps)
     if args.profile:
-        profile_plans(batch_bytes, "staged", args.profile)
+        with open(args.profile, "w") as f:
+            for transport in ("kernel", "staged"):
+                f.write(f"=== {transport}\n" + profile_plans(batch_bytes, transport, None))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

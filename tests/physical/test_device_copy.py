@@ -10,7 +10,7 @@ import pytest
 import torch
 import xxhash
 
-from kvstrata.physical import (DeviceStorage, DiskStorage, FailureKind, HostStorage,
+from kvstrata.physical import (BlockMemory, DeviceStorage, DiskStorage, FailureKind, HostStorage,
                                MemmoveCopyEngine, StorageConfigError, TransferEngine,
                                TransferPlan)
 from kvstrata.physical.buffers import PAGE_SIZE, cuda_mapped
@@ -18,7 +18,7 @@ from kvstrata.physical.checksum import device_checksum, memory_device_checksums
 from kvstrata.physical.errors import ChecksumMismatchError
 from kvstrata.physical.engines import default_copy_engine
 from kvstrata.physical.device_copy import DeviceCopyEngine, device_kernel_status, device_kernels
-from kvstrata.physical.device_plan import _split, plan_device_pieces
+from kvstrata.physical.device_plan import _split, block_template, plan_device_pieces
 from kvstrata.physical.device_staging import host_runs
 
 from .conftest import block_bytes_of, fill_random, small_config
@@ -69,6 +69,51 @@ def test_plan_splits_big_pieces_and_narrows_the_unit_for_odd_sizes():
     split = plan_device_pieces(HostStorage(small_config()).memory, [1],
                                HostStorage(small_config()).memory, [0], max_piece_bytes=64)
     assert split.piece_bytes == 64 and split.pieces == small_config().block_bytes // 64
+
+
+@pytest.mark.parametrize("kind", ["outer_contiguous", "block_contiguous", "fully_contiguous"])
+def test_a_block_template_places_every_piece_of_every_block_as_the_plan_does(kind):
+    cfg = small_config(num_blocks=11, alignment=64)
+    g1 = DeviceStorage.allocate(cfg, kv_layout=kind, device="cpu")
+    host = HostStorage(cfg.with_blocks(7))
+    template = block_template(g1.memory, host.memory)
+    src, dst = [10, 0, 3, 7], [6, 2, 0, 5]
+    plan = plan_device_pieces(g1.memory, src, host.memory, dst)
+    per = template.per_block
+    assert plan.pieces == per * len(src)
+    for side, ids in (("src", src), ("dst", dst)):
+        t_units = getattr(template, f"{side}_units")
+        stride = getattr(template, f"{side}_stride")
+        from_template = (t_units[None, :] + np.array(ids)[:, None] * stride) * template.unit_bytes
+        bases = (g1 if side == "src" else host).memory.base_addresses()
+        assert (bases[getattr(template, f"{side}_base")] + from_template.reshape(-1)).tolist() \
+            == (bases[getattr(plan, f"{side}_base")]
+                + getattr(plan, f"{side}_units") * plan.unit_bytes).tolist()
+
+
+def test_a_layout_whose_blocks_are_not_evenly_spaced_has_no_template_and_is_not_handled():
+    from kvstrata.protocol.layout import FullyContiguousLayout
+
+    class Uneven(FullyContiguousLayout):      # block b at b * b strides: no single stride
+        def _offsets(self, blocks, layers, outers):
+            return super()._offsets(blocks * blocks, layers, outers)
+
+        def region_bytes(self, index):
+            return self.config.num_blocks ** 2 * self.block_stride
+
+    cfg = small_config(num_blocks=4)
+    layout = Uneven(cfg)
+    uneven = BlockMemory(layout, (torch.zeros(layout.region_bytes(0), dtype=torch.uint8),))
+    host = HostStorage(cfg)
+    assert block_template(uneven, host.memory) is None
+    assert block_template(host.memory, uneven) is None
+    engine = interpreter()
+    assert not engine.handles(uneven, host.memory)
+    fill_random([uneven.regions[0]], seed=3)
+    engine.copy(uneven, [3, 1], host.memory, [0, 2])        # the fallback copies it right
+    offsets = layout.pieces(np.array([3]), layout.contiguous_granularity)[1].reshape(-1)
+    assert bytes(host.payload(0)) == bytes(uneven.regions[0][int(offsets[0]):
+                                                              int(offsets[0]) + cfg.block_bytes])
 
 
 def test_bad_settings_are_refused():
@@ -351,7 +396,8 @@ def test_gpu_staged_goes_to_the_kernel_when_the_driver_refuses_its_dma(monkeypat
     assert engine.transport_on("cuda") == "staged", engine.kernel_error
 
     def refuse(*args, **kwargs):
-        raise RuntimeError("cuMemcpyBatchAsync of 1 copies failed with CUDA driver error 1")
+        raise _cuda_dma.DmaRefused("cuMemcpyBatchAsync of 1 copies failed with CUDA "
+                                   "driver error 1")
 
     monkeypatch.setattr(_cuda_dma, "memcpy_batch", refuse)
     sums = engine.copy_summed(g1.memory, [3, 4, 9], host.memory, [0, 1, 7])

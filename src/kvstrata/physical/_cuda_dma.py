@@ -17,7 +17,12 @@ import ctypes
 
 import numpy as np
 
-__all__ = ["memcpy_batch", "DMA_ERROR"]
+__all__ = ["memcpy_batch", "DmaRefused", "DMA_ERROR"]
+
+
+class DmaRefused(RuntimeError):
+    """The driver refused a batch of copies outright (nothing of it was queued), or has no
+    batched copies at all."""
 
 
 class _MemLocation(ctypes.Structure):
@@ -71,7 +76,7 @@ def _ensure_context(device_index: int) -> None:
                  _driver.cuDevicePrimaryCtxRetain(ctypes.byref(context), device),
                  _driver.cuCtxSetCurrent(context)):
         if code != 0:
-            raise RuntimeError(f"no CUDA context for device {device_index} (driver error {code})")
+            raise DmaRefused(f"no CUDA context for device {device_index} (driver error {code})")
 _ATTRIBUTES = _MemcpyAttributes(_SRC_ACCESS_ORDER_STREAM, _MemLocation(0, 0), _MemLocation(0, 0),
                                 _FLAG_PREFER_OVERLAP_WITH_COMPUTE)
 _FIRST = (ctypes.c_size_t * 1)(0)
@@ -83,9 +88,9 @@ def memcpy_batch(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: 
     ``stream`` (a ``cudaStream_t`` handle of device ``device_index``), in any order within
     the batch. Addresses are
     device pointers or host memory the device can address (registered or pinned). Raises
-    ``RuntimeError`` with the driver's error code, having queued nothing, if it refuses."""
+    :class:`DmaRefused` with the driver's error code, having queued nothing, if it refuses."""
     if _batch is None:
-        raise RuntimeError(f"batched DMA unavailable: {DMA_ERROR}")
+        raise DmaRefused(f"batched DMA unavailable: {DMA_ERROR}")
     dsts = np.ascontiguousarray(dsts, dtype=np.uint64)
     srcs = np.ascontiguousarray(srcs, dtype=np.uint64)
     sizes = np.ascontiguousarray(sizes, dtype=np.uint64)   # size_t on 64-bit Linux
@@ -99,5 +104,5 @@ def memcpy_batch(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: 
         args.append(ctypes.byref(failed_at))
     code = _batch(*args, ctypes.c_void_p(stream))
     if code != 0:
-        raise RuntimeError(f"cuMemcpyBatchAsync of {dsts.size} copies failed with CUDA "
+        raise DmaRefused(f"cuMemcpyBatchAsync of {dsts.size} copies failed with CUDA "
                            f"driver error {code}")

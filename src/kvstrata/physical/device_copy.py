@@ -50,11 +50,11 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..protocol.layout import FullyContiguousLayout, LayoutConfig
+from ..protocol.layout import FullyContiguousLayout, LayerSeparateLayout, LayoutConfig
 from .buffers import AlignedBuffer, cuda_mapped
 from .checksum import device_checksum, memory_checksums
 from .copy import OFFLOAD, ONBOARD, CopyEngine, StagedCopyEngine
-from .device_plan import DevicePiecePlan, plan_device_pieces
+from .device_plan import BlockTemplate, block_template, plan_device_pieces
 from .device_staging import StagingRing, host_runs
 from .storage.base import BlockMemory
 
@@ -151,9 +151,9 @@ class DeviceCopyEngine(CopyEngine):
         from .storage.host import default_hash_threads
         self.interpret = interpret
         self.transport = transport
-        self._kernel = kernels.interpreted() if interpret else kernels.copy_pieces
+        self._kernel = kernels.interpreted() if interpret else kernels.copy_blocks
         self._summed_kernel = (kernels.interpreted(summed=True) if interpret
-                               else kernels.copy_pieces_summed)
+                               else kernels.copy_blocks_summed)
         self.fallback = fallback if fallback is not None else StagedCopyEngine()
         self.slice_bytes = slice_bytes
         self.max_piece_bytes = max_piece_bytes
@@ -165,6 +165,7 @@ class DeviceCopyEngine(CopyEngine):
         self._streams: dict[tuple[str, torch.device], torch.cuda.Stream] = {}
         self._lock = threading.Lock()
         self._rings: dict[tuple[str, torch.device], StagingRing] = {}
+        self._template_tensors: dict = {}     # (id(template), device): (template, tensor)
         self._transports: dict[torch.device, str | None] = {}   # what passed the self-test
         self.kernel_error: str | None = None   # why a transport failed its self-test
 
@@ -186,13 +187,16 @@ class DeviceCopyEngine(CopyEngine):
     def handles(self, src: BlockMemory, dst: BlockMemory) -> bool:
         """Whether this engine copies the pair on the GPU (else :attr:`fallback` does)."""
         if self.interpret:
-            return src.device.type == "cpu" and dst.device.type == "cpu"
+            return (src.device.type == "cpu" and dst.device.type == "cpu"
+                    and self._template(src, dst) is not None)
         kinds = {src.device.type, dst.device.type}
         if "cuda" not in kinds or not kinds <= {"cuda", "cpu"}:
             return False
         if src.device.type == dst.device.type == "cuda" and src.device != dst.device:
             return False
         if not all(_mapped_host(m) for m in (src, dst) if m.device.type == "cpu"):
+            return False
+        if self._template(src, dst) is None:   # no layout kvstrata builds
             return False
         transport = self._self_test(self._device_of(src, dst))
         if transport == "staged" and "cpu" in kinds:   # the host side must be one run of
@@ -216,14 +220,7 @@ class DeviceCopyEngine(CopyEngine):
         if (not self.device_checksums or not self.handles(src, dst)
                 or src.layout.config.block_bytes % 8):
             return False
-        cache = src.__dict__.setdefault("_summable", {})   # BlockMemory is frozen: a cache
-        known = cache.get(id(dst))
-        if known is None or known[0]() is not dst:           # an id can be reused
-            ids = [0, 1] if min(src.layout.config.num_blocks,
-                                dst.layout.config.num_blocks) > 1 else [0]
-            known = cache[id(dst)] = (weakref.ref(dst),
-                                      plan_device_pieces(src, ids, dst, ids).unit_bytes >= 8)
-        return known[1]
+        return self._template(src, dst).unit_bytes >= 8
 
     def copy_summed(self, src, src_ids, dst, dst_ids, *,
                     direction=OFFLOAD) -> np.ndarray | None:
@@ -303,10 +300,9 @@ class DeviceCopyEngine(CopyEngine):
 
     # ------------------------------------------------------------------ self-test
     def _self_test(self, device: torch.device) -> str | None:
-        """Once per device: the requested transport, else the other, copies random bytes
-        between registered host memory and the device in reversed 4 KiB pieces, both ways;
-        the first that moves them right is used, and what failed is kept in
-        :attr:`kernel_error` (None returned: every copy goes to the fallback)."""
+        """Once per device: the requested transport, else the others, must move random
+        blocks right (:meth:`_try_transport`); the first that does is used, and what failed
+        is kept in :attr:`kernel_error` (None returned: every copy goes to the fallback)."""
         with self._lock:
             if device in self._transports:
                 return self._transports[device]
@@ -324,68 +320,33 @@ class DeviceCopyEngine(CopyEngine):
         return chosen
 
     def _try_transport(self, transport: str, device: torch.device) -> str | None:
-        """Why ``transport`` cannot be used on ``device`` (None: it can). It moves random
-        bytes host -> device and back in reversed pieces, the way back with device
-        checksums (the 16 pieces as one block), and compares bytes and checksum."""
-        if transport == "staged":
-            return self._try_staged(device)
+        """Why ``transport`` cannot be used on ``device`` (None: it can): 16 random 4 KiB
+        blocks from registered host memory into device memory laid out as vLLM's
+        FlashAttention cache is (K and V of a block apart), from slots in runs of
+        consecutive and reversed ones, then back to other slots with device checksums,
+        compared block by block and checksum by checksum."""
         try:
-            host = AlignedBuffer(1 << 16, pin=True)
-            expected = torch.randint(0, 256, (16, 4096), dtype=torch.uint8)
+            config = LayoutConfig(num_blocks=16, num_layers=2, outer_dim=2, page_size=4,
+                                  inner_dim=128, dtype="bfloat16")   # 4 KiB blocks
+            host = AlignedBuffer(16 * config.block_bytes, pin=True)
+            expected = torch.randint(0, 256, (16, config.block_bytes), dtype=torch.uint8)
             host.tensor.copy_(expected.reshape(-1))
-            device_side = torch.zeros(1 << 16, dtype=torch.uint8, device=device)
-            forward = np.arange(16, dtype=np.int64) * 256             # 4 KiB runs, in units
-            reverse = DevicePiecePlan(0, 0, forward[::-1].copy(), forward, 16, 4096)
-            # a stream of our own: batched DMA refuses the legacy default stream
-            stream = self._stream(ONBOARD, device)
-            with torch.cuda.device(device), torch.cuda.stream(stream):
-                self._queue(transport, host.tensor, device_side, reverse, 0, device, stream,
-                            fall_back=False)
-            torch.cuda.synchronize(device)
-            if not torch.equal(device_side.cpu().view(16, 4096), expected.flip(0)):
-                return "its self-test read wrong bytes from host memory"
-            host.tensor.zero_()
-            with torch.cuda.device(device), torch.cuda.stream(stream):
-                launch = self._queue(transport, device_side, host.tensor, reverse, 16, device,
-                                     stream, fall_back=False)
-            torch.cuda.synchronize(device)
-            if not torch.equal(host.tensor.view(16, 4096), expected):
-                return "its self-test wrote wrong bytes to host memory"
-            if launch.block_sums().tolist() != [device_checksum(expected.numpy())]:
-                return "its self-test computed a wrong device checksum"
-            host.unpin()
-            return None
-        except Exception as exc:      # noqa: BLE001 - any failure means: do not use it
-            return f"{type(exc).__name__}: {exc}"
-
-    def _try_staged(self, device: torch.device) -> str | None:
-        """The staged transport's self-test: 16 random 4 KiB blocks from registered host
-        memory to the device in runs of consecutive and reversed slots, and back to other
-        slots with device checksums, compared block by block."""
-        try:
-            layout = FullyContiguousLayout(LayoutConfig(num_blocks=16, num_layers=1,
-                                                        outer_dim=1, page_size=16,
-                                                        inner_dim=128, dtype="bfloat16"))
-            host = AlignedBuffer(1 << 16, pin=True)
-            expected = torch.randint(0, 256, (16, 4096), dtype=torch.uint8)
-            host.tensor.copy_(expected.reshape(-1))
-            host_memory = BlockMemory(layout, (host.tensor,))
-            device_memory = BlockMemory(layout, (torch.zeros(1 << 16, dtype=torch.uint8,
-                                                             device=device),))
+            host_memory = BlockMemory(FullyContiguousLayout(config), (host.tensor,))
+            layout = LayerSeparateLayout(config, "outer_contiguous")
+            device_memory = BlockMemory(layout, tuple(
+                torch.zeros(layout.region_bytes(i), dtype=torch.uint8, device=device)
+                for i in range(layout.num_regions)))
             slots = [4, 5, 6, 7, 0, 1, 2, 3, 15, 14, 13, 12, 8, 9, 10, 11]
             here = list(range(16))
-            launch = self._launch_staged(host_memory, slots, device_memory, here, ONBOARD,
-                                         False, device, fall_back=False)
-            self._wait(launch)
-            if not torch.equal(device_memory.regions[0].cpu().view(16, 4096), expected[slots]):
-                return "its self-test read wrong bytes from host memory"
+            self._wait(self._launch_with(transport, host_memory, slots, device_memory, here,
+                                         ONBOARD, False, device, fall_back=False))
             host.tensor.zero_()
             back = slots[::-1]
-            launch = self._launch_staged(device_memory, here, host_memory, back, OFFLOAD,
-                                         True, device, fall_back=False)
+            launch = self._launch_with(transport, device_memory, here, host_memory, back,
+                                       OFFLOAD, True, device, fall_back=False)
             self._wait(launch)
-            if not torch.equal(host.tensor.view(16, 4096)[back], expected[slots]):
-                return "its self-test wrote wrong bytes to host memory"
+            if not torch.equal(host.tensor.view(16, -1)[back], expected[slots]):
+                return "its self-test moved wrong bytes"
             if launch.block_sums().tolist() != [device_checksum(b) for b in
                                                 expected[slots].numpy()]:
                 return "its self-test computed a wrong device checksum"
@@ -425,42 +386,70 @@ class DeviceCopyEngine(CopyEngine):
                 self._streams[key] = stream
             return stream
 
+    def _template(self, src: BlockMemory, dst: BlockMemory) -> BlockTemplate | None:
+        """The pair's :func:`~.device_plan.block_template`, cached on the source memory
+        (it never changes; BlockMemory is frozen, hence the ``__dict__``)."""
+        cache = src.__dict__.setdefault("_block_templates", {})
+        key = (id(dst), self.max_piece_bytes)
+        known = cache.get(key)
+        if known is None or known[0]() is not dst:           # an id can be reused
+            known = cache[key] = (weakref.ref(dst), block_template(
+                src, dst, max_piece_bytes=self.max_piece_bytes))
+        return known[1]
+
+    def _staging_template(self, device_memory: BlockMemory, host: BlockMemory,
+                          onboard: bool) -> BlockTemplate | None:
+        """The template between ``device_memory`` and a staging buffer laid out as
+        ``host`` is (its block stride; the buffer's own address comes at launch)."""
+        cache = device_memory.__dict__.setdefault("_staging_templates", {})
+        key = (host.layout.config, onboard, self.max_piece_bytes)
+        if key not in cache:
+            layout = FullyContiguousLayout(host.layout.config.with_blocks(2))
+            shape = BlockMemory(layout, (torch.empty(layout.region_bytes(0), dtype=torch.uint8,
+                                                     device="meta"),))   # address 0
+            pair = (shape, device_memory) if onboard else (device_memory, shape)
+            cache[key] = block_template(*pair, max_piece_bytes=self.max_piece_bytes)
+        return cache[key]
+
     def _launch(self, src: BlockMemory, src_ids, dst: BlockMemory, dst_ids, direction: str,
                 summed: bool = False) -> "_Launch | None":
-        """Queue the copy of one batch (``summed``: with device checksums, which need pieces
-        8-byte aligned: see :meth:`summable`); None when there is nothing to copy."""
+        """Queue the copy of one slice on the device's transport (``summed``: with device
+        checksums, which need pieces 8-byte aligned: see :meth:`summable`); None when there
+        is nothing to copy."""
         if not len(src_ids):
             return None
         if self.interpret:
-            transport, device = self.transport, None
-        else:
-            device = self._device_of(src, dst)
-            transport = self._self_test(device)
+            return self._launch_with(self.transport, src, src_ids, dst, dst_ids, direction,
+                                     summed, None)
+        device = self._device_of(src, dst)
+        return self._launch_with(self._self_test(device), src, src_ids, dst, dst_ids,
+                                 direction, summed, device)
+
+    def _launch_with(self, transport: str, src, src_ids, dst, dst_ids, direction: str,
+                     summed: bool, device: torch.device | None, *,
+                     fall_back: bool = True) -> "_Launch":
+        """:meth:`_launch` on ``transport``. ``fall_back``: where the driver refuses a DMA
+        outright, the kernel takes the device from then on and copies this slice (not in
+        the self-test, which must see the refusal)."""
         if transport == "staged" and self._host_side(src, dst, direction) is not None:
-            return self._launch_staged(src, src_ids, dst, dst_ids, direction, summed, device)
-        plan, per_block = self._plan(src, src_ids, dst, dst_ids, summed)
-        src_region, dst_region = src.regions[plan.src_base], dst.regions[plan.dst_base]
-        if self.interpret:
-            return self._queue("kernel", src_region, dst_region, plan, per_block, None, None)
-        if transport == "staged":   # device <-> device (handles() says): the kernel
-            transport = "kernel"
+            return self._launch_staged(src, src_ids, dst, dst_ids, direction, summed, device,
+                                       fall_back=fall_back)
+        if transport == "dma":
+            return self._launch_dma(src, src_ids, dst, dst_ids, direction, summed, device,
+                                    fall_back=fall_back)
+        # the kernel; also the staged transport's device <-> device copies (its pack step)
+        template = self._template(src, dst)
+        src_region, dst_region = src.regions[template.src_base], dst.regions[template.dst_base]
+        if device is None:
+            return self._run_kernel(src_region, dst_region, template, src_ids, dst_ids,
+                                    summed, True, None)
         stream = self._stream(direction, device)
         with torch.cuda.device(device), torch.cuda.stream(stream):
-            launch = self._queue(transport, src_region, dst_region, plan, per_block, device,
-                                 stream)
+            launch = self._run_kernel(src_region, dst_region, template, src_ids, dst_ids,
+                                      summed, True, device)
             launch.event = torch.cuda.Event(blocking=True)
             launch.event.record(stream)
         return launch
-
-    def _plan(self, src: BlockMemory, src_ids, dst: BlockMemory, dst_ids,
-              summed: bool) -> tuple[DevicePiecePlan, int]:
-        """The kernel's plan and, ``summed``, its pieces per block (0 otherwise)."""
-        plan = plan_device_pieces(src, src_ids, dst, dst_ids,
-                                  max_piece_bytes=self.max_piece_bytes)
-        if summed and plan.unit_bytes < 8:
-            raise ValueError(f"device checksums need 8-byte aligned pieces, these are aligned "
-                             f"to {plan.unit_bytes} (see summable)")
-        return plan, (plan.pieces // len(src_ids) if summed else 0)
 
     def _host_side(self, src: BlockMemory, dst: BlockMemory, direction: str) -> str | None:
         """Which side of a pair the staged transport moves by DMA: ``"src"`` or ``"dst"``,
@@ -486,6 +475,12 @@ class DeviceCopyEngine(CopyEngine):
                 ring = self._rings[key] = StagingRing(device)
             return ring
 
+    def _dma_refused(self, device: torch.device, transport: str, exc: Exception) -> None:
+        """The driver refused a DMA outright: the kernel takes ``device`` from now on."""
+        with self._lock:
+            self._transports[device] = "kernel"
+            self.kernel_error = f"{transport}: {exc}"
+
     def _launch_staged(self, src: BlockMemory, src_ids, dst: BlockMemory, dst_ids,
                        direction: str, summed: bool, device: torch.device | None, *,
                        fall_back: bool = True) -> "_Launch":
@@ -497,41 +492,40 @@ class DeviceCopyEngine(CopyEngine):
         copy and the buffer a CPU tensor."""
         onboard = self._host_side(src, dst, direction) == "src"
         host, host_ids = (src, src_ids) if onboard else (dst, dst_ids)
+        device_memory, device_ids = (dst, dst_ids) if onboard else (src, src_ids)
+        template = self._staging_template(device_memory, host, onboard)
         n = len(src_ids)
-        layout = FullyContiguousLayout(host.layout.config.with_blocks(n))
-        stride = layout.block_stride
-        positions, slots, lengths = host_runs(host_ids, stride, layout.config.block_bytes)
+        stride = host.layout.block_stride
+        positions, slots, lengths = host_runs(host_ids, stride, host.layout.config.block_bytes)
+        staged_ids = np.arange(n, dtype=np.int64)
         ring = None if device is None else self._ring(direction, device)
         with ring.lock if ring is not None else contextlib.nullcontext():
             if ring is None:
                 buffer, released = torch.empty(n * stride, dtype=torch.uint8), None
             else:
                 buffer, released = ring.take(n * stride)
-            staging = BlockMemory(layout, (buffer,))
             host_addresses = (np.uint64(host.regions[0].data_ptr())
                               + slots.astype(np.uint64) * np.uint64(stride))
             staged_addresses = (np.uint64(buffer.data_ptr())
                                 + positions.astype(np.uint64) * np.uint64(stride))
             sizes = lengths.astype(np.uint64)
-            staged_ids = range(n)
             if onboard:
-                plan, per_block = self._plan(staging, staged_ids, dst, dst_ids, summed)
-                pack_src, pack_dst = buffer, dst.regions[plan.dst_base]
+                pack = (buffer, device_memory.regions[template.dst_base], template,
+                        staged_ids, device_ids)
                 dma = (staged_addresses, host_addresses, sizes)
             else:
-                plan, per_block = self._plan(src, src_ids, staging, staged_ids, summed)
-                pack_src, pack_dst = src.regions[plan.src_base], buffer
+                pack = (device_memory.regions[template.src_base], buffer, template,
+                        device_ids, staged_ids)
                 dma = (host_addresses, staged_addresses, sizes)
             if ring is None:           # the interpreter: every step runs as it is queued
                 if onboard:
                     _host_memcpy(*dma)
-                launch = self._queue("kernel", pack_src, pack_dst, plan, per_block, None,
-                                     None)
+                launch = self._run_kernel(*pack, summed, True, None)
                 if not onboard:
                     _host_memcpy(*dma)
                 launch.keep += [buffer]
                 return launch
-            from ._cuda_dma import memcpy_batch
+            from . import _cuda_dma
             stream = self._stream(direction, device)
             first, last = (ring.dma_stream, stream) if onboard else (stream, ring.dma_stream)
             try:
@@ -539,67 +533,68 @@ class DeviceCopyEngine(CopyEngine):
                     first.wait_event(released)
                 with torch.cuda.device(device):
                     if onboard:
-                        memcpy_batch(*dma, ring.dma_stream.cuda_stream, device.index or 0)
+                        _cuda_dma.memcpy_batch(*dma, ring.dma_stream.cuda_stream,
+                                               device.index or 0)
                     with torch.cuda.stream(stream):
                         if onboard:
                             stream.wait_event(_recorded(ring.dma_stream))
-                        launch = self._queue("kernel", pack_src, pack_dst, plan, per_block,
-                                             device, stream)
+                        launch = self._run_kernel(*pack, summed, True, device)
                     if not onboard:
                         ring.dma_stream.wait_event(_recorded(stream))
-                        memcpy_batch(*dma, ring.dma_stream.cuda_stream, device.index or 0)
+                        _cuda_dma.memcpy_batch(*dma, ring.dma_stream.cuda_stream,
+                                               device.index or 0)
                     launch.event = torch.cuda.Event(blocking=True)
                     launch.event.record(last)
-            except RuntimeError as exc:
-                if not fall_back or ("cuMemcpyBatchAsync" not in str(exc)
-                                     and "batched DMA" not in str(exc)):
+            except _cuda_dma.DmaRefused as exc:
+                if not fall_back:
                     raise
-                failed = exc        # the driver refused the DMA: nothing reached the host side
+                refused = exc        # nothing reached the host side, nor G1
             else:
                 ring.release(launch.event)
                 launch.keep += [buffer, *dma]
                 return launch
-        with self._lock:          # the kernel takes this device from now on
-            self._transports[device] = "kernel"
-            self.kernel_error = f"staged: {failed}"
-        return self._launch(src, src_ids, dst, dst_ids, direction, summed)
+        self._dma_refused(device, "staged", refused)
+        return self._launch_with("kernel", src, src_ids, dst, dst_ids, direction, summed,
+                                 device)
 
-    def _queue(self, transport: str, src: torch.Tensor, dst: torch.Tensor,
-               plan: DevicePiecePlan, per_block: int, device: torch.device | None,
-               stream, *, fall_back: bool = True) -> "_Launch":
-        """Queue ``plan`` from byte tensor ``src`` (the plan's source base region) to ``dst``
-        on ``stream`` (the current one); with ``per_block`` (pieces per block), the device
-        checksum shares come back to host memory on the same stream. A DMA batch the driver
-        refuses outright goes to the kernel (and the kernel takes the device from then on)
-        unless not ``fall_back`` (the self-test: it must see DMA fail)."""
-        if transport == "kernel":
-            return self._run_kernel(src, dst, plan.src_units, plan.dst_units, plan, per_block,
-                                    device, copy=True)
-        from ._cuda_dma import memcpy_batch
+    def _launch_dma(self, src: BlockMemory, src_ids, dst: BlockMemory, dst_ids,
+                    direction: str, summed: bool, device: torch.device, *,
+                    fall_back: bool = True) -> "_Launch":
+        """Queue one slice as one DMA per piece (``cuMemcpyBatchAsync``), then, ``summed``,
+        the checksum kernel over the device side (the bytes that arrived, on an onboard)."""
+        from . import _cuda_dma
+        plan = plan_device_pieces(src, src_ids, dst, dst_ids,
+                                  max_piece_bytes=self.max_piece_bytes)
         unit = np.uint64(plan.unit_bytes)
-        dsts = np.uint64(dst.data_ptr()) + plan.dst_units.astype(np.uint64) * unit
-        srcs = np.uint64(src.data_ptr()) + plan.src_units.astype(np.uint64) * unit
+        dsts = (np.uint64(dst.regions[plan.dst_base].data_ptr())
+                + plan.dst_units.astype(np.uint64) * unit)
+        srcs = (np.uint64(src.regions[plan.src_base].data_ptr())
+                + plan.src_units.astype(np.uint64) * unit)
         sizes = np.full(plan.pieces, plan.piece_bytes, dtype=np.uint64)
-        try:
+        stream = self._stream(direction, device)
+        with torch.cuda.device(device), torch.cuda.stream(stream):
             for lo in range(0, plan.pieces, _DMA_BATCH):
-                memcpy_batch(dsts[lo:lo + _DMA_BATCH], srcs[lo:lo + _DMA_BATCH],
-                             sizes[lo:lo + _DMA_BATCH], stream.cuda_stream,
-                             stream.device.index or 0)
-        except RuntimeError as exc:
-            if not fall_back or device is None or lo:   # part queued: nothing safe to redo
-                raise
-            with self._lock:        # refused outright: the kernel takes this device from now
-                self._transports[device] = "kernel"
-                self.kernel_error = f"dma: {exc}"
-            return self._queue("kernel", src, dst, plan, per_block, device, stream)
-        if not per_block:
-            return _Launch(keep=[dsts, srcs, sizes])
-        # the device checksums of the device side, read in device memory after the copy
-        on_device, units = (src, plan.src_units) if src.device.type == "cuda" \
-            else (dst, plan.dst_units)
-        launch = self._run_kernel(on_device, on_device, units, units, plan, per_block, device,
-                                  copy=False)
-        launch.keep += [dsts, srcs, sizes]
+                try:
+                    _cuda_dma.memcpy_batch(dsts[lo:lo + _DMA_BATCH], srcs[lo:lo + _DMA_BATCH],
+                                           sizes[lo:lo + _DMA_BATCH], stream.cuda_stream,
+                                           device.index or 0)
+                except _cuda_dma.DmaRefused as exc:
+                    if not fall_back or lo:   # part queued: nothing safe to redo
+                        raise
+                    self._dma_refused(device, "dma", exc)
+                    return self._launch_with("kernel", src, src_ids, dst, dst_ids,
+                                             direction, summed, device)
+            if summed:   # the device checksums of the device side, after the copy
+                side, ids = (src, src_ids) if src.device.type == "cuda" else (dst, dst_ids)
+                template = self._template(side, side)
+                region = side.regions[template.src_base]
+                launch = self._run_kernel(region, region, template, ids, ids, True, False,
+                                          device)
+            else:
+                launch = _Launch(keep=[])
+            launch.keep += [dsts, srcs, sizes]
+            launch.event = torch.cuda.Event(blocking=True)
+            launch.event.record(stream)
         return launch
 
     def _group(self, pieces: int, device: torch.device | None) -> int:
@@ -614,43 +609,65 @@ class DeviceCopyEngine(CopyEngine):
             group *= 2
         return group
 
-    def _run_kernel(self, src: torch.Tensor, dst: torch.Tensor, src_units: np.ndarray,
-                    dst_units: np.ndarray, plan: DevicePiecePlan, per_block: int,
-                    device: torch.device | None, *, copy: bool) -> "_Launch":
-        """Launch a kernel on the current stream over ``plan``'s pieces at ``src_units`` /
-        ``dst_units`` of byte tensors ``src`` / ``dst``: the copy kernel, or with
-        ``per_block`` the device checksum kernel (copying too unless not ``copy``), whose
-        per-piece shares come back to pinned host memory on the same stream."""
-        if per_block:
-            dtype, per_unit = torch.int64, plan.unit_bytes // 8
+    def _template_tensor(self, template: BlockTemplate, device) -> torch.Tensor:
+        """``template``'s piece offsets (source, destination) as a ``[2, per_block]`` int64
+        tensor on ``device``, made once per template and device."""
+        key = (id(template), device)
+        with self._lock:
+            known = self._template_tensors.get(key)
+        if known is None or known[0] is not template:
+            offsets = torch.from_numpy(np.stack([template.src_units, template.dst_units])
+                                       .astype(np.int64))
+            if device is not None:
+                offsets = offsets.to(device)
+            known = (template, offsets)
+            with self._lock:
+                self._template_tensors[key] = known
+        return known[1]
+
+    def _run_kernel(self, src: torch.Tensor, dst: torch.Tensor, template: BlockTemplate,
+                    src_ids, dst_ids, summed: bool, copy: bool,
+                    device: torch.device | None) -> "_Launch":
+        """Launch a kernel on the current stream copying blocks ``src_ids`` at byte tensor
+        ``src`` (the template's source base region) to ``dst_ids`` at ``dst``: the copy
+        kernel, or ``summed`` the device checksum kernel (copying too unless not ``copy``),
+        whose per-piece shares come back to pinned host memory on the same stream."""
+        if summed:
+            if template.unit_bytes < 8:
+                raise ValueError(f"device checksums need 8-byte aligned pieces, these are "
+                                 f"aligned to {template.unit_bytes} (see summable)")
+            dtype, per_unit = torch.int64, template.unit_bytes // 8
         else:
-            dtype, per_unit = _element(plan.unit_bytes)
+            dtype, per_unit = _element(template.unit_bytes)
         src, dst = _typed_start(src, dtype), _typed_start(dst, dtype)
-        elements = plan.piece_bytes // (plan.unit_bytes // per_unit)
+        elements = template.piece_bytes // (template.unit_bytes // per_unit)
         block = min(self.block_elements, 1 << max(0, (elements - 1).bit_length()))
-        group = self._group(plan.pieces, device)
-        padded = -(-plan.pieces // group) * group
-        offsets = np.empty((2, padded), dtype=np.int64)
-        offsets[0, :plan.pieces], offsets[1, :plan.pieces] = src_units, dst_units
-        offsets[:, plan.pieces:] = offsets[:, plan.pieces - 1:plan.pieces]   # repeat the last
-        offsets = torch.from_numpy(offsets)
+        n = len(src_ids)
+        total = n * template.per_block
+        group = self._group(total, device)
+        programs = -(-total // group)
+        ids = np.empty((2, n), dtype=np.int64)
+        ids[0], ids[1] = src_ids, dst_ids
+        ids = torch.from_numpy(ids)
+        offsets = self._template_tensor(template, device)
         extra: dict = {}
         if device is not None:
-            offsets = offsets.to(device, non_blocking=True)
+            ids = ids.to(device, non_blocking=True)
             extra["num_warps"] = self.num_warps
-        launch = _Launch(keep=[offsets], per_block=per_block, pieces=plan.pieces)
-        grid = (padded // group,)
-        if not per_block:
-            self._kernel[grid](src, dst, offsets[0], offsets[1], UNIT=per_unit,
-                               PIECE=elements, BLOCK=block, GROUP=group, **extra)
+        launch = _Launch(keep=[ids], per_block=template.per_block if summed else 0,
+                         pieces=total)
+        args = (src, dst, ids[0], ids[1], offsets[0], offsets[1], template.src_stride,
+                template.dst_stride, total)
+        shape = dict(UNIT=per_unit, PIECE=elements, BLOCK=block, GROUP=group,
+                     PER_BLOCK=template.per_block, **extra)
+        if not summed:
+            self._kernel[(programs,)](*args, **shape)
             return launch
-        shares = torch.empty(padded, dtype=torch.int64, device=offsets.device)
-        self._summed_kernel[grid](src, dst, offsets[0], offsets[1], shares, UNIT=per_unit,
-                                  PIECE=elements, BLOCK=block, GROUP=group,
-                                  PER_BLOCK=per_block, LOG2_BLOCK=block.bit_length() - 1,
-                                  COPY=copy, **extra)
+        shares = torch.empty(programs * group, dtype=torch.int64, device=ids.device)
+        self._summed_kernel[(programs,)](*args, shares, LOG2_BLOCK=block.bit_length() - 1,
+                                         COPY=copy, **shape)
         if device is not None:
-            launch.shares = torch.empty(padded, dtype=torch.int64, pin_memory=True)
+            launch.shares = torch.empty(shares.numel(), dtype=torch.int64, pin_memory=True)
             launch.shares.copy_(shares, non_blocking=True)
             launch.keep.append(shares)
         else:

@@ -6,6 +6,12 @@ the host engines use), pieces over a size split so a large block spreads over ma
 multiprocessors, and every address counted from the lowest region start of its side in the
 widest unit (up to 16 bytes) that divides every piece start and length, which is what lets
 the kernel move 16 bytes per instruction.
+
+:func:`block_template` is the same plan for one block, once per pair of memories: in every
+layout kvstrata addresses, piece ``p`` of block ``b`` starts ``template[p] + b * stride``
+units after its side's base, so the copy kernel needs only the block ids of a batch (the
+host plans nothing per batch). :func:`plan_device_pieces` gives every piece's address (the
+DMA transport's copies).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import numpy as np
 from .copy import _checked_ids, _piece_addresses
 from .storage.base import BlockMemory
 
-__all__ = ["DevicePiecePlan", "plan_device_pieces"]
+__all__ = ["BlockTemplate", "DevicePiecePlan", "block_template", "plan_device_pieces"]
 
 
 @dataclass(frozen=True)
@@ -86,3 +92,57 @@ def plan_device_pieces(src: BlockMemory, src_ids: Sequence[int], dst: BlockMemor
             common = int(np.gcd.reduce(np.append(values, common).astype(np.int64)))
     unit = _largest_power_of_two_dividing(common)
     return DevicePiecePlan(s_base, d_base, s_rel // unit, d_rel // unit, unit, length)
+
+
+@dataclass(frozen=True)
+class BlockTemplate:
+    """Where the pieces of any block lie on both sides of a pair of memories: piece ``p``
+    of block ``b`` starts ``(src_units[p] + b * src_stride) * unit_bytes`` bytes after the
+    start of region ``src_base`` of the source (likewise ``dst_*``), ``per_block`` pieces
+    of ``piece_bytes`` to a block, in payload order."""
+
+    src_base: int
+    dst_base: int
+    src_units: np.ndarray
+    dst_units: np.ndarray
+    src_stride: int
+    dst_stride: int
+    unit_bytes: int
+    piece_bytes: int
+
+    @property
+    def per_block(self) -> int:
+        return int(self.src_units.size)
+
+
+def block_template(src: BlockMemory, dst: BlockMemory, *,
+                   max_piece_bytes: int = 64 << 10) -> BlockTemplate | None:
+    """The :class:`BlockTemplate` of a pair (raises like :func:`plan_device_pieces` for
+    incompatible layouts), or None where a side's piece addresses are not the same for
+    every block but for a fixed stride (no layout kvstrata builds; the caller copies such
+    a pair another way). Checked on the first, second and last block of each side."""
+    n_src, n_dst = src.layout.config.num_blocks, dst.layout.config.num_blocks
+    probe = [0, 1] if min(n_src, n_dst) > 1 else [0]
+    plan = plan_device_pieces(src, probe, dst, probe, max_piece_bytes=max_piece_bytes)
+    per_block = plan.pieces // len(probe)
+    s_units = plan.src_units.reshape(len(probe), per_block)
+    d_units = plan.dst_units.reshape(len(probe), per_block)
+    strides = []
+    for units in (s_units, d_units):
+        step = units[-1] - units[0]          # zeros with one block: no stride needed
+        if np.any(step != step[0]):
+            return None
+        strides.append(int(step[0]))
+    template = BlockTemplate(plan.src_base, plan.dst_base, s_units[0].copy(),
+                             d_units[0].copy(), strides[0], strides[1], plan.unit_bytes,
+                             plan.piece_bytes)
+    last = plan_device_pieces(src, [n_src - 1], dst, [n_dst - 1],
+                              max_piece_bytes=max_piece_bytes)
+    for side, units, stride, n in (("src", last.src_units, strides[0], n_src),
+                                   ("dst", last.dst_units, strides[1], n_dst)):
+        base = getattr(last, f"{side}_base")
+        expected = (getattr(template, f"{side}_units") + (n - 1) * stride) * plan.unit_bytes
+        if (base != getattr(template, f"{side}_base") or units.size != per_block
+                or not np.array_equal(units * last.unit_bytes, expected)):
+            return None
+    return template
