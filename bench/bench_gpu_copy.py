@@ -11,10 +11,12 @@ sides, best of ``--reps``, all in one run:
   then one DMA into host memory (offload); one DMA then per-layer ``index_copy_`` (onboard);
 * **kvstrata**: TransferEngine plans G1->G2 and G2->G1 with integrity on (G2 verifies reads:
   every block offloaded gets its device checksum computed on the GPU, every block onboarded is
-  checked against it), for each transport (the Triton copy kernel through host memory; DMA
-  by ``cuMemcpyBatchAsync`` per piece with a checksum kernel in device memory; staged: the
-  kernel packs blocks in device memory, DMA moves each run of host slots), each transport's
-  copy alone, and the same plans verified on the host instead (xxh3 on host threads);
+  checked against it), for each transport (kernel: the Triton copy kernel through host
+  memory; staged: the kernel packs blocks in device memory, DMA moves each run of host
+  slots; auto, the default: staged for slices of long host runs, else kernel; dma: one
+  ``cuMemcpyBatchAsync`` copy per piece with a checksum kernel in device memory), each
+  transport's copy alone, and the same plans verified on the host instead (xxh3 on host
+  threads);
 * **overlap**: a forward-sized run of bf16 matrix products on the default stream alone, an
   onboard alone, and both at once: both together should take about max(), not sum();
 * **G3 -> G1**: blocks read from a slab file (O_DIRECT where the filesystem allows) through
@@ -24,7 +26,7 @@ sides, best of ``--reps``, all in one run:
 Bytes are checked once per layout outside the timing. Prints a table (ratios to the DMA
 limit) and, with ``--json PATH``, writes every figure. Needs CUDA; exits 2 without it.
 Usage: ``python bench/bench_gpu_copy.py [--quick] [--reps N] [--batch-mib M] [--json PATH]
-[--sweep] [--transports kernel,dma,staged,host]`` (``scripts/gpu-check`` runs it).
+[--sweep] [--transports auto,kernel,staged,dma,host]`` (``scripts/gpu-check`` runs it).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ GEOMETRIES = {   # name: (layers, page, kv heads, head dim, MLA latent dim); bf1
 }
 LAYOUTS = ("flash_attn", "flashinfer", "mla")
 GOALS = {"2MiB": 0.85, "64KiB": 0.70}
-TRANSPORTS = ("kernel", "dma", "staged")   # each measured; "host": verified on host threads
+TRANSPORTS = ("auto", "kernel", "staged", "dma")   # each measured; "host": verified on host threads
 
 
 def _tensors(layout: str, geometry: str, blocks: int) -> list[torch.Tensor]:

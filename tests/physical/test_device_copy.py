@@ -133,6 +133,31 @@ def test_host_runs_are_the_consecutive_slots_of_a_slice():
     assert [a.size for a in host_runs([], 64, 64)] == [0, 0, 0]
 
 
+@needs_triton
+def test_auto_stages_slices_of_long_host_runs_and_copies_the_rest_with_the_kernel(monkeypatch):
+    cfg = small_config(num_blocks=16, alignment=64)
+    g1 = DeviceStorage.allocate(cfg, kv_layout="outer_contiguous", device="cpu")
+    fill_random(g1.memory.regions, seed=21)
+    host = HostStorage(cfg)
+    # staged where a slice's runs average at least 3 blocks
+    engine = interpreter(transport="auto", staged_run_bytes=3 * cfg.block_bytes,
+                         slice_bytes=4 * cfg.block_bytes)
+    staged = []
+    real = engine._launch_staged
+    monkeypatch.setattr(engine, "_launch_staged",
+                        lambda *a, **k: staged.append(list(a[3])) or real(*a, **k))
+    src = list(range(16))
+    dst = [0, 1, 2, 3, 4, 5, 6, 7, 15, 13, 11, 9, 14, 12, 10, 8]   # runs, then scattered
+    sums = engine.copy_summed(g1.memory, src, host.memory, dst, direction="offload")
+    assert sums.tolist() == [device_checksum(host.payload(d)) for d in dst]
+    assert staged and all(ids == list(range(ids[0], ids[0] + len(ids))) for ids in staged)
+    assert sum(map(len, staged)) < 16          # the scattered slices went to the kernel
+    back = DeviceStorage.allocate(cfg, kv_layout="outer_contiguous", device="cpu")
+    engine.copy(host.memory, dst, back.memory, src, direction="onboard")
+    for s_ in src:
+        assert torch.equal(block_bytes_of(g1, s_), block_bytes_of(back, s_))
+
+
 def test_slices_keep_the_unoverlapped_ends_short():
     engine = interpreter(slice_bytes=800)
     cuts = engine._slices(100, 10)      # 80 blocks a slice, edges of 10
@@ -311,7 +336,8 @@ def test_default_engine_follows_the_machine():
 @gpu
 @needs_triton
 @pytest.mark.parametrize("transport, block_elements", [("kernel", 4096), ("kernel", 256),
-                                                       ("dma", 4096), ("staged", 4096)])
+                                                       ("dma", 4096), ("staged", 4096),
+                                                       ("auto", 4096)])
 @pytest.mark.parametrize("layout", sorted(CUDA_LAYOUTS))
 def test_gpu_every_vllm_layout_round_trips_through_registered_g2(layout, transport,
                                                                  block_elements):

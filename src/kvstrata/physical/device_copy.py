@@ -114,26 +114,37 @@ def _mapped_host(memory: BlockMemory) -> bool:
     return cached
 
 
-TRANSPORTS = ("kernel", "dma", "staged")
+TRANSPORTS = ("auto", "kernel", "staged", "dma")
 _DMA_BATCH = 8192          # copies per cuMemcpyBatchAsync call
 
 
 class DeviceCopyEngine(CopyEngine):
     """Device <-> host copies on the GPU (see the module docstring).
 
-    ``transport``: ``"kernel"`` (the default: the Triton copy kernel moves the bytes through
-    streaming multiprocessors) or ``"dma"`` (the GPU's copy engines through
-    ``cuMemcpyBatchAsync``, with a kernel only to compute device checksums in device memory:
-    it holds no SM while bytes cross PCIe and overlaps a forward far better, but measured
-    0.4-0.8 of the DMA limit for 32-64 KiB pieces and under 0.1 for 8-18 KiB pieces on an
-    H200, so it is opt-in); a transport that fails its self-test on a device falls back to
-    the other, then to ``fallback``. ``programs``: the grid the kernel aims at (default: the
-    device's SM count); each program copies a group of consecutive pieces."""
+    ``transport`` (how the bytes cross PCIe):
+
+    * ``"kernel"``: the Triton copy kernel moves them through streaming multiprocessors,
+      reading or writing host memory in place; the fastest for scattered small blocks, but
+      it holds SMs for the whole copy (a forward beside it waits for them);
+    * ``"staged"``: the kernel packs the blocks in device memory and the GPU's copy engines
+      move each run of consecutive host slots by DMA (:mod:`.device_staging`); SMs are held
+      only for the pack, so it overlaps a forward, and large runs reach the DMA limit, but
+      every run is one DMA copy, which small scattered blocks make many;
+    * ``"auto"`` (the default): per slice, ``staged`` where its host slots form runs of at
+      least ``staged_run_bytes`` on average, else ``kernel``;
+    * ``"dma"``: one DMA copy per piece (a few KiB in G1's layout) and a checksum kernel
+      after it; measured far below the others (kept for drivers where kernels fail).
+
+    A transport that fails its self-test on a device is replaced by the next that passes
+    (``auto`` needs ``kernel`` and ``staged``), then by ``fallback``. ``programs``: the
+    grid the kernel aims at (default: the device's SM count); each program copies a group
+    of consecutive pieces."""
 
     name = "device"
 
     def __init__(self, *, fallback: CopyEngine | None = None, interpret: bool = False,
-                 transport: str = "kernel", slice_bytes: int = 32 << 20,
+                 transport: str = "auto", slice_bytes: int = 32 << 20,
+                 staged_run_bytes: int = 512 << 10,
                  max_piece_bytes: int = 64 << 10, block_elements: int = 4096,
                  num_warps: int = 4, programs: int | None = None,
                  hash_threads: int | None = None, device_checksums: bool = True) -> None:
@@ -145,7 +156,7 @@ class DeviceCopyEngine(CopyEngine):
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         if interpret and transport == "dma":
-            raise ValueError("Triton's interpreter runs the kernel transport only")
+            raise ValueError("Triton's interpreter runs no DMA transport")
         if block_elements < 1 or block_elements & (block_elements - 1):
             raise ValueError(f"block_elements must be a power of two, got {block_elements}")
         from .storage.host import default_hash_threads
@@ -156,6 +167,7 @@ class DeviceCopyEngine(CopyEngine):
                                else kernels.copy_blocks_summed)
         self.fallback = fallback if fallback is not None else StagedCopyEngine()
         self.slice_bytes = slice_bytes
+        self.staged_run_bytes = staged_run_bytes
         self.max_piece_bytes = max_piece_bytes
         self.block_elements = block_elements
         self.num_warps = num_warps
@@ -320,6 +332,15 @@ class DeviceCopyEngine(CopyEngine):
         return chosen
 
     def _try_transport(self, transport: str, device: torch.device) -> str | None:
+        """Why ``transport`` cannot be used on ``device`` (None: it can); ``auto`` needs
+        both of its transports."""
+        if transport == "auto":
+            errors = [f"{t}: {e}" for t in ("kernel", "staged")
+                      if (e := self._try_one(t, device)) is not None]
+            return "; ".join(errors) or None
+        return self._try_one(transport, device)
+
+    def _try_one(self, transport: str, device: torch.device) -> str | None:
         """Why ``transport`` cannot be used on ``device`` (None: it can): 16 random 4 KiB
         blocks from registered host memory into device memory laid out as vLLM's
         FlashAttention cache is (K and V of a block apart), from slots in runs of
@@ -431,9 +452,17 @@ class DeviceCopyEngine(CopyEngine):
         """:meth:`_launch` on ``transport``. ``fall_back``: where the driver refuses a DMA
         outright, the kernel takes the device from then on and copies this slice (not in
         the self-test, which must see the refusal)."""
-        if transport == "staged" and self._host_side(src, dst, direction) is not None:
+        side = self._host_side(src, dst, direction)
+        runs = None
+        if transport in ("auto", "staged") and side is not None:
+            host, ids = (src, src_ids) if side == "src" else (dst, dst_ids)
+            runs = host_runs(ids, host.layout.block_stride, host.layout.config.block_bytes)
+            if transport == "auto" and (len(ids) * host.layout.config.block_bytes
+                                        < self.staged_run_bytes * runs[0].size):
+                runs = None          # short runs: a DMA copy each costs more than the kernel
+        if runs is not None:
             return self._launch_staged(src, src_ids, dst, dst_ids, direction, summed, device,
-                                       fall_back=fall_back)
+                                       runs, fall_back=fall_back)
         if transport == "dma":
             return self._launch_dma(src, src_ids, dst, dst_ids, direction, summed, device,
                                     fall_back=fall_back)
@@ -482,7 +511,8 @@ class DeviceCopyEngine(CopyEngine):
             self.kernel_error = f"{transport}: {exc}"
 
     def _launch_staged(self, src: BlockMemory, src_ids, dst: BlockMemory, dst_ids,
-                       direction: str, summed: bool, device: torch.device | None, *,
+                       direction: str, summed: bool, device: torch.device | None,
+                       runs: tuple[np.ndarray, np.ndarray, np.ndarray], *,
                        fall_back: bool = True) -> "_Launch":
         """Queue one slice through device staging (:mod:`.device_staging`): an offload packs
         the blocks from G1 into a staging buffer with the kernel (device checksums taken
@@ -491,12 +521,12 @@ class DeviceCopyEngine(CopyEngine):
         the checksums from the bytes it writes. Under the interpreter the DMA is a host
         copy and the buffer a CPU tensor."""
         onboard = self._host_side(src, dst, direction) == "src"
-        host, host_ids = (src, src_ids) if onboard else (dst, dst_ids)
+        host = src if onboard else dst
         device_memory, device_ids = (dst, dst_ids) if onboard else (src, src_ids)
         template = self._staging_template(device_memory, host, onboard)
         n = len(src_ids)
         stride = host.layout.block_stride
-        positions, slots, lengths = host_runs(host_ids, stride, host.layout.config.block_bytes)
+        positions, slots, lengths = runs          # host_runs of host_ids
         staged_ids = np.arange(n, dtype=np.int64)
         ring = None if device is None else self._ring(direction, device)
         with ring.lock if ring is not None else contextlib.nullcontext():
