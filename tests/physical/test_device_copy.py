@@ -158,6 +158,54 @@ def test_auto_stages_slices_of_long_host_runs_and_copies_the_rest_with_the_kerne
         assert torch.equal(block_bytes_of(g1, s_), block_bytes_of(back, s_))
 
 
+@needs_triton
+@pytest.mark.parametrize("transport", ["kernel", "staged", "auto"])
+def test_ids_out_of_range_or_unequal_lists_are_refused_before_anything_moves(transport):
+    cfg = small_config(num_blocks=4, alignment=64)
+    g1 = DeviceStorage.allocate(cfg, kv_layout="outer_contiguous", device="cpu")
+    fill_random(g1.memory.regions, seed=8)
+    host = HostStorage(cfg)
+    before = host.memory.regions[0].clone()
+    engine = interpreter(transport=transport, staged_run_bytes=1)
+    for src, dst, error in (([0], [4], IndexError), ([0], [-1], IndexError),
+                            ([4], [0], IndexError), ([0, 1, 2], [3], ValueError)):
+        with pytest.raises(error):
+            engine.copy(g1.memory, src, host.memory, dst, direction="offload")
+        with pytest.raises(error):
+            engine.copy_summed(g1.memory, src, host.memory, dst, direction="offload")
+    assert torch.equal(host.memory.regions[0], before)
+
+
+@needs_triton
+@pytest.mark.parametrize("transport", ["kernel", "staged", "auto"])
+@pytest.mark.parametrize("g1_blocks, g2_blocks", [(1, 1), (1, 6), (6, 1)])
+def test_a_side_of_one_block_is_copied_on_the_device_path(transport, g1_blocks, g2_blocks):
+    cfg = small_config(num_blocks=g1_blocks, alignment=64)
+    g1 = DeviceStorage.allocate(cfg, kv_layout="outer_contiguous", device="cpu")
+    fill_random(g1.memory.regions, seed=9)
+    host = HostStorage(cfg.with_blocks(g2_blocks))
+    engine = interpreter(transport=transport, staged_run_bytes=1)
+    assert engine.handles(g1.memory, host.memory) and engine.summable(g1.memory, host.memory)
+    s_, d_ = g1_blocks - 1, g2_blocks - 1
+    sums = engine.copy_summed(g1.memory, [s_], host.memory, [d_], direction="offload")
+    assert sums.tolist() == [device_checksum(host.payload(d_))]
+    assert torch.equal(block_bytes_of(g1, s_), block_bytes_of(host, d_))
+
+
+@needs_triton
+def test_templates_of_destinations_that_are_gone_are_not_kept():
+    import gc
+    cfg = small_config(num_blocks=4, alignment=64)
+    g1 = DeviceStorage.allocate(cfg, kv_layout="outer_contiguous", device="cpu")
+    engine = interpreter(transport="kernel")
+    for _ in range(20):
+        host = HostStorage(cfg)
+        engine.copy(g1.memory, [0], host.memory, [1], direction="offload")
+        del host
+        gc.collect()
+    assert len(g1.memory.__dict__["_block_templates"]) <= 2
+
+
 def test_slices_keep_the_unoverlapped_ends_short():
     engine = interpreter(slice_bytes=800)
     cuts = engine._slices(100, 10)      # 80 blocks a slice, edges of 10
@@ -431,6 +479,30 @@ def test_gpu_staged_goes_to_the_kernel_when_the_driver_refuses_its_dma(monkeypat
     assert engine.transport_on("cuda") == "kernel" and "staged" in engine.kernel_error
     for s, d in zip([3, 4, 9], [0, 1, 7]):
         assert torch.equal(block_bytes_of(g1, s).cpu(), block_bytes_of(host, d))
+
+
+@gpu
+@needs_triton
+def test_gpu_a_refused_dma_never_hands_the_device_to_a_kernel_that_fails_its_self_test(
+        monkeypatch):
+    from kvstrata.physical import _cuda_dma
+    g1, host = _flash_g1_and_g2(16, 16)
+    engine = DeviceCopyEngine(transport="staged")
+    assert engine.transport_on("cuda") == "staged", engine.kernel_error
+
+    def refuse(*args, **kwargs):
+        raise _cuda_dma.DmaRefused("cuMemcpyBatchAsync of 1 copies failed with CUDA "
+                                   "driver error 1")
+
+    monkeypatch.setattr(_cuda_dma, "memcpy_batch", refuse)
+    monkeypatch.setattr(engine, "_try_one", lambda transport, device: "planted failure")
+    with pytest.raises(RuntimeError, match="planted failure"):
+        engine.copy(g1.memory, [3, 4, 9], host.memory, [0, 1, 7])
+    assert engine.transport_on("cuda") is None and not engine.handles(g1.memory, host.memory)
+    engine.copy(g1.memory, [3, 4, 9], host.memory, [0, 1, 7])      # the fallback engine
+    for s, d in zip([3, 4, 9], [0, 1, 7]):
+        assert torch.equal(block_bytes_of(g1, s).cpu(), block_bytes_of(host, d))
+    engine.close()
 
 
 @gpu

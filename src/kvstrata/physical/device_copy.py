@@ -53,8 +53,9 @@ import torch
 from ..protocol.layout import FullyContiguousLayout, LayerSeparateLayout, LayoutConfig
 from .buffers import AlignedBuffer, cuda_mapped
 from .checksum import device_checksum, memory_checksums
-from .copy import OFFLOAD, ONBOARD, CopyEngine, StagedCopyEngine
+from .copy import OFFLOAD, ONBOARD, CopyEngine, StagedCopyEngine, _checked_ids
 from .device_plan import BlockTemplate, block_template, plan_device_pieces
+from ._cuda_dma import DmaRefused as _DmaRefused
 from .device_staging import StagingRing, host_runs
 from .storage.base import BlockMemory
 
@@ -177,7 +178,6 @@ class DeviceCopyEngine(CopyEngine):
         self._streams: dict[tuple[str, torch.device], torch.cuda.Stream] = {}
         self._lock = threading.Lock()
         self._rings: dict[tuple[str, torch.device], StagingRing] = {}
-        self._template_tensors: dict = {}     # (id(template), device): (template, tensor)
         self._transports: dict[torch.device, str | None] = {}   # what passed the self-test
         self.kernel_error: str | None = None   # why a transport failed its self-test
 
@@ -190,7 +190,7 @@ class DeviceCopyEngine(CopyEngine):
         """The transport in use on ``device`` after its self-test (None: the fallback)."""
         device = torch.device(device)
         if self.interpret:
-            return "kernel"
+            return self.transport
         if device.index is None:     # the key a memory's device has
             device = torch.device(device.type, torch.cuda.current_device())
         return self._self_test(device)
@@ -308,6 +308,12 @@ class DeviceCopyEngine(CopyEngine):
                 self._wait(launch)
 
     def close(self) -> None:
+        """Wait for what the staging rings still move, let their device memory go, close
+        the fallback."""
+        with self._lock:
+            rings, self._rings = list(self._rings.values()), {}
+        for ring in rings:
+            ring.close()
         self.fallback.close()
 
     # ------------------------------------------------------------------ self-test
@@ -354,9 +360,12 @@ class DeviceCopyEngine(CopyEngine):
             host.tensor.copy_(expected.reshape(-1))
             host_memory = BlockMemory(FullyContiguousLayout(config), (host.tensor,))
             layout = LayerSeparateLayout(config, "outer_contiguous")
-            device_memory = BlockMemory(layout, tuple(
-                torch.zeros(layout.region_bytes(i), dtype=torch.uint8, device=device)
-                for i in range(layout.num_regions)))
+            # allocated on a stream of ours: memory the engine's own streams just freed
+            # could still be in use there
+            with torch.cuda.stream(self._stream(ONBOARD, device)):
+                device_memory = BlockMemory(layout, tuple(
+                    torch.zeros(layout.region_bytes(i), dtype=torch.uint8, device=device)
+                    for i in range(layout.num_regions)))
             slots = [4, 5, 6, 7, 0, 1, 2, 3, 15, 14, 13, 12, 8, 9, 10, 11]
             here = list(range(16))
             self._wait(self._launch_with(transport, host_memory, slots, device_memory, here,
@@ -414,6 +423,8 @@ class DeviceCopyEngine(CopyEngine):
         key = (id(dst), self.max_piece_bytes)
         known = cache.get(key)
         if known is None or known[0]() is not dst:           # an id can be reused
+            for stale in [k for k, (ref, _) in cache.items() if ref() is None]:
+                cache.pop(stale, None)                        # destinations gone
             known = cache[key] = (weakref.ref(dst), block_template(
                 src, dst, max_piece_bytes=self.max_piece_bytes))
         return known[1]
@@ -437,7 +448,11 @@ class DeviceCopyEngine(CopyEngine):
         """Queue the copy of one slice on the device's transport (``summed``: with device
         checksums, which need pieces 8-byte aligned: see :meth:`summable`); None when there
         is nothing to copy."""
-        if not len(src_ids):
+        if len(src_ids) != len(dst_ids):
+            raise ValueError(f"{len(src_ids)} source ids but {len(dst_ids)} destination ids")
+        src_ids = _checked_ids(src_ids, src.layout.config.num_blocks)
+        dst_ids = _checked_ids(dst_ids, dst.layout.config.num_blocks)
+        if not src_ids.size:
             return None
         if self.interpret:
             return self._launch_with(self.transport, src, src_ids, dst, dst_ids, direction,
@@ -505,10 +520,17 @@ class DeviceCopyEngine(CopyEngine):
             return ring
 
     def _dma_refused(self, device: torch.device, transport: str, exc: Exception) -> None:
-        """The driver refused a DMA outright: the kernel takes ``device`` from now on."""
+        """The driver refused a DMA outright: the kernel takes ``device`` from now on if it
+        passes its self-test (it may never have been tried: the DMA transport was chosen);
+        else nothing does, and this slice fails (copies then go to :attr:`fallback`)."""
+        kernel_error = self._try_one("kernel", device)
         with self._lock:
-            self._transports[device] = "kernel"
-            self.kernel_error = f"{transport}: {exc}"
+            self._transports[device] = "kernel" if kernel_error is None else None
+            self.kernel_error = f"{transport}: {exc}" + (f"; kernel: {kernel_error}"
+                                                         if kernel_error else "")
+        if kernel_error is not None:
+            raise RuntimeError(f"the driver refused a DMA ({exc}) and the copy kernel "
+                               f"failed its self-test ({kernel_error})")
 
     def _launch_staged(self, src: BlockMemory, src_ids, dst: BlockMemory, dst_ids,
                        direction: str, summed: bool, device: torch.device | None,
@@ -531,7 +553,7 @@ class DeviceCopyEngine(CopyEngine):
         ring = None if device is None else self._ring(direction, device)
         with ring.lock if ring is not None else contextlib.nullcontext():
             if ring is None:
-                buffer, released = torch.empty(n * stride, dtype=torch.uint8), None
+                buffer, released = torch.zeros(n * stride, dtype=torch.uint8), None
             else:
                 buffer, released = ring.take(n * stride)
             host_addresses = (np.uint64(host.regions[0].data_ptr())
@@ -555,7 +577,6 @@ class DeviceCopyEngine(CopyEngine):
                     _host_memcpy(*dma)
                 launch.keep += [buffer]
                 return launch
-            from . import _cuda_dma
             stream = self._stream(direction, device)
             first, last = (ring.dma_stream, stream) if onboard else (stream, ring.dma_stream)
             try:
@@ -563,22 +584,24 @@ class DeviceCopyEngine(CopyEngine):
                     first.wait_event(released)
                 with torch.cuda.device(device):
                     if onboard:
-                        _cuda_dma.memcpy_batch(*dma, ring.dma_stream.cuda_stream,
-                                               device.index or 0)
+                        _queue_dma(dma, ring.dma_stream, device)
                     with torch.cuda.stream(stream):
                         if onboard:
                             stream.wait_event(_recorded(ring.dma_stream))
                         launch = self._run_kernel(*pack, summed, True, device)
                     if not onboard:
                         ring.dma_stream.wait_event(_recorded(stream))
-                        _cuda_dma.memcpy_batch(*dma, ring.dma_stream.cuda_stream,
-                                               device.index or 0)
+                        _queue_dma(dma, ring.dma_stream, device)
                     launch.event = torch.cuda.Event(blocking=True)
                     launch.event.record(last)
-            except _cuda_dma.DmaRefused as exc:
+            except _DmaRefused as exc:
+                # what was queued (a pack, part of the runs) finishes before anything else
+                # touches the buffer or the slots: the slice is then copied again whole
+                ring.dma_stream.synchronize()
+                stream.synchronize()
                 if not fall_back:
                     raise
-                refused = exc        # nothing reached the host side, nor G1
+                refused = exc
             else:
                 ring.release(launch.event)
                 launch.keep += [buffer, *dma]
@@ -592,7 +615,6 @@ class DeviceCopyEngine(CopyEngine):
                     fall_back: bool = True) -> "_Launch":
         """Queue one slice as one DMA per piece (``cuMemcpyBatchAsync``), then, ``summed``,
         the checksum kernel over the device side (the bytes that arrived, on an onboard)."""
-        from . import _cuda_dma
         plan = plan_device_pieces(src, src_ids, dst, dst_ids,
                                   max_piece_bytes=self.max_piece_bytes)
         unit = np.uint64(plan.unit_bytes)
@@ -603,17 +625,15 @@ class DeviceCopyEngine(CopyEngine):
         sizes = np.full(plan.pieces, plan.piece_bytes, dtype=np.uint64)
         stream = self._stream(direction, device)
         with torch.cuda.device(device), torch.cuda.stream(stream):
-            for lo in range(0, plan.pieces, _DMA_BATCH):
-                try:
-                    _cuda_dma.memcpy_batch(dsts[lo:lo + _DMA_BATCH], srcs[lo:lo + _DMA_BATCH],
-                                           sizes[lo:lo + _DMA_BATCH], stream.cuda_stream,
-                                           device.index or 0)
-                except _cuda_dma.DmaRefused as exc:
-                    if not fall_back or lo:   # part queued: nothing safe to redo
-                        raise
-                    self._dma_refused(device, "dma", exc)
-                    return self._launch_with("kernel", src, src_ids, dst, dst_ids,
-                                             direction, summed, device)
+            try:
+                _queue_dma((dsts, srcs, sizes), stream, device)
+            except _DmaRefused as exc:
+                stream.synchronize()    # a part queued lands before the call returns
+                if not fall_back:
+                    raise
+                self._dma_refused(device, "dma", exc)
+                return self._launch_with("kernel", src, src_ids, dst, dst_ids, direction,
+                                         summed, device)
             if summed:   # the device checksums of the device side, after the copy
                 side, ids = (src, src_ids) if src.device.type == "cuda" else (dst, dst_ids)
                 template = self._template(side, side)
@@ -641,19 +661,16 @@ class DeviceCopyEngine(CopyEngine):
 
     def _template_tensor(self, template: BlockTemplate, device) -> torch.Tensor:
         """``template``'s piece offsets (source, destination) as a ``[2, per_block]`` int64
-        tensor on ``device``, made once per template and device."""
-        key = (id(template), device)
-        with self._lock:
-            known = self._template_tensors.get(key)
-        if known is None or known[0] is not template:
+        tensor on ``device`` (the current stream's), made once per template and device and
+        kept with the template."""
+        offsets = template.device_offsets.get(device)
+        if offsets is None:
             offsets = torch.from_numpy(np.stack([template.src_units, template.dst_units])
                                        .astype(np.int64))
             if device is not None:
                 offsets = offsets.to(device)
-            known = (template, offsets)
-            with self._lock:
-                self._template_tensors[key] = known
-        return known[1]
+            template.device_offsets.setdefault(device, offsets)
+        return offsets
 
     def _run_kernel(self, src: torch.Tensor, dst: torch.Tensor, template: BlockTemplate,
                     src_ids, dst_ids, summed: bool, copy: bool,
@@ -715,6 +732,17 @@ def _recorded(stream: "torch.cuda.Stream") -> "torch.cuda.Event":
     event = torch.cuda.Event()
     event.record(stream)
     return event
+
+
+def _queue_dma(copies: tuple[np.ndarray, np.ndarray, np.ndarray], stream, device) -> None:
+    """Queue ``(destinations, sources, sizes)`` on ``stream`` by DMA, ``_DMA_BATCH`` copies
+    a driver call. Raises :class:`~._cuda_dma.DmaRefused` where the driver refuses (a part
+    may then be queued already)."""
+    from ._cuda_dma import memcpy_batch
+    dsts, srcs, sizes = copies
+    for lo in range(0, sizes.size, _DMA_BATCH):
+        memcpy_batch(dsts[lo:lo + _DMA_BATCH], srcs[lo:lo + _DMA_BATCH],
+                     sizes[lo:lo + _DMA_BATCH], stream.cuda_stream, device.index or 0)
 
 
 def _host_memcpy(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray) -> None:

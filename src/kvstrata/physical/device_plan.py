@@ -16,7 +16,7 @@ DMA transport's copies).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -99,7 +99,8 @@ class BlockTemplate:
     """Where the pieces of any block lie on both sides of a pair of memories: piece ``p``
     of block ``b`` starts ``(src_units[p] + b * src_stride) * unit_bytes`` bytes after the
     start of region ``src_base`` of the source (likewise ``dst_*``), ``per_block`` pieces
-    of ``piece_bytes`` to a block, in payload order."""
+    of ``piece_bytes`` to a block, in payload order. :attr:`device_offsets` holds the copy
+    engine's copies of the offsets on each device, so they live and die with the template."""
 
     src_base: int
     dst_base: int
@@ -109,6 +110,7 @@ class BlockTemplate:
     dst_stride: int
     unit_bytes: int
     piece_bytes: int
+    device_offsets: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def per_block(self) -> int:
@@ -122,14 +124,15 @@ def block_template(src: BlockMemory, dst: BlockMemory, *,
     every block but for a fixed stride (no layout kvstrata builds; the caller copies such
     a pair another way). Checked on the first, second and last block of each side."""
     n_src, n_dst = src.layout.config.num_blocks, dst.layout.config.num_blocks
-    probe = [0, 1] if min(n_src, n_dst) > 1 else [0]
-    plan = plan_device_pieces(src, probe, dst, probe, max_piece_bytes=max_piece_bytes)
-    per_block = plan.pieces // len(probe)
-    s_units = plan.src_units.reshape(len(probe), per_block)
-    d_units = plan.dst_units.reshape(len(probe), per_block)
+    # blocks 0 and 1 of each side (block 0 twice on a side of one block: stride 0)
+    plan = plan_device_pieces(src, [0, min(1, n_src - 1)], dst, [0, min(1, n_dst - 1)],
+                              max_piece_bytes=max_piece_bytes)
+    per_block = plan.pieces // 2
+    s_units = plan.src_units.reshape(2, per_block)
+    d_units = plan.dst_units.reshape(2, per_block)
     strides = []
     for units in (s_units, d_units):
-        step = units[-1] - units[0]          # zeros with one block: no stride needed
+        step = units[1] - units[0]
         if np.any(step != step[0]):
             return None
         strides.append(int(step[0]))

@@ -65,8 +65,14 @@ class StagingRing:
                 released.synchronize()
                 released = None
             buffer = self._buffers[turn] = None
-            buffer = self._buffers[turn] = torch.empty(nbytes, dtype=torch.uint8,
-                                                       device=self.device)
+            # on the ring's own stream: the caching allocator hands out memory by stream,
+            # and memory freed on the caller's stream may still be in use there. Zeroed:
+            # a run copies the padding between blocks too, which must not carry whatever
+            # the device memory held before.
+            with torch.cuda.stream(self.dma_stream):
+                buffer = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+            self.dma_stream.synchronize()
+            self._buffers[turn] = buffer
         return buffer[:nbytes], released
 
     def release(self, event: "torch.cuda.Event") -> None:
@@ -74,6 +80,15 @@ class StagingRing:
         the other."""
         self._released[self._turn] = event
         self._turn ^= 1
+
+    def close(self) -> None:
+        """Wait for the last use of each buffer, then let them go."""
+        with self.lock:
+            for event in self._released:
+                if event is not None:
+                    event.synchronize()
+            self._buffers = [None, None]
+            self._released = [None, None]
 
     def nbytes(self) -> int:
         """Device memory the ring holds."""
