@@ -166,13 +166,19 @@ def test_ids_out_of_range_or_unequal_lists_are_refused_before_anything_moves(tra
     fill_random(g1.memory.regions, seed=8)
     host = HostStorage(cfg)
     before = host.memory.regions[0].clone()
-    engine = interpreter(transport=transport, staged_run_bytes=1)
+    # one block a slice: a bad id in the last slice must stop the first one too
+    engine = interpreter(transport=transport, staged_run_bytes=1,
+                         slice_bytes=cfg.block_bytes)
     for src, dst, error in (([0], [4], IndexError), ([0], [-1], IndexError),
-                            ([4], [0], IndexError), ([0, 1, 2], [3], ValueError)):
+                            ([4], [0], IndexError), ([0, 1, 2], [3], ValueError),
+                            ([0, 1, 2], [0, 1, 2, 3], ValueError),
+                            ([0, 1, 2, 3], [0, 1, 2, 4], IndexError)):
+        for call in (engine.copy, engine.copy_summed, engine.copy_hashed):
+            with pytest.raises(error):
+                call(g1.memory, src, host.memory, dst, direction="offload")
         with pytest.raises(error):
-            engine.copy(g1.memory, src, host.memory, dst, direction="offload")
-        with pytest.raises(error):
-            engine.copy_summed(g1.memory, src, host.memory, dst, direction="offload")
+            engine.copy_checked(g1.memory, src, host.memory, dst,
+                                lambda lo, hi: list(range(lo, hi)), direction="offload")
     assert torch.equal(host.memory.regions[0], before)
 
 
@@ -204,6 +210,38 @@ def test_templates_of_destinations_that_are_gone_are_not_kept():
         del host
         gc.collect()
     assert len(g1.memory.__dict__["_block_templates"]) <= 2
+
+
+@needs_triton
+def test_threads_making_new_destinations_share_one_source_memorys_templates():
+    """(Triton's interpreter runs one kernel at a time: the threads ask for templates, as
+    every copy does first.)"""
+    import threading
+    cfg = small_config(num_blocks=4, alignment=64)
+    g1 = DeviceStorage.allocate(cfg, kv_layout="outer_contiguous", device="cpu")
+    engine = interpreter(transport="kernel")
+    errors = []
+
+    def work() -> None:
+        try:
+            for _ in range(40):
+                host = HostStorage(cfg.with_blocks(2))
+                assert engine.summable(g1.memory, host.memory)
+                del host
+        except Exception as exc:     # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    interval = __import__("sys").getswitchinterval()
+    __import__("sys").setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=work) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        __import__("sys").setswitchinterval(interval)
+    assert not errors, errors[:1]
 
 
 def test_slices_keep_the_unoverlapped_ends_short():

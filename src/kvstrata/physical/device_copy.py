@@ -178,6 +178,7 @@ class DeviceCopyEngine(CopyEngine):
         self._streams: dict[tuple[str, torch.device], torch.cuda.Stream] = {}
         self._lock = threading.Lock()
         self._rings: dict[tuple[str, torch.device], StagingRing] = {}
+        self._closed = False
         self._transports: dict[torch.device, str | None] = {}   # what passed the self-test
         self.kernel_error: str | None = None   # why a transport failed its self-test
 
@@ -218,6 +219,7 @@ class DeviceCopyEngine(CopyEngine):
     def copy(self, src, src_ids, dst, dst_ids, *, direction=OFFLOAD) -> int:
         if not self.handles(src, dst):
             return self.fallback.copy(src, src_ids, dst, dst_ids, direction=direction)
+        src_ids, dst_ids = _batch_ids(src, src_ids, dst, dst_ids)
         # slice by slice: the GPU copies the first slice while the next ones are planned
         with self._queued() as launches:
             for lo, hi in self._slices(len(src_ids), src.layout.config.block_bytes):
@@ -244,6 +246,7 @@ class DeviceCopyEngine(CopyEngine):
         :meth:`summable` says no."""
         if not self.summable(src, dst):
             return None
+        src_ids, dst_ids = _batch_ids(src, src_ids, dst, dst_ids)
         with self._queued() as launches:
             for lo, hi in self._slices(len(src_ids), src.layout.config.block_bytes):
                 launches.append(self._launch(src, src_ids[lo:hi], dst, dst_ids[lo:hi],
@@ -262,6 +265,7 @@ class DeviceCopyEngine(CopyEngine):
                                              slice_bytes=slice_bytes, from_source=from_source)
         if not isinstance(dst.layout, FullyContiguousLayout):
             raise ValueError("copy_hashed needs a FullyContiguous destination")
+        src_ids, dst_ids = _batch_ids(src, src_ids, dst, dst_ids)
         bounds = self._slices(len(src_ids), src.layout.config.block_bytes)
         base = int(dst.base_addresses()[0])
         stride, nbytes = dst.layout.block_stride, dst.layout.config.block_bytes
@@ -285,13 +289,14 @@ class DeviceCopyEngine(CopyEngine):
         if not self.handles(src, dst):
             return self.fallback.copy_checked(src, src_ids, dst, dst_ids, check,
                                               direction=direction, slice_bytes=slice_bytes)
+        src_ids, dst_ids = _batch_ids(src, src_ids, dst, dst_ids)
         good: list[int] = []
         with self._queued() as launches:
             for lo, hi in self._slices(len(src_ids), src.layout.config.block_bytes):
                 passed = check(lo, hi)
                 if passed:
-                    launches.append(self._launch(src, [src_ids[p] for p in passed], dst,
-                                                 [dst_ids[p] for p in passed], direction))
+                    launches.append(self._launch(src, src_ids[passed], dst, dst_ids[passed],
+                                                 direction))
                     good.extend(passed)
         return good
 
@@ -311,6 +316,7 @@ class DeviceCopyEngine(CopyEngine):
         """Wait for what the staging rings still move, let their device memory go, close
         the fallback."""
         with self._lock:
+            self._closed = True
             rings, self._rings = list(self._rings.values()), {}
         for ring in rings:
             ring.close()
@@ -423,8 +429,9 @@ class DeviceCopyEngine(CopyEngine):
         key = (id(dst), self.max_piece_bytes)
         known = cache.get(key)
         if known is None or known[0]() is not dst:           # an id can be reused
-            for stale in [k for k, (ref, _) in cache.items() if ref() is None]:
-                cache.pop(stale, None)                        # destinations gone
+            for stale, (ref, _) in list(cache.items()):     # other threads add too
+                if ref() is None:
+                    cache.pop(stale, None)                    # destinations gone
             known = cache[key] = (weakref.ref(dst), block_template(
                 src, dst, max_piece_bytes=self.max_piece_bytes))
         return known[1]
@@ -448,18 +455,17 @@ class DeviceCopyEngine(CopyEngine):
         """Queue the copy of one slice on the device's transport (``summed``: with device
         checksums, which need pieces 8-byte aligned: see :meth:`summable`); None when there
         is nothing to copy."""
-        if len(src_ids) != len(dst_ids):
-            raise ValueError(f"{len(src_ids)} source ids but {len(dst_ids)} destination ids")
-        src_ids = _checked_ids(src_ids, src.layout.config.num_blocks)
-        dst_ids = _checked_ids(dst_ids, dst.layout.config.num_blocks)
-        if not src_ids.size:
+        if not len(src_ids):
             return None
         if self.interpret:
             return self._launch_with(self.transport, src, src_ids, dst, dst_ids, direction,
                                      summed, None)
         device = self._device_of(src, dst)
-        return self._launch_with(self._self_test(device), src, src_ids, dst, dst_ids,
-                                 direction, summed, device)
+        transport = self._self_test(device)
+        if transport is None:    # taken away since handles() (a refused DMA): never guess
+            raise RuntimeError(f"no GPU transport left on {device}: {self.kernel_error}")
+        return self._launch_with(transport, src, src_ids, dst, dst_ids, direction, summed,
+                                 device)
 
     def _launch_with(self, transport: str, src, src_ids, dst, dst_ids, direction: str,
                      summed: bool, device: torch.device | None, *,
@@ -514,6 +520,8 @@ class DeviceCopyEngine(CopyEngine):
     def _ring(self, direction: str, device: torch.device) -> StagingRing:
         key = (direction, device)
         with self._lock:
+            if self._closed:
+                raise RuntimeError("the device copy engine is closed")
             ring = self._rings.get(key)
             if ring is None:
                 ring = self._rings[key] = StagingRing(device)
@@ -669,7 +677,7 @@ class DeviceCopyEngine(CopyEngine):
                                        .astype(np.int64))
             if device is not None:
                 offsets = offsets.to(device)
-            template.device_offsets.setdefault(device, offsets)
+            offsets = template.device_offsets.setdefault(device, offsets)
         return offsets
 
     def _run_kernel(self, src: torch.Tensor, dst: torch.Tensor, template: BlockTemplate,
@@ -732,6 +740,16 @@ def _recorded(stream: "torch.cuda.Stream") -> "torch.cuda.Event":
     event = torch.cuda.Event()
     event.record(stream)
     return event
+
+
+def _batch_ids(src: BlockMemory, src_ids, dst: BlockMemory,
+               dst_ids) -> tuple[np.ndarray, np.ndarray]:
+    """A batch's ids as ``int64`` arrays, checked whole before any slice moves: lists of
+    equal length, every id a slot of its memory (the kernels trust them)."""
+    if len(src_ids) != len(dst_ids):
+        raise ValueError(f"{len(src_ids)} source ids but {len(dst_ids)} destination ids")
+    return (_checked_ids(src_ids, src.layout.config.num_blocks),
+            _checked_ids(dst_ids, dst.layout.config.num_blocks))
 
 
 def _queue_dma(copies: tuple[np.ndarray, np.ndarray, np.ndarray], stream, device) -> None:
