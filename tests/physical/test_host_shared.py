@@ -16,14 +16,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from kvstrata.kinds import StorageOptions, TierSetupError, build_storages
 from kvstrata.kinds.host import shared_host_problem
 from kvstrata.physical import LayoutConfig
+from kvstrata.physical.checksum import device_checksum
 from kvstrata.physical.errors import FailureKind, StorageConfigError
 from kvstrata.physical.leftovers import owner_tag
 from kvstrata.physical.storage.host_shared import (FollowedHostStorage, PublishedHostStorage,
                                                    SharedHost, shared_host_path)
+
+from .conftest import block_bytes_of
 
 ROOT = str(Path(__file__).resolve().parents[2])
 CFG = LayoutConfig(num_blocks=8, num_layers=2, outer_dim=1, page_size=4, inner_dim=128,
@@ -49,6 +53,17 @@ def fill(storage, slot: int, seq: int) -> np.ndarray:
     payload = pattern(seq)
     storage.payload(slot)[:] = payload
     storage.seal([slot], [seq])
+    return payload
+
+
+def fill_summed(storage, slot: int, seq: int) -> np.ndarray:
+    """:func:`fill`, sealed as the GPU copy kernel seals: with the block's device checksum
+    and its xxh3 deferred."""
+    storage.begin_write([slot])
+    payload = pattern(seq)
+    storage.payload(slot)[:] = payload
+    storage.seal([slot], [seq], defer=True,
+                 device_sums=np.array([device_checksum(payload)], dtype=np.uint64))
     return payload
 
 
@@ -96,16 +111,22 @@ def test_a_seal_torn_between_two_blocks_is_never_valid(shm):
     path = shm / "kvstrata-g2-c"
     writer = PublishedHostStorage(CFG, path)
     reader = FollowedHostStorage(CFG, path)
-    fill(writer, 0, 7)
+    fill_summed(writer, 0, 7)
     seals = writer.file.seals
     old = seals[0].copy()
-    fill(writer, 0, 9)
+    fill_summed(writer, 0, 9)
     new = seals[0].copy()
-    for mix in range(1, 15):                         # every mix of the two seals' fields
-        seals[0] = [new[i] if mix >> i & 1 else old[i] for i in range(4)]
+    assert old[2] != new[2]                          # each with its device checksum
+    for mix in range(1, 31):                         # every mix of the two seals' fields
+        seals[0] = [new[i] if mix >> i & 1 else old[i] for i in range(5)]
         assert reader.check_readable([0], [9]) != [] and reader.check_readable([0], [7]) != []
+        assert not reader.device_sums_for_read([0, 0], [9, 7])[1].any()
     seals[0] = new
     assert reader.check_readable([0], [9]) == []
+    reader.confirm_read([0], [9])
+    sums, known = reader.device_sums_for_read([0], [9])
+    assert known.tolist() == [True] and sums.tolist() == [device_checksum(pattern(9))]
+    assert reader.confirm_read([0], [9]) == []
     writer.close()
     reader.close()
 
@@ -426,3 +447,108 @@ def test_nothing_is_stored_from_a_reader(shm, tmp_path):
     engine.close()
     for storage in (disk, g1, reader, writer):
         storage.close()
+
+
+def _summing_engine():
+    from kvstrata.physical import MemmoveCopyEngine
+    from kvstrata.physical.device_copy import DeviceCopyEngine, device_kernels
+    if device_kernels()[0] is None:
+        pytest.skip(f"device kernel: {device_kernels()[1]}")
+    return DeviceCopyEngine(interpret=True, fallback=MemmoveCopyEngine(), hash_threads=1)
+
+
+def test_a_reader_loads_by_the_device_checksums_in_the_seals_without_hashing(shm,
+                                                                             monkeypatch):
+    """The writer's offload through the GPU copy kernel (Triton's interpreter here) seals
+    its slots with device checksums; a reader's load compares the device checksum of the
+    bytes that arrive with the seal's, hashes nothing on the host, and still fails a changed
+    byte, a slot rewritten during the copy (even given its block back), and leaves nothing
+    remembered."""
+    from kvstrata.physical import DeviceStorage, TransferEngine, TransferPlan
+
+    path = shm / "kvstrata-g2-summed"
+    writer = PublishedHostStorage(CFG, path, verify_reads=True)
+    reader = FollowedHostStorage(CFG, path)
+    g1w, g1r = (DeviceStorage.allocate(CFG, device="cpu") for _ in range(2))
+    for region in g1w.memory.regions:
+        region.copy_(torch.randint(0, 256, region.shape, dtype=torch.uint8))
+    seqs = [300 + b for b in range(6)]
+    with TransferEngine({"G1": g1w, "G2": writer}, copy_engine=_summing_engine()) as down:
+        assert down.submit(TransferPlan.for_path("G1->G2", list(range(6)), list(range(6)),
+                                                 seqs, job_id=1)).result().all_ok
+    seals = writer.file.snapshot(np.arange(6))
+    assert seals.ok.all() and seals.device_known.all()
+
+    def no_host_hashing(*args, **kwargs):
+        raise AssertionError("a reader hashed slots on the host")
+
+    monkeypatch.setattr(reader, "payload_checksums", no_host_hashing)
+    engine = _summing_engine()
+    meddle = {"now": lambda: None}
+    real = engine.copy_summed
+
+    def copy_summed(*args, **kwargs):
+        meddle["now"]()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "copy_summed", copy_summed)
+    with TransferEngine({"G1": g1r, "G2": reader}, copy_engine=engine) as up:
+        def load():
+            return up.submit(TransferPlan.for_path("G2->G1", list(range(6)), list(range(6)),
+                                                   seqs, job_id=2)).result()
+
+        calm = load()
+        assert calm.all_ok, calm.failures
+        for b in range(6):
+            assert torch.equal(block_bytes_of(g1w, b), block_bytes_of(g1r, b))
+        writer.payload(1)[5] ^= 0x40                 # a byte changed after the seal
+        assert [(f.position, f.kind) for f in load().failures] == [
+            (1, FailureKind.CHECKSUM_MISMATCH)]
+        writer.payload(1)[5] ^= 0x40
+
+        def rewritten_and_given_back():
+            payload = writer.payload(4).copy()
+            writer.begin_write([4])
+            writer.payload(4)[:] = payload
+            writer.seal([4], [seqs[4]], defer=True,
+                        device_sums=np.array([device_checksum(payload)], dtype=np.uint64))
+
+        meddle["now"] = rewritten_and_given_back
+        assert [(f.position, f.kind) for f in load().failures] == [(4, FailureKind.NOT_WRITTEN)]
+        meddle["now"] = lambda: None
+        assert load().all_ok
+    assert not reader._verified.__dict__.get("seals")       # nothing left behind
+    writer.close()
+    reader.close()
+
+
+def test_a_reader_whose_engine_cannot_sum_after_all_verifies_on_the_host(shm, monkeypatch):
+    from kvstrata.physical import DeviceStorage, TransferEngine, TransferPlan
+
+    path = shm / "kvstrata-g2-unsummed"
+    writer = PublishedHostStorage(CFG, path, verify_reads=True)
+    reader = FollowedHostStorage(CFG, path)
+    g1w, g1r = (DeviceStorage.allocate(CFG, device="cpu") for _ in range(2))
+    for region in g1w.memory.regions:
+        region.copy_(torch.randint(0, 256, region.shape, dtype=torch.uint8))
+    seqs = [400 + b for b in range(4)]
+    with TransferEngine({"G1": g1w, "G2": writer}, copy_engine=_summing_engine()) as down:
+        assert down.submit(TransferPlan.for_path("G1->G2", list(range(4)), list(range(4)),
+                                                 seqs, job_id=1)).result().all_ok
+    engine = _summing_engine()
+    monkeypatch.setattr(engine, "copy_summed", lambda *a, **k: None)
+    hashed = []
+    real = reader.payload_checksums
+    monkeypatch.setattr(reader, "payload_checksums",
+                        lambda slots: hashed.extend(np.asarray(slots).tolist()) or real(slots))
+    with TransferEngine({"G1": g1r, "G2": reader}, copy_engine=engine) as up:
+        for _ in range(2):
+            out = up.submit(TransferPlan.for_path("G2->G1", list(range(4)), list(range(4)),
+                                                  seqs, job_id=2)).result()
+            assert out.all_ok, out.failures
+    assert sorted(hashed) == [0, 0, 1, 1, 2, 2, 3, 3]
+    for b in range(4):
+        assert torch.equal(block_bytes_of(g1w, b), block_bytes_of(g1r, b))
+    assert not reader._verified.__dict__.get("seals")
+    writer.close()
+    reader.close()

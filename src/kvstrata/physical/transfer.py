@@ -382,12 +382,14 @@ class TransferEngine:
         if not good.size:
             return
         dst.begin_write(plan.dst_block_ids)
-        expected, known = src.checksums.device_sums_of(src_ids[good])
+        seqs = np.asarray(plan.sequence_hashes, dtype=np.uint64)
+        expected, known = src.device_sums_for_read(src_ids[good], seqs[good])
         summed = good[known]
         if summed.size:
             sums = self.copy_engine.copy_summed(src.memory, src_ids[summed], dst.memory,
                                                 dst_ids[summed], direction=direction)
             if sums is None:    # nothing copied: verified on the host with the rest below
+                src.confirm_read(src_ids[summed], seqs[summed])   # (a reader's snapshot)
                 known[:] = False
             else:
                 recorded = expected[known]
@@ -397,6 +399,8 @@ class TransferEngine:
                         p, plan.src_block_ids[p], FailureKind.CHECKSUM_MISMATCH,
                         f"device checksum {int(sums[i]):#018x} != recorded "
                         f"{int(recorded[i]):#018x}")
+                # a slot another process rewrote while it was copied out fails too
+                _confirmed(src, plan, failures, summed.tolist())
         rest = good[~known].tolist()
         if rest:
             def check(lo: int, hi: int) -> list[int]:   # batch indices into rest

@@ -242,6 +242,14 @@ class HostStorage(MemoryStorage):
             values[i] = None if i in bad else hashed[k]
         return values, failures
 
+    def device_sums_for_read(self, block_ids: Sequence[int],
+                             sequence_hashes: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """``(sums, known)``: the device checksums a GPU copy of these slots must produce,
+        and where one is recorded (for slots :meth:`check_readable` passed without
+        ``verify``). A storage another process writes answers from the writer's seals and
+        expects :meth:`confirm_read` on the slots ``known`` after the copy."""
+        return self.checksums.device_sums_of(block_ids)
+
     def check_readable(self, block_ids: Sequence[int], sequence_hashes: Sequence[int],
                        *, verify: bool | None = None) -> list[BlockFailure]:
         """Failures for slots that must not be read as ``sequence_hashes``; bytes are

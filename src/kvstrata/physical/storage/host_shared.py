@@ -6,7 +6,7 @@ memory that goes back to the system when the writer and the last reader are gone
 they end (SIGKILL and the OOM killer included), that no filesystem's size limits (Docker's
 64 MiB ``/dev/shm``), and that has no name in any directory. It holds a header page
 (magic, slot count, stride, payload bytes, block geometry, dtype, nonce), the seal table
-(four ``uint64`` per slot, rounded up to whole pages), then the slots; its size is sealed
+(five ``uint64`` per slot, rounded up to whole pages), then the slots; its size is sealed
 (``F_SEAL_GROW | F_SEAL_SHRINK``), so no one can cut it under a reader's mapping. Readers
 find it through a small *rendezvous file* named ``kvstrata-<tier>-<name>`` in a directory
 (``/dev/shm`` by default), where the caller makes ``name`` unique among this host's live
@@ -23,11 +23,13 @@ nonce the rendezvous file names (a pid reused after a writer died names other me
 
 **Why a reader never serves a wrong block.** The writer's checksum table
 (:class:`PublishedChecksumTable`) publishes each slot's seal as it changes: invalidated
-before the slot is overwritten; (sequence hash, xxh3-64, generation, check word) once the
-bytes are in place and hashed. A seal states "the block of this hash has bytes of this
-checksum", and the writer makes it only from the bytes it put in the slot. The check word
-mixes slot, hash, checksum and generation, so a seal read while the writer rewrites it
-(fields of two seals) fails its check. A reader (:class:`FollowedHostStorage`) takes one snapshot of a batch's seals,
+before the slot is overwritten; (sequence hash, xxh3-64, device checksum, generation, check
+word) once the bytes are in place and hashed. A seal states "the block of this hash has bytes
+of this checksum", and the writer makes it only from the bytes it put in the slot. The device
+checksum (:func:`~kvstrata.physical.checksum.device_checksum`) is there where the GPU copy
+kernel computed one on the writer's offload, flagged in the generation word's low bit. The
+check word mixes slot, hash, checksums and generation, so a seal read while the writer
+rewrites it (fields of two seals) fails its check. A reader (:class:`FollowedHostStorage`) takes one snapshot of a batch's seals,
 checks the identities against it, then hashes the slots' bytes and compares them with the
 snapshot's checksums: bytes replaced after the snapshot hash to another value, whatever
 order the two processes see each other's stores in. The copy out of the slot comes after
@@ -37,6 +39,13 @@ generation changes with every change; the writer invalidates a seal before it to
 bytes, and this relies on that store being seen first, as x86-64 guarantees) is reported
 failed, and the engine recomputes that block. (The vLLM connector's scheduler also holds a
 G2 slot being loaded until every rank reported its load, so this is a second line.)
+
+**On a GPU, no host pass.** Where a seal carries a device checksum and the reader's copy
+engine can sum, the transfer engine asks :meth:`FollowedHostStorage.device_sums_for_read`
+for the snapshot's device checksums (the reader remembers that snapshot, as a host check
+does), the GPU copy kernel computes the device checksum of the bytes that arrive in G1 and
+compares, and :meth:`~FollowedHostStorage.confirm_read` follows as above: the same
+guarantee as the writer's own verified loads, without hashing the slots on the host.
 """
 
 from __future__ import annotations
@@ -65,12 +74,13 @@ from .host import HostStorage
 __all__ = ["SharedHost", "SharedHostFile", "PublishedChecksumTable", "PublishedHostStorage",
            "FollowedHostStorage", "shared_host_path", "memory_sharing_problem"]
 
-_MAGIC = b"kvstrata-g2-v1\0\0"
+_MAGIC = b"kvstrata-g2-v2\0\0"
 # magic, slots, stride, payload bytes, seals at, slots at, layers, outer, page, inner, dtype,
 # then the writer's nonce (also in its rendezvous file: this memory, not another like it)
 _HEADER = struct.Struct("<16sQQQQQQQQQ16s16s")
 _SIZE_SEALS = fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK
-_SEAL_WORDS = 4                         # sequence hash, xxh3-64, generation, check word
+# sequence hash, xxh3-64, device checksum, generation << 1 | has device checksum, check word
+_SEAL_WORDS = 5
 
 
 def shared_host_path(directory: str | os.PathLike, tier: str, name: str) -> Path:
@@ -135,13 +145,45 @@ def memory_sharing_problem() -> str | None:
     return None
 
 
-def _check_words(slots: np.ndarray, seqs: np.ndarray, sums: np.ndarray,
-                 generations: np.ndarray) -> np.ndarray:
-    """The check word of each seal (odd, so a zeroed seal is never valid)."""
+def _check_words(slots: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """The check word of each seal (its first four words in ``rows``; odd, so a zeroed seal
+    is never valid)."""
     with np.errstate(over="ignore"):
-        mixed = fmix64(seqs ^ fmix64(sums ^ fmix64(
-            generations ^ ((slots.astype(np.uint64) + np.uint64(1)) * GOLDEN_GAMMA))))
+        mixed = fmix64(rows[:, 0] ^ fmix64(rows[:, 1] ^ fmix64(rows[:, 2] ^ fmix64(
+            rows[:, 3] ^ ((slots.astype(np.uint64) + np.uint64(1)) * GOLDEN_GAMMA)))))
     return mixed | np.uint64(1)
+
+
+@dataclass(frozen=True)
+class Seals:
+    """One read of some slots' seals: ``ok`` per slot (whole and valid), and their words."""
+
+    ok: np.ndarray
+    rows: np.ndarray
+
+    @property
+    def sequence_hashes(self) -> np.ndarray:
+        return self.rows[:, 0]
+
+    @property
+    def checksums(self) -> np.ndarray:
+        """xxh3-64 of each slot's bytes."""
+        return self.rows[:, 1]
+
+    @property
+    def device_sums(self) -> np.ndarray:
+        """Each slot's device checksum (meaningful where :attr:`device_known`)."""
+        return self.rows[:, 2]
+
+    @property
+    def device_known(self) -> np.ndarray:
+        return (self.rows[:, 3] & np.uint64(1)).astype(bool)
+
+    def key(self, position: int) -> tuple[int, int, int]:
+        """What identifies the seal at ``position`` for :meth:`FollowedHostStorage.
+        confirm_read`: hash, xxh3 and the generation word (bumped by every change)."""
+        row = self.rows[position]
+        return int(row[0]), int(row[1]), int(row[3])
 
 
 class SharedHostFile:
@@ -248,14 +290,10 @@ class SharedHostFile:
             return pinned_if_possible(self._slots_bytes, **mapped)
         return AlignedBuffer(self._slots_bytes, **mapped)
 
-    def snapshot(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray,
-                                                   np.ndarray]:
-        """One read of the seals of ``slots``: per slot whether its seal is whole and
-        valid, its sequence hash, its checksum and its generation (how many times the
-        writer changed it)."""
+    def snapshot(self, slots: np.ndarray) -> "Seals":
+        """One read of the seals of ``slots``."""
         rows = self.seals[slots].copy()
-        ok = rows[:, 3] == _check_words(slots, rows[:, 0], rows[:, 1], rows[:, 2])
-        return ok, rows[:, 0], rows[:, 1], rows[:, 2]
+        return Seals(rows[:, 4] == _check_words(slots, rows), rows)
 
     def remove(self) -> None:
         """Remove the rendezvous file if it is still the one this writer made."""
@@ -329,17 +367,20 @@ class PublishedChecksumTable(ChecksumTable):
         if self._seals is None or not idx.size:
             return
         ok, seqs, sums = self.sealed(idx)
-        generations = self._seals[idx, 2] + np.uint64(1)    # every change: a new generation
+        device, device_known = self.device_sums_of(idx)
+        # every change: a new generation (the word's low bit flags a device checksum)
+        generations = (self._seals[idx, 3] >> np.uint64(1)) + np.uint64(1)
         bad = idx[~ok]
-        self._seals[bad, 3] = 0
-        self._seals[bad, 2] = generations[~ok]
+        self._seals[bad, 4] = 0                               # invalid first, then the rest
+        self._seals[bad, 3] = generations[~ok] << np.uint64(1)
         good = idx[ok]
         if good.size:
-            seqs, sums, generations = seqs[ok], sums[ok], generations[ok]
-            self._seals[good, 0] = seqs
-            self._seals[good, 1] = sums
-            self._seals[good, 2] = generations
-            self._seals[good, 3] = _check_words(good, seqs, sums, generations)
+            known = device_known[ok]
+            rows = np.stack([seqs[ok], sums[ok], np.where(known, device[ok], np.uint64(0)),
+                             (generations[ok] << np.uint64(1)) | known.astype(np.uint64)],
+                            axis=1)
+            self._seals[good, :4] = rows
+            self._seals[good, 4] = _check_words(good, rows)
 
     def detach(self) -> None:
         """Stop publishing (the file is going)."""
@@ -435,11 +476,13 @@ class FollowedHostStorage(HostStorage):
                        *, verify: bool | None = None) -> list[BlockFailure]:
         """Failures of the slots that must not be read as ``sequence_hashes``, checked
         against one snapshot of the writer's seals; the bytes are hashed and compared
-        unless ``verify`` is False (a caller that verifies them as it copies)."""
+        unless ``verify`` is False (a caller that verifies them as it copies, through
+        :meth:`device_sums_for_read`)."""
         self._check_open()
         idx = np.asarray(block_ids, dtype=np.int64).reshape(-1)
         self.check_block_ids(idx)
-        ok, seqs, sums, generations = self.file.snapshot(idx)
+        seals = self.file.snapshot(idx)
+        ok, seqs, sums = seals.ok, seals.sequence_hashes, seals.checksums
         wanted = np.asarray(sequence_hashes, dtype=np.uint64).reshape(-1)
         failures = [BlockFailure(int(p), int(idx[p]), FailureKind.NOT_WRITTEN,
                                  "slot holds no sealed block")
@@ -460,27 +503,47 @@ class FollowedHostStorage(HostStorage):
         failures.sort(key=lambda f: f.position)
         if verify is not False:          # what confirm_read compares with after the copy
             bad = {f.position for f in failures}
-            verified = self._verified.__dict__.setdefault("seals", {})
-            for p, slot, seal in zip(range(len(idx)), idx.tolist(),
-                                     zip(seqs.tolist(), sums.tolist(), generations.tolist())):
-                if p not in bad:
-                    held = verified.get(slot)
-                    # the earliest seal of a slot checked more than once before its copies
-                    # are confirmed: a change since any of those checks fails them all
-                    verified[slot] = [seal, 1] if held is None else [held[0], held[1] + 1]
+            self._remember(idx, seals, [p for p in range(len(idx)) if p not in bad])
         return failures
+
+    def device_sums_for_read(self, block_ids: Sequence[int],
+                             sequence_hashes: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """``(sums, known)`` from one snapshot of the writer's seals: the device checksums
+        a copy of these slots into G1 must produce, ``known`` where a slot holds the block
+        of ``sequence_hashes`` under a whole seal that carries one. Slots ``known`` are
+        remembered, like those :meth:`check_readable` verifies: the caller calls
+        :meth:`confirm_read` on them once the copy has landed (or did not happen)."""
+        self._check_open()
+        idx = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+        self.check_block_ids(idx)
+        seals = self.file.snapshot(idx)
+        wanted = np.asarray(sequence_hashes, dtype=np.uint64).reshape(-1)
+        known = seals.ok & seals.device_known & (seals.sequence_hashes == wanted)
+        self._remember(idx, seals, np.flatnonzero(known).tolist())
+        return np.where(known, seals.device_sums, np.uint64(0)), known
+
+    def _remember(self, idx: np.ndarray, seals: "Seals", positions: list[int]) -> None:
+        """Keep, per copying thread, the seal each slot at ``positions`` was checked
+        against, for :meth:`confirm_read`: the earliest of a slot checked more than once
+        before its copies are confirmed (a change since any of those checks fails them
+        all)."""
+        verified = self._verified.__dict__.setdefault("seals", {})
+        for p in positions:
+            slot = int(idx[p])
+            held = verified.get(slot)
+            verified[slot] = [seals.key(p), 1] if held is None else [held[0], held[1] + 1]
 
     def confirm_read(self, block_ids: Sequence[int],
                      sequence_hashes: Sequence[int]) -> list[BlockFailure]:
-        """After the copy out of slots this thread's :meth:`check_readable` verified has
-        landed: failures of those whose seal is no longer the one their bytes were verified
-        against. The writer invalidates a seal before it touches a slot's bytes, so a slot
-        rewritten while it was copied out fails here, and a block copied whole is never
-        passed on as another's."""
+        """After the copy out of slots this thread's :meth:`check_readable` verified (or
+        :meth:`device_sums_for_read` gave device checksums of) has landed: failures of
+        those whose seal is no longer the one their bytes were verified against. The
+        writer invalidates a seal before it touches a slot's bytes, so a slot rewritten
+        while it was copied out fails here, and a block copied whole is never passed on as
+        another's."""
         verified = self._verified.__dict__.setdefault("seals", {})
         idx = np.asarray(block_ids, dtype=np.int64).reshape(-1)
-        ok, seqs, sums, generations = self.file.snapshot(idx)
-        now = list(zip(seqs.tolist(), sums.tolist(), generations.tolist()))
+        seals = self.file.snapshot(idx)
         failures = []
         for p, slot in enumerate(idx.tolist()):
             held = verified.get(slot)
@@ -490,7 +553,7 @@ class FollowedHostStorage(HostStorage):
                     del verified[slot]
             # the generation changes with every change of the seal: a slot rewritten and
             # then given back its block (same hash and checksum) fails too
-            if held is None or not ok[p] or held[0] != now[p] \
+            if held is None or not seals.ok[p] or held[0] != seals.key(p) \
                     or held[0][0] != int(sequence_hashes[p]):
                 failures.append(BlockFailure(p, slot, FailureKind.NOT_WRITTEN,
                                              "slot rewritten while it was read"))
