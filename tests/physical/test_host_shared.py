@@ -67,6 +67,19 @@ def fill_summed(storage, slot: int, seq: int) -> np.ndarray:
     return payload
 
 
+def strict(reader, monkeypatch) -> None:
+    """Make every plan out of ``reader`` end with nothing remembered: each slot checked was
+    confirmed exactly as often (the transfer engine's forget_reads would hide a leak)."""
+    forget = reader.forget_reads
+
+    def checked_forget():
+        left = dict(reader._verified.__dict__.get("seals") or {})
+        forget()
+        assert not left, f"seals left behind: {left}"
+
+    monkeypatch.setattr(reader, "forget_reads", checked_forget)
+
+
 def pattern(seq: int) -> np.ndarray:
     return np.random.default_rng(seq).integers(0, 255, CFG.block_bytes, dtype=np.uint8)
 
@@ -386,7 +399,8 @@ def _meddled_load(writer, reader, g1, meddle, slots, seqs, *, summable=False):
 
 
 @pytest.mark.parametrize("summable", [False, True])
-def test_a_slot_rewritten_while_it_is_copied_out_is_reported_failed(shm, summable):
+def test_a_slot_rewritten_while_it_is_copied_out_is_reported_failed(shm, summable,
+                                                                    monkeypatch):
     """The writer rewrites a slot between the reader's check and its copy (a scheduler that
     let a slot be reused during a load), even giving it back its block afterwards (same
     hash and checksum): the copy lands, but the transfer engine reports the block failed
@@ -396,6 +410,7 @@ def test_a_slot_rewritten_while_it_is_copied_out_is_reported_failed(shm, summabl
     path = shm / "kvstrata-g2-race"
     writer = PublishedHostStorage(CFG, path)
     reader = FollowedHostStorage(CFG, path)
+    strict(reader, monkeypatch)
     g1 = DeviceStorage.allocate(CFG, device="cpu")
     for slot in range(4):
         fill(writer, slot, 100 + slot)
@@ -469,6 +484,7 @@ def test_a_reader_loads_by_the_device_checksums_in_the_seals_without_hashing(shm
     path = shm / "kvstrata-g2-summed"
     writer = PublishedHostStorage(CFG, path, verify_reads=True)
     reader = FollowedHostStorage(CFG, path)
+    strict(reader, monkeypatch)
     g1w, g1r = (DeviceStorage.allocate(CFG, device="cpu") for _ in range(2))
     for region in g1w.memory.regions:
         region.copy_(torch.randint(0, 256, region.shape, dtype=torch.uint8))
@@ -528,6 +544,7 @@ def test_a_reader_whose_engine_cannot_sum_after_all_verifies_on_the_host(shm, mo
     path = shm / "kvstrata-g2-unsummed"
     writer = PublishedHostStorage(CFG, path, verify_reads=True)
     reader = FollowedHostStorage(CFG, path)
+    strict(reader, monkeypatch)
     g1w, g1r = (DeviceStorage.allocate(CFG, device="cpu") for _ in range(2))
     for region in g1w.memory.regions:
         region.copy_(torch.randint(0, 256, region.shape, dtype=torch.uint8))
@@ -550,5 +567,41 @@ def test_a_reader_whose_engine_cannot_sum_after_all_verifies_on_the_host(shm, mo
     for b in range(4):
         assert torch.equal(block_bytes_of(g1w, b), block_bytes_of(g1r, b))
     assert not reader._verified.__dict__.get("seals")
+    writer.close()
+    reader.close()
+
+
+def test_a_copy_that_raises_leaves_no_seal_remembered_for_the_next_plan(shm, monkeypatch):
+    """A plan whose copy raises confirms nothing; the seals its check remembered are
+    dropped with it, so a later read of those slots is held to its own check, not to a
+    seal the writer has since replaced."""
+    from kvstrata.physical import DeviceStorage, TransferEngine, TransferPlan
+
+    path = shm / "kvstrata-g2-raise"
+    writer = PublishedHostStorage(CFG, path, verify_reads=True)
+    reader = FollowedHostStorage(CFG, path)
+    g1w, g1r = (DeviceStorage.allocate(CFG, device="cpu") for _ in range(2))
+    for region in g1w.memory.regions:
+        region.copy_(torch.randint(0, 256, region.shape, dtype=torch.uint8))
+    seqs = [500, 501]
+    with TransferEngine({"G1": g1w, "G2": writer}, copy_engine=_summing_engine()) as down:
+        assert down.submit(TransferPlan.for_path("G1->G2", [0, 1], [0, 1], seqs,
+                                                 job_id=1)).result().all_ok
+    engine = _summing_engine()
+    real = engine.copy_summed
+    monkeypatch.setattr(engine, "copy_summed",
+                        lambda *a, **k: (_ for _ in ()).throw(RuntimeError("planted")))
+    with TransferEngine({"G1": g1r, "G2": reader}, copy_engine=engine) as up:
+        def load():
+            return up.submit(TransferPlan.for_path("G2->G1", [0, 1], [0, 1], seqs,
+                                                   job_id=2)).result()
+
+        assert not any(load().ok)                       # the planted failure
+        with TransferEngine({"G1": g1w, "G2": writer},
+                            copy_engine=_summing_engine()) as down:   # the writer moves on
+            assert down.submit(TransferPlan.for_path("G1->G2", [0, 1], [0, 1], seqs,
+                                                     job_id=3)).result().all_ok
+        monkeypatch.setattr(engine, "copy_summed", real)
+        assert load().all_ok                            # held to the new seals, not the old
     writer.close()
     reader.close()

@@ -256,6 +256,9 @@ class TransferEngine:
                 failures.setdefault(pos, BlockFailure(pos, block_id, FailureKind.INTERNAL, error))
         finally:
             self._local.pacing = None
+            source = self._storages.get(plan.src_tier)
+            if isinstance(source, MemoryStorage):
+                source.forget_reads()
         held = pacing.held_seconds if pacing is not None else 0.0
         seconds = max(time.perf_counter() - start - held, 0.0)
         n = len(plan)

@@ -195,6 +195,11 @@ class MemoryStorage(Storage):
         can change under a read)."""
         return []
 
+    def forget_reads(self) -> None:
+        """Drop what this thread remembered of the reads it checked for
+        :meth:`confirm_read` (the transfer engine calls it after every plan out of this
+        storage, however the plan ended: a copy that raised confirms nothing)."""
+
     def begin_write(self, block_ids: Sequence[int]) -> None:
         """Slots ``block_ids`` are about to be overwritten (nothing to invalidate here)."""
 

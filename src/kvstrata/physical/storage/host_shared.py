@@ -533,6 +533,9 @@ class FollowedHostStorage(HostStorage):
             held = verified.get(slot)
             verified[slot] = [seals.key(p), 1] if held is None else [held[0], held[1] + 1]
 
+    def forget_reads(self) -> None:
+        self._verified.__dict__.pop("seals", None)
+
     def confirm_read(self, block_ids: Sequence[int],
                      sequence_hashes: Sequence[int]) -> list[BlockFailure]:
         """After the copy out of slots this thread's :meth:`check_readable` verified (or
