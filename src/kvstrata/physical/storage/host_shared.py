@@ -179,16 +179,15 @@ class Seals:
     def device_known(self) -> np.ndarray:
         return (self.rows[:, 3] & np.uint64(1)).astype(bool)
 
-    def key(self, position: int) -> tuple[int, int, int]:
-        """What identifies the seal at ``position`` for :meth:`FollowedHostStorage.
-        confirm_read`: hash, xxh3 and the generation word (bumped by every change)."""
-        row = self.rows[position]
-        return int(row[0]), int(row[1]), int(row[3])
+    def keys(self) -> list[tuple[int, int, int]]:
+        """What identifies each seal for :meth:`FollowedHostStorage.confirm_read`: hash,
+        xxh3 and the generation word (bumped by every change)."""
+        return [(row[0], row[1], row[3]) for row in self.rows.tolist()]
 
 
 class SharedHostFile:
     """The mapped shared memory of a shared host tier: :attr:`seals` (``uint64 [slots,
-    3]``) and :meth:`buffer` over its slots. Made with :meth:`create` (the writer, which
+    5]``) and :meth:`buffer` over its slots. Made with :meth:`create` (the writer, which
     also publishes the rendezvous file at ``path``) or :meth:`open` (a reader, which finds
     the writer's memory through it); both raise :class:`StorageConfigError`."""
 
@@ -448,7 +447,7 @@ class FollowedHostStorage(HostStorage):
             self.file.release()
             raise
         self._array.flags.writeable = False   # a stray write raises here, not SIGSEGV
-        self._verified = threading.local()    # per copying thread: slot -> (hash, checksum)
+        self._verified = threading.local()    # per copying thread: slot -> [seal, checks]
 
     def _refuse(self, what: str) -> StorageConfigError:
         return StorageConfigError(f"{what}: this host tier is read here, written by the "
@@ -528,10 +527,11 @@ class FollowedHostStorage(HostStorage):
         before its copies are confirmed (a change since any of those checks fails them
         all)."""
         verified = self._verified.__dict__.setdefault("seals", {})
+        keys, slots = seals.keys(), idx.tolist()
         for p in positions:
-            slot = int(idx[p])
+            slot = slots[p]
             held = verified.get(slot)
-            verified[slot] = [seals.key(p), 1] if held is None else [held[0], held[1] + 1]
+            verified[slot] = [keys[p], 1] if held is None else [held[0], held[1] + 1]
 
     def forget_reads(self) -> None:
         self._verified.__dict__.pop("seals", None)
@@ -547,6 +547,7 @@ class FollowedHostStorage(HostStorage):
         verified = self._verified.__dict__.setdefault("seals", {})
         idx = np.asarray(block_ids, dtype=np.int64).reshape(-1)
         seals = self.file.snapshot(idx)
+        keys, ok = seals.keys(), seals.ok.tolist()
         failures = []
         for p, slot in enumerate(idx.tolist()):
             held = verified.get(slot)
@@ -556,7 +557,7 @@ class FollowedHostStorage(HostStorage):
                     del verified[slot]
             # the generation changes with every change of the seal: a slot rewritten and
             # then given back its block (same hash and checksum) fails too
-            if held is None or not seals.ok[p] or held[0] != seals.key(p) \
+            if held is None or not ok[p] or held[0] != keys[p] \
                     or held[0][0] != int(sequence_hashes[p]):
                 failures.append(BlockFailure(p, slot, FailureKind.NOT_WRITTEN,
                                              "slot rewritten while it was read"))
