@@ -57,12 +57,15 @@ class KvStrataConnector(KVConnectorBase_V1, SupportsHMA):
                  kv_cache_config: "KVCacheConfig") -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        world_size = vllm_config.parallel_config.world_size
+        parallel = vllm_config.parallel_config
+        world_size = parallel.world_size
         geometry = KvGeometry.from_vllm(kv_cache_config, world_size,
-                                        _replicating_ranks(vllm_config.parallel_config))
+                                        _replicating_ranks(parallel))
         settings = settings_from(extra, geometry,
                                  model_id=_model_id(vllm_config),
-                                 block_layout=_block_layout())
+                                 block_layout=_block_layout(),
+                                 engine_index=int(parallel.data_parallel_rank or 0),
+                                 engines=int(parallel.data_parallel_size or 1))
         if settings.load and not _engine_reads_cached_prefixes(vllm_config):
             log.warning("kvstrata: vLLM cannot attend to a cached prefix of this model here "
                         "(it turned its own prefix caching off: MLA on a CPU); kvstrata "
@@ -92,8 +95,8 @@ class KvStrataConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             from .worker import WorkerHalf
 
-            self.worker = WorkerHalf(settings, _worker_rank(), world_size=world_size,
-                                     server=_server_name(vllm_config))
+            self.worker = WorkerHalf(settings, _worker_rank(world_size),
+                                     world_size=world_size, server=_server_name(vllm_config))
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -294,12 +297,15 @@ def _server_name(vllm_config: "VllmConfig") -> str:
     return f"{owner_tag(os.getppid())}-{getattr(vllm_config, 'instance_id', '') or 'engine'}"
 
 
-def _worker_rank() -> int:
-    """This worker's rank among all of the engine's workers (tensor x pipeline parallel)."""
+def _worker_rank(world_size: int) -> int:
+    """This worker's rank among its engine's ``world_size`` workers (tensor x pipeline
+    parallel). vLLM's world group spans every data-parallel engine (engine ``k``'s workers
+    are ranks ``k * world_size`` on), but each engine has its own scheduler: the rank in
+    the engine is what names the worker's share of a block."""
     try:
         from vllm.distributed.parallel_state import get_world_group
 
-        return int(get_world_group().rank_in_group)
+        return int(get_world_group().rank_in_group) % max(1, world_size)
     except Exception:           # not initialised (single worker, tests)
         return 0
 
