@@ -18,6 +18,8 @@ spec                                                   sink
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass, field
 from typing import Any, Callable
 from urllib.parse import SplitResult, parse_qsl, urlsplit
@@ -169,8 +171,13 @@ def sink_problem(spec: str) -> str | None:
     return None
 
 
-def make_sink(spec: str | SinkSpec, callback: Callable | None = None) -> Sink:
-    """Build (not open) the sink a spec describes."""
+def make_sink(spec: str | SinkSpec, callback: Callable | None = None,
+              dp_rank: int = 0) -> Sink:
+    """Build (not open) the sink a spec describes. ``dp_rank``: the data-parallel rank of
+    the engine publishing (stamped on events whose format carries one); the engines of
+    one server then do not share a file or a bound endpoint: rank ``k > 0`` writes
+    ``<stem>.dp<k><suffix>`` and binds a tcp port ``k`` above the spec's (``-dp<k>`` after
+    an ipc or inproc name), as vLLM offsets its own event endpoints."""
     from kvstrata.events import sinks
 
     s = parse_sink_spec(spec) if isinstance(spec, str) else spec
@@ -178,10 +185,10 @@ def make_sink(spec: str | SinkSpec, callback: Callable | None = None) -> Sink:
         return sinks.NullSink()
     if s.kind == "callback":
         return sinks.CallbackSink(callback) if callback is not None else sinks.MemorySink()
-    if s.kind == "jsonl":
-        return sinks.JsonlFileSink(s.target, "kvstrata")
-    if s.kind == "dynamo-json":
-        return sinks.JsonlFileSink(s.target, "dynamo")
+    if s.kind in ("jsonl", "dynamo-json"):
+        return sinks.JsonlFileSink(_engine_file(s.target, dp_rank),
+                                   "kvstrata" if s.kind == "jsonl" else "dynamo",
+                                   dp_rank=dp_rank)
     if s.kind == "nats":
         return sinks.NatsSink(
             s.target,
@@ -192,16 +199,42 @@ def make_sink(spec: str | SinkSpec, callback: Callable | None = None) -> Sink:
             serve_snapshots=_flag("", {"snapshots": s.params.get("snapshots", "1")}, "snapshots"),
             direct=_flag("", {"direct": s.params.get("direct", "1")}, "direct"),
             per_worker=_flag("", s.params, "per_worker"),
+            dp_rank=dp_rank,
         )
     if s.kind == "zmq":
+        connect = _flag("", s.params, "connect")
         return sinks.ZmqSink(
-            s.target,
+            s.target if connect else _engine_endpoint(s.target, dp_rank),
             topic=s.params.get("topic", ""),
             layout=s.params.get("layout", "map"),
-            connect=_flag("", s.params, "connect"),
+            connect=connect,
             hwm=int(s.params.get("hwm", 100_000)),
+            dp_rank=dp_rank,
         )
     raise SinkSpecError(f"unknown sink kind {s.kind!r}")
+
+
+def _engine_file(path: str, dp_rank: int) -> str:
+    """The file data-parallel engine ``dp_rank`` writes for ``path`` (see make_sink)."""
+    if not dp_rank:
+        return path
+    root, suffix = os.path.splitext(path)
+    return f"{root}.dp{dp_rank}{suffix}"
+
+
+def _engine_endpoint(endpoint: str, dp_rank: int) -> str:
+    """The endpoint data-parallel engine ``dp_rank`` binds for ``endpoint`` (see
+    make_sink)."""
+    if not dp_rank:
+        return endpoint
+    scheme, _, rest = endpoint.partition("://")
+    if scheme != "tcp":
+        return f"{endpoint}-dp{dp_rank}"
+    host, _, port = rest.rpartition(":")
+    if int(port) + dp_rank > 65535:
+        raise SinkSpecError(f"zmq endpoint {endpoint}: data-parallel engine {dp_rank} would "
+                            f"bind port {int(port) + dp_rank}, above 65535")
+    return f"tcp://{host}:{int(port) + dp_rank}"
 
 
 def sink_specs(value: object, problems: list[str]) -> tuple[str, ...]:
@@ -223,12 +256,14 @@ def sink_specs(value: object, problems: list[str]) -> tuple[str, ...]:
     return tuple(good)
 
 
-def make_publisher(spec: str, *, start: bool = True, callback: Callable | None = None, **options: Any) -> EventPublisher:
-    """An :class:`EventPublisher` for a sink spec, started unless ``start=False``.
+def make_publisher(spec: str, *, start: bool = True, callback: Callable | None = None,
+                   dp_rank: int = 0, **options: Any) -> EventPublisher:
+    """An :class:`EventPublisher` for a sink spec (``dp_rank``: see :func:`make_sink`),
+    started unless ``start=False``.
 
     ``options`` go to :class:`EventPublisher` (``max_batch``, ``max_delay``, ``buffer_events``,
     ``worker_id``, ``keep_tokens``). Wire it with ``registry.add_observer(publisher)`` and call
     ``publisher.close()`` at the end.
     """
-    publisher = EventPublisher(make_sink(spec, callback=callback), **options)
+    publisher = EventPublisher(make_sink(spec, callback=callback, dp_rank=dp_rank), **options)
     return publisher.start() if start else publisher

@@ -102,7 +102,7 @@ class SimEngine:
                  g3_blocks: int | None = 64, ranks: int = 1, block_size: int = 4,
                  extra: dict | None = None, copy_engine=None,
                  groups: KvGroups = KvGroups(), mla: bool = False,
-                 durable: bool = True, engine_index: int = 0, engines: int = 1) -> None:
+                 durable: bool = True, engine_index: int = 0) -> None:
         self.block_size = block_size
         # MLA: one latent of HEADS * 2 * HEAD_DIM per token, as vLLM's CPU MLA page
         # [blocks, 1, block_size, latent]
@@ -125,7 +125,7 @@ class SimEngine:
         # no kvstrata setting from the environment but the deployment's sharing secret
         self.settings = settings_from(config, geometry, env={
             k: v for k, v in os.environ.items() if k.startswith("KVSTRATA_SHARING_")},
-            engine_index=engine_index, engines=engines)
+            engine_index=engine_index)
         self.scheduler = SchedulerHalf(self.settings, world_size=ranks)
         # the engine's name on this host (vLLM's: its engine core's owner tag and instance)
         server = f"{owner_tag()}-sim{next(_SERVERS)}"

@@ -1,7 +1,8 @@
 """vLLM's data parallelism: each data-parallel engine has its own scheduler and workers, so
-its own G3 (``<directory>/dp<k>`` for engine ``k > 0``) and its own publisher id in
-kvstrata's events, while its workers name their share of a block by their rank in the
-engine, as the same rank of any other engine does (one fingerprint: G4 is shared)."""
+its own G3 (``<directory>/dp<k>`` for engine ``k > 0``) and events stamped with its rank
+(files and bound endpoints of its own), while its workers name their share of a block by
+their rank in the engine, as the same rank of any other engine does (one fingerprint: G4
+is shared, see test_g4.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvstrata.connectors.vllm.connector import _worker_rank  # noqa: E402
-from kvstrata.connectors.vllm.settings import ConnectorConfigError  # noqa: E402
+from kvstrata.connectors.vllm.connector import _engine_index, _worker_rank  # noqa: E402
+from kvstrata.events.spec import SinkSpecError, make_sink  # noqa: E402
 from kvstrata.tokens import hash_blocks  # noqa: E402
 
 from .sim import SimEngine, assert_idle  # noqa: E402
@@ -21,8 +22,8 @@ from .test_halves import BS, prompt, run_and_check_load  # noqa: E402
 
 
 def test_a_worker_is_named_by_its_rank_in_its_engine_not_across_engines(monkeypatch):
-    """vLLM's world group spans the data-parallel engines: engine 1's first worker of two
-    is rank 2 there, and rank 0 in its engine."""
+    """vLLM's world group spans the data-parallel engines of a MoE model: engine 1's first
+    worker of two is rank 2 there, and rank 0 in its engine."""
     import vllm.distributed.parallel_state as parallel_state
 
     for across, world_size, in_engine in ((0, 2, 0), (1, 2, 1), (2, 2, 0), (3, 2, 1),
@@ -32,16 +33,27 @@ def test_a_worker_is_named_by_its_rank_in_its_engine_not_across_engines(monkeypa
         assert _worker_rank(world_size) == in_engine
 
 
-def _engine(tmp_path, index, engines=2, **extra):
+def test_the_engine_index_survives_vllms_reset_of_a_dense_models_engines():
+    """vLLM runs the data-parallel engines of a dense model as independent engines of one
+    rank each (data_parallel_rank reset to 0); data_parallel_index keeps the rank."""
+    from vllm.config import ParallelConfig
+
+    config = ParallelConfig(data_parallel_size=3, data_parallel_rank=2)
+    assert _engine_index(config) == 2
+    config.reconfigure_for_independent_dp_rank()
+    assert config.data_parallel_rank == 0 and _engine_index(config) == 2
+    assert _engine_index(ParallelConfig()) == 0
+
+
+def _engine(tmp_path, index, **extra):
     return SimEngine(tmp_path, g2_blocks=16, g3_blocks=64, ranks=2, block_size=BS,
-                     engine_index=index, engines=engines, extra=extra or None)
+                     engine_index=index, extra=extra or None)
 
 
-def test_each_engine_has_its_own_g3_and_publisher_id_and_one_fingerprint(tmp_path):
+def test_each_engine_has_its_own_g3_under_one_fingerprint(tmp_path):
     first, second = _engine(tmp_path, 0), _engine(tmp_path, 1)
     assert first.settings.kv.disk_dir == str(tmp_path)
     assert second.settings.kv.disk_dir == os.path.join(str(tmp_path), "dp1")
-    assert (first.settings.worker_id, second.settings.worker_id) == (0, 1)
     tokens = prompt(7, 6 * BS + 1)
     for engine in (first, second):
         engine.add("a", tokens)
@@ -72,26 +84,25 @@ def test_a_restarted_engine_restores_its_own_blocks_not_another_engines(tmp_path
         worker.shutdown()
 
 
-def test_publisher_ids_stay_distinct_across_servers_and_in_range(tmp_path):
-    ids = {(server, k): _engine(tmp_path / f"s{server}-{k}", k, engines=3,
-                                worker_id=server).settings.worker_id
-           for server in (0, 1) for k in range(3)}
-    assert sorted(ids.values()) == list(range(6))
-    with pytest.raises(ConnectorConfigError, match="below 2\\*\\*64"):
-        _engine(tmp_path / "big", 1, engines=2, worker_id=(1 << 64) - 1)
-
-
 def test_a_temporary_g3_stays_temporary_in_every_engine(tmp_path):
     engine = SimEngine(tmp_path, g2_blocks=16, g3_blocks=64, ranks=1, block_size=BS,
-                       engine_index=1, engines=2, durable=False)
+                       engine_index=1, durable=False)
     assert engine.settings.kv.directory_of("G3") is None
+    assert engine.settings.data_parallel_index == 1
     for worker in engine.workers:
         worker.shutdown()
 
 
-def test_settings_without_data_parallelism_are_unchanged(tmp_path):
-    plain = SimEngine(tmp_path, g2_blocks=16, g3_blocks=64, ranks=1, block_size=BS,
-                      extra={"worker_id": 9})
-    assert plain.settings.kv.disk_dir == str(tmp_path) and plain.settings.worker_id == 9
-    for worker in plain.workers:
-        worker.shutdown()
+def test_events_carry_the_engines_rank_in_files_and_endpoints_of_its_own(tmp_path):
+    path = str(tmp_path / "events.jsonl")
+    assert make_sink(f"jsonl:{path}").path == path
+    engine1 = make_sink(f"jsonl:{path}", dp_rank=1)
+    assert engine1.path == str(tmp_path / "events.dp1.jsonl") and engine1.dp_rank == 1
+    assert make_sink("zmq://tcp://127.0.0.1:5557", dp_rank=2).endpoint == "tcp://127.0.0.1:5559"
+    with pytest.raises(SinkSpecError, match="65535"):
+        make_sink("zmq://tcp://127.0.0.1:65535", dp_rank=1)
+    assert make_sink("zmq://ipc:///tmp/kv", dp_rank=1).endpoint == "ipc:///tmp/kv-dp1"
+    # engines that connect to one collector all connect to it
+    connected = make_sink("zmq://tcp://127.0.0.1:5557?connect=1", dp_rank=3)
+    assert connected.endpoint == "tcp://127.0.0.1:5557" and connected.dp_rank == 3
+    assert make_sink("zmq://tcp://127.0.0.1:5557").dp_rank == 0

@@ -29,13 +29,12 @@ def store(weed, monkeypatch):
     return f"{weed.endpoint_url}/{weed.bucket}", f"t{uuid.uuid4().hex[:10]}"
 
 
-def _engine(path, store, ranks, g3=False, engine_index=0, engines=1):
+def _engine(path, store, ranks, g3=False, engine_index=0):
     url, tenant = store
     tiers = {"G2": {"blocks": 16}, "G4": {"blocks": 512, "url": url}}
     if g3:
         tiers["G3"] = {"blocks": 32}
     return SimEngine(path, ranks=ranks, block_size=BS, engine_index=engine_index,
-                     engines=engines,
                      extra={"tiers": tiers, "list_interval": 3600, "tenant": tenant})
 
 
@@ -67,11 +66,11 @@ def test_data_parallel_engines_share_g4(tmp_path, store):
     """Engine 1 of two data-parallel engines loads, on its first request, what engine 0's
     workers stored: the same ranks in their engines store under the same fingerprint."""
     tokens = prompt(67, 6 * BS + 1)
-    first = _engine(tmp_path, store, 2, g3=True, engine_index=0, engines=2)
+    first = _engine(tmp_path, store, 2, g3=True, engine_index=0)
     first.add("a", tokens)
     first.run()
     _shutdown(first)
-    second = _engine(tmp_path, store, 2, g3=True, engine_index=1, engines=2)
+    second = _engine(tmp_path, store, 2, g3=True, engine_index=1)
     assert second.scheduler.planner.registry.hashes_in("G3") == set()   # its own G3
     run_and_check_load(second, "b", tokens + [5], expect_blocks=6)
     assert second.scheduler.counters.blocks_loaded == {"G4": 6}

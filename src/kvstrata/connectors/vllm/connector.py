@@ -64,8 +64,7 @@ class KvStrataConnector(KVConnectorBase_V1, SupportsHMA):
         settings = settings_from(extra, geometry,
                                  model_id=_model_id(vllm_config),
                                  block_layout=_block_layout(),
-                                 engine_index=int(parallel.data_parallel_rank or 0),
-                                 engines=int(parallel.data_parallel_size or 1))
+                                 engine_index=_engine_index(parallel))
         if settings.load and not _engine_reads_cached_prefixes(vllm_config):
             log.warning("kvstrata: vLLM cannot attend to a cached prefix of this model here "
                         "(it turned its own prefix caching off: MLA on a CPU); kvstrata "
@@ -297,6 +296,16 @@ def _server_name(vllm_config: "VllmConfig") -> str:
     return f"{owner_tag(os.getppid())}-{getattr(vllm_config, 'instance_id', '') or 'engine'}"
 
 
+def _engine_index(parallel_config: Any) -> int:
+    """This engine's data-parallel rank: vLLM's ``data_parallel_index``, which, unlike
+    ``data_parallel_rank``, vLLM does not reset to 0 in the engines of a dense model (they
+    run as independent engines of one rank each)."""
+    index = getattr(parallel_config, "data_parallel_index", None)
+    if index is None:
+        index = getattr(parallel_config, "data_parallel_rank", 0)
+    return int(index or 0)
+
+
 def _worker_rank(world_size: int) -> int:
     """This worker's rank among its engine's ``world_size`` workers (tensor x pipeline
     parallel). vLLM's world group spans every data-parallel engine (engine ``k``'s workers
@@ -328,7 +337,8 @@ def _kvstrata_publishers(settings) -> list:
         return []
     from ...events.spec import make_publisher
 
-    return [make_publisher(s, worker_id=settings.worker_id) for s in settings.events]
+    return [make_publisher(s, worker_id=settings.worker_id,
+                           dp_rank=settings.data_parallel_index) for s in settings.events]
 
 
 def _primary_group_only(settings, publishers: list) -> list:

@@ -236,6 +236,8 @@ class ConnectorSettings:
     replicas: int = 1
     """:attr:`KvGeometry.replicas`."""
     shared_host_dir: str | None = None
+    data_parallel_index: int = 0
+    """This engine's data-parallel rank (its G3 directory and the rank its events carry)."""
     """Where the workers of a group of :attr:`replicas` keep one G2 for the group, in
     shared memory (its first worker writes it, the others read it in place); None: each
     worker keeps its own."""
@@ -275,18 +277,18 @@ def stored_as(rank: int, world_size: int, replicas: int = 1) -> StoredAs:
 
 def settings_from(extra: Mapping[str, Any] | None, geometry: KvGeometry,
                   env: Mapping[str, str] | None = None, *,
-                  model_id: str = "", block_layout: str = "vllm", engine_index: int = 0,
-                  engines: int = 1) -> ConnectorSettings:
+                  model_id: str = "", block_layout: str = "vllm",
+                  engine_index: int = 0) -> ConnectorSettings:
     """Build the settings from ``kv_connector_extra_config`` and vLLM's geometry;
     ``model_id`` (vLLM's model and revision) names the model in the fingerprint of stored
     blocks unless kvstrata's own config sets ``model_id``. Every problem is named in one
     :class:`ConnectorConfigError`, before anything is allocated.
 
-    ``engine_index`` of ``engines``: this engine's data-parallel rank and vLLM's
-    data-parallel size. Each data-parallel engine has its own scheduler and workers, so its
-    own G3 (engine ``k > 0`` in ``<directory>/dp<k>``) and its own publisher id in
-    kvstrata's events (``worker_id * engines + k``); they share G4, where a worker's blocks
-    are the same bytes as the worker of the same rank in any other engine."""
+    ``engine_index``: this engine's data-parallel rank (vLLM's ``data_parallel_index``).
+    Each data-parallel engine has its own scheduler and workers, so its own G3 (engine
+    ``k > 0`` in ``<directory>/dp<k>``) and events stamped with its rank; the engines share
+    G4, where a worker's blocks are the same bytes as the worker of the same rank in any
+    other engine."""
     extra = dict(extra or {})
     env = os.environ if env is None else env
     problems: list[str] = []
@@ -304,7 +306,7 @@ def settings_from(extra: Mapping[str, Any] | None, geometry: KvGeometry,
     if problems:
         raise ConnectorConfigError("kvstrata connector: " + "; ".join(problems))
     kv = _kv_config(geometry, tiers, overrides, config_path, env, model_id)
-    kv, switches["worker_id"] = _engine_of(kv, switches["worker_id"], engine_index, engines)
+    kv = _engine_of(kv, engine_index)
     if geometry.groups != KvGroups():
         block_layout = f"{block_layout} groups {geometry.groups.signature()}"
     replicas = geometry.replicas
@@ -323,23 +325,16 @@ def settings_from(extra: Mapping[str, Any] | None, geometry: KvGeometry,
     shared_host_dir = _shared_host_dir(kv, share, directory, replicas)
     _check_runnable(kv, geometry.workers, block_layout, replicas, shared_host_dir)
     return ConnectorSettings(kv=kv, block_layout=block_layout, groups=geometry.groups,
-                             replicas=replicas, shared_host_dir=shared_host_dir, **switches)
+                             replicas=replicas, shared_host_dir=shared_host_dir,
+                             data_parallel_index=engine_index, **switches)
 
 
-def _engine_of(kv: KvConfig, worker_id: int, engine_index: int,
-               engines: int) -> tuple[KvConfig, int]:
-    """The config and event publisher id of data-parallel engine ``engine_index`` of
-    ``engines`` (see :func:`settings_from`)."""
-    publisher = worker_id * engines + engine_index
-    if publisher >= 1 << 64:
-        raise ConnectorConfigError(
-            f"kvstrata connector: worker_id {worker_id} leaves no publisher id for "
-            f"data-parallel engine {engine_index} of {engines} (worker_id * {engines} + "
-            f"{engine_index} must be below 2**64)")
+def _engine_of(kv: KvConfig, engine_index: int) -> KvConfig:
+    """The config of data-parallel engine ``engine_index`` (see :func:`settings_from`)."""
     disk = first_of_kind(TierKind.DISK)
     if engine_index and disk in kv.tiers and kv.directory_of(disk) is not None:
         kv = replace(kv, disk_dir=os.path.join(kv.directory_of(disk), f"dp{engine_index}"))
-    return kv, publisher
+    return kv
 
 
 def _shared_host_dir(kv: KvConfig, share: bool | None, directory: str,
