@@ -499,9 +499,9 @@ def test_gpu_staged_slices_of_two_threads_at_once_each_land_right():
     engine.close()
 
 
-@gpu
-@needs_triton
-def test_gpu_staged_goes_to_the_kernel_when_the_driver_refuses_its_dma(monkeypatch):
+def _staged_with_dma_refused(monkeypatch):
+    """G1, G2 and a staged engine that passed its self-test, then a driver that refuses
+    every DMA."""
     from kvstrata.physical import _cuda_dma
     g1, host = _flash_g1_and_g2(16, 16)
     engine = DeviceCopyEngine(transport="staged")
@@ -512,6 +512,13 @@ def test_gpu_staged_goes_to_the_kernel_when_the_driver_refuses_its_dma(monkeypat
                                    "driver error 1")
 
     monkeypatch.setattr(_cuda_dma, "memcpy_batch", refuse)
+    return g1, host, engine
+
+
+@gpu
+@needs_triton
+def test_gpu_staged_goes_to_the_kernel_when_the_driver_refuses_its_dma(monkeypatch):
+    g1, host, engine = _staged_with_dma_refused(monkeypatch)
     sums = engine.copy_summed(g1.memory, [3, 4, 9], host.memory, [0, 1, 7])
     assert sums.tolist() == [device_checksum(host.payload(d)) for d in (0, 1, 7)]
     assert engine.transport_on("cuda") == "kernel" and "staged" in engine.kernel_error
@@ -523,16 +530,7 @@ def test_gpu_staged_goes_to_the_kernel_when_the_driver_refuses_its_dma(monkeypat
 @needs_triton
 def test_gpu_a_refused_dma_never_hands_the_device_to_a_kernel_that_fails_its_self_test(
         monkeypatch):
-    from kvstrata.physical import _cuda_dma
-    g1, host = _flash_g1_and_g2(16, 16)
-    engine = DeviceCopyEngine(transport="staged")
-    assert engine.transport_on("cuda") == "staged", engine.kernel_error
-
-    def refuse(*args, **kwargs):
-        raise _cuda_dma.DmaRefused("cuMemcpyBatchAsync of 1 copies failed with CUDA "
-                                   "driver error 1")
-
-    monkeypatch.setattr(_cuda_dma, "memcpy_batch", refuse)
+    g1, host, engine = _staged_with_dma_refused(monkeypatch)
     monkeypatch.setattr(engine, "_try_one", lambda transport, device: "planted failure")
     with pytest.raises(RuntimeError, match="planted failure"):
         engine.copy(g1.memory, [3, 4, 9], host.memory, [0, 1, 7])

@@ -464,6 +464,26 @@ def test_nothing_is_stored_from_a_reader(shm, tmp_path):
         storage.close()
 
 
+def _offloaded_through_the_kernel(shm, name, blocks, first_seq):
+    """A writer and a reader of a shared G2, and the writer's first ``blocks`` slots filled
+    from a random CPU G1 through the GPU copy kernel (Triton's interpreter), so their seals
+    carry device checksums; returns writer, reader, that G1, an empty one, the hashes."""
+    from kvstrata.physical import DeviceStorage, TransferEngine, TransferPlan
+
+    path = shm / name
+    writer = PublishedHostStorage(CFG, path, verify_reads=True)
+    reader = FollowedHostStorage(CFG, path)
+    g1w, g1r = (DeviceStorage.allocate(CFG, device="cpu") for _ in range(2))
+    for region in g1w.memory.regions:
+        region.copy_(torch.randint(0, 256, region.shape, dtype=torch.uint8))
+    seqs = [first_seq + b for b in range(blocks)]
+    with TransferEngine({"G1": g1w, "G2": writer}, copy_engine=_summing_engine()) as down:
+        assert down.submit(TransferPlan.for_path("G1->G2", list(range(blocks)),
+                                                 list(range(blocks)), seqs,
+                                                 job_id=1)).result().all_ok
+    return writer, reader, g1w, g1r, seqs
+
+
 def _summing_engine():
     from kvstrata.physical import MemmoveCopyEngine
     from kvstrata.physical.device_copy import DeviceCopyEngine, device_kernels
@@ -479,19 +499,11 @@ def test_a_reader_loads_by_the_device_checksums_in_the_seals_without_hashing(shm
     bytes that arrive with the seal's, hashes nothing on the host, and still fails a changed
     byte, a slot rewritten during the copy (even given its block back), and leaves nothing
     remembered."""
-    from kvstrata.physical import DeviceStorage, TransferEngine, TransferPlan
+    from kvstrata.physical import TransferEngine, TransferPlan
 
-    path = shm / "kvstrata-g2-summed"
-    writer = PublishedHostStorage(CFG, path, verify_reads=True)
-    reader = FollowedHostStorage(CFG, path)
+    writer, reader, g1w, g1r, seqs = _offloaded_through_the_kernel(shm, "kvstrata-g2-summed",
+                                                                   6, 300)
     strict(reader, monkeypatch)
-    g1w, g1r = (DeviceStorage.allocate(CFG, device="cpu") for _ in range(2))
-    for region in g1w.memory.regions:
-        region.copy_(torch.randint(0, 256, region.shape, dtype=torch.uint8))
-    seqs = [300 + b for b in range(6)]
-    with TransferEngine({"G1": g1w, "G2": writer}, copy_engine=_summing_engine()) as down:
-        assert down.submit(TransferPlan.for_path("G1->G2", list(range(6)), list(range(6)),
-                                                 seqs, job_id=1)).result().all_ok
     seals = writer.file.snapshot(np.arange(6))
     assert seals.ok.all() and seals.device_known.all()
 
@@ -539,19 +551,11 @@ def test_a_reader_loads_by_the_device_checksums_in_the_seals_without_hashing(shm
 
 
 def test_a_reader_whose_engine_cannot_sum_after_all_verifies_on_the_host(shm, monkeypatch):
-    from kvstrata.physical import DeviceStorage, TransferEngine, TransferPlan
+    from kvstrata.physical import TransferEngine, TransferPlan
 
-    path = shm / "kvstrata-g2-unsummed"
-    writer = PublishedHostStorage(CFG, path, verify_reads=True)
-    reader = FollowedHostStorage(CFG, path)
+    writer, reader, g1w, g1r, seqs = _offloaded_through_the_kernel(
+        shm, "kvstrata-g2-unsummed", 4, 400)
     strict(reader, monkeypatch)
-    g1w, g1r = (DeviceStorage.allocate(CFG, device="cpu") for _ in range(2))
-    for region in g1w.memory.regions:
-        region.copy_(torch.randint(0, 256, region.shape, dtype=torch.uint8))
-    seqs = [400 + b for b in range(4)]
-    with TransferEngine({"G1": g1w, "G2": writer}, copy_engine=_summing_engine()) as down:
-        assert down.submit(TransferPlan.for_path("G1->G2", list(range(4)), list(range(4)),
-                                                 seqs, job_id=1)).result().all_ok
     engine = _summing_engine()
     monkeypatch.setattr(engine, "copy_summed", lambda *a, **k: None)
     hashed = []
@@ -575,18 +579,10 @@ def test_a_copy_that_raises_leaves_no_seal_remembered_for_the_next_plan(shm, mon
     """A plan whose copy raises confirms nothing; the seals its check remembered are
     dropped with it, so a later read of those slots is held to its own check, not to a
     seal the writer has since replaced."""
-    from kvstrata.physical import DeviceStorage, TransferEngine, TransferPlan
+    from kvstrata.physical import TransferEngine, TransferPlan
 
-    path = shm / "kvstrata-g2-raise"
-    writer = PublishedHostStorage(CFG, path, verify_reads=True)
-    reader = FollowedHostStorage(CFG, path)
-    g1w, g1r = (DeviceStorage.allocate(CFG, device="cpu") for _ in range(2))
-    for region in g1w.memory.regions:
-        region.copy_(torch.randint(0, 256, region.shape, dtype=torch.uint8))
-    seqs = [500, 501]
-    with TransferEngine({"G1": g1w, "G2": writer}, copy_engine=_summing_engine()) as down:
-        assert down.submit(TransferPlan.for_path("G1->G2", [0, 1], [0, 1], seqs,
-                                                 job_id=1)).result().all_ok
+    writer, reader, g1w, g1r, seqs = _offloaded_through_the_kernel(shm, "kvstrata-g2-raise",
+                                                                   2, 500)
     engine = _summing_engine()
     real = engine.copy_summed
     monkeypatch.setattr(engine, "copy_summed",
