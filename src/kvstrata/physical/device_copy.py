@@ -2,40 +2,46 @@
 
 :class:`DeviceCopyEngine` moves a batch of blocks between G1 (the engine's KV tensors, in any
 layout :class:`~kvstrata.physical.storage.device.DeviceStorage` wraps) and host memory that is
-registered with CUDA (G2, the transfer engine's bounce buffer), with **one launch per slice of
-a batch**: every piece of every block is a row of two offset arrays, and a Triton kernel
-copies the pieces (:mod:`._triton_copy`), reading or writing the host side through its
-device-visible address. No packed intermediate buffer, no second copy on the CPU, no DMA call
-per piece. ``transport="dma"`` queues the same pieces on the GPU's copy engines instead, one
-``cuMemcpyBatchAsync`` per slice (:mod:`._cuda_dma`).
+registered with CUDA (G2, the transfer engine's bounce buffer), slice by slice, on one of its
+transports (see the class docstring): the Triton copy kernel through host memory
+(``kernel``), the kernel packing blocks in a device staging buffer and the copy engines
+moving each run of host slots by DMA (``staged``, :mod:`.device_staging`), per slice
+whichever suits it (``auto``, the default), or one DMA per piece (``dma``, :mod:`._cuda_dma`).
 
-* **Plan** (:mod:`.device_plan`, pure numpy, checked on CPU): the batch as equal pieces,
-  addressed from one base region per side in 16-byte units where possible. Each kernel
-  program copies a group of consecutive pieces, the grid near the device's SM count
-  (``programs``).
+* **Addresses by template** (:func:`.device_plan.block_template`, pure numpy, checked on
+  CPU): piece ``p`` of block ``b`` starts ``template[p] + b * stride`` units after its side's
+  base, for every layout kvstrata addresses, so a launch needs only the slice's block ids;
+  the kernels (:mod:`._triton_copy`) compute the rest. Each kernel program copies a group of
+  consecutive pieces, the grid near the device's SM count (``programs``).
 * **Slices**: a batch is queued in slices of ``slice_bytes`` (the first and last an eighth of
-  that), so the GPU copies the first slice while the next ones are planned.
+  that), so the GPU copies the first slice while the host works on the next ones. A batch's
+  ids are checked whole before its first slice moves.
 * **Streams**: each direction has its own CUDA stream (onboard at high priority: the engine's
-  next forward waits for it); the engine's compute stream is never used, and the calling
-  thread waits on a blocking event (sleeping).
+  next forward waits for it), and the staged transport a DMA stream per direction; the
+  engine's compute stream is never used, and the calling thread waits on a blocking event
+  (sleeping).
 * **Integrity at copy speed: device checksums.** :meth:`copy_summed` also computes, on the
   GPU, each block's *device checksum*
   (:func:`~kvstrata.physical.checksum.device_checksum`: the sum of a 64-bit mix of every
-  word with its position), by the copy kernel from the words it moves or, with DMA, by a
-  kernel over the device side after the copy. The transfer engine records it with the G2
-  slot on an offload and compares it on an onboard, so the bytes checked are the bytes that
-  arrived in G1, and no host thread reads the bytes. Host reads of G2 (a store to G3, a
-  peer's export) check it natively first. :meth:`copy_hashed` / :meth:`copy_checked` are the
-  xxh3 forms (hashing on ``hash_threads`` host threads, overlapped slice by slice), used for
-  slots that have no device checksum.
-* **Self-test**: before first use on a device, each transport copies random bytes to
-  registered host memory and back in reversed pieces; one that fails is not used
-  (:attr:`DeviceCopyEngine.kernel_error` says why).
+  word with its position), by the copy kernel from the words it moves (with ``staged``, the
+  pack or unpack in device memory; with DMA per piece, a kernel over the device side after
+  the copy). The transfer engine records it with the G2 slot on an offload and compares it
+  on an onboard, so the bytes checked are the bytes that arrived in G1, and no host thread
+  reads the bytes. Host reads of G2 (a store to G3, a peer's export) check it natively
+  first. :meth:`copy_hashed` / :meth:`copy_checked` are the xxh3 forms (hashing on
+  ``hash_threads`` host threads, overlapped slice by slice), used for slots that have no
+  device checksum.
+* **Self-test**: before first use on a device, the transport (``auto``: both of its own)
+  moves random blocks between registered host memory and a device layout like vLLM's and
+  back with device checksums; one that fails is not used (:attr:`DeviceCopyEngine.
+  kernel_error` says why).
 
 Memory the GPU cannot address (pageable host memory, or host <-> host) goes to the
 ``fallback`` engine (:class:`~kvstrata.physical.copy.StagedCopyEngine` by default). With
-``interpret=True`` the kernels run on CPU tensors under Triton's interpreter: what tests
-without a GPU use to check the plan, the kernels and the checksums byte for byte.
+``interpret=True`` the kernels run on CPU tensors under Triton's interpreter (the staged
+transport's DMA a host copy, its staging a CPU tensor, ``direction`` saying which side is
+the host): what tests without a GPU use to check the templates, the kernels and the checksums
+byte for byte.
 """
 
 from __future__ import annotations
