@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvstrata.connectors.vllm.connector import _engine_index, _worker_rank  # noqa: E402
+from kvstrata.connectors.vllm.settings import ConnectorConfigError  # noqa: E402
 from kvstrata.events.spec import SinkSpecError, make_sink  # noqa: E402
 from kvstrata.tokens import hash_blocks  # noqa: E402
 
@@ -106,3 +107,17 @@ def test_events_carry_the_engines_rank_in_files_and_endpoints_of_its_own(tmp_pat
     connected = make_sink("zmq://tcp://127.0.0.1:5557?connect=1", dp_rank=3)
     assert connected.endpoint == "tcp://127.0.0.1:5557" and connected.dp_rank == 3
     assert make_sink("zmq://tcp://127.0.0.1:5557").dp_rank == 0
+
+
+def test_each_engine_exports_on_a_port_of_its_own(tmp_path):
+    extra = {"export": "tcp://127.0.0.1:47000"}
+    engines = [SimEngine(tmp_path / str(k), g2_blocks=16, g3_blocks=64, ranks=1,
+                         block_size=BS, engine_index=k, extra=extra) for k in range(3)]
+    assert [e.settings.export for e in engines] == [
+        "tcp://127.0.0.1:47000", "tcp://127.0.0.1:47001", "tcp://127.0.0.1:47002"]
+    for engine in engines:          # all three serve at once: no port taken twice
+        for worker in engine.workers:
+            worker.shutdown()
+    with pytest.raises(ConnectorConfigError, match="above 65535"):
+        SimEngine(tmp_path / "high", g2_blocks=16, g3_blocks=64, ranks=1, block_size=BS,
+                  engine_index=1, extra={"export": "tcp://127.0.0.1:65535"})

@@ -286,9 +286,9 @@ def settings_from(extra: Mapping[str, Any] | None, geometry: KvGeometry,
 
     ``engine_index``: this engine's data-parallel rank (vLLM's ``data_parallel_index``).
     Each data-parallel engine has its own scheduler and workers, so its own G3 (engine
-    ``k > 0`` in ``<directory>/dp<k>``) and events stamped with its rank; the engines share
-    G4, where a worker's blocks are the same bytes as the worker of the same rank in any
-    other engine."""
+    ``k > 0`` in ``<directory>/dp<k>``), its own export (``k`` ports above ``export``) and
+    events stamped with its rank; the engines share G4, where a worker's blocks are the
+    same bytes as the worker of the same rank in any other engine."""
     extra = dict(extra or {})
     env = os.environ if env is None else env
     problems: list[str] = []
@@ -306,7 +306,7 @@ def settings_from(extra: Mapping[str, Any] | None, geometry: KvGeometry,
     if problems:
         raise ConnectorConfigError("kvstrata connector: " + "; ".join(problems))
     kv = _kv_config(geometry, tiers, overrides, config_path, env, model_id)
-    kv = _engine_of(kv, engine_index)
+    kv, switches["export"] = _engine_of(kv, switches["export"], engine_index)
     if geometry.groups != KvGroups():
         block_layout = f"{block_layout} groups {geometry.groups.signature()}"
     replicas = geometry.replicas
@@ -329,12 +329,24 @@ def settings_from(extra: Mapping[str, Any] | None, geometry: KvGeometry,
                              data_parallel_index=engine_index, **switches)
 
 
-def _engine_of(kv: KvConfig, engine_index: int) -> KvConfig:
-    """The config of data-parallel engine ``engine_index`` (see :func:`settings_from`)."""
+def _engine_of(kv: KvConfig, export: str | None,
+               engine_index: int) -> tuple[KvConfig, str | None]:
+    """The config and export address of data-parallel engine ``engine_index`` (see
+    :func:`settings_from`): engine ``k > 0`` exports ``k`` ports above the configured
+    address, as its events bind."""
+    if not engine_index:
+        return kv, export
     disk = first_of_kind(TierKind.DISK)
-    if engine_index and disk in kv.tiers and kv.directory_of(disk) is not None:
+    if disk in kv.tiers and kv.directory_of(disk) is not None:
         kv = replace(kv, disk_dir=os.path.join(kv.directory_of(disk), f"dp{engine_index}"))
-    return kv
+    if export is not None:
+        base, _, port = export.rpartition(":")
+        if int(port) + engine_index > 65535:
+            raise ConnectorConfigError(
+                f"kvstrata connector: export {export}: data-parallel engine {engine_index} "
+                f"would serve on port {int(port) + engine_index}, above 65535")
+        export = f"{base}:{int(port) + engine_index}"
+    return kv, export
 
 
 def _shared_host_dir(kv: KvConfig, share: bool | None, directory: str,
