@@ -155,19 +155,22 @@ def nats_url_parts(url: str, what: str) -> tuple[SplitResult, int | None]:
     return parts, port
 
 
-def sink_problem(spec: str) -> str | None:
+def sink_problem(spec: str, dp_rank: int = 0) -> str | None:
     """What stops a sink spec from being used here, found without opening anything: the
-    spec's form (:func:`parse_sink_spec`), and for a file sink whether the file can be
-    written (its directory exists, it is not a directory, it is writable). None if
-    nothing."""
+    spec's form (:func:`parse_sink_spec`), for a file sink whether the file can be written
+    (its directory exists, it is not a directory, it is writable), and the file or bound
+    port of data-parallel engine ``dp_rank`` (see :func:`make_sink`). None if nothing."""
     try:
         s = parse_sink_spec(spec)
+        if s.kind == "zmq" and not _flag("", s.params, "connect"):
+            _engine_endpoint(s.target, dp_rank)
     except SinkSpecError as exc:
         return str(exc)
     if s.kind in ("jsonl", "dynamo-json"):
-        problem = writable_file_problem(s.target)
+        target = _engine_file(s.target, dp_rank)
+        problem = writable_file_problem(target)
         if problem:
-            return f"sink spec {spec!r:.80}: {s.target} {problem}"
+            return f"sink spec {spec!r:.80}: {target} {problem}"
     return None
 
 
@@ -176,8 +179,8 @@ def make_sink(spec: str | SinkSpec, callback: Callable | None = None,
     """Build (not open) the sink a spec describes. ``dp_rank``: the data-parallel rank of
     the engine publishing (stamped on events whose format carries one); the engines of
     one server then do not share a file or a bound endpoint: rank ``k > 0`` writes
-    ``<stem>.dp<k><suffix>`` and binds a tcp port ``k`` above the spec's (``-dp<k>`` after
-    an ipc or inproc name), as vLLM offsets its own event endpoints."""
+    ``<stem>.dp<k><suffix>`` and binds a tcp port ``k`` above the spec's (as vLLM offsets
+    its own tcp event endpoints; ``-dp<k>`` after an ipc or inproc name)."""
     from kvstrata.events import sinks
 
     s = parse_sink_spec(spec) if isinstance(spec, str) else spec

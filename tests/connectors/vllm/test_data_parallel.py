@@ -121,3 +121,15 @@ def test_each_engine_exports_on_a_port_of_its_own(tmp_path):
     with pytest.raises(ConnectorConfigError, match="above 65535"):
         SimEngine(tmp_path / "high", g2_blocks=16, g3_blocks=64, ranks=1, block_size=BS,
                   engine_index=1, extra={"export": "tcp://127.0.0.1:65535"})
+
+
+def test_an_engines_own_event_file_or_port_is_checked_with_the_settings(tmp_path):
+    (tmp_path / "events.dp1.jsonl").mkdir()            # engine 1's file cannot be written
+    for spec, words in ((f"jsonl:{tmp_path / 'events.jsonl'}", "events.dp1.jsonl"),
+                        ("zmq://tcp://127.0.0.1:65535", "above 65535")):
+        with pytest.raises(ConnectorConfigError, match="data-parallel engine 1"):
+            SimEngine(tmp_path / "g", g2_blocks=16, g3_blocks=64, ranks=1, block_size=BS,
+                      engine_index=1, extra={"events": spec})
+        with pytest.raises(ConnectorConfigError, match=words.replace(".", "\\.")):
+            SimEngine(tmp_path / "g", g2_blocks=16, g3_blocks=64, ranks=1, block_size=BS,
+                      engine_index=1, extra={"events": spec})

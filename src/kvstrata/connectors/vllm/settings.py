@@ -71,6 +71,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 from ...config import ConfigError, KvConfig, ModelGeometry, TierConfig, load_config
+from ...events.spec import sink_problem
 from ...kinds import StorageOptions, check_tiers
 from ...kinds.host import shared_host_problem
 from ...remote.control import can_listen_on, parse_control
@@ -236,11 +237,12 @@ class ConnectorSettings:
     replicas: int = 1
     """:attr:`KvGeometry.replicas`."""
     shared_host_dir: str | None = None
-    data_parallel_index: int = 0
-    """This engine's data-parallel rank (its G3 directory and the rank its events carry)."""
     """Where the workers of a group of :attr:`replicas` keep one G2 for the group, in
     shared memory (its first worker writes it, the others read it in place); None: each
     worker keeps its own."""
+    data_parallel_index: int = 0
+    """This engine's data-parallel rank (its G3 directory, export port, event files and
+    endpoints, and the rank its events carry)."""
 
     def tier_blocks(self, tier: str) -> int:
         return self.kv.tier_blocks(tier)
@@ -306,7 +308,8 @@ def settings_from(extra: Mapping[str, Any] | None, geometry: KvGeometry,
     if problems:
         raise ConnectorConfigError("kvstrata connector: " + "; ".join(problems))
     kv = _kv_config(geometry, tiers, overrides, config_path, env, model_id)
-    kv, switches["export"] = _engine_of(kv, switches["export"], engine_index)
+    kv, switches["export"] = _engine_of(kv, switches["export"], switches["events"],
+                                        engine_index)
     if geometry.groups != KvGroups():
         block_layout = f"{block_layout} groups {geometry.groups.signature()}"
     replicas = geometry.replicas
@@ -329,13 +332,18 @@ def settings_from(extra: Mapping[str, Any] | None, geometry: KvGeometry,
                              data_parallel_index=engine_index, **switches)
 
 
-def _engine_of(kv: KvConfig, export: str | None,
+def _engine_of(kv: KvConfig, export: str | None, events: tuple[str, ...],
                engine_index: int) -> tuple[KvConfig, str | None]:
     """The config and export address of data-parallel engine ``engine_index`` (see
     :func:`settings_from`): engine ``k > 0`` exports ``k`` ports above the configured
     address, as its events bind."""
     if not engine_index:
         return kv, export
+    for spec in events:          # what engine 0's config check saw, for this engine's sinks
+        problem = sink_problem(spec, dp_rank=engine_index)
+        if problem:
+            raise ConnectorConfigError(f"kvstrata connector: data-parallel engine "
+                                       f"{engine_index}: {problem}")
     disk = first_of_kind(TierKind.DISK)
     if disk in kv.tiers and kv.directory_of(disk) is not None:
         kv = replace(kv, disk_dir=os.path.join(kv.directory_of(disk), f"dp{engine_index}"))
