@@ -166,6 +166,10 @@ def sink_problem(spec: str, dp_rank: int = 0) -> str | None:
             _engine_endpoint(s.target, dp_rank)
     except SinkSpecError as exc:
         return str(exc)
+    if dp_rank and s.kind == "nats" and s.params.get("format", "kvstrata") == "kvstrata":
+        return (f"sink spec {spec!r:.80}: kvstrata's event format carries no data-parallel "
+                f"rank, so engine {dp_rank} would publish as engine 0's worker on the same "
+                f"subject; use format=dynamo (it carries dp_rank) or a file sink")
     if s.kind in ("jsonl", "dynamo-json"):
         target = _engine_file(s.target, dp_rank)
         problem = writable_file_problem(target)

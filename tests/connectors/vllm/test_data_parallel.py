@@ -133,3 +133,18 @@ def test_an_engines_own_event_file_or_port_is_checked_with_the_settings(tmp_path
         with pytest.raises(ConnectorConfigError, match=words.replace(".", "\\.")):
             SimEngine(tmp_path / "g", g2_blocks=16, g3_blocks=64, ranks=1, block_size=BS,
                       engine_index=1, extra={"events": spec})
+
+
+def test_kvstrata_format_events_over_nats_are_refused_beyond_engine_0(tmp_path):
+    """Engine 1 would publish as engine 0's worker on the same subject (the kvstrata format
+    carries no engine rank): refused with the way out; the Dynamo format is fine."""
+    nats = "nats://127.0.0.1:4222/kv.events"
+    with pytest.raises(ConnectorConfigError, match="format=dynamo"):
+        SimEngine(tmp_path / "a", g2_blocks=16, g3_blocks=64, ranks=1, block_size=BS,
+                  engine_index=1, extra={"events": nats})
+    for index, spec in ((0, nats), (1, nats + "?format=dynamo")):
+        settings = SimEngine(tmp_path / str(index), g2_blocks=16, g3_blocks=64, ranks=1,
+                             block_size=BS, engine_index=index, extra={"events": spec})
+        assert settings.settings.events == (spec,)
+        for worker in settings.workers:
+            worker.shutdown()
