@@ -10,6 +10,8 @@ and SGLang's buffer shapes for each layout (sglang/srt/mem_cache/pool_host/{mha,
 
 from __future__ import annotations
 
+import json
+
 import hashlib
 from contextlib import closing
 from types import SimpleNamespace
@@ -253,6 +255,22 @@ def test_pipeline_stages_and_data_parallel_ranks_keep_their_own_pages(tmp_path):
     finally:
         for m in made:
             m.close()
+
+
+def test_a_data_parallel_ranks_events_go_to_a_file_of_its_own(tmp_path):
+    """Data-parallel attention ranks each publish their own events (SGLang gives each a
+    backend): rank 1 writes <stem>.dp1<suffix>, stamped with its rank; a NATS sink in
+    kvstrata's format (no rank in it) is refused beyond rank 0."""
+    events = tmp_path / "events.jsonl"
+    with closing(backend(tmp_path, host_pool("page_first", False), dp_rank=1,
+                         events=f"dynamo-json:{events}")) as store:
+        store.batch_set_v1(keys_of(2), slots([0, 1]))
+    lines = (tmp_path / "events.dp1.jsonl").read_text().splitlines()
+    assert lines and all(json.loads(line)["event"]["dp_rank"] == 1 for line in lines)
+    assert not events.exists()
+    with pytest.raises(SGLangConfigError, match="format=dynamo"):
+        backend(tmp_path, host_pool("page_first", False), dp_rank=1,
+                events="nats://127.0.0.1:4222/kv.events")
 
 
 def test_a_pool_with_part_of_its_pages_elsewhere_is_refused(tmp_path):

@@ -122,9 +122,16 @@ class KvStrataStorage(HiCacheStorage):
                                              kv_layout="block_page", writer_rank=rank,
                                              world_size=world_size)
             else:
-                from ...events.spec import make_publisher
+                from ...events.spec import make_publisher, sink_problem
 
-                self._publishers = [make_publisher(s, worker_id=self.settings.worker_id)
+                dp_rank = int(getattr(self.storage_config, "dp_rank", 0) or 0)
+                for spec in self.settings.events:    # this rank's own file or port
+                    problem = sink_problem(spec, dp_rank=dp_rank)
+                    if problem:
+                        raise SGLangConfigError(f"kvstrata HiCache backend: data-parallel "
+                                                f"rank {dp_rank}: {problem}")
+                self._publishers = [make_publisher(s, worker_id=self.settings.worker_id,
+                                                   dp_rank=dp_rank)
                                     for s in self.settings.events]
                 self.manager = EngineOwnedManager(
                     config, kv_caches=pool.runs, kv_layout="block_page", rank=rank,
