@@ -11,10 +11,11 @@ problem at once); each connector adds its own keys and builds its config.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Mapping
 
 from ..config import ConfigError, TierConfig, normalize_tiers, parse_tiers_flag
-from ..events.spec import sink_specs
+from ..events.spec import sink_problem, sink_specs
 from ..tiers import TOP_TIER
 
 __all__ = ["ENGINE_KEYS", "OVERRIDE_KEYS", "checked", "is_int", "is_number", "lower_tiers",
@@ -115,3 +116,20 @@ def worker_id(extra: Mapping[str, Any], problems: list[str]) -> int:
     """This engine's id in its events (``worker_id``, default 0)."""
     return checked(extra, "worker_id", 0, lambda v: is_int(v) and 0 <= v < 2**64,
                    "an integer in 0..2^64-1", problems)
+
+
+def engine_directory(directory: str, engine_index: int) -> str:
+    """Where data-parallel engine ``engine_index`` keeps its disk tier under ``directory``:
+    the directory itself for engine 0 (as without data parallelism), ``dp<k>`` in it for
+    engine ``k``."""
+    return os.path.join(directory, f"dp{engine_index}") if engine_index else directory
+
+
+def engine_sink_problems(events: tuple[str, ...], engine_index: int) -> list[str]:
+    """What stops data-parallel engine ``engine_index`` from publishing to the sinks
+    ``events``, as checked for engine 0 (:func:`~kvstrata.events.spec.sink_problem`): its
+    own file and bound port, and a format that can tell it from engine 0."""
+    if not engine_index:
+        return []
+    return [f"data-parallel engine {engine_index}: {problem}" for problem in
+            (sink_problem(spec, dp_rank=engine_index) for spec in events) if problem]

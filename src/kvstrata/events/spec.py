@@ -163,9 +163,9 @@ def sink_problem(spec: str, dp_rank: int = 0) -> str | None:
     try:
         s = parse_sink_spec(spec)
         if s.kind == "zmq" and not _flag("", s.params, "connect"):
-            _engine_endpoint(s.target, dp_rank)
-    except SinkSpecError as exc:
-        return str(exc)
+            engine_address(s.target, dp_rank)
+    except (SinkSpecError, ValueError) as exc:
+        return str(exc) if isinstance(exc, SinkSpecError) else f"zmq endpoint {exc}"
     if dp_rank and s.kind == "nats" and s.params.get("format", "kvstrata") == "kvstrata":
         return (f"sink spec {spec!r:.80}: kvstrata's event format carries no data-parallel "
                 f"rank, so engine {dp_rank} would publish as engine 0's worker on the same "
@@ -210,8 +210,12 @@ def make_sink(spec: str | SinkSpec, callback: Callable | None = None,
         )
     if s.kind == "zmq":
         connect = _flag("", s.params, "connect")
+        try:
+            endpoint = s.target if connect else engine_address(s.target, dp_rank)
+        except ValueError as exc:
+            raise SinkSpecError(f"zmq endpoint {exc}") from None
         return sinks.ZmqSink(
-            s.target if connect else _engine_endpoint(s.target, dp_rank),
+            endpoint,
             topic=s.params.get("topic", ""),
             layout=s.params.get("layout", "map"),
             connect=connect,
@@ -229,18 +233,19 @@ def _engine_file(path: str, dp_rank: int) -> str:
     return f"{root}.dp{dp_rank}{suffix}"
 
 
-def _engine_endpoint(endpoint: str, dp_rank: int) -> str:
-    """The endpoint data-parallel engine ``dp_rank`` binds for ``endpoint`` (see
-    make_sink)."""
+def engine_address(address: str, dp_rank: int) -> str:
+    """The address data-parallel engine ``dp_rank`` binds for ``address`` (a zmq endpoint,
+    an export's control address): a tcp port ``dp_rank`` above it, ``-dp<k>`` after any
+    other (ipc or inproc) name. ``ValueError`` where the port would pass 65535."""
     if not dp_rank:
-        return endpoint
-    scheme, _, rest = endpoint.partition("://")
+        return address
+    scheme, _, rest = address.partition("://")
     if scheme != "tcp":
-        return f"{endpoint}-dp{dp_rank}"
+        return f"{address}-dp{dp_rank}"
     host, _, port = rest.rpartition(":")
     if int(port) + dp_rank > 65535:
-        raise SinkSpecError(f"zmq endpoint {endpoint}: data-parallel engine {dp_rank} would "
-                            f"bind port {int(port) + dp_rank}, above 65535")
+        raise ValueError(f"{address}: data-parallel engine {dp_rank} would bind port "
+                         f"{int(port) + dp_rank}, above 65535")
     return f"tcp://{host}:{int(port) + dp_rank}"
 
 

@@ -37,7 +37,6 @@ ranks. Decode-context-parallel MLA (``dcp_size > 1``, one writer per shard) is r
 from __future__ import annotations
 
 import logging
-import os
 import re
 from dataclasses import replace
 from typing import Any, List, Optional, Sequence
@@ -47,6 +46,7 @@ import xxhash
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
 from ...manager import ManagerConfigError, ManagerError
+from ..engine_config import engine_directory, engine_sink_problems
 from ...manager.engine_owned import EngineOwnedManager
 from ...manager.follower import FollowerReader
 from ...physical.errors import PhysicalError
@@ -101,10 +101,10 @@ class KvStrataStorage(HiCacheStorage):
         except HostPoolError as exc:
             raise SGLangConfigError(f"kvstrata HiCache backend: {exc}") from None
         config = kv_config(self.settings, pool, self._identity())
-        if config.disk_dir and getattr(self.storage_config, "dp_rank", 0):
+        dp_rank = int(getattr(self.storage_config, "dp_rank", 0) or 0)
+        if config.disk_dir and dp_rank:
             # data-parallel attention ranks each have a backend of tp rank 0: one home each
-            config = replace(config, disk_dir=os.path.join(
-                config.disk_dir, f"dp{self.storage_config.dp_rank}"))
+            config = replace(config, disk_dir=engine_directory(config.disk_dir, dp_rank))
         disk = first_of_kind(TierKind.DISK)
         if self.shared and (disk not in config.tiers or config.directory_of(disk) is None):
             raise SGLangConfigError(
@@ -122,14 +122,11 @@ class KvStrataStorage(HiCacheStorage):
                                              kv_layout="block_page", writer_rank=rank,
                                              world_size=world_size)
             else:
-                from ...events.spec import make_publisher, sink_problem
+                from ...events.spec import make_publisher
 
-                dp_rank = int(getattr(self.storage_config, "dp_rank", 0) or 0)
-                for spec in self.settings.events:    # this rank's own file or port
-                    problem = sink_problem(spec, dp_rank=dp_rank)
-                    if problem:
-                        raise SGLangConfigError(f"kvstrata HiCache backend: data-parallel "
-                                                f"rank {dp_rank}: {problem}")
+                problems = engine_sink_problems(self.settings.events, dp_rank)
+                if problems:
+                    raise SGLangConfigError("kvstrata HiCache backend: " + "; ".join(problems))
                 self._publishers = [make_publisher(s, worker_id=self.settings.worker_id,
                                                    dp_rank=dp_rank)
                                     for s in self.settings.events]

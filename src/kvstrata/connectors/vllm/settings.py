@@ -71,7 +71,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 from ...config import ConfigError, KvConfig, ModelGeometry, TierConfig, load_config
-from ...events.spec import sink_problem
+from ...events.spec import engine_address
 from ...kinds import StorageOptions, check_tiers
 from ...kinds.host import shared_host_problem
 from ...remote.control import can_listen_on, parse_control
@@ -339,21 +339,18 @@ def _engine_of(kv: KvConfig, export: str | None, events: tuple[str, ...],
     address, as its events bind."""
     if not engine_index:
         return kv, export
-    for spec in events:          # what engine 0's config check saw, for this engine's sinks
-        problem = sink_problem(spec, dp_rank=engine_index)
-        if problem:
-            raise ConnectorConfigError(f"kvstrata connector: data-parallel engine "
-                                       f"{engine_index}: {problem}")
+    problems = engine_config.engine_sink_problems(events, engine_index)
+    if export is not None:
+        try:
+            export = engine_address(export, engine_index)
+        except ValueError as exc:
+            problems.append(f"export {exc}")
+    if problems:
+        raise ConnectorConfigError("kvstrata connector: " + "; ".join(problems))
     disk = first_of_kind(TierKind.DISK)
     if disk in kv.tiers and kv.directory_of(disk) is not None:
-        kv = replace(kv, disk_dir=os.path.join(kv.directory_of(disk), f"dp{engine_index}"))
-    if export is not None:
-        base, _, port = export.rpartition(":")
-        if int(port) + engine_index > 65535:
-            raise ConnectorConfigError(
-                f"kvstrata connector: export {export}: data-parallel engine {engine_index} "
-                f"would serve on port {int(port) + engine_index}, above 65535")
-        export = f"{base}:{int(port) + engine_index}"
+        kv = replace(kv, disk_dir=engine_config.engine_directory(kv.directory_of(disk),
+                                                                 engine_index))
     return kv, export
 
 
