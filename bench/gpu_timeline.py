@@ -1,0 +1,264 @@
+"""Where the time of a verified G1 <-> G2 plan goes on a GPU: the diagnostic beside
+``bench_gpu_copy.py`` (which gives the figures against the DMA limit).
+
+For each case (block geometry, G1 layout, transport), 256 MiB of randomly scattered blocks on
+both sides, as ``bench_gpu_copy.py`` moves them, best of ``--reps``, each direction:
+
+* **plan**: a TransferEngine plan with integrity on (device checksums), submitted and waited
+  for, as the connector runs it;
+* **execute**: the same plan run on this thread (no hop to the engine's worker);
+* **summed** / **copy**: the copy engine's ``copy_summed`` / ``copy`` alone;
+* **timeline**: one plan each way under torch's profiler: how much of the plan's wall time
+  the GPU was busy (kernels and copies, union over streams, and per stream), the host time
+  before the GPU's first operation and after its last, and the longest idle gaps inside,
+  each with how long before it the host had queued the operation that ended it (near zero:
+  the host was late; large: the GPU waited on something queued);
+* with ``--knobs``: ``copy_summed`` alone at other kernel shapes (warps, grid, slice size).
+
+Prints a table; ``--out DIR`` also writes every figure (``timeline.json``) and the trace
+events read, per case, in one gzipped JSON (``traces.json.gz``). Needs CUDA; exits 2
+without it. Usage:
+``python bench/gpu_timeline.py [--reps N] [--batch-mib M] [--knobs] [--out DIR]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gpu_copy import _tensors, _timed  # noqa: E402
+
+from kvstrata.physical import (DeviceStorage, HostStorage, TransferEngine,  # noqa: E402
+                               TransferPlan)
+from kvstrata.physical.device_copy import DeviceCopyEngine  # noqa: E402
+
+CASES = (("2MiB", "flash_attn", "auto"), ("2MiB", "flash_attn", "kernel"),
+         ("64KiB", "flash_attn", "auto"), ("64KiB", "flash_attn", "staged"),
+         ("2MiB", "mla", "auto"))
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+class Setup:
+    """G1 on the GPU, a verifying G2 and the random ids of one case."""
+
+    def __init__(self, geometry: str, layout: str, batch_bytes: int) -> None:
+        block_bytes = DeviceStorage.wrap(_tensors(layout, geometry, 4)).config.block_bytes
+        self.batch = max(1, batch_bytes // block_bytes)
+        pool = 2 * self.batch
+        self.g1 = DeviceStorage.wrap(_tensors(layout, geometry, pool))
+        self.g2 = HostStorage(self.g1.config.with_blocks(pool).with_alignment(4096),
+                              verify_reads=True)
+        rng = np.random.default_rng(11)
+        self.src = rng.choice(pool, self.batch, replace=False).tolist()
+        self.slots = rng.choice(pool, self.batch, replace=False).tolist()
+        self.back = rng.permutation(np.setdiff1d(np.arange(pool), self.src))[:self.batch].tolist()
+        self.seq = [3000 + i for i in range(self.batch)]
+        self.nbytes = self.batch * self.g1.config.block_bytes
+        self.block_bytes = self.g1.config.block_bytes
+
+    def plans(self):
+        return (TransferPlan.for_path("G1->G2", self.src, self.slots, self.seq, job_id=1),
+                TransferPlan.for_path("G2->G1", self.slots, self.back, self.seq, job_id=1))
+
+    def close(self) -> None:
+        self.g2.close()
+
+
+def measure(setup: Setup, engine: DeviceCopyEngine, reps: int) -> dict:
+    row: dict = {"batch": setup.batch, "block_bytes": setup.block_bytes}
+    off_plan, on_plan = setup.plans()
+    g1, g2 = setup.g1.memory, setup.g2.memory
+    with TransferEngine({"G1": setup.g1, "G2": setup.g2}, copy_engine=engine) as transfers:
+        def submitted(plan):
+            out = transfers.submit(plan).result()
+            assert out.all_ok, (plan.path, out.failures[:1], out.error)
+
+        def executed(plan):
+            out = transfers._execute(plan)
+            assert out.all_ok, (plan.path, out.failures[:1], out.error)
+
+        submitted(off_plan)
+        submitted(on_plan)
+        row["transport_used"] = engine.transport_on("cuda")
+        for name, off, on in (
+                ("plan", lambda: submitted(off_plan), lambda: submitted(on_plan)),
+                ("execute", lambda: executed(off_plan), lambda: executed(on_plan)),
+                ("summed", lambda: engine.copy_summed(g1, setup.src, g2, setup.slots),
+                 lambda: engine.copy_summed(g2, setup.slots, g1, setup.back,
+                                            direction="onboard")),
+                ("copy", lambda: engine.copy(g1, setup.src, g2, setup.slots),
+                 lambda: engine.copy(g2, setup.slots, g1, setup.back, direction="onboard"))):
+            row[f"{name}_offload_gbs"] = setup.nbytes / _timed(off, reps) / 1e9
+            row[f"{name}_onboard_gbs"] = setup.nbytes / _timed(on, reps) / 1e9
+        row["timeline"], row["trace"] = timeline(executed, (off_plan, on_plan))
+    return row
+
+
+def timeline(run, plans) -> tuple[dict, list[dict]]:
+    """Profile one run of each plan (after the warm-up the caller did): the summary and the
+    trace's events that it reads (GPU operations, runtime calls, the plans' annotations)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for plan in plans:
+            with record_function(f"plan {plan.path}"):
+                run(plan)
+                torch.cuda.synchronize()
+    path = f"/tmp/kvstrata-trace-{os.getpid()}.json"
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    os.unlink(path)
+    kept = [e for e in events if e.get("ph") == "X" and e.get("cat") in (
+        *GPU_CATEGORIES, "cuda_runtime", "cuda_driver", "user_annotation")]
+    return summarise(kept), kept
+
+
+def summarise(events: list[dict]) -> dict:
+    """From a chrome trace: per ``plan ...`` annotation, GPU busy time over the plan's wall
+    time, per stream, the host-only head and tail, and the five longest idle gaps."""
+    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES]
+    runtime = {e["args"]["correlation"]: e for e in events
+               if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver")
+               and "correlation" in e.get("args", {})}
+    out = {}
+    for window in (e for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation"
+                   and str(e.get("name", "")).startswith("plan ")):
+        lo, hi = window["ts"], window["ts"] + window["dur"]
+        inside = sorted((e for e in gpu if lo <= e["ts"] < hi), key=lambda e: e["ts"])
+        if not inside:
+            out[window["name"]] = {"wall_us": window["dur"], "gpu_ops": 0}
+            continue
+        busy, streams, gaps = 0.0, {}, []
+        cur_start, cur_end = inside[0]["ts"], inside[0]["ts"] + inside[0]["dur"]
+        for e in inside:
+            start, end = e["ts"], e["ts"] + e["dur"]
+            key = f"{e.get('args', {}).get('stream', '?')} {e['cat']}"
+            streams[key] = streams.get(key, 0.0) + e["dur"]
+            if start > cur_end:
+                busy += cur_end - cur_start
+                launched = runtime.get(e.get("args", {}).get("correlation"))
+                gaps.append({"gap_us": start - cur_end, "next": str(e["name"])[:60],
+                             "queued_before_us": (start - launched["ts"]) if launched else None,
+                             "queued_by": launched["name"] if launched else None})
+                cur_start, cur_end = start, end
+            else:
+                cur_end = max(cur_end, end)
+        busy += cur_end - cur_start
+        last = max(e["ts"] + e["dur"] for e in inside)
+        out[window["name"]] = {
+            "wall_us": window["dur"], "gpu_busy_us": busy, "busy_share": busy / window["dur"],
+            "head_us": inside[0]["ts"] - lo, "tail_us": hi - last, "gpu_ops": len(inside),
+            "idle_inside_us": sum(g["gap_us"] for g in gaps),
+            "streams_us": streams,
+            "longest_gaps": sorted(gaps, key=lambda g: -g["gap_us"])[:5]}
+    return out
+
+
+def knobs(batch_bytes: int, reps: int) -> list[dict]:
+    """``copy_summed`` alone, random ids, at other kernel shapes and slice sizes."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    variants = [("64KiB", "kernel", dict()), ("64KiB", "kernel", dict(num_warps=8)),
+                ("64KiB", "kernel", dict(programs=4 * sms)),
+                ("64KiB", "kernel", dict(programs=16 * sms)),
+                ("64KiB", "kernel", dict(programs=4 * sms, num_warps=8)),
+                ("64KiB", "kernel", dict(slice_bytes=64 << 20)),
+                ("2MiB", "kernel", dict()), ("2MiB", "kernel", dict(num_warps=8)),
+                ("2MiB", "kernel", dict(programs=4 * sms)),
+                ("2MiB", "staged", dict()), ("2MiB", "staged", dict(slice_bytes=64 << 20)),
+                ("2MiB", "staged", dict(slice_bytes=128 << 20)),
+                ("2MiB", "staged", dict(programs=4 * sms))]
+    rows, setups = [], {}
+    for geometry, transport, kwargs in variants:
+        setup = setups.get(geometry)
+        if setup is None:
+            setup = setups[geometry] = Setup(geometry, "flash_attn", batch_bytes)
+        engine = DeviceCopyEngine(transport=transport, **kwargs)
+        g1, g2 = setup.g1.memory, setup.g2.memory
+        row = {"geometry": geometry, "transport": transport,
+               "knobs": {k: v for k, v in kwargs.items()}}
+        for name, fn in (
+                ("summed_offload_gbs", lambda: engine.copy_summed(g1, setup.src, g2, setup.slots)),
+                ("summed_onboard_gbs", lambda: engine.copy_summed(
+                    g2, setup.slots, g1, setup.back, direction="onboard")),
+                ("copy_offload_gbs", lambda: engine.copy(g1, setup.src, g2, setup.slots)),
+                ("copy_onboard_gbs", lambda: engine.copy(g2, setup.slots, g1, setup.back,
+                                                         direction="onboard"))):
+            row[name] = setup.nbytes / _timed(fn, reps) / 1e9
+        row["used"] = engine.transport_on("cuda")
+        engine.close()
+        rows.append(row)
+    for setup in setups.values():
+        setup.close()
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--batch-mib", type=int, default=256)
+    parser.add_argument("--knobs", action="store_true")
+    parser.add_argument("--out", default=None, help="directory for timeline.json and traces")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_timeline: needs a CUDA GPU (none here)", file=sys.stderr)
+        return 2
+    batch_bytes = args.batch_mib << 20
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+    results: dict = {"device": torch.cuda.get_device_name(), "cases": []}
+    traces: dict[str, list[dict]] = {}
+    started = time.perf_counter()
+    for geometry, layout, transport in CASES:
+        setup = Setup(geometry, layout, batch_bytes)
+        engine = DeviceCopyEngine(transport=transport)
+        row = measure(setup, engine, args.reps)
+        row.update(geometry=geometry, layout=layout, transport=transport)
+        traces[f"{geometry} {layout} {transport}"] = row.pop("trace")
+        results["cases"].append(row)
+        engine.close()
+        setup.close()
+        print(f"{geometry:6} {layout:10} {transport:6} ({row['transport_used']}): " + "  ".join(
+            f"{n} {row[n + '_offload_gbs']:5.1f}/{row[n + '_onboard_gbs']:5.1f}"
+            for n in ("plan", "execute", "summed", "copy")), flush=True)
+        for name, t in row["timeline"].items():
+            if not t.get("gpu_ops"):
+                print(f"    {name}: no GPU operation seen", flush=True)
+                continue
+            print(f"    {name}: wall {t['wall_us']:.0f} us, GPU busy {t['busy_share']:.2f}, "
+                  f"head {t['head_us']:.0f} us, tail {t['tail_us']:.0f} us, idle inside "
+                  f"{t['idle_inside_us']:.0f} us over {t['gpu_ops']} ops; streams "
+                  + ", ".join(f"{k}: {v:.0f}" for k, v in t["streams_us"].items()), flush=True)
+            for g in t["longest_gaps"][:3]:
+                queued = ("?" if g["queued_before_us"] is None
+                          else f"{g['queued_before_us']:.0f} us before")
+                print(f"      gap {g['gap_us']:.0f} us before {g['next']} (queued {queued} "
+                      f"by {g['queued_by']})", flush=True)
+    if args.knobs:
+        results["knobs"] = knobs(batch_bytes, args.reps)
+        for r in results["knobs"]:
+            print(f"knobs {r['geometry']:6} {r['transport']:6} {str(r['knobs']):40} "
+                  f"summed {r['summed_offload_gbs']:5.1f}/{r['summed_onboard_gbs']:5.1f}  "
+                  f"copy {r['copy_offload_gbs']:5.1f}/{r['copy_onboard_gbs']:5.1f} ({r['used']})",
+                  flush=True)
+    results["seconds"] = time.perf_counter() - started
+    if args.out:
+        with open(os.path.join(args.out, "timeline.json"), "w") as f:
+            json.dump(results, f, indent=1)
+        with gzip.open(os.path.join(args.out, "traces.json.gz"), "wt") as f:
+            json.dump(traces, f)
+    print(f"gpu_timeline: {results['seconds']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
