@@ -119,6 +119,30 @@ def can_listen_on(host: str) -> bool:
     return False
 
 
+def is_own_address(control: str, own: str) -> bool:
+    """Whether control address ``control`` reaches the server this host binds at ``own``:
+    the same port, and the same host name, or, where ``own`` binds every address
+    (``0.0.0.0``, ``::``), an address of this host, or else a name that resolves to an
+    address ``own``'s host resolves to. Both must be ``tcp://host:port``."""
+    host, port = parse_control(control)
+    own_host, own_port = parse_control(own)
+    if port != own_port:
+        return False
+    if host.casefold() == own_host.casefold():
+        return True
+    if own_host in ("0.0.0.0", "::"):
+        return can_listen_on(host)
+    return bool(_resolved(host) & _resolved(own_host))
+
+
+def _resolved(host: str) -> set[str]:
+    """The addresses ``host`` resolves to (none where it does not)."""
+    try:
+        return {info[4][0] for info in socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)}
+    except (OSError, UnicodeError, ValueError):
+        return set()
+
+
 def _frame(body: bytes) -> bytes:
     return FRAME.pack(len(body)) + body
 

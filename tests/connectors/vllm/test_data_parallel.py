@@ -148,3 +148,32 @@ def test_kvstrata_format_events_over_nats_are_refused_beyond_engine_0(tmp_path):
         assert settings.settings.events == (spec,)
         for worker in settings.workers:
             worker.shutdown()
+
+
+def test_an_engine_leaves_its_own_export_out_of_the_peers_every_engine_is_given(tmp_path):
+    """One list naming every engine's export, given to each engine alike: engine k reads
+    from the others only (itself would only add a round trip), whichever name it is given
+    by, and keeps a peer on another port or another host."""
+    exports = [f"tcp://127.0.0.1:{47100 + k}" for k in range(3)]
+    extra = {"export": exports[0],
+             "peers": [*exports, "tcp://localhost:47101", "tcp://192.0.2.7:47100"]}
+    engines = [SimEngine(tmp_path / str(k), g2_blocks=16, g3_blocks=64, ranks=1,
+                         block_size=BS, engine_index=k, extra=extra) for k in range(3)]
+    assert [e.settings.peers for e in engines] == [
+        (exports[1], exports[2], "tcp://localhost:47101", "tcp://192.0.2.7:47100"),
+        (exports[0], exports[2], "tcp://192.0.2.7:47100"),
+        (exports[0], exports[1], "tcp://localhost:47101", "tcp://192.0.2.7:47100")]
+    for engine in engines:
+        for worker in engine.workers:
+            worker.shutdown()
+
+
+def test_an_address_is_its_own_where_it_names_the_same_server():
+    from kvstrata.remote.control import is_own_address
+
+    assert is_own_address("tcp://LOCALHOST:7000", "tcp://localhost:7000")
+    assert is_own_address("tcp://localhost:7000", "tcp://127.0.0.1:7000")
+    assert is_own_address("tcp://127.0.0.1:7000", "tcp://0.0.0.0:7000")   # every address
+    assert not is_own_address("tcp://127.0.0.1:7001", "tcp://127.0.0.1:7000")
+    assert not is_own_address("tcp://192.0.2.7:7000", "tcp://0.0.0.0:7000")   # not this host's
+    assert not is_own_address("tcp://no-such-host.invalid:7000", "tcp://127.0.0.1:7000")

@@ -74,7 +74,7 @@ from ...config import ConfigError, KvConfig, ModelGeometry, TierConfig, load_con
 from ...events.spec import engine_address
 from ...kinds import StorageOptions, check_tiers
 from ...kinds.host import shared_host_problem
-from ...remote.control import can_listen_on, parse_control
+from ...remote.control import can_listen_on, is_own_address, parse_control
 from ...tiers import TIER_NAMES, TOP_TIER, TierKind, first_of_kind, spec
 from .. import engine_config
 from ..engine_config import ENGINE_KEYS, checked, is_int, is_number
@@ -310,6 +310,7 @@ def settings_from(extra: Mapping[str, Any] | None, geometry: KvGeometry,
     kv = _kv_config(geometry, tiers, overrides, config_path, env, model_id)
     kv, switches["export"] = _engine_of(kv, switches["export"], switches["events"],
                                         engine_index)
+    switches["peers"] = _others(switches["peers"], switches["export"], engine_index)
     if geometry.groups != KvGroups():
         block_layout = f"{block_layout} groups {geometry.groups.signature()}"
     replicas = geometry.replicas
@@ -352,6 +353,19 @@ def _engine_of(kv: KvConfig, export: str | None, events: tuple[str, ...],
         kv = replace(kv, disk_dir=engine_config.engine_directory(kv.directory_of(disk),
                                                                  engine_index))
     return kv, export
+
+
+def _others(peers: tuple[str, ...], export: str | None, engine_index: int) -> tuple[str, ...]:
+    """``peers`` less this engine's own ``export`` (one list naming every engine's export,
+    given to each engine alike, as data-parallel engines are): an engine asking itself would
+    only add a round trip to each request its local tiers fall short on."""
+    if export is None:
+        return peers
+    others = tuple(p for p in peers if not is_own_address(p, export))
+    if len(others) < len(peers):
+        log.info("kvstrata: engine %d leaves its own export %s out of its peers",
+                 engine_index, export)
+    return others
 
 
 def _shared_host_dir(kv: KvConfig, share: bool | None, directory: str,
