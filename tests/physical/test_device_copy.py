@@ -656,6 +656,70 @@ def test_every_queued_launch_is_waited_for_when_a_check_raises(monkeypatch):
 
 
 @needs_triton
+def test_each_slice_is_handed_on_with_its_checksums_once_it_has_landed():
+    cfg = small_config(num_blocks=12, alignment=64)
+    g1 = DeviceStorage.allocate(cfg, kv_layout="outer_contiguous", device="cpu")
+    fill_random(g1.memory.regions, seed=21)
+    host = HostStorage(cfg)
+    engine = interpreter(slice_bytes=2 * cfg.block_bytes)
+    src, dst = list(range(10)), [11 - i for i in range(10)]
+    seen = []
+
+    def landed(lo, hi, sums):      # this slice's bytes are in place when it is handed on
+        assert sums.tolist() == [device_checksum(host.payload(dst[p])) for p in range(lo, hi)]
+        assert all(torch.equal(block_bytes_of(g1, src[p]), block_bytes_of(host, dst[p]))
+                   for p in range(lo, hi))
+        seen.append((lo, hi))
+
+    sums = engine.copy_summed(g1.memory, src, host.memory, dst, landed=landed)
+    assert len(seen) > 2 and seen[0][0] == 0 and seen[-1][1] == 10
+    assert all(a[1] == b[0] for a, b in zip(seen, seen[1:]))           # in order, each once
+    assert sums.tolist() == [device_checksum(host.payload(d)) for d in dst]
+    assert engine.copy_summed(g1.memory, [], host.memory, [], landed=landed).size == 0
+
+
+@needs_triton
+def test_every_queued_launch_is_waited_for_when_a_landed_slice_raises(monkeypatch):
+    cfg = small_config(num_blocks=12, alignment=64)
+    g1 = DeviceStorage.allocate(cfg, kv_layout="outer_contiguous", device="cpu")
+    host = HostStorage(cfg)
+    engine = interpreter(slice_bytes=2 * cfg.block_bytes)
+    queued, waited = [], []
+    launch, wait = engine._launch, engine._wait
+    monkeypatch.setattr(engine, "_launch", lambda *a, **k: queued.append(launch(*a, **k))
+                        or queued[-1])
+    monkeypatch.setattr(engine, "_wait", lambda item: waited.append(item) or wait(item))
+
+    def landed(lo, hi, sums):
+        raise RuntimeError("sealing broke")
+    with pytest.raises(RuntimeError, match="sealing broke"):
+        engine.copy_summed(g1.memory, list(range(10)), host.memory, list(range(10)),
+                           landed=landed)
+    assert len(queued) > 2 and set(map(id, queued)) <= set(map(id, waited))
+
+
+@needs_triton
+def test_a_verifying_g2_is_sealed_slice_by_slice_as_the_offload_lands(monkeypatch):
+    g1, g2 = _tiers()
+    seals = []
+    seal = g2.seal
+    monkeypatch.setattr(g2, "seal", lambda ids, *a, **k: seals.append(list(ids))
+                        or seal(ids, *a, **k))
+    src, dst, seq = [0, 3, 4, 5, 6, 9, 10], [7, 1, 2, 3, 0, 11, 8], list(range(601, 608))
+    with TransferEngine({"G1": g1, "G2": g2}, copy_engine=interpreter(slice_bytes=1536)) as eng:
+        off = _submit(eng, "G1->G2", src, dst, seq)
+        assert off.all_ok
+        assert len(seals) > 2 and [b for part in seals for b in part] == dst
+        sums, known = g2.checksums.device_sums_of(dst)
+        assert known.all() and sums.tolist() == [
+            device_checksum(block_bytes_of(g1, b).numpy()) for b in src]
+        on = _submit(eng, "G2->G1", dst, [12, 13, 14, 15, 1, 2, 11], seq, job=2)
+    assert on.all_ok
+    for s_, d in zip(src, [12, 13, 14, 15, 1, 2, 11]):
+        assert torch.equal(block_bytes_of(g1, s_), block_bytes_of(g1, d))
+
+
+@needs_triton
 def test_an_offload_falls_back_to_host_checksums_when_the_engine_cannot_sum(monkeypatch):
     g1, g2 = _tiers()
     engine = interpreter(slice_bytes=1536)

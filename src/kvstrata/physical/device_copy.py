@@ -242,22 +242,37 @@ class DeviceCopyEngine(CopyEngine):
             return False
         return self._template(src, dst).unit_bytes >= 8
 
-    def copy_summed(self, src, src_ids, dst, dst_ids, *,
-                    direction=OFFLOAD) -> np.ndarray | None:
+    def copy_summed(self, src, src_ids, dst, dst_ids, *, direction=OFFLOAD,
+                    landed: Callable[[int, int, np.ndarray], None] | None = None
+                    ) -> np.ndarray | None:
         """Copy the batch and return the device checksum
         (:func:`~kvstrata.physical.checksum.device_checksum`) of every block's bytes
         (``uint64`` array), computed on the GPU: by the copy kernel while they pass, or,
         with DMA, by a kernel over the device side after the copy (the bytes that arrived,
         on an onboard). No host pass over the bytes. None, copying nothing, where
-        :meth:`summable` says no."""
+        :meth:`summable` says no.
+
+        ``landed(lo, hi, sums)`` runs on this thread as soon as batch positions ``lo:hi``
+        (a slice) have landed, with their checksums, while the slices after it still copy:
+        a verifying G2 seals each slice then, so only the last (short) slice's sealing is
+        left when the copy ends. If it raises, the slices queued are waited for and the
+        call raises."""
         if not self.summable(src, dst):
             return None
         src_ids, dst_ids = _batch_ids(src, src_ids, dst, dst_ids)
+        bounds = self._slices(len(src_ids), src.layout.config.block_bytes)
+        sums = []
         with self._queued() as launches:
-            for lo, hi in self._slices(len(src_ids), src.layout.config.block_bytes):
+            for lo, hi in bounds:     # all queued first: the GPU never waits for this thread
                 launches.append(self._launch(src, src_ids[lo:hi], dst, dst_ids[lo:hi],
                                              direction, summed=True))
-        sums = [launch.block_sums() for launch in launches if launch is not None]
+            for (lo, hi), launch in zip(bounds, launches):
+                if launch is None:    # an empty batch
+                    continue
+                self._wait(launch)
+                sums.append(launch.block_sums())
+                if landed is not None:
+                    landed(lo, hi, sums[-1])
         return np.concatenate(sums) if sums else np.zeros(0, dtype=np.uint64)
 
     def copy_hashed(self, src, src_ids, dst, dst_ids, *, direction=OFFLOAD,

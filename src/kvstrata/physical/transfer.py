@@ -349,24 +349,30 @@ class TransferEngine:
         """Into a verifying G2 through the GPU copy kernel: each block's device checksum is
         computed by the kernel from the engine's own bytes as they pass and recorded with
         the slot (its xxh3 is left to the first need: a store to G3 hashes it, after checking
-        the device checksum)."""
+        the device checksum). Each slice is sealed as soon as it landed, while the next ones
+        copy (a G2 shared with other ranks hashes its seals on the host: that overlaps the
+        copy too). A slice sealed before a later one failed keeps its seal, which is true:
+        the slot holds that block, checked; the plan is reported failed whole, and the slot
+        is invalidated when it is next written."""
         good = _readable(src, plan, failures)
         if not good:
             return
         src_ids = _at(plan.src_block_ids, good, len(plan))
         dst_ids = _at(plan.dst_block_ids, good, len(plan))
         seqs = _at(plan.sequence_hashes, good, len(plan))
-        dst.begin_write(dst_ids)
+        dst.begin_write(dst_ids)     # whole, first: a slot another process reads fails it all
+
+        def seal(lo: int, hi: int, sums: np.ndarray) -> None:
+            dst.seal(dst_ids[lo:hi], seqs[lo:hi], defer=True, device_sums=sums)
+
         sums = self.copy_engine.copy_summed(src.memory, src_ids, dst.memory, dst_ids,
-                                            direction=direction)
+                                            direction=direction, landed=seal)
         if sums is None:      # the engine could not after all: xxh3 behind the copy instead
             hashed = self.copy_engine.copy_hashed(src.memory, src_ids, dst.memory, dst_ids,
                                                   direction=direction,
                                                   slice_bytes=self.hash_slice_bytes)
             for p, value in zip(good, dst.seal(dst_ids, seqs, hashed)):
                 checksums[p] = value
-            return
-        dst.seal(dst_ids, seqs, defer=True, device_sums=sums)
 
     def _onboard_summed(self, plan, src, dst, failures, direction) -> None:
         """From a verifying G2 into device memory through the GPU copy kernel. Blocks whose
