@@ -33,6 +33,7 @@ so what a connection took (a lease) can be bound to it.
 from __future__ import annotations
 
 import errno
+import ipaddress
 import itertools
 import logging
 import selectors
@@ -120,27 +121,32 @@ def can_listen_on(host: str) -> bool:
 
 
 def is_own_address(control: str, own: str) -> bool:
-    """Whether control address ``control`` reaches the server this host binds at ``own``:
-    the same port, and the same host name, or, where ``own`` binds every address
-    (``0.0.0.0``, ``::``), an address of this host, or else a name that resolves to an
-    address ``own``'s host resolves to. Both must be ``tcp://host:port``."""
+    """Whether control address ``control`` surely names the server bound at ``own``: the
+    same port and the same host, as written or as the same IP address (``localhost`` being
+    127.0.0.1), or the loopback address where ``own`` binds every address (``0.0.0.0``,
+    ``::``). Nothing is resolved: a name that merely resolves to this host, or an address
+    this host could bind, is not taken for it (it may be another machine's, or another
+    server's). Both must be ``tcp://host:port``."""
     host, port = parse_control(control)
     own_host, own_port = parse_control(own)
     if port != own_port:
         return False
-    if host.casefold() == own_host.casefold():
+    address, own_address = _literal(host), _literal(own_host)
+    if host.casefold() == own_host.casefold() or (address is not None and address == own_address):
         return True
-    if own_host in ("0.0.0.0", "::"):
-        return can_listen_on(host)
-    return bool(_resolved(host) & _resolved(own_host))
+    return (address is not None and address.is_loopback and own_address is not None
+            and own_address.is_unspecified
+            and (address.version == 4 or own_address.version == 6))
 
 
-def _resolved(host: str) -> set[str]:
-    """The addresses ``host`` resolves to (none where it does not)."""
+def _literal(host: str) -> "ipaddress.IPv4Address | ipaddress.IPv6Address | None":
+    """``host`` as an IP address (``localhost`` as 127.0.0.1), or None for other names."""
+    if host.casefold() == "localhost":
+        return ipaddress.ip_address("127.0.0.1")
     try:
-        return {info[4][0] for info in socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)}
-    except (OSError, UnicodeError, ValueError):
-        return set()
+        return ipaddress.ip_address(host)
+    except ValueError:
+        return None
 
 
 def _frame(body: bytes) -> bytes:

@@ -150,30 +150,43 @@ def test_kvstrata_format_events_over_nats_are_refused_beyond_engine_0(tmp_path):
             worker.shutdown()
 
 
-def test_an_engine_leaves_its_own_export_out_of_the_peers_every_engine_is_given(tmp_path):
+def test_an_engine_leaves_its_own_export_out_of_the_peers_every_engine_is_given():
     """One list naming every engine's export, given to each engine alike: engine k reads
-    from the others only (itself would only add a round trip), whichever name it is given
-    by, and keeps a peer on another port or another host."""
+    from the others only (itself would only add a round trip), however its own address is
+    written, and keeps every other port and host."""
+    from kvstrata.connectors.vllm.settings import KvGeometry, settings_from
+
+    geometry = KvGeometry(BS, 2, 2, 8, "bfloat16", 64)
+    env = {k: v for k, v in os.environ.items() if k.startswith("KVSTRATA_SHARING_")}
     exports = [f"tcp://127.0.0.1:{47100 + k}" for k in range(3)]
     extra = {"export": exports[0],
              "peers": [*exports, "tcp://localhost:47101", "tcp://192.0.2.7:47100"]}
-    engines = [SimEngine(tmp_path / str(k), g2_blocks=16, g3_blocks=64, ranks=1,
-                         block_size=BS, engine_index=k, extra=extra) for k in range(3)]
-    assert [e.settings.peers for e in engines] == [
+    peers = [settings_from(extra, geometry, env, engine_index=k).peers for k in range(3)]
+    assert peers == [
         (exports[1], exports[2], "tcp://localhost:47101", "tcp://192.0.2.7:47100"),
         (exports[0], exports[2], "tcp://192.0.2.7:47100"),
         (exports[0], exports[1], "tcp://localhost:47101", "tcp://192.0.2.7:47100")]
-    for engine in engines:
-        for worker in engine.workers:
-            worker.shutdown()
+    wildcard = {"export": "tcp://0.0.0.0:47100",
+                "peers": ["tcp://127.0.0.1:47100", "tcp://192.0.2.7:47100",
+                          "tcp://[::1]:47100", "tcp://127.0.0.1:47101"]}
+    assert settings_from(wildcard, geometry, env).peers == (
+        "tcp://192.0.2.7:47100", "tcp://[::1]:47100", "tcp://127.0.0.1:47101")
 
 
-def test_an_address_is_its_own_where_it_names_the_same_server():
+def test_an_address_is_its_own_only_where_it_surely_names_the_same_server():
     from kvstrata.remote.control import is_own_address
 
     assert is_own_address("tcp://LOCALHOST:7000", "tcp://localhost:7000")
     assert is_own_address("tcp://localhost:7000", "tcp://127.0.0.1:7000")
+    assert is_own_address("tcp://[::0001]:7000", "tcp://[::1]:7000")
     assert is_own_address("tcp://127.0.0.1:7000", "tcp://0.0.0.0:7000")   # every address
+    assert is_own_address("tcp://[::1]:7000", "tcp://[::]:7000")
+    assert is_own_address("tcp://127.0.0.1:7000", "tcp://[::]:7000")      # dual stack
     assert not is_own_address("tcp://127.0.0.1:7001", "tcp://127.0.0.1:7000")
-    assert not is_own_address("tcp://192.0.2.7:7000", "tcp://0.0.0.0:7000")   # not this host's
-    assert not is_own_address("tcp://no-such-host.invalid:7000", "tcp://127.0.0.1:7000")
+    # an IPv4 socket on localhost is not the server of [::1], nor 0.0.0.0 of it
+    assert not is_own_address("tcp://[::1]:7000", "tcp://localhost:7000")
+    assert not is_own_address("tcp://[::1]:7000", "tcp://0.0.0.0:7000")
+    # an address this host could bind, or a name: another machine's, maybe; kept
+    assert not is_own_address("tcp://192.0.2.7:7000", "tcp://0.0.0.0:7000")
+    assert not is_own_address("tcp://myhost:7000", "tcp://0.0.0.0:7000")
+    assert not is_own_address("tcp://127.0.0.2:7000", "tcp://127.0.0.1:7000")

@@ -362,9 +362,9 @@ def _others(peers: tuple[str, ...], export: str | None, engine_index: int) -> tu
     if export is None:
         return peers
     others = tuple(p for p in peers if not is_own_address(p, export))
-    if len(others) < len(peers):
-        log.info("kvstrata: engine %d leaves its own export %s out of its peers",
-                 engine_index, export)
+    for own in sorted(set(peers) - set(others)):
+        log.info("kvstrata: engine %d leaves %s out of its peers: its own export (%s)",
+                 engine_index, own, export)
     return others
 
 
