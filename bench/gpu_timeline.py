@@ -1,8 +1,10 @@
 """Where the time of a verified G1 <-> G2 plan goes on a GPU: the diagnostic beside
 ``bench_gpu_copy.py`` (which gives the figures against the DMA limit).
 
-For each case (block geometry, G1 layout, transport), 256 MiB of randomly scattered blocks on
-both sides, as ``bench_gpu_copy.py`` moves them, best of ``--reps``, each direction:
+For each case (block geometry, G1 layout, transport, G2 slots), 256 MiB of randomly scattered
+G1 blocks, as ``bench_gpu_copy.py`` moves them, into G2 slots scattered at random or as the
+pool hands them out (runs of consecutive slots, see ``RUN``), best of ``--reps``, each
+direction:
 
 * **plan**: a TransferEngine plan with integrity on (device checksums), submitted and waited
   for, as the connector runs it;
@@ -41,16 +43,22 @@ from kvstrata.physical import (DeviceStorage, HostStorage, TransferEngine,  # no
                                TransferPlan)
 from kvstrata.physical.device_copy import DeviceCopyEngine  # noqa: E402
 
-CASES = (("2MiB", "flash_attn", "auto"), ("2MiB", "flash_attn", "kernel"),
-         ("64KiB", "flash_attn", "auto"), ("64KiB", "flash_attn", "staged"),
-         ("2MiB", "mla", "auto"))
+CASES = (("2MiB", "flash_attn", "auto", "random"), ("2MiB", "flash_attn", "kernel", "random"),
+         ("64KiB", "flash_attn", "auto", "random"), ("64KiB", "flash_attn", "staged", "random"),
+         ("2MiB", "mla", "auto", "random"), ("64KiB", "flash_attn", "auto", "pool"),
+         ("64KiB", "flash_attn", "kernel", "pool"))
+RUN = 32
+"""G2 slots ``pool``-allocated: runs of this many consecutive slots, each handed out last
+slot first, the runs at random places (what the pool's free stack and tail-first eviction
+give; ``bench/staging_runs.py`` counts 25-32 blocks per run in the packaged trace's replay)."""
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
 class Setup:
     """G1 on the GPU, a verifying G2 and the random ids of one case."""
 
-    def __init__(self, geometry: str, layout: str, batch_bytes: int) -> None:
+    def __init__(self, geometry: str, layout: str, batch_bytes: int,
+                 slots: str = "random") -> None:
         block_bytes = DeviceStorage.wrap(_tensors(layout, geometry, 4)).config.block_bytes
         self.batch = max(1, batch_bytes // block_bytes)
         pool = 2 * self.batch
@@ -59,7 +67,11 @@ class Setup:
                               verify_reads=True)
         rng = np.random.default_rng(11)
         self.src = rng.choice(pool, self.batch, replace=False).tolist()
-        self.slots = rng.choice(pool, self.batch, replace=False).tolist()
+        if slots == "pool":
+            starts = rng.permutation(pool // RUN)[:-(-self.batch // RUN)] * RUN
+            self.slots = [int(s + RUN - 1 - i) for s in starts for i in range(RUN)][:self.batch]
+        else:
+            self.slots = rng.choice(pool, self.batch, replace=False).tolist()
         self.back = rng.permutation(np.setdiff1d(np.arange(pool), self.src))[:self.batch].tolist()
         self.seq = [3000 + i for i in range(self.batch)]
         self.nbytes = self.batch * self.g1.config.block_bytes
@@ -218,16 +230,17 @@ def main() -> int:
     results: dict = {"device": torch.cuda.get_device_name(), "cases": []}
     traces: dict[str, list[dict]] = {}
     started = time.perf_counter()
-    for geometry, layout, transport in CASES:
-        setup = Setup(geometry, layout, batch_bytes)
+    for geometry, layout, transport, slots in CASES:
+        setup = Setup(geometry, layout, batch_bytes, slots)
         engine = DeviceCopyEngine(transport=transport)
         row = measure(setup, engine, args.reps)
-        row.update(geometry=geometry, layout=layout, transport=transport)
-        traces[f"{geometry} {layout} {transport}"] = row.pop("trace")
+        row.update(geometry=geometry, layout=layout, transport=transport, slots=slots)
+        traces[f"{geometry} {layout} {transport} {slots}"] = row.pop("trace")
         results["cases"].append(row)
         engine.close()
         setup.close()
-        print(f"{geometry:6} {layout:10} {transport:6} ({row['transport_used']}): " + "  ".join(
+        print(f"{geometry:6} {layout:10} {transport:6} {slots:6} ({row['transport_used']}): "
+              + "  ".join(
             f"{n} {row[n + '_offload_gbs']:5.1f}/{row[n + '_onboard_gbs']:5.1f}"
             for n in ("plan", "execute", "summed", "copy")), flush=True)
         for name, t in row["timeline"].items():

@@ -19,7 +19,7 @@ from kvstrata.physical.errors import ChecksumMismatchError
 from kvstrata.physical.engines import default_copy_engine
 from kvstrata.physical.device_copy import DeviceCopyEngine, device_kernel_status, device_kernels
 from kvstrata.physical.device_plan import _split, block_template, plan_device_pieces
-from kvstrata.physical.device_staging import host_runs
+from kvstrata.physical.device_staging import host_runs, staging_order
 
 from .conftest import block_bytes_of, fill_random, small_config
 
@@ -131,6 +131,62 @@ def test_host_runs_are_the_consecutive_slots_of_a_slice():
     assert slots.tolist() == [7, 3, 5, 6, 0]
     assert lengths.tolist() == [2 * 4096 + 4000, 4000, 4096 + 4000, 4000, 4000]
     assert [a.size for a in host_runs([], 64, 64)] == [0, 0, 0]
+
+
+def test_staging_puts_a_slices_blocks_in_the_order_of_their_host_slots():
+    position, in_order = staging_order([9, 4, 7, 4, 8])
+    assert in_order.tolist() == [4, 4, 7, 8, 9]
+    assert position.tolist() == [4, 0, 2, 1, 3]           # ranks; a tie keeps batch order
+    assert [in_order[p] for p in position] == [9, 4, 7, 4, 8]
+    assert [a.size for a in staging_order([])] == [0, 0]
+
+
+@needs_triton
+@pytest.mark.parametrize("transport", ["staged", "auto"])
+def test_a_slice_of_one_consecutive_set_of_slots_in_any_order_moves_as_one_dma_copy(
+        monkeypatch, transport):
+    """The pool hands out slots freed together last-freed first, and a prefix comes back
+    in request order: staged in slot order, such a slice is one run, each way."""
+    import kvstrata.physical.device_copy as device_copy
+
+    cfg = small_config(num_blocks=16, alignment=64)
+    g1 = DeviceStorage.allocate(cfg, kv_layout="outer_contiguous", device="cpu")
+    fill_random(g1.memory.regions, seed=23)
+    host = HostStorage(cfg)
+    engine = interpreter(transport=transport, staged_run_bytes=4 * cfg.block_bytes,
+                         slice_bytes=64 * cfg.block_bytes)
+    copies = []
+    real = device_copy._host_memcpy
+    monkeypatch.setattr(device_copy, "_host_memcpy",
+                        lambda d, s_, n: copies.append(n.size) or real(d, s_, n))
+    src = [3, 0, 14, 9, 5, 11, 7, 2]
+    dst = [12, 11, 10, 9, 8, 7, 6, 5]                       # last freed, first handed out
+    sums = engine.copy_summed(g1.memory, src, host.memory, dst, direction="offload")
+    assert copies == [1]
+    assert sums.tolist() == [device_checksum(block_bytes_of(g1, b).numpy()) for b in src]
+    for s_, d in zip(src, dst):
+        assert torch.equal(block_bytes_of(g1, s_), block_bytes_of(host, d))
+    shuffled = [dst[i] for i in (5, 2, 7, 0, 3, 6, 1, 4)]   # a prefix read in its own order
+    back = DeviceStorage.allocate(cfg, kv_layout="outer_contiguous", device="cpu")
+    copies.clear()
+    again = engine.copy_summed(host.memory, shuffled, back.memory, list(range(8)),
+                               direction="onboard")
+    assert copies == [1]
+    assert again.tolist() == [sums[dst.index(d)] for d in shuffled]
+    for i, d in enumerate(shuffled):
+        assert torch.equal(block_bytes_of(back, i), block_bytes_of(host, d))
+
+
+@needs_triton
+def test_a_host_slot_named_twice_in_a_staged_onboard_lands_in_both_places():
+    cfg = small_config(num_blocks=8, alignment=64)
+    host = HostStorage(cfg)
+    fill_random([host.memory.regions[0]], seed=29)
+    g1 = DeviceStorage.allocate(cfg, kv_layout="outer_contiguous", device="cpu")
+    engine = interpreter(transport="staged")
+    engine.copy(host.memory, [4, 2, 4, 3], g1.memory, [0, 1, 2, 3], direction="onboard")
+    for g, h in zip([0, 1, 2, 3], [4, 2, 4, 3]):
+        assert torch.equal(block_bytes_of(g1, g), block_bytes_of(host, h))
 
 
 @needs_triton

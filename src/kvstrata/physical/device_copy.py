@@ -62,10 +62,11 @@ from .checksum import device_checksum, memory_checksums
 from .copy import OFFLOAD, ONBOARD, CopyEngine, StagedCopyEngine, _checked_ids
 from .device_plan import BlockTemplate, block_template, plan_device_pieces
 from ._cuda_dma import DmaRefused as _DmaRefused
-from .device_staging import StagingRing, host_runs
+from .device_staging import StagingRing, staged_runs
 from .storage.base import BlockMemory
 
-__all__ = ["DeviceCopyEngine", "device_kernel_status", "device_kernels", "TRANSPORTS"]
+__all__ = ["DeviceCopyEngine", "device_kernel_status", "device_kernels", "slice_bounds",
+           "TRANSPORTS"]
 
 
 @functools.cache
@@ -414,20 +415,7 @@ class DeviceCopyEngine(CopyEngine):
 
     # ------------------------------------------------------------------ internals
     def _slices(self, n: int, block_bytes: int) -> list[tuple[int, int]]:
-        """Batch positions cut into slices of about ``slice_bytes``, the first and the last
-        an eighth of that: the host work of a pipeline's first slice (a check) and its last
-        (a hash) is the part nothing overlaps, so they are kept short."""
-        step = max(1, self.slice_bytes // max(1, block_bytes))
-        edge = max(1, step // 8)
-        if n <= step:
-            return [(0, n)]
-        bounds = [0, edge]
-        while n - bounds[-1] > step + edge:
-            bounds.append(bounds[-1] + step)
-        if n - bounds[-1] > edge:
-            bounds.append(n - edge)
-        bounds.append(n)
-        return list(zip(bounds[:-1], bounds[1:]))
+        return slice_bounds(n, block_bytes, self.slice_bytes)
 
     def _device_of(self, src: BlockMemory, dst: BlockMemory) -> torch.device:
         return src.device if src.device.type == "cuda" else dst.device
@@ -495,16 +483,14 @@ class DeviceCopyEngine(CopyEngine):
         outright, the kernel takes the device from then on and copies this slice (not in
         the self-test, which must see the refusal)."""
         side = self._host_side(src, dst, direction)
-        runs = None
+        staging = None
         if transport in ("auto", "staged") and side is not None:
             host, ids = (src, src_ids) if side == "src" else (dst, dst_ids)
-            runs = host_runs(ids, host.layout.block_stride, host.layout.config.block_bytes)
-            if transport == "auto" and (len(ids) * host.layout.config.block_bytes
-                                        < self.staged_run_bytes * runs[0].size):
-                runs = None          # short runs: a DMA copy each costs more than the kernel
-        if runs is not None:
+            staging = staged_runs(ids, host.layout.block_stride, host.layout.config.block_bytes,
+                                  self.staged_run_bytes if transport == "auto" else 0)
+        if staging is not None:     # (auto: None for short runs, which the kernel moves)
             return self._launch_staged(src, src_ids, dst, dst_ids, direction, summed, device,
-                                       runs, fall_back=fall_back)
+                                       *staging, fall_back=fall_back)
         if transport == "dma":
             return self._launch_dma(src, src_ids, dst, dst_ids, direction, summed, device,
                                     fall_back=fall_back)
@@ -563,22 +549,24 @@ class DeviceCopyEngine(CopyEngine):
 
     def _launch_staged(self, src: BlockMemory, src_ids, dst: BlockMemory, dst_ids,
                        direction: str, summed: bool, device: torch.device | None,
+                       staged_ids: np.ndarray,
                        runs: tuple[np.ndarray, np.ndarray, np.ndarray], *,
                        fall_back: bool = True) -> "_Launch":
         """Queue one slice through device staging (:mod:`.device_staging`): an offload packs
         the blocks from G1 into a staging buffer with the kernel (device checksums taken
         there, ``summed``), then DMA copies each run of consecutive host slots; an onboard
         copies the runs into staging by DMA, then the kernel unpacks them into G1, taking
-        the checksums from the bytes it writes. Under the interpreter the DMA is a host
-        copy and the buffer a CPU tensor."""
+        the checksums from the bytes it writes. Block ``i`` of the slice is at staging
+        position ``staged_ids[i]``, in the order of its host slot
+        (:func:`~.device_staging.staging_order`; ``runs`` are of the slots in that order).
+        Under the interpreter the DMA is a host copy and the buffer a CPU tensor."""
         onboard = self._host_side(src, dst, direction) == "src"
         host = src if onboard else dst
         device_memory, device_ids = (dst, dst_ids) if onboard else (src, src_ids)
         template = self._staging_template(device_memory, host, onboard)
         n = len(src_ids)
         stride = host.layout.block_stride
-        positions, slots, lengths = runs          # host_runs of host_ids
-        staged_ids = np.arange(n, dtype=np.int64)
+        positions, slots, lengths = runs          # host_runs of the host ids in slot order
         ring = None if device is None else self._ring(direction, device)
         with ring.lock if ring is not None else contextlib.nullcontext():
             if ring is None:
@@ -754,6 +742,23 @@ class DeviceCopyEngine(CopyEngine):
     def _wait(launch: "_Launch | None") -> None:
         if launch is not None and launch.event is not None:
             launch.event.synchronize()
+
+
+def slice_bounds(n: int, block_bytes: int, slice_bytes: int) -> list[tuple[int, int]]:
+    """Batch positions ``0..n`` cut into slices of about ``slice_bytes``, the first and the
+    last an eighth of that: the host work of a pipeline's first slice (a check) and its last
+    (a hash or a seal) is the part nothing overlaps, so they are kept short."""
+    step = max(1, slice_bytes // max(1, block_bytes))
+    edge = max(1, step // 8)
+    if n <= step:
+        return [(0, n)]
+    bounds = [0, edge]
+    while n - bounds[-1] > step + edge:
+        bounds.append(bounds[-1] + step)
+    if n - bounds[-1] > edge:
+        bounds.append(n - edge)
+    bounds.append(n)
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 def _recorded(stream: "torch.cuda.Stream") -> "torch.cuda.Event":

@@ -7,10 +7,16 @@ speed; the GPU's copy engines (DMA) move the packed bytes across PCIe in one cop
 consecutive host slots. The copy engines reach the DMA limit only with large copies, and the
 kernel holds streaming multiprocessors only for the short device-side pack.
 
-This module holds the two pieces that are not the copy itself: :func:`host_runs` (the slice's
-host slots as runs of consecutive slots, pure numpy, checked on CPU) and :class:`StagingRing`
-(two device buffers one direction takes turns in, so the DMA of one slice overlaps the pack
-of the next, and the stream the DMA runs on).
+The staging buffer holds a slice's blocks in the order of their host slots, not in the
+order the batch names them (:func:`staging_order`): the pack kernel puts each block where its
+slot's rank says, so a slice whose slots are one consecutive set in any order (a batch the
+pool allocated from slots it freed together, which come back last-freed first; a returning
+prefix stored by one offload) moves as one DMA copy.
+
+This module holds the pieces that are not the copy itself: :func:`staging_order` and
+:func:`host_runs` (the slice's host slots as runs of consecutive slots, pure numpy, checked
+on CPU) and :class:`StagingRing` (two device buffers one direction takes turns in, so the DMA
+of one slice overlaps the pack of the next, and the stream the DMA runs on).
 """
 
 from __future__ import annotations
@@ -20,7 +26,19 @@ import threading
 import numpy as np
 import torch
 
-__all__ = ["host_runs", "StagingRing"]
+__all__ = ["staging_order", "host_runs", "staged_runs", "StagingRing"]
+
+
+def staging_order(slots) -> tuple[np.ndarray, np.ndarray]:
+    """Where each block of a staged slice goes in the staging buffer, and the slots in that
+    order: ``(position, in_order)``, ``position[i]`` the rank of ``slots[i]`` among the
+    slice's slots (ties in batch order) and ``in_order`` the slots sorted, so staging
+    position ``j`` holds the block of slot ``in_order[j]``."""
+    slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+    order = np.argsort(slots, kind="stable")
+    position = np.empty(slots.size, dtype=np.int64)
+    position[order] = np.arange(slots.size, dtype=np.int64)
+    return position, slots[order]
 
 
 def host_runs(slots, stride: int, block_bytes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -37,6 +55,19 @@ def host_runs(slots, stride: int, block_bytes: int) -> tuple[np.ndarray, np.ndar
     starts = np.concatenate(([0], breaks))
     ends = np.concatenate((breaks, [slots.size]))
     return starts, slots[starts], (ends - starts - 1) * stride + block_bytes
+
+
+def staged_runs(slots, stride: int, block_bytes: int, min_average: int = 0
+                ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]] | None:
+    """How a slice with host slots ``slots`` is staged: ``(position, runs)``, each block's
+    staging position (:func:`staging_order`) and the :func:`host_runs` of the slots in
+    that order; None where its runs average under ``min_average`` bytes of blocks (a DMA
+    copy each would cost more than moving the blocks through the copy kernel)."""
+    position, in_order = staging_order(slots)
+    runs = host_runs(in_order, stride, block_bytes)
+    if position.size * block_bytes < min_average * runs[0].size:
+        return None
+    return position, runs
 
 
 class StagingRing:
