@@ -712,16 +712,21 @@ def test_every_queued_launch_is_waited_for_when_a_check_raises(monkeypatch):
 
 
 @needs_triton
-def test_each_slice_is_handed_on_with_its_checksums_once_it_has_landed():
+def test_each_slice_is_handed_on_with_its_checksums_once_it_has_landed(monkeypatch):
     cfg = small_config(num_blocks=12, alignment=64)
     g1 = DeviceStorage.allocate(cfg, kv_layout="outer_contiguous", device="cpu")
     fill_random(g1.memory.regions, seed=21)
     host = HostStorage(cfg)
     engine = interpreter(slice_bytes=2 * cfg.block_bytes)
     src, dst = list(range(10)), [11 - i for i in range(10)]
-    seen = []
+    seen, queued, waited = [], [], []
+    launch, wait = engine._launch, engine._wait
+    monkeypatch.setattr(engine, "_launch", lambda *a, **k: queued.append(launch(*a, **k))
+                        or queued[-1])
+    monkeypatch.setattr(engine, "_wait", lambda item: waited.append(item) or wait(item))
 
-    def landed(lo, hi, sums):      # this slice's bytes are in place when it is handed on
+    def landed(lo, hi, sums):      # handed on once its own launch was waited for
+        assert waited and waited[-1] is queued[len(seen)]
         assert sums.tolist() == [device_checksum(host.payload(dst[p])) for p in range(lo, hi)]
         assert all(torch.equal(block_bytes_of(g1, src[p]), block_bytes_of(host, dst[p]))
                    for p in range(lo, hi))
@@ -773,6 +778,33 @@ def test_a_verifying_g2_is_sealed_slice_by_slice_as_the_offload_lands(monkeypatc
     assert on.all_ok
     for s_, d in zip(src, [12, 13, 14, 15, 1, 2, 11]):
         assert torch.equal(block_bytes_of(g1, s_), block_bytes_of(g1, d))
+
+
+@needs_triton
+def test_a_slice_failing_after_others_were_sealed_fails_the_plan_and_serves_no_wrong_block(
+        monkeypatch):
+    """The slices sealed before a later one failed hold their blocks, checked (a read finds
+    them right); the plan is reported failed whole, and nothing unsealed is readable."""
+    g1, g2 = _tiers()
+    engine = interpreter(slice_bytes=1536)
+    launches = []
+    launch = engine._launch
+
+    def third_fails(*a, **k):
+        if len(launches) == 2:
+            raise RuntimeError("the device broke")
+        launches.append(launch(*a, **k))
+        return launches[-1]
+    monkeypatch.setattr(engine, "_launch", third_fails)
+    src, dst, seq = [0, 3, 4, 5, 6, 9, 10], [7, 1, 2, 3, 0, 11, 8], list(range(701, 708))
+    with TransferEngine({"G1": g1, "G2": g2}, copy_engine=engine) as eng:
+        off = _submit(eng, "G1->G2", src, dst, seq)
+    assert not any(off.ok) and "the device broke" in off.error
+    readable = [p for p in range(len(dst))
+                if not g2.check_readable([dst[p]], [seq[p]])]
+    assert readable == list(range(len(readable))) and len(readable) < len(dst)
+    for p in readable:                            # the slices that landed before the failure
+        assert torch.equal(block_bytes_of(g1, src[p]), block_bytes_of(g2, dst[p]))
 
 
 @needs_triton
