@@ -70,6 +70,7 @@ class Setup:
         if slots == "pool":
             starts = rng.permutation(pool // RUN)[:-(-self.batch // RUN)] * RUN
             self.slots = [int(s + RUN - 1 - i) for s in starts for i in range(RUN)][:self.batch]
+            assert len(self.slots) == self.batch, "pool slots need a batch of RUN blocks or more"
         else:
             self.slots = rng.choice(pool, self.batch, replace=False).tolist()
         self.back = rng.permutation(np.setdiff1d(np.arange(pool), self.src))[:self.batch].tolist()
@@ -186,6 +187,7 @@ def knobs(batch_bytes: int, reps: int) -> list[dict]:
                 ("64KiB", "kernel", dict(slice_bytes=64 << 20)),
                 ("2MiB", "kernel", dict()), ("2MiB", "kernel", dict(num_warps=8)),
                 ("2MiB", "kernel", dict(programs=4 * sms)),
+                ("2MiB", "kernel", dict(block_elements=1024)),   # fewer registers a thread
                 ("2MiB", "staged", dict()), ("2MiB", "staged", dict(slice_bytes=64 << 20)),
                 ("2MiB", "staged", dict(slice_bytes=128 << 20)),
                 ("2MiB", "staged", dict(programs=4 * sms))]

@@ -15,6 +15,11 @@ bytes through ``KvBlockManager``, default tiers and geometry) on the packaged tr
 * for each block size in ``--block-kib``, the share of the bytes ``auto`` would stage in
   each order.
 
+The replay runs once, at the data replay's own geometry (128 KiB blocks, no ``KVSTRATA_*``
+setting from the environment), one request at a time; its slot lists are then cut into
+slices as for each block size. Another block size or concurrent requests give the pool other
+slot patterns: this is the single-stream case.
+
 Usage: ``python bench/staging_runs.py [--limit N] [--trace FILE] [--block-kib 64,2048]``.
 """
 
@@ -50,7 +55,7 @@ def record_plans(limit: int, trace: str | None) -> dict[str, list[np.ndarray]]:
 
     TransferEngine.submit = observed          # for this replay only
     try:
-        run_data_replay(load_trace(trace)[:limit], load_config(None), verify="none")
+        run_data_replay(load_trace(trace)[:limit], load_config(None, env={}), verify="none")
     finally:
         TransferEngine.submit = submit
     return plans

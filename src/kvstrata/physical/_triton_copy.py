@@ -64,14 +64,10 @@ def _copy_blocks_summed(src, dst, src_ids, dst_ids, src_template, dst_template, 
                         + tl.load(src_ids + at) * src_stride) * UNIT
         target = dst + (tl.load(dst_template + part)
                         + tl.load(dst_ids + at) * dst_stride) * UNIT
+        first_word = part * PIECE
         acc = tl.full([BLOCK], 0, tl.uint64)   # tl.zeros is a jit function: _lanes_sum_by_halves
-        # (index + 1) * PHI, index = part * PIECE + start + lane, as a per-program lane vector
-        # plus one scalar per step: modulo 2**64 the product distributes over the sum, and
-        # each step then costs one 64-bit multiply a word fewer
-        lane_phi = (tl.arange(0, BLOCK) + 1).to(tl.uint64) * 0x9E3779B97F4A7C15
         for start in range(0, PIECE, BLOCK):
             offsets = start + tl.arange(0, BLOCK)
-            step_phi = (part * PIECE + start).to(tl.uint64) * 0x9E3779B97F4A7C15
             if PIECE % BLOCK == 0:
                 words = tl.load(source + offsets)
                 if COPY:
@@ -81,7 +77,8 @@ def _copy_blocks_summed(src, dst, src_ids, dst_ids, src_template, dst_template, 
                 words = tl.load(source + offsets, mask=inside, other=0)
                 if COPY:
                     tl.store(target + offsets, words, mask=inside)
-            k = words.to(tl.uint64, bitcast=True) ^ (lane_phi + step_phi)
+            index = (first_word + offsets + 1).to(tl.uint64)
+            k = words.to(tl.uint64, bitcast=True) ^ (index * 0x9E3779B97F4A7C15)
             k ^= k >> 33            # murmur3's 64-bit finalizer
             k *= 0xFF51AFD7ED558CCD
             k ^= k >> 33

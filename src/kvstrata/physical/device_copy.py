@@ -377,14 +377,15 @@ class DeviceCopyEngine(CopyEngine):
     def _try_one(self, transport: str, device: torch.device) -> str | None:
         """Why ``transport`` cannot be used on ``device`` (None: it can): 16 random 4 KiB
         blocks from registered host memory into device memory laid out as vLLM's
-        FlashAttention cache is (K and V of a block apart), from slots in runs of
-        consecutive and reversed ones, then back to other slots with device checksums,
+        FlashAttention cache is (K and V of a block apart), from half the slots of a host
+        region in runs of consecutive, reversed and single ones with gaps between (staged:
+        several DMA copies at several offsets), then back to other slots with device checksums,
         compared block by block and checksum by checksum."""
         try:
-            config = LayoutConfig(num_blocks=16, num_layers=2, outer_dim=2, page_size=4,
+            config = LayoutConfig(num_blocks=32, num_layers=2, outer_dim=2, page_size=4,
                                   inner_dim=128, dtype="bfloat16")   # 4 KiB blocks
-            host = AlignedBuffer(16 * config.block_bytes, pin=True)
-            expected = torch.randint(0, 256, (16, config.block_bytes), dtype=torch.uint8)
+            host = AlignedBuffer(32 * config.block_bytes, pin=True)
+            expected = torch.randint(0, 256, (32, config.block_bytes), dtype=torch.uint8)
             host.tensor.copy_(expected.reshape(-1))
             host_memory = BlockMemory(FullyContiguousLayout(config), (host.tensor,))
             layout = LayerSeparateLayout(config, "outer_contiguous")
@@ -394,16 +395,18 @@ class DeviceCopyEngine(CopyEngine):
                 device_memory = BlockMemory(layout, tuple(
                     torch.zeros(layout.region_bytes(i), dtype=torch.uint8, device=device)
                     for i in range(layout.num_regions)))
-            slots = [4, 5, 6, 7, 0, 1, 2, 3, 15, 14, 13, 12, 8, 9, 10, 11]
+            # half the slots, with gaps: several runs (staged: several DMA copies, none at
+            # offset 0 alone), consecutive, reversed and single
+            slots = [9, 10, 11, 2, 3, 30, 29, 28, 27, 17, 20, 21, 22, 23, 5, 14]
             here = list(range(16))
             self._wait(self._launch_with(transport, host_memory, slots, device_memory, here,
                                          ONBOARD, False, device, fall_back=False))
             host.tensor.zero_()
-            back = slots[::-1]
+            back = [31, 0, 1, 12, 13, 6, 7, 8, 26, 25, 24, 18, 19, 4, 15, 16]
             launch = self._launch_with(transport, device_memory, here, host_memory, back,
                                        OFFLOAD, True, device, fall_back=False)
             self._wait(launch)
-            if not torch.equal(host.tensor.view(16, -1)[back], expected[slots]):
+            if not torch.equal(host.tensor.view(32, -1)[back], expected[slots]):
                 return "its self-test moved wrong bytes"
             if launch.block_sums().tolist() != [device_checksum(b) for b in
                                                 expected[slots].numpy()]:
