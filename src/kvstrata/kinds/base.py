@@ -101,11 +101,13 @@ class StorageOptions:
 @dataclass
 class Storages:
     """The storages built (by tier, fastest first), the config with the fastest tier sized
-    to its storage, and the temporary directories to remove on close."""
+    to its storage, and the temporary directories to remove and the host RAM claims
+    (:mod:`.ram_claims`) to release on close."""
 
     config: KvConfig
     by_tier: dict[str, Storage] = field(default_factory=dict)
     temp_dirs: list[str] = field(default_factory=list)
+    claims: list = field(default_factory=list)
     kinds: dict[str, "Kind"] = field(default_factory=dict)
     """The kind that built each tier's storage."""
 
@@ -128,13 +130,16 @@ class Storages:
                 for tier, rows in self.recovered_rows().items()}
 
     def close(self) -> None:
-        """Free every storage (a temporary slab is deleted, a durable one kept) and the
-        temporary directories."""
+        """Free every storage (a temporary slab is deleted, a durable one kept), the
+        temporary directories and the host RAM claimed."""
         for storage in self.by_tier.values():
             storage.close()
         for directory in self.temp_dirs:
             shutil.rmtree(directory, ignore_errors=True)
         self.temp_dirs = []
+        for claim in self.claims:
+            claim.release()
+        self.claims = []
 
 
 class Kind(ABC):

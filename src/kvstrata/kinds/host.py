@@ -14,6 +14,7 @@ from ..physical.storage.host_shared import (FollowedHostStorage, PublishedHostSt
 from ..placement.costs import CostPrior
 from ..tiers import TierKind
 from .base import Kind, StorageOptions, TierSetupError, layout_config_for, ram_problem
+from .ram_claims import claim_host_ram
 
 __all__ = ["HostKind", "KIND", "HOST_ALIGNMENT", "host_slot_bytes", "shared_host_problem"]
 
@@ -53,13 +54,18 @@ class HostKind(Kind):
         cfg = geometry.with_blocks(built.config.tier_blocks(tier)).with_alignment(HOST_ALIGNMENT)
         shared = options.shared_host
         try:
+            if shared is not None and not shared.writer:    # maps the writer's: no RAM of its own
+                return FollowedHostStorage(cfg, shared.path(tier))
+            # counted with the host tiers of this user's other processes here (data-parallel
+            # engines, other servers), which the check at start cannot see
+            claim = claim_host_ram(cfg.num_blocks * host_slot_bytes(cfg), f"tier {tier}")
+            if claim is not None:
+                built.claims.append(claim)
             if shared is None:
                 return HostStorage(cfg, verify_reads=options.verify_host_reads)
-            if shared.writer:
-                reclaim(shared.directory, f"kvstrata-{tier.lower()}-")  # of killed servers
-                return PublishedHostStorage(cfg, shared.path(tier),
-                                            verify_reads=options.verify_host_reads)
-            return FollowedHostStorage(cfg, shared.path(tier))
+            reclaim(shared.directory, f"kvstrata-{tier.lower()}-")  # of killed servers
+            return PublishedHostStorage(cfg, shared.path(tier),
+                                        verify_reads=options.verify_host_reads)
         except PhysicalError as exc:
             raise TierSetupError(f"{tier}: {exc}") from exc
 

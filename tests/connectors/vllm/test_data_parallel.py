@@ -190,3 +190,28 @@ def test_an_address_is_its_own_only_where_it_surely_names_the_same_server():
     assert not is_own_address("tcp://192.0.2.7:7000", "tcp://0.0.0.0:7000")
     assert not is_own_address("tcp://myhost:7000", "tcp://0.0.0.0:7000")
     assert not is_own_address("tcp://127.0.0.2:7000", "tcp://127.0.0.1:7000")
+
+
+def test_engines_whose_g2s_fit_the_machine_alone_but_not_together_are_refused(tmp_path,
+                                                                             monkeypatch):
+    """Each data-parallel engine keeps its own G2 and checks it alone at start; their host
+    RAM is also claimed across processes (kvstrata.kinds.ram_claims), so the engine that
+    would take the machine over its RAM is refused at start, not killed by the OOM killer
+    while serving."""
+    from kvstrata.kinds import TierSetupError, ram_claims
+
+    monkeypatch.setattr(ram_claims, "claims_directory", lambda: str(tmp_path / "claims"))
+    first = SimEngine(tmp_path / "0", g2_blocks=16, g3_blocks=64, ranks=1, block_size=BS)
+    held = sum(n for _, n in ram_claims.held_claims(str(tmp_path / "claims")))
+    assert held > 0
+    monkeypatch.setattr(ram_claims, "physical_memory", lambda: held + held // 2)
+    with pytest.raises(TierSetupError, match="already hold"):
+        SimEngine(tmp_path / "1", g2_blocks=16, g3_blocks=64, ranks=1, block_size=BS,
+                  engine_index=1)
+    for worker in first.workers:
+        worker.shutdown()
+    assert ram_claims.held_claims(str(tmp_path / "claims")) == []
+    again = SimEngine(tmp_path / "1", g2_blocks=16, g3_blocks=64, ranks=1, block_size=BS,
+                      engine_index=1)
+    for worker in again.workers:
+        worker.shutdown()
