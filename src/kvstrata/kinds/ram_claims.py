@@ -7,7 +7,8 @@ more RAM than the machine has: the kernel's OOM killer then ends one of them whi
 serves. So a host tier *claims* its bytes before it allocates them (:func:`claim_host_ram`):
 
 * a claim is a small file in a directory of this user's alone
-  (``<tmp>/kvstrata-ram-<uid>``, 0700, created so; one that is not this user's, or that
+  (``/dev/shm/kvstrata-ram-<uid>``, see :func:`claims_directory`; 0700, created so; one
+  that is not this user's, or that
   others can write, is not trusted: the cross-process count is then skipped with a
   warning, the per-process check still applies), named with the claimant's owner tag
   (:func:`~kvstrata.physical.leftovers.owner_tag`) and holding the bytes and the
@@ -65,8 +66,12 @@ class RamClaim:
 
 
 def claims_directory() -> str:
-    """Where this user's claims on this machine are kept."""
-    return os.path.join(tempfile.gettempdir(), f"kvstrata-ram-{os.geteuid()}")
+    """Where this user's claims on this machine are kept: ``/dev/shm/kvstrata-ram-<uid>``
+    (memory, as what it counts: emptied by a reboot, private to a container that has its
+    own), else under the temporary directory. The directory stays between processes, with
+    the lock file in it; claims come and go."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return os.path.join(base, f"kvstrata-ram-{os.geteuid()}")
 
 
 def claim_host_ram(nbytes: int, what: str, *, directory: str | None = None,
