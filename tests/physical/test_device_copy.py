@@ -690,17 +690,25 @@ def test_an_export_stops_before_a_block_that_fails_its_device_checksum():
     g2.begin_write([7, 8])                       # nothing left pinned
 
 
+def _record_launches(monkeypatch, engine, *, wait: bool = True) -> tuple[list, list]:
+    """Lists the engine's launches go to as they are queued and as they are waited for
+    (``wait``: still waited for; else only recorded)."""
+    queued, waited = [], []
+    launch, really_wait = engine._launch, engine._wait
+    monkeypatch.setattr(engine, "_launch", lambda *a, **k: queued.append(launch(*a, **k))
+                        or queued[-1])
+    monkeypatch.setattr(engine, "_wait", lambda item: waited.append(item)
+                        or (really_wait(item) if wait else None))
+    return queued, waited
+
+
 @needs_triton
 def test_every_queued_launch_is_waited_for_when_a_check_raises(monkeypatch):
     cfg = small_config(num_blocks=12, alignment=64)
     host = HostStorage(cfg)
     g1 = DeviceStorage.allocate(cfg, kv_layout="outer_contiguous", device="cpu")
     engine = interpreter(slice_bytes=2 * cfg.block_bytes)
-    queued, waited = [], []
-    launch = engine._launch
-    monkeypatch.setattr(engine, "_launch", lambda *a, **k: queued.append(launch(*a, **k))
-                        or queued[-1])
-    monkeypatch.setattr(engine, "_wait", lambda item: waited.append(item))
+    queued, waited = _record_launches(monkeypatch, engine, wait=False)
 
     def check(lo, hi):
         if lo:
@@ -719,11 +727,8 @@ def test_each_slice_is_handed_on_with_its_checksums_once_it_has_landed(monkeypat
     host = HostStorage(cfg)
     engine = interpreter(slice_bytes=2 * cfg.block_bytes)
     src, dst = list(range(10)), [11 - i for i in range(10)]
-    seen, queued, waited = [], [], []
-    launch, wait = engine._launch, engine._wait
-    monkeypatch.setattr(engine, "_launch", lambda *a, **k: queued.append(launch(*a, **k))
-                        or queued[-1])
-    monkeypatch.setattr(engine, "_wait", lambda item: waited.append(item) or wait(item))
+    seen = []
+    queued, waited = _record_launches(monkeypatch, engine)
 
     def landed(lo, hi, sums):      # handed on once its own launch was waited for
         assert waited and waited[-1] is queued[len(seen)]
@@ -745,11 +750,7 @@ def test_every_queued_launch_is_waited_for_when_a_landed_slice_raises(monkeypatc
     g1 = DeviceStorage.allocate(cfg, kv_layout="outer_contiguous", device="cpu")
     host = HostStorage(cfg)
     engine = interpreter(slice_bytes=2 * cfg.block_bytes)
-    queued, waited = [], []
-    launch, wait = engine._launch, engine._wait
-    monkeypatch.setattr(engine, "_launch", lambda *a, **k: queued.append(launch(*a, **k))
-                        or queued[-1])
-    monkeypatch.setattr(engine, "_wait", lambda item: waited.append(item) or wait(item))
+    queued, waited = _record_launches(monkeypatch, engine)
 
     def landed(lo, hi, sums):
         raise RuntimeError("sealing broke")
