@@ -21,6 +21,18 @@ import secrets  # noqa: E402
 
 os.environ.setdefault("KVSTRATA_SHARING_SECRET", secrets.token_hex(32))
 
+# Host RAM claimed across processes (kvstrata.kinds.ram_claims): the session's own claims
+# directory, inherited by the processes tests start, so the suite neither counts nor takes the
+# machine's other kvstrata processes' RAM. Removed at exit.
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+if not os.environ.get("KVSTRATA_RAM_CLAIMS_DIR"):
+    _claims = tempfile.mkdtemp(prefix="kvstrata-test-ram-claims-")
+    os.environ["KVSTRATA_RAM_CLAIMS_DIR"] = _claims
+    atexit.register(shutil.rmtree, _claims, ignore_errors=True)
+
 
 def pytest_collection_finish(session):
     """Importing vLLM and torch during collection leaves millions of objects that every

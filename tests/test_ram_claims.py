@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -57,15 +58,25 @@ def test_claims_that_fit_the_machine_alone_but_not_together_are_refused(tmp_path
     assert held_claims(str(directory)) == []
 
 
-def test_the_claim_of_a_killed_process_is_reclaimed_by_the_next_claim(tmp_path):
+@pytest.mark.parametrize("reaped", [True, False])
+def test_the_claim_of_a_killed_process_is_reclaimed_by_the_next_claim(tmp_path, reaped):
+    """Killed and reaped, or killed and not yet reaped (a zombie, whose memory is gone
+    though its pid and start time are still there)."""
     directory = tmp_path / "claims"
     child = _holder(directory, 90 * MiB, ram=100 * MiB)
     os.kill(child.pid, signal.SIGKILL)
-    child.wait()
-    claim = claim_host_ram(90 * MiB, "tier G2", directory=str(directory), ram=100 * MiB)
-    assert held_claims(str(directory)) == [(os.getpid(), 90 * MiB)]
-    assert len([n for n in os.listdir(directory) if n.startswith("claim-")]) == 1
-    claim.release()
+    if reaped:
+        child.wait()
+    else:
+        while ram_claims._started(child.pid) != 0:          # a zombie once it died
+            time.sleep(0.01)
+    try:
+        claim = claim_host_ram(90 * MiB, "tier G2", directory=str(directory), ram=100 * MiB)
+        assert held_claims(str(directory)) == [(os.getpid(), 90 * MiB)]
+        assert len([n for n in os.listdir(directory) if n.startswith("claim-")]) == 1
+        claim.release()
+    finally:
+        child.wait()
 
 
 def test_a_claim_of_a_reused_pid_is_the_dead_process_s_not_the_live_one_s(tmp_path):
@@ -84,7 +95,8 @@ def test_a_claim_of_a_reused_pid_is_the_dead_process_s_not_the_live_one_s(tmp_pa
 def _claim_at_once(directory: str, barrier, results) -> None:
     barrier.wait()
     try:
-        claim = claim_host_ram(60 * MiB, "tier G2", directory=directory, ram=100 * MiB)
+        claim = claim_host_ram(60 * MiB, "tier G2", directory=directory, ram=100 * MiB,
+                               lock_timeout=300)
         results.put("claimed")
         barrier.wait()                               # held until both have tried
         claim.release()
@@ -96,14 +108,67 @@ def _claim_at_once(directory: str, barrier, results) -> None:
 def test_two_engines_starting_at_once_cannot_both_claim_what_only_one_fits(tmp_path):
     directory = str(tmp_path / "claims")
     ctx = multiprocessing.get_context("spawn")
-    barrier, results = ctx.Barrier(2), ctx.Queue()
-    workers = [ctx.Process(target=_claim_at_once, args=(directory, barrier, results))
-               for _ in range(2)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join(120)
-    assert sorted(results.get(timeout=5) for _ in workers) == ["claimed", "refused"]
+    barrier, results = ctx.Barrier(2, timeout=300), ctx.Queue()
+    workers = [ctx.Process(target=_claim_at_once, args=(directory, barrier, results),
+                           daemon=True) for _ in range(2)]
+    try:
+        for w in workers:
+            w.start()
+        assert sorted(results.get(timeout=300) for _ in workers) == ["claimed", "refused"]
+    finally:
+        for w in workers:
+            w.join(60)
+            if w.is_alive():
+                w.terminate()
+
+
+def test_a_claim_waits_for_the_lock_and_goes_uncounted_if_it_is_held_too_long(tmp_path,
+                                                                            caplog):
+    """Another process claiming holds the lock; one stopped (or forked) while it held it
+    must not stop every start on the machine: after the timeout, uncounted, with a
+    warning."""
+    directory = str(tmp_path / "claims")
+    claim_host_ram(1 * MiB, "tier G2", directory=directory, ram=100 * MiB).release()
+    with ram_claims._locked(directory):
+        started = time.monotonic()
+        assert claim_host_ram(1 * MiB, "tier G2", directory=directory, ram=100 * MiB,
+                              lock_timeout=0.3) is None
+        assert time.monotonic() - started >= 0.3
+    assert "not counted for tier G2" in caplog.text and "lock was held" in caplog.text
+    assert held_claims(directory) == []
+
+
+def test_a_claim_that_cannot_be_written_goes_uncounted_and_stops_nothing(tmp_path,
+                                                                       monkeypatch, caplog):
+    directory = str(tmp_path / "claims")
+
+    def full(*args):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(ram_claims, "_write_claim", full)
+    assert claim_host_ram(1 * MiB, "tier G2", directory=directory, ram=100 * MiB) is None
+    assert "not counted for tier G2" in caplog.text and "No space left" in caplog.text
+
+
+def test_the_claims_directory_is_named_by_the_environment_or_is_in_dev_shm(monkeypatch):
+    monkeypatch.setenv(ram_claims.DIRECTORY_ENV, "/somewhere/claims")
+    assert ram_claims.claims_directory() == "/somewhere/claims"
+    monkeypatch.delenv(ram_claims.DIRECTORY_ENV)
+    expected = (f"/dev/shm/kvstrata-ram-{os.geteuid()}"
+                if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None)
+    assert ram_claims.claims_directory() == expected
+
+
+def test_a_forked_childs_copy_of_a_claim_gives_back_nothing(tmp_path):
+    directory = str(tmp_path / "claims")
+    claim = claim_host_ram(1 * MiB, "tier G2", directory=directory, ram=100 * MiB)
+    pid = os.fork()
+    if pid == 0:                                      # the child: its exit releases nothing
+        claim.release()
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert held_claims(directory) == [(os.getpid(), 1 * MiB)]
+    claim.release()
+    assert held_claims(directory) == []
 
 
 @pytest.mark.parametrize("how", ["group_writable", "symlink", "file"])

@@ -132,14 +132,16 @@ class Storages:
     def close(self) -> None:
         """Free every storage (a temporary slab is deleted, a durable one kept), the
         temporary directories and the host RAM claimed."""
-        for storage in self.by_tier.values():
-            storage.close()
-        for directory in self.temp_dirs:
-            shutil.rmtree(directory, ignore_errors=True)
-        self.temp_dirs = []
-        for claim in self.claims:
-            claim.release()
-        self.claims = []
+        try:
+            for storage in self.by_tier.values():
+                storage.close()
+        finally:
+            for directory in self.temp_dirs:
+                shutil.rmtree(directory, ignore_errors=True)
+            self.temp_dirs = []
+            for claim in self.claims:
+                claim.release()
+            self.claims = []
 
 
 class Kind(ABC):

@@ -7,17 +7,19 @@ more RAM than the machine has: the kernel's OOM killer then ends one of them whi
 serves. So a host tier *claims* its bytes before it allocates them (:func:`claim_host_ram`):
 
 * a claim is a small file in a directory of this user's alone
-  (``/dev/shm/kvstrata-ram-<uid>``, see :func:`claims_directory`; 0700, created so; one
-  that is not this user's, or that
-  others can write, is not trusted: the cross-process count is then skipped with a
-  warning, the per-process check still applies), named with the claimant's owner tag
+  (``/dev/shm/kvstrata-ram-<uid>``, or ``$KVSTRATA_RAM_CLAIMS_DIR``: :func:`claims_directory`;
+  0700, created so), named with the claimant's owner tag
   (:func:`~kvstrata.physical.leftovers.owner_tag`) and holding the bytes and the
   claimant's start time;
 * under an exclusive lock on that directory, the claims of processes that are gone (no such
   pid, or a pid reused by a process started at another time) are removed, and a claim that
   would bring the live ones over this machine's RAM is refused, naming what holds the rest;
 * a claim is released when its tier closes; one left by a killed process is removed by the
-  next claim.
+  next claim;
+* the count is best effort, never a new reason to fail: where the directory is missing,
+  someone else's, writable by others, or cannot be written, or its lock is held for over
+  :data:`LOCK_TIMEOUT` seconds, the tier goes uncounted with a warning (the per-process check
+  still applies).
 
 The scope is this user on this host and pid namespace: another user's files are not read,
 and another container's processes cannot be told alive or dead (their claims are neither
@@ -27,12 +29,13 @@ counted nor removed).
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
 import re
 import secrets
-import tempfile
+import time
 
 from ..config import format_size
 from ..paths import NotPrivateError, check_private_file, make_private_directory
@@ -40,7 +43,14 @@ from ..physical.capacity import physical_memory
 from ..physical.errors import StorageConfigError
 from ..physical.leftovers import owner_tag
 
-__all__ = ["RamClaim", "claim_host_ram", "claims_directory", "held_claims"]
+__all__ = ["RamClaim", "claim_host_ram", "claims_directory", "held_claims", "DIRECTORY_ENV"]
+
+DIRECTORY_ENV = "KVSTRATA_RAM_CLAIMS_DIR"
+"""Names the claims directory instead of ``/dev/shm/kvstrata-ram-<uid>`` (every process
+that shares the machine's RAM must name the same one)."""
+LOCK_TIMEOUT = 10.0
+"""Seconds a claim waits for the lock (another process claiming, or one stopped or forked
+while it held it) before it goes uncounted, with a warning."""
 
 log = logging.getLogger(__name__)
 
@@ -56,62 +66,78 @@ class RamClaim:
     def __init__(self, path: str, nbytes: int) -> None:
         self.path: str | None = path
         self.nbytes = nbytes
+        self._pid = os.getpid()
 
     def release(self) -> None:
-        """Give the bytes back (idempotent)."""
+        """Give the bytes back (idempotent; a forked child's copy gives back nothing)."""
         path, self.path = self.path, None
-        if path is not None:
+        if path is not None and os.getpid() == self._pid:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 
 
-def claims_directory() -> str:
-    """Where this user's claims on this machine are kept: ``/dev/shm/kvstrata-ram-<uid>``
-    (memory, as what it counts: emptied by a reboot, private to a container that has its
-    own), else under the temporary directory. The directory stays between processes, with
-    the lock file in it; claims come and go."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    return os.path.join(base, f"kvstrata-ram-{os.geteuid()}")
+def claims_directory() -> str | None:
+    """Where this user's claims on this machine are kept: ``$KVSTRATA_RAM_CLAIMS_DIR``, else
+    ``/dev/shm/kvstrata-ram-<uid>`` (memory, as what it counts: emptied by a reboot, private
+    to a container that has its own). None where neither is set or usable (no /dev/shm, or
+    one this process cannot write): host RAM is then not counted across processes. The
+    directory stays between processes, with its lock file; claims come and go."""
+    named = os.environ.get(DIRECTORY_ENV)
+    if named:
+        return named
+    if not os.access("/dev/shm", os.W_OK | os.X_OK) or not os.path.isdir("/dev/shm"):
+        return None
+    return os.path.join("/dev/shm", f"kvstrata-ram-{os.geteuid()}")
 
 
 def claim_host_ram(nbytes: int, what: str, *, directory: str | None = None,
-                   ram: int | None = None) -> RamClaim | None:
+                   ram: int | None = None, lock_timeout: float = LOCK_TIMEOUT
+                   ) -> RamClaim | None:
     """Claim ``nbytes`` of host RAM for ``what`` (a tier, named in the error), or raise
     :class:`~kvstrata.physical.errors.StorageConfigError` if the live claims of this user's
     processes on this machine and these bytes together exceed ``ram`` (default: this
-    machine's). None, claiming nothing, where the machine does not say its RAM or the
-    directory cannot be trusted (see the module docstring)."""
+    machine's). The count is best effort: None, claiming nothing (with a warning where
+    something failed), where the machine does not say its RAM, there is no claims directory,
+    it cannot be trusted or written, or its lock is not had within ``lock_timeout`` seconds
+    (see the module docstring)."""
     ram = physical_memory() if ram is None else ram
-    if not ram or nbytes <= 0:
-        return None
     directory = claims_directory() if directory is None else directory
+    if not ram or nbytes <= 0 or directory is None:
+        return None
     try:
         make_private_directory(directory)
+        with _locked(directory, lock_timeout):
+            live = held_claims(directory, remove_dead=True)
+            held = sum(n for _, n in live)
+            if held + nbytes > ram:
+                pids = sorted({pid for pid, _ in live})
+                raise StorageConfigError(
+                    f"{what} needs {format_size(nbytes)} of host RAM, and kvstrata's host "
+                    f"tiers already hold {format_size(held)} on this machine ({len(live)} "
+                    f"tier(s) of process(es) {', '.join(map(str, pids[:8]))}"
+                    f"{' ...' if len(pids) > 8 else ''}); together they are over the "
+                    f"{format_size(ram)} it has: shrink the host tier (each engine of a "
+                    f"data-parallel server, each server, keeps its own)")
+            return RamClaim(_write_claim(directory, nbytes), nbytes)
     except (NotPrivateError, OSError) as exc:
         log.warning("kvstrata: host RAM of other processes not counted for %s: %s", what, exc)
         return None
-    with _locked(directory):
-        live = held_claims(directory, remove_dead=True)
-        others = sum(n for _, n in live)
-        if others + nbytes > ram:
-            pids = sorted({pid for pid, _ in live})
-            raise StorageConfigError(
-                f"{what} needs {format_size(nbytes)} of host RAM, and kvstrata's host tiers "
-                f"already hold {format_size(others)} on this machine ({len(live)} tier(s) of "
-                f"process(es) {', '.join(map(str, pids[:8]))}{' ...' if len(pids) > 8 else ''}"
-                f"); together they are over the {format_size(ram)} it has: shrink the host "
-                f"tier (each engine of a data-parallel server, each server, keeps its own)")
-        path = os.path.join(directory, f"{PREFIX}{owner_tag()}-{secrets.token_hex(4)}")
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o600)
-        try:
-            os.write(fd, f"{nbytes} {_started(os.getpid()) or 0}\n".encode())
-        except BaseException:
-            os.close(fd)
-            os.unlink(path)
-            raise
+
+
+def _write_claim(directory: str, nbytes: int) -> str:
+    """A new claim file of this process for ``nbytes``; nothing left if it fails."""
+    path = os.path.join(directory, f"{PREFIX}{owner_tag()}-{secrets.token_hex(4)}")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
+    try:
+        os.write(fd, f"{nbytes} {_started(os.getpid()) or 0}\n".encode())
+    except BaseException:
         os.close(fd)
-    return RamClaim(path, nbytes)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
+    os.close(fd)
+    return path
 
 
 def held_claims(directory: str, *, remove_dead: bool = False) -> list[tuple[int, int]]:
@@ -140,11 +166,22 @@ def held_claims(directory: str, *, remove_dead: bool = False) -> list[tuple[int,
 
 
 @contextlib.contextmanager
-def _locked(directory: str):
+def _locked(directory: str, timeout: float = LOCK_TIMEOUT):
+    """The directory's lock, or ``TimeoutError`` (an ``OSError``) after ``timeout``
+    seconds."""
     fd = os.open(os.path.join(directory, ".lock"),
                  os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(errno.ETIMEDOUT, f"its lock was held for over "
+                                       f"{timeout:g} s", directory) from None
+                time.sleep(0.01)
         yield
     finally:
         os.close(fd)
@@ -169,10 +206,11 @@ def _read(path: str) -> tuple[int, int] | None:
 
 def _alive(pid: int, started: int) -> bool:
     """Whether ``pid`` is the live process that started at ``started`` (clock ticks after
-    boot; 0: any process of that pid)."""
+    boot; 0: any process of that pid). A zombie (killed, not yet reaped) is not: its memory
+    is gone."""
     now = _started(pid)
     if now is not None:
-        return not started or now == started
+        return now > 0 and (not started or now == started)
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -183,11 +221,12 @@ def _alive(pid: int, started: int) -> bool:
 
 
 def _started(pid: int) -> int | None:
-    """When ``pid`` started (``/proc/<pid>/stat``'s starttime), or None where it cannot be
-    read (no such process, no /proc)."""
+    """When ``pid`` started (``/proc/<pid>/stat``'s starttime; 0 for a zombie or a dead
+    process not yet gone), or None where it cannot be read (no such process, no /proc)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read(4096)
-        return int(stat[stat.rindex(b")") + 2:].split()[19])
+        fields = stat[stat.rindex(b")") + 2:].split()
+        return 0 if fields[0] in (b"Z", b"X") else int(fields[19])
     except (OSError, ValueError, IndexError):
         return None

@@ -202,14 +202,16 @@ def test_engines_whose_g2s_fit_the_machine_alone_but_not_together_are_refused(tm
 
     monkeypatch.setattr(ram_claims, "claims_directory", lambda: str(tmp_path / "claims"))
     first = SimEngine(tmp_path / "0", g2_blocks=16, g3_blocks=64, ranks=1, block_size=BS)
-    held = sum(n for _, n in ram_claims.held_claims(str(tmp_path / "claims")))
-    assert held > 0
-    monkeypatch.setattr(ram_claims, "physical_memory", lambda: held + held // 2)
-    with pytest.raises(TierSetupError, match="already hold"):
-        SimEngine(tmp_path / "1", g2_blocks=16, g3_blocks=64, ranks=1, block_size=BS,
-                  engine_index=1)
-    for worker in first.workers:
-        worker.shutdown()
+    try:
+        held = sum(n for _, n in ram_claims.held_claims(str(tmp_path / "claims")))
+        assert held > 0
+        monkeypatch.setattr(ram_claims, "physical_memory", lambda: held + held // 2)
+        with pytest.raises(TierSetupError, match="already hold"):
+            SimEngine(tmp_path / "1", g2_blocks=16, g3_blocks=64, ranks=1, block_size=BS,
+                      engine_index=1)
+    finally:
+        for worker in first.workers:
+            worker.shutdown()
     assert ram_claims.held_claims(str(tmp_path / "claims")) == []
     again = SimEngine(tmp_path / "1", g2_blocks=16, g3_blocks=64, ranks=1, block_size=BS,
                       engine_index=1)
