@@ -217,3 +217,22 @@ def test_engines_whose_g2s_fit_the_machine_alone_but_not_together_are_refused(tm
                       engine_index=1)
     for worker in again.workers:
         worker.shutdown()
+
+
+def test_a_worker_that_cannot_start_its_export_keeps_nothing_it_built(tmp_path, monkeypatch):
+    """Its tiers were built (G2's RAM claimed) when the export's port turned out taken: the
+    start fails, and the tiers, their RAM and the engine are let go at once, not at exit."""
+    import socket
+
+    from kvstrata.kinds import ram_claims
+
+    monkeypatch.setattr(ram_claims, "claims_directory", lambda: str(tmp_path / "claims"))
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    with pytest.raises(OSError):
+        SimEngine(tmp_path / "e", g2_blocks=16, g3_blocks=64, ranks=1, block_size=BS,
+                  extra={"export": f"tcp://127.0.0.1:{port}"})
+    taken.close()
+    assert ram_claims.held_claims(str(tmp_path / "claims")) == []

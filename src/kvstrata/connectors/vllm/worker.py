@@ -177,6 +177,17 @@ class WorkerHalf:
         except BaseException:
             g1.close()
             raise
+        try:
+            self._start(identity, options, g1)
+        except BaseException:          # (an export's port taken): nothing kept until exit
+            self._stop_copies()
+            self._executor = None
+            self.storages.close()
+            self.storages = None
+            raise
+
+    def _start(self, identity, options: StorageOptions, g1) -> None:
+        """What runs on the storages: the transfer engine, the export and the peers."""
         if not identity.writer:
             # the writer of this identity stores them; this worker reads its copy
             written_there = _PERSISTENT + ((TierKind.HOST,) if options.shared_host else ())
@@ -345,6 +356,13 @@ class WorkerHalf:
                      "%s", self.rank, self.pacer.counters.to_dict())
         self.save()
         self._drain(until=lambda: not self._outstanding)
+        self._stop_copies()
+        if self.storages is not None:
+            self.storages.close()
+            self.storages = None
+
+    def _stop_copies(self) -> None:
+        """Close what reads or writes the storages: the peers, the export, the engine."""
         if self._remote is not None:
             self._remote.close()
             self._remote = None
@@ -354,9 +372,6 @@ class WorkerHalf:
         if self.engine is not None:
             self.engine.close(cancel_pending=True)
             self.engine = None
-        if self.storages is not None:
-            self.storages.close()
-            self.storages = None
 
     # -- helpers ---------------------------------------------------------------------------
     def _submit(self, plans: list[TransferPlan]) -> None:
