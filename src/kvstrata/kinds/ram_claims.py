@@ -41,7 +41,7 @@ from ..config import format_size
 from ..paths import NotPrivateError, check_private_file, make_private_directory
 from ..physical.capacity import physical_memory
 from ..physical.errors import StorageConfigError
-from ..physical.leftovers import owner_tag
+from ..physical.leftovers import owner_tag, process_alive
 
 __all__ = ["RamClaim", "claim_host_ram", "claims_directory", "held_claims", "DIRECTORY_ENV"]
 
@@ -211,13 +211,7 @@ def _alive(pid: int, started: int) -> bool:
     now = _started(pid)
     if now is not None:
         return now > 0 and (not started or now == started)
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return process_alive(pid)
 
 
 def _started(pid: int) -> int | None:

@@ -24,7 +24,7 @@ from typing import Callable
 
 import xxhash
 
-__all__ = ["owner_tag", "reclaim"]
+__all__ = ["owner_tag", "process_alive", "reclaim"]
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,8 @@ def owner_tag(pid: int | None = None) -> str:
     return f"{_HOST}-{os.getpid() if pid is None else pid}"
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether a process of this pid exists in this pid namespace (another user's too)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -80,7 +81,7 @@ def reclaim(directory: str | os.PathLike, prefix: str,
         if match is None or "h" + match.group(1) not in (_HOST, _LEGACY_HOST):
             continue
         pid = int(match.group(2))
-        if pid == os.getpid() or _alive(pid):
+        if pid == os.getpid() or process_alive(pid):
             continue
         try:
             if remove is not None:
