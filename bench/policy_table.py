@@ -27,8 +27,9 @@ from kvstrata.replay import TraceRequest, load_trace, parse_request, replay
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from synth_trace import PROFILES, generate  # noqa: E402  (a sibling script)
 
-DEFAULT_POLICIES = "lru,default,lfu,lru+second-offer,lfu+second-offer,adaptive,adaptive+adaptive"
-"""Policies compared by default: ``eviction[+admission]``."""
+DEFAULT_POLICIES = ("lru,default,lfu,lru+second-offer,lfu+second-offer,adaptive,adaptive+adaptive,"
+                    "lru+predicted-reuse,default+predicted-reuse,adaptive+predicted-reuse")
+"""Policies compared by default: ``eviction[+admission]`` (no admission named: ``always``)."""
 
 
 NEVER = 1 << 62
@@ -76,17 +77,19 @@ def belady_hits(requests: list[TraceRequest], capacity: int) -> int:
     return hits
 
 
-def returning_lru_hits(requests: list[TraceRequest], capacity: int) -> int:
+def returning_lru_hits(requests: list[TraceRequest], capacity: int,
+                       told: list[bool] | None = None) -> int:
     """Prefix hits of LRU told, at each look-up, whether the block will ever be looked up
     again (a block that will not is dropped or never stored). It knows *which* blocks return
-    but not *when*: the part of Belady's lead that predicting reuse alone would win."""
+    but not *when*: the part of Belady's lead that predicting reuse alone would win.
+    With ``told`` (one flag per look-up), it is told only at the look-ups flagged."""
     next_use = next_uses(requests)
     held: OrderedDict[int, None] = OrderedDict()
     hits, pos = 0, 0
     for r in requests:
         hits += held_prefix(r.hash_ids, held)
         for h in r.hash_ids:
-            returns = next_use[pos] != NEVER
+            returns = next_use[pos] != NEVER or (told is not None and not told[pos])
             pos += 1
             if h in held:
                 if returns:
@@ -117,38 +120,63 @@ class Row:
     belady: int
     returning: int
     hits: dict[str, int]
+    kinds_known: int | None = None
+    """Hits of LRU told which blocks return only where the kind of block decides it (a
+    synthetic trace's one-off documents and, with partial tails, last blocks)."""
 
-    def closed(self, policy: str) -> float | None:
-        """Share of the LRU-to-Belady gap ``policy`` closes (None when there is no gap)."""
+    def closed(self, policy: str | None, hits: int | None = None) -> float | None:
+        """Share of the LRU-to-Belady gap ``policy`` (or ``hits``) closes (None: no gap)."""
         gap = self.belady - self.lru
-        return (self.hits[policy] - self.lru) / gap if gap > 0 else None
+        hits = self.hits[policy] if hits is None else hits
+        return (hits - self.lru) / gap if gap > 0 else None
 
-    def versus_lru(self, policy: str) -> str:
+    def versus_lru(self, policy: str | None, hits: int | None = None) -> str:
         """The share of the gap closed, or with no gap the points above or below LRU."""
-        closed = self.closed(policy)
+        hits = self.hits[policy] if hits is None else hits
+        closed = self.closed(policy, hits)
         if closed is not None:
             return f"{100 * closed:+.0f} %"
-        return f"{100 * (self.hits[policy] - self.lru) / self.lookups:+.2f} points, no gap"
+        return f"{100 * (hits - self.lru) / self.lookups:+.2f} points, no gap"
 
 
-def synthetic_traces(requests: int, seed: int) -> dict[str, list[TraceRequest]]:
-    """One trace per synthetic workload profile, reproducible from ``seed``."""
-    return {f"synthetic {name}": [parse_request(json.dumps(r), f"{name}:{i + 1}")
-                                  for i, r in enumerate(generate(requests, seed, workload))]
-            for name, workload in PROFILES.items()}
+def synthetic_traces(requests: int, seed: int
+                     ) -> tuple[dict[str, list[TraceRequest]], dict[str, list[bool]]]:
+    """One trace per synthetic workload profile, reproducible from ``seed``, and for each
+    the look-ups whose return the kind of block decides (:func:`dead_by_kind`)."""
+    traces, decided = {}, {}
+    for name, workload in PROFILES.items():
+        raw = generate(requests, seed, workload)
+        traces[f"synthetic {name}"] = [parse_request(json.dumps(r), f"{name}:{i + 1}")
+                                       for i, r in enumerate(raw)]
+        decided[f"synthetic {name}"] = dead_by_kind(raw, workload.partial_tail)
+    return traces, decided
+
+
+def dead_by_kind(raw: list[dict], partial_tail: bool) -> list[bool]:
+    """Per look-up, whether the generator made the block's return a matter of its kind: the
+    blocks of one-off documents, and each request's last block where prompts end inside it.
+    Whether any *other* block returns (a conversation or agent going on) the generator draws
+    independently of everything a cache can see, and each think time is memoryless."""
+    out: list[bool] = []
+    for r in raw:
+        n = len(r["hash_ids"])
+        out += [r["kind"] == "document" or (partial_tail and i == n - 1) for i in range(n)]
+    return out
 
 
 def measure(traces: dict[str, list[TraceRequest]], capacities: list[int],
-            policies: list[str]) -> list[Row]:
+            policies: list[str], decided: dict[str, list[bool]] | None = None) -> list[Row]:
     rows = []
     for name, requests in traces.items():
         lookups = sum(len(r.hash_ids) for r in requests)
+        told = (decided or {}).get(name)
         for cap in capacities:
             started = time.perf_counter()
             hits = {p: policy_hits(requests, cap, p) for p in policies}
             lru = hits["lru"] if "lru" in hits else policy_hits(requests, cap, "lru")
             rows.append(Row(name, cap, lookups, lru, belady_hits(requests, cap),
-                            returning_lru_hits(requests, cap), hits))
+                            returning_lru_hits(requests, cap), hits,
+                            None if told is None else returning_lru_hits(requests, cap, told)))
             print(f"  measured {name} at C = {cap:,} in {time.perf_counter() - started:.1f} s",
                   file=sys.stderr, flush=True)
     return rows
@@ -156,7 +184,8 @@ def measure(traces: dict[str, list[TraceRequest]], capacities: list[int],
 
 def print_tables(rows: list[Row], policies: list[str]) -> None:
     shown = [p for p in policies if p != "lru"]
-    header = ["trace", "look-ups", "LRU", *shown, "LRU knowing which blocks return", "Belady"]
+    header = ["trace", "look-ups", "LRU", *shown, "LRU knowing which documents and last blocks "
+              "return", "LRU knowing which blocks return", "Belady"]
     for cap in sorted({r.capacity for r in rows}):
         print(f"\n**C = {cap:,} blocks**: prefix hit ratio, and in brackets the share of the "
               f"LRU-to-Belady gap closed\n")
@@ -165,7 +194,9 @@ def print_tables(rows: list[Row], policies: list[str]) -> None:
         for r in (r for r in rows if r.capacity == cap):
             cells = [r.trace, f"{r.lookups:,}", _ratio(r.lru, r)]
             cells += [f"{_ratio(r.hits[p], r)} ({r.versus_lru(p)})" for p in shown]
-            cells += [_ratio(r.returning, r), _ratio(r.belady, r)]
+            known = ("n/a" if r.kinds_known is None else
+                     f"{_ratio(r.kinds_known, r)} ({r.versus_lru(None, r.kinds_known)})")
+            cells += [known, _ratio(r.returning, r), _ratio(r.belady, r)]
             print("| " + " | ".join(cells) + " |")
     gapped = [r for r in rows if r.belady > r.lru]
     if shown:
@@ -199,10 +230,12 @@ def main() -> None:
     traces = {"packaged conversation": load_trace(None)}
     for path in args.trace:
         traces[os.path.basename(path)] = load_trace(path)
+    decided: dict[str, list[bool]] = {}
     if args.requests:
-        traces.update(synthetic_traces(args.requests, args.seed))
+        synthetic, decided = synthetic_traces(args.requests, args.seed)
+        traces.update(synthetic)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    rows = measure(traces, [int(c) for c in args.capacities.split(",")], policies)
+    rows = measure(traces, [int(c) for c in args.capacities.split(",")], policies, decided)
     print_tables(rows, policies)
 
 

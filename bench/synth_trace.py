@@ -10,7 +10,9 @@ Requests mix four kinds, drawn by a seeded random generator from a :class:`Workl
 * questions about shared documents (retrieval): a document drawn from a Zipf-popular library,
   then a question; other sessions ask about the same documents.
 
-``partial_tail`` makes each request's last block its own, as in real traces where a prompt ends
+Each request carries its session's ``kind`` (``conversation``, ``agent``, ``document``,
+``question``: a field trace readers ignore; ``bench/policy_table.py`` uses it for a
+reference). ``partial_tail`` makes each request's last block its own, as in real traces where a prompt ends
 inside a block, so the next turn's block at that position differs. :data:`PROFILES` names
 workloads with different statistics; ``bench/policy_table.py`` reports every one of them.
 
@@ -77,43 +79,47 @@ def generate(requests: int, seed: int, workload: Workload = Workload()) -> list[
     prompt_len = [rng.randint(1, 4) for _ in range(w.prompts)]
     doc_weights = [1.0 / (k + 1) ** w.library_skew for k in range(w.library)]
     doc_len = [rng.randint(*w.doc_blocks) for _ in range(w.library)]
-    pending: list[tuple[float, int, list[tuple], int, float]] = []  # time, session, chain, turns left, think
+    pending: list[tuple[float, int, list[tuple], int, float, str]] = []  # time, session, chain, turns left, think, kind
     out: list[dict] = []
     now, session = 0.0, 0
     while len(out) < requests:
         now += rng.expovariate(w.arrivals)
         due = [p for p in pending if p[0] <= now]
         pending = [p for p in pending if p[0] > now]
-        for _, conv, chain, turns_left, think in due:
+        for _, conv, chain, turns_left, think, kind in due:
             chain = chain + [(conv, len(chain), rng.random()) for _ in range(rng.randint(*w.turn_blocks))]
-            out.append(_request(now, chain, block_id, rng, w.partial_tail))
+            out.append(_request(now, chain, block_id, rng, w.partial_tail, kind))
             if turns_left > 1:
-                pending.append((now + rng.expovariate(1 / think), conv, chain, turns_left - 1, think))
+                pending.append((now + rng.expovariate(1 / think), conv, chain, turns_left - 1, think,
+                                kind))
         session += 1
         system = rng.choices(range(w.prompts), weights=prompt_weights)[0]
         chain = [("sys", system, i) for i in range(prompt_len[system])]
         kind = rng.random()
         if kind < w.doc_share:
             chain += [(session, i, "doc") for i in range(rng.randint(*w.doc_blocks))]
-            out.append(_request(now, chain, block_id, rng, w.partial_tail))
+            out.append(_request(now, chain, block_id, rng, w.partial_tail, "document"))
             continue
         kind -= w.doc_share
         if kind < w.rag_share:
             doc = rng.choices(range(w.library), weights=doc_weights)[0]
             chain += [("lib", doc, i) for i in range(doc_len[doc])]
         chain += [(session, i, "q") for i in range(rng.randint(*w.first_blocks))]
-        out.append(_request(now, chain, block_id, rng, w.partial_tail))
-        if w.rag_share <= kind < w.rag_share + w.agent_share:
+        agent = w.rag_share <= kind < w.rag_share + w.agent_share
+        label = "agent" if agent else "question" if kind < w.rag_share else "conversation"
+        out.append(_request(now, chain, block_id, rng, w.partial_tail, label))
+        if agent:
             turns, think = rng.randint(*w.agent_turns), w.agent_think
         else:
             turns, think = 1 + int(rng.expovariate(1 / w.chat_turns)), w.chat_think
         if turns > 1:
-            pending.append((now + rng.expovariate(1 / think), session, chain, turns - 1, think))
+            pending.append((now + rng.expovariate(1 / think), session, chain, turns - 1, think,
+                            label))
     return out[:requests]
 
 
 def _request(now: float, chain: list[tuple], block_id, rng: random.Random,
-             partial_tail: bool) -> dict:
+             partial_tail: bool, kind: str) -> dict:
     hash_ids, key = [], ()
     for part in chain:
         key = key + (part,)
@@ -125,6 +131,7 @@ def _request(now: float, chain: list[tuple], block_id, rng: random.Random,
         "input_length": 512 * (len(hash_ids) - 1) + rng.randint(1, 512),
         "output_length": rng.randint(10, 800),
         "hash_ids": hash_ids,
+        "kind": kind,
     }
 
 

@@ -60,3 +60,23 @@ def test_references_bound_lru_from_above(profile):
         returning = table.returning_lru_hits(requests, capacity)
         assert lru <= returning <= table.belady_hits(requests, capacity)
         assert lru == common.bare_lru_hits(requests, capacity)
+
+
+@pytest.mark.parametrize("profile", ["chat", "scan", "mixed"])
+def test_knowing_the_kinds_lies_between_lru_and_knowing_every_block(profile):
+    """The reference told only where the kind of block decides its return: documents' blocks
+    and, with partial tails, last blocks; it sits between LRU and LRU told every block."""
+    raw = synth.generate(400, 3, synth.PROFILES[profile])
+    requests = [parse_request(json.dumps(r), f"{profile}:{i}") for i, r in enumerate(raw)]
+    told = table.dead_by_kind(raw, synth.PROFILES[profile].partial_tail)
+    assert len(told) == sum(len(r.hash_ids) for r in requests)
+    documents = sum(len(r["hash_ids"]) for r in raw if r["kind"] == "document")
+    tails = len(raw) if synth.PROFILES[profile].partial_tail else 0
+    assert 0 < sum(told) <= documents + tails
+    assert {r["kind"] for r in raw} <= {"conversation", "agent", "document", "question"}
+    for capacity in (40, 200):
+        lru = table.policy_hits(requests, capacity, "lru")
+        kinds = table.returning_lru_hits(requests, capacity, told)
+        assert lru <= kinds <= table.returning_lru_hits(requests, capacity)
+    assert table.returning_lru_hits(requests, 40, [False] * len(told)) == \
+        table.policy_hits(requests, 40, "lru")            # told nothing: plain LRU

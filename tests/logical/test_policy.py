@@ -202,6 +202,8 @@ class _PoolShadow:
         self.admission = ADMISSION_FILTERS[admission](capacity)
 
     def serve(self, hashes):
+        if self.admission.learns_from_requests:        # as the planner shows it a request
+            self.admission.observe_request(hashes)
         pool, admit = self.pool, self.admission.admit
         hits = pool.match_length(hashes)
         parent = None
@@ -229,7 +231,7 @@ _requests = st.lists(
 
 @settings(max_examples=150, deadline=None)
 @given(requests=_requests, capacity=st.integers(1, 9), eviction=st.sampled_from(["lru", "lfu"]),
-       admission=st.sampled_from(["always", "second-offer"]))
+       admission=st.sampled_from(["always", "second-offer", "predicted-reuse"]))
 def test_shadow_caches_serve_exactly_as_a_pool(requests, capacity, eviction, admission):
     ref = _PoolShadow(capacity, eviction, admission)
     fast = _shadow(capacity, eviction, admission)

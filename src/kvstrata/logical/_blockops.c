@@ -2,11 +2,14 @@
  * pure-Python versions, which are the reference and the fallback: same hits, same state).
  *
  * lru_shadow_serve(...), lfu_shadow_serve(...)  the duel's shadow caches serving a request
+ * recent_held_then_add(...)  predicted-reuse admission's "seen lately" table
+ *                            (kvstrata/logical/reuse_prediction.py has the Python version)
  *
  * (A pool's own loops over its slots are in _slots.c.)
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stdint.h>
 
 static PyObject *s_popitem = NULL, *s_move_to_end = NULL;   /* interned method names */
 
@@ -236,9 +239,82 @@ error:
     return NULL;
 }
 
+/* recent_held_then_add(hashes, fingerprints, stamps, sets, window, now) -> (known, now)
+ * reuse_prediction.RecentHashes._held_then_add in C (see there): for each hash in order,
+ * mixed = hash * golden (mod 2**64); its pairs are the four of set (mixed >> 40) % sets and
+ * the four of set ((mixed >> 16) & 0xFFFFFF) % sets; it is held if one of them has its
+ * fingerprint (mixed & 0xFFFF | 1) with a stamp under ``window`` additions old; the first
+ * pair with its fingerprint, else the oldest of the eight (an empty one first), takes it
+ * with the next stamp. ``known``: how many hashes, from the first, were held. */
+static PyObject *py_recent_held_then_add(PyObject *self, PyObject *args) {
+    PyObject *hashes, *fp_obj, *st_obj;
+    unsigned long long sets, window, now;
+    if (!PyArg_ParseTuple(args, "OOOKKK", &hashes, &fp_obj, &st_obj, &sets, &window, &now))
+        return NULL;
+    Py_buffer fpb, stb;
+    if (PyObject_GetBuffer(fp_obj, &fpb, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(st_obj, &stb, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyBuffer_Release(&fpb);
+        return NULL;
+    }
+    PyObject *seq = NULL, *result = NULL;
+    if (fpb.itemsize != 2 || stb.itemsize != 4 || sets == 0 ||
+        (unsigned long long)fpb.len != sets * 8 || (unsigned long long)stb.len != sets * 16) {
+        PyErr_SetString(PyExc_ValueError, "recent_held_then_add: tables of 4 x sets "
+                        "uint16 fingerprints and uint32 stamps expected");
+        goto done;
+    }
+    seq = PySequence_Fast(hashes, "recent_held_then_add: hashes must be a sequence");
+    if (!seq) goto done;
+    uint16_t *fps = (uint16_t *)fpb.buf;
+    uint32_t *stamps = (uint32_t *)stb.buf;
+    uint32_t clock = (uint32_t)now;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), known = 0;
+    int counting = 1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned long long h = PyLong_AsUnsignedLongLongMask(PySequence_Fast_GET_ITEM(seq, i));
+        if (h == (unsigned long long)-1 && PyErr_Occurred()) goto done;
+        uint64_t mixed = (uint64_t)h * 0x9E3779B97F4A7C15ULL;
+        uint16_t fp = (uint16_t)((mixed & 0xFFFF) | 1);
+        uint64_t starts[2] = {(mixed >> 40) % sets * 4, ((mixed >> 16) & 0xFFFFFF) % sets * 4};
+        long long first = -1, oldest = -1;
+        uint64_t oldest_age = 0;
+        int held = 0;
+        for (int k = 0; k < 2; k++) {
+            for (uint64_t slot = starts[k]; slot < starts[k] + 4; slot++) {
+                uint64_t age = fps[slot] ? (uint32_t)(clock - stamps[slot]) : (1ULL << 32);
+                if (fps[slot] == fp) {
+                    if (first < 0) first = (long long)slot;
+                    if (age < window) held = 1;
+                }
+                if (oldest < 0 || age > oldest_age) {
+                    oldest = (long long)slot;
+                    oldest_age = age;
+                }
+            }
+        }
+        if (counting) {
+            if (held) known++;
+            else counting = 0;
+        }
+        clock += 1;
+        uint64_t slot = (uint64_t)(first >= 0 ? first : oldest);
+        fps[slot] = fp;
+        stamps[slot] = clock;
+    }
+    result = Py_BuildValue("nK", known, (unsigned long long)clock);
+done:
+    Py_XDECREF(seq);
+    PyBuffer_Release(&fpb);
+    PyBuffer_Release(&stb);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"lru_shadow_serve", py_lru_shadow_serve, METH_VARARGS, "lru_shadow_serve(hashes, stamp, queue, head, clock, capacity, admit) -> (hits, clock, head)"},
     {"lfu_shadow_serve", py_lfu_shadow_serve, METH_VARARGS, "lfu_shadow_serve(hashes, count, key_of, buckets, keys, age, ghost, ghost_size, capacity, admit, bucket_type, heappush, heappop) -> (hits, age)"},
+    {"recent_held_then_add", py_recent_held_then_add, METH_VARARGS, "recent_held_then_add(hashes, fingerprints, stamps, sets, window, now) -> (known, now)"},
     {NULL, NULL, 0, NULL},
 };
 

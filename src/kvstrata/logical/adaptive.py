@@ -81,6 +81,8 @@ class _LruShadow:
 
     def serve(self, sequence_hashes: Sequence[int]) -> int:
         """Prefix hits of one request; then touch what is held and offer the rest."""
+        if self.admission.learns_from_requests:      # as the planner shows it a request
+            self.admission.observe_request(sequence_hashes)
         admit = None if type(self.admission) is AdmissionPolicy else self.admission.admit
         ops = blockops.native()
         if ops is not None and type(sequence_hashes) is list and self._clock < 2**62:
@@ -152,6 +154,9 @@ class _LfuShadow:
         return set(self._count)
 
     def serve(self, sequence_hashes: Sequence[int]) -> int:
+        """Prefix hits of one request, as :class:`_LruShadow` serves it."""
+        if self.admission.learns_from_requests:
+            self.admission.observe_request(sequence_hashes)
         ops = blockops.native()
         if ops is not None and type(sequence_hashes) is list:
             admit = None if type(self.admission) is AdmissionPolicy else self.admission.admit
@@ -377,4 +382,10 @@ def build_adaptive(eviction: str, admission: str, capacity: int
              else EVICTION_ORDERS[eviction](capacity))
     admit = (DuelingAdmission(capacity, duel) if admission == ADAPTIVE
              else ADMISSION_FILTERS[admission](capacity))
-    return order, admit, duel.observe_request
+    if not admit.learns_from_requests:
+        return order, admit, duel.observe_request
+
+    def observe_request(sequence_hashes: Sequence[int]) -> None:
+        duel.observe_request(sequence_hashes)
+        admit.observe_request(sequence_hashes)
+    return order, admit, observe_request

@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable
+from typing import Callable, Sequence
 
 __all__ = ["AdmissionPolicy", "SecondOfferAdmission", "ADMISSION_FILTERS", "PolicyError"]
 
@@ -21,6 +21,12 @@ class AdmissionPolicy:
     """Decides whether a block offered to a tier is admitted there."""
 
     name = "always"
+    learns_from_requests = False
+    """True if the filter must be shown each request (:meth:`observe_request`)."""
+
+    def observe_request(self, sequence_hashes: Sequence[int]) -> None:
+        """A request's block hashes, from its first block, before its blocks are offered;
+        only filters that set ``learns_from_requests`` use them."""
 
     def admit(self, sequence_hash: int) -> bool:
         return True
@@ -57,5 +63,11 @@ class SecondOfferAdmission(AdmissionPolicy):
 ADMISSION_FILTERS: dict[str, Callable[[int], AdmissionPolicy]] = {
     "always": lambda capacity: AdmissionPolicy(),
     "second-offer": SecondOfferAdmission,
+    "predicted-reuse": lambda capacity: _predicted_reuse(capacity),
 }
 """The fixed admission filters by name; each is built from the tier's capacity."""
+
+
+def _predicted_reuse(capacity: int) -> AdmissionPolicy:
+    from .reuse_prediction import PredictedReuseAdmission   # it builds on this module
+    return PredictedReuseAdmission(capacity)

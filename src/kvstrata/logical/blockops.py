@@ -7,7 +7,8 @@ pure-Python versions run, with the same effects):
   (:mod:`kvstrata.logical.slots` has the Python versions); a store picks its side when it
   is made;
 * ``kvstrata.logical._blockops``: the adaptive policy's shadow caches
-  (:mod:`kvstrata.logical.adaptive` has the Python versions).
+  (:mod:`kvstrata.logical.adaptive` has the Python versions) and the ``predicted-reuse``
+  filter's history (:mod:`kvstrata.logical.reuse_prediction`).
 
 The tests of ``tests/logical`` run on both paths (``use_native``).
 """
@@ -18,7 +19,7 @@ from ..types import BlockRecord
 
 __all__ = ["NATIVE", "use_native", "native", "native_slots"]
 
-_SHADOW_FUNCTIONS = ("lru_shadow_serve", "lfu_shadow_serve")
+_SHADOW_FUNCTIONS = ("lru_shadow_serve", "lfu_shadow_serve", "recent_held_then_add")
 _SLOT_NAMES = ("HashIndex", "SlotOps")
 
 

@@ -3,6 +3,8 @@
 * eviction: ``lru``, ``default`` (Dynamo's order, leaves first), ``lfu`` (aged LFU with a
   ghost history) -- :mod:`kvstrata.logical.eviction`;
 * admission: ``always``, ``second-offer`` -- :mod:`kvstrata.logical.admission`;
+  ``predicted-reuse`` (refuses blocks of a kind that rarely returns, learned online) --
+  :mod:`kvstrata.logical.reuse_prediction`;
 * ``adaptive`` in either place: chosen online by set dueling -- :mod:`kvstrata.logical.adaptive`.
 
 docs/configuration.md says what each does and docs/policies.md how they compare.
@@ -62,7 +64,8 @@ def make_tier_policies(eviction: str, admission: str, capacity: int) -> TierPoli
         raise PolicyError(f"unknown admission policy {admission!r}; choose one of "
                           f"{sorted(ADMISSION_NAMES)}")
     if ADAPTIVE not in (eviction, admission):
-        return TierPolicies(EVICTION_ORDERS[eviction](capacity),
-                            ADMISSION_FILTERS[admission](capacity))
+        admit = ADMISSION_FILTERS[admission](capacity)
+        return TierPolicies(EVICTION_ORDERS[eviction](capacity), admit,
+                            admit.observe_request if admit.learns_from_requests else None)
     eviction_order, admission_filter, observe = build_adaptive(eviction, admission, capacity)
     return TierPolicies(eviction_order, admission_filter, observe)

@@ -1,0 +1,232 @@
+"""The ``predicted-reuse`` admission filter: refuse blocks of a kind that rarely comes back.
+
+Most blocks a KV cache stores are never looked up again (on the Mooncake conversation trace,
+three in four), and what decides a cache's hit rate is mostly whether it spends its slots on
+the ones that do (docs/policies.md, "Why the gap stays open"). This filter learns, online,
+which *kinds* of block return, and refuses a block whose kind returned less than
+:data:`THRESHOLD` of the time. It is signature-based reuse prediction (SHiP, from CPU caches)
+with signatures a prefix cache can see:
+
+* whether the block is its request's **last** one (a prompt ends inside its last block, so
+  the next turn's block there differs: in the Mooncake traces it almost never returns);
+* how many of its request's blocks are **new** (a one-off document brings dozens at once, a
+  conversation turn a few), in powers of two;
+* whether the request **continues** a recent one (its first two blocks were seen lately).
+
+"Seen lately" means among the last :data:`HISTORY` capacities' worth of blocks shown: a
+:class:`RecentHashes` table (7.5 bytes per hash of that window: 30 per block of the tier).
+
+Learning is unbiased by sampling: one block in :data:`SAMPLE` (by hash) is always admitted
+and followed; it counts as reused for its kind if a request shows it again before the tier
+has admitted ``capacity`` more blocks (about as long as an LRU tier keeps an untouched
+block), and as not reused otherwise. Counts are halved every :data:`WINDOW` outcomes, so
+the filter follows a workload that changes. Kinds never measured, and blocks whose request
+was not shown (``observe_request``), are admitted.
+
+The filter needs to see each request's block hashes before the blocks are offered
+(:meth:`PredictedReuseAdmission.observe_request`, fed by the planner like the ``adaptive``
+duel). None of its parameters depends on the trace or the capacity; they were chosen on
+four traces and checked on ten others (docs/policies.md).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Sequence
+
+import numpy as np
+
+from . import blockops
+from .admission import AdmissionPolicy, PolicyError
+
+__all__ = ["PredictedReuseAdmission", "RecentHashes", "THRESHOLD", "SAMPLE", "WINDOW"]
+
+THRESHOLD = 0.07
+"""A kind whose sampled blocks were reused less often than this is refused."""
+SAMPLE = 16
+"""One block in ``SAMPLE`` is always admitted and followed to learn from."""
+WINDOW = 2048
+"""A kind's counts are halved when they reach this many outcomes."""
+HISTORY = 4
+"""Slots of the "seen lately" table per block of the tier."""
+MAX_WINDOW = 1 << 28
+"""The longest "seen lately" history, in hashes (2 GiB of address space, touched as used)."""
+CONTEXTS = 1 << 16
+"""Most blocks of shown requests whose kind waits for their offer (oldest dropped)."""
+
+_NEW_BUCKETS = 7            # new-block counts 0-1, 2-3, 4-7, ... 64+
+_KINDS = 2 * _NEW_BUCKETS * 2
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def _mixed(sequence_hash: int) -> int:
+    """A well-spread 64-bit value of a hash (trace hashes can be small consecutive ints)."""
+    return ((sequence_hash & _MASK64) * _GOLDEN) & _MASK64
+
+
+def _new_bucket(new_blocks: int) -> int:
+    return min(max(new_blocks, 1).bit_length() - 1, _NEW_BUCKETS - 1)
+
+
+class RecentHashes:
+    """Which hashes were among the last ``window`` added, approximately, in fixed memory.
+
+    Sets of four (16-bit fingerprint, 32-bit stamp) pairs, a quarter more pairs than the
+    window holds hashes (7.5 bytes per hash of the window). A hash may live in either of
+    two sets picked by its :func:`_mixed` value (two-choice hashing keeps the sets evenly
+    filled); it is held if one of them has its fingerprint with a stamp under ``window``
+    additions old, and an addition takes the first pair with its fingerprint, else the
+    oldest of the eight. About 3 % of the window's hashes drop out early (random hashes;
+    the tests measure it), and a false "held" needs a 16-bit fingerprint match among eight
+    pairs (about 1 look-up in 5,000). The loop runs in C when the native code is built
+    (``_blockops.recent_held_then_add``), with the same effects.
+    """
+
+    _WAYS = 4
+    SLACK = 1.25
+
+    def __init__(self, window: int) -> None:
+        if window <= 0:
+            raise PolicyError(f"a history window must be positive, got {window}")
+        window = min(window, MAX_WINDOW)
+        self._sets = max(2, -(-int(window * self.SLACK) // self._WAYS))
+        slots = self._sets * self._WAYS
+        try:    # zeroed by calloc: pages are touched only as hashes are added
+            self._fingerprints = np.zeros(slots, np.uint16)
+            self._stamps = np.zeros(slots, np.uint32)
+        except MemoryError:
+            raise ValueError(f"cannot reserve a history of {window:,} hashes "
+                             f"({slots * 6 / 2**30:,.1f} GiB of address space) for "
+                             f"predicted-reuse admission: make the tier smaller") from None
+        self._window = window
+        self._now = 0
+
+    def held_then_add(self, sequence_hashes: Sequence[int]) -> int:
+        """How many of ``sequence_hashes``, from the first, were held; each is then added,
+        in order."""
+        ops = blockops.native()
+        if ops is not None:
+            known, self._now = ops.recent_held_then_add(
+                sequence_hashes, self._fingerprints, self._stamps, self._sets, self._window,
+                self._now)
+            return known
+        return self._held_then_add(sequence_hashes)
+
+    def _held_then_add(self, sequence_hashes: Sequence[int]) -> int:
+        prints, stamps = self._fingerprints.data, self._stamps.data   # memoryviews: fast
+        sets, window, clock = self._sets, self._window, self._now
+        known, counting = 0, True
+        for h in sequence_hashes:
+            mixed = _mixed(h)
+            fingerprint = (mixed & 0xFFFF) | 1
+            first = oldest = -1
+            oldest_age, held = 0, False
+            for start in ((mixed >> 40) % sets * 4, ((mixed >> 16) & 0xFFFFFF) % sets * 4):
+                for slot in range(start, start + 4):
+                    age = (clock - stamps[slot]) & 0xFFFFFFFF if prints[slot] else 1 << 32
+                    if prints[slot] == fingerprint:
+                        if first < 0:
+                            first = slot
+                        held = held or age < window
+                    if oldest < 0 or age > oldest_age:
+                        oldest, oldest_age = slot, age
+            if counting:
+                if held:
+                    known += 1
+                else:
+                    counting = False
+            clock = (clock + 1) & 0xFFFFFFFF
+            slot = first if first >= 0 else oldest
+            prints[slot] = fingerprint
+            stamps[slot] = clock
+        self._now = clock
+        return known
+
+    def holds(self, sequence_hash: int) -> bool:
+        """Whether ``sequence_hash`` was added within the last ``window`` additions."""
+        mixed = _mixed(sequence_hash)
+        fingerprint = (mixed & 0xFFFF) | 1
+        for start in ((mixed >> 40) % self._sets * 4, ((mixed >> 16) & 0xFFFFFF) % self._sets * 4):
+            for slot in range(start, start + 4):
+                if (self._fingerprints[slot] == fingerprint
+                        and (self._now - int(self._stamps[slot])) & 0xFFFFFFFF < self._window):
+                    return True
+        return False
+
+
+class PredictedReuseAdmission(AdmissionPolicy):
+    """Admit a block unless blocks of its kind have rarely been reused (see the module)."""
+
+    name = "predicted-reuse"
+    learns_from_requests = True
+
+    def __init__(self, capacity: int) -> None:
+        if capacity <= 0:
+            raise PolicyError(f"predicted-reuse needs a positive capacity, got {capacity}")
+        self._horizon = capacity
+        self._seen = RecentHashes(HISTORY * capacity)
+        # hash -> kind, for blocks shown and not yet offered: the newer and the older half
+        # (the older is dropped when the newer fills up, so at most 2 x CONTEXTS are kept)
+        self._kinds: dict[int, int] = {}
+        self._older_kinds: dict[int, int] = {}
+        # hash -> offer number << 5 | kind, oldest offer first (one int: 4 bytes a block less)
+        self._followed: OrderedDict[int, int] = OrderedDict()
+        self._reused = [1] * _KINDS
+        self._outcomes = [2] * _KINDS
+        self._offers = 0
+
+    # -- learning from requests ---------------------------------------------------------------
+    def observe_request(self, sequence_hashes: Sequence[int]) -> None:
+        """Show a request's block hashes, from its first block, before its blocks are offered."""
+        n = len(sequence_hashes)
+        if not n:
+            return
+        known = self._seen.held_then_add(sequence_hashes)
+        base = 2 * (_new_bucket(n - known) * 2 + (known >= 2))
+        followed = self._followed
+        if followed:
+            for h in followed.keys() & set(sequence_hashes):
+                self._learn(followed.pop(h) & 31, True)
+        kinds = self._kinds
+        kinds.update(dict.fromkeys(sequence_hashes, base))
+        kinds[sequence_hashes[-1]] = base + 1          # the request's last block
+        if len(kinds) > CONTEXTS:
+            self._older_kinds, self._kinds = kinds, {}
+
+    def admit(self, sequence_hash: int) -> bool:
+        self._offers += 1
+        self._expire()
+        kind = self._kinds.pop(sequence_hash, None)
+        if kind is None:
+            kind = self._older_kinds.pop(sequence_hash, None)
+            if kind is None:
+                return True
+        if (_mixed(sequence_hash) >> 20) % SAMPLE == 0:
+            self._followed[sequence_hash] = self._offers << 5 | kind
+            self._followed.move_to_end(sequence_hash)
+            return True
+        return self._reused[kind] >= THRESHOLD * self._outcomes[kind]
+
+    def reuse_rate(self, last: bool, new_blocks: int, continues: bool) -> float:
+        """The learned reuse rate of one kind of block (for reports and tests)."""
+        kind = 2 * (_new_bucket(new_blocks) * 2 + continues) + last
+        return self._reused[kind] / self._outcomes[kind]
+
+    # -- internals ----------------------------------------------------------------------------
+    def _expire(self) -> None:
+        """Followed blocks not shown again within the horizon were not reused."""
+        followed, oldest = self._followed, self._offers - self._horizon
+        while followed:
+            h, packed = next(iter(followed.items()))
+            if packed >> 5 > oldest:
+                break
+            del followed[h]
+            self._learn(packed & 31, False)
+
+    def _learn(self, kind: int, reused: bool) -> None:
+        self._reused[kind] += reused
+        self._outcomes[kind] += 1
+        if self._outcomes[kind] >= WINDOW:
+            self._reused[kind] = max(1, self._reused[kind] // 2)
+            self._outcomes[kind] = max(2, self._outcomes[kind] // 2)
