@@ -14,6 +14,11 @@ slot's object up front), ``get_new_blocks`` + ``cache_full_blocks`` with 32-byte
 ``BlockHash`` values (the length of vLLM's sha256 hashes) + ``free_blocks``. Skipped with a
 message where vLLM is absent.
 
+A policy ``eviction+admission`` measures the tier's admission filter with it; one that
+learns from requests (``default+predicted-reuse``) is shown and offered every block, then
+as many fresh ones again four times over (its history fills up, as in a tier that has run a
+while), so its tables count in full.
+
 Also: an *empty* pool of ``--empty`` slots (default 10 million; kvstrata makes slots on
 first use, vLLM up front). Goals: <= 150 B per registered block at 10 million blocks; an
 empty 10-million-slot pool next to nothing.
@@ -32,6 +37,9 @@ from pathlib import Path
 PAGE = os.sysconf("SC_PAGE_SIZE")
 HERE = Path(__file__).resolve()
 BATCH = 1024
+HISTORY_FILL = 5
+"""A filter that learns from requests (``predicted-reuse``) is shown this many times the
+tier's blocks in all, so its history table is touched throughout."""
 
 
 def rss() -> int:
@@ -42,16 +50,18 @@ def rss() -> int:
 def child_kvstrata(policy: str, blocks: int, empty: bool) -> dict:
     import xxhash
 
-    from kvstrata.logical.policy import make_eviction
+    from kvstrata.logical.policy import make_tier_policies
     from kvstrata.logical.pool import BlockPool
     from kvstrata.logical.registry import BlockRegistry
     from kvstrata.types import BlockRecord
 
     xxh = xxhash.xxh3_64_intdigest
+    eviction, _, admission = policy.partition("+")
     gc.collect()
     before = rss()
-    pool = BlockPool("G2", blocks, 16, eviction=make_eviction(policy, blocks),
-                     registry=BlockRegistry())
+    policies = make_tier_policies(eviction, admission or "always", blocks)
+    pool = BlockPool("G2", blocks, 16, eviction=policies.eviction, registry=BlockRegistry())
+    observe, admit = policies.observe_request, policies.admission.admit
     if empty:
         gc.collect()
         return {"bytes": rss() - before}
@@ -63,10 +73,20 @@ def child_kvstrata(policy: str, blocks: int, empty: bool) -> dict:
             seq = xxh(i.to_bytes(8, "little"))
             records.append(BlockRecord(seq, xxh(i.to_bytes(8, "little"), seed=1), parent, 16))
             parent = seq
+        if observe is not None:       # a filter that learns: shown and offered each block
+            observe([r.sequence_hash for r in records])
+            for r in records:
+                admit(r.sequence_hash)
         handle = pool.allocate(n)
         handle.apply_token_blocks(records)
         pool.release(pool.register(handle))
     del records, handle
+    if observe is not None:           # a tier that has run a while: its history is full
+        for start in range(blocks, HISTORY_FILL * blocks, BATCH):
+            hashes = [xxh(i.to_bytes(8, "little")) for i in range(start, start + BATCH)]
+            observe(hashes)
+            for h in hashes:
+                admit(h)
     gc.collect()
     assert pool.status().inactive == blocks
     return {"bytes": rss() - before}
@@ -116,7 +136,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--blocks", default="1000000,10000000",
                         help="registered-block counts, comma-separated")
-    parser.add_argument("--policies", default="default,lru,lfu")
+    parser.add_argument("--policies", default="default,lru,lfu,default+predicted-reuse")
     parser.add_argument("--empty", type=int, default=10_000_000, help="slots of the empty pool")
     parser.add_argument("--quick", action="store_true", help="100,000 blocks only")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
@@ -144,7 +164,7 @@ def main() -> None:
                 continue
             ours = got["bytes"] / n
             ratio = f"  {ours / base_b:4.2f}x vLLM's" if base_b else ""
-            print(f"  {n:>11,} blocks  kvstrata BlockPool ({policy:<8})        {ours:7.0f} B/block{ratio}")
+            print(f"  {n:>11,} blocks  kvstrata BlockPool ({policy:<24}) {ours:7.0f} B/block{ratio}")
             if base_b:
                 print(f"RESULT name=pool_bytes_per_block_{policy}_{n} ours={ours:.0f}B "
                       f"baseline={base_b:.0f}B ratio={ours / base_b:.2f} goal=<=150B")
@@ -155,7 +175,7 @@ def main() -> None:
     for policy in policies:
         got = run_child("kvstrata", policy, str(args.empty), "1")
         if not isinstance(got, str):
-            print(f"  kvstrata BlockPool ({policy:<8})       {got['bytes'] / 2**20:9.1f} MiB")
+            print(f"  kvstrata BlockPool ({policy:<24}) {got['bytes'] / 2**20:9.1f} MiB")
             if not isinstance(base, str):
                 print(f"RESULT name=pool_empty_{policy}_{args.empty} ours={got['bytes'] / 2**20:.1f}MiB "
                       f"baseline={base['bytes'] / 2**20:.1f}MiB goal=next-to-nothing")

@@ -153,14 +153,16 @@ def synthetic_traces(requests: int, seed: int
 
 
 def dead_by_kind(raw: list[dict], partial_tail: bool) -> list[bool]:
-    """Per look-up, whether the generator made the block's return a matter of its kind: the
-    blocks of one-off documents, and each request's last block where prompts end inside it.
-    Whether any *other* block returns (a conversation or agent going on) the generator draws
-    independently of everything a cache can see, and each think time is memoryless."""
+    """Per look-up, whether the generator made the block's return a matter of its kind: a
+    one-off document's own blocks (not the system prompt it shares), and each request's
+    last block where prompts end inside it. Whether any *other* block returns (a
+    conversation or agent going on) the generator draws independently of everything a
+    cache can see, and each think time is memoryless."""
     out: list[bool] = []
     for r in raw:
-        n = len(r["hash_ids"])
-        out += [r["kind"] == "document" or (partial_tail and i == n - 1) for i in range(n)]
+        n, own = len(r["hash_ids"]), r["shared_prefix"]
+        out += [(r["kind"] == "document" and i >= own) or (partial_tail and i == n - 1)
+                for i in range(n)]
     return out
 
 

@@ -11,10 +11,12 @@ Requests mix four kinds, drawn by a seeded random generator from a :class:`Workl
   then a question; other sessions ask about the same documents.
 
 Each request carries its session's ``kind`` (``conversation``, ``agent``, ``document``,
-``question``: a field trace readers ignore; ``bench/policy_table.py`` uses it for a
-reference). ``partial_tail`` makes each request's last block its own, as in real traces where a prompt ends
-inside a block, so the next turn's block at that position differs. :data:`PROFILES` names
-workloads with different statistics; ``bench/policy_table.py`` reports every one of them.
+``question``) and ``shared_prefix``, how many of its first blocks other sessions share (a
+system prompt, a library document): fields trace readers ignore, which
+``bench/policy_table.py`` uses for a reference. ``partial_tail`` makes each request's last
+block its own, as in real traces where a prompt ends inside a block, so the next turn's
+block at that position differs. :data:`PROFILES` names workloads with different
+statistics; ``bench/policy_table.py`` reports every one of them.
 
 Block ids follow the Mooncake convention: one id per 512-token block, equal ids mean equal
 prefixes. Example: ``python bench/synth_trace.py --profile rag --seed 3 > rag.jsonl``.
@@ -132,6 +134,7 @@ def _request(now: float, chain: list[tuple], block_id, rng: random.Random,
         "output_length": rng.randint(10, 800),
         "hash_ids": hash_ids,
         "kind": kind,
+        "shared_prefix": sum(1 for part in chain if part[0] in ("sys", "lib")),
     }
 
 

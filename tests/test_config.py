@@ -15,7 +15,9 @@ from kvstrata.config import (
 def test_defaults_are_valid():
     config = load_config(env={})
     assert config.block_size == 16 and set(config.tiers) == {"G1", "G2", "G3"}
-    assert config.tier_eviction("G1") == "default" and config.tier_admission("G3") == "always"
+    assert config.tier_eviction("G1") == "default"
+    assert config.tier_admission("G3") == "predicted-reuse"      # the bottom tier filters
+    assert config.tier_admission("G1") == config.tier_admission("G2") == "always"
 
 
 def test_kwargs_override_everything(tmp_path):

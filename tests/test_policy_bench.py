@@ -70,7 +70,8 @@ def test_knowing_the_kinds_lies_between_lru_and_knowing_every_block(profile):
     requests = [parse_request(json.dumps(r), f"{profile}:{i}") for i, r in enumerate(raw)]
     told = table.dead_by_kind(raw, synth.PROFILES[profile].partial_tail)
     assert len(told) == sum(len(r.hash_ids) for r in requests)
-    documents = sum(len(r["hash_ids"]) for r in raw if r["kind"] == "document")
+    documents = sum(len(r["hash_ids"]) - r["shared_prefix"] for r in raw if r["kind"] == "document")
+    assert all(0 < r["shared_prefix"] < len(r["hash_ids"]) for r in raw)
     tails = len(raw) if synth.PROFILES[profile].partial_tail else 0
     assert 0 < sum(told) <= documents + tails
     assert {r["kind"] for r in raw} <= {"conversation", "agent", "document", "question"}

@@ -122,6 +122,11 @@ DEFAULT_TIERS: dict[str, TierConfig] = {
 :mod:`kvstrata.tiers`): 128 MiB / 512 MiB / 2 GiB at the default geometry, small on purpose."""
 
 
+DEFAULT_ADMISSION = "predicted-reuse"
+"""The bottom tier's filter unless one is named (docs/policies.md: it was never below
+admitting every block on any trace measured, and ahead on most)."""
+
+
 @dataclass(frozen=True)
 class KvConfig:
     """Everything a block manager needs to know; immutable, validated by :meth:`validate`.
@@ -136,7 +141,10 @@ class KvConfig:
     block_size: int = 16
     tiers: Mapping[str, TierConfig] = field(default_factory=lambda: dict(DEFAULT_TIERS))
     eviction: str = "default"
-    admission: str = "always"
+    admission: str | None = None
+    """The bottom tier's filter; None: :data:`DEFAULT_ADMISSION` on a bottom tier of the
+    worker's own (G1-G3), ``always`` on G4 (shared by workers, whose filter would see one
+    worker's requests only)."""
     model: ModelGeometry = field(default_factory=ModelGeometry)
     disk_dir: str | None = None
     keep_tokens: bool = False
@@ -171,7 +179,11 @@ class KvConfig:
         own = self.tiers[tier].admission
         if own:
             return own
-        return self.admission if tier == ordered(self.tiers)[-1] else "always"
+        if tier != ordered(self.tiers)[-1]:
+            return "always"
+        if self.admission is not None:
+            return self.admission
+        return "always" if tier == "G4" else DEFAULT_ADMISSION
 
     def tenant_limits(self, tier: str) -> tuple[int | None, dict[str, int]]:
         """The most blocks of ``tier`` one tenant may hold: ``(for any tenant, {named
@@ -264,7 +276,7 @@ class KvConfig:
             problems.append(f"disk_dir {path_problem(self.disk_dir)}")
         if self.eviction not in EVICTION_NAMES:
             problems.append(f"unknown eviction {self.eviction!r}; one of {sorted(EVICTION_NAMES)}")
-        if self.admission not in ADMISSION_NAMES:
+        if self.admission is not None and self.admission not in ADMISSION_NAMES:
             problems.append(
                 f"unknown admission {self.admission!r}; one of {sorted(ADMISSION_NAMES)}"
             )

@@ -206,3 +206,62 @@ def test_the_native_history_is_the_python_one():
     with pytest.raises(ValueError):
         ops.recent_held_then_add([1], native._fingerprints[:-1], native._stamps,
                                  native._sets, native._window, 0)
+
+
+def test_the_native_history_refuses_bad_tables_and_arguments():
+    from native_paths import NATIVE_BUILT
+    from kvstrata.logical import blockops
+    if not NATIVE_BUILT:
+        pytest.skip("native extensions not built")
+    import numpy as np
+    ops = blockops._load()[0]
+    prints, stamps = np.zeros(8, np.uint16), np.zeros(8, np.uint32)
+    for bad in [(prints, stamps, 2**61, 4, 0),                 # 4 x sets overflows
+                (prints, stamps, 2, 0, 0),                     # an empty window
+                (prints, stamps, 0, 4, 0),
+                (prints.astype(np.float16), stamps, 2, 4, 0),  # the right size, wrong type
+                (prints, stamps.astype(np.float32), 2, 4, 0),
+                (prints[:4], stamps, 2, 4, 0)]:
+        with pytest.raises(ValueError):
+            ops.recent_held_then_add([1, 2], *bad)
+
+    class Shrinks:
+        def __index__(self):
+            victims.clear()
+            return 7
+    victims = [Shrinks(), 1, 2, 3]
+    known, _ = ops.recent_held_then_add(victims, prints, stamps, 2, 4, 0)   # no stray read
+    assert known == 0 and victims == []
+
+
+def test_a_block_shown_again_before_its_offer_counts_as_reused():
+    """Where offers lag (a lower tier is written after the request moved on), a followed
+    block shown twice before its offer is a reuse of its kind, not lost."""
+    admission = PredictedReuseAdmission(capacity=100)
+    rng = random.Random(4)
+    for _ in range(200):
+        request = [rng.getrandbits(64) for _ in range(8)]
+        admission.observe_request(request)
+        admission.observe_request(request)          # shown again, still not offered
+        for h in request:
+            admission.admit(h)
+    assert admission.reuse_rate(last=False, new_blocks=8, continues=False) > 0.9
+
+
+def test_refused_offers_do_not_run_the_horizon_out():
+    """The horizon counts admitted blocks: refusing a flood of one-off documents must not
+    make conversations that return after a few hundred admissions look one-off too."""
+    admission = PredictedReuseAdmission(capacity=1000)
+    rng = random.Random(6)
+    chats = [[rng.getrandbits(64) for _ in range(3)] for _ in range(60)]
+    for turn in range(3000):
+        document = [rng.getrandbits(64) for _ in range(40)]
+        admission.observe_request(document)
+        for h in document:
+            admission.admit(h)
+        chat = chats[turn % len(chats)]
+        chat.append(rng.getrandbits(64))
+        admission.observe_request(chat)
+        admission.admit(chat[-1])
+    assert admission.reuse_rate(last=True, new_blocks=1, continues=True) > 0.5
+    assert admission.reuse_rate(last=False, new_blocks=40, continues=False) < THRESHOLD

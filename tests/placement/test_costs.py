@@ -191,3 +191,20 @@ def test_a_cost_aware_manager_onboard_loads_only_what_beats_recomputing():
         mgr.assume_prefill(1.0).result(30)                  # recomputing takes forever
         with mgr.onboard(hashes_of(records), cost_aware=True).result(30) as everything:
             assert len(everything) == len(records)
+
+
+def test_a_cost_aware_onboard_shows_the_whole_request_to_the_filter():
+    """The filter that learns from requests must see the blocks to be computed, not only
+    the part the cost model loads (here: nothing, so it would see nothing)."""
+    from test_manager import chain, hashes_of, make_config
+    from kvstrata.logical.reuse_prediction import PredictedReuseAdmission
+    from kvstrata.manager import KvBlockManager
+
+    records = chain(5, start=100)
+    with KvBlockManager(make_config(g1=8, g2=8, g3=32)) as mgr:
+        bottom = mgr.planner._state.admission["G3"]
+        assert isinstance(bottom, PredictedReuseAdmission)       # the default filter
+        mgr.assume_prefill(1e12).result(30)
+        with mgr.onboard(hashes_of(records), cost_aware=True).result(30) as loaded:
+            assert len(loaded) == 0
+        assert set(hashes_of(records)) <= set(bottom._kinds)

@@ -10,6 +10,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <string.h>
 
 static PyObject *s_popitem = NULL, *s_move_to_end = NULL;   /* interned method names */
 
@@ -241,16 +242,34 @@ error:
 
 /* recent_held_then_add(hashes, fingerprints, stamps, sets, window, now) -> (known, now)
  * reuse_prediction.RecentHashes._held_then_add in C (see there): for each hash in order,
- * mixed = hash * golden (mod 2**64); its pairs are the four of set (mixed >> 40) % sets and
- * the four of set ((mixed >> 16) & 0xFFFFFF) % sets; it is held if one of them has its
- * fingerprint (mixed & 0xFFFF | 1) with a stamp under ``window`` additions old; the first
- * pair with its fingerprint, else the oldest of the eight (an empty one first), takes it
- * with the next stamp. ``known``: how many hashes, from the first, were held. */
+ * mixed = splitmix64's finaliser of (hash mod 2**64), as reuse_prediction._mixed; its pairs
+ * are the four of set (mixed >> 40) % sets and the four of set ((mixed >> 16) & 0xFFFFFF)
+ * % sets; it is held if one of them has its fingerprint (mixed & 0xFFFF | 1) with a stamp
+ * under ``window`` additions old; the first pair with its fingerprint, else the oldest of
+ * the eight (an empty one first), takes it with the next stamp. ``known``: how many hashes,
+ * from the first, were held. The tables are uint16 / uint32 arrays of 4 x sets. */
+static uint64_t mix64(uint64_t x) {
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+    return x ^ (x >> 31);
+}
+
+static int table_ok(Py_buffer *b, Py_ssize_t itemsize, const char *formats, Py_ssize_t slots) {
+    return b->itemsize == itemsize && b->format && b->format[0] && !b->format[1] &&
+           strchr(formats, b->format[0]) && b->len == slots * itemsize;
+}
+
 static PyObject *py_recent_held_then_add(PyObject *self, PyObject *args) {
     PyObject *hashes, *fp_obj, *st_obj;
-    unsigned long long sets, window, now;
-    if (!PyArg_ParseTuple(args, "OOOKKK", &hashes, &fp_obj, &st_obj, &sets, &window, &now))
+    Py_ssize_t sets;
+    unsigned long long window, now;
+    if (!PyArg_ParseTuple(args, "OOOnKK", &hashes, &fp_obj, &st_obj, &sets, &window, &now))
         return NULL;
+    if (sets <= 0 || sets > PY_SSIZE_T_MAX / 16 || window == 0 || window > (1ULL << 32)) {
+        PyErr_SetString(PyExc_ValueError, "recent_held_then_add: sets must be positive and "
+                        "window in 1..2**32");
+        return NULL;
+    }
     Py_buffer fpb, stb;
     if (PyObject_GetBuffer(fp_obj, &fpb, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
         return NULL;
@@ -258,26 +277,26 @@ static PyObject *py_recent_held_then_add(PyObject *self, PyObject *args) {
         PyBuffer_Release(&fpb);
         return NULL;
     }
-    PyObject *seq = NULL, *result = NULL;
-    if (fpb.itemsize != 2 || stb.itemsize != 4 || sets == 0 ||
-        (unsigned long long)fpb.len != sets * 8 || (unsigned long long)stb.len != sets * 16) {
+    PyObject *items = NULL, *result = NULL;
+    if (!table_ok(&fpb, 2, "H", sets * 4) || !table_ok(&stb, 4, "IL", sets * 4)) {
         PyErr_SetString(PyExc_ValueError, "recent_held_then_add: tables of 4 x sets "
                         "uint16 fingerprints and uint32 stamps expected");
         goto done;
     }
-    seq = PySequence_Fast(hashes, "recent_held_then_add: hashes must be a sequence");
-    if (!seq) goto done;
+    items = PySequence_Tuple(hashes);      /* our own copy: an __index__ cannot change it */
+    if (!items) goto done;
     uint16_t *fps = (uint16_t *)fpb.buf;
     uint32_t *stamps = (uint32_t *)stb.buf;
     uint32_t clock = (uint32_t)now;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), known = 0;
+    Py_ssize_t n = PyTuple_GET_SIZE(items), known = 0;
     int counting = 1;
     for (Py_ssize_t i = 0; i < n; i++) {
-        unsigned long long h = PyLong_AsUnsignedLongLongMask(PySequence_Fast_GET_ITEM(seq, i));
+        unsigned long long h = PyLong_AsUnsignedLongLongMask(PyTuple_GET_ITEM(items, i));
         if (h == (unsigned long long)-1 && PyErr_Occurred()) goto done;
-        uint64_t mixed = (uint64_t)h * 0x9E3779B97F4A7C15ULL;
+        uint64_t mixed = mix64((uint64_t)h);
         uint16_t fp = (uint16_t)((mixed & 0xFFFF) | 1);
-        uint64_t starts[2] = {(mixed >> 40) % sets * 4, ((mixed >> 16) & 0xFFFFFF) % sets * 4};
+        uint64_t starts[2] = {(mixed >> 40) % (uint64_t)sets * 4,
+                              ((mixed >> 16) & 0xFFFFFF) % (uint64_t)sets * 4};
         long long first = -1, oldest = -1;
         uint64_t oldest_age = 0;
         int held = 0;
@@ -305,7 +324,7 @@ static PyObject *py_recent_held_then_add(PyObject *self, PyObject *args) {
     }
     result = Py_BuildValue("nK", known, (unsigned long long)clock);
 done:
-    Py_XDECREF(seq);
+    Py_XDECREF(items);
     PyBuffer_Release(&fpb);
     PyBuffer_Release(&stb);
     return result;

@@ -7,26 +7,30 @@ which *kinds* of block return, and refuses a block whose kind returned less than
 :data:`THRESHOLD` of the time. It is signature-based reuse prediction (SHiP, from CPU caches)
 with signatures a prefix cache can see:
 
-* whether the block is its request's **last** one (a prompt ends inside its last block, so
-  the next turn's block there differs: in the Mooncake traces it almost never returns);
+* whether the block is its request's **last** one shown (in traces where a prompt ends
+  inside its last block, the next turn's block there differs and it almost never returns;
+  an engine that shows only full blocks gets the opposite, and the filter learns that too);
 * how many of its request's blocks are **new** (a one-off document brings dozens at once, a
   conversation turn a few), in powers of two;
 * whether the request **continues** a recent one (its first two blocks were seen lately).
 
 "Seen lately" means among the last :data:`HISTORY` capacities' worth of blocks shown: a
-:class:`RecentHashes` table (7.5 bytes per hash of that window: 30 per block of the tier).
+:class:`RecentHashes` table, 30 bytes per block of the tier (its pages are all touched soon
+after start), at most :data:`MAX_WINDOW` hashes.
 
 Learning is unbiased by sampling: one block in :data:`SAMPLE` (by hash) is always admitted
 and followed; it counts as reused for its kind if a request shows it again before the tier
 has admitted ``capacity`` more blocks (about as long as an LRU tier keeps an untouched
-block), and as not reused otherwise. Counts are halved every :data:`WINDOW` outcomes, so
-the filter follows a workload that changes. Kinds never measured, and blocks whose request
-was not shown (``observe_request``), are admitted.
+block; refused offers do not count), or if it is shown again before it is even offered,
+and as not reused otherwise. Counts are halved every :data:`WINDOW` outcomes, so the filter
+follows a workload that changes. Kinds never measured, and blocks whose request was not
+shown (``observe_request``), are admitted.
 
 The filter needs to see each request's block hashes before the blocks are offered
-(:meth:`PredictedReuseAdmission.observe_request`, fed by the planner like the ``adaptive``
-duel). None of its parameters depends on the trace or the capacity; they were chosen on
-four traces and checked on ten others (docs/policies.md).
+(:meth:`PredictedReuseAdmission.observe_request`, fed by the planner as the ``adaptive``
+duel is). It is not thread-safe: one thread shows requests and offers blocks (the planner's
+callers do). Its constants were chosen on four traces and checked on others; the horizon
+and the history scale with the tier (docs/policies.md, "predicted-reuse").
 """
 
 from __future__ import annotations
@@ -43,26 +47,36 @@ __all__ = ["PredictedReuseAdmission", "RecentHashes", "THRESHOLD", "SAMPLE", "WI
 
 THRESHOLD = 0.07
 """A kind whose sampled blocks were reused less often than this is refused."""
-SAMPLE = 16
+SAMPLE = 32
 """One block in ``SAMPLE`` is always admitted and followed to learn from."""
 WINDOW = 2048
 """A kind's counts are halved when they reach this many outcomes."""
 HISTORY = 4
 """Slots of the "seen lately" table per block of the tier."""
 MAX_WINDOW = 1 << 28
-"""The longest "seen lately" history, in hashes (2 GiB of address space, touched as used)."""
+"""The longest "seen lately" history, in hashes (2 GiB)."""
 CONTEXTS = 1 << 16
-"""Most blocks of shown requests whose kind waits for their offer (oldest dropped)."""
+"""Blocks of shown requests whose kind waits for their offer: between ``CONTEXTS`` and
+``4 x CONTEXTS`` are kept (the oldest dropped; a longer request keeps its last ones)."""
 
 _NEW_BUCKETS = 7            # new-block counts 0-1, 2-3, 4-7, ... 64+
 _KINDS = 2 * _NEW_BUCKETS * 2
 _MASK64 = (1 << 64) - 1
-_GOLDEN = 0x9E3779B97F4A7C15
+_RETURNED = 32              # a kind flagged: shown again before it was offered
 
 
 def _mixed(sequence_hash: int) -> int:
-    """A well-spread 64-bit value of a hash (trace hashes can be small consecutive ints)."""
-    return ((sequence_hash & _MASK64) * _GOLDEN) & _MASK64
+    """A well-spread 64-bit value of a hash, every bit depending on every bit (the
+    splitmix64 finaliser): trace hashes can be small consecutive ints. The C loop
+    (``_blockops.recent_held_then_add``) computes the same."""
+    x = int(sequence_hash) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _sampled(sequence_hash: int) -> bool:
+    return (_mixed(sequence_hash) >> 20) % SAMPLE == 0
 
 
 def _new_bucket(new_blocks: int) -> int:
@@ -166,15 +180,15 @@ class PredictedReuseAdmission(AdmissionPolicy):
             raise PolicyError(f"predicted-reuse needs a positive capacity, got {capacity}")
         self._horizon = capacity
         self._seen = RecentHashes(HISTORY * capacity)
-        # hash -> kind, for blocks shown and not yet offered: the newer and the older half
-        # (the older is dropped when the newer fills up, so at most 2 x CONTEXTS are kept)
+        # hash -> kind (| _RETURNED), for blocks shown and not yet offered: a newer and an
+        # older generation (the older is dropped when the newer passes CONTEXTS)
         self._kinds: dict[int, int] = {}
         self._older_kinds: dict[int, int] = {}
-        # hash -> offer number << 5 | kind, oldest offer first (one int: 4 bytes a block less)
+        # followed hash -> admission number << 5 | kind, oldest first (one int per entry)
         self._followed: OrderedDict[int, int] = OrderedDict()
         self._reused = [1] * _KINDS
         self._outcomes = [2] * _KINDS
-        self._offers = 0
+        self._admitted = 0        # blocks admitted so far: the clock of the horizon
 
     # -- learning from requests ---------------------------------------------------------------
     def observe_request(self, sequence_hashes: Sequence[int]) -> None:
@@ -184,29 +198,41 @@ class PredictedReuseAdmission(AdmissionPolicy):
             return
         known = self._seen.held_then_add(sequence_hashes)
         base = 2 * (_new_bucket(n - known) * 2 + (known >= 2))
+        shown = dict.fromkeys(sequence_hashes[-CONTEXTS:], base)
+        shown[sequence_hashes[-1]] = base + 1               # the request's last block
         followed = self._followed
         if followed:
-            for h in followed.keys() & set(sequence_hashes):
+            for h in followed.keys() & shown.keys():
                 self._learn(followed.pop(h) & 31, True)
-        kinds = self._kinds
-        kinds.update(dict.fromkeys(sequence_hashes, base))
-        kinds[sequence_hashes[-1]] = base + 1          # the request's last block
+        kinds, older = self._kinds, self._older_kinds
+        for h in kinds.keys() & shown.keys():               # shown again before its offer
+            shown[h] = kinds[h] | _RETURNED
+        for h in older.keys() & shown.keys():
+            shown[h] = older.pop(h) | _RETURNED
+        kinds.update(shown)
         if len(kinds) > CONTEXTS:
             self._older_kinds, self._kinds = kinds, {}
 
     def admit(self, sequence_hash: int) -> bool:
-        self._offers += 1
-        self._expire()
-        kind = self._kinds.pop(sequence_hash, None)
-        if kind is None:
-            kind = self._older_kinds.pop(sequence_hash, None)
-            if kind is None:
-                return True
-        if (_mixed(sequence_hash) >> 20) % SAMPLE == 0:
-            self._followed[sequence_hash] = self._offers << 5 | kind
-            self._followed.move_to_end(sequence_hash)
-            return True
-        return self._reused[kind] >= THRESHOLD * self._outcomes[kind]
+        packed = self._kinds.pop(sequence_hash, None)
+        if packed is None:
+            packed = self._older_kinds.pop(sequence_hash, None)
+        if packed is None:                                  # its request was not shown
+            admitted = True
+        elif _sampled(sequence_hash):
+            admitted = True
+            if packed & _RETURNED:
+                self._learn(packed & 31, True)
+            else:
+                self._followed[sequence_hash] = self._admitted << 5 | packed
+                self._followed.move_to_end(sequence_hash)
+        else:
+            kind = packed & 31
+            admitted = self._reused[kind] >= THRESHOLD * self._outcomes[kind]
+        if admitted:
+            self._admitted += 1
+            self._expire()
+        return admitted
 
     def reuse_rate(self, last: bool, new_blocks: int, continues: bool) -> float:
         """The learned reuse rate of one kind of block (for reports and tests)."""
@@ -216,7 +242,7 @@ class PredictedReuseAdmission(AdmissionPolicy):
     # -- internals ----------------------------------------------------------------------------
     def _expire(self) -> None:
         """Followed blocks not shown again within the horizon were not reused."""
-        followed, oldest = self._followed, self._offers - self._horizon
+        followed, oldest = self._followed, self._admitted - self._horizon
         while followed:
             h, packed = next(iter(followed.items()))
             if packed >> 5 > oldest:

@@ -355,9 +355,20 @@ class KvBlockManager:
         hashes = _hashes(sequence_hashes, "onboard")
 
         def run(future: Future) -> None:
-            wanted = self._worth_loading(hashes) if cost_aware else hashes
-            self._onboards[self.planner.prepare_onboard(wanted)] = future
+            self._onboards[self._prepare_load(hashes, cost_aware)] = future
         return self._call(run, deferred=True)
+
+    def _prepare_load(self, hashes: list[int], cost_aware: bool,
+                      engine_block_ids: list[int] | None = None) -> int:
+        """Show the whole request to the policies that learn from requests, then start
+        loading its held prefix, or as much of it as the cost model would load (owner
+        thread); returns the onboard's ticket."""
+        self.planner.observe_request(hashes)
+        wanted = self._worth_loading(hashes) if cost_aware else hashes
+        if engine_block_ids is None:
+            return self.planner.prepare_onboard(wanted, observe=False)
+        return self.planner.prepare_onboard(wanted, engine_block_ids[:len(wanted)],
+                                            observe=False)
 
     def _worth_loading(self, hashes: list[int]) -> list[int]:
         """The part of ``hashes`` the cost model would load (owner thread)."""

@@ -103,9 +103,7 @@ class EngineOwnedManager(KvBlockManager):
         ids = self._engine_ids(engine_block_ids, len(hashes), "load")
 
         def run(future: Future) -> None:
-            wanted = self._worth_loading(hashes) if cost_aware else hashes
-            ticket = self.planner.prepare_onboard(wanted, engine_block_ids=ids[:len(wanted)])
-            self._onboards[ticket] = future
+            self._onboards[self._prepare_load(hashes, cost_aware, ids)] = future
         return self._call(run, deferred=True)
 
     def _engine_ids(self, engine_block_ids: Sequence[int], count: int, what: str) -> list[int]:

@@ -253,10 +253,11 @@ class Planner:
 
     def observe_request(self, sequence_hashes: Sequence[int]) -> None:
         """Show a request's block hashes, from its first block, to the policies that learn
-        from requests (the ``adaptive`` duel). :meth:`prepare_onboard` does it for the
-        request it serves; a connector whose engine serves some requests without asking
-        (its own cache hit them) calls this once per request and onboards with
-        ``observe=False``."""
+        from requests (the ``adaptive`` duel, the ``predicted-reuse`` filter; not
+        thread-safe: the thread that calls this offers the blocks). :meth:`prepare_onboard`
+        does it for the request it serves; a connector whose engine serves some requests
+        without asking (its own cache hit them) calls this once per request and onboards
+        with ``observe=False``."""
         for observe in self._request_observers:
             observe(sequence_hashes)
 

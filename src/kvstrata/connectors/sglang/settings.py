@@ -35,7 +35,7 @@ host pool (its page count and page size); the block geometry is the pool's
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from ...config import ConfigError, KvConfig, TierConfig, load_config
@@ -104,7 +104,7 @@ def kv_config(settings: BackendSettings, pool: HostPoolView, model_name: str | N
     layout is part of the model's identity, so stored blocks are only read by a pool of the
     same layout."""
     try:
-        return load_config(settings.config_path, env=env, **{
+        config = load_config(settings.config_path, env=env, **{
             **settings.overrides,
             "tiers": {TOP_TIER: TierConfig(blocks=pool.pages), **settings.tiers},
             "block_size": pool.page_size, "model": pool.geometry,
@@ -112,3 +112,6 @@ def kv_config(settings: BackendSettings, pool: HostPoolView, model_name: str | N
     except ConfigError as exc:
         raise SGLangConfigError("kvstrata HiCache backend: " + "; ".join(exc.problems)) \
             from None
+    # SGLang's calls name pages, not requests: a filter that learns from requests would
+    # learn nothing here, so the default admits every block.
+    return config if config.admission is not None else replace(config, admission="always")

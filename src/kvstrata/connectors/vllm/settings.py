@@ -26,8 +26,8 @@ key                    meaning                                     default
 ``cost_aware``         load a held prefix only while loading it    ``true``
                        beats recomputing it (learned costs)
 ``eviction``           ``default``, ``lru``, ``lfu``, ``adaptive``  ``lru``
-``admission``          ``always``, ``second-offer``,                ``always``
-                       ``predicted-reuse``, ``adaptive``
+``admission``          ``always``, ``second-offer``,                ``predicted-reuse``
+                       ``predicted-reuse``, ``adaptive``            (``always`` on G4)
 ``events``             kvstrata sink specs (list or one string)    none
 ``verify_host_reads``  verify G2 bytes (xxh3) before a load        ``true``
 ``o_direct``           G3 with O_DIRECT (``null`` = when possible)  ``null``
