@@ -9,7 +9,9 @@ For vLLM that is ``get_cached_block`` + ``touch`` + ``free_blocks`` and ``get_ne
 ``cache_full_blocks`` + ``free_blocks``, its hashes the 32-byte ``BlockHash`` bytes it uses
 (made from the ids beforehand, as our records are). Both must give the hit count of a plain
 LRU of block hashes (checked). kvstrata is run with every eviction policy (``adaptive`` with
-the requests shown to its duel, as the planner does); the ratio is same-run block accesses/s
+the requests shown to its duel, as the planner does) and with the default admission filter
+(``default+predicted-reuse``: shown each request, offered each missing block; what it
+refuses is not stored); the ratio is same-run block accesses/s
 of ours over vLLM's, interleaved, best of ``--repeats``. vLLM is also run its own way
 (what its KVCacheManager calls: prefix touched, everything after it allocated anew and
 cached, then freed; fewer look-ups, slightly different hits), and the ratio is taken
@@ -33,14 +35,18 @@ from kvstrata.logical.registry import BlockRegistry
 from kvstrata.replay import load_trace
 from kvstrata.types import BlockRecord
 
-POLICIES = ("lru", "default", "lfu", "adaptive")
+POLICIES = ("lru", "default", "lfu", "adaptive", "default+predicted-reuse")
 
 
 def kvstrata_replay(requests, records_of, capacity: int, policy: str, native: bool | None = None) -> int:
-    """One replay through a kvstrata pool; returns prefix hits."""
-    policies = make_tier_policies(policy, "always", capacity)
+    """One replay through a kvstrata pool; returns prefix hits. ``policy`` is an eviction
+    order, or ``eviction+admission``: blocks the filter refuses are computed and not kept
+    (the trace replay's rule)."""
+    eviction, _, admission = policy.partition("+")
+    policies = make_tier_policies(eviction, admission or "always", capacity)
     pool = BlockPool("G1", capacity, 512, eviction=policies.eviction, registry=BlockRegistry())
     observe = policies.observe_request
+    admit = policies.admission.admit if admission not in ("", "always") else None
     match, touch, allocate, register, release, held_ = (pool.match, pool.touch, pool.allocate,
                                                         pool.register, pool.release, pool.held)
     hits = 0
@@ -62,9 +68,12 @@ def kvstrata_replay(requests, records_of, capacity: int, policy: str, native: bo
             if first:
                 touch(ids[i:j])
             else:
-                blocks = allocate(k)
-                blocks.apply_token_blocks(records[i:j])
-                release(register(blocks))
+                chosen = records[i:j] if admit is None else [
+                    r for r in records[i:j] if admit(r.sequence_hash)]
+                if chosen:
+                    blocks = allocate(len(chosen))
+                    blocks.apply_token_blocks(chosen)
+                    release(register(blocks))
             i = j
     return hits
 
@@ -222,7 +231,7 @@ def main() -> None:
     for p in policies:
         rate = accesses / best[p]
         ratio = f"{rate / base:5.2f}x vLLM" if base else ""
-        print(f"  kvstrata BlockPool ({p:<8})     {rate / 1e6:8.3f} M accesses/s  hits "
+        print(f"  kvstrata BlockPool ({p:<23}) {rate / 1e6:8.3f} M accesses/s  hits "
               f"{hits[p]:,}  {ratio}")
     for p in policies:
         if base:

@@ -76,16 +76,31 @@ def test_refuses_kinds_that_do_not_return_and_admits_those_that_do():
     assert admission.reuse_rate(last=False, new_blocks=2, continues=True) > 2 * THRESHOLD
 
 
-def test_sampled_and_unshown_blocks_are_always_admitted():
+def test_a_refused_kind_is_still_followed_and_its_last_block_goes_with_it():
     admission = PredictedReuseAdmission(capacity=2000)
     work = _Workload()
     _serve(admission, work.requests(3000))
-    document = work.fresh(40)
+    document = work.fresh(40) + work.fresh(1)
     admission.observe_request(document)
     decisions = [admission.admit(h) for h in document]
-    assert not all(decisions)
-    assert all(d for h, d in zip(document, decisions) if _sampled(h))
-    assert admission.admit(work.fresh(1)[0])                   # never shown: no kind known
+    assert not any(decisions)                  # the tail too: alone it could never hit
+    followed = [h for h in document if _sampled(h)]
+    assert followed and all(h in admission._followed for h in followed)
+    assert admission.admit(work.fresh(1)[0])   # never shown: no kind known
+
+
+def test_a_last_block_after_a_held_prefix_is_decided_by_its_own_kind():
+    """Its parent is not new, so its own kind decides: a conversation's turn with one new
+    block is kept if such last blocks come back."""
+    admission = PredictedReuseAdmission(capacity=500)
+    rng = random.Random(8)
+    chats = [[rng.getrandbits(64) for _ in range(3)] for _ in range(20)]
+    for turn in range(2000):
+        chat = chats[turn % len(chats)]
+        chat.append(rng.getrandbits(64))
+        admission.observe_request(chat)
+        assert admission.admit(chat[-1]) or turn < 100
+    assert admission.reuse_rate(last=True, new_blocks=1, continues=True) > 0.5
 
 
 def test_a_kind_that_starts_returning_is_admitted_again():

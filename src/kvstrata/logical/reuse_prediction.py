@@ -18,11 +18,13 @@ with signatures a prefix cache can see:
 :class:`RecentHashes` table, 30 bytes per block of the tier (its pages are all touched soon
 after start), at most :data:`MAX_WINDOW` hashes.
 
-Learning is unbiased by sampling: one block in :data:`SAMPLE` (by hash) is always admitted
-and followed; it counts as reused for its kind if a request shows it again before the tier
-has admitted ``capacity`` more blocks (about as long as an LRU tier keeps an untouched
-block; refused offers do not count), or if it is shown again before it is even offered,
-and as not reused otherwise. Counts are halved every :data:`WINDOW` outcomes, so the filter
+Learning follows a sample: one block in :data:`SAMPLE` (by hash), admitted or not, counts
+as reused for its kind if a request shows it again before the tier has admitted
+``capacity`` more blocks (about as long as an LRU tier keeps an untouched block; refused
+offers do not count), or if it is shown again before it is even offered, and as not reused
+otherwise. Being shown again does not depend on being kept (a refused block is computed
+again), so refusing a kind does not stop the filter from seeing it come back. A request's
+last block is refused with its parent when both are new: alone it could never hit. Counts are halved every :data:`WINDOW` outcomes, so the filter
 follows a workload that changes. Kinds never measured, and blocks whose request was not
 shown (``observe_request``), are admitted.
 
@@ -63,6 +65,7 @@ _NEW_BUCKETS = 7            # new-block counts 0-1, 2-3, 4-7, ... 64+
 _KINDS = 2 * _NEW_BUCKETS * 2
 _MASK64 = (1 << 64) - 1
 _RETURNED = 32              # a kind flagged: shown again before it was offered
+_AFTER_NEW = 64             # a last block whose parent is new in its request too
 
 
 def _mixed(sequence_hash: int) -> int:
@@ -199,7 +202,9 @@ class PredictedReuseAdmission(AdmissionPolicy):
         known = self._seen.held_then_add(sequence_hashes)
         base = 2 * (_new_bucket(n - known) * 2 + (known >= 2))
         shown = dict.fromkeys(sequence_hashes[-CONTEXTS:], base)
-        shown[sequence_hashes[-1]] = base + 1               # the request's last block
+        # the request's last block; flagged if its parent is new too, so that it is not
+        # kept alone when its parent is refused (without its prefix it could never hit)
+        shown[sequence_hashes[-1]] = base + 1 | (_AFTER_NEW if n - known >= 2 else 0)
         followed = self._followed
         if followed:
             for h in followed.keys() & shown.keys():
@@ -219,20 +224,23 @@ class PredictedReuseAdmission(AdmissionPolicy):
             packed = self._older_kinds.pop(sequence_hash, None)
         if packed is None:                                  # its request was not shown
             admitted = True
-        elif _sampled(sequence_hash):
-            admitted = True
-            if packed & _RETURNED:
-                self._learn(packed & 31, True)
-            else:
-                self._followed[sequence_hash] = self._admitted << 5 | packed
-                self._followed.move_to_end(sequence_hash)
         else:
             kind = packed & 31
-            admitted = self._reused[kind] >= THRESHOLD * self._outcomes[kind]
+            admitted = self._worth_keeping(kind) and (
+                not packed & _AFTER_NEW or self._worth_keeping(kind - 1))
+            if _sampled(sequence_hash):   # followed whatever the decision: "shown again"
+                if packed & _RETURNED:    # does not depend on being kept
+                    self._learn(kind, True)
+                else:
+                    self._followed[sequence_hash] = self._admitted << 5 | kind
+                    self._followed.move_to_end(sequence_hash)
         if admitted:
             self._admitted += 1
             self._expire()
         return admitted
+
+    def _worth_keeping(self, kind: int) -> bool:
+        return self._reused[kind] >= THRESHOLD * self._outcomes[kind]
 
     def reuse_rate(self, last: bool, new_blocks: int, continues: bool) -> float:
         """The learned reuse rate of one kind of block (for reports and tests)."""
