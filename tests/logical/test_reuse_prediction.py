@@ -84,8 +84,10 @@ def test_a_refused_kind_is_still_followed_and_its_last_block_goes_with_it():
     admission.observe_request(document)
     decisions = [admission.admit(h) for h in document]
     assert not any(decisions)                  # the tail too: alone it could never hit
-    followed = [h for h in document if _sampled(h)]
-    assert followed and all(h in admission._followed for h in followed)
+    followed = {h for h in document if _sampled(h)}
+    ring = admission._samples
+    waiting = {ring._hashes[(ring._head + i) % ring._size] for i in range(ring.count)}
+    assert followed and followed <= waiting
     assert admission.admit(work.fresh(1)[0])   # never shown: no kind known
 
 
@@ -279,4 +281,18 @@ def test_refused_offers_do_not_run_the_horizon_out():
         admission.observe_request(chat)
         admission.admit(chat[-1])
     assert admission.reuse_rate(last=True, new_blocks=1, continues=True) > 0.5
+    assert admission.reuse_rate(last=False, new_blocks=40, continues=False) < THRESHOLD
+
+
+def test_followed_blocks_stay_bounded_when_nearly_everything_is_refused():
+    """Refused blocks are followed too, and refusals do not move the horizon: the samples
+    waiting must still stay bounded (the oldest are judged early)."""
+    admission = PredictedReuseAdmission(capacity=320)
+    rng = random.Random(10)
+    for _ in range(3000):                                      # one-off documents only
+        document = [rng.getrandbits(64) for _ in range(40)]
+        admission.observe_request(document)
+        for h in document:
+            admission.admit(h)
+    assert admission._samples.count <= 4 * 320 // SAMPLE + 64
     assert admission.reuse_rate(last=False, new_blocks=40, continues=False) < THRESHOLD

@@ -22,7 +22,8 @@ Learning follows a sample: one block in :data:`SAMPLE` (by hash), admitted or no
 as reused for its kind if a request shows it again before the tier has admitted
 ``capacity`` more blocks (about as long as an LRU tier keeps an untouched block; refused
 offers do not count), or if it is shown again before it is even offered, and as not reused
-otherwise. Being shown again does not depend on being kept (a refused block is computed
+otherwise; the "seen lately" table tells, when the horizon has passed (a ring of the
+samples waiting, 21 bytes each, about 3 bytes per block of the tier). Being shown again does not depend on being kept (a refused block is computed
 again), so refusing a kind does not stop the filter from seeing it come back. A request's
 last block is refused with its parent when both are new: alone it could never hit. Counts are halved every :data:`WINDOW` outcomes, so the filter
 follows a workload that changes. Kinds never measured, and blocks whose request was not
@@ -37,7 +38,6 @@ and the history scale with the tier (docs/policies.md, "predicted-reuse").
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Sequence
 
 import numpy as np
@@ -50,7 +50,7 @@ __all__ = ["PredictedReuseAdmission", "RecentHashes", "THRESHOLD", "SAMPLE", "WI
 THRESHOLD = 0.07
 """A kind whose sampled blocks were reused less often than this is refused."""
 SAMPLE = 32
-"""One block in ``SAMPLE`` is always admitted and followed to learn from."""
+"""One block in ``SAMPLE`` (by hash) is followed to learn from."""
 WINDOW = 2048
 """A kind's counts are halved when they reach this many outcomes."""
 HISTORY = 4
@@ -160,6 +160,31 @@ class RecentHashes:
         self._now = clock
         return known
 
+    @property
+    def window(self) -> int:
+        """How many of the latest additions it holds."""
+        return self._window
+
+    @property
+    def clock(self) -> int:
+        """How many hashes were added so far, modulo 2**32 (the stamp of the last one)."""
+        return self._now
+
+    def added_since(self, sequence_hash: int, clock: int) -> bool:
+        """Whether ``sequence_hash`` was added after the addition stamped ``clock``, within
+        the window."""
+        mixed = _mixed(sequence_hash)
+        fingerprint = (mixed & 0xFFFF) | 1
+        prints, stamps = self._fingerprints.data, self._stamps.data
+        since = (self._now - clock) & 0xFFFFFFFF          # additions after ``clock``
+        for start in ((mixed >> 40) % self._sets * 4, ((mixed >> 16) & 0xFFFFFF) % self._sets * 4):
+            for slot in range(start, start + 4):
+                if prints[slot] == fingerprint:
+                    age = (self._now - stamps[slot]) & 0xFFFFFFFF
+                    if age < since and age < self._window:
+                        return True
+        return False
+
     def holds(self, sequence_hash: int) -> bool:
         """Whether ``sequence_hash`` was added within the last ``window`` additions."""
         mixed = _mixed(sequence_hash)
@@ -170,6 +195,40 @@ class RecentHashes:
                         and (self._now - int(self._stamps[slot])) & 0xFFFFFFFF < self._window):
                     return True
         return False
+
+
+class _Samples:
+    """The followed blocks, oldest first: a ring of (hash, history clock and admission
+    count at the offer, kind) in arrays, 21 bytes an entry."""
+
+    def __init__(self, size: int) -> None:
+        self._hashes = np.zeros(size, np.uint64).data
+        self._shown = np.zeros(size, np.uint32).data
+        self._admitted = np.zeros(size, np.int64).data
+        self._kinds = np.zeros(size, np.uint8).data
+        self._size, self._head, self.count = size, 0, 0
+
+    def full(self) -> bool:
+        return self.count >= self._size
+
+    def push(self, sequence_hash: int, shown_at: int, admitted: int, kind: int) -> None:
+        if self.full():
+            self.pop()                      # (callers judge the oldest before it is lost)
+        at = (self._head + self.count) % self._size
+        self._hashes[at] = sequence_hash & _MASK64
+        self._shown[at], self._admitted[at], self._kinds[at] = shown_at, admitted, kind
+        self.count += 1
+
+    def oldest_admitted(self) -> int:
+        return self._admitted[self._head]
+
+    def oldest_shown(self) -> int:
+        return self._shown[self._head]
+
+    def pop(self) -> tuple[int, int, int]:
+        at = self._head
+        self._head, self.count = (at + 1) % self._size, self.count - 1
+        return self._hashes[at], self._shown[at], self._kinds[at]
 
 
 class PredictedReuseAdmission(AdmissionPolicy):
@@ -187,8 +246,7 @@ class PredictedReuseAdmission(AdmissionPolicy):
         # older generation (the older is dropped when the newer passes CONTEXTS)
         self._kinds: dict[int, int] = {}
         self._older_kinds: dict[int, int] = {}
-        # followed hash -> admission number << 5 | kind, oldest first (one int per entry)
-        self._followed: OrderedDict[int, int] = OrderedDict()
+        self._samples = _Samples(HISTORY * capacity // SAMPLE + 64)
         self._reused = [1] * _KINDS
         self._outcomes = [2] * _KINDS
         self._admitted = 0        # blocks admitted so far: the clock of the horizon
@@ -199,16 +257,14 @@ class PredictedReuseAdmission(AdmissionPolicy):
         n = len(sequence_hashes)
         if not n:
             return
+        if self._samples.count:
+            self._expire(coming=n)
         known = self._seen.held_then_add(sequence_hashes)
         base = 2 * (_new_bucket(n - known) * 2 + (known >= 2))
         shown = dict.fromkeys(sequence_hashes[-CONTEXTS:], base)
         # the request's last block; flagged if its parent is new too, so that it is not
         # kept alone when its parent is refused (without its prefix it could never hit)
         shown[sequence_hashes[-1]] = base + 1 | (_AFTER_NEW if n - known >= 2 else 0)
-        followed = self._followed
-        if followed:
-            for h in followed.keys() & shown.keys():
-                self._learn(followed.pop(h) & 31, True)
         kinds, older = self._kinds, self._older_kinds
         for h in kinds.keys() & shown.keys():               # shown again before its offer
             shown[h] = kinds[h] | _RETURNED
@@ -232,11 +288,9 @@ class PredictedReuseAdmission(AdmissionPolicy):
                 if packed & _RETURNED:    # does not depend on being kept
                     self._learn(kind, True)
                 else:
-                    self._followed[sequence_hash] = self._admitted << 5 | kind
-                    self._followed.move_to_end(sequence_hash)
-        if admitted:
-            self._admitted += 1
-            self._expire()
+                    self._samples.push(sequence_hash, self._seen.clock, self._admitted, kind)
+        self._admitted += admitted
+        self._expire()
         return admitted
 
     def _worth_keeping(self, kind: int) -> bool:
@@ -248,15 +302,18 @@ class PredictedReuseAdmission(AdmissionPolicy):
         return self._reused[kind] / self._outcomes[kind]
 
     # -- internals ----------------------------------------------------------------------------
-    def _expire(self) -> None:
-        """Followed blocks not shown again within the horizon were not reused."""
-        followed, oldest = self._followed, self._admitted - self._horizon
-        while followed:
-            h, packed = next(iter(followed.items()))
-            if packed >> 5 > oldest:
-                break
-            del followed[h]
-            self._learn(packed & 31, False)
+    def _expire(self, coming: int = 0) -> None:
+        """Judge the samples whose horizon has passed: reused if a request showed them again
+        since their offer, as the history tells. A sample is also judged before the history
+        could forget it (before ``coming`` more hashes push its offer out of the window),
+        and when the ring is full (a tier that refuses nearly everything hardly moves its
+        clock)."""
+        samples, oldest = self._samples, self._admitted - self._horizon
+        seen, last = self._seen, self._seen.window - coming
+        while samples.count and (samples.oldest_admitted() <= oldest or samples.full()
+                                 or (seen.clock - samples.oldest_shown()) & 0xFFFFFFFF >= last):
+            sequence_hash, shown_at, kind = samples.pop()
+            self._learn(kind, seen.added_since(sequence_hash, shown_at))
 
     def _learn(self, kind: int, reused: bool) -> None:
         self._reused[kind] += reused
