@@ -61,7 +61,8 @@ def child_kvstrata(policy: str, blocks: int, empty: bool) -> dict:
     before = rss()
     policies = make_tier_policies(eviction, admission or "always", blocks)
     pool = BlockPool("G2", blocks, 16, eviction=policies.eviction, registry=BlockRegistry())
-    observe, admit = policies.observe_request, policies.admission.admit
+    learns = policies.admission.learns_from_requests    # (not the adaptive duel: as before)
+    observe, admit = (policies.observe_request, policies.admission.admit) if learns else (None, None)
     if empty:
         gc.collect()
         return {"bytes": rss() - before}

@@ -20,17 +20,17 @@ def format_table(doc: dict) -> str:
         f"requests     {doc['requests']:,}   granularity {doc['granularity']}"
         f"   block size {doc['block_size']} tokens",
         "",
-        f"{'tier':<5}{'capacity':>10}{'eviction':>10}{'admission':>14}{'looked up':>12}"
+        f"{'tier':<5}{'capacity':>10}{'eviction':>10}{'admission':>17}{'looked up':>12}"
         f"{'hit':>10}{'hit %':>8}{'tokens hit %':>14}{'evictions':>11}",
     ]
     for name, t in doc["tiers"].items():
         lines.append(
-            f"{name:<5}{t['capacity']:>10,}{t['eviction']:>10}{t['admission']:>14}"
+            f"{name:<5}{t['capacity']:>10,}{t['eviction']:>10}{t['admission']:>17}"
             f"{t['blocks_looked_up']:>12,}{t['blocks_hit']:>10,}{100 * t['hit_rate']:>7.2f}%"
             f"{100 * t['token_hit_rate']:>13.2f}%{t['evictions']:>11,}"
         )
     lines.append(
-        f"{'all':<5}{'':>10}{'':>10}{'':>14}{doc['blocks']:>12,}{doc['blocks_hit']:>10,}"
+        f"{'all':<5}{'':>10}{'':>10}{'':>17}{doc['blocks']:>12,}{doc['blocks_hit']:>10,}"
         f"{100 * doc['hit_rate']:>7.2f}%{100 * doc['token_hit_rate']:>13.2f}%"
     )
     lines.append("")

@@ -22,8 +22,10 @@ Learning follows a sample: one block in :data:`SAMPLE` (by hash), admitted or no
 as reused for its kind if a request shows it again before the tier has admitted
 ``capacity`` more blocks (about as long as an LRU tier keeps an untouched block; refused
 offers do not count), or if it is shown again before it is even offered, and as not reused
-otherwise; the "seen lately" table tells, when the horizon has passed (a ring of the
-samples waiting, 21 bytes each, about 3 bytes per block of the tier). Being shown again does not depend on being kept (a refused block is computed
+otherwise; the "seen lately" table tells, when the horizon has passed or before it would
+forget the sample (a ring of the samples waiting, 21 bytes each, about 3 bytes per block
+of the tier). A block shown again before its offer is admitted whatever its kind: it has
+come back. Being shown again does not depend on being kept (a refused block is computed
 again), so refusing a kind does not stop the filter from seeing it come back. A request's
 last block is refused with its parent when both are new: alone it could never hit. Counts are halved every :data:`WINDOW` outcomes, so the filter
 follows a workload that changes. Kinds never measured, and blocks whose request was not
@@ -246,7 +248,7 @@ class PredictedReuseAdmission(AdmissionPolicy):
         # older generation (the older is dropped when the newer passes CONTEXTS)
         self._kinds: dict[int, int] = {}
         self._older_kinds: dict[int, int] = {}
-        self._samples = _Samples(HISTORY * capacity // SAMPLE + 64)
+        self._samples = _Samples(self._seen.window // SAMPLE + 64)
         self._reused = [1] * _KINDS
         self._outcomes = [2] * _KINDS
         self._admitted = 0        # blocks admitted so far: the clock of the horizon
@@ -257,9 +259,10 @@ class PredictedReuseAdmission(AdmissionPolicy):
         n = len(sequence_hashes)
         if not n:
             return
-        if self._samples.count:
-            self._expire(coming=n)
+        due = self._due_before(n) if self._samples.count else ()
         known = self._seen.held_then_add(sequence_hashes)
+        for sequence_hash, shown_at, kind, reused in due:     # shown again by this request?
+            self._learn(kind, reused or self._seen.added_since(sequence_hash, shown_at))
         base = 2 * (_new_bucket(n - known) * 2 + (known >= 2))
         shown = dict.fromkeys(sequence_hashes[-CONTEXTS:], base)
         # the request's last block; flagged if its parent is new too, so that it is not
@@ -282,7 +285,7 @@ class PredictedReuseAdmission(AdmissionPolicy):
             admitted = True
         else:
             kind = packed & 31
-            admitted = self._worth_keeping(kind) and (
+            admitted = bool(packed & _RETURNED) or self._worth_keeping(kind) and (
                 not packed & _AFTER_NEW or self._worth_keeping(kind - 1))
             if _sampled(sequence_hash):   # followed whatever the decision: "shown again"
                 if packed & _RETURNED:    # does not depend on being kept
@@ -302,18 +305,25 @@ class PredictedReuseAdmission(AdmissionPolicy):
         return self._reused[kind] / self._outcomes[kind]
 
     # -- internals ----------------------------------------------------------------------------
-    def _expire(self, coming: int = 0) -> None:
+    def _expire(self) -> None:
         """Judge the samples whose horizon has passed: reused if a request showed them again
-        since their offer, as the history tells. A sample is also judged before the history
-        could forget it (before ``coming`` more hashes push its offer out of the window),
-        and when the ring is full (a tier that refuses nearly everything hardly moves its
-        clock)."""
-        samples, oldest = self._samples, self._admitted - self._horizon
-        seen, last = self._seen, self._seen.window - coming
-        while samples.count and (samples.oldest_admitted() <= oldest or samples.full()
-                                 or (seen.clock - samples.oldest_shown()) & 0xFFFFFFFF >= last):
+        since their offer, as the history tells. While the tier refuses nearly everything
+        its clock hardly moves; the oldest are then judged when the ring is full."""
+        samples, oldest, seen = self._samples, self._admitted - self._horizon, self._seen
+        while samples.count and (samples.oldest_admitted() <= oldest or samples.full()):
             sequence_hash, shown_at, kind = samples.pop()
             self._learn(kind, seen.added_since(sequence_hash, shown_at))
+
+    def _due_before(self, coming: int) -> list[tuple[int, int, int, bool]]:
+        """The samples that ``coming`` more hashes would push out of the history's window,
+        taken out with what the history says now (whether they were shown again); the
+        caller asks again after adding the request, which may show them."""
+        samples, seen, due = self._samples, self._seen, []
+        last = seen.window - coming
+        while samples.count and (seen.clock - samples.oldest_shown()) & 0xFFFFFFFF >= last:
+            sequence_hash, shown_at, kind = samples.pop()
+            due.append((sequence_hash, shown_at, kind, seen.added_since(sequence_hash, shown_at)))
+        return due
 
     def _learn(self, kind: int, reused: bool) -> None:
         self._reused[kind] += reused

@@ -197,6 +197,22 @@ def test_a_returning_prompt_loads_every_full_block_and_only_the_window(make):
     assert_idle(sim)
 
 
+def test_the_admission_filter_is_shown_every_groups_blocks(make):
+    """A filter that learns from requests must know the window group's blocks too (their
+    own names), or it would admit them blind while refusing their full-attention twins."""
+    sim = make()
+    tokens = prompt(3, 5 * BS + 1)
+    sim.add("a", tokens)
+    sim.run()
+    state = sim.scheduler.planner._state
+    admission = state.admission[state.tiers[-1]]
+    assert admission.learns_from_requests                  # the default filter
+    seq = hashes_of(sim, tokens)
+    assert all(admission._seen.holds(h) for h in seq[:5])
+    assert all(admission._seen.holds(GROUPS.key(1, h)) for h in seq[:5])
+    assert_idle(sim)
+
+
 def test_a_prefix_ending_inside_an_earlier_prompt_loads_the_window_there(make):
     sim = make()
     tokens = prompt(2, 8 * BS)

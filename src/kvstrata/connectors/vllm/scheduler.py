@@ -210,6 +210,15 @@ class SchedulerHalf:
                 len(self.planner.engine_blocks_in_use()), "pools": pools,
                 "counters": self.counters.as_dict(), "costs": self.planner.costs.snapshot()}
 
+    def _observe(self, chain: list[int]) -> None:
+        """Show a request to the policies that learn from requests: each KV cache group's
+        blocks under their own names, as its own chain (a filter then decides a group's
+        block as it decides the primary one at that position)."""
+        key = self.groups.key
+        for pos in range(len(self.groups.groups)):
+            self.planner.observe_request(
+                chain if pos == self.groups.primary else [key(pos, h) for h in chain])
+
     # -- vLLM scheduler calls --------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -221,7 +230,7 @@ class SchedulerHalf:
         if limit > 0 and not tracked.observed and self.planner.learns_from_requests:
             tracked.observed = True             # once, whoever serves it (vLLM asks again)
             tracked.hash_upto(limit, bs)
-            self.planner.observe_request(tracked.seq[:limit])
+            self._observe(tracked.seq[:limit])
         if not self.settings.load:
             return 0, False
         if self._listers:
