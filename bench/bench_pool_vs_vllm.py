@@ -46,7 +46,7 @@ def kvstrata_replay(requests, records_of, capacity: int, policy: str, native: bo
     policies = make_tier_policies(eviction, admission or "always", capacity)
     pool = BlockPool("G1", capacity, 512, eviction=policies.eviction, registry=BlockRegistry())
     observe = policies.observe_request
-    admit = policies.admission.admit if admission not in ("", "always") else None
+    admit = policies.admission.admit_many if admission not in ("", "always") else None
     match, touch, allocate, register, release, held_ = (pool.match, pool.touch, pool.allocate,
                                                         pool.register, pool.release, pool.held)
     hits = 0
@@ -69,7 +69,7 @@ def kvstrata_replay(requests, records_of, capacity: int, policy: str, native: bo
                 touch(ids[i:j])
             else:
                 chosen = records[i:j] if admit is None else [
-                    r for r in records[i:j] if admit(r.sequence_hash)]
+                    r for r, yes in zip(records[i:j], admit(ids[i:j])) if yes]
                 if chosen:
                     blocks = allocate(len(chosen))
                     blocks.apply_token_blocks(chosen)

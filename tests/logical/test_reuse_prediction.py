@@ -133,11 +133,11 @@ def test_recent_hashes_holds_the_last_window_additions():
         recent.held_then_add(hashes[start:start + 20])
     window = hashes[4000:8000]
     assert sum(map(recent.holds, window)) >= 0.95 * len(window)   # a few drop out early
-    assert recent.held_then_add(hashes[7000:7010] + hashes[12000:12005]) == 10
+    assert recent.held_then_add(hashes[7000:7010] + hashes[12000:12005])[0] == 10
     recent.held_then_add(hashes[8000:12000])
     assert sum(map(recent.holds, window)) < 0.01 * len(window)    # now older than the window
     assert sum(map(recent.holds, hashes[12005:])) < 0.001 * 4000  # never added
-    assert recent.held_then_add(hashes[:3]) == 0
+    assert recent.held_then_add(hashes[:3])[0] == 0
     assert recent.holds(hashes[0])
     with pytest.raises(PolicyError):
         RecentHashes(0)
@@ -153,7 +153,7 @@ def test_recent_hashes_survives_its_stamp_wrapping():
         recent.held_then_add([h])                   # wraps past 2**32
     assert all(recent.holds(h) for h in hashes[20:30])
     assert not any(recent.holds(h) for h in hashes[:10])
-    assert recent.held_then_add(hashes[20:30]) == 10
+    assert recent.held_then_add(hashes[20:30])[0] == 10
 
 
 def test_names_and_wiring():
@@ -214,15 +214,16 @@ def test_the_native_history_is_the_python_one():
     pool = [rng.getrandbits(64) for _ in range(500)] + [-5, 2**70 + 3, 0]
     for _ in range(400):
         request = rng.sample(pool, rng.randint(1, 12))
-        known, native._now = ops.recent_held_then_add(
+        known, native._now, sampled = ops.recent_held_then_add(
             request, native._fingerprints, native._stamps, native._sets, native._window,
-            native._now)
-        assert known == python._held_then_add(request)
+            native._now, 3)
+        assert (known, sampled) == python._held_then_add(request, 3)
+        assert sampled == [i for i, h in enumerate(request) if (_mixed(h) >> 20) % 3 == 0]
     assert (python._fingerprints == native._fingerprints).all()
     assert (python._stamps == native._stamps).all() and python._now == native._now
     with pytest.raises(ValueError):
         ops.recent_held_then_add([1], native._fingerprints[:-1], native._stamps,
-                                 native._sets, native._window, 0)
+                                 native._sets, native._window, 0, SAMPLE)
 
 
 def test_the_native_history_refuses_bad_tables_and_arguments():
@@ -240,14 +241,16 @@ def test_the_native_history_refuses_bad_tables_and_arguments():
                 (prints, stamps.astype(np.float32), 2, 4, 0),
                 (prints[:4], stamps, 2, 4, 0)]:
         with pytest.raises(ValueError):
-            ops.recent_held_then_add([1, 2], *bad)
+            ops.recent_held_then_add([1, 2], *bad, SAMPLE)
+    with pytest.raises(ValueError):                            # no sample size
+        ops.recent_held_then_add([1, 2], prints, stamps, 2, 4, 0, 0)
 
     class Shrinks:
         def __index__(self):
             victims.clear()
             return 7
     victims = [Shrinks(), 1, 2, 3]
-    known, _ = ops.recent_held_then_add(victims, prints, stamps, 2, 4, 0)   # no stray read
+    known, _, _ = ops.recent_held_then_add(victims, prints, stamps, 2, 4, 0, SAMPLE)  # no stray read
     assert known == 0 and victims == []
 
 
@@ -302,3 +305,20 @@ def test_followed_blocks_stay_bounded_when_nearly_everything_is_refused():
     assert admission._admitted - admitted < 20        # nearly all refused: the clock stands
     assert sum(admission._outcomes) - judged > 400    # ... yet the samples are still judged
     assert admission.reuse_rate(last=False, new_blocks=40, continues=False) < THRESHOLD
+
+
+def test_a_batch_decides_as_one_offer_at_a_time():
+    """``admit_many`` (one pass, in C when built) and ``admit`` per block: the same
+    decisions and the same learning on the same workload (learning that would flip a kind
+    mid-batch applies from the next batch; this workload's batches are single requests)."""
+    one, many = PredictedReuseAdmission(capacity=1500), PredictedReuseAdmission(capacity=1500)
+    singles, batches = [], []
+    for hashes in _Workload(seed=12).requests(4000):
+        one.observe_request(hashes)
+        many.observe_request(hashes)
+        singles += [one.admit(h) for h in hashes]
+        batches += many.admit_many(hashes)
+    assert 0 < sum(singles) < len(singles)                 # some refused, some admitted
+    mismatched = sum(a != b for a, b in zip(singles, batches))
+    assert mismatched <= 0.001 * len(singles)
+    assert abs(one._admitted - many._admitted) <= 0.001 * len(singles)

@@ -32,9 +32,13 @@ def hs(records) -> list[int]:
     return [r.sequence_hash for r in records]
 
 
-def make(g1=8, g2=8, g3=32, eviction="lru", **kw) -> Planner:
+def make(g1=8, g2=8, g3=32, eviction="lru", admission="always", **kw) -> Planner:
+    """A planner over G1/G2/G3. Every block is admitted unless a test names a filter: these
+    tests are about copies and failures (a filter's own rules are tested below and in
+    tests/logical/test_reuse_prediction.py)."""
     tiers = {t: TierConfig(blocks=n) for t, n in (("G1", g1), ("G2", g2), ("G3", g3))}
-    return Planner(KvConfig(block_size=BS, eviction=eviction, tiers=tiers), **kw)
+    return Planner(KvConfig(block_size=BS, eviction=eviction, admission=admission,
+                            tiers=tiers), **kw)
 
 
 def compute(p: Planner, records) -> None:
@@ -232,6 +236,27 @@ def test_offload_partial_failure(kind, explain):
     counted = kind.value if explain else "internal"
     assert p.stats.failed_kinds["G1->G2", counted] == 2
     assert p.stats.paths["G1->G2"].failed_blocks == 2 and p.stats.moved()["G1->G2"] == 2
+    check(p)
+
+
+@pytest.mark.parametrize("admission", ["predicted-reuse", "second-offer", "always"])
+def test_a_filtering_tier_takes_no_block_without_its_parent(admission):
+    """Block 1 failed to reach G2, so block 2 reaches G3 without it: a tier with a filter
+    refuses it (alone it could never hit there), one that admits every block keeps it."""
+    p = make(admission=admission)
+    h = hs(records := chain(4))
+    if admission == "second-offer":          # offered once before, so the filter says yes
+        p._state.admission["G3"].admit(h[0])
+        p._state.admission["G3"].admit(h[2])
+    compute(p, records)
+    (plan,) = p.take_plans()
+    p.complete([result(plan, {1: FailureKind.IO_ERROR})])
+    drive(p)
+    assert pool_hashes(p.pools["G2"]) == {h[0], h[2], h[3]}
+    held = {h[0], h[2], h[3]} if admission == "always" else {h[0]}
+    assert pool_hashes(p.pools["G3"]) == held
+    refused = p.stats.skipped_for("admission").get("G3", 0)
+    assert refused == (0 if admission == "always" else 2)
     check(p)
 
 

@@ -3,6 +3,7 @@
  *
  * lru_shadow_serve(...), lfu_shadow_serve(...)  the duel's shadow caches serving a request
  * recent_held_then_add(...)  predicted-reuse admission's "seen lately" table
+ * reuse_admit_many(...)      its decisions over a batch of offered blocks
  *                            (kvstrata/logical/reuse_prediction.py has the Python version)
  *
  * (A pool's own loops over its slots are in _slots.c.)
@@ -240,14 +241,16 @@ error:
     return NULL;
 }
 
-/* recent_held_then_add(hashes, fingerprints, stamps, sets, window, now) -> (known, now)
+/* recent_held_then_add(hashes, fingerprints, stamps, sets, window, now, sample)
+ *     -> (known, now, sampled)
  * reuse_prediction.RecentHashes._held_then_add in C (see there): for each hash in order,
  * mixed = splitmix64's finaliser of (hash mod 2**64), as reuse_prediction._mixed; its pairs
  * are the four of set (mixed >> 40) % sets and the four of set ((mixed >> 16) & 0xFFFFFF)
  * % sets; it is held if one of them has its fingerprint (mixed & 0xFFFF | 1) with a stamp
  * under ``window`` additions old; the first pair with its fingerprint, else the oldest of
  * the eight (an empty one first), takes it with the next stamp. ``known``: how many hashes,
- * from the first, were held. The tables are uint16 / uint32 arrays of 4 x sets. */
+ * from the first, were held; ``sampled``: the positions whose (mixed >> 20) % sample is 0.
+ * The tables are uint16 / uint32 arrays of 4 x sets. */
 static uint64_t mix64(uint64_t x) {
     x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
     x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
@@ -262,12 +265,14 @@ static int table_ok(Py_buffer *b, Py_ssize_t itemsize, const char *formats, Py_s
 static PyObject *py_recent_held_then_add(PyObject *self, PyObject *args) {
     PyObject *hashes, *fp_obj, *st_obj;
     Py_ssize_t sets;
-    unsigned long long window, now;
-    if (!PyArg_ParseTuple(args, "OOOnKK", &hashes, &fp_obj, &st_obj, &sets, &window, &now))
+    unsigned long long window, now, sample;
+    if (!PyArg_ParseTuple(args, "OOOnKKK", &hashes, &fp_obj, &st_obj, &sets, &window, &now,
+                          &sample))
         return NULL;
-    if (sets <= 0 || sets > PY_SSIZE_T_MAX / 16 || window == 0 || window > (1ULL << 32)) {
-        PyErr_SetString(PyExc_ValueError, "recent_held_then_add: sets must be positive and "
-                        "window in 1..2**32");
+    if (sets <= 0 || sets > PY_SSIZE_T_MAX / 16 || window == 0 || window > (1ULL << 32) ||
+        sample == 0) {
+        PyErr_SetString(PyExc_ValueError, "recent_held_then_add: sets and sample must be "
+                        "positive and window in 1..2**32");
         return NULL;
     }
     Py_buffer fpb, stb;
@@ -277,7 +282,7 @@ static PyObject *py_recent_held_then_add(PyObject *self, PyObject *args) {
         PyBuffer_Release(&fpb);
         return NULL;
     }
-    PyObject *items = NULL, *result = NULL;
+    PyObject *items = NULL, *result = NULL, *sampled = NULL;
     if (!table_ok(&fpb, 2, "H", sets * 4) || !table_ok(&stb, 4, "IL", sets * 4)) {
         PyErr_SetString(PyExc_ValueError, "recent_held_then_add: tables of 4 x sets "
                         "uint16 fingerprints and uint32 stamps expected");
@@ -285,6 +290,8 @@ static PyObject *py_recent_held_then_add(PyObject *self, PyObject *args) {
     }
     items = PySequence_Tuple(hashes);      /* our own copy: an __index__ cannot change it */
     if (!items) goto done;
+    sampled = PyList_New(0);
+    if (!sampled) goto done;
     uint16_t *fps = (uint16_t *)fpb.buf;
     uint32_t *stamps = (uint32_t *)stb.buf;
     uint32_t clock = (uint32_t)now;
@@ -294,6 +301,12 @@ static PyObject *py_recent_held_then_add(PyObject *self, PyObject *args) {
         unsigned long long h = PyLong_AsUnsignedLongLongMask(PyTuple_GET_ITEM(items, i));
         if (h == (unsigned long long)-1 && PyErr_Occurred()) goto done;
         uint64_t mixed = mix64((uint64_t)h);
+        if ((mixed >> 20) % sample == 0) {
+            PyObject *at = PyLong_FromSsize_t(i);
+            int bad = !at || PyList_Append(sampled, at) < 0;
+            Py_XDECREF(at);
+            if (bad) goto done;
+        }
         uint16_t fp = (uint16_t)((mixed & 0xFFFF) | 1);
         uint64_t starts[2] = {(mixed >> 40) % (uint64_t)sets * 4,
                               ((mixed >> 16) & 0xFFFFFF) % (uint64_t)sets * 4};
@@ -322,18 +335,91 @@ static PyObject *py_recent_held_then_add(PyObject *self, PyObject *args) {
         fps[slot] = fp;
         stamps[slot] = clock;
     }
-    result = Py_BuildValue("nK", known, (unsigned long long)clock);
+    result = Py_BuildValue("nKO", known, (unsigned long long)clock, sampled);
 done:
+    Py_XDECREF(sampled);
     Py_XDECREF(items);
     PyBuffer_Release(&fpb);
     PyBuffer_Release(&stb);
     return result;
 }
 
+/* d.pop(key, None): 1 and a new reference in *out if it was there, 0 if not, -1 on error. */
+static int pop_item(PyObject *d, PyObject *key, PyObject **out) {
+    *out = NULL;
+    PyObject *value = PyDict_GetItemWithError(d, key);
+    if (!value) return PyErr_Occurred() ? -1 : 0;
+    Py_INCREF(value);
+    if (PyDict_DelItem(d, key) < 0) {
+        Py_DECREF(value);
+        return -1;
+    }
+    *out = value;
+    return 1;
+}
+
+/* reuse_admit_many(hashes, kinds, older, keep) -> (decisions, admitted, events)
+ * reuse_prediction.PredictedReuseAdmission._admit_many's loop (see there): each hash's
+ * packed kind is popped from ``kinds``, else ``older`` (dicts); none: admitted; else kind =
+ * packed & 31, admitted if flagged returned (32), else if keep[kind] (a bytes of 0/1) and,
+ * flagged after-new (64), keep[kind - 1]. ``decisions``: a list of bools; ``admitted``:
+ * how many; ``events``: for each hash flagged sampled (128), (position, kind, returned,
+ * admitted before it). */
+static PyObject *py_reuse_admit_many(PyObject *self, PyObject *args) {
+    PyObject *hashes, *kinds, *older;
+    Py_buffer keep;
+    if (!PyArg_ParseTuple(args, "OO!O!y*", &hashes, &PyDict_Type, &kinds, &PyDict_Type, &older,
+                          &keep))
+        return NULL;
+    PyObject *items = PySequence_Tuple(hashes), *decisions = NULL, *events = NULL,
+             *result = NULL;
+    if (!items) goto done;
+    Py_ssize_t n = PyTuple_GET_SIZE(items), admitted = 0;
+    decisions = PyList_New(n);
+    events = PyList_New(0);
+    if (!decisions || !events) goto done;
+    const unsigned char *keeps = (const unsigned char *)keep.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *h = PyTuple_GET_ITEM(items, i), *packed = NULL;
+        if (pop_item(kinds, h, &packed) < 0) goto done;
+        if (!packed && pop_item(older, h, &packed) < 0) goto done;
+        int yes = 1;
+        if (packed) {
+            long bits = PyLong_AsLong(packed);
+            Py_DECREF(packed);
+            if (bits == -1 && PyErr_Occurred()) goto done;
+            long kind = bits & 31;
+            if (kind >= keep.len || (bits & 64 && kind < 1)) {
+                PyErr_SetString(PyExc_ValueError, "reuse_admit_many: a kind out of range");
+                goto done;
+            }
+            int returned = (bits & 32) != 0;
+            if (!returned)
+                yes = keeps[kind] && (!(bits & 64) || keeps[kind - 1]);
+            if (bits & 128) {
+                PyObject *ev = Py_BuildValue("nlin", i, kind, returned, admitted);
+                int bad = !ev || PyList_Append(events, ev) < 0;
+                Py_XDECREF(ev);
+                if (bad) goto done;
+            }
+        }
+        admitted += yes;
+        PyList_SET_ITEM(decisions, i, Py_NewRef(yes ? Py_True : Py_False));
+    }
+    result = Py_BuildValue("OnO", decisions, admitted, events);
+done:
+    Py_XDECREF(items);
+    Py_XDECREF(decisions);
+    Py_XDECREF(events);
+    PyBuffer_Release(&keep);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"lru_shadow_serve", py_lru_shadow_serve, METH_VARARGS, "lru_shadow_serve(hashes, stamp, queue, head, clock, capacity, admit) -> (hits, clock, head)"},
     {"lfu_shadow_serve", py_lfu_shadow_serve, METH_VARARGS, "lfu_shadow_serve(hashes, count, key_of, buckets, keys, age, ghost, ghost_size, capacity, admit, bucket_type, heappush, heappop) -> (hits, age)"},
-    {"recent_held_then_add", py_recent_held_then_add, METH_VARARGS, "recent_held_then_add(hashes, fingerprints, stamps, sets, window, now) -> (known, now)"},
+    {"recent_held_then_add", py_recent_held_then_add, METH_VARARGS, "recent_held_then_add(hashes, fingerprints, stamps, sets, window, now, sample) -> (known, now, sampled)"},
+    {"reuse_admit_many", py_reuse_admit_many, METH_VARARGS, "reuse_admit_many(hashes, kinds, older, keep) -> (decisions, admitted, events)"},
     {NULL, NULL, 0, NULL},
 };
 

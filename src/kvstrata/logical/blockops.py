@@ -19,7 +19,8 @@ from ..types import BlockRecord
 
 __all__ = ["NATIVE", "use_native", "native", "native_slots"]
 
-_SHADOW_FUNCTIONS = ("lru_shadow_serve", "lfu_shadow_serve", "recent_held_then_add")
+_SHADOW_FUNCTIONS = ("lru_shadow_serve", "lfu_shadow_serve", "recent_held_then_add",
+                     "reuse_admit_many")
 _SLOT_NAMES = ("HashIndex", "SlotOps")
 
 

@@ -34,8 +34,8 @@ shown (``observe_request``), are admitted.
 The filter needs to see each request's block hashes before the blocks are offered
 (:meth:`PredictedReuseAdmission.observe_request`, fed by the planner as the ``adaptive``
 duel is). It is not thread-safe: one thread shows requests and offers blocks (the planner's
-callers do). Its constants were chosen on four traces and checked on others; the horizon
-and the history scale with the tier (docs/policies.md, "predicted-reuse").
+callers do). Its constants were chosen on eight traces and checked on eleven held out; the
+horizon and the history scale with the tier (docs/policies.md, "predicted-reuse").
 """
 
 from __future__ import annotations
@@ -68,6 +68,8 @@ _KINDS = 2 * _NEW_BUCKETS * 2
 _MASK64 = (1 << 64) - 1
 _RETURNED = 32              # a kind flagged: shown again before it was offered
 _AFTER_NEW = 64             # a last block whose parent is new in its request too
+_SAMPLED = 128              # a block followed to learn from (one in SAMPLE, by hash)
+_NEVER = 1 << 62
 
 
 def _mixed(sequence_hash: int) -> int:
@@ -78,10 +80,6 @@ def _mixed(sequence_hash: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     return x ^ (x >> 31)
-
-
-def _sampled(sequence_hash: int) -> bool:
-    return (_mixed(sequence_hash) >> 20) % SAMPLE == 0
 
 
 def _new_bucket(new_blocks: int) -> int:
@@ -121,23 +119,28 @@ class RecentHashes:
         self._window = window
         self._now = 0
 
-    def held_then_add(self, sequence_hashes: Sequence[int]) -> int:
-        """How many of ``sequence_hashes``, from the first, were held; each is then added,
-        in order."""
+    def held_then_add(self, sequence_hashes: Sequence[int],
+                      sample: int = SAMPLE) -> tuple[int, list[int]]:
+        """How many of ``sequence_hashes``, from the first, were held, and the positions of
+        those sampled (one in ``sample``: ``(_mixed(h) >> 20) % sample == 0``); each is then
+        added, in order."""
         ops = blockops.native()
         if ops is not None:
-            known, self._now = ops.recent_held_then_add(
+            known, self._now, sampled = ops.recent_held_then_add(
                 sequence_hashes, self._fingerprints, self._stamps, self._sets, self._window,
-                self._now)
-            return known
-        return self._held_then_add(sequence_hashes)
+                self._now, sample)
+            return known, sampled
+        return self._held_then_add(sequence_hashes, sample)
 
-    def _held_then_add(self, sequence_hashes: Sequence[int]) -> int:
+    def _held_then_add(self, sequence_hashes: Sequence[int],
+                       sample: int = SAMPLE) -> tuple[int, list[int]]:
         prints, stamps = self._fingerprints.data, self._stamps.data   # memoryviews: fast
         sets, window, clock = self._sets, self._window, self._now
-        known, counting = 0, True
-        for h in sequence_hashes:
+        known, counting, sampled = 0, True, []
+        for i, h in enumerate(sequence_hashes):
             mixed = _mixed(h)
+            if (mixed >> 20) % sample == 0:
+                sampled.append(i)
             fingerprint = (mixed & 0xFFFF) | 1
             first = oldest = -1
             oldest_age, held = 0, False
@@ -160,7 +163,7 @@ class RecentHashes:
             prints[slot] = fingerprint
             stamps[slot] = clock
         self._now = clock
-        return known
+        return known, sampled
 
     @property
     def window(self) -> int:
@@ -214,8 +217,7 @@ class _Samples:
         return self.count >= self._size
 
     def push(self, sequence_hash: int, shown_at: int, admitted: int, kind: int) -> None:
-        if self.full():
-            self.pop()                      # (callers judge the oldest before it is lost)
+        """Add a sample (the ring must not be full: the caller judges the oldest first)."""
         at = (self._head + self.count) % self._size
         self._hashes[at] = sequence_hash & _MASK64
         self._shown[at], self._admitted[at], self._kinds[at] = shown_at, admitted, kind
@@ -244,14 +246,16 @@ class PredictedReuseAdmission(AdmissionPolicy):
             raise PolicyError(f"predicted-reuse needs a positive capacity, got {capacity}")
         self._horizon = capacity
         self._seen = RecentHashes(HISTORY * capacity)
-        # hash -> kind (| _RETURNED), for blocks shown and not yet offered: a newer and an
-        # older generation (the older is dropped when the newer passes CONTEXTS)
+        # hash -> kind | flags, for blocks shown and not yet offered: a newer and an older
+        # generation (the older is dropped when the newer passes CONTEXTS)
         self._kinds: dict[int, int] = {}
         self._older_kinds: dict[int, int] = {}
         self._samples = _Samples(self._seen.window // SAMPLE + 64)
         self._reused = [1] * _KINDS
         self._outcomes = [2] * _KINDS
-        self._admitted = 0        # blocks admitted so far: the clock of the horizon
+        self._keep = [True] * _KINDS  # per kind: reused often enough (kept current by _learn)
+        self._admitted = 0            # blocks admitted so far: the clock of the horizon
+        self._due = _NEVER            # the admission count at which the oldest sample is due
 
     # -- learning from requests ---------------------------------------------------------------
     def observe_request(self, sequence_hashes: Sequence[int]) -> None:
@@ -260,14 +264,18 @@ class PredictedReuseAdmission(AdmissionPolicy):
         if not n:
             return
         due = self._due_before(n) if self._samples.count else ()
-        known = self._seen.held_then_add(sequence_hashes)
+        known, sampled = self._seen.held_then_add(sequence_hashes)
         for sequence_hash, shown_at, kind, reused in due:     # shown again by this request?
             self._learn(kind, reused or self._seen.added_since(sequence_hash, shown_at))
         base = 2 * (_new_bucket(n - known) * 2 + (known >= 2))
-        shown = dict.fromkeys(sequence_hashes[-CONTEXTS:], base)
+        first = max(0, n - CONTEXTS)
+        shown = dict.fromkeys(sequence_hashes[first:], base)
         # the request's last block; flagged if its parent is new too, so that it is not
         # kept alone when its parent is refused (without its prefix it could never hit)
         shown[sequence_hashes[-1]] = base + 1 | (_AFTER_NEW if n - known >= 2 else 0)
+        for i in sampled:
+            if i >= first:
+                shown[sequence_hashes[i]] |= _SAMPLED
         kinds, older = self._kinds, self._older_kinds
         for h in kinds.keys() & shown.keys():               # shown again before its offer
             shown[h] = kinds[h] | _RETURNED
@@ -281,23 +289,45 @@ class PredictedReuseAdmission(AdmissionPolicy):
         packed = self._kinds.pop(sequence_hash, None)
         if packed is None:
             packed = self._older_kinds.pop(sequence_hash, None)
-        if packed is None:                                  # its request was not shown
+            if packed is None:                              # its request was not shown
+                self._admitted += 1
+                if self._admitted >= self._due:
+                    self._expire()
+                return True
+        kind = packed & 31
+        if packed & _RETURNED:                              # it came back before its offer
             admitted = True
+            if packed & _SAMPLED:
+                self._learn(kind, True)
         else:
-            kind = packed & 31
-            admitted = bool(packed & _RETURNED) or self._worth_keeping(kind) and (
-                not packed & _AFTER_NEW or self._worth_keeping(kind - 1))
-            if _sampled(sequence_hash):   # followed whatever the decision: "shown again"
-                if packed & _RETURNED:    # does not depend on being kept
-                    self._learn(kind, True)
-                else:
-                    self._samples.push(sequence_hash, self._seen.clock, self._admitted, kind)
-        self._admitted += admitted
-        self._expire()
+            keep = self._keep
+            admitted = keep[kind] and (not packed & _AFTER_NEW or keep[kind - 1])
+            if packed & _SAMPLED:     # followed whatever the decision: being shown again
+                self._follow(sequence_hash, kind)       # does not depend on being kept
+        if admitted:
+            self._admitted += 1
+        if self._admitted >= self._due:
+            self._expire()
         return admitted
 
-    def _worth_keeping(self, kind: int) -> bool:
-        return self._reused[kind] >= THRESHOLD * self._outcomes[kind]
+    def admit_many(self, sequence_hashes: Sequence[int]) -> list[bool]:
+        """:meth:`admit` of each, in order, in one pass (in C when built)."""
+        ops = blockops.native()
+        if ops is None:
+            return [self.admit(h) for h in sequence_hashes]
+        start = self._admitted
+        decisions, admitted, events = ops.reuse_admit_many(
+            sequence_hashes, self._kinds, self._older_kinds, bytes(self._keep))
+        for position, kind, returned, before in events:
+            if returned:
+                self._learn(kind, True)
+            else:
+                self._admitted = start + before
+                self._follow(sequence_hashes[position], kind)
+        self._admitted = start + admitted
+        if self._admitted >= self._due:
+            self._expire()
+        return decisions
 
     def reuse_rate(self, last: bool, new_blocks: int, continues: bool) -> float:
         """The learned reuse rate of one kind of block (for reports and tests)."""
@@ -305,14 +335,23 @@ class PredictedReuseAdmission(AdmissionPolicy):
         return self._reused[kind] / self._outcomes[kind]
 
     # -- internals ----------------------------------------------------------------------------
+    def _follow(self, sequence_hash: int, kind: int) -> None:
+        samples = self._samples
+        if samples.full():            # a tier that refuses nearly everything hardly moves
+            self._judge(*samples.pop())                     # its clock: judge the oldest now
+        samples.push(sequence_hash, self._seen.clock, self._admitted, kind)
+        self._due = samples.oldest_admitted() + self._horizon
+
+    def _judge(self, sequence_hash: int, shown_at: int, kind: int) -> None:
+        """A sample's outcome: reused if a request showed it again since its offer."""
+        self._learn(kind, self._seen.added_since(sequence_hash, shown_at))
+
     def _expire(self) -> None:
-        """Judge the samples whose horizon has passed: reused if a request showed them again
-        since their offer, as the history tells. While the tier refuses nearly everything
-        its clock hardly moves; the oldest are then judged when the ring is full."""
-        samples, oldest, seen = self._samples, self._admitted - self._horizon, self._seen
-        while samples.count and (samples.oldest_admitted() <= oldest or samples.full()):
-            sequence_hash, shown_at, kind = samples.pop()
-            self._learn(kind, seen.added_since(sequence_hash, shown_at))
+        """Judge the samples whose horizon has passed."""
+        samples, oldest = self._samples, self._admitted - self._horizon
+        while samples.count and samples.oldest_admitted() <= oldest:
+            self._judge(*samples.pop())
+        self._due = samples.oldest_admitted() + self._horizon if samples.count else _NEVER
 
     def _due_before(self, coming: int) -> list[tuple[int, int, int, bool]]:
         """The samples that ``coming`` more hashes would push out of the history's window,
@@ -323,6 +362,7 @@ class PredictedReuseAdmission(AdmissionPolicy):
         while samples.count and (seen.clock - samples.oldest_shown()) & 0xFFFFFFFF >= last:
             sequence_hash, shown_at, kind = samples.pop()
             due.append((sequence_hash, shown_at, kind, seen.added_since(sequence_hash, shown_at)))
+        self._due = samples.oldest_admitted() + self._horizon if samples.count else _NEVER
         return due
 
     def _learn(self, kind: int, reused: bool) -> None:
@@ -331,3 +371,4 @@ class PredictedReuseAdmission(AdmissionPolicy):
         if self._outcomes[kind] >= WINDOW:
             self._reused[kind] = max(1, self._reused[kind] // 2)
             self._outcomes[kind] = max(2, self._outcomes[kind] // 2)
+        self._keep[kind] = self._reused[kind] >= THRESHOLD * self._outcomes[kind]

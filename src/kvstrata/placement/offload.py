@@ -142,9 +142,9 @@ class Offload:
                 continue
             seen.add(h)
             offered.append(i)
-        admit = state.admission[target].admit
-        admitted = [i for i in offered if admit(records[i].sequence_hash)]
-        state.skipped(target, "admission", len(offered) - len(admitted))
+        admitted = [offered[k] for k in state.admitted(
+            target, [records[i] for i in offered],
+            lambda h: (h in pool and h not in bad_target) or h in receiving)]
         if not admitted:
             return
         chosen = [records[i] for i in admitted]

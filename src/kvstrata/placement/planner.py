@@ -364,13 +364,13 @@ class Planner:
             self._offload.offer(tier, mine, tenant=owner)
 
     def admit(self, tier: str, records: Sequence[BlockRecord]) -> list[BlockRecord]:
-        """The records ``tier``'s admission filter accepts (refusals are counted as skipped
-        for ``admission``); for blocks an engine computed before storing them."""
+        """The records ``tier``'s admission filter accepts, none without its parent in the
+        tier or accepted before it (refusals are counted as skipped for ``admission``); for
+        blocks an engine computed before storing them."""
         tier = self._tier(tier)
-        admit = self._state.admission[tier].admit
-        admitted = [r for r in records if admit(r.sequence_hash)]
-        self._state.skipped(tier, "admission", len(records) - len(admitted))
-        return admitted
+        pool = self._state.pools.get(tier)
+        present = (lambda h: True) if pool is None else pool.__contains__
+        return [records[i] for i in self._state.admitted(tier, records, present)]
 
     # -- executing -------------------------------------------------------------------------
     def take_plans(self) -> list[TransferPlan]:

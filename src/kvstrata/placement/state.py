@@ -208,6 +208,27 @@ class PlacementState:
             listener.in_flight(pending)
 
     # -- reporting -------------------------------------------------------------------------
+    def admitted(self, tier: str, records: Sequence[BlockRecord],
+                 present: Callable[[int], bool]) -> list[int]:
+        """The positions of ``records`` (in chain order) that ``tier`` takes: its admission
+        filter admits them and, unless it admits every block, each one's parent is in the
+        tier (``present``) or taken just before it: alone, without its prefix, a block
+        could never hit (a filter makes the tiers non-inclusive, so a parent refused here
+        earlier is held only above, until it is evicted there). Refusals are counted as
+        skipped for ``admission``."""
+        admission = self.admission[tier]
+        if type(admission) is AdmissionPolicy:
+            return list(range(len(records)))
+        yes = admission.admit_many([r.sequence_hash for r in records])
+        taken, out = set(), []
+        for i, record in enumerate(records):
+            parent = record.parent_hash
+            if yes[i] and (parent is None or parent in taken or present(parent)):
+                out.append(i)
+                taken.add(record.sequence_hash)
+        self.skipped(tier, "admission", len(records) - len(out))
+        return out
+
     def skipped(self, tier: str, reason: str, count: int) -> None:
         if count:
             for listener in self.listeners:
