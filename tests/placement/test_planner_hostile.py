@@ -240,23 +240,24 @@ def test_offload_partial_failure(kind, explain):
 
 
 @pytest.mark.parametrize("admission", ["predicted-reuse", "second-offer", "always"])
-def test_a_filtering_tier_takes_no_block_without_its_parent(admission):
-    """Block 1 failed to reach G2, so block 2 reaches G3 without it: a tier with a filter
-    refuses it (alone it could never hit there), one that admits every block keeps it."""
+def test_a_filter_that_keeps_prefixes_takes_no_block_without_its_parent(admission):
+    """Block 1 failed to reach G2, so blocks 2 and 3 reach G3 without it: the default
+    filter (``keeps_prefixes``) refuses them (alone they could never hit there); Dynamo's
+    second-offer and admit-all keep what they admit, as before."""
     p = make(admission=admission)
     h = hs(records := chain(4))
     if admission == "second-offer":          # offered once before, so the filter says yes
-        p._state.admission["G3"].admit(h[0])
-        p._state.admission["G3"].admit(h[2])
+        for x in h:
+            p._state.admission["G3"].admit(x)
     compute(p, records)
     (plan,) = p.take_plans()
     p.complete([result(plan, {1: FailureKind.IO_ERROR})])
     drive(p)
     assert pool_hashes(p.pools["G2"]) == {h[0], h[2], h[3]}
-    held = {h[0], h[2], h[3]} if admission == "always" else {h[0]}
-    assert pool_hashes(p.pools["G3"]) == held
-    refused = p.stats.skipped_for("admission").get("G3", 0)
-    assert refused == (0 if admission == "always" else 2)
+    keeps = p._state.admission["G3"].keeps_prefixes
+    assert keeps == (admission == "predicted-reuse")
+    assert pool_hashes(p.pools["G3"]) == ({h[0]} if keeps else {h[0], h[2], h[3]})
+    assert p.stats.skipped_for("admission").get("G3", 0) == (2 if keeps else 0)
     check(p)
 
 

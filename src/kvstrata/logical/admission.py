@@ -23,6 +23,9 @@ class AdmissionPolicy:
     name = "always"
     learns_from_requests = False
     """True if the filter must be shown each request (:meth:`observe_request`)."""
+    keeps_prefixes = False
+    """True if the tier must take no block without its parent (in the tier, or taken just
+    before it in the same offer): the planner then refuses such blocks too."""
 
     def observe_request(self, sequence_hashes: Sequence[int]) -> None:
         """A request's block hashes, from its first block, before its blocks are offered;

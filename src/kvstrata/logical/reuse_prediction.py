@@ -240,6 +240,7 @@ class PredictedReuseAdmission(AdmissionPolicy):
 
     name = "predicted-reuse"
     learns_from_requests = True
+    keeps_prefixes = True
 
     def __init__(self, capacity: int) -> None:
         if capacity <= 0:

@@ -211,15 +211,19 @@ class PlacementState:
     def admitted(self, tier: str, records: Sequence[BlockRecord],
                  present: Callable[[int], bool]) -> list[int]:
         """The positions of ``records`` (in chain order) that ``tier`` takes: its admission
-        filter admits them and, unless it admits every block, each one's parent is in the
-        tier (``present``) or taken just before it: alone, without its prefix, a block
-        could never hit (a filter makes the tiers non-inclusive, so a parent refused here
-        earlier is held only above, until it is evicted there). Refusals are counted as
-        skipped for ``admission``."""
+        filter admits them and, for a filter that keeps prefixes whole
+        (``keeps_prefixes``), each one's parent is in the tier (``present``) or taken just
+        before it: alone, without its prefix, a block could never hit (a filter makes the
+        tiers non-inclusive, so a parent refused here earlier is held only above, until it
+        is evicted there). Refusals are counted as skipped for ``admission``."""
         admission = self.admission[tier]
         if type(admission) is AdmissionPolicy:
             return list(range(len(records)))
         yes = admission.admit_many([r.sequence_hash for r in records])
+        if not admission.keeps_prefixes:
+            out = [i for i, y in enumerate(yes) if y]
+            self.skipped(tier, "admission", len(records) - len(out))
+            return out
         taken, out = set(), []
         for i, record in enumerate(records):
             parent = record.parent_hash
