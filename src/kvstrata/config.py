@@ -183,7 +183,8 @@ class KvConfig:
             return "always"
         if self.admission is not None:
             return self.admission
-        return "always" if tier == "G4" else DEFAULT_ADMISSION
+        shared = spec(tier).addressing is Addressing.KEYS     # G4: a store workers share
+        return "always" if shared else DEFAULT_ADMISSION
 
     def tenant_limits(self, tier: str) -> tuple[int | None, dict[str, int]]:
         """The most blocks of ``tier`` one tenant may hold: ``(for any tenant, {named

@@ -188,7 +188,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from kvstrata.logical.adaptive import _shadow  # noqa: E402
-from kvstrata.logical.admission import ADMISSION_FILTERS  # noqa: E402
+from kvstrata.logical.filters import ADMISSION_FILTERS  # noqa: E402
 from kvstrata.logical.eviction import EVICTION_ORDERS  # noqa: E402
 from kvstrata.logical.registry import UNOBSERVED  # noqa: E402
 

@@ -29,7 +29,8 @@ from operator import eq
 from typing import Callable, Sequence
 
 from . import blockops
-from .admission import ADMISSION_FILTERS, AdmissionPolicy, SecondOfferAdmission
+from .admission import AdmissionPolicy, SecondOfferAdmission
+from .filters import ADMISSION_FILTERS
 from .eviction import EVICTION_ORDERS, AgedFrequencyEviction, EvictionPolicy
 
 ADAPTIVE = "adaptive"

@@ -1,15 +1,16 @@
 """Admission filters: whether a block offered to a tier is worth a slot there.
 
-:data:`ADMISSION_FILTERS` names the fixed filters; :mod:`kvstrata.logical.policy` builds them
-(and the ``adaptive`` one) by name.
+:data:`kvstrata.logical.filters.ADMISSION_FILTERS` names the fixed filters (these and
+``predicted-reuse``, :mod:`kvstrata.logical.reuse_prediction`);
+:mod:`kvstrata.logical.policy` builds them (and the ``adaptive`` one) by name.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Sequence
+from typing import Sequence
 
-__all__ = ["AdmissionPolicy", "SecondOfferAdmission", "ADMISSION_FILTERS", "PolicyError"]
+__all__ = ["AdmissionPolicy", "SecondOfferAdmission", "PolicyError"]
 
 
 class PolicyError(ValueError):
@@ -65,16 +66,3 @@ class SecondOfferAdmission(AdmissionPolicy):
         if len(seen) > self._size:
             seen.popitem(last=False)
         return False
-
-
-ADMISSION_FILTERS: dict[str, Callable[[int], AdmissionPolicy]] = {
-    "always": lambda capacity: AdmissionPolicy(),
-    "second-offer": SecondOfferAdmission,
-    "predicted-reuse": lambda capacity: _predicted_reuse(capacity),
-}
-"""The fixed admission filters by name; each is built from the tier's capacity."""
-
-
-def _predicted_reuse(capacity: int) -> AdmissionPolicy:
-    from .reuse_prediction import PredictedReuseAdmission   # it builds on this module
-    return PredictedReuseAdmission(capacity)

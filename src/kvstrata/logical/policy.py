@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from .adaptive import ADAPTIVE, build_adaptive
-from .admission import ADMISSION_FILTERS, AdmissionPolicy, PolicyError, SecondOfferAdmission
+from .admission import AdmissionPolicy, PolicyError, SecondOfferAdmission
+from .filters import ADMISSION_FILTERS
 from .eviction import EVICTION_ORDERS, EvictionPolicy
 
 __all__ = ["PolicyError", "ADAPTIVE", "EVICTION_NAMES", "ADMISSION_NAMES", "TierPolicies",

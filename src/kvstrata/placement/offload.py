@@ -142,9 +142,7 @@ class Offload:
                 continue
             seen.add(h)
             offered.append(i)
-        admitted = [offered[k] for k in state.admitted(
-            target, [records[i] for i in offered],
-            lambda h: (h in pool and h not in bad_target) or h in receiving)]
+        admitted = [offered[k] for k in state.admitted(target, [records[i] for i in offered])]
         if not admitted:
             return
         chosen = [records[i] for i in admitted]

@@ -364,13 +364,11 @@ class Planner:
             self._offload.offer(tier, mine, tenant=owner)
 
     def admit(self, tier: str, records: Sequence[BlockRecord]) -> list[BlockRecord]:
-        """The records ``tier``'s admission filter accepts, none without its parent in the
-        tier or accepted before it (refusals are counted as skipped for ``admission``); for
-        blocks an engine computed before storing them."""
+        """The records ``tier``'s admission filter accepts (for one that keeps prefixes
+        whole, none whose parent it refused in the same call; refusals are counted as
+        skipped for ``admission``); for blocks an engine computed before storing them."""
         tier = self._tier(tier)
-        pool = self._state.pools.get(tier)
-        present = (lambda h: True) if pool is None else pool.__contains__
-        return [records[i] for i in self._state.admitted(tier, records, present)]
+        return [records[i] for i in self._state.admitted(tier, records)]
 
     # -- executing -------------------------------------------------------------------------
     def take_plans(self) -> list[TransferPlan]:

@@ -208,28 +208,25 @@ class PlacementState:
             listener.in_flight(pending)
 
     # -- reporting -------------------------------------------------------------------------
-    def admitted(self, tier: str, records: Sequence[BlockRecord],
-                 present: Callable[[int], bool]) -> list[int]:
-        """The positions of ``records`` (in chain order) that ``tier`` takes: its admission
-        filter admits them and, for a filter that keeps prefixes whole
-        (``keeps_prefixes``), each one's parent is in the tier (``present``) or taken just
-        before it: alone, without its prefix, a block could never hit (a filter makes the
-        tiers non-inclusive, so a parent refused here earlier is held only above, until it
-        is evicted there). Refusals are counted as skipped for ``admission``."""
+    def admitted(self, tier: str, records: Sequence[BlockRecord]) -> list[int]:
+        """The positions of ``records`` (in chain order) that ``tier`` takes: those its
+        admission filter admits, and, for a filter that keeps prefixes whole
+        (``keeps_prefixes``), none whose parent is in the same offer and was not taken:
+        alone, without its prefix, a block could never hit. (Only within the offer: a
+        block whose parent was never offered here, as a sliding-window or linear-attention
+        group's blocks, is the engine's layout, not a refusal.) Refusals are counted as
+        skipped for ``admission``."""
         admission = self.admission[tier]
         if type(admission) is AdmissionPolicy:
             return list(range(len(records)))
         yes = admission.admit_many([r.sequence_hash for r in records])
-        if not admission.keeps_prefixes:
-            out = [i for i, y in enumerate(yes) if y]
-            self.skipped(tier, "admission", len(records) - len(out))
-            return out
-        taken, out = set(), []
-        for i, record in enumerate(records):
-            parent = record.parent_hash
-            if yes[i] and (parent is None or parent in taken or present(parent)):
-                out.append(i)
-                taken.add(record.sequence_hash)
+        if admission.keeps_prefixes:
+            dropped = {r.sequence_hash for r, y in zip(records, yes) if not y}
+            for i, record in enumerate(records):
+                if yes[i] and record.parent_hash in dropped:
+                    yes[i] = False
+                    dropped.add(record.sequence_hash)
+        out = [i for i, y in enumerate(yes) if y]
         self.skipped(tier, "admission", len(records) - len(out))
         return out
 
