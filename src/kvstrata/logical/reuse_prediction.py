@@ -82,6 +82,11 @@ def _mixed(sequence_hash: int) -> int:
     return x ^ (x >> 31)
 
 
+def _set_starts(mixed: int, sets: int) -> tuple[int, int]:
+    """The first slots of the two 4-way sets a hash may live in (as the C loop picks them)."""
+    return (mixed >> 40) % sets * 4, ((mixed >> 16) & 0xFFFFFF) % sets * 4
+
+
 def _new_bucket(new_blocks: int) -> int:
     return min(max(new_blocks, 1).bit_length() - 1, _NEW_BUCKETS - 1)
 
@@ -144,7 +149,7 @@ class RecentHashes:
             fingerprint = (mixed & 0xFFFF) | 1
             first = oldest = -1
             oldest_age, held = 0, False
-            for start in ((mixed >> 40) % sets * 4, ((mixed >> 16) & 0xFFFFFF) % sets * 4):
+            for start in _set_starts(mixed, sets):
                 for slot in range(start, start + 4):
                     age = (clock - stamps[slot]) & 0xFFFFFFFF if prints[slot] else 1 << 32
                     if prints[slot] == fingerprint:
@@ -182,7 +187,7 @@ class RecentHashes:
         fingerprint = (mixed & 0xFFFF) | 1
         prints, stamps = self._fingerprints.data, self._stamps.data
         since = (self._now - clock) & 0xFFFFFFFF          # additions after ``clock``
-        for start in ((mixed >> 40) % self._sets * 4, ((mixed >> 16) & 0xFFFFFF) % self._sets * 4):
+        for start in _set_starts(mixed, self._sets):
             for slot in range(start, start + 4):
                 if prints[slot] == fingerprint:
                     age = (self._now - stamps[slot]) & 0xFFFFFFFF
@@ -192,14 +197,7 @@ class RecentHashes:
 
     def holds(self, sequence_hash: int) -> bool:
         """Whether ``sequence_hash`` was added within the last ``window`` additions."""
-        mixed = _mixed(sequence_hash)
-        fingerprint = (mixed & 0xFFFF) | 1
-        for start in ((mixed >> 40) % self._sets * 4, ((mixed >> 16) & 0xFFFFFF) % self._sets * 4):
-            for slot in range(start, start + 4):
-                if (self._fingerprints[slot] == fingerprint
-                        and (self._now - int(self._stamps[slot])) & 0xFFFFFFFF < self._window):
-                    return True
-        return False
+        return self.added_since(sequence_hash, (self._now - self._window) & 0xFFFFFFFF)
 
 
 class _Samples:
