@@ -5,6 +5,8 @@ G2 registered with CUDA."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -12,7 +14,7 @@ import xxhash
 
 from kvstrata.physical import (BlockMemory, DeviceStorage, DiskStorage, FailureKind, HostStorage,
                                MemmoveCopyEngine, StorageConfigError, TransferEngine,
-                               TransferPlan)
+                               TransferPlan, TransferResult)
 from kvstrata.physical.buffers import PAGE_SIZE, cuda_mapped
 from kvstrata.physical.checksum import device_checksum, memory_device_checksums
 from kvstrata.physical.errors import ChecksumMismatchError
@@ -440,6 +442,7 @@ def test_slots_without_device_checksums_are_verified_on_the_host_before_the_copy
     assert on.ok == (True, True, False, False, True)
     assert [f.position for f in on.failures] == [2, 3]
     assert "xxh3" in on.failures[0].detail and "device checksum" in on.failures[1].detail
+    _assert_plain(on, [5, 8])
     assert torch.equal(block_bytes_of(g1, 12), before[0])     # host path: never copied
     for s_, d in ((1, 11), (0, 14), (6, 15)):
         assert torch.equal(block_bytes_of(g1, s_), block_bytes_of(g1, d))
@@ -456,11 +459,20 @@ def test_a_changed_g2_byte_never_goes_down_to_disk_or_out_to_a_peer(tmp_path):
         down = _submit(eng, "G2->G3", [7, 1, 2], [0, 1, 2], [81, 82, 83], job=2)
     assert down.ok == (True, False, True)
     assert down.failures[0].kind is FailureKind.CHECKSUM_MISMATCH
+    _assert_plain(down, [1])
     assert g2.checksums.checksums_of([7, 2]) == [xxhash.xxh3_64_intdigest(g2.payload(b))
                                                  for b in (7, 2)]
     with pytest.raises(ChecksumMismatchError, match="device checksum"):
         g2.ensure_checksums([1])
     disk.close()
+
+
+def _assert_plain(result: TransferResult, failed_slots: list[int]) -> None:
+    """The failures name these slots as plain ints (the engine hands storages numpy ids),
+    and the result crosses a process boundary as JSON intact."""
+    assert [f.block_id for f in result.failures] == failed_slots
+    assert all(type(f.block_id) is int and type(f.position) is int for f in result.failures)
+    assert TransferResult.from_dict(json.loads(json.dumps(result.to_dict()))) == result
 
 
 def test_default_engine_follows_the_machine():

@@ -194,8 +194,10 @@ class CopyEngine(ABC):
         what passed in one call; an engine that copies asynchronously checks each slice
         while the slice before it copies (:class:`~.device_copy.DeviceCopyEngine`)."""
         good = check(0, len(src_ids))
-        if good:
-            self.copy(src, [src_ids[p] for p in good], dst, [dst_ids[p] for p in good],
+        if len(good) == len(src_ids):
+            self.copy(src, src_ids, dst, dst_ids, direction=direction)
+        elif good:
+            self.copy(src, np.asarray(src_ids)[good], dst, np.asarray(dst_ids)[good],
                       direction=direction)
         return good
 
@@ -628,8 +630,8 @@ class TorchCopyEngine(CopyEngine):
         if not len(src_ids):
             return 0
         gran = max(src.layout.contiguous_granularity, dst.layout.contiguous_granularity)
-        s_idx = torch.as_tensor(list(src_ids), dtype=torch.long, device=src.device)
-        d_idx = torch.as_tensor(list(dst_ids), dtype=torch.long, device=dst.device)
+        s_idx = torch.as_tensor(np.asarray(src_ids, dtype=np.int64), device=src.device)
+        d_idx = torch.as_tensor(np.asarray(dst_ids, dtype=np.int64), device=dst.device)
         for s_view, d_view in zip(_piece_views(src, gran), _piece_views(dst, gran)):
             d_view.index_copy_(0, d_idx, s_view.index_select(0, s_idx))
         return len(src_ids) * src.layout.config.block_bytes

@@ -11,6 +11,7 @@ import socket
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -111,8 +112,10 @@ def test_a_pinned_slot_is_not_overwritten():
     g2.seal([0, 1], [11, 12])
     rows = g2.pin_held([11, 12, 13])
     assert [(h, s) for h, s, _ in rows] == [(11, 0), (12, 1)]
-    with pytest.raises(SlotPinnedError):
+    with pytest.raises(SlotPinnedError, match=r"slots \[1\] are being read"):
         g2.begin_write([3, 1])
+    with pytest.raises(SlotPinnedError, match=r"slots \[1, 0\] are being read"):
+        g2.begin_write(np.array([1, 2, 0]))        # as the transfer engine passes them
     assert not g2.check_readable([0, 1], [11, 12])                  # untouched
     g2.unpin([0, 1])
     g2.begin_write([1])

@@ -140,7 +140,8 @@ class HostStorage(MemoryStorage):
         invalidated) if another process is reading one of them (:meth:`pin_held`)."""
         with self._pin_lock:
             if self._pins:
-                busy = [b for b in block_ids if b in self._pins]
+                ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+                busy = ids[np.isin(ids, np.fromiter(self._pins, dtype=np.int64))].tolist()
                 if busy:
                     raise SlotPinnedError(f"slots {busy[:4]} are being read by another "
                                           f"process; not overwritten")
@@ -257,19 +258,19 @@ class HostStorage(MemoryStorage):
         verify = self.verify_reads if verify is None else verify
         failures = self.checksums.check_identities(block_ids, sequence_hashes)
         if verify:
-            bad = {f.position for f in failures}
-            positions = [p for p in range(len(block_ids)) if p not in bad]
-            slots = [block_ids[p] for p in positions]
+            ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+            passed = np.ones(ids.size, dtype=bool)
+            passed[[f.position for f in failures]] = False
+            positions = np.flatnonzero(passed)
+            slots = ids[positions]
             by_device = self._device_summed(slots)
             if by_device.any():
                 # xxh3 not known yet, device checksum known: hash, then check the device
                 # checksum, and record the xxh3 of what passed (it travels on to G3)
-                summed = [b for b, d in zip(slots, by_device) if d]
-                _, found = self._xxh3_of(summed)
-                at = [p for p, d in zip(positions, by_device) if d]
-                failures += [replace(f, position=at[f.position]) for f in found]
-                positions = [p for p, d in zip(positions, by_device) if not d]
-                slots = [b for b, d in zip(slots, by_device) if not d]
+                _, found = self._xxh3_of(slots[by_device])
+                at = positions[by_device]
+                failures += [replace(f, position=int(at[f.position])) for f in found]
+                positions, slots = positions[~by_device], slots[~by_device]
             failures += self.checksums.compare(positions, slots, self.payload_checksums(slots))
             failures.sort(key=lambda f: f.position)
         return failures
@@ -295,7 +296,7 @@ class HostStorage(MemoryStorage):
             return []
         actual = memory_device_checksums(self._slot_addresses(slots), self.config.block_bytes,
                                          threads=self.hash_threads)
-        return [BlockFailure(positions[i], slots[i], FailureKind.CHECKSUM_MISMATCH,
+        return [BlockFailure(int(positions[i]), int(slots[i]), FailureKind.CHECKSUM_MISMATCH,
                              f"device checksum {int(actual[i]):#018x} != recorded "
                              f"{int(expected[i]):#018x}")
                 for i in np.flatnonzero(actual != expected).tolist()]
