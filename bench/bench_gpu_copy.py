@@ -178,17 +178,23 @@ def bench_layout(layout: str, geometry: str, batch_bytes: int, reps: int, result
     g2.close()
 
 
-def overlap(onboard, onboard_seconds: float) -> dict:
-    """Matrix products on the default stream while an onboard runs on its own stream."""
+def forward_lasting(seconds: float):
+    """A stand-in for an engine's forward: as many bf16 8192^3 matrix products on the
+    default stream as take about ``seconds``; ``(queue them, how many)``."""
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     one = _timed(lambda: a @ b, 3)
-    count = max(1, round(onboard_seconds / one))
+    count = max(1, round(seconds / one))
 
     def forward():
         for _ in range(count):
             a @ b
+    return forward, count
 
+
+def overlap(onboard, onboard_seconds: float) -> dict:
+    """Matrix products on the default stream while an onboard runs on its own stream."""
+    forward, count = forward_lasting(onboard_seconds)
     alone = _timed(forward, 3)
     load = _timed(onboard, 3)
 

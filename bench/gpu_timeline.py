@@ -15,7 +15,13 @@ direction:
   before the GPU's first operation and after its last, and the longest idle gaps inside,
   each with how long before it the host had queued the operation that ended it (near zero:
   the host was late; large: the GPU waited on something queued);
-* with ``--knobs``: ``copy_summed`` alone at other kernel shapes (warps, grid, slice size).
+* with ``--knobs``: ``copy_summed`` alone at other kernel shapes (warps, grid, slice size);
+* **overlap**: a verified onboard (2 MiB blocks, FlashAttention, ``auto``, which stages them)
+  beside bf16 matrix products on the default stream (``bench_gpu_copy.overlap``: both
+  together against the longer alone), at each staging depth (``OVERLAP_DEPTHS``: buffers a
+  direction's slices take turns in), and one profiled run of both: each stream's busy time
+  and when its last operation ended. Where the pack kernel waits for SMs the matrix
+  products hold, a deeper ring lets the DMA run on (what this measures).
 
 Prints a table; ``--out DIR`` also writes every figure (``timeline.json``) and the trace
 events read, per case, in one gzipped JSON (``traces.json.gz``). Needs CUDA; exits 2
@@ -37,7 +43,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu_copy import _tensors, _timed  # noqa: E402
+from bench_gpu_copy import _tensors, _timed, forward_lasting, overlap  # noqa: E402
 
 from kvstrata.physical import (DeviceStorage, HostStorage, TransferEngine,  # noqa: E402
                                TransferPlan)
@@ -52,6 +58,7 @@ RUN = 32
 slot first, the runs at random places (what the pool's free stack and tail-first eviction
 give; ``bench/staging_runs.py`` counts 25-32 blocks per run in the packaged trace's replay)."""
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+OVERLAP_DEPTHS = (2, 4, 8)
 
 
 class Setup:
@@ -151,12 +158,13 @@ def summarise(events: list[dict]) -> dict:
         if not inside:
             out[window["name"]] = {"wall_us": window["dur"], "gpu_ops": 0}
             continue
-        busy, streams, gaps = 0.0, {}, []
+        busy, streams, ends, gaps = 0.0, {}, {}, []
         cur_start, cur_end = inside[0]["ts"], inside[0]["ts"] + inside[0]["dur"]
         for e in inside:
             start, end = e["ts"], e["ts"] + e["dur"]
             key = f"{e.get('args', {}).get('stream', '?')} {e['cat']}"
             streams[key] = streams.get(key, 0.0) + e["dur"]
+            ends[key] = max(ends.get(key, 0.0), end - lo)
             if start > cur_end:
                 busy += cur_end - cur_start
                 launched = runtime.get(e.get("args", {}).get("correlation"))
@@ -172,7 +180,7 @@ def summarise(events: list[dict]) -> dict:
             "wall_us": window["dur"], "gpu_busy_us": busy, "busy_share": busy / window["dur"],
             "head_us": inside[0]["ts"] - lo, "tail_us": hi - last, "gpu_ops": len(inside),
             "idle_inside_us": sum(g["gap_us"] for g in gaps),
-            "streams_us": streams,
+            "streams_us": streams, "streams_end_us": ends,
             "longest_gaps": sorted(gaps, key=lambda g: -g["gap_us"])[:5]}
     return out
 
@@ -213,6 +221,43 @@ def knobs(batch_bytes: int, reps: int) -> list[dict]:
         rows.append(row)
     for setup in setups.values():
         setup.close()
+    return rows
+
+
+def overlap_cases(batch_bytes: int, reps: int) -> list[dict]:
+    """The overlap of an onboard with a forward at each of ``OVERLAP_DEPTHS`` (see the
+    module docstring)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+    setup = Setup("2MiB", "flash_attn", batch_bytes)
+    off_plan, on_plan = setup.plans()
+    rows = []
+    for depth in OVERLAP_DEPTHS:
+        engine = DeviceCopyEngine(transport="auto", staging_depth=depth)
+        with TransferEngine({"G1": setup.g1, "G2": setup.g2}, copy_engine=engine) as transfers:
+            def run(plan):
+                out = transfers.submit(plan).result()
+                assert out.all_ok, (plan.path, out.failures[:1], out.error)
+            run(off_plan)
+            run(on_plan)
+            row = overlap(lambda: run(on_plan), _timed(lambda: run(on_plan), reps))
+            forward, _ = forward_lasting(row["onboard_s"])
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                with record_function(f"plan overlap depth {depth}"):
+                    forward()
+                    run(on_plan)
+                    torch.cuda.synchronize()
+            path = f"/tmp/kvstrata-overlap-{os.getpid()}.json"
+            prof.export_chrome_trace(path)
+            with open(path) as f:
+                events = json.load(f)["traceEvents"]
+            os.unlink(path)
+            row.update(depth=depth, used=engine.transport_on("cuda"),
+                       timeline=summarise([e for e in events if e.get("ph") == "X" and e.get(
+                           "cat") in (*GPU_CATEGORIES, "user_annotation")]))
+        engine.close()
+        rows.append(row)
+    setup.close()
     return rows
 
 
@@ -265,6 +310,14 @@ def main() -> int:
                   f"summed {r['summed_offload_gbs']:5.1f}/{r['summed_onboard_gbs']:5.1f}  "
                   f"copy {r['copy_offload_gbs']:5.1f}/{r['copy_onboard_gbs']:5.1f} ({r['used']})",
                   flush=True)
+    results["overlap"] = overlap_cases(batch_bytes, args.reps)
+    for r in results["overlap"]:
+        t = next(iter(r["timeline"].values()), {})
+        ends = ", ".join(f"{k}: {v:.0f} us" for k, v in t.get("streams_end_us", {}).items())
+        print(f"overlap depth {r['depth']} ({r['used']}): both {r['both_s'] * 1e3:.2f} ms = "
+              f"{r['vs_max']:.2f} x max, {r['vs_sum']:.2f} x sum (forward "
+              f"{r['forward_s'] * 1e3:.2f} ms, {r['matmuls']} products; onboard "
+              f"{r['onboard_s'] * 1e3:.2f} ms); profiled, streams end at {ends}", flush=True)
     results["seconds"] = time.perf_counter() - started
     if args.out:
         with open(os.path.join(args.out, "timeline.json"), "w") as f:

@@ -125,6 +125,9 @@ def test_bad_settings_are_refused():
         interpreter(transport="carrier-pigeon")
     with pytest.raises(ValueError, match="interpreter"):
         interpreter(transport="dma")
+    for depth in (1, 65):
+        with pytest.raises(ValueError, match="staging_depth"):
+            interpreter(staging_depth=depth)
 
 
 def test_host_runs_are_the_consecutive_slots_of_a_slice():
@@ -537,11 +540,14 @@ def _flash_g1_and_g2(blocks: int, slots: int):
 
 @gpu
 @needs_triton
-def test_gpu_staged_slices_of_two_threads_at_once_each_land_right():
-    """Two threads share the staging ring of a direction: every block lands byte for byte."""
+@pytest.mark.parametrize("depth", [2, 5])
+def test_gpu_staged_slices_of_two_threads_at_once_each_land_right(depth):
+    """Two threads share the staging ring of a direction (of ``depth`` buffers, taken in
+    turn many times over): every block lands byte for byte."""
     import threading
     g1, host = _flash_g1_and_g2(96, 96)
-    engine = DeviceCopyEngine(transport="staged", slice_bytes=3 * g1.config.block_bytes)
+    engine = DeviceCopyEngine(transport="staged", slice_bytes=3 * g1.config.block_bytes,
+                              staging_depth=depth)
     assert engine.transport_on("cuda") == "staged", engine.kernel_error
     back = DeviceStorage.wrap([torch.zeros_like(t) for t in g1.tensors])
     errors = []
@@ -564,6 +570,8 @@ def test_gpu_staged_slices_of_two_threads_at_once_each_land_right():
     assert not errors
     for t, b in zip(g1.tensors, back.tensors):
         assert torch.equal(t.view(torch.int16), b.view(torch.int16))
+    ring = next(r for (direction, _), r in engine._rings.items() if direction == "onboard")
+    assert sum(b is not None for b in ring._buffers) == depth      # every buffer took turns
     engine.close()
 
 

@@ -146,7 +146,9 @@ class DeviceCopyEngine(CopyEngine):
     A transport that fails its self-test on a device is replaced by the next that passes
     (``auto`` needs ``kernel`` and ``staged``), then by ``fallback``. ``programs``: the
     grid the kernel aims at (default: the device's SM count); each program copies a group
-    of consecutive pieces."""
+    of consecutive pieces. ``staging_depth``: the staged transport's buffers per direction
+    and device (:class:`~.device_staging.StagingRing`), each ``slice_bytes`` of device
+    memory once used."""
 
     name = "device"
 
@@ -155,7 +157,8 @@ class DeviceCopyEngine(CopyEngine):
                  staged_run_bytes: int = 512 << 10,
                  max_piece_bytes: int = 64 << 10, block_elements: int = 4096,
                  num_warps: int = 4, programs: int | None = None,
-                 hash_threads: int | None = None, device_checksums: bool = True) -> None:
+                 hash_threads: int | None = None, device_checksums: bool = True,
+                 staging_depth: int = 2) -> None:
         kernels, error = device_kernels()
         if kernels is None:
             raise RuntimeError(f"device copy kernel unavailable: {error}")
@@ -167,6 +170,8 @@ class DeviceCopyEngine(CopyEngine):
             raise ValueError("Triton's interpreter runs no DMA transport")
         if block_elements < 1 or block_elements & (block_elements - 1):
             raise ValueError(f"block_elements must be a power of two, got {block_elements}")
+        if not 2 <= staging_depth <= 64:
+            raise ValueError(f"staging_depth must be 2 to 64, got {staging_depth}")
         from .storage.host import default_hash_threads
         self.interpret = interpret
         self.transport = transport
@@ -182,6 +187,7 @@ class DeviceCopyEngine(CopyEngine):
         self.programs = programs
         self.hash_threads = default_hash_threads() if hash_threads is None else hash_threads
         self.device_checksums = device_checksums
+        self.staging_depth = staging_depth
         self._streams: dict[tuple[str, torch.device], torch.cuda.Stream] = {}
         self._lock = threading.Lock()
         self._rings: dict[tuple[str, torch.device], StagingRing] = {}
@@ -534,7 +540,7 @@ class DeviceCopyEngine(CopyEngine):
                 raise RuntimeError("the device copy engine is closed")
             ring = self._rings.get(key)
             if ring is None:
-                ring = self._rings[key] = StagingRing(device)
+                ring = self._rings[key] = StagingRing(device, self.staging_depth)
             return ring
 
     def _dma_refused(self, device: torch.device, transport: str, exc: Exception) -> None:

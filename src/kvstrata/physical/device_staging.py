@@ -15,8 +15,8 @@ prefix stored by one offload) moves as one DMA copy.
 
 This module holds the pieces that are not the copy itself: :func:`staging_order` and
 :func:`host_runs` (the slice's host slots as runs of consecutive slots, pure numpy, checked
-on CPU) and :class:`StagingRing` (two device buffers one direction takes turns in, so the DMA
-of one slice overlaps the pack of the next, and the stream the DMA runs on).
+on CPU) and :class:`StagingRing` (device buffers one direction takes turns in, so the DMA of
+one slice overlaps the pack of the next, and the stream the DMA runs on).
 """
 
 from __future__ import annotations
@@ -71,17 +71,22 @@ def staged_runs(slots, stride: int, block_bytes: int, min_average: int = 0
 
 
 class StagingRing:
-    """Two device buffers that one direction's staged slices on one device take turns in,
-    and the CUDA stream their DMA runs on. Callers hold :attr:`lock` from :meth:`take` to
-    :meth:`release` so two threads' slices never share a buffer; the GPU orders the rest
-    (a slice waits for the event of the last slice that used its buffer)."""
+    """``depth`` device buffers (at least 2) that one direction's staged slices on one
+    device take turns in, and the CUDA stream their DMA runs on. Callers hold :attr:`lock`
+    from :meth:`take` to :meth:`release` so two threads' slices never share a buffer; the
+    GPU orders the rest (a slice waits for the event of the last slice that used its
+    buffer). With two, one slice's DMA overlaps the next slice's pack; more let packs run
+    ahead of the DMA, which matters where the pack waits for SMs (a forward beside it
+    holding them): each buffer is a slice's worth of device memory."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, depth: int = 2) -> None:
+        if depth < 2:
+            raise ValueError(f"a staging ring needs at least 2 buffers, got {depth}")
         self.device = device
         self.lock = threading.Lock()
         self.dma_stream = torch.cuda.Stream(device=device)
-        self._buffers: list[torch.Tensor | None] = [None, None]
-        self._released: list[torch.cuda.Event | None] = [None, None]
+        self._buffers: list[torch.Tensor | None] = [None] * depth
+        self._released: list[torch.cuda.Event | None] = [None] * depth
         self._turn = 0
 
     def take(self, nbytes: int) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
@@ -108,9 +113,9 @@ class StagingRing:
 
     def release(self, event: "torch.cuda.Event") -> None:
         """The buffer :meth:`take` gave last is in use until ``event``; the next take gets
-        the other."""
+        the next one."""
         self._released[self._turn] = event
-        self._turn ^= 1
+        self._turn = (self._turn + 1) % len(self._buffers)
 
     def close(self) -> None:
         """Wait for the last use of each buffer, then let them go."""
@@ -118,8 +123,8 @@ class StagingRing:
             for event in self._released:
                 if event is not None:
                     event.synchronize()
-            self._buffers = [None, None]
-            self._released = [None, None]
+            self._buffers = [None] * len(self._buffers)
+            self._released = [None] * len(self._released)
 
     def nbytes(self) -> int:
         """Device memory the ring holds."""
