@@ -255,9 +255,11 @@ def sweep(batch_bytes: int, reps: int) -> list[dict]:
             times = {}
             for name, fn in (
                     ("off", lambda: engine.copy(g1.memory, ids, g2.memory, slots)),
-                    ("on", lambda: engine.copy(g2.memory, slots, g1.memory, ids)),
+                    ("on", lambda: engine.copy(g2.memory, slots, g1.memory, ids,
+                                               direction="onboard")),
                     ("summed_off", lambda: engine.copy_summed(g1.memory, ids, g2.memory, slots)),
-                    ("summed_on", lambda: engine.copy_summed(g2.memory, slots, g1.memory, ids))):
+                    ("summed_on", lambda: engine.copy_summed(g2.memory, slots, g1.memory, ids,
+                                                             direction="onboard"))):
                 times[name] = _timed(fn, reps)
                 row[name] = nbytes / times[name] / 1e9
             if geometry == "2MiB":

@@ -224,9 +224,9 @@ def knobs(batch_bytes: int, reps: int) -> list[dict]:
     return rows
 
 
-def overlap_cases(batch_bytes: int, reps: int) -> list[dict]:
+def overlap_cases(batch_bytes: int, reps: int):
     """The overlap of an onboard with a forward at each of ``OVERLAP_DEPTHS`` (see the
-    module docstring)."""
+    module docstring): yields a row per depth as it is measured."""
     from torch.profiler import ProfilerActivity, profile, record_function
     setup = Setup("2MiB", "flash_attn", batch_bytes)
     off_plan, on_plan = setup.plans()
@@ -256,9 +256,28 @@ def overlap_cases(batch_bytes: int, reps: int) -> list[dict]:
                        timeline=summarise([e for e in events if e.get("ph") == "X" and e.get(
                            "cat") in (*GPU_CATEGORIES, "user_annotation")]))
         engine.close()
-        rows.append(row)
+        yield row
     setup.close()
-    return rows
+
+
+def print_overlap(r: dict) -> None:
+    t = next(iter(r["timeline"].values()), {})
+    ends = ", ".join(f"{k}: {v:.0f} us" for k, v in t.get("streams_end_us", {}).items())
+    print(f"overlap depth {r['depth']} ({r['used']}): both {r['both_s'] * 1e3:.2f} ms = "
+          f"{r['vs_max']:.2f} x max, {r['vs_sum']:.2f} x sum (forward "
+          f"{r['forward_s'] * 1e3:.2f} ms, {r['matmuls']} products; onboard "
+          f"{r['onboard_s'] * 1e3:.2f} ms); profiled, streams end at {ends}", flush=True)
+
+
+def save(results: dict, traces: dict, out: str | None) -> None:
+    """Write what was measured so far (again after each later step: a step cut short by
+    the time limit keeps what came before)."""
+    if not out:
+        return
+    with open(os.path.join(out, "timeline.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    with gzip.open(os.path.join(out, "traces.json.gz"), "wt") as f:
+        json.dump(traces, f)
 
 
 def main() -> int:
@@ -310,22 +329,20 @@ def main() -> int:
                   f"summed {r['summed_offload_gbs']:5.1f}/{r['summed_onboard_gbs']:5.1f}  "
                   f"copy {r['copy_offload_gbs']:5.1f}/{r['copy_onboard_gbs']:5.1f} ({r['used']})",
                   flush=True)
-    results["overlap"] = overlap_cases(batch_bytes, args.reps)
-    for r in results["overlap"]:
-        t = next(iter(r["timeline"].values()), {})
-        ends = ", ".join(f"{k}: {v:.0f} us" for k, v in t.get("streams_end_us", {}).items())
-        print(f"overlap depth {r['depth']} ({r['used']}): both {r['both_s'] * 1e3:.2f} ms = "
-              f"{r['vs_max']:.2f} x max, {r['vs_sum']:.2f} x sum (forward "
-              f"{r['forward_s'] * 1e3:.2f} ms, {r['matmuls']} products; onboard "
-              f"{r['onboard_s'] * 1e3:.2f} ms); profiled, streams end at {ends}", flush=True)
+    save(results, traces, args.out)
+    results["overlap"] = []
+    try:
+        for row in overlap_cases(batch_bytes, args.reps):
+            results["overlap"].append(row)
+            print_overlap(row)
+            save(results, traces, args.out)
+    except Exception as exc:     # noqa: BLE001 - what came before is kept and said
+        results["overlap_error"] = f"{type(exc).__name__}: {exc}"
+        print(f"overlap: {results['overlap_error']}", flush=True)
     results["seconds"] = time.perf_counter() - started
-    if args.out:
-        with open(os.path.join(args.out, "timeline.json"), "w") as f:
-            json.dump(results, f, indent=1)
-        with gzip.open(os.path.join(args.out, "traces.json.gz"), "wt") as f:
-            json.dump(traces, f)
+    save(results, traces, args.out)
     print(f"gpu_timeline: {results['seconds']:.0f} s")
-    return 0
+    return 0 if "overlap_error" not in results else 1
 
 
 if __name__ == "__main__":
