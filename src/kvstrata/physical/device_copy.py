@@ -705,40 +705,28 @@ class DeviceCopyEngine(CopyEngine):
         ``src`` (the template's source base region) to ``dst_ids`` at ``dst``: the copy
         kernel, or ``summed`` the device checksum kernel (copying too unless not ``copy``),
         whose per-piece shares come back to pinned host memory on the same stream."""
-        if summed:
-            if template.unit_bytes < 8:
-                raise ValueError(f"device checksums need 8-byte aligned pieces, these are "
-                                 f"aligned to {template.unit_bytes} (see summable)")
-            dtype, per_unit = torch.int64, template.unit_bytes // 8
-        else:
-            dtype, per_unit = _element(template.unit_bytes)
-        src, dst = _typed_start(src, dtype), _typed_start(dst, dtype)
-        elements = template.piece_bytes // (template.unit_bytes // per_unit)
-        block = min(self.block_elements, 1 << max(0, (elements - 1).bit_length()))
         n = len(src_ids)
         total = n * template.per_block
-        group = self._group(total, device)
+        dtype, shape = self.kernel_shape(template, summed, total, device)
+        src, dst = _typed_start(src, dtype), _typed_start(dst, dtype)
+        group, block = shape["GROUP"], shape["BLOCK"]
         programs = -(-total // group)
         ids = np.empty((2, n), dtype=np.int64)
         ids[0], ids[1] = src_ids, dst_ids
         ids = torch.from_numpy(ids)
         offsets = self._template_tensor(template, device)
-        extra: dict = {}
         if device is not None:
             ids = ids.to(device, non_blocking=True)
-            extra["num_warps"] = self.num_warps
+            shape["num_warps"] = self.num_warps
         launch = _Launch(keep=[ids], per_block=template.per_block if summed else 0,
                          pieces=total)
         args = (src, dst, ids[0], ids[1], offsets[0], offsets[1], template.src_stride,
                 template.dst_stride, total)
-        shape = dict(UNIT=per_unit, PIECE=elements, BLOCK=block, GROUP=group,
-                     PER_BLOCK=template.per_block, **extra)
         if not summed:
             self._kernel[(programs,)](*args, **shape)
             return launch
         shares = torch.empty(programs * group, dtype=torch.int64, device=ids.device)
-        self._summed_kernel[(programs,)](*args, shares, LOG2_BLOCK=block.bit_length() - 1,
-                                         COPY=copy, **shape)
+        self._summed_kernel[(programs,)](*args, shares, COPY=copy, **shape)
         if device is not None:
             launch.shares = torch.empty(shares.numel(), dtype=torch.int64, pin_memory=True)
             launch.shares.copy_(shares, non_blocking=True)
@@ -746,6 +734,26 @@ class DeviceCopyEngine(CopyEngine):
         else:
             launch.shares = shares
         return launch
+
+    def kernel_shape(self, template: BlockTemplate, summed: bool, pieces: int,
+                     device: torch.device | None) -> tuple[torch.dtype, dict]:
+        """What a launch over ``pieces`` pieces of ``template`` compiles the kernel for: the
+        element type it moves and its compile-time constants (``UNIT``, ``PIECE``,
+        ``BLOCK``, ``GROUP``, ``PER_BLOCK``; ``summed``: ``LOG2_BLOCK`` too)."""
+        if summed:
+            if template.unit_bytes < 8:
+                raise ValueError(f"device checksums need 8-byte aligned pieces, these are "
+                                 f"aligned to {template.unit_bytes} (see summable)")
+            dtype, per_unit = torch.int64, template.unit_bytes // 8
+        else:
+            dtype, per_unit = _element(template.unit_bytes)
+        elements = template.piece_bytes // (template.unit_bytes // per_unit)
+        block = min(self.block_elements, 1 << max(0, (elements - 1).bit_length()))
+        shape = dict(UNIT=per_unit, PIECE=elements, BLOCK=block,
+                     GROUP=self._group(pieces, device), PER_BLOCK=template.per_block)
+        if summed:
+            shape["LOG2_BLOCK"] = block.bit_length() - 1
+        return dtype, shape
 
     @staticmethod
     def _wait(launch: "_Launch | None") -> None:

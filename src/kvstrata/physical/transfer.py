@@ -1,6 +1,6 @@
 """The transfer engine: executes :class:`TransferPlan` batches between tier storages.
 
-(Nearly 500 lines on purpose: one concern, running plans; the queues, the workers and the
+(Nearly 700 lines on purpose: one concern, running plans; the queues, the workers and the
 five ways a plan moves its bytes share the engine's staging buffers and pacing.)
 
 Usage::
