@@ -2,8 +2,9 @@
 NVIDIA backend turns each kernel, at the shapes the engine launches for every G1 layout vLLM
 hands over, into a Hopper (sm_90: H100, H200) binary, whose resource usage ``cuobjdump``
 reads. Triton's CPU interpreter (test_device_copy.py) checks what the kernels compute; this
-checks what the interpreter cannot: that they lower to GPU code at all, and that no thread
-spills registers to local memory (a spill puts a round trip to memory in every loop step)."""
+checks what the interpreter cannot: that they lower to GPU code at all, that no thread spills
+registers to local memory (a spill puts a round trip to memory in every loop step), and that
+the bytes move 16 to a load or store instruction, as docs/physical.md says they do."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+from collections import Counter
 
 import pytest
 import torch
@@ -44,29 +46,42 @@ def _cuobjdump() -> str | None:
 
 
 def _compile(kernel, dtype: torch.dtype, shape: dict, summed: bool, num_warps: int) -> bytes:
+    """The kernel's Hopper binary as a launch specialises it: Triton marks every pointer
+    argument whose address is a multiple of 16 (the engine's always are: CUDA allocations,
+    page-aligned G2, id arrays) as such, which lets it move 16 bytes per instruction."""
     from triton.backends.compiler import GPUTarget
-    signature = {name: POINTER[dtype] for name in ("src", "dst")}
-    signature.update({name: "*i64" for name in ("src_ids", "dst_ids", "src_template",
-                                                "dst_template")})
-    signature.update(src_stride="i64", dst_stride="i64", total="i32")
+    pointers = {name: POINTER[dtype] for name in ("src", "dst")}
+    pointers.update({name: "*i64" for name in ("src_ids", "dst_ids", "src_template",
+                                               "dst_template")})
+    signature = dict(pointers, src_stride="i64", dst_stride="i64", total="i32")
     constants = dict(shape)
     if summed:
-        signature["sums"] = "*i64"
+        signature["sums"] = pointers["sums"] = "*i64"
         constants["COPY"] = True
     signature.update({name: "constexpr" for name in constants})
-    source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constants)
+    names = list(signature)
+    aligned = {(names.index(name),): [["tt.divisibility", 16]] for name in pointers}
+    source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constants,
+                                       attrs=aligned)
     compiled = triton.compile(source, target=GPUTarget("cuda", *HOPPER),
                               options={"num_warps": num_warps})
     return compiled.asm["cubin"]
 
 
-def _resources(cubin: bytes, tool: str) -> dict[str, int]:
+def _inspect(cubin: bytes, tool: str) -> tuple[dict[str, int], dict[str, int]]:
+    """``(resources, global memory instructions)`` of a binary: registers, stack and local
+    memory per thread; each load/store opcode (``STG.E.128``: a 16-byte store) and its
+    count in the machine code."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
-                              text=True, check=True).stdout
-    return {key: int(value) for key, value in re.findall(r"\b(REG|STACK|LOCAL):(\d+)", text)}
+        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
+                               text=True, check=True).stdout
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    resources = {key: int(value)
+                 for key, value in re.findall(r"\b(REG|STACK|LOCAL):(\d+)", usage)}
+    return resources, dict(Counter(re.findall(r"\b((?:LDG|STG)\.E[A-Z0-9.]*)", sass)))
 
 
 @pytest.mark.skipif(device_kernels()[0] is None, reason=f"device kernel: {device_kernels()[1]}")
@@ -88,9 +103,17 @@ def test_kernels_compile_for_hopper_without_spilling(layout, geometry):
             dtype, shape = engine.kernel_shape(template, summed, slice_blocks * template.per_block,
                                                None)
             for num_warps in sorted({engine.num_warps, 8}):   # the default and the knob
-                usage = _resources(_compile(kernel, dtype, shape, summed, num_warps), tool)
-                what = f"{'summed' if summed else 'copy'} {shape} {num_warps} warps: {usage}"
+                usage, memory = _inspect(_compile(kernel, dtype, shape, summed, num_warps),
+                                         tool)
+                what = (f"{'summed' if summed else 'copy'} {shape} {num_warps} warps: "
+                        f"{usage} {memory}")
                 assert usage.get("REG", 0) > 0, what                  # a kernel was built
                 assert usage.get("LOCAL", 0) == 0 and usage.get("STACK", 0) == 0, what
+                # the bytes move 16 to an instruction; narrower stores: the checksum
+                # shares only, one a piece (a group's loop may be unrolled)
+                assert memory.get("LDG.E.128") and memory.get("STG.E.128"), what
+                narrow = sum(n for op, n in memory.items() if op.startswith("STG")
+                             and not op.endswith(".128"))
+                assert narrow <= (shape["GROUP"] if summed else 0), what
     finally:
         g2.close()
