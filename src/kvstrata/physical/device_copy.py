@@ -709,7 +709,7 @@ class DeviceCopyEngine(CopyEngine):
         total = n * template.per_block
         dtype, shape = self.kernel_shape(template, summed, total, device)
         src, dst = _typed_start(src, dtype), _typed_start(dst, dtype)
-        group, block = shape["GROUP"], shape["BLOCK"]
+        group = shape["GROUP"]
         programs = -(-total // group)
         ids = np.empty((2, n), dtype=np.int64)
         ids[0], ids[1] = src_ids, dst_ids
