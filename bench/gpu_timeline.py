@@ -125,22 +125,29 @@ def measure(setup: Setup, engine: DeviceCopyEngine, reps: int) -> dict:
 
 def timeline(run, plans) -> tuple[dict, list[dict]]:
     """Profile one run of each plan (after the warm-up the caller did): the summary and the
-    trace's events that it reads (GPU operations, runtime calls, the plans' annotations)."""
+    trace's events that it reads."""
+    kept = profiled([(f"plan {plan.path}", lambda plan=plan: run(plan)) for plan in plans])
+    return summarise(kept), kept
+
+
+def profiled(steps) -> list[dict]:
+    """Run each ``(name, fn)`` of ``steps`` under torch's profiler, annotated ``name`` and
+    waited for on the device: the trace's events :func:`summarise` reads (GPU operations,
+    runtime calls, the annotations)."""
     from torch.profiler import ProfilerActivity, profile, record_function
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for plan in plans:
-            with record_function(f"plan {plan.path}"):
-                run(plan)
+        for name, fn in steps:
+            with record_function(name):
+                fn()
                 torch.cuda.synchronize()
     path = f"/tmp/kvstrata-trace-{os.getpid()}.json"
     prof.export_chrome_trace(path)
     with open(path) as f:
         events = json.load(f)["traceEvents"]
     os.unlink(path)
-    kept = [e for e in events if e.get("ph") == "X" and e.get("cat") in (
+    return [e for e in events if e.get("ph") == "X" and e.get("cat") in (
         *GPU_CATEGORIES, "cuda_runtime", "cuda_driver", "user_annotation")]
-    return summarise(kept), kept
 
 
 def summarise(events: list[dict]) -> dict:
@@ -227,7 +234,6 @@ def knobs(batch_bytes: int, reps: int) -> list[dict]:
 def overlap_cases(batch_bytes: int, reps: int):
     """The overlap of an onboard with a forward at each of ``OVERLAP_DEPTHS`` (see the
     module docstring): yields a row per depth as it is measured."""
-    from torch.profiler import ProfilerActivity, profile, record_function
     setup = Setup("2MiB", "flash_attn", batch_bytes)
     off_plan, on_plan = setup.plans()
     rows = []
@@ -241,20 +247,13 @@ def overlap_cases(batch_bytes: int, reps: int):
             run(on_plan)
             row = overlap(lambda: run(on_plan), _timed(lambda: run(on_plan), reps))
             forward, _ = forward_lasting(row["onboard_s"])
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                with record_function(f"plan overlap depth {depth}"):
-                    forward()
-                    run(on_plan)
-                    torch.cuda.synchronize()
-            path = f"/tmp/kvstrata-overlap-{os.getpid()}.json"
-            prof.export_chrome_trace(path)
-            with open(path) as f:
-                events = json.load(f)["traceEvents"]
-            os.unlink(path)
+
+            def both():
+                forward()         # queued on the default stream
+                run(on_plan)      # its own streams; returns when it landed
+            events = profiled([(f"plan overlap depth {depth}", both)])
             row.update(depth=depth, used=engine.transport_on("cuda"),
-                       timeline=summarise([e for e in events if e.get("ph") == "X" and e.get(
-                           "cat") in (*GPU_CATEGORIES, "user_annotation")]))
+                       timeline=summarise(events))
         engine.close()
         yield row
     setup.close()
