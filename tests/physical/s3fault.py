@@ -51,9 +51,9 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if mode == "stall":
             self.send_response(200)
-            self.send_header("Content-Length", "1000000")
+            self.send_header("Content-Length", "400")     # no more than an object: read
             self.end_headers()
-            self.wfile.write(b"\0" * 1000)
+            self.wfile.write(b"\0" * 200)
             self.wfile.flush()
             server.release.wait()
             return

@@ -150,7 +150,7 @@ class _SlowClient:
         self.finished = threading.Event()
         self.geometry = ObjectGeometry.of(CFG)
 
-    def get(self, key):
+    def get(self, key, *, max_bytes=None):
         time.sleep(self.delay)
         payload = bytes(range(256)) * (BB // 256)
         data = encode_header(fingerprint=FP, geometry=self.geometry, sequence_hash=1,
@@ -186,7 +186,7 @@ def test_batch_deadline_bounds_a_stuck_client():
 
 
 class _BrokenClient(_SlowClient):
-    def get(self, key):
+    def get(self, key, *, max_bytes=None):
         raise RuntimeError("bug in a client")
 
 

@@ -22,7 +22,7 @@ from kvstrata.physical import (BlockIntegrityError, BlockIOError, BlockNotFoundE
                                ObjectStorage, StorageClosedError, StorageError, TransferEngine,
                                TransferPlan)
 from kvstrata.physical.storage.object_format import HEADER_SIZE
-from kvstrata.physical.storage.s3client import S3Client
+from kvstrata.physical.storage.s3client import ObjectTooLargeError, S3Client
 from kvstrata.physical.storage.seaweed import SeaweedServer, find_weed
 from kvstrata.protocol import Endpoint
 
@@ -211,6 +211,27 @@ def test_damaged_and_foreign_objects_are_per_block_failures(weed, store, namespa
         assert (out[p] == SENTINEL).all()                # nothing handed out as good
     assert np.array_equal(out[7], blocks[7])
     assert all(f.kind.bad_source for f in err.value.failures)
+
+
+def test_an_object_larger_than_a_block_is_refused_unread(weed, store):
+    """Whoever can write the bucket could plant a huge object under a block's key: it fails
+    that block from the size the store reports, before a byte of it is loaded."""
+    seqs = [41, 42]
+    blocks = random_block_arrays(len(seqs), BB, seed=12)
+    store.write_blocks(keys_of(seqs), blocks, seqs)
+    raw = S3Client(weed.s3_config())
+    key = store.namespace + keys_of(seqs)[0]
+    raw.put(key, bytes(raw.get(key)) + b"\0" * (4 << 20))         # a valid object, padded
+    out = sentinels(len(seqs))
+    with pytest.raises(BlockIntegrityError) as err:
+        store.read_blocks(keys_of(seqs), out, seqs)
+    (failure,) = err.value.failures
+    assert failure.position == 0 and failure.kind is FailureKind.CHECKSUM_MISMATCH
+    assert "not read" in failure.detail and str(HEADER_SIZE + BB + (4 << 20)) in failure.detail
+    assert (out[0] == SENTINEL).all() and np.array_equal(out[1], blocks[1])
+    with pytest.raises(ObjectTooLargeError):
+        raw.get(key, max_bytes=HEADER_SIZE + BB)
+    assert len(raw.get(key, max_bytes=HEADER_SIZE + BB + (4 << 20))) == HEADER_SIZE + BB + (4 << 20)
 
 
 def test_list_keys_names_what_is_directly_under_the_namespace(weed, store):

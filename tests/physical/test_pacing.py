@@ -266,7 +266,7 @@ class RecordingS3:
             self.objects[key] = bytes(body)
             return True
 
-    def get(self, key: str):
+    def get(self, key: str, *, max_bytes: int | None = None):
         return self.objects.get(key)
 
     def ensure_bucket(self) -> bool:

@@ -58,7 +58,7 @@ class FakeS3:
             self.objects[key] = bytes(body)
             return True
 
-    def get(self, key: str):
+    def get(self, key: str, *, max_bytes: int | None = None):
         with self.lock:
             return self.objects.get(key)
 

@@ -49,11 +49,11 @@ from ..errors import (BlockFailure, FailureKind, StorageConfigError, StorageErro
 from ...protocol.layout import FullyContiguousLayout, LayoutConfig
 from ...protocol.layout_codec import StorageDescriptor
 from .base import BlockStore, StorageStatus
-from .object_format import (HEADER_SIZE, ObjectFormatError, ObjectGeometry,
+from .object_format import (HEADER_SIZE, ObjectCorruptError, ObjectFormatError, ObjectGeometry,
                             check_fingerprint, decrypt_payload, encode_header, object_identity,
                             open_object)
 from ..tags import BlockCipher, BlockTagger
-from .s3client import ObjectStoreError, S3Client, S3Config
+from .s3client import ObjectStoreError, ObjectTooLargeError, S3Client, S3Config
 
 __all__ = ["ObjectStorage", "ObjectCounters"]
 
@@ -244,10 +244,15 @@ class ObjectStorage(BlockStore):
         block_bytes = self.config.block_bytes
 
         def get(gate: _Gate, p: int) -> int | None:
-            data = self.client.get(self.namespace + keys[p])
+            where = self.namespace + keys[p]
+            try:    # an object is its header and the block: anything larger is not read
+                data = self.client.get(where, max_bytes=HEADER_SIZE + block_bytes)
+            except ObjectTooLargeError as exc:
+                raise ObjectCorruptError(f"object is {exc.size} bytes, more than a header "
+                                         f"and a block ({HEADER_SIZE + block_bytes}); not "
+                                         f"read") from None
             if data is None:
                 return None
-            where = self.namespace + keys[p]
             header, payload = open_object(data, fingerprint=self.fingerprint,
                                           geometry=self.geometry,
                                           sequence_hash=sequence_hashes[p],

@@ -67,6 +67,15 @@ class ObjectStoreError(StorageError):
         self.status = status
 
 
+class ObjectTooLargeError(ObjectStoreError):
+    """An object is larger than the reader accepts (it was not read); ``size`` says how
+    large the store reports it."""
+
+    def __init__(self, message: str, size: int) -> None:
+        super().__init__(message)
+        self.size = size
+
+
 class ObjectStoreTransientError(ObjectStoreError):
     """A failure that may pass: timeout, connection refused or dropped, 5xx, throttling."""
 
@@ -194,16 +203,23 @@ class S3Client:
         except Exception as exc:
             raise self._error(exc, f"PUT {key}") from None
 
-    def get(self, key: str):
+    def get(self, key: str, *, max_bytes: int | None = None):
         """The object under ``key`` as a bytes-like object (an ``obstore.Bytes``: buffer
-        protocol, no copy), or ``None`` if there is none."""
+        protocol, no copy), or ``None`` if there is none. With ``max_bytes``, an object the
+        store reports larger is not read: :class:`ObjectTooLargeError` (whoever can write
+        the bucket could otherwise make a reader load any size)."""
         try:
-            return self._obs.get(self._store, key).bytes()
+            result = self._obs.get(self._store, key)
+            size = result.meta["size"]
+            if max_bytes is None or size <= max_bytes:
+                return result.bytes()
         except Exception as exc:
             outcome = self._classify(exc, f"GET {key}")
             if outcome == "missing":
                 return None
             raise outcome from None
+        raise ObjectTooLargeError(f"GET {key}: the object is {size} bytes, more than the "
+                                  f"{max_bytes} accepted; not read", size)
 
     def head(self, key: str) -> bool:
         """Whether an object is stored under ``key``."""
