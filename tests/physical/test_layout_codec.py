@@ -84,7 +84,8 @@ def test_malformed_input_rejected_with_named_problem(name, mutate, match):
         codec.decode(data)
 
 
-@pytest.mark.parametrize("wire", [b"\xff\xfe", "not json", "[1, 2]", 42])
+@pytest.mark.parametrize("wire", [b"\xff\xfe", "not json", "[1, 2]", 42,
+                                  b"[" * 200_000])                   # nested past the parser
 def test_garbage_rejected(wire):
     with pytest.raises(LayoutFormatError):
         codec.decode(wire)

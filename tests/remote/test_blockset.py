@@ -81,7 +81,8 @@ def test_hostile_block_sets_are_typed_errors(mutate, error):
 
 
 @pytest.mark.parametrize("data", [b"", b"{", b"\xff\xfe", b"[]", b"null", b"7",
-                                  b"x" * (MAX_BYTES + 1)])
+                                  b"x" * (MAX_BYTES + 1),
+                                  b"[" * min(MAX_BYTES, 200_000)])   # nested past the parser
 def test_garbage_and_truncation_are_format_errors(data):
     with pytest.raises(BlockSetFormatError):
         decode(data)

@@ -734,3 +734,28 @@ def test_a_handler_that_raises_drops_its_reader_and_the_server_keeps_serving():
         with socket.create_connection((host, port), timeout=2) as good:
             good.sendall(framed(b"still here"))
             assert read_frame(good) == b"still here"
+
+
+class _Replies:
+    """A control channel that answers every call with ``reply`` (unit-level fault
+    injection: what a broken or hostile exporter could send)."""
+
+    def __init__(self, reply: dict) -> None:
+        self.reply = reply
+
+    def call(self, request: dict) -> dict:
+        return dict(self.reply)
+
+
+@pytest.mark.parametrize("granted", [float("nan"), float("inf"), 10.5, -1.0, True, "5"])
+def test_a_lease_reply_lasting_longer_than_asked_or_not_a_duration_is_refused(granted):
+    import types
+    from kvstrata.remote.importer import RemotePeer
+    reply = {"lease": 7, "ttl": granted, "slots": struct.pack("<Q", 3),
+             "checksums": struct.pack("<Q", 9)}
+    peer = RemotePeer(None, types.SimpleNamespace(name="peer"), _Replies(reply))
+    with pytest.raises(LeaseError, match="malformed lease reply"):
+        peer.lease([1, 2], ttl=10.0)        # NaN or inf would turn off every expiry check
+    reply["ttl"] = 4.0
+    lease = peer.lease([1, 2], ttl=10.0)
+    assert lease.expires <= time.monotonic() + 4.0 and len(lease.blocks) == 1

@@ -119,8 +119,9 @@ def decode(data: dict[str, Any] | str | bytes) -> SharedLayout:
     if isinstance(data, str):
         try:
             data = json.loads(data)
-        except json.JSONDecodeError as exc:
-            raise LayoutFormatError(f"serialized layout is not JSON: {exc}") from None
+        except (json.JSONDecodeError, RecursionError) as exc:   # nested too deep: Recursion
+            raise LayoutFormatError(f"serialized layout is not JSON: "
+                                    f"{type(exc).__name__}: {exc}"[:300]) from None
     if not isinstance(data, dict):
         raise LayoutFormatError(f"serialized layout must be an object, got {type(data).__name__}")
     if data.get("format") != FORMAT:

@@ -125,8 +125,10 @@ def decode(data: bytes | bytearray | memoryview | str, max_bytes: int = MAX_BYTE
         raise BlockSetFormatError(f"block set of {len(data)} bytes exceeds {max_bytes}")
     try:
         raw = json.loads(bytes(data).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BlockSetFormatError(f"block set is not UTF-8 JSON (truncated?): {exc}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        # RecursionError: nesting deeper than the parser goes, e.g. b"[" * 100_000
+        raise BlockSetFormatError(f"block set is not UTF-8 JSON (truncated?): "
+                                  f"{type(exc).__name__}: {exc}"[:300]) from None
     if not isinstance(raw, dict):
         raise BlockSetFormatError("block set must be a JSON object")
     if raw.get("format") != FORMAT:

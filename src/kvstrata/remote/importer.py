@@ -200,8 +200,11 @@ class RemotePeer:
             raise LeaseError(f"{self.blockset.name}: {reply['error']}")
         lease_id, granted = reply.get("lease"), reply.get("ttl")
         slots, checksums = reply.get("slots"), reply.get("checksums")
+        # a lease lasts no longer than asked: NaN or inf from a broken exporter would
+        # turn off every expiry check below
         if not isinstance(lease_id, int) or isinstance(lease_id, bool) \
-                or not isinstance(granted, (int, float)) or not isinstance(slots, bytes) \
+                or not isinstance(granted, (int, float)) or isinstance(granted, bool) \
+                or not 0 <= granted <= float(ttl) or not isinstance(slots, bytes) \
                 or not isinstance(checksums, bytes) or len(slots) != len(checksums) \
                 or len(slots) % 8 or len(slots) // 8 > hashes.size:
             raise LeaseError(f"{self.blockset.name}: malformed lease reply")
