@@ -5,6 +5,7 @@ import msgpack
 import pytest
 
 from kvstrata.events import formats
+from kvstrata.events.subscriber import SnapshotChunks
 from kvstrata.events.model import (
     ClearedEvent,
     EventBatch,
@@ -78,6 +79,58 @@ def test_snapshot_chunks_reassemble():
     assert [e for p in parts for e in p.events] == events
 
 
+def _chunks(ident=IDENT, last_event_id=9, n=400):
+    events = [StoredEvent(last_event_id, "G1", None, 4, (StoredBlock(i, i),))
+              for i in range(1, n)]
+    chunks = [formats.decode_snapshot_chunk(c) for c in formats.encode_snapshot(
+        Snapshot(ident, last_event_id, events), max_bytes=2000)]
+    assert len(chunks) > 3 and [c[1] for c in chunks] == list(range(len(chunks)))
+    return events, chunks
+
+
+def test_snapshot_chunks_are_whole_only_in_order_from_one_publisher():
+    events, chunks = _chunks()
+    gathered = SnapshotChunks()
+    outs = [gathered.add(*c) for c in chunks]
+    assert outs[:-1] == [None] * (len(chunks) - 1) and outs[-1].events == events
+    assert outs[-1].identity == IDENT and outs[-1].last_event_id == 9 and not gathered.dropped
+    # chunks lost on the way (core NATS may drop any): the rest is never the whole state
+    for lost in ([0], [1], list(range(len(chunks) - 1))):
+        gathered = SnapshotChunks()
+        kept = [c for i, c in enumerate(chunks) if i not in lost]
+        assert all(gathered.add(*c) is None for c in kept) and gathered.dropped
+    repeated = SnapshotChunks()
+    assert all(repeated.add(*c) is None for c in [chunks[0], chunks[1], chunks[1], *chunks[2:]])
+    # another identity or event id under the same publisher id is not merged in
+    _, forged = _chunks(PublisherIdentity(IDENT.publisher_id, 8, 100.5))
+    _, later = _chunks(last_event_id=12)
+    for other in (forged, later):
+        mixed = SnapshotChunks()
+        assert all(mixed.add(*c) is None for c in [*chunks[:2], *other[2:]])
+        assert mixed.dropped
+    # two publishers interleaved: each whole on its own; a fresh chunk 0 starts over
+    _, second = _chunks(PublisherIdentity(0x1234, 7, 1.0))
+    both = SnapshotChunks()
+    wholes = [w for pair in zip(chunks, second) for w in (both.add(*pair[0]), both.add(*pair[1]))
+              if w is not None]
+    assert sorted(w.identity.publisher_id for w in wholes) == [0x1234, IDENT.publisher_id]
+    again = SnapshotChunks()
+    assert again.add(*chunks[0]) is None and again.add(*chunks[0]) is None   # restarts
+    assert [again.add(*c) for c in chunks[1:]][-1].events == events and again.dropped == 1
+
+
+@pytest.mark.parametrize("field, value", [("chunk", -1), ("chunk", "0"), ("last", "yes"),
+                                          ("last", 1)])
+def test_a_snapshot_chunk_with_a_bad_index_or_last_flag_is_refused(field, value):
+    obj = json.loads(formats.encode_snapshot(Snapshot(IDENT, 9, []))[0])
+    obj[field] = value
+    with pytest.raises(EventFormatError, match=field):
+        formats.decode_snapshot_chunk(json.dumps(obj))
+    with pytest.raises(EventFormatError, match="not a snapshot"):
+        formats.decode_snapshot_chunk(json.dumps({"publisher_id": 1, "worker_id": 1,
+                                                  "events": []}))
+
+
 @pytest.mark.parametrize(
     "bad,needle",
     [
@@ -88,6 +141,11 @@ def test_snapshot_chunks_reassemble():
         (b'{"publisher_id":1,"worker_id":1,"type":"removed","event_id":-1,"tier":"G1","block_hashes":[]}', "event_id"),
         (b'{"publisher_id":1,"worker_id":1,"type":"removed","event_id":1,"tier":"G1","block_hashes":["x"]}', "block_hashes"),
         (b'{"publisher_id":1,"worker_id":1,"type":"stored","event_id":1,"tier":"G1","block_size":4,"block_hashes":[],"tokens_hashes":[]}', "non-empty"),
+        (b'{"publisher_id":18446744073709551616,"worker_id":1,"type":"cleared","event_id":1,"tier":"G1"}', "publisher_id"),
+        (b'{"publisher_id":1,"worker_id":1,"type":"cleared","event_id":18446744073709551616,"tier":"G1"}', "event_id"),
+        (b'{"publisher_id":1,"worker_id":1,"started_at":"nan","type":"cleared","event_id":1,"tier":"G1"}', "started_at"),
+        (b'{"publisher_id":1,"worker_id":1,"started_at":1e400,"type":"cleared","event_id":1,"tier":"G1"}', "started_at"),
+        (b'{"publisher_id":1,"worker_id":1,"type":"snapshot","last_event_id":18446744073709551616,"events":[]}', "last_event_id"),
         (b'{"worker_id":1,"type":"cleared","event_id":1,"tier":"G1"}', "publisher_id"),
         (b'{"publisher_id":1,"worker_id":1,"type":"removed","event_id":1,"tier":[1],"block_hashes":[]}', "tier"),
         (b'{"publisher_id":1,"worker_id":1,"type":"removed","event_id":1,"tier":"G1","ts":"x","block_hashes":[]}', "'ts'"),

@@ -19,6 +19,7 @@ building dicts for :func:`json.dumps`. The output is byte-identical to
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import json
@@ -260,9 +261,11 @@ def encode_snapshot(snapshot: Snapshot, max_bytes: int = 512 * 1024) -> list[byt
 
 
 def _int(obj: dict, key: str, what: str) -> int:
+    """An id, count or size: an unsigned 64-bit integer (Dynamo's ids are u64 too)."""
     value = obj.get(key)
-    if type(value) is not int or value < 0:
-        raise EventFormatError(f"{what}: field {key!r} must be a non-negative integer, got {value!r}")
+    if type(value) is not int or not 0 <= value < _U64:
+        raise EventFormatError(f"{what}: field {key!r} must be an unsigned 64-bit integer, "
+                               f"got {value!r:.40}")
     return value
 
 
@@ -299,7 +302,7 @@ def event_from_dict(obj: Any) -> Event:
     event_id = obj.get("event_id")
     tier = obj.get("tier")
     ts = obj.get("ts", 0.0)
-    if type(event_id) is not int or event_id < 0 or type(tier) is not str or tier not in _TIERS or type(ts) not in (float, int):
+    if type(event_id) is not int or not 0 <= event_id < _U64 or type(tier) is not str or tier not in _TIERS or type(ts) not in (float, int):
         what = f"{kind!r} event"
         _int(obj, "event_id", what)
         if not isinstance(tier, str):
@@ -361,11 +364,20 @@ def _typed_decode_errors(decode):
     return wrapper
 
 
+def _started_at(obj: dict) -> float:
+    """When the publisher started (seconds since the epoch; 0.0 when not said): finite."""
+    value = obj.get("started_at", 0.0)
+    if type(value) not in (int, float) or not math.isfinite(value):
+        raise EventFormatError(f"message: field 'started_at' must be a finite number, got "
+                               f"{value!r:.40}")
+    return float(value)
+
+
 def _identity_from(obj: dict) -> PublisherIdentity:
     return PublisherIdentity(
         publisher_id=_int(obj, "publisher_id", "message"),
         worker_id=_int(obj, "worker_id", "message"),
-        started_at=float(obj.get("started_at", 0.0)),
+        started_at=_started_at(obj),
     )
 
 
@@ -382,6 +394,22 @@ def decode_kvstrata(data: bytes | str | dict) -> EventBatch | Snapshot:
     if "events" in obj:
         return EventBatch(identity, [event_from_dict(e) for e in _list(obj, "events")])
     return EventBatch(identity, [event_from_dict(obj)])
+
+
+@_typed_decode_errors
+def decode_snapshot_chunk(data: bytes | str | dict) -> tuple[Snapshot, int, bool]:
+    """Decode one message of :func:`encode_snapshot`: ``(its part of the snapshot, chunk
+    index, whether it is the last)``; a message without the two fields is a whole snapshot
+    (chunk 0, the last). :class:`EventFormatError` for anything else."""
+    obj = _load_json(data)
+    part = decode_kvstrata(obj)
+    if not isinstance(part, Snapshot):
+        raise EventFormatError("not a snapshot")
+    chunk = _int(obj, "chunk", "snapshot") if "chunk" in obj else 0
+    last = obj.get("last", True)
+    if type(last) is not bool:
+        raise EventFormatError(f"snapshot: field 'last' must be a boolean, got {last!r}")
+    return part, chunk, last
 
 
 def _list(obj: dict, key: str) -> list:
@@ -593,7 +621,7 @@ def _fast_dynamo_decoder(use_native: bool = True):
         tier = tier_of.get(storage)
         inner = msg.event
         event_id = inner.event_id
-        if tier is None or msg.worker_id < 0 or event_id < 0:
+        if tier is None or not 0 <= msg.worker_id < _U64 or not 0 <= event_id < _U64:
             return None
         data_ = inner.data
         if type(data_) is str:

@@ -92,6 +92,39 @@ RECENT_EVENTS = 256
 conflicting event."""
 
 
+class SnapshotChunks:
+    """Snapshot chunks (:func:`~kvstrata.events.formats.decode_snapshot_chunk`) as they
+    arrive, gathered per publisher: a snapshot is whole when its chunks 0, 1, ... came in
+    that order under one identity and one ``last_event_id``, and the latest said it was the
+    last. A chunk out of order, repeated, or under another identity or event id (a lost
+    message, a restarted publisher, a forgery) drops what was gathered for that publisher
+    (counted in :attr:`dropped`); a chunk 0 starts again. So a snapshot missing a part is
+    never applied as the publisher's whole state."""
+
+    def __init__(self) -> None:
+        self._parts: dict[int, list[Snapshot]] = {}
+        self.dropped = 0
+
+    def add(self, part: Snapshot, index: int, last: bool) -> Snapshot | None:
+        """Take chunk ``index`` of a snapshot; the whole snapshot once ``last`` completes
+        it, else None."""
+        publisher = part.identity.publisher_id
+        parts = self._parts.pop(publisher, [])
+        if parts and (parts[0].identity != part.identity
+                      or parts[0].last_event_id != part.last_event_id) \
+                or index != len(parts):
+            if parts or index:
+                self.dropped += 1
+            if index:
+                return None
+            parts = []
+        parts.append(part)
+        if not last:
+            self._parts[publisher] = parts
+            return None
+        return Snapshot(part.identity, part.last_event_id, [e for p in parts for e in p.events])
+
+
 @dataclass
 class _Worker:
     """What a follower knows of one worker's stream. ``last_id`` is the id the stream has
@@ -572,8 +605,7 @@ class NatsFollower:
         sub = await nc.subscribe(inbox)
         try:
             await nc.publish(snapshot_subject(self.subject, worker_id), b"", reply=inbox)
-            events = []
-            snap = None
+            chunks = SnapshotChunks()
             deadline = time.monotonic() + self.snapshot_timeout
             while True:
                 remaining = deadline - time.monotonic()
@@ -584,17 +616,19 @@ class NatsFollower:
                 except (asyncio.TimeoutError, Exception):
                     return None
                 try:
-                    part = formats.decode_kvstrata(msg.data)
+                    part, index, last = formats.decode_snapshot_chunk(msg.data)
                 except EventFormatError as exc:
                     log.warning("bad snapshot reply from worker %s: %s", worker_id, exc)
                     return None
-                if not isinstance(part, Snapshot) or part.identity.worker_id != worker_id:
+                if part.identity.worker_id != worker_id:
                     return None
-                events.extend(part.events)
-                snap = part
-                if json.loads(msg.data).get("last", True):
-                    break
-            return Snapshot(snap.identity, snap.last_event_id, events)
+                whole = chunks.add(part, index, last)
+                if chunks.dropped:
+                    log.warning("snapshot reply from worker %s: chunks missing, repeated or "
+                                "of another publisher", worker_id)
+                    return None
+                if whole is not None:
+                    return whole
         finally:
             await sub.unsubscribe()
 
@@ -604,7 +638,7 @@ class NatsFollower:
         nc = self._nc
         inbox = nc.new_inbox()
         sub = await nc.subscribe(inbox)
-        parts: dict[int, list[Snapshot]] = {}
+        chunks = SnapshotChunks()
         done = 0
         try:
             await nc.publish(snapshot_subject(self.subject), b"", reply=inbox)
@@ -615,17 +649,11 @@ class NatsFollower:
                 except Exception:
                     break
                 try:
-                    part = formats.decode_kvstrata(msg.data)
+                    whole = chunks.add(*formats.decode_snapshot_chunk(msg.data))
                 except EventFormatError:
                     continue
-                if not isinstance(part, Snapshot):
-                    continue
-                pid = part.identity.publisher_id
-                parts.setdefault(pid, []).append(part)
-                if json.loads(msg.data).get("last", True):
-                    chunks = parts.pop(pid)
-                    events = [e for c in chunks for e in c.events]
-                    self.follower.apply_snapshot(Snapshot(part.identity, part.last_event_id, events))
+                if whole is not None:
+                    self.follower.apply_snapshot(whole)
                     done += 1
         finally:
             await sub.unsubscribe()
