@@ -119,3 +119,63 @@ def test_a_server_that_requires_tls_leaves_publishing_to_nats_py():
     assert not thread.is_alive()
     for conn in greeted:
         conn.close()
+
+
+def test_a_server_whose_info_is_malformed_is_tried_again_and_odd_sizes_are_not_believed():
+    """Fault injection: a listener that first greets with an INFO that is no JSON object,
+    then with one whose max_payload is no size, then (connected) sends more odd INFOs. The
+    sink keeps reconnecting (a malformed INFO once ended its retries for good), keeps the
+    default max_payload, and reads on past an odd INFO (it still answers PINGs)."""
+    import threading
+    import time
+
+    from kvstrata.events import EventPublisher
+    from kvstrata.events.natswire import DEFAULT_MAX_PAYLOAD
+    from kvstrata.events.sinks import NatsSink
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    conns, pongs, checked = [], [], threading.Event()
+
+    def serve():
+        greetings = [b"INFO []\r\n", b'INFO {"server_id":"x","max_payload":"abc"}\r\n']
+        while greetings:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            conns.append(conn)
+            conn.sendall(greetings.pop(0))
+        seen = b""
+        while b"PING\r\n" not in seen:           # CONNECT, then the handshake's PING
+            seen += conn.recv(4096)
+        conn.sendall(b"PONG\r\n")
+        time.sleep(0.2)
+        conn.sendall(b'INFO {"max_payload":-5}\r\nINFO [1]\r\nINFO {"max_payload":1e9}\r\n'
+                     b"PING\r\n")
+        seen = b""
+        while b"PONG\r\n" not in seen:
+            seen += conn.recv(4096)
+        pongs.append(True)
+        checked.wait(10)
+        conn.sendall(b'INFO {"max_payload":2048}\r\n')
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    pub = EventPublisher(NatsSink(f"nats://127.0.0.1:{port}", "kv.info")).start()
+    wire = pub.sink._wire
+    deadline = time.monotonic() + 20
+    while not pongs and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pongs and wire.connected and wire.unsupported is None
+    assert len(conns) == 2                              # tried again after the bad INFO
+    assert wire.max_payload == DEFAULT_MAX_PAYLOAD      # no odd size believed
+    checked.set()
+    while wire.max_payload != 2048 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert wire.max_payload == 2048                     # a sane one is taken
+    pub.close(timeout=0.5)
+    listener.close()
+    thread.join(5)
+    for conn in conns:
+        conn.close()

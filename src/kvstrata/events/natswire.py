@@ -311,7 +311,7 @@ class NatsPublishConnection:
             line, rest = await _read_line(loop, sock, b"")
             if not line.startswith(b"INFO "):
                 raise ValueError(f"expected INFO from the server, got {line[:80]!r}")
-            info = json.loads(line[5:])
+            info = _info(line)
             if info.get("tls_required"):
                 raise UnsupportedServerError("the server requires TLS")
             await loop.sock_sendall(sock, b"CONNECT %s\r\n%s" % (json.dumps(self._connect_options()).encode(), PING))
@@ -349,7 +349,7 @@ class NatsPublishConnection:
             self._generation += 1
             self._pings = self._pongs = 0
         with self._lock:
-            self.max_payload = int(info.get("max_payload") or DEFAULT_MAX_PAYLOAD)
+            self.max_payload = _max_payload(info) or DEFAULT_MAX_PAYLOAD
             self._sock = sock
         self.connects += 1
         if rest:
@@ -397,12 +397,12 @@ class NatsPublishConnection:
                 self._warned_at = now
                 log.warning("NATS server %s:%d: %s (%d errors so far)", self.host, self.port,
                             line.decode(errors="replace"), self.server_errors)
-        elif line.startswith(b"INFO "):
+        elif line.startswith(b"INFO "):     # a new one may change max_payload
             try:
-                payload = int(json.loads(line[5:]).get("max_payload") or 0)
+                payload = _max_payload(_info(line))
             except ValueError:
-                payload = 0
-            if payload > 0:
+                payload = None
+            if payload:
                 self.max_payload = payload
 
     def _answer_ping(self, sock: socket.socket) -> None:
@@ -430,3 +430,25 @@ async def _read_line(loop, sock: socket.socket, buf: bytes) -> tuple[bytes, byte
         buf += data
     line, _, rest = buf.partition(CRLF)
     return line, rest
+
+
+MAX_SERVER_PAYLOAD = 64 << 20
+"""The largest ``max_payload`` a server is taken at its word for (NATS allows 64 MiB)."""
+
+
+def _info(line: bytes) -> dict:
+    """The JSON object of a server's ``INFO`` line; :class:`ValueError` if it is none."""
+    try:
+        info = json.loads(line[5:])
+    except (ValueError, RecursionError) as exc:   # RecursionError: nested past the parser
+        raise ValueError(f"the server's INFO is not JSON: {type(exc).__name__}") from None
+    if not isinstance(info, dict):
+        raise ValueError(f"the server's INFO is not a JSON object: {line[:80]!r}")
+    return info
+
+
+def _max_payload(info: dict) -> int | None:
+    """The ``max_payload`` an ``INFO`` states, where it is a sane size (1 byte to
+    :data:`MAX_SERVER_PAYLOAD`); None otherwise (the default then stands)."""
+    value = info.get("max_payload")
+    return value if type(value) is int and 0 < value <= MAX_SERVER_PAYLOAD else None
