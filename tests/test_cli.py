@@ -166,6 +166,10 @@ def assert_one_line_error(code, err, *words):
     (["hash", "--block-size", "0", "1"], ["block"]),
     (["indexer", "--file", "/nonexistent.jsonl"], ["--file", "/nonexistent.jsonl"]),
     (["indexer", "--file", "/dev/null", "--http", "127.0.0.1:99999"], ["--http", "99999"]),
+    (["replay", "--data", "--limit", "2", "--events", "none"], ["--events", "--data"]),
+    (["replay", "--data", "--limit", "2", "--plot", "x.png"], ["--plot", "--data"]),
+    (["replay", "--data", "--limit", "2", "--prefill-rate", "inf"], ["--prefill-rate"]),
+    (["replay", "--limit", "3", "--plot", "c" * 250 + ".png"], ["--plot", "cannot be written"]),
 ])
 def test_input_errors_are_one_line_and_exit_2(argv, words):
     code, _, err = _cli(*argv)
@@ -237,3 +241,30 @@ def test_a_tier_whose_slots_cannot_be_reserved_is_one_line_not_a_traceback():
                           preexec_fn=limit_address_space)
     assert_one_line_error(proc.returncode, proc.stderr.decode("utf-8", "replace"),
                           "cannot reserve 2,000,000,000 slots", "make the tier smaller")
+
+
+def test_outputs_that_could_hang_or_destroy_are_refused_and_a_failed_run_publishes_nothing(
+        tmp_path):
+    """An event file that is a FIFO nobody reads is refused (its open waited for ever); a
+    zmq ipc endpoint on an existing file is refused (ZMQ replaced the file with its socket),
+    and the socket a run binds is gone after it; a run that fails on its trace creates no
+    event file."""
+    import os
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    assert_one_line_error(*_cli("replay", "--limit", "3", "--events", f"jsonl:{fifo}")[::2],
+                          "FIFO")
+    precious = tmp_path / "precious.txt"
+    precious.write_text("keep me")
+    assert_one_line_error(*_cli("replay", "--limit", "3", "--events",
+                                f"zmq://ipc://{precious}")[::2], "not a socket")
+    assert precious.read_text() == "keep me"
+    sock = tmp_path / "events.ipc"
+    code, _, err = _cli("replay", "--limit", "3", "--events", f"zmq://ipc://{sock}")
+    assert code == 0, err
+    assert not sock.exists()
+    events = tmp_path / "events.jsonl"
+    assert_one_line_error(*_cli("replay", str(tmp_path / "missing.jsonl"), "--events",
+                                f"jsonl:{events}")[::2], "missing.jsonl")
+    assert not events.exists()

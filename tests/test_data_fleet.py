@@ -73,3 +73,19 @@ def test_a_store_the_run_starts_is_keyed_with_a_secret_of_its_own(monkeypatch):
     assert data["mismatches"] == 0 and data["load_failures"] == 0
     assert data["shared_tier"]["from_other_workers"] > 0
     assert "/k" in data["shared_tier"]["store"]              # a keyed namespace
+
+
+def test_an_unusable_secret_fails_before_the_run_starts_a_store(monkeypatch):
+    """A secret in the environment that cannot be used fails the run before it starts the
+    SeaweedFS it would stop at the end (one started first was left running, orphaned)."""
+    from kvstrata.physical.storage import seaweed
+    from kvstrata.secret import SecretError
+
+    started = []
+    monkeypatch.setattr(seaweed.SeaweedServer, "start",
+                        lambda self: started.append(self) or self)   # records, starts nothing
+    monkeypatch.setenv("KVSTRATA_SHARING_SECRET", "short")
+    requests = load_trace(default_trace_path())[:4]
+    with pytest.raises(SecretError):
+        run_data_fleet(requests, CONFIG, workers=2, granularity="trace")
+    assert not started

