@@ -55,6 +55,17 @@ def test_trace_line_with_huge_numbers_and_deep_nesting():
             parse_request(line, "fuzz:1")
 
 
+def test_a_request_naming_more_blocks_than_any_context_is_refused_before_it_is_expanded():
+    """A 1 MiB line holds 500 K hash_ids, which a replay at engine granularity would expand
+    32-fold: a request names at most MAX_REQUEST_BLOCKS (16.7 M tokens)."""
+    from kvstrata.trace import MAX_REQUEST_BLOCKS
+    line = json.dumps({"input_length": 1 << 40, "hash_ids": list(range(MAX_REQUEST_BLOCKS + 1))})
+    with pytest.raises(TraceFormatError, match="at most"):
+        parse_request(line, "fuzz:1")
+    at_most = json.dumps({"input_length": 1 << 40, "hash_ids": list(range(MAX_REQUEST_BLOCKS))})
+    assert len(parse_request(at_most, "fuzz:1").hash_ids) == MAX_REQUEST_BLOCKS
+
+
 @EXAMPLES
 @given(st.one_of(TEXT, SCALARS))
 def test_sizes(value):

@@ -497,6 +497,12 @@ def _main(argv: list[str], command: str) -> int:
             raise
         print(f"kvstrata {command}: {_one_line(exc)}".rstrip(), file=sys.stderr)
         return 2
+    except MemoryError:        # what was asked (the trace, the tiers) exceeds this machine
+        if os.environ.get("KVSTRATA_DEBUG"):
+            raise
+        print(f"kvstrata {command}: out of memory: the input or the tiers need more than "
+              f"this process may have (try --limit or smaller tiers)", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -73,6 +73,10 @@ def _open_text(path: Path) -> Iterator[io.TextIOWrapper]:
 
 MAX_TRACE_NUMBER = 2**63
 """Largest timestamp or length a trace line may give (a bigger one is a malformed line)."""
+MAX_REQUEST_BLOCKS = 1 << 15
+"""Most ``hash_ids`` one request may name: 16.7 M tokens of 512-token blocks, beyond any
+model's context. A replay at engine granularity expands each into ``512 / block_size``
+blocks, so a line of more (a 1 MiB line holds 500 K) could need gigabytes."""
 
 
 def parse_request(line: str, where: str) -> TraceRequest:
@@ -91,6 +95,10 @@ def parse_request(line: str, where: str) -> TraceRequest:
     if missing:
         raise TraceFormatError(f"{where}: missing field(s) {', '.join(missing)}")
     ids = obj["hash_ids"]
+    if isinstance(ids, list) and len(ids) > MAX_REQUEST_BLOCKS:
+        raise TraceFormatError(f"{where}: {len(ids):,} hash_ids: a request names at most "
+                               f"{MAX_REQUEST_BLOCKS:,} ({MAX_REQUEST_BLOCKS * TRACE_BLOCK_TOKENS:,}"
+                               f" tokens)")
     if not isinstance(ids, list) or not all(
         isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**32 // TRACE_BLOCK_TOKENS
         for i in ids
