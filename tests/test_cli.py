@@ -268,3 +268,23 @@ def test_outputs_that_could_hang_or_destroy_are_refused_and_a_failed_run_publish
     assert_one_line_error(*_cli("replay", str(tmp_path / "missing.jsonl"), "--events",
                                 f"jsonl:{events}")[::2], "missing.jsonl")
     assert not events.exists()
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["replay", "--limit", "1" + "0" * 26], ["--limit"]),
+    (["hash", "--block-size", "1" + "0" * 23, "1"], ["block_size", "65,536"]),
+    (["replay", "--limit", "2", "--events", "zmq://tcp://127.0.0.1:5999?hwm=" + "1" * 24],
+     ["hwm", "9 digits"]),
+])
+def test_numbers_beyond_any_use_are_named_plainly(argv, words):
+    code, _, err = _cli(*argv)
+    assert_one_line_error(code, err, *words)
+    assert len(err) < 400
+
+
+def test_a_config_error_line_is_cut(tmp_path):
+    config = tmp_path / "big.toml"
+    config.write_text(f'eviction = "{"x" * 5000}"\n')
+    code, _, err = _cli("replay", "--config", str(config))
+    assert_one_line_error(code, err, "invalid config")
+    assert len(err) < 2100

@@ -58,8 +58,9 @@ def _build_replay_config(args: argparse.Namespace):
     problems = []
     if args.granularity == "trace" and args.block_size is not None:
         problems.append("--block-size applies to --granularity engine (trace blocks are 512 tokens)")
-    if args.limit is not None and args.limit < 1:
-        problems.append(f"--limit must be a positive number of requests, got {args.limit}")
+    if args.limit is not None and not 1 <= args.limit <= sys.maxsize:
+        problems.append(f"--limit must be a positive number of requests, got "
+                        f"{str(args.limit)[:40]}")
     if problems:
         raise ConfigError(problems)
     overrides = {}
@@ -369,7 +370,7 @@ def _check_writable(path: str, flag: str) -> None:
 
 def _one_line(exc: BaseException) -> str:
     if isinstance(exc, ConfigError):
-        return "invalid config: " + "; ".join(exc.problems)
+        return ("invalid config: " + "; ".join(exc.problems))[:2000]
     text = str(exc).strip() or type(exc).__name__
     if isinstance(exc, OSError) and exc.strerror:
         text = f"{exc.filename + ': ' if exc.filename else ''}{exc.strerror}"

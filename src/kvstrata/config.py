@@ -23,6 +23,7 @@ from .dtypes import ALIASES, DTYPE_NAMES, DtypeError, canonical_dtype, itemsize
 from .paths import InputTooLargeError, path_problem, read_bounded
 from .logical.policy import ADMISSION_NAMES, EVICTION_NAMES
 from .logical.slots import MAX_SLOTS as MAX_TIER_BLOCKS
+from .tokens import MAX_BLOCK_SIZE
 from .tiers import TIER_NAMES, TIERS, TOP_TIER, Addressing, TierKind, first_of_kind, ordered, spec
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
@@ -482,9 +483,6 @@ def _from_env(env: Mapping[str, str], problems: list[str]) -> tuple[dict[str, An
             tiers[tier] = {"gb": env[var]}
     return scalars, tiers
 
-
-MAX_BLOCK_SIZE = 1 << 16
-"""Most tokens a block holds (engines use 16 to 256; a trace's own granularity is 512)."""
 
 _SHARE_RE = re.compile(r"[0-9]{1,3}(\.[0-9]{1,6})?\s*%")
 

@@ -160,9 +160,15 @@ def _token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
     return _list_to_le_bytes(tokens)
 
 
+MAX_BLOCK_SIZE = 1 << 16
+"""Most tokens a block holds (engines use 16 to 256; a trace's own granularity is 512)."""
+
+
 def _check_block_size(block_size: int) -> None:
-    if not isinstance(block_size, int) or block_size <= 0:
-        raise TokenError(f"block_size must be a positive int, got {block_size!r}")
+    if not isinstance(block_size, int) or isinstance(block_size, bool) \
+            or not 0 < block_size <= MAX_BLOCK_SIZE:
+        raise TokenError(f"block_size must be an int in 1..{MAX_BLOCK_SIZE:,}, got "
+                         f"{block_size!r:.40}")
 
 
 def local_block_hash(tokens: Sequence[int] | np.ndarray, seed: int = DEFAULT_SEED) -> int:

@@ -128,8 +128,9 @@ def parse_sink_spec(spec: str) -> SinkSpec:
         if params.get("layout", "map") not in ("map", "array"):
             raise SinkSpecError(f"sink spec {spec!r}: layout must be map or array, got {params['layout']!r}")
         _flag(spec, params, "connect")
-        if "hwm" in params and not params["hwm"].isdigit():
-            raise SinkSpecError(f"sink spec {spec!r}: hwm must be an integer")
+        if "hwm" in params and not (params["hwm"].isdigit() and len(params["hwm"]) <= 9):
+            raise SinkSpecError(f"sink spec {spec!r:.80}: hwm must be an integer of at most "
+                                f"9 digits (messages queued per subscriber)")
         return SinkSpec("zmq", endpoint, "", params)
     raise SinkSpecError(f"unknown sink spec {spec!r} (expected one of: {_FORMS})")
 
