@@ -294,14 +294,17 @@ def test_no_fd_or_thread_leak_over_many_open_close_cycles(tmp_path):
 
 
 def test_no_fd_or_thread_leak_over_manager_restarts(tmp_path):
+    import gc
     config = small_manager_config()
     KvBlockManager(config, disk_dir=str(tmp_path)).close()
+    gc.collect()       # what earlier tests left to finalizers closes its files now, not below
     fds, threads = fd_count(), threading.active_count()
     for _ in range(15):
         with KvBlockManager(config, disk_dir=str(tmp_path)):
             with pytest.raises(ManagerConfigError):
                 KvBlockManager(config, disk_dir=str(tmp_path))
-    assert fd_count() == fds and threading.active_count() == threads
+    # a leak is growth (one CI run saw one fewer: something of an earlier test closing)
+    assert fd_count() <= fds and threading.active_count() <= threads
 
 
 # --------------------------------------------------------------------------- bad fingerprints
