@@ -92,6 +92,14 @@ def fd_count() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+def settled_fd_count() -> int:
+    """:func:`fd_count` once what earlier tests left to finalizers is collected: a leak
+    check's baseline (files such garbage holds would close mid-check, one fewer after)."""
+    import gc
+    gc.collect()
+    return fd_count()
+
+
 def home_of(directory, fingerprint: str = FP, rank: int = 0) -> Path:
     return Path(directory) / f"kvstrata-g3-r{rank}-{fingerprint}"
 

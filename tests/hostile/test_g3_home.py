@@ -17,7 +17,7 @@ from kvstrata.physical.errors import StorageConfigError
 from kvstrata.physical.storage import disk_home
 from kvstrata.physical.storage.disk_home import DiskTierBusyError, DiskTierHome
 
-from ._util import (FP, OTHER_FP, fd_count, home_of, open_durable, read_ok,
+from ._util import (FP, OTHER_FP, fd_count, home_of, open_durable, read_ok, settled_fd_count,
                     small_manager_config, write)
 
 CLAIMER = Path(__file__).with_name("claimer.py")
@@ -55,10 +55,10 @@ def test_a_home_file_that_is_a_directory_costs_no_fd_and_no_lock(tmp_path, name)
     if path.exists():
         path.unlink()
     path.mkdir()
-    before = fd_count()
+    before = settled_fd_count()
     with pytest.raises(StorageConfigError):           # typed, naming the file
         open_durable(tmp_path)
-    assert fd_count() == before
+    assert fd_count() <= before                       # a leak is growth
     path.rmdir()
     if name == "index":       # the journal is gone: nothing recovered, but the home opens
         disk = open_durable(tmp_path)
@@ -100,10 +100,10 @@ def test_manager_on_a_damaged_home_leaves_no_threads_and_no_lock(tmp_path):
     home = next(tmp_path.glob("kvstrata-g3-r0-*"))
     (home / "slab").unlink()
     (home / "slab").mkdir()
-    threads, fds = threading.active_count(), fd_count()
+    threads, fds = threading.active_count(), settled_fd_count()
     with pytest.raises(Exception):
         KvBlockManager(config, disk_dir=str(tmp_path))
-    assert threading.active_count() == threads and fd_count() == fds
+    assert threading.active_count() <= threads and fd_count() <= fds   # a leak is growth
     (home / "slab").rmdir()
     KvBlockManager(config, disk_dir=str(tmp_path)).close()     # not locked by the failure
 
@@ -280,7 +280,7 @@ def test_claim_race_never_lets_two_owners_share_a_home(tmp_path, monkeypatch):
 def test_no_fd_or_thread_leak_over_many_open_close_cycles(tmp_path):
     disk = open_durable(tmp_path)
     disk.close()
-    fds, threads = fd_count(), threading.active_count()
+    fds, threads = settled_fd_count(), threading.active_count()
     for i in range(150):
         disk = open_durable(tmp_path)
         write(disk, [i % 16], [0x7000 + i])
@@ -290,15 +290,13 @@ def test_no_fd_or_thread_leak_over_many_open_close_cycles(tmp_path):
             except DiskTierBusyError:
                 pass
         disk.close()
-    assert fd_count() == fds and threading.active_count() == threads
+    assert fd_count() <= fds and threading.active_count() <= threads     # a leak is growth
 
 
 def test_no_fd_or_thread_leak_over_manager_restarts(tmp_path):
-    import gc
     config = small_manager_config()
     KvBlockManager(config, disk_dir=str(tmp_path)).close()
-    gc.collect()       # what earlier tests left to finalizers closes its files now, not below
-    fds, threads = fd_count(), threading.active_count()
+    fds, threads = settled_fd_count(), threading.active_count()
     for _ in range(15):
         with KvBlockManager(config, disk_dir=str(tmp_path)):
             with pytest.raises(ManagerConfigError):
