@@ -13,13 +13,23 @@ an access key and a random secret (:attr:`SeaweedServer.access_key` /
 :meth:`SeaweedServer.start` returns once the S3 endpoint answers HTTP (about a second);
 :meth:`SeaweedServer.stop` ends the whole process group by PID (SIGTERM, then SIGKILL) and
 :meth:`SeaweedServer.cleanup` also removes the directory. As a context manager it does both.
+
+A process killed by SIGKILL can do neither. So that its server does not outlive it, a
+server started from the main thread on Linux is sent SIGTERM when the starting process ends
+(``PR_SET_PDEATHSIG``; it fires when the starting *thread* ends, hence only the main
+thread). Its temporary directory carries its owner's tag
+(:func:`kvstrata.physical.leftovers.owner_tag`), and the next server started on the machine
+reclaims the directories of owners that are gone, stopping first any ``weed`` still
+serving from one (started from another thread, or where the signal is not offered).
 """
 
 from __future__ import annotations
 
+import ctypes
 import glob
 import http.client
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -28,7 +38,12 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from pathlib import Path
+from typing import Callable
+
+from ..leftovers import owner_tag, reclaim
 
 __all__ = ["SeaweedServer", "find_weed"]
 
@@ -81,6 +96,91 @@ def _free_offset_pair(taken: set[int]) -> int:
     raise RuntimeError("no free port pair for the SeaweedFS admin server")
 
 
+DIR_PREFIX = "kvstrata-weed-"
+"""A server's own temporary directory is ``DIR_PREFIX<owner tag>-<random>``."""
+
+_GRPC_PORT_FLAG = re.compile(rb"^-[a-z0-9.]*port\.grpc=(\d+)$")
+_ADMIN_PORT_FLAG = re.compile(rb"^-admin\.port=(\d+)$")
+
+
+def _servers_of(directory: Path) -> list[tuple[int, list[bytes]]]:
+    """(pid, arguments) of this user's processes serving from ``directory`` (a
+    ``-dir=<directory>`` argument)."""
+    flag = b"-dir=" + os.fsencode(directory)
+    found = []
+    try:
+        entries = list(Path("/proc").iterdir())
+    except OSError:
+        return found
+    for entry in entries:
+        if not entry.name.isdigit():
+            continue
+        try:
+            if entry.stat().st_uid != os.geteuid():
+                continue
+            args = (entry / "cmdline").read_bytes()[:65536].split(b"\0")
+        except OSError:
+            continue
+        if flag in args:
+            found.append((int(entry.name), args))
+    return found
+
+
+def _stop_and_remove(directory: Path) -> None:
+    """Remove the directory of a server whose owner is gone (:func:`reclaim`'s removal):
+    first stop any ``weed`` still serving from it, with its process group, and remove its
+    gRPC sockets. Another user's directory is left alone (it cannot be ours)."""
+    if directory.is_symlink() or directory.lstat().st_uid != os.geteuid():
+        raise PermissionError(f"{directory} is not this user's")
+    for pid, args in _servers_of(directory):
+        try:
+            os.killpg(pid, signal.SIGKILL)       # a group leader (start_new_session)
+        except OSError:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        ports = [int(m.group(1)) for m in map(_GRPC_PORT_FLAG.match, args) if m]
+        ports += [int(m.group(1)) + _GRPC_OFFSET for m in map(_ADMIN_PORT_FLAG.match, args) if m]
+        _remove_grpc_sockets(ports)
+    shutil.rmtree(directory)
+
+
+def _remove_grpc_sockets(ports: list[int]) -> None:
+    """Remove the sockets weed puts at ``/tmp/seaweedfs-<service>-grpc-<port>.sock``."""
+    for port in ports:
+        for path in glob.glob(f"/tmp/seaweedfs-*-grpc-{port}.sock"):
+            try:
+                if stat.S_ISSOCK(os.lstat(path).st_mode):
+                    os.unlink(path)
+            except OSError:
+                pass
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _ended_with_this_process() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that has the child sent SIGTERM when this process ends (Linux's
+    ``PR_SET_PDEATHSIG``), or None where that cannot be promised: off Linux, and on a
+    thread other than the main one (the signal follows the starting thread, which may end
+    long before the process)."""
+    if not sys.platform.startswith("linux") or \
+            threading.current_thread() is not threading.main_thread():
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:      # the parent ended before the signal was set
+            os._exit(1)
+    return preexec
+
+
 START_TIMEOUT = 300.0
 """Seconds to wait for ``weed mini`` to answer (issue 28: 20 s failed a replay on a busy
 machine); the wait ends as soon as it answers or exits."""
@@ -104,7 +204,10 @@ class SeaweedServer:
         self.access_key = access_key
         self.secret_key = secret_key or secrets.token_hex(16)
         self._own_dir = data_dir is None
-        self.data_dir = data_dir or tempfile.mkdtemp(prefix="kvstrata-weed-")
+        if data_dir is None:
+            reclaim(tempfile.gettempdir(), DIR_PREFIX, remove=_stop_and_remove)
+            data_dir = tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{owner_tag()}-")
+        self.data_dir = data_dir
         self.proc: subprocess.Popen | None = None
         self.s3_port = 0
         self._grpc_ports: list[int] = []
@@ -170,7 +273,8 @@ class SeaweedServer:
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self._command(), cwd=self.data_dir, env=self._environment(),
                                      stdin=subprocess.DEVNULL, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+                                     stderr=subprocess.STDOUT, start_new_session=True,
+                                     preexec_fn=_ended_with_this_process())
         deadline = time.monotonic() + timeout
         delay = 0.01
         while time.monotonic() < deadline:
@@ -231,19 +335,10 @@ class SeaweedServer:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         if proc is not None:
-            self._remove_grpc_sockets()
+            _remove_grpc_sockets(self._grpc_ports)
         if self._log is not None:
             self._log.close()
             self._log = None
-
-    def _remove_grpc_sockets(self) -> None:
-        for port in self._grpc_ports:
-            for path in glob.glob(f"/tmp/seaweedfs-*-grpc-{port}.sock"):
-                try:
-                    if stat.S_ISSOCK(os.lstat(path).st_mode):
-                        os.unlink(path)
-                except OSError:
-                    pass
 
     def cleanup(self) -> None:
         """:meth:`stop`, then remove the data directory if this server made it."""
