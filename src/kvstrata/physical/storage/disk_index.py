@@ -69,6 +69,8 @@ _PUT, _FREE = 1, 2
 _NO_SEAL = bytes(32)
 _HAS_PARENT = 1
 _COMPACT_FACTOR = 4
+REPLAY_CHUNK = 1 << 18
+"""Records read at once when a journal is replayed (22 MiB)."""
 _RECORD_DTYPE = np.dtype([("op", "u1"), ("flags", "u1"), ("pad", "<u2"), ("slot", "<u4"),
                           ("seq", "<u8"), ("parent", "<u8"), ("local", "<u8"),
                           ("checksum", "<u8"), ("tag", "<u8"), ("seal", "u1", (32,)),
@@ -197,34 +199,29 @@ class DiskIndex:
     @classmethod
     def _load(cls, path: Path, capacity: int, fingerprint: str, stride: int,
               sync: bool, peek: bool = False, key_id: int = 0) -> "DiskIndex":
-        data = b""
-        reason = ""
+        index = cls(path, -1, capacity, fingerprint, stride, sync, key_id)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         except FileNotFoundError:
-            reason = "no index yet"
+            index.report = RecoveryReport(0, 0, fresh_reason="no index yet")
+            return index
         except OSError as exc:
             raise StorageConfigError(f"cannot read the disk tier index {path}: "
                                      f"{exc.strerror or exc}") from exc
-        else:
-            try:
-                private_file(fd, path, tighten=not peek)   # a peek changes nothing
-                with os.fdopen(fd, "rb", closefd=False) as fh:
-                    data = fh.read()
-            except OSError as exc:
-                raise StorageConfigError(f"cannot read the disk tier index {path}: "
-                                         f"{exc.strerror or exc}") from exc
-            finally:
-                os.close(fd)
-        index = cls(path, -1, capacity, fingerprint, stride, sync, key_id)
-        if data:
-            reason = index._check_header(data[:_HEADER.size])
-        elif not reason:
-            reason = "empty index file"
+        try:
+            private_file(fd, path, tighten=not peek)   # a peek changes nothing
+            with os.fdopen(fd, "rb", closefd=False) as journal:
+                header = journal.read(_HEADER.size)
+                reason = index._check_header(header) if header else "empty index file"
+                if not reason:
+                    index._replay(journal)
+        except OSError as exc:
+            raise StorageConfigError(f"cannot read the disk tier index {path}: "
+                                     f"{exc.strerror or exc}") from exc
+        finally:
+            os.close(fd)
         if reason:
             index.report = RecoveryReport(0, 0, fresh_reason=reason)
-        else:
-            index._replay(data[_HEADER.size:])
         return index
 
     def _check_header(self, raw: bytes) -> str:
@@ -251,34 +248,42 @@ class DiskIndex:
                 f"directory to start it empty")
         return ""
 
-    def _replay(self, body: bytes) -> None:
-        whole = len(body) // RECORD_BYTES * RECORD_BYTES
-        torn = len(body) - whole
-        records = np.frombuffer(body[:whole], dtype=_RECORD_DTYPE)
-        good = _sound(body[:whole], records)
-        corrupt = int(len(records) - good.sum())
-        records = records[good]
-        slots = records["slot"].astype(np.int64)
-        inside = slots < self.capacity
-        beyond = int(((records["op"] == _PUT) & ~inside).sum())
-        order = np.flatnonzero(inside)
-        # The last record naming a slot decides what it holds (a PUT: that block; a FREE:
-        # nothing).
-        reversed_slots = slots[order][::-1]
-        uniq, first_in_reversed = np.unique(reversed_slots, return_index=True)
-        last = order[::-1][first_in_reversed]
-        live = last[records["op"][last] == _PUT]
+    def _replay(self, journal) -> None:
+        """Replay the records after the header, read ``REPLAY_CHUNK`` records at a time
+        (the memory it takes is bounded whatever the journal's length)."""
+        seen = corrupt = beyond = torn = 0
+        while True:
+            body = journal.read(REPLAY_CHUNK * RECORD_BYTES)
+            whole = len(body) // RECORD_BYTES * RECORD_BYTES
+            records = np.frombuffer(body, dtype=_RECORD_DTYPE, count=whole // RECORD_BYTES)
+            good = _sound(body, records)
+            numbers = np.flatnonzero(good) + seen        # record numbers in the journal
+            seen += len(records)
+            corrupt += int(len(records) - len(numbers))
+            records = records[good]
+            slots = records["slot"].astype(np.int64)
+            inside = slots < self.capacity
+            beyond += int(((records["op"] == _PUT) & ~inside).sum())
+            # The last record naming a slot decides what it holds (a PUT: that block; a
+            # FREE: nothing); a later chunk's record overrides an earlier one's.
+            named = np.flatnonzero(inside)[::-1]
+            _, first_in_reversed = np.unique(slots[named], return_index=True)
+            last = named[first_in_reversed]
+            is_put = records["op"][last] == _PUT
+            self._valid[slots[last[~is_put]]] = False
+            self._set_entries(records[last[is_put]], numbers[last[is_put]])
+            if len(body) < REPLAY_CHUNK * RECORD_BYTES:   # the end of the journal
+                torn = len(body) - whole
+                break
         # A block named by two live slots moved: only its newest entry counts.
-        live = live[np.argsort(live, kind="stable")]
-        seqs = records["seq"][live]
-        by_seq = np.lexsort((live, seqs))
-        newest = np.ones(len(by_seq), dtype=bool)
-        newest[:-1] = seqs[by_seq][:-1] != seqs[by_seq][1:]
-        duplicates = int(len(live) - newest.sum())
-        live = np.sort(live[by_seq[newest]])
-        self._set_entries(records[live], live)
-        self.report = RecoveryReport(len(live), len(records) + corrupt, torn, corrupt,
-                                     beyond, duplicates)
+        live = np.flatnonzero(self._valid)
+        seqs, order = self._seq[live], self._order[live]
+        by_seq = np.lexsort((order, seqs))
+        older = np.zeros(len(by_seq), dtype=bool)
+        older[:-1] = seqs[by_seq][:-1] == seqs[by_seq][1:]
+        self._valid[live[by_seq[older]]] = False
+        self.report = RecoveryReport(len(live) - int(older.sum()), seen, torn, corrupt,
+                                     beyond, int(older.sum()))
 
     def _set_entries(self, chosen: np.ndarray, order: np.ndarray) -> np.ndarray:
         """Make the ``PUT`` records ``chosen`` (record numbers ``order``) their slots' live
