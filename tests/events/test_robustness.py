@@ -192,3 +192,16 @@ def test_vllm_events_with_hashes_beyond_u64_are_format_errors():
                   {"type": "BlockRemoved", "block_hashes": [-1], "medium": "CPU"}):
         with pytest.raises(EventFormatError):
             formats.events_from_vllm([event])
+
+
+@pytest.mark.parametrize("size, tokens", [(-4, [1, 2, 3, 4]), (0, [1, 2]), (1.5, []),
+                                          ("4", []), (4, [1, 2, 3]), (2, [1, 2, 3, 4, 5])])
+def test_vllm_stored_events_with_a_bad_block_size_or_token_count_are_format_errors(size,
+                                                                                   tokens):
+    """A block size that is not a count, or tokens that are not exactly the blocks' (they
+    would land on the wrong blocks), is refused, not sliced into wrong token runs."""
+    event = {"type": "BlockStored", "block_hashes": [1, 2] if size == 2 else [1],
+             "parent_block_hash": None, "token_ids": tokens, "block_size": size,
+             "medium": "CPU"}
+    with pytest.raises(EventFormatError):
+        formats.events_from_vllm([event])

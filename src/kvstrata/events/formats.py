@@ -847,9 +847,15 @@ def events_from_vllm(events: Iterable[dict[str, Any]], first_event_id: int = 1) 
         tier = TIER_OF_MEDIUM.get(ev.get("medium") or VLLM_MEDIUM[TOP_TIER], TOP_TIER)
         kind = ev.get("type")
         if kind == "BlockStored":
-            size = ev["block_size"]
+            size = _int(ev, "block_size", "vLLM BlockStored")
             tokens = ev.get("token_ids") or []
             hashes = _hash_list(ev, "block_hashes", "vLLM BlockStored")
+            if tokens and (type(tokens) is not list or len(tokens) != len(hashes) * size):
+                # the tokens of every block or none: a short list would shift them onto
+                # the wrong blocks
+                raise EventFormatError(f"vLLM BlockStored: {len(hashes)} blocks of {size} "
+                                       f"tokens need {len(hashes) * size} token_ids, "
+                                       f"got {len(tokens)}")
             blocks = []
             for i, h in enumerate(hashes):
                 toks = tuple(tokens[i * size : (i + 1) * size]) if tokens else None
