@@ -149,6 +149,19 @@ def test_a_claim_that_cannot_be_written_goes_uncounted_and_stops_nothing(tmp_pat
     assert "not counted for tier G2" in caplog.text and "No space left" in caplog.text
 
 
+def test_a_mistyped_claims_directory_creates_no_tree_and_stops_nothing(tmp_path, caplog):
+    """The directory itself is made if missing, never its parents: a typo in
+    ``KVSTRATA_RAM_CLAIMS_DIR`` leaves RAM uncounted with a warning, not a new tree."""
+    directory = tmp_path / "no-such-place" / "claims"
+    assert claim_host_ram(1 * MiB, "tier G2", directory=str(directory), ram=100 * MiB) is None
+    assert not (tmp_path / "no-such-place").exists()
+    assert "not counted for tier G2" in caplog.text
+    claim = claim_host_ram(1 * MiB, "tier G2", directory=str(tmp_path / "claims"),
+                           ram=100 * MiB)
+    assert claim is not None and (tmp_path / "claims").is_dir()
+    claim.release()
+
+
 def test_the_claims_directory_is_named_by_the_environment_or_is_in_dev_shm(monkeypatch):
     monkeypatch.setenv(ram_claims.DIRECTORY_ENV, "/somewhere/claims")
     assert ram_claims.claims_directory() == "/somewhere/claims"

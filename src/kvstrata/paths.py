@@ -43,14 +43,15 @@ class NotPrivateError(PermissionError):
     writable by others."""
 
 
-def make_private_directory(path: str | os.PathLike) -> None:
-    """Create ``path`` (mode 0700; missing parents as the umask says) or check the existing
-    one: a real directory owned by this user that neither group nor others can write
+def make_private_directory(path: str | os.PathLike, *, parents: bool = True) -> None:
+    """Create ``path`` (mode 0700; with ``parents``, missing parents as the umask says,
+    else a missing parent is ``FileNotFoundError``) or check the existing one: a real
+    directory owned by this user that neither group nor others can write
     (:class:`NotPrivateError` otherwise; what others could write may already hold anything).
     Others' read and search access is then removed."""
     path = os.fspath(path)
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
+    if parents:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:

@@ -105,7 +105,7 @@ def claim_host_ram(nbytes: int, what: str, *, directory: str | None = None,
     if not ram or nbytes <= 0 or directory is None:
         return None
     try:
-        make_private_directory(directory)
+        make_private_directory(directory, parents=False)   # a mistyped path makes no tree
         with _locked(directory, lock_timeout):
             live = held_claims(directory, remove_dead=True)
             held = sum(n for _, n in live)
