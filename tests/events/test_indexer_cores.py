@@ -66,6 +66,28 @@ def test_native_core_answers_as_the_python_core(ops, qs):
         _apply(ours, op)
         _apply(ref, op)
         assert _view(ours, qs) == _view(ref, qs), op
+    for idx in (ours, ref):          # nothing outlives the workers that stored it
+        for w in range(3):
+            idx.reset_worker(w)
+        assert idx.stats()["nodes"] == 0, ops
+
+
+@pytest.mark.parametrize("use_native", [pytest.param(True, marks=native), False])
+@pytest.mark.parametrize("chain", [
+    [(7, 0, 7)],                                   # a block its own parent
+    [(1, 0, 2), (2, 0, 1)],                        # two blocks each other's parent
+    [(1, 0, 2), (2, 0, 3), (3, 0, 1)],             # a longer cycle, over three events
+])
+def test_a_cycle_of_parents_is_not_linked_and_everything_goes_with_its_worker(use_native,
+                                                                              chain):
+    """Made-up parents that would close a cycle (no real chain has one) are not linked:
+    the cycle's nodes would keep each other alive after every worker let go of them."""
+    idx = PrefixIndex(native=use_native)
+    for seq, local, parent in chain:
+        idx.apply_event(1, StoredEvent(1, "G1", parent, 4, (StoredBlock(seq, local),)))
+    assert idx.match([chain[-1][0]]) == {1: {"G1": 1}}
+    idx.reset_worker(1)
+    assert idx.stats()["nodes"] == 0
 
 
 @native

@@ -343,6 +343,15 @@ static int as_holder(Core *c, PyObject *o, uint32_t *out) {
     return 0;
 }
 
+/* Whether node a is node i or descends from it. A link from a placeholder i to a parent
+ * that descends from it would close a cycle (no real chain has one): its nodes would keep
+ * each other alive for ever, so the link is not made (as the Python core does). */
+static int descends_from(Core *c, uint32_t a, uint32_t i) {
+    for (; a != NIL && a != ROOT; a = N(c, a)->parent)
+        if (a == i) return 1;
+    return 0;
+}
+
 /* ---- methods ----------------------------------------------------------------------------- */
 
 static PyObject *Core_store(Core *c, PyObject *args) {
@@ -399,6 +408,7 @@ static PyObject *Core_store(Core *c, PyObject *args) {
             if (!has_parent) p = ROOT;
             else if (pidx != NIL) p = pidx;
             else if ((p = seq_get(c, parent)) == NIL && (p = node_new(c, parent)) == NIL) goto fail;
+            if (descends_from(c, p, i)) goto link_refused;   /* the link would close a cycle */
             if (reserve(c, &c->by_child, 1) < 0) { PyErr_NoMemory(); goto fail; }
             Node *n = N(c, i);
             n->parent = p; n->local = local;
@@ -409,6 +419,7 @@ static PyObject *Core_store(Core *c, PyObject *args) {
             c->by_child.slots[k].tag = (uint32_t)child_key(p, local);
             N(c, p)->nkids++;
         }
+    link_refused:
         if (holder_add(c, N(c, i), h) < 0) goto fail;
         parent = seq; has_parent = 1; pidx = i;
     }

@@ -92,6 +92,11 @@ class _PyCore:
                 parent = self._nodes.get(parent_hash)
                 if parent is None:  # child arrived before (or without) its parent: placeholder
                     parent = self._nodes[parent_hash] = _Node(parent_hash, None, None)
+                elif _descends_from(parent, node):
+                    # A link that closes a cycle (a block its own ancestor: no real chain
+                    # does that) is not made: the nodes of a cycle would each keep the other
+                    # alive, and nothing could ever remove them.
+                    return node
             node.parent = parent
             node.local_hash = local_hash
             parent.children[local_hash] = node
@@ -168,6 +173,15 @@ class _PyCore:
 
     def nodes(self) -> int:
         return len(self._nodes)
+
+
+def _descends_from(node: _Node, ancestor: _Node) -> bool:
+    """Whether ``ancestor`` is ``node`` or one of its ancestors."""
+    while node is not None:
+        if node is ancestor:
+            return True
+        node = node.parent
+    return False
 
 
 def _by_worker(runs: dict[int, int], holders: list[Holder]) -> dict[int, dict[str, int]]:
