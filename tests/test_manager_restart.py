@@ -4,14 +4,18 @@ directory finds, serves with the right bytes, and announces; one manager per dir
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
+from kvstrata.config import KvConfig, ModelGeometry, TierConfig
 from kvstrata.logical.registry import RegistryObserver
 from kvstrata.manager import KvBlockManager, ManagerConfigError
 
-from test_manager import (HANG_GUARD, assert_g1_bytes, chain, hashes_of, make_config, payloads,
+from test_manager import (BS, HANG_GUARD, assert_g1_bytes, chain, hashes_of, make_config, payloads,
                            put)
 
 
@@ -109,3 +113,49 @@ def test_recovered_blocks_are_in_the_publishers_snapshot_for_late_subscribers(tm
         assert index.match(hashes_of(records)) == {7: {"G3": 6}}
     finally:
         publisher.close()
+
+
+_EXIT_WITHOUT_CLOSE = """
+import sys, time
+sys.path.insert(0, sys.argv[2])
+from kvstrata.config import KvConfig, ModelGeometry, TierConfig
+from kvstrata.manager import KvBlockManager
+from kvstrata.physical import FileOps
+from test_manager import BS, chain, payloads, put
+
+
+class SlowDisk(FileOps):          # writes still pending when the interpreter exits
+    def pwritev(self, fd, buffers, offset):
+        time.sleep(0.02)
+        return super().pwritev(fd, buffers, offset)
+
+
+# blocks of 128 KiB: a batch of 16 is big enough for the disk tier to hash on its helper
+# thread while it writes (the pool the interpreter's exit shuts down)
+config = KvConfig(block_size=BS, admission="always",
+                  tiers={"G1": TierConfig(blocks=64), "G2": TierConfig(blocks=64),
+                         "G3": TierConfig(blocks=256)},
+                  model=ModelGeometry(num_layers=4, kv_heads=8, head_dim=64, dtype="fp16"))
+mgr = KvBlockManager(config, disk_dir=sys.argv[1], file_ops=SlowDisk())
+records = chain(96)
+data = payloads(mgr, records)
+for start in range(0, len(records), 16):
+    put(mgr, records[start:start + 16], data)
+print(mgr.status()["transfers_pending"], flush=True)
+"""
+
+
+def test_a_manager_left_open_at_exit_lands_its_pending_writes(tmp_path):
+    """An interpreter that exits with a manager open closes it as close() would: the G3
+    writes still pending land (the interpreter's own exit shuts thread pools down first,
+    which refused them)."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    done = subprocess.run([sys.executable, "-c", _EXIT_WITHOUT_CLOSE, str(tmp_path), tests],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert int(done.stdout.split()[-1]) > 0, "nothing was pending at exit: the test proves nothing"
+    config = KvConfig(block_size=BS, tiers={"G1": TierConfig(blocks=64), "G2": TierConfig(blocks=64),
+                                            "G3": TierConfig(blocks=256)},
+                      model=ModelGeometry(num_layers=4, kv_heads=8, head_dim=64, dtype="fp16"))
+    with KvBlockManager(config, disk_dir=str(tmp_path)) as mgr:
+        assert len(mgr.storage("G3").recovered) == 96

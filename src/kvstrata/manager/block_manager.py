@@ -725,13 +725,24 @@ _exit_hook = False
 
 
 def _track_for_exit(manager: KvBlockManager) -> None:
-    """A manager not closed by its user is closed at interpreter exit (its slab and
-    temporary directory deleted), not left on disk."""
+    """A manager not closed by its user is closed at interpreter exit, as :meth:`close`
+    would: its pending writes land (a durable G3 keeps them), its slab and temporary
+    directory are deleted, not left on disk.
+
+    The hook runs with threading's exit hooks, before the interpreter's own: those shut
+    every thread pool down first (``concurrent.futures`` registers there too, earlier, and
+    they run last first), and a pool shut down refuses the writes still pending."""
     global _exit_hook
     _OPEN.add(manager)
     with _exit_hook_lock:
         if not _exit_hook:
-            atexit.register(_close_open_managers)
+            register = getattr(threading, "_register_atexit", None)
+            try:
+                if register is None:
+                    raise RuntimeError("no threading exit hooks")
+                register(_close_open_managers)
+            except RuntimeError:               # none, or the interpreter is exiting
+                atexit.register(_close_open_managers)
             _exit_hook = True
 
 
