@@ -3,6 +3,7 @@ one process, what a damaged home does to a start, races between processes, fd le
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
@@ -13,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from kvstrata.manager import KvBlockManager, ManagerConfigError
-from kvstrata.physical.errors import StorageConfigError
+from kvstrata.physical import FileOps
+from kvstrata.physical.errors import DiskFullError, StorageConfigError
 from kvstrata.physical.storage import disk_home
 from kvstrata.physical.storage.disk_home import DiskTierBusyError, DiskTierHome
 
@@ -319,3 +321,55 @@ def test_a_malformed_fingerprint_is_refused_before_anything_is_made(tmp_path, fi
         again.close()
         assert recovered == 1, "stored under this fingerprint, not recovered by it"
     assert list(parent.iterdir()) == [] and sorted(tmp_path.iterdir()) == [parent]
+
+
+class _RefusesDirectIO(FileOps):
+    """A filesystem that refuses O_DIRECT (FUSE, some overlays)."""
+
+    def open(self, path, flags, mode=0o600):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return super().open(path, flags, mode)
+
+
+class _OverQuota(FileOps):
+    """A user quota: free space on the filesystem, but no room for this user's slab."""
+
+    def fallocate(self, fd, offset, length):
+        raise OSError(errno.EDQUOT, "Disk quota exceeded")
+
+
+@pytest.mark.parametrize("failing", [dict(o_direct=True, file_ops=_RefusesDirectIO()),
+                                     dict(file_ops=_OverQuota())], ids=["o_direct", "quota"])
+def test_a_failed_start_for_another_model_loses_nothing_and_leaves_nothing(tmp_path, failing):
+    """Another model's home is removed only once the new tier stands: a start that fails
+    keeps the blocks stored before, and takes away the home it made itself."""
+    disk = open_durable(tmp_path)
+    write(disk, [0, 1], [0x11, 0x22])
+    disk.close()
+    before = sorted(os.listdir(tmp_path))
+    with pytest.raises((StorageConfigError, DiskFullError)):
+        open_durable(tmp_path, fingerprint=OTHER_FP, **failing)
+    assert sorted(os.listdir(tmp_path)) == before
+    disk = open_durable(tmp_path)
+    try:
+        assert sorted(e.slot for e in disk.recovered) == [0, 1]
+        assert read_ok(disk, 0, 0x11) and read_ok(disk, 1, 0x22)
+    finally:
+        disk.close()
+    disk = open_durable(tmp_path, fingerprint=OTHER_FP)        # a start that works does
+    disk.close()
+    assert sorted(os.listdir(tmp_path)) == [home_of(tmp_path, OTHER_FP).name]
+
+
+def test_a_failed_start_in_its_own_home_keeps_the_home(tmp_path):
+    disk = open_durable(tmp_path)
+    write(disk, [0, 1], [0x11, 0x22])
+    disk.close()
+    with pytest.raises(StorageConfigError):
+        open_durable(tmp_path, o_direct=True, file_ops=_RefusesDirectIO())
+    disk = open_durable(tmp_path)
+    try:
+        assert sorted(e.slot for e in disk.recovered) == [0, 1]
+    finally:
+        disk.close()

@@ -210,11 +210,13 @@ class DiskStorage(BlockStore):
         home = DiskTierHome.claim(directory, tier=name, rank=rank, fingerprint=fingerprint,
                                   describe=describe)
         try:
-            return cls(config, home.path, name=name,
+            tier = cls(config, home.path, name=name,
                        durable=Durability(home, fingerprint, sync), **options)
         except BaseException:
-            home.release()
+            home.abandon()
             raise
+        home.remove_stale()          # only once this tier stands: a failed start loses nothing
+        return tier
 
     @classmethod
     def follow(cls, config: LayoutConfig, directory: str | os.PathLike, *, fingerprint: str,

@@ -9,7 +9,8 @@ again and anything else never reads them.
 ``lock`` file (released by the kernel when the process dies, however it dies); a second
 process gets :class:`DiskTierBusyError` naming the holder. Homes of the same rank made for
 another fingerprint (the model or geometry changed) and not locked by a live process are
-removed, in one log line, so the configured directory never holds more than one tier's
+removed, in one log line, once the new tier stands (:meth:`DiskTierHome.remove_stale`: a
+start that fails loses nothing), so the configured directory never holds more than one tier's
 worth per rank. Homes of other ranks are never touched (they may be starting right now), nor
 homes of other users.
 
@@ -55,35 +56,50 @@ def home_name(tier: str, rank: int, fingerprint: str) -> str:
 class DiskTierHome:
     """The claimed directory of one durable disk tier; :meth:`release` gives it up."""
 
-    def __init__(self, path: Path, lock_fd: int, removed: list[str]) -> None:
+    def __init__(self, path: Path, lock_fd: int, created: bool, tier: str, rank: int,
+                 describe: str) -> None:
         self.path = path
         self._lock_fd = lock_fd
-        self.removed_stale = removed
-        """Names of stale homes (other fingerprints, same rank) removed when claiming."""
+        self._created = created
+        self._tier, self._rank, self._describe = tier, rank, describe
+        self.removed_stale: list[str] = []
+        """Names of stale homes (other fingerprints, same rank) :meth:`remove_stale` removed."""
 
     @classmethod
     def claim(cls, directory: str | os.PathLike, *, tier: str, rank: int, fingerprint: str,
               describe: str = "") -> "DiskTierHome":
-        """Create (or reuse) and lock this tier's home under ``directory``."""
+        """Create (or reuse) and lock this tier's home under ``directory``. Homes of other
+        fingerprints stay until :meth:`remove_stale`, once the tier is built: a start that
+        fails loses nothing another model stored."""
         check_fingerprint(fingerprint)
         if not isinstance(tier, str) or not _TIER_RE.match(tier.lower()) \
                 or isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
             raise StorageConfigError(f"disk tier home: tier {tier!r} and rank {rank!r} must be "
                                      f"a short name and an integer >= 0")
-        parent = Path(directory)
-        path = parent / home_name(tier, rank, fingerprint)
+        path = Path(directory) / home_name(tier, rank, fingerprint)
+        created = not os.path.lexists(path)
         _make_home(path)
         lock_fd = _lock_home(path)
-        try:
-            removed = _remove_stale(parent, tier, rank, path.name)
-        except BaseException:
-            os.close(lock_fd)
-            raise
+        return cls(path, lock_fd, created, tier, rank, describe)
+
+    def remove_stale(self) -> list[str]:
+        """Remove the homes of this tier and rank made for another fingerprint (the model
+        or geometry changed) that no live process holds; their names, logged in one line."""
+        removed = _remove_stale(self.path.parent, self._tier, self._rank, self.path.name)
         if removed:
             log.warning("kvstrata %s: no blocks stored for this model and geometry (%s) in %s; "
                         "starting fresh and removing %d home(s) of another fingerprint: %s",
-                        tier, describe or fingerprint, parent, len(removed), ", ".join(removed))
-        return cls(path, lock_fd, removed)
+                        self._tier, self._describe or self.path.name, self.path.parent,
+                        len(removed), ", ".join(removed))
+        self.removed_stale += removed
+        return removed
+
+    def abandon(self) -> None:
+        """Give up a home whose tier could not be built: removed if this claim created it
+        (nothing was stored there), then released."""
+        if self._created and self._lock_fd >= 0:
+            shutil.rmtree(self.path, ignore_errors=True)
+        self.release()
 
     def release(self) -> None:
         """Unlock (the directory and its files stay for the next start). Idempotent."""
