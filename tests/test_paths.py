@@ -68,3 +68,22 @@ def test_a_failed_whole_write_leaves_the_old_file_and_nothing_else(tmp_path, mon
         paths.write_atomically(target, b"newer")
     assert target.read_bytes() == b"new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plot.png"]
+
+
+def test_directories_made_on_the_way_are_never_writable_by_others_whatever_the_umask(tmp_path):
+    """Missing parents are made 0755 at most: under umask 0, ``os.makedirs`` made them 0777,
+    and anyone could rename or replace what kvstrata then kept inside."""
+    import subprocess
+    import sys
+
+    target = tmp_path / "a" / "b" / "home"
+    code = ("import os, sys; os.umask(0); from kvstrata.paths import make_private_directory; "
+            "make_private_directory(sys.argv[1])")
+    subprocess.run([sys.executable, "-c", code, str(target)], check=True)
+    for made in (tmp_path / "a", tmp_path / "a" / "b"):
+        assert made.stat().st_mode & 0o777 == 0o755
+    assert target.stat().st_mode & 0o777 == 0o700
+    code = ("import os, sys; os.umask(0o077); from kvstrata.paths import make_directories; "
+            "make_directories(sys.argv[1])")
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "c" / "d")], check=True)
+    assert (tmp_path / "c").stat().st_mode & 0o777 == 0o700     # a stricter umask still holds

@@ -43,6 +43,29 @@ class NotPrivateError(PermissionError):
     writable by others."""
 
 
+SHARED_DIRECTORY_MODE = 0o755
+"""What a missing directory kvstrata creates on the way to its own is made with, at most."""
+
+
+def make_directories(path: str | os.PathLike) -> None:
+    """Create ``path`` and its missing parents (an existing one is left as it is), each
+    with mode 0755 at most whatever the umask: ``os.makedirs`` gives ``0777 & ~umask``, so
+    under umask 0 anyone could rename or replace what is made inside them."""
+    path = os.path.abspath(os.fspath(path))
+    missing = []
+    while not os.path.isdir(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory, SHARED_DIRECTORY_MODE)     # the umask can only take away
+        except FileExistsError:
+            continue
+
+
 def make_private_directory(path: str | os.PathLike, *, parents: bool = True) -> None:
     """Create ``path`` (mode 0700; with ``parents``, missing parents as the umask says,
     else a missing parent is ``FileNotFoundError``) or check the existing one: a real
@@ -51,7 +74,7 @@ def make_private_directory(path: str | os.PathLike, *, parents: bool = True) -> 
     Others' read and search access is then removed."""
     path = os.fspath(path)
     if parents:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        make_directories(os.path.dirname(os.path.abspath(path)))
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:

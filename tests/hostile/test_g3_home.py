@@ -373,3 +373,19 @@ def test_a_failed_start_in_its_own_home_keeps_the_home(tmp_path):
         assert sorted(e.slot for e in disk.recovered) == [0, 1]
     finally:
         disk.close()
+
+
+def test_homes_in_a_directory_others_can_write_are_never_removed_as_stale(tmp_path, caplog):
+    """Where anyone may rename entries (writable by others, no sticky bit), a home under a
+    stale name may be this model's own, renamed: nothing is removed."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    disk = open_durable(shared)
+    write(disk, [0, 1], [0x11, 0x22])
+    disk.close()
+    os.chmod(shared, 0o777)
+    open_durable(shared, fingerprint=OTHER_FP).close()
+    assert home_of(shared).is_dir() and "others can write" in caplog.text
+    os.chmod(shared, 0o1777)                    # sticky: only the owner renames its entries
+    open_durable(shared, fingerprint=OTHER_FP).close()
+    assert not home_of(shared).exists()

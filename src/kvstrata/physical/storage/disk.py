@@ -63,6 +63,7 @@ from ..checksum import ChecksumTable, block_checksum
 from ..leftovers import owner_tag, reclaim
 from ..errors import (BlockFailure, DiskFullError, FailureKind, StorageConfigError,
                       StorageIOError, raise_for_failures)
+from ...paths import make_directories
 from ...protocol.layout import FullyContiguousLayout, LayoutConfig
 from ...protocol.layout_codec import StorageDescriptor
 from .base import BlockStore, StorageStatus
@@ -150,7 +151,7 @@ class DiskStorage(BlockStore):
         directory = Path(directory)
         try:
             if followed is None:
-                directory.mkdir(parents=True, exist_ok=True)
+                make_directories(directory)
         except OSError as exc:
             raise StorageConfigError(f"cannot create disk pool directory {directory}: {exc}") from exc
         self.size = layout.region_bytes(0)

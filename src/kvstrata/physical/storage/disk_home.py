@@ -192,7 +192,14 @@ def _remove_stale(parent: Path, tier: str, rank: int, mine: str) -> list[str]:
     removed = []
     try:
         names = sorted(os.listdir(parent))
+        shared = os.stat(parent).st_mode
     except OSError:
+        return removed
+    if shared & 0o022 and not shared & stat.S_ISVTX:
+        # Others could have renamed any home here to a stale one's name: remove nothing.
+        log.warning("kvstrata %s: homes of other fingerprints in %s are left: others can "
+                    "write that directory (give the disk tier a directory of its own)",
+                    tier, parent)
         return removed
     for name in names:
         match = _HOME_RE.match(name)
