@@ -601,3 +601,23 @@ def test_a_copy_that_raises_leaves_no_seal_remembered_for_the_next_plan(shm, mon
         assert load().all_ok                            # held to the new seals, not the old
     writer.close()
     reader.close()
+
+
+def _memfd_mappings(name: str) -> int:
+    with open("/proc/self/maps") as maps:
+        return sum(f"memfd:kvstrata-{name}" in line for line in maps)
+
+
+def test_a_second_writer_on_a_name_in_use_lets_go_of_its_memory_at_once(shm):
+    """The start that fails (the name is another writer's) unmaps what it reserved at once,
+    not when the caller lets go of the error (its traceback held the mapping)."""
+    path = shm / "g2"
+    writer = PublishedHostStorage(CFG, path)
+    try:
+        assert _memfd_mappings(path.name) == 1
+        with pytest.raises(StorageConfigError) as failed:
+            PublishedHostStorage(CFG, path)
+        assert failed.value is not None                   # the error is still held here
+        assert _memfd_mappings(path.name) == 1
+    finally:
+        writer.close()

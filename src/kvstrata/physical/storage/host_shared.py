@@ -218,6 +218,7 @@ class SharedHostFile:
         except (AttributeError, OSError) as exc:
             raise StorageConfigError(f"cannot make shared host memory (memfd_create): "
                                      f"{exc}") from exc
+        mapping = None
         try:
             try:
                 os.posix_fallocate(fd, 0, size)   # the RAM is taken now, or refused now
@@ -233,6 +234,10 @@ class SharedHostFile:
             rendezvous = _publish(path, _RENDEZVOUS.pack(_RENDEZVOUS_MAGIC, os.getpid(), fd,
                                                          size, nonce))
         except BaseException:
+            # the mapping holds the memory (and a descriptor of its own) until closed: a
+            # traceback kept by the caller would otherwise keep it all
+            if mapping is not None:
+                mapping.close()
             os.close(fd)
             raise
         return cls(path, mapping, config, stride, True, memory_fd=fd, rendezvous=rendezvous)
