@@ -514,3 +514,48 @@ def test_bytes_of_g1_after_close_are_a_closed_error_and_released(tmp_path):
     assert not mgr._g1._regions                          # no view keeps G1's memory alive
     del regions
     gc.collect()
+
+
+@pytest.mark.parametrize("operation", ["read", "write"])
+def test_g1_bytes_racing_close_end_in_a_closed_error(operation):
+    """A read or write of G1's bytes while another thread closes the manager either
+    finishes or is refused with ManagerClosedError (it used to fail with an IndexError on
+    the views close() dropped under it). A race: tried a few times."""
+    for _ in range(4):
+        mgr = KvBlockManager(make_config(g1=256, g2=0, g3=0))
+        ids = mgr.allocate(256).result(HANG_GUARD).block_ids
+        zeros = [np.zeros(mgr._g1.block_bytes, np.uint8)] * len(ids)
+        outcome, started = [], threading.Event()
+
+        def hammer():
+            started.set()
+            try:
+                while True:
+                    mgr.read_g1(ids) if operation == "read" else mgr.write_g1(ids, zeros)
+            except Exception as exc:              # noqa: BLE001 - the type is what is tested
+                outcome.append(exc)
+
+        thread = threading.Thread(target=hammer)
+        thread.start()
+        started.wait(HANG_GUARD)
+        mgr.close()
+        thread.join(HANG_GUARD)
+        assert len(outcome) == 1 and isinstance(outcome[0], ManagerClosedError), outcome
+
+
+def test_close_from_a_callback_on_the_owner_thread_is_an_error_not_a_deadlock():
+    mgr = KvBlockManager(make_config(g3=0))
+    outcome = []
+
+    def close_from_callback(_future):
+        try:
+            mgr.close()
+        except ManagerError as exc:
+            outcome.append(exc)
+
+    mgr.allocate(1).add_done_callback(close_from_callback)
+    mgr.flush().result(HANG_GUARD)               # the callback ran (owner thread, in order)
+    assert len(outcome) == 1 and "own thread" in str(outcome[0])
+    mgr.close()                                  # from another thread: closes
+    with pytest.raises(ManagerClosedError):
+        mgr.allocate(1)

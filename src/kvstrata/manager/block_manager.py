@@ -428,23 +428,26 @@ class KvBlockManager:
         (``InvalidBlockError``): ids in range, blocks held (allocated) and not registered
         (a registered block's bytes are shared and may be copied right now), sizes right."""
         self._check_open("write_g1")
-        ids = self._g1.check_ids(block_ids, "write_g1")
-        flat = self._g1.check_payloads(ids, payloads, "write_g1")
-        pool = self.pools[self._top]
-        for block_id in ids:
-            block = pool.block(block_id)
-            if block.ref_count <= 0 or block.state is BlockState.REGISTERED:
-                why = "registered" if block.state is BlockState.REGISTERED else "not held"
-                raise InvalidBlockError(
-                    f"write_g1: G1 block {block_id} is {why}; write only blocks you hold from "
-                    f"allocate(), before register()")
-        self._g1.write(ids, flat)
+        with self._g1.in_use("write_g1"):            # a close() meanwhile waits for it
+            ids = self._g1.check_ids(block_ids, "write_g1")
+            flat = self._g1.check_payloads(ids, payloads, "write_g1")
+            pool = self.pools[self._top]
+            for block_id in ids:
+                block = pool.block(block_id)
+                if block.ref_count <= 0 or block.state is BlockState.REGISTERED:
+                    self._check_open("write_g1")     # a close() under way let go of it
+                    why = "registered" if block.state is BlockState.REGISTERED else "not held"
+                    raise InvalidBlockError(
+                        f"write_g1: G1 block {block_id} is {why}; write only blocks you hold "
+                        f"from allocate(), before register()")
+            self._g1.write(ids, flat)
 
     def read_g1(self, block_ids: Sequence[int]) -> list[np.ndarray]:
         """Copies of G1 blocks' payloads (same byte order as :meth:`write_g1`); ids out of
         range raise ``InvalidBlockError``; after :meth:`close`, ``ManagerClosedError``."""
         self._check_open("read_g1")
-        return self._g1.read(self._g1.check_ids(block_ids, "read_g1"))
+        with self._g1.in_use("read_g1"):             # a close() meanwhile waits for it
+            return self._g1.read(self._g1.check_ids(block_ids, "read_g1"))
 
     def _check_open(self, what: str) -> None:
         if self._owner.closed:
@@ -662,8 +665,11 @@ class KvBlockManager:
         """Wait for pending transfers, stop the owner thread and the transfer engine, free
         storages (the G3 slab file is deleted) and stop the metrics endpoint. Idempotent; a
         concurrent second call returns once the first finished. Do not call it from a callback
-        running on the owner thread."""
+        running on the owner thread: it would wait for itself (``ManagerError``)."""
         owner = self._owner
+        if threading.current_thread() is owner.thread:
+            raise ManagerError("close() called from a callback on the manager's own thread "
+                               "would wait for that thread for ever: call it from another")
         with self._close_lock:
             first = not owner.closed
             owner.closed = True

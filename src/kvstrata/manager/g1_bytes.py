@@ -9,14 +9,16 @@ state); the pool checks they need are done by the caller (see ``KvBlockManager.w
 
 from __future__ import annotations
 
+import contextlib
 import numbers
-from typing import Callable, Sequence
+import threading
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 
 from ..physical import DeviceStorage
-from .errors import InvalidBlockError
+from .errors import InvalidBlockError, ManagerClosedError
 
 __all__ = ["G1Bytes"]
 
@@ -40,11 +42,35 @@ class G1Bytes:
                 spans.append((first.index, lambda b, o=first.offset, s=step: o + b * s))
         self._spans = spans
         self.block_bytes = len(spans) * self._chunk
+        self._gate = threading.Condition()
+        self._users = 0
+        self._closed = False
+
+    @contextlib.contextmanager
+    def in_use(self, what: str) -> Iterator[None]:
+        """Hold G1's memory open for one read or write (any number at once);
+        ``ManagerClosedError`` once :meth:`close` began."""
+        with self._gate:
+            if self._closed:
+                raise ManagerClosedError(f"{what}: the manager is closed")
+            self._users += 1
+        try:
+            yield
+        finally:
+            with self._gate:
+                self._users -= 1
+                if not self._users:
+                    self._gate.notify_all()
 
     def close(self) -> None:
-        """Drop the views of G1's memory (they would keep it alive after the storage closed)."""
-        self._regions = []
-        self.num_blocks = 0
+        """Drop the views of G1's memory (they would keep it alive after the storage
+        closed), once the reads and writes under way have ended."""
+        with self._gate:
+            self._closed = True
+            while self._users:
+                self._gate.wait()
+            self._regions = []
+            self.num_blocks = 0
 
     def check_ids(self, block_ids: Sequence[int], what: str) -> list[int]:
         """``block_ids`` as ints, each a G1 block id (``InvalidBlockError`` otherwise)."""
