@@ -234,6 +234,23 @@ def test_config_errors_are_typed(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("arguments, problem", [
+    (dict(rank=-1), "rank must be"), (dict(rank=5, world_size=2), "rank must be"),
+    (dict(rank="0"), "rank must be"), (dict(world_size=0), "world_size must be"),
+    (dict(device="nope:7"), "not a device torch knows"),
+    (dict(device=f"cuda:{torch.cuda.device_count()}"), "not on this machine"),
+    (dict(config=KvConfig(block_size=0)), "block_size must be"),
+])
+def test_bad_arguments_are_config_errors_and_leave_nothing(tmp_path, arguments, problem):
+    """Refused with ManagerConfigError naming the problem before anything is made: a rank
+    outside the world would file stored blocks where no rank looks."""
+    config = arguments.pop("config", make_config())
+    arguments.setdefault("disk_dir", str(tmp_path))
+    with pytest.raises(ManagerConfigError, match=problem):
+        KvBlockManager(config, **arguments)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_release_after_close_does_not_hang(tmp_path):
     mgr = KvBlockManager(make_config(), disk_dir=tmp_path)
     records = chain(2)

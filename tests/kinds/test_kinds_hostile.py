@@ -12,6 +12,7 @@ import tempfile
 
 import numpy as np
 import pytest
+import torch
 
 import kvstrata.kinds as kinds
 import kvstrata.kinds.disk as disk_kind
@@ -129,13 +130,16 @@ def test_ram_checks_for_host_and_a_cpu_stand_in_count_every_rank():
                                  tiers={"G1": TierConfig(blocks=blocks)}), StorageOptions())
     assert g1.startswith(f"tier G1 needs {blocks * bpb} bytes of RAM")
     # the engine's own tensors (or a device that is not the CPU) are not host RAM
-    assert check_tiers(KvConfig(block_size=BS, model=MODEL,
-                                tiers={"G1": TierConfig(blocks=blocks)}),
-                       StorageOptions(device="cuda:0")) == []
+    huge_g1 = KvConfig(block_size=BS, model=MODEL, tiers={"G1": TierConfig(blocks=blocks)})
+    engine_kv = StorageOptions(engine_kv=True)
+    assert check_tiers(huge_g1, engine_kv) == []
+    on_gpu = check_tiers(huge_g1, StorageOptions(device="cuda:0"))
+    assert on_gpu == ([] if torch.cuda.is_available() else
+                      ["tier G1: device 'cuda:0' is not on this machine (0 CUDA device(s))"])
     half = ram // 4096 // 2 + 1                  # two ranks of these do not fit, one does
     host = _config(G2=TierConfig(blocks=half))
-    assert check_tiers(host, StorageOptions(device="cuda:0")) == []
-    (both,) = check_tiers(host, StorageOptions(device="cuda:0"), ranks=2)
+    assert check_tiers(host, engine_kv) == []
+    (both,) = check_tiers(host, engine_kv, ranks=2)
     assert both.startswith("tier G2 (2 ranks) needs")
 
 

@@ -10,7 +10,8 @@ import pytest
 import xxhash
 
 from kvstrata.physical import (BlockIntegrityError, ChecksumMismatchError, DiskFullError,
-                               DiskStorage, FailureKind, StorageConfigError, StorageIOError)
+                               DiskStorage, FailureKind, FileOps, StorageConfigError,
+                               StorageIOError)
 from kvstrata.physical.buffers import AlignedBuffer
 
 from .conftest import FaultyFileOps, random_block_arrays, small_config
@@ -203,3 +204,27 @@ def test_overlapped_hashing_paths(tmp_path, o_direct):
     for i in (0, 1, 2, 3, 5):
         assert np.array_equal(blocks[i][:nbytes], out[i][:nbytes])
     disk.close()
+
+
+class _CloseFails(FileOps):
+    """close(2) that closes, then reports EIO (as NFS may, for a flush it could not do)."""
+
+    def close(self, fd):
+        super().close(fd)
+        raise OSError(errno.EIO, "close failed")
+
+
+def test_a_failed_close_while_the_slab_is_opened_is_typed_and_leaks_nothing(tmp_path):
+    """The slab is opened, then opened again with O_DIRECT and the first descriptor closed:
+    if that close fails, the start fails with a typed error, and neither the O_DIRECT
+    descriptor nor the slab file is left."""
+    probe = DiskStorage(small_config(), tmp_path, o_direct=None)
+    direct = probe.o_direct
+    probe.close()
+    if not direct:
+        pytest.skip("this filesystem refuses O_DIRECT: the slab is never opened twice")
+    before = set(os.listdir("/proc/self/fd"))
+    with pytest.raises(StorageConfigError, match="cannot close the slab"):
+        DiskStorage(small_config(), tmp_path, o_direct=True, file_ops=_CloseFails())
+    assert set(os.listdir("/proc/self/fd")) <= before
+    assert os.listdir(tmp_path) == []

@@ -31,6 +31,9 @@ def check_tiers(config: KvConfig, options: StorageOptions, ranks: int = 1,
     tier of no block, and what each kind finds (:meth:`~kvstrata.kinds.base.Kind.problems`).
     ``copies``: per kind of tier, how many of it those ranks keep, where ranks holding the
     same bytes share one (a kind not named: one per rank)."""
+    identity = _identity_problem(options)
+    if identity:
+        return [identity]
     tiers = ordered(config.tiers)
     missing = [t for t in tiers if kind_of(t) is None]
     if missing:
@@ -54,6 +57,18 @@ def check_tiers(config: KvConfig, options: StorageOptions, ranks: int = 1,
         problems.extend(kind.problems(config, tier, options,
                                       (copies or {}).get(kind.kind, ranks)))
     return problems
+
+
+def _identity_problem(options: StorageOptions) -> str:
+    """Why ``options.rank`` / ``world_size`` name no rank ("" if they do): they are part of
+    the fingerprint and home of what is stored, so a wrong one would file blocks away where
+    no rank looks."""
+    rank, world = options.rank, options.world_size
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        return f"world_size must be an integer >= 1, got {world!r:.40}"
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
+        return f"rank must be an integer in 0..{world - 1} (world_size {world}), got {rank!r:.40}"
+    return ""
 
 
 def _wrapped_in_host_ram(kv_caches) -> bool:

@@ -21,6 +21,10 @@ class DeviceKind(Kind):
 
     def problems(self, config: KvConfig, tier: str, options: StorageOptions,
                  ranks: int = 1) -> list[str]:
+        if options.g1 is None and options.kv_caches is None and options.device is not None:
+            problem = _device_problem(options.device)
+            if problem:
+                return [f"tier {tier}: {problem}"]
         if not _stands_in(options):
             return []
         geometry = layout_config_for(config, config.tier_blocks(tier))
@@ -57,6 +61,23 @@ def _stands_in(options: StorageOptions) -> bool:
     """Whether the device tier will be allocated in host RAM (a CPU stand-in)."""
     return (not options.engine_kv and options.g1 is None and options.kv_caches is None
             and (options.device is None or str(options.device).startswith("cpu")))
+
+
+def _device_problem(device) -> str:
+    """Why the device tier cannot be allocated on ``device`` ("" if it can)."""
+    import torch
+
+    try:
+        where = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        return f"device {device!r:.80} is not a device torch knows"
+    if where.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (where.index or 0) >= count:
+            return f"device {device!r} is not on this machine ({count} CUDA device(s))"
+    elif where.type != "cpu":
+        return f"device {device!r}: kvstrata allocates G1 on CUDA or CPU (a stand-in)"
+    return ""
 
 
 def geometry_problems(got: LayoutConfig, config: KvConfig) -> list[str]:

@@ -139,12 +139,13 @@ class KvBlockManager:
                  object_store: "S3Config | None" = None,
                  list_interval: float | None = 10.0, secret: bytes | None = None,
                  rank: int = 0, world_size: int = 1) -> None:
-        config = (config or KvConfig()).validate()
-        if disk_dir is not None:      # the caller's directory wins over the config's
-            try:
-                config = replace(config, disk_dir=disk_dir).validate()
-            except ConfigError as exc:
-                raise ManagerConfigError("; ".join(exc.problems)) from None
+        try:
+            config = config or KvConfig()
+            if disk_dir is not None:      # the caller's directory wins over the config's
+                config = replace(config, disk_dir=disk_dir)
+            config = config.validate()
+        except ConfigError as exc:
+            raise ManagerConfigError("; ".join(exc.problems)) from None
         self._owner = OwnerThread("kvstrata-manager-owner", self._handle_result,
                                   self._after_step, self._fail_onboards)
         self._onboards: dict[int, Future] = {}

@@ -46,6 +46,7 @@ check; nothing is ever written, journaled or locked.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import queue
@@ -181,9 +182,13 @@ class DiskStorage(BlockStore):
             if durable is None and followed is None:
                 self._remove_file()
             raise
-        if self._fd != fd:
-            self._ops.close(fd)
         try:
+            if self._fd != fd:
+                try:
+                    self._ops.close(fd)
+                except OSError as exc:
+                    raise StorageConfigError(f"cannot close the slab {self.path}: "
+                                             f"{exc.strerror or exc}") from exc
             if durable is not None:
                 self._recover(durable)
             elif followed is not None:
@@ -193,9 +198,12 @@ class DiskStorage(BlockStore):
                 self.refresh()
                 self.recovered = self._journal.live()
         except BaseException:
-            self._ops.close(self._fd)
+            with contextlib.suppress(OSError):     # the first error is the one to tell
+                self._ops.close(self._fd)
             if self._journal is not None:
                 self._journal.close()
+            if durable is None and followed is None:
+                self._remove_file()
             raise
 
     @classmethod
