@@ -239,3 +239,24 @@ def test_deferred_blocks_are_copied_oldest_first():
         plans += p.take_plans()
     assert copied == [r.sequence_hash for r in first + later]
     assert p.idle
+
+
+@pytest.mark.parametrize("eviction", ["lru", "default"])
+def test_a_prompt_longer_than_the_top_tier_brings_back_what_fits(eviction):
+    """A returning prompt longer than G1, whose tail G1 still holds and whose head only G2
+    does: the onboard delivers the longest prefix G1 can hold at once. Holding the tail
+    first left no slot for the head's copies, and it delivered nothing."""
+    p = Planner(KvConfig(block_size=BS, eviction=eviction,
+                         tiers={"G1": TierConfig(blocks=8), "G2": TierConfig(blocks=32)}))
+    records = chain(20)
+    hashes = [r.sequence_hash for r in records]
+    for start in range(0, 20, 4):                 # computed 4 blocks at a time
+        compute(p, records[start:start + 4])
+        drive(p)
+    assert p.lookup(hashes)[-1] == "G1" and p.lookup(hashes)[0] == "G2"
+    p.prepare_onboard(hashes)
+    drive(p)
+    (result,) = p.take_finished()
+    assert len(result) == 8 and result.sequence_hashes == hashes[:8]
+    result.release()
+    assert_consistent(p)

@@ -153,6 +153,12 @@ class BlockPool:
         return count <= self._reset_count() + len(self.eviction) \
             or count <= self._evictable_total()
 
+    def allocatable(self) -> int:
+        """How many blocks :meth:`allocate` could give now (free slots, and the idle blocks
+        eviction can reach). Changes nothing visible."""
+        self._drain_orphans()
+        return self._evictable_total()
+
     def _reset_count(self) -> int:
         """Reset slots: those on the free stack plus those never used."""
         return len(self._free) + self.capacity - self._made
