@@ -7,7 +7,8 @@ it needs; the ticket finishes when every copy's result came back, and its
 * **kvstrata owns the top tier** (one process: the replay, ``KvBlockManager``): the prefix is
   found across all tiers; blocks already there are held while the rest is copied from the
   fastest lower tier holding each, into freshly allocated top-tier slots (if the top tier
-  cannot give that many slots, the prefix is cut short). A block another ticket is already
+  cannot give that many slots, the prefix is cut to the longest it can hold at once, its
+  blocks already there past that point left free to make room). A block another ticket is already
   copying is waited for, not copied twice. The result holds the top-tier blocks of the
   verified prefix.
 * **the engine owns the top tier** (a connector): the caller names the engine's block ids to
