@@ -169,11 +169,59 @@ def assert_one_line_error(code, err, *words):
     (["replay", "--data", "--limit", "2", "--events", "none"], ["--events", "--data"]),
     (["replay", "--data", "--limit", "2", "--plot", "x.png"], ["--plot", "--data"]),
     (["replay", "--data", "--limit", "2", "--prefill-rate", "inf"], ["--prefill-rate"]),
+    (["replay", "--data", "--limit", "2", "--prefill-rate", "1e-308"], ["--prefill-rate"]),
+    (["replay", "", "--limit", "3"], ["trace path is empty"]),
+    (["replay", "--limit", "3", "--plot", ""], ["--plot is empty"]),
+    (["replay", "--limit", "3", "--events", ""], ["--events is empty"]),
+    (["replay", "--limit", "3", "--config", ""], ["--config is empty"]),
     (["replay", "--limit", "3", "--plot", "c" * 250 + ".png"], ["--plot", "cannot be written"]),
 ])
 def test_input_errors_are_one_line_and_exit_2(argv, words):
     code, _, err = _cli(*argv)
     assert_one_line_error(code, err, *words)
+
+
+def _trace_file(path, lines: list[str], encoding="utf-8", prefix=b"") -> str:
+    path.write_bytes(prefix + "".join(lines).encode(encoding, "surrogateescape"))
+    return str(path)
+
+
+def test_an_output_that_is_the_trace_itself_is_refused(tmp_path):
+    line = '{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1, 2]}\n'
+    trace = _trace_file(tmp_path / "t.jsonl", [line] * 3)
+    before = (tmp_path / "t.jsonl").read_bytes()
+    for flag, value in (("--plot", trace), ("--events", f"jsonl:{trace}")):
+        code, _, err = _cli("replay", trace, flag, value)
+        assert_one_line_error(code, err, flag, "is the trace being replayed")
+    assert (tmp_path / "t.jsonl").read_bytes() == before
+
+
+def test_trace_lines_are_read_as_utf8_json_lines_and_errors_name_their_line(tmp_path):
+    good = '{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1, 2]}\n'
+    # a BOM, a carriage return inside a line (JSON whitespace), CRLF endings: all read
+    trace = _trace_file(tmp_path / "ok.jsonl", [good, good.replace(", ", ",\r "),
+                                               good.replace("\n", "\r\n")],
+                        prefix=b"\xef\xbb\xbf")
+    code, out, err = _cli("replay", trace, "--json")
+    assert code == 0 and json.loads(out)["requests"] == 3, err
+    trace = _trace_file(tmp_path / "latin1.jsonl", [good] * 4000 + ['{"x": "caf\udce9"}\n'])
+    code, _, err = _cli("replay", trace)
+    assert_one_line_error(code, err, "latin1.jsonl:4001", "not UTF-8")
+    short = '{"timestamp": 0, "input_length": 0, "output_length": 1, "hash_ids": [1, 2, 3]}\n'
+    code, _, err = _cli("replay", _trace_file(tmp_path / "short.jsonl", [short]))
+    assert_one_line_error(code, err, "short.jsonl:1", "input_length 0", "3 hash_ids")
+    code, _, err = _cli("replay", _trace_file(tmp_path / "frac.jsonl",
+                                              [good.replace("600", "600.5")]))
+    assert_one_line_error(code, err, "frac.jsonl:1", "whole number")
+
+
+def test_a_request_too_many_blocks_at_engine_granularity_is_refused_before_the_replay(tmp_path):
+    ids = list(range(4096))
+    line = json.dumps({"timestamp": 0, "input_length": 4096 * 512, "output_length": 1,
+                       "hash_ids": ids}) + "\n"
+    trace = _trace_file(tmp_path / "long.jsonl", [line])
+    code, _, err = _cli("replay", trace, "--granularity", "engine", "--block-size", "1")
+    assert_one_line_error(code, err, "request 1", "2,097,152 blocks", "--block-size")
 
 
 def test_binary_files_are_named_not_traced(tmp_path):

@@ -218,3 +218,20 @@ def test_hits_count_only_blocks_actually_served():
     assert result.blocks_hit == served
     for pool in result.planner.pools.values():
         assert pool.status().active == 0
+
+
+def test_the_hashers_memo_is_bounded_and_changes_no_hash(monkeypatch):
+    """Its memory follows MEMO_RECORDS, not the trace's distinct blocks; records made again
+    after it starts over are the same."""
+    import kvstrata.trace as trace_module
+    from kvstrata.trace import RequestHasher, TraceRequest
+
+    requests = [TraceRequest(0, 512 * 6, 1, tuple(range(start, start + 6)))
+                for start in range(0, 60, 3)]
+    unbounded = RequestHasher(16, "engine")
+    expected = [unbounded.records(r) for r in requests]
+    monkeypatch.setattr(trace_module, "MEMO_RECORDS", 64)
+    bounded = RequestHasher(16, "engine")
+    for request, want in zip(requests * 2, expected * 2):
+        assert bounded.records(request) == want
+        assert bounded._memo_records <= 64 + 32

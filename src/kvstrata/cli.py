@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import os
 import sys
 from dataclasses import replace
@@ -101,10 +100,17 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
     if not 1 <= args.workers <= MAX_WORKERS:
         raise CliInputError(f"--workers must be in 1..{MAX_WORKERS:,}, got {args.workers}")
-    if args.prefill_rate is not None and not (math.isfinite(args.prefill_rate)
-                                              and args.prefill_rate > 0 and args.data):
-        raise CliInputError("--prefill-rate takes a finite number of tokens per second > 0, "
-                            "with --data")
+    for what, value in (("the trace path", args.trace), ("--plot", args.plot),
+                        ("--events", args.events), ("--config", args.config),
+                        ("--disk-dir", args.disk_dir)):
+        if value == "":          # an unset shell variable: not the default, silently
+            raise CliInputError(f"{what} is empty: name one, or leave it out")
+    from .placement.costs import PREFILL_RATES
+
+    low, high = PREFILL_RATES
+    if args.prefill_rate is not None and not (low <= args.prefill_rate <= high and args.data):
+        raise CliInputError(f"--prefill-rate takes {low:g}..{high:g} tokens per second, with "
+                            f"--data")
     if args.workers > 1 and args.events:
         raise CliInputError("--events publishes one worker's events; not with --workers")
     if args.data and args.events:
@@ -127,9 +133,31 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         problem = sink_problem(args.events)     # a bad spec or path fails here, first
         if problem:
             raise CliInputError(f"--events: {problem}")
+    _check_not_the_trace(args)
     with _GracefulStop() as stop:
         args.stop = stop
         return _replay_with(args, config)
+
+
+def _check_not_the_trace(args: argparse.Namespace) -> None:
+    """An output (``--plot``, a file of ``--events``) must not be the trace being read."""
+    if args.trace is None:
+        return
+    from .events.spec import parse_sink_spec
+
+    outputs = [("--plot", args.plot)]
+    if args.events:
+        sink = parse_sink_spec(args.events)
+        if sink.kind in ("jsonl", "dynamo-json"):
+            outputs.append(("--events", sink.target))
+    for flag, path in outputs:
+        try:
+            same = bool(path) and os.path.samefile(args.trace, path)
+        except OSError:
+            same = False                # one of them does not exist (yet): not the same
+        if same:
+            raise CliInputError(f"{flag} {path} is the trace being replayed: it would be "
+                                f"overwritten")
 
 
 def _replay_with(args: argparse.Namespace, config) -> int:
@@ -154,6 +182,13 @@ def _replay_with(args: argparse.Namespace, config) -> int:
         print(f"kvstrata replay: cannot read trace {trace}: not a text or gzip trace ({exc})",
               file=sys.stderr)
         return 2
+    if args.granularity == "engine":
+        from .trace import expansion_problem
+
+        problem = expansion_problem(requests, config.block_size)
+        if problem:
+            print(f"kvstrata replay: {trace}: {problem}", file=sys.stderr)
+            return 2
 
     bar = None
     if not args.no_progress and sys.stderr.isatty():

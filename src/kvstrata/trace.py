@@ -18,16 +18,16 @@ blocks count (``min(input_length, 512 * ids) // block_size``), as an engine woul
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import gzip
-import io
 import json
 import math
 import os
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import IO, Iterator, Sequence
 
 import numpy as np
 
@@ -60,15 +60,18 @@ def default_trace_path() -> Path:
 
 
 @contextlib.contextmanager
-def _open_text(path: Path) -> Iterator[io.TextIOWrapper]:
-    """A regular file's text (``.gz`` decompressed as it is read); a FIFO or a device is
-    refused (:func:`kvstrata.paths.open_regular`). Everything opened is closed after."""
+def _open_lines(path: Path) -> Iterator[IO[bytes]]:
+    """A regular file's bytes (``.gz`` decompressed as they are read), split into lines on
+    ``\n`` only and decoded one line at a time by the reader (a decoding error then names
+    its line, and a carriage return inside a JSON line is the whitespace JSON says it is); a
+    FIFO or a device is refused (:func:`kvstrata.paths.open_regular`). Everything opened is
+    closed after."""
     with open_regular(path) as raw:
         if path.suffix == ".gz":
             with gzip.GzipFile(fileobj=raw, mode="rb") as unzipped:
-                yield io.TextIOWrapper(unzipped, encoding="utf-8")
+                yield unzipped
         else:
-            yield io.TextIOWrapper(raw, encoding="utf-8")
+            yield raw
 
 
 MAX_TRACE_NUMBER = 2**63
@@ -77,6 +80,10 @@ MAX_REQUEST_BLOCKS = 1 << 15
 """Most ``hash_ids`` one request may name: 16.7 M tokens of 512-token blocks, beyond any
 model's context. A replay at engine granularity expands each into ``512 / block_size``
 blocks, so a line of more (a 1 MiB line holds 500 K) could need gigabytes."""
+MAX_PROMPT_BLOCKS = 1 << 20
+"""Most blocks one request may expand into at engine granularity (:func:`prompt_blocks`):
+a million blocks of records take about 200 MB; 32,768 ids of 512 tokens in blocks of one
+token would take gigabytes."""
 
 
 def parse_request(line: str, where: str) -> TraceRequest:
@@ -116,17 +123,50 @@ def parse_request(line: str, where: str) -> TraceRequest:
             or value < 0
             or value > MAX_TRACE_NUMBER
         ):
-            raise TraceFormatError(f"{where}: {key} must be a non-negative number, got {value!r}")
+            raise TraceFormatError(f"{where}: {key} must be a number in 0..2**63, got "
+                                   f"{value!r:.40}")
+        if key != "timestamp" and value != int(value):
+            raise TraceFormatError(f"{where}: {key} counts tokens: a whole number, got {value!r}")
         fields[key] = int(value)
+    covered = TRACE_BLOCK_TOKENS * (len(ids) - 1)
+    if ids and fields["input_length"] <= covered:
+        # every id but the last stands for 512 prompt tokens: a shorter prompt cannot name
+        # them all (the token figures would count tokens that are not there)
+        raise TraceFormatError(f"{where}: input_length {fields['input_length']} does not reach "
+                               f"the last of its {len(ids)} hash_ids (each stands for "
+                               f"{TRACE_BLOCK_TOKENS} tokens: more than {covered} needed)")
     return TraceRequest(fields["timestamp"], fields["input_length"], fields["output_length"], tuple(ids))
+
+
+def prompt_blocks(request: TraceRequest, block_size: int) -> int:
+    """How many blocks of ``block_size`` tokens an engine computes for ``request``'s prompt
+    (the whole blocks of its tokens that its ``hash_ids`` cover)."""
+    return min(request.input_length, len(request.hash_ids) * TRACE_BLOCK_TOKENS) // block_size
+
+
+def expansion_problem(requests: Sequence[TraceRequest], block_size: int) -> str | None:
+    """Why ``requests`` cannot be replayed at engine granularity with ``block_size``-token
+    blocks (a request of more than :data:`MAX_PROMPT_BLOCKS` blocks); None if they can."""
+    for number, request in enumerate(requests, start=1):
+        blocks = prompt_blocks(request, block_size)
+        if blocks > MAX_PROMPT_BLOCKS:
+            return (f"request {number} is {blocks:,} blocks of {block_size} tokens, over "
+                    f"{MAX_PROMPT_BLOCKS:,}: use larger blocks (--block-size)")
+    return None
 
 
 def iter_trace(path: str | os.PathLike[str] | None = None) -> Iterator[TraceRequest]:
     """Requests of a trace file (plain or .gz); the packaged trace when ``path`` is None."""
     path = Path(path) if path is not None else default_trace_path()
-    with _open_text(path) as fh:
+    with _open_lines(path) as fh:
         try:
-            for number, line in enumerate(bounded_lines(fh, MAX_LINE_BYTES), start=1):
+            for number, raw in enumerate(bounded_lines(fh, MAX_LINE_BYTES), start=1):
+                if number == 1 and raw.startswith(codecs.BOM_UTF8):
+                    raw = raw[len(codecs.BOM_UTF8):]      # a BOM some editors write
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    raise TraceFormatError(f"{path}:{number}: not UTF-8 text") from None
                 if line.strip():
                     yield parse_request(line, f"{path}:{number}")
         except InputTooLargeError as exc:
@@ -146,6 +186,12 @@ def synthetic_tokens(hash_id: int) -> np.ndarray:
     return (np.arange(base, base + TRACE_BLOCK_TOKENS, dtype=np.uint64) & 0xFFFFFFFF).astype("<u4")
 
 
+MEMO_RECORDS = 1 << 19
+"""Most block records a :class:`RequestHasher` keeps for reuse (about 90 MB): past that it
+starts again, so its memory follows this bound, not the number of distinct blocks of a
+trace."""
+
+
 class RequestHasher:
     """Turns a trace request into the block records an engine would compute for its prompt.
 
@@ -162,6 +208,7 @@ class RequestHasher:
         self.granularity = granularity
         self.seed = seed
         self._memo: dict[tuple[int | None, int], list[BlockRecord]] = {}
+        self._memo_records = 0
         self._aligned = TRACE_BLOCK_TOKENS % block_size == 0
 
     def records(self, request: TraceRequest) -> tuple[list[BlockRecord], list[int]]:
@@ -171,7 +218,9 @@ class RequestHasher:
         if self.granularity == "trace":
             n_blocks = len(ids)
         else:
-            n_blocks = min(request.input_length, len(ids) * TRACE_BLOCK_TOKENS) // bs
+            n_blocks = prompt_blocks(request, bs)
+            if n_blocks > MAX_PROMPT_BLOCKS:
+                raise TraceFormatError(expansion_problem([request], bs))
         if self._aligned:
             records = self._aligned_records(ids, n_blocks)
         else:
@@ -199,7 +248,11 @@ class RequestHasher:
                 local, seqs = hash_blocks(synthetic_tokens(h), self.block_size, self.seed, parent)
                 parents = [parent, *seqs[:-1]]
                 recs = [BlockRecord(s, l, p, self.block_size) for s, l, p in zip(seqs, local, parents)]
+                if self._memo_records >= MEMO_RECORDS:     # bounded: made again if needed
+                    memo.clear()
+                    self._memo_records = 0
                 memo[key] = recs
+                self._memo_records += len(recs)
             out.extend(recs[: n_blocks - len(out)] if len(out) + per_id > n_blocks else recs)
             parent = out[-1].sequence_hash
         return out

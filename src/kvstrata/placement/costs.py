@@ -132,6 +132,12 @@ class Estimate:
         return math.exp(prior_log + weight * (self.log_mean - prior_log))
 
 
+PREFILL_RATES = (1.0, 1e12)
+"""The prefill rates (tokens per second) a caller may assume: below a token a second no
+engine runs, and the seconds a cache saves would be meaningless (at 1e-308 they were
+infinite); a trillion stands for an engine whose prefill costs nothing."""
+
+
 class CostModel(PlacementListener):
     """Per path bandwidth and overhead, and the engine's prefill rate; see the module
     docstring. ``priors`` holds the :class:`CostPrior` of each kind of tier the paths may
@@ -200,9 +206,12 @@ class CostModel(PlacementListener):
 
     def assume_prefill(self, tokens_per_s: float) -> None:
         """Take ``tokens_per_s`` as the engine's prefill rate (no engine to measure: a replay
-        sizing tiers for one); measurements made afterwards move it as usual."""
-        if not tokens_per_s > 0:
-            raise ValueError(f"a prefill rate is tokens per second > 0, got {tokens_per_s!r}")
+        sizing tiers for one; within :data:`PREFILL_RATES`); measurements made afterwards
+        move it as usual."""
+        low, high = PREFILL_RATES
+        if not low <= tokens_per_s <= high:
+            raise ValueError(f"a prefill rate is {low:g}..{high:g} tokens per second, got "
+                             f"{tokens_per_s!r:.40}")
         self.prefill = Estimate(float(tokens_per_s))
 
     def saving(self, tiers: Sequence[str], top: str, block_bytes: int, block_tokens: int,
