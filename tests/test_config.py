@@ -194,3 +194,14 @@ def test_encrypt_at_rest_from_toml_and_environment(tmp_path):
     assert load_config(env={"KVSTRATA_ENCRYPT_AT_REST": "1"}).encrypt_at_rest is True
     assert load_config(path, env={"KVSTRATA_ENCRYPT_AT_REST": "off"}).encrypt_at_rest is False
     assert load_config(env={}).encrypt_at_rest is False
+
+
+@pytest.mark.parametrize("url", ["http://admin:S3CRET-PASSWORD@127.0.0.1:9000/kv",
+                                 "http://admin:S3CRET-PASSWORD@127.0.0.1:99999/bucket",
+                                 "http://127.0.0.1:9000/kv?X-Amz-Signature=S3CRET-PASSWORD"])
+def test_a_refused_object_store_url_never_shows_its_credentials(url):
+    tiers = {"G1": TierConfig(blocks=4), "G2": TierConfig(blocks=4),
+             "G4": TierConfig(blocks=4, url=url)}
+    with pytest.raises(ConfigError) as refused:
+        KvConfig(tiers=tiers).validate()
+    assert "S3CRET-PASSWORD" not in str(refused.value)

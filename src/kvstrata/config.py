@@ -21,6 +21,7 @@ from typing import Any, Mapping
 
 from .dtypes import ALIASES, DTYPE_NAMES, DtypeError, canonical_dtype, itemsize
 from .paths import InputTooLargeError, path_problem, read_bounded
+from .redact import redacted
 from .logical.policy import ADMISSION_NAMES, EVICTION_NAMES
 from .logical.slots import MAX_SLOTS as MAX_TIER_BLOCKS
 from .tokens import MAX_BLOCK_SIZE
@@ -547,7 +548,7 @@ def _url_problem(url: object) -> str | None:
     shape = "must look like http://host:port/bucket"
     if not isinstance(url, str) or not re.fullmatch(r"https?://[^/\s]+/[A-Za-z0-9.-]{3,63}/?",
                                                     url):
-        return f"{shape}, got {url!r:.80}"
+        return f"{shape}, got {redacted(url)!r:.80}"
     parts = urllib.parse.urlsplit(url)
     if parts.username is not None or parts.password is not None:
         return ("must not hold credentials (user:password@): give them in "
@@ -555,9 +556,9 @@ def _url_problem(url: object) -> str | None:
     try:
         port = parts.port
     except ValueError:
-        return f"{shape} with a port in 1..65535, got {url!r:.80}"
+        return f"{shape} with a port in 1..65535, got {redacted(url)!r:.80}"
     if port == 0 or not parts.hostname:
-        return f"{shape} with a host and a port in 1..65535, got {url!r:.80}"
+        return f"{shape} with a host and a port in 1..65535, got {redacted(url)!r:.80}"
     return None
 
 

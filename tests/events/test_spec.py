@@ -92,7 +92,7 @@ def test_make_publisher_callback_function():
 
 
 def test_per_worker_nats_sinks_publish_on_their_worker_subject_and_never_show_credentials():
-    from kvstrata.events.natswire import redacted
+    from kvstrata.redact import redacted
     from kvstrata.events.spec import SinkSpecError, make_sink, parse_sink_spec
 
     with pytest.raises(SinkSpecError, match="per_worker"):
@@ -102,3 +102,29 @@ def test_per_worker_nats_sinks_publish_on_their_worker_subject_and_never_show_cr
     assert "s3cret" not in sink.describe() and "***@127.0.0.1:4222" in sink.describe()
     assert redacted("nats://tok@h:1/x") == "nats://***@h:1/x"
     assert redacted("nats://h:1/x") == "nats://h:1/x"
+
+
+@pytest.mark.parametrize("spec", [
+    "nats://indexer:NATS-PASSWORD@127.0.0.1:4222/kv?format=Dynamo",      # a bad option
+    "nats://indexer:NATS-PASSWORD@127.0.0.1:4222/kv?jetstream=1&per_worker=1",
+    "nats://indexer:NATS-PASSWORD@/kv",                                  # no host
+    "nats://indexer:NATS-PASSWORD@127.0.0.1:99999/kv",                   # a bad port
+    "nats://indexer:NATS-PASSWORD@127.0.0.1:4222/kv?nonsense=1",
+])
+def test_a_refused_sink_spec_never_shows_its_password(spec):
+    from kvstrata.events.spec import SinkSpecError, parse_sink_spec, sink_problem
+
+    with pytest.raises(SinkSpecError) as refused:
+        parse_sink_spec(spec)
+    assert "NATS-PASSWORD" not in str(refused.value) and "***@" in str(refused.value)
+    assert "NATS-PASSWORD" not in (sink_problem(spec, dp_rank=1) or "")
+
+
+def test_redacted_takes_credentials_and_signed_queries_out():
+    from kvstrata.redact import redacted
+
+    assert redacted("http://key:secret@h:9000/b") == "http://***@h:9000/b"
+    assert redacted("http://h:9000/b?X-Amz-Signature=abc") == "http://h:9000/b?***"
+    assert redacted("http://h:9000?sig=abc") == "http://h:9000?***"
+    assert redacted("nats://u:p@h:1/s?format=dynamo", query=False) == "nats://***@h:1/s?format=dynamo"
+    assert redacted("user:pw@host/x") == "***@host/x"

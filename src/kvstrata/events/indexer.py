@@ -587,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
         server.close()
         return 0
 
-    from kvstrata.events.natswire import redacted
+    from kvstrata.redact import redacted
     from kvstrata.events.spec import SinkSpecError, nats_url_parts
     from kvstrata.events.subscriber import NatsFollower
 

@@ -45,18 +45,6 @@ WARN_EVERY = 60.0
 """Seconds between two warnings about the server's ``-ERR`` lines (the count says how many)."""
 
 
-def redacted(url: str) -> str:
-    """``url`` with any ``user:password@`` or ``token@`` replaced by ``***@``: for logs,
-    messages and metric labels, which must never carry the bus's credentials."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url
-    netloc, slash, path = rest.partition("/")
-    if "@" not in netloc:
-        return url
-    return f"{scheme}://***@{netloc.rpartition('@')[2]}{slash}{path}"
-
-
 NATS_USER_ENV = "KVSTRATA_NATS_USER"
 NATS_PASSWORD_ENV = "KVSTRATA_NATS_PASSWORD"
 NATS_TOKEN_ENV = "KVSTRATA_NATS_TOKEN"

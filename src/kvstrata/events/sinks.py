@@ -23,7 +23,8 @@ from typing import Callable
 
 from kvstrata.events import formats
 from kvstrata.events.model import EventBatch
-from kvstrata.events.natswire import PayloadTooLargeError, redacted, with_credentials
+from kvstrata.events.natswire import PayloadTooLargeError, with_credentials
+from kvstrata.redact import redacted
 from kvstrata.events.publisher import EventPublisher, Sink, SinkUnavailableError
 
 log = logging.getLogger(__name__)

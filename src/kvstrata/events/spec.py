@@ -25,6 +25,7 @@ from typing import Any, Callable
 from urllib.parse import SplitResult, parse_qsl, urlsplit
 
 from kvstrata.paths import path_problem, writable_file_problem
+from kvstrata.redact import redacted
 from kvstrata.events.publisher import EventPublisher, Sink
 
 DEFAULT_SUBJECT = "kvstrata.events"
@@ -50,25 +51,30 @@ class SinkSpec:
 _FORMS = "none, callback, jsonl:PATH, dynamo-json:PATH, nats://HOST:PORT/SUBJECT[?format=kvstrata|dynamo&jetstream=1], zmq://tcp://HOST:PORT[?topic=T&layout=map|array]"
 
 
+
+def _shown(spec: str) -> str:
+    """``spec`` as an error may show it: without credentials (its query holds options)."""
+    return redacted(spec, query=False)
+
 def _flag(spec: str, params: dict[str, str], name: str) -> bool:
     value = params.get(name, "0").lower()
     if value in ("1", "true", "yes", "on"):
         return True
     if value in ("0", "false", "no", "off", ""):
         return False
-    raise SinkSpecError(f"sink spec {spec!r}: {name}={value!r} is not a boolean (use 1 or 0)")
+    raise SinkSpecError(f"sink spec {_shown(spec)!r}: {name}={value!r} is not a boolean (use 1 or 0)")
 
 
 def _query(spec: str, kind: str, query: str) -> dict[str, str]:
     try:
         pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
     except ValueError:
-        raise SinkSpecError(f"sink spec {spec!r}: malformed query string {query!r}") from None
+        raise SinkSpecError(f"sink spec {_shown(spec)!r}: malformed query string {query!r}") from None
     params = dict(pairs)
     unknown = set(params) - _PARAMS[kind]
     if unknown:
         raise SinkSpecError(
-            f"sink spec {spec!r}: unknown option(s) {', '.join(sorted(unknown))} for {kind} "
+            f"sink spec {_shown(spec)!r}: unknown option(s) {', '.join(sorted(unknown))} for {kind} "
             f"(accepted: {', '.join(sorted(_PARAMS[kind]))})"
         )
     return params
@@ -85,27 +91,27 @@ def parse_sink_spec(spec: str) -> SinkSpec:
         if spec.startswith(prefix):
             path = spec[len(prefix) :]
             if not path:
-                raise SinkSpecError(f"sink spec {spec!r}: missing file path after {prefix!r}")
+                raise SinkSpecError(f"sink spec {_shown(spec)!r}: missing file path after {prefix!r}")
             if path_problem(path):
-                raise SinkSpecError(f"sink spec {spec!r:.80}: the path {path_problem(path)}")
+                raise SinkSpecError(f"sink spec {_shown(spec)!r:.80}: the path {path_problem(path)}")
             return SinkSpec(prefix[:-1], path)
     if spec.startswith("nats://"):
-        parts, port = nats_url_parts(spec, f"sink spec {spec!r}")
+        parts, port = nats_url_parts(spec, f"sink spec {_shown(spec)!r}")
         subject = parts.path.lstrip("/") or DEFAULT_SUBJECT
         from kvstrata.events.sinks import check_subject
 
         try:
             check_subject(subject)
         except ValueError as exc:
-            raise SinkSpecError(f"sink spec {spec!r}: {exc}") from None
+            raise SinkSpecError(f"sink spec {_shown(spec)!r}: {exc}") from None
         params = _query(spec, "nats", parts.query)
         if params.get("format", "kvstrata") not in ("kvstrata", "dynamo"):
-            raise SinkSpecError(f"sink spec {spec!r}: format must be kvstrata or dynamo, got {params['format']!r}")
+            raise SinkSpecError(f"sink spec {_shown(spec)!r}: format must be kvstrata or dynamo, got {params['format']!r}")
         _flag(spec, params, "jetstream")
         _flag(spec, params, "snapshots")
         _flag(spec, params, "direct")
         if _flag(spec, params, "per_worker") and _flag(spec, params, "jetstream"):
-            raise SinkSpecError(f"sink spec {spec!r}: per_worker=1 publishes on core NATS "
+            raise SinkSpecError(f"sink spec {_shown(spec)!r}: per_worker=1 publishes on core NATS "
                                 f"only (not with jetstream=1)")
         # kept as written (still percent-encoded): user:password@, or a token alone as token@
         userinfo, at, _ = parts.netloc.rpartition("@")
@@ -118,21 +124,21 @@ def parse_sink_spec(spec: str) -> SinkSpec:
         endpoint, _, query = rest.partition("?")
         scheme, sep, addr = endpoint.partition("://")
         if not sep or scheme not in ("tcp", "ipc", "inproc") or not addr:
-            raise SinkSpecError(f"sink spec {spec!r}: expected zmq://tcp://HOST:PORT, zmq://ipc://PATH or zmq://inproc://NAME")
+            raise SinkSpecError(f"sink spec {_shown(spec)!r}: expected zmq://tcp://HOST:PORT, zmq://ipc://PATH or zmq://inproc://NAME")
         if scheme == "tcp":
             host, _, port = addr.rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise SinkSpecError(f"sink spec {spec!r}: tcp endpoint needs HOST:PORT with a "
+                raise SinkSpecError(f"sink spec {_shown(spec)!r}: tcp endpoint needs HOST:PORT with a "
                                     f"port in 1..65535")
         params = _query(spec, "zmq", query)
         if params.get("layout", "map") not in ("map", "array"):
-            raise SinkSpecError(f"sink spec {spec!r}: layout must be map or array, got {params['layout']!r}")
+            raise SinkSpecError(f"sink spec {_shown(spec)!r}: layout must be map or array, got {params['layout']!r}")
         _flag(spec, params, "connect")
         if "hwm" in params and not (params["hwm"].isdigit() and len(params["hwm"]) <= 9):
-            raise SinkSpecError(f"sink spec {spec!r:.80}: hwm must be an integer of at most "
+            raise SinkSpecError(f"sink spec {_shown(spec)!r:.80}: hwm must be an integer of at most "
                                 f"9 digits (messages queued per subscriber)")
         return SinkSpec("zmq", endpoint, "", params)
-    raise SinkSpecError(f"unknown sink spec {spec!r} (expected one of: {_FORMS})")
+    raise SinkSpecError(f"unknown sink spec {_shown(spec)!r} (expected one of: {_FORMS})")
 
 
 def nats_url_parts(url: str, what: str) -> tuple[SplitResult, int | None]:
@@ -168,14 +174,14 @@ def sink_problem(spec: str, dp_rank: int = 0) -> str | None:
     except (SinkSpecError, ValueError) as exc:
         return str(exc) if isinstance(exc, SinkSpecError) else f"zmq endpoint {exc}"
     if dp_rank and s.kind == "nats" and s.params.get("format", "kvstrata") == "kvstrata":
-        return (f"sink spec {spec!r:.80}: kvstrata's event format carries no data-parallel "
+        return (f"sink spec {_shown(spec)!r:.80}: kvstrata's event format carries no data-parallel "
                 f"rank, so engine {dp_rank} would publish as engine 0's worker on the same "
                 f"subject; use format=dynamo (it carries dp_rank) or a file sink")
     if s.kind in ("jsonl", "dynamo-json"):
         target = _engine_file(s.target, dp_rank)
         problem = writable_file_problem(target)
         if problem:
-            return f"sink spec {spec!r:.80}: {target} {problem}"
+            return f"sink spec {_shown(spec)!r:.80}: {target} {problem}"
     return None
 
 
