@@ -565,17 +565,25 @@ def _url_problem(url: object) -> str | None:
 def load_config(
     path: str | os.PathLike[str] | None = None,
     env: Mapping[str, str] | None = None,
+    *,
+    defaults: Mapping[str, Any] | None = None,
     **overrides: Any,
 ) -> KvConfig:
     """Build and validate a :class:`KvConfig`.
 
     ``path`` (or ``$KVSTRATA_CONFIG``) names a TOML file; ``env`` defaults to ``os.environ``;
     ``overrides`` are KvConfig fields (``tiers`` may map names to TierConfig, an int of
-    blocks, or a mapping like ``{"bytes": "4GiB"}``).
+    blocks, or a mapping like ``{"bytes": "4GiB"}``). ``defaults`` are KvConfig fields in
+    place of kvstrata's own defaults, where neither the file nor the environment sets them
+    (an engine connector's): tiers the environment sizes are sized within them.
     """
     env = os.environ if env is None else env
     problems: list[str] = []
     kwargs: dict[str, Any] = {}
+    if defaults:
+        kwargs.update(defaults)
+        if defaults.get("tiers") is not None:
+            kwargs["tiers"] = normalize_tiers(defaults["tiers"], problems)
     path = path or env.get("KVSTRATA_CONFIG")
     if path:
         try:

@@ -326,3 +326,57 @@ def test_a_failed_build_leaves_the_callers_device_tier_open(tmp_path):
     assert built.by_tier["G1"] is g1
     built.close()
     assert g1.closed
+
+
+def test_the_vllm_connectors_defaults_hold_until_a_source_names_tiers_or_eviction(tmp_path):
+    """Its G2 1 GiB, G3 4 GiB and lru stay unless kvstrata's file or environment names
+    tiers or an eviction; an unrelated variable or a file of other keys changed them to the
+    replay's built-in tiers (G2 4,000 blocks, G3 16,000) before."""
+    from kvstrata.connectors.vllm.settings import DEFAULT_TIERS, KvGeometry, settings_from
+
+    geometry = KvGeometry(16, 32, 8, 128, "bfloat16", 64)
+
+    def chosen(env, extra=None):
+        kv = settings_from(extra or {}, geometry, env=env).kv
+        return {t: (c.blocks, c.bytes) for t, c in kv.tiers.items() if t != "G1"}, kv.eviction
+
+    defaults = {t: (c.blocks, c.bytes) for t, c in DEFAULT_TIERS.items()}
+    other_keys = tmp_path / "other.toml"
+    other_keys.write_text('model_id = "m"\n')
+    for env in ({}, {"DYN_KVBM_METRICS": "true"}, {"KVSTRATA_GARBAGE": "x"},
+                {"KVSTRATA_CONFIG": str(other_keys)}):
+        assert chosen(env) == (defaults, "lru"), env
+    tiers, _ = chosen({"DYN_KVBM_CPU_CACHE_GB": "8"})          # sized within the defaults
+    assert tiers == {**defaults, "G2": (None, 8 << 30)}
+    named = tmp_path / "named.toml"
+    named.write_text('eviction = "lfu"\n[tiers.G1]\nblocks = 8\n[tiers.G2]\nbytes = "2GiB"\n')
+    assert chosen({"KVSTRATA_CONFIG": str(named)}) == ({"G2": (None, 2 << 30)}, "lfu")
+
+
+def test_sglang_takes_its_tiers_from_kvstratas_own_file_and_environment(tmp_path):
+    """Without tiers in the extra config, the TOML's and the environment's are used (the
+    4 GiB G3 default overrode them before); G1 is the host pool whatever they say."""
+    from kvstrata.connectors.sglang.host_pool import HostPoolView
+    from kvstrata.connectors.sglang.settings import SGLangConfigError, kv_config, settings_from
+    from kvstrata.config import ModelGeometry
+
+    pool = HostPoolView(runs=[], geometry=ModelGeometry(num_layers=2, kv_heads=2, head_dim=8,
+                                                        dtype="float16"),
+                        page_size=16, pages=100, layout="layer_first")
+
+    def tiers(extra, env):
+        config = kv_config(settings_from({"interface_v1": 1, **extra}), pool, "m", env=env)
+        return {t: (c.blocks, c.bytes) for t, c in config.tiers.items()}
+
+    toml = tmp_path / "kv.toml"
+    toml.write_text('[tiers.G1]\nblocks = 1\n[tiers.G2]\nbytes = "1GiB"\n'
+                    '[tiers.G3]\nbytes = "64GiB"\n')
+    assert tiers({"config": str(toml)}, {}) == {"G1": (100, None), "G2": (None, 1 << 30),
+                                                "G3": (None, 64 << 30)}
+    assert tiers({}, {"KVSTRATA_G3_BYTES": "64GiB"}) == {"G1": (100, None),
+                                                         "G3": (None, 64 << 30)}
+    assert tiers({}, {}) == {"G1": (100, None), "G3": (None, 4 << 30)}
+    assert tiers({"tiers": "G3=8GiB"}, {"KVSTRATA_G3_BYTES": "64GiB"}) == \
+        {"G1": (100, None), "G3": (None, 8 << 30)}               # the extra config wins
+    with pytest.raises(SGLangConfigError, match="interface_v1"):
+        settings_from({"interface_v1": "false"})

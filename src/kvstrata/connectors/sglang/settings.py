@@ -27,8 +27,9 @@ key                meaning                                           default
 ``worker_id``      this server's id in its events (an integer)       0
 =================  ================================================  =======================
 
-Sources, lowest precedence first: kvstrata's defaults, its TOML file, ``KVSTRATA_*``
-environment variables, the extra config (:func:`kvstrata.config.load_config`). G1 is SGLang's
+Sources, lowest precedence first: kvstrata's defaults (for the tiers, :data:`DEFAULT_TIERS`),
+its TOML file, ``KVSTRATA_*`` environment variables, the extra config
+(:func:`kvstrata.config.load_config`). G1 is SGLang's
 host pool (its page count and page size); the block geometry is the pool's
 (:mod:`.host_pool`).
 """
@@ -66,7 +67,9 @@ class BackendSettings:
     """What the extra config asked for (checked; the config itself is built once the host
     pool's geometry is known: :func:`kv_config`)."""
 
-    tiers: dict[str, TierConfig]
+    tiers: dict[str, TierConfig] | None
+    """The extra config's tiers under the host pool (None: not given, so kvstrata's own
+    file and environment say, else :data:`DEFAULT_TIERS`)."""
     config_path: str | None = None
     overrides: dict[str, Any] = field(default_factory=dict)
     events: tuple[str, ...] = ()
@@ -82,12 +85,12 @@ def settings_from(extra_config: Mapping[str, Any] | None) -> BackendSettings:
     unknown = sorted(set(extra) - KNOWN - SGLANG_KEYS, key=str)
     if unknown:
         problems.append(f"unknown keys {unknown}; kvstrata reads {sorted(KNOWN)}")
-    if not extra.get("interface_v1"):
+    if extra.get("interface_v1") not in (True, 1):     # "false" is a true string
         problems.append("set \"interface_v1\": 1 in --hicache-storage-backend-extra-config: "
                         "kvstrata fills and reads SGLang's host pool pages in place (the "
                         "copying get/set path is not served)")
-    tiers = engine_config.lower_tiers(extra.get("tiers", DEFAULT_TIERS), problems,
-                                      "SGLang's host pool")
+    tiers = (engine_config.lower_tiers(extra["tiers"], problems, "SGLang's host pool")
+             if "tiers" in extra else None)
     config_path = engine_config.config_path(extra, problems)
     overrides = engine_config.config_overrides(extra, problems)
     events = engine_config.events(extra, problems)
@@ -103,12 +106,19 @@ def kv_config(settings: BackendSettings, pool: HostPoolView, model_name: str | N
     the geometry of its runs), the lower tiers and the rest from the settings. The pool's
     layout is part of the model's identity, so stored blocks are only read by a pool of the
     same layout."""
+    top = {TOP_TIER: TierConfig(blocks=pool.pages)}
+    given = {} if settings.tiers is None else {"tiers": {**top, **settings.tiers}}
     try:
-        config = load_config(settings.config_path, env=env, **{
-            **settings.overrides,
-            "tiers": {TOP_TIER: TierConfig(blocks=pool.pages), **settings.tiers},
-            "block_size": pool.page_size, "model": pool.geometry,
-            "model_id": f"{model_name or ''}|sglang-host:{pool.layout}"})
+        # the tiers of the extra config, else kvstrata's own file and environment, else
+        # DEFAULT_TIERS; G1 is the host pool whatever they say
+        config = load_config(settings.config_path, env=env,
+                             defaults={"tiers": {**top, **DEFAULT_TIERS}}, **{
+                                 **settings.overrides, **given,
+                                 "block_size": pool.page_size, "model": pool.geometry,
+                                 "model_id": f"{model_name or ''}|sglang-host:{pool.layout}"})
+        if settings.tiers is None:
+            config = replace(config, tiers={**top, **{t: c for t, c in config.tiers.items()
+                                                       if t != TOP_TIER}}).validate()
     except ConfigError as exc:
         raise SGLangConfigError("kvstrata HiCache backend: " + "; ".join(exc.problems)) \
             from None

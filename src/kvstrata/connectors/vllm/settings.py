@@ -464,10 +464,16 @@ def _kv_config(geometry: KvGeometry, tiers: dict[str, TierConfig] | None,
     """kvstrata's config for this engine: its own sources (TOML, env) under the extra
     config's keys, with G1 being vLLM's cache and vLLM's block size and KV geometry."""
     try:
-        base = load_config(config_path, env=env)
+        # the connector's defaults where kvstrata's own file and environment say nothing
+        # (kvstrata's built-in tiers are sized for the trace replay); G1 is vLLM's cache
+        base = load_config(config_path, env=env, defaults={
+            "tiers": {TOP_TIER: TierConfig(blocks=max(1, geometry.num_gpu_blocks)),
+                      **DEFAULT_TIERS},
+            "eviction": "lru"})
     except ConfigError as exc:
         raise ConnectorConfigError("kvstrata connector: " + "; ".join(exc.problems)) from None
-    chosen = tiers if tiers is not None else _lower_tiers_of(base, env, config_path)
+    chosen = tiers if tiers is not None else \
+        {t: c for t, c in base.tiers.items() if t != TOP_TIER}
     disk_dir = overrides.get("disk_dir", base.disk_dir)
     if tiers is not None and "disk_dir" not in overrides:
         # A disk tier's path in the extra config wins over kvstrata's own config and env (a
@@ -476,9 +482,7 @@ def _kv_config(geometry: KvGeometry, tiers: dict[str, TierConfig] | None,
         if any(c.path is not None and t in TIER_NAMES and spec(t).kind is TierKind.DISK
                for t, c in tiers.items()):
             disk_dir = None
-    eviction = overrides.get("eviction", base.eviction if _set_elsewhere("eviction", env,
-                                                                           config_path)
-                             else "lru")
+    eviction = overrides.get("eviction", base.eviction)
     model = ModelGeometry(num_layers=geometry.num_layers, kv_heads=geometry.kv_heads,
                           head_dim=geometry.head_dim, dtype=geometry.dtype,
                           outer_dim=geometry.outer_dim)
@@ -522,19 +526,3 @@ def _check_runnable(kv: KvConfig, workers: int = 1, block_layout: str = "vllm",
     problems = check_tiers(kv, options, ranks=workers, copies=copies)
     if problems:
         raise ConnectorConfigError("kvstrata connector: " + "; ".join(problems))
-
-
-def _lower_tiers_of(base: KvConfig, env: Mapping[str, str],
-                    config_path: str | None) -> dict[str, TierConfig]:
-    """The lower tiers of kvstrata's own config when a file or env var set them, else the
-    connector's defaults (kvstrata's built-in ones are sized for the trace replay)."""
-    if any(k.startswith(("KVSTRATA_G", "DYN_KVBM_")) and "CACHE_DIR" not in k for k in env) \
-            or config_path or env.get("KVSTRATA_CONFIG"):
-        return {t: c for t, c in base.tiers.items() if t != TOP_TIER}
-    return dict(DEFAULT_TIERS)
-
-
-def _set_elsewhere(key: str, env: Mapping[str, str], config_path: str | None) -> bool:
-    return bool(config_path or env.get("KVSTRATA_CONFIG")
-                or env.get(f"KVSTRATA_{key.upper()}") or env.get("KVSTRATA_POLICY"))
-
