@@ -408,7 +408,9 @@ static PyObject *Core_store(Core *c, PyObject *args) {
             if (!has_parent) p = ROOT;
             else if (pidx != NIL) p = pidx;
             else if ((p = seq_get(c, parent)) == NIL && (p = node_new(c, parent)) == NIL) goto fail;
-            if (descends_from(c, p, i)) goto link_refused;   /* the link would close a cycle */
+            /* the link would close a cycle; only a node with children can be an ancestor
+             * of p, so a new node (the common case) costs no walk */
+            if (p == i || (N(c, i)->nkids && descends_from(c, p, i))) goto link_refused;
             if (reserve(c, &c->by_child, 1) < 0) { PyErr_NoMemory(); goto fail; }
             Node *n = N(c, i);
             n->parent = p; n->local = local;

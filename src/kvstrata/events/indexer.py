@@ -92,10 +92,12 @@ class _PyCore:
                 parent = self._nodes.get(parent_hash)
                 if parent is None:  # child arrived before (or without) its parent: placeholder
                     parent = self._nodes[parent_hash] = _Node(parent_hash, None, None)
-                elif _descends_from(parent, node):
+                elif parent is node or (node.nkids and _descends_from(parent, node)):
                     # A link that closes a cycle (a block its own ancestor: no real chain
                     # does that) is not made: the nodes of a cycle would each keep the other
-                    # alive, and nothing could ever remove them.
+                    # alive, and nothing could ever remove them. Only a node with children
+                    # can be an ancestor of the new parent: the walk up is for those alone
+                    # (a new node has none, so storing a chain stays linear).
                     return node
             node.parent = parent
             node.local_hash = local_hash
