@@ -260,3 +260,29 @@ def test_a_prompt_longer_than_the_top_tier_brings_back_what_fits(eviction):
     assert len(result) == 8 and result.sequence_hashes == hashes[:8]
     result.release()
     assert_consistent(p)
+
+
+def test_the_cut_counts_resident_blocks_eviction_could_not_take_anyway():
+    """A resident block that is the parent of a block in use (a G1->G2 copy in flight) is
+    out of eviction's reach under a leaf-first policy: holding it costs no slot, so the
+    prefix is not cut for it (the first re-planning counted it and delivered 4 of 7)."""
+    p = Planner(KvConfig(block_size=BS, eviction="default",
+                         tiers={"G1": TierConfig(blocks=5), "G2": TierConfig(blocks=32)}))
+    records = chain(7)
+    hashes = [r.sequence_hash for r in records]
+    compute(p, records[2:7])
+    drive(p)                                    # blocks 3..7 in G2
+    p.pools["G1"].clear()
+    compute(p, records[:1])
+    drive(p)                                    # block 1 in G1 and G2
+    compute(p, records[1:2])                    # block 2 in G1, its copy to G2 in flight
+    plans = p.take_plans()
+    p.prepare_onboard(hashes)
+    plans += p.take_plans()
+    while plans:
+        p.complete([TransferResult.success(plan) for plan in plans])
+        plans = p.take_plans()
+    (result,) = p.take_finished()
+    assert len(result) == 5 and result.sequence_hashes == hashes[:5]
+    result.release()
+    assert_consistent(p)

@@ -273,15 +273,35 @@ class BlockPool:
         """
         if not self._leaf_first:
             return self._reset_count() + len(self.eviction)
+        refs = self._store.refs
+        pinned_inactive = sum(1 for i in self._pinned() if refs[i] == 0)
+        return self._reset_count() + self._inactive - pinned_inactive
+
+    def _pinned(self) -> set[int]:
+        """Leaf-first policies: the slots that are ancestors of a block in use (eviction
+        cannot reach them while it is)."""
         pinned: set[int] = set()
-        up, refs = self._store.up, self._store.refs
+        up = self._store.up
         for slot in self._active_registered:  # type: ignore[union-attr]
             parent = up[slot] - 1
             while parent >= 0 and parent not in pinned:
                 pinned.add(parent)
                 parent = up[parent] - 1
-        pinned_inactive = sum(1 for i in pinned if refs[i] == 0)
-        return self._reset_count() + self._inactive - pinned_inactive
+        return pinned
+
+    def reachable(self, sequence_hashes: Sequence[int]) -> list[bool]:
+        """Whether eviction could take each of ``sequence_hashes`` now: registered here,
+        idle, and (leaf-first policies) no ancestor of a block in use. Holding such a block
+        makes :meth:`allocatable` one fewer; holding any other changes nothing there.
+        Changes nothing visible."""
+        self._drain_orphans()
+        index, refs = self._index, self._store.refs
+        pinned = self._pinned() if self._leaf_first else ()
+        out = []
+        for h in sequence_hashes:
+            slot = index.get(h)
+            out.append(slot is not None and refs[slot] == 0 and slot not in pinned)
+        return out
 
     # -- registration ----------------------------------------------------------------------
     def register(self, handle: MutableBlocks, priority: int = 0) -> ImmutableBlocks:

@@ -182,25 +182,22 @@ class Onboarding:
             self._finalize(ticket)
             return ticket.id
         hold = g1.acquire(resident) if resident else None
-        targets = allocate_up_to(g1, copies) if copies else None
-        budget = len(targets) if targets is not None else 0
-        if budget < copies:
+        if copies and not g1.can_allocate(copies):
             # The top tier cannot take every copy while the plan's resident blocks are held.
             # Those past where the plan must end would take slots its first copies need (a
             # prompt longer than the top tier, whose tail is still there and whose head is
-            # not, got nothing): plan again to what fits with them free to go.
-            if targets is not None:
-                g1.release(targets)
+            # not, got nothing): plan again to what fits with them free to go, before any
+            # slot is taken.
             if hold is not None:
                 g1.release(hold)
             ticket.plan = plan = _fitting(plan, g1, top)
             resident = [h for h, tier, _ in plan if tier == top]
             copies = sum(tier != top and other is None for _, tier, other in plan)
             hold = g1.acquire(resident) if resident else None
-            targets = allocate_up_to(g1, copies) if copies else None
-            budget = len(targets) if targets is not None else 0
-            if budget < copies:
-                ticket.plan = plan = _cut_copies(plan, budget, top)
+        targets = allocate_up_to(g1, copies) if copies else None
+        budget = len(targets) if targets is not None else 0
+        if budget < copies:
+            ticket.plan = plan = _cut_copies(plan, budget, top)
         if hold is not None:
             ticket.holds.append(hold)
         by_tier: dict[str, list[BlockRecord]] = {}
@@ -404,13 +401,14 @@ def _failures_by_position(job: Job, result: TransferResult) -> dict[int, LoadFai
 def _fitting(plan: list[tuple[int, str, "Ticket | None"]], pool, top: str
              ) -> list[tuple[int, str, "Ticket | None"]]:
     """The longest prefix of ``plan`` the top tier ``pool`` can hold at once: a copy takes
-    a slot, and so does holding a block already there that nothing else holds (it leaves
-    the blocks eviction could free); a block another ticket copies takes none here."""
+    a slot, and so does holding a block already there that eviction could otherwise take
+    (:meth:`~kvstrata.logical.pool.BlockPool.reachable`); a block another ticket copies
+    takes none here."""
     room = pool.allocatable()
-    for end, (h, tier, other) in enumerate(plan):
+    reachable = iter(pool.reachable([h for h, tier, _ in plan if tier == top]))
+    for end, (_, tier, other) in enumerate(plan):
         if tier == top:
-            block = pool.lookup(h)
-            need = 1 if block is not None and block.ref_count == 0 else 0
+            need = 1 if next(reachable) else 0
         else:
             need = 1 if other is None else 0
         if need > room:
