@@ -161,6 +161,45 @@ def test_an_unclosed_manager_is_closed_at_exit(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+_THREADS_AT_EXIT = """
+import sys, threading, time
+from kvstrata import KvBlockManager, KvConfig
+from kvstrata.config import TierConfig, ModelGeometry
+
+def config():
+    return KvConfig(tiers={"G1": TierConfig(blocks=8), "G2": TierConfig(blocks=8),
+                           "G3": TierConfig(blocks=8)},
+                    model=ModelGeometry(num_layers=1, kv_heads=1, head_dim=8))
+
+first = KvBlockManager(config(), disk_dir=sys.argv[1], durable_disk=False)
+main_done = threading.Event()
+
+def worker():                      # a thread the interpreter waits for at exit
+    main_done.wait()
+    time.sleep(0.3)                # threading's exit hooks have run by now
+    for _ in range(20):
+        first.allocate(1).result(30).release()
+    KvBlockManager(config(), disk_dir=sys.argv[2], durable_disk=False)     # left open too
+    print("worker done", flush=True)
+
+threading.Thread(target=worker).start()
+main_done.set()
+"""
+
+
+def test_managers_stay_usable_by_threads_running_at_exit_and_are_all_closed(tmp_path):
+    """A thread still running when the main thread ends may go on using a manager (it is
+    closed once every such thread ended), and one it makes then is closed too."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    proc = subprocess.run([sys.executable, "-c", _THREADS_AT_EXIT, str(first), str(second)],
+                          capture_output=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+    assert b"worker done" in proc.stdout, proc.stderr.decode()[-2000:]
+    assert list(first.iterdir()) == [] and list(second.iterdir()) == []
+
+
 # -- sizes no machine can hold: refused before anything is allocated; empty slots cost nothing
 
 
@@ -207,8 +246,6 @@ def test_a_manager_no_machine_can_hold_is_a_config_error_naming_the_tier(tmp_pat
     from kvstrata.config import KvConfig, ModelGeometry, TierConfig
     from kvstrata.manager import KvBlockManager, ManagerConfigError
 
-    from kvstrata.config import ConfigError
-
     model = ModelGeometry(num_layers=64, kv_heads=8, head_dim=128)     # 4 MiB blocks
     big = 2 * 10 ** 9          # within the blocks a pool holds; no machine's RAM or disk
     for tiers, tier in (({"G1": TierConfig(blocks=big)}, "G1"),
@@ -221,6 +258,6 @@ def test_a_manager_no_machine_can_hold_is_a_config_error_naming_the_tier(tmp_pat
     for tiers, tier in (({"G1": TierConfig(blocks=10 ** 12)}, "G1"),
                         ({"G1": TierConfig(blocks=8), "G2": TierConfig(blocks=8),
                           "G3": TierConfig(blocks=10 ** 15)}, "G3")):
-        with pytest.raises(ConfigError, match=f"tier {tier}: .* more than a tier holds"):
+        with pytest.raises(ManagerConfigError, match=f"tier {tier}: .* more than a tier holds"):
             KvBlockManager(KvConfig(tiers=tiers, model=model), disk_dir=str(tmp_path))
     assert list(tmp_path.iterdir()) == []

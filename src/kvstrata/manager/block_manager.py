@@ -736,21 +736,32 @@ def _track_for_exit(manager: KvBlockManager) -> None:
     would: its pending writes land (a durable G3 keeps them), its slab and temporary
     directory are deleted, not left on disk.
 
-    The hook runs with threading's exit hooks, before the interpreter's own: those shut
-    every thread pool down first (``concurrent.futures`` registers there too, earlier, and
-    they run last first), and a pool shut down refuses the writes still pending."""
+    Two hooks: the interpreter shuts every thread pool down among threading's exit hooks,
+    before it joins the threads still running (``concurrent.futures`` registers there, and
+    they run last first), and a pool shut down refuses the writes still pending. So a hook
+    among them, run before that, waits for every open manager's pending transfers; the
+    managers are closed at ``atexit``, once the threads still running have ended (they may
+    still be using them), which also closes one made after the first hook ran."""
     global _exit_hook
     _OPEN.add(manager)
     with _exit_hook_lock:
         if not _exit_hook:
+            atexit.register(_close_open_managers)
             register = getattr(threading, "_register_atexit", None)
-            try:
-                if register is None:
-                    raise RuntimeError("no threading exit hooks")
-                register(_close_open_managers)
-            except RuntimeError:               # none, or the interpreter is exiting
-                atexit.register(_close_open_managers)
+            if register is not None:
+                try:
+                    register(_flush_open_managers)
+                except RuntimeError:               # the interpreter is exiting already
+                    pass
             _exit_hook = True
+
+
+def _flush_open_managers() -> None:
+    for manager in list(_OPEN):
+        try:
+            manager.flush().result()
+        except Exception:                          # a broken or closed manager: closed later
+            log.debug("kvstrata: flushing a manager at exit failed", exc_info=True)
 
 
 def _close_open_managers() -> None:
