@@ -385,7 +385,31 @@ def test_homes_in_a_directory_others_can_write_are_never_removed_as_stale(tmp_pa
     disk.close()
     os.chmod(shared, 0o777)
     open_durable(shared, fingerprint=OTHER_FP).close()
-    assert home_of(shared).is_dir() and "others can write" in caplog.text
+    assert home_of(shared).is_dir() and "another user can rename" in caplog.text
     os.chmod(shared, 0o1777)                    # sticky: only the owner renames its entries
     open_durable(shared, fingerprint=OTHER_FP).close()
     assert not home_of(shared).exists()
+
+
+def test_a_failed_start_never_removes_blocks_stored_while_it_claimed_the_home(tmp_path,
+                                                                             monkeypatch):
+    """Another process of the same model may make the home and store blocks between this
+    start's look and its lock; this start then fails (a quota) and gives the home up, but
+    it must not remove what the other stored: only a home empty under the lock is removed."""
+    make_home = disk_home._make_home
+
+    def another_process_first(path):
+        monkeypatch.setattr(disk_home, "_make_home", make_home)
+        other = open_durable(tmp_path)               # makes the home, stores, closes
+        write(other, [0, 1], [0x11, 0x22])
+        other.close()
+        return make_home(path)
+
+    monkeypatch.setattr(disk_home, "_make_home", another_process_first)
+    with pytest.raises((StorageConfigError, DiskFullError)):
+        open_durable(tmp_path, file_ops=_OverQuota())
+    disk = open_durable(tmp_path)
+    try:
+        assert sorted(e.slot for e in disk.recovered) == [0, 1]
+    finally:
+        disk.close()

@@ -138,3 +138,18 @@ def test_an_owned_home_and_files_others_can_read_are_made_private(tmp_path):
     durable(tmp_path).close()
     assert mode(home) == 0o700
     assert {mode(os.path.join(home, n)) for n in os.listdir(home)} == {0o600}
+
+
+def test_no_stale_home_is_removed_in_a_directory_another_user_owns(shared_dir, other_user):
+    """The owner of the directory may rename what is in it, sticky bit or not: a home there
+    under a stale name may be this model's own, renamed, so none is removed."""
+    parent = os.path.join(shared_dir, "owned-by-other")
+    os.mkdir(parent, 0o755)
+    os.chown(parent, other_user.pw_uid, other_user.pw_gid)
+    disk = durable(parent)
+    disk.close()
+    stale = os.path.join(parent, "kvstrata-g3-r0-0000000000000000")
+    os.rename(home_of(parent), stale)               # as the owner of `parent` could
+    disk = durable(parent)
+    disk.close()
+    assert os.path.isdir(stale)

@@ -56,11 +56,12 @@ def home_name(tier: str, rank: int, fingerprint: str) -> str:
 class DiskTierHome:
     """The claimed directory of one durable disk tier; :meth:`release` gives it up."""
 
-    def __init__(self, path: Path, lock_fd: int, created: bool, tier: str, rank: int,
+    def __init__(self, path: Path, lock_fd: int, empty: bool, tier: str, rank: int,
                  describe: str) -> None:
         self.path = path
         self._lock_fd = lock_fd
-        self._created = created
+        self._empty = empty
+        """Whether the home held nothing but its lock when claimed (under the lock)."""
         self._tier, self._rank, self._describe = tier, rank, describe
         self.removed_stale: list[str] = []
         """Names of stale homes (other fingerprints, same rank) :meth:`remove_stale` removed."""
@@ -77,10 +78,13 @@ class DiskTierHome:
             raise StorageConfigError(f"disk tier home: tier {tier!r} and rank {rank!r} must be "
                                      f"a short name and an integer >= 0")
         path = Path(directory) / home_name(tier, rank, fingerprint)
-        created = not os.path.lexists(path)
         _make_home(path)
         lock_fd = _lock_home(path)
-        return cls(path, lock_fd, created, tier, rank, describe)
+        try:      # decided under the lock: another process may have stored blocks until now
+            empty = set(os.listdir(path)) <= {"lock"}
+        except OSError:
+            empty = False
+        return cls(path, lock_fd, empty, tier, rank, describe)
 
     def remove_stale(self) -> list[str]:
         """Remove the homes of this tier and rank made for another fingerprint (the model
@@ -95,9 +99,10 @@ class DiskTierHome:
         return removed
 
     def abandon(self) -> None:
-        """Give up a home whose tier could not be built: removed if this claim created it
-        (nothing was stored there), then released."""
-        if self._created and self._lock_fd >= 0:
+        """Give up a home whose tier could not be built: removed if it held nothing but its
+        lock when claimed (no blocks of anyone's: whatever is in it now, this start made),
+        then released."""
+        if self._empty and self._lock_fd >= 0:
             shutil.rmtree(self.path, ignore_errors=True)
         self.release()
 
@@ -192,14 +197,17 @@ def _remove_stale(parent: Path, tier: str, rank: int, mine: str) -> list[str]:
     removed = []
     try:
         names = sorted(os.listdir(parent))
-        shared = os.stat(parent).st_mode
+        info = os.stat(parent)
     except OSError:
         return removed
-    if shared & 0o022 and not shared & stat.S_ISVTX:
-        # Others could have renamed any home here to a stale one's name: remove nothing.
-        log.warning("kvstrata %s: homes of other fingerprints in %s are left: others can "
-                    "write that directory (give the disk tier a directory of its own)",
-                    tier, parent)
+    if info.st_uid not in (os.geteuid(), 0) or (info.st_mode & 0o022
+                                                 and not info.st_mode & stat.S_ISVTX):
+        # Whoever else may rename entries here (the directory's owner, or anyone where
+        # others can write it without the sticky bit) could have given this model's own
+        # home a stale one's name: remove nothing.
+        log.warning("kvstrata %s: homes of other fingerprints in %s are left: another user "
+                    "can rename what is in that directory (give the disk tier a directory of "
+                    "its own)", tier, parent)
         return removed
     for name in names:
         match = _HOME_RE.match(name)
