@@ -128,13 +128,6 @@ def parse_request(line: str, where: str) -> TraceRequest:
         if key != "timestamp" and value != int(value):
             raise TraceFormatError(f"{where}: {key} counts tokens: a whole number, got {value!r}")
         fields[key] = int(value)
-    covered = TRACE_BLOCK_TOKENS * (len(ids) - 1)
-    if ids and fields["input_length"] <= covered:
-        # every id but the last stands for 512 prompt tokens: a shorter prompt cannot name
-        # them all (the token figures would count tokens that are not there)
-        raise TraceFormatError(f"{where}: input_length {fields['input_length']} does not reach "
-                               f"the last of its {len(ids)} hash_ids (each stands for "
-                               f"{TRACE_BLOCK_TOKENS} tokens: more than {covered} needed)")
     return TraceRequest(fields["timestamp"], fields["input_length"], fields["output_length"], tuple(ids))
 
 
@@ -228,10 +221,17 @@ class RequestHasher:
             local, seqs = hash_blocks(tokens[: n_blocks * bs], bs, self.seed)
             parents = [None, *seqs[:-1]]
             records = [BlockRecord(s, l, p, bs) for s, l, p in zip(seqs, local, parents)]
-        token_counts = [bs] * len(records)
-        if self.granularity == "trace" and records:
-            last = request.input_length - TRACE_BLOCK_TOKENS * (len(records) - 1)
-            token_counts[-1] = max(0, min(TRACE_BLOCK_TOKENS, last))
+        if self.granularity == "trace":
+            # each id stands for up to 512 of the prompt's tokens, in order: a prompt shorter
+            # than its ids say (a trace of smaller blocks, a broken line) counts only the
+            # tokens it has, never more than input_length in all
+            left = request.input_length
+            token_counts = []
+            for _ in records:
+                token_counts.append(max(0, min(TRACE_BLOCK_TOKENS, left)))
+                left -= TRACE_BLOCK_TOKENS
+        else:
+            token_counts = [bs] * len(records)
         return records, token_counts
 
     def _aligned_records(self, ids: Sequence[int], n_blocks: int) -> list[BlockRecord]:
