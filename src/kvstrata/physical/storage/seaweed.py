@@ -25,7 +25,6 @@ serving from one (started from another thread, or where the signal is not offere
 
 from __future__ import annotations
 
-import ctypes
 import glob
 import http.client
 import os
@@ -41,7 +40,6 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Callable
 
 from ..leftovers import owner_tag, reclaim
 
@@ -157,28 +155,26 @@ def _remove_grpc_sockets(ports: list[int]) -> None:
                 pass
 
 
-_PR_SET_PDEATHSIG = 1
+_ENDED_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit(1)          # the parent ended before the signal was set\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n")
+"""Run as ``python -c`` in front of a command: it has the command sent SIGTERM when the
+process that started it ends (Linux's ``PR_SET_PDEATHSIG``, which survives ``exec``), then
+becomes the command (same pid). A separate process rather than a ``preexec_fn``, which
+Python calls unsafe where threads run."""
 
 
-def _ended_with_this_process() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that has the child sent SIGTERM when this process ends (Linux's
-    ``PR_SET_PDEATHSIG``), or None where that cannot be promised: off Linux, and on a
-    thread other than the main one (the signal follows the starting thread, which may end
-    long before the process)."""
-    if not sys.platform.startswith("linux") or \
+def _ended_with_this_process(command: list[str]) -> list[str]:
+    """``command``, made to end with this process where that can be promised (Linux, the
+    main thread: the signal follows the starting thread, which may end long before the
+    process); else unchanged."""
+    if not sys.platform.startswith("linux") or not sys.executable or \
             threading.current_thread() is not threading.main_thread():
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-
-    def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        if os.getppid() != parent:      # the parent ended before the signal was set
-            os._exit(1)
-    return preexec
+        return command
+    return [sys.executable, "-c", _ENDED_WITH_PARENT, str(os.getpid()), *command]
 
 
 START_TIMEOUT = 300.0
@@ -271,10 +267,10 @@ class SeaweedServer:
         if self.proc is not None:
             return self
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self._command(), cwd=self.data_dir, env=self._environment(),
+        self.proc = subprocess.Popen(_ended_with_this_process(self._command()),
+                                     cwd=self.data_dir, env=self._environment(),
                                      stdin=subprocess.DEVNULL, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True,
-                                     preexec_fn=_ended_with_this_process())
+                                     stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
         delay = 0.01
         while time.monotonic() < deadline:
