@@ -7,9 +7,11 @@ same over an engine's own G1), :mod:`.owner` (the owner thread),
 """
 
 from ..placement import LoadFailure, OnboardResult
-from .errors import InvalidBlockError, ManagerClosedError, ManagerConfigError, ManagerError
+from .errors import (InvalidBlockError, InvalidConfigError, ManagerClosedError,
+                     ManagerConfigError, ManagerError)
 from .block_manager import KvBlockManager
 from .engine_owned import EngineOwnedManager
 
 __all__ = ["KvBlockManager", "EngineOwnedManager", "OnboardResult", "LoadFailure", "ManagerError",
-           "ManagerClosedError", "ManagerConfigError", "InvalidBlockError"]
+           "ManagerClosedError", "ManagerConfigError", "InvalidConfigError",
+           "InvalidBlockError"]

@@ -39,7 +39,8 @@ from ..placement.costs import CostModel
 from ..protocol.results import TransferResult
 from ..types import BlockRecord, first_bad_record, hash_problem, is_u64
 from ..tiers import TierKind, first_of_kind
-from .errors import InvalidBlockError, ManagerClosedError, ManagerConfigError, ManagerError
+from .errors import (InvalidBlockError, InvalidConfigError, ManagerClosedError,
+                     ManagerConfigError, ManagerError)
 from .g1_bytes import G1Bytes
 from .owner import OwnerThread, resolved
 from ..physical.storage.objects import ObjectStorage
@@ -145,7 +146,7 @@ class KvBlockManager:
                 config = replace(config, disk_dir=disk_dir)
             config = config.validate()
         except ConfigError as exc:
-            raise ManagerConfigError("; ".join(exc.problems)) from None
+            raise InvalidConfigError(exc.problems) from None
         self._owner = OwnerThread("kvstrata-manager-owner", self._handle_result,
                                   self._after_step, self._fail_onboards)
         self._onboards: dict[int, Future] = {}

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-__all__ = ["ManagerError", "ManagerClosedError", "ManagerConfigError", "InvalidBlockError"]
+from ..config import ConfigError
+
+__all__ = ["ManagerError", "ManagerClosedError", "ManagerConfigError", "InvalidConfigError",
+           "InvalidBlockError"]
 
 
 class ManagerError(RuntimeError):
@@ -17,6 +20,16 @@ class ManagerConfigError(ManagerError, ValueError):
     """The configuration cannot be turned into tiers (a tier kind without a storage backend,
     a size over a limit, KV tensors that do not match the config, a metrics port that cannot
     be bound)."""
+
+
+class InvalidConfigError(ManagerConfigError, ConfigError):
+    """The :class:`~kvstrata.config.KvConfig` given is itself invalid: a
+    :class:`ManagerConfigError` and a :class:`~kvstrata.config.ConfigError` (with its
+    ``problems``), so either catches it."""
+
+    def __init__(self, problems: list[str]) -> None:
+        ConfigError.__init__(self, problems)
+        Exception.__init__(self, "; ".join(self.problems))
 
 
 class InvalidBlockError(ManagerError, ValueError):
