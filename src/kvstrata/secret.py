@@ -28,6 +28,9 @@ SECRET_ENV = "KVSTRATA_SHARING_SECRET"
 SECRET_FILE_ENV = "KVSTRATA_SHARING_SECRET_FILE"
 MIN_SECRET_BYTES = 16
 MAX_SECRET_BYTES = 4096
+MIN_DISTINCT_BYTES = 8
+"""A secret of fewer different byte values (``"a" * 16``, zeros) is refused: a placeholder,
+not a secret. Any random secret of 16 bytes or more has far more."""
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +55,15 @@ def resolve_secret(secret: bytes | str | None = None,
     if secret is None:
         return None
     if isinstance(secret, str):
-        secret = secret.strip().encode()
+        # the bytes the environment holds, whatever their encoding (an undecodable byte is
+        # kept as it came, not an encoding error)
+        secret = os.fsencode(secret.strip())
     if not isinstance(secret, bytes) or not MIN_SECRET_BYTES <= len(secret) <= MAX_SECRET_BYTES:
         raise SecretError(f"{source}: a deployment secret is {MIN_SECRET_BYTES} to "
                           f"{MAX_SECRET_BYTES} bytes (e.g. `openssl rand -hex 32`)")
+    if len(set(secret)) < MIN_DISTINCT_BYTES:
+        raise SecretError(f"{source}: a deployment secret of fewer than {MIN_DISTINCT_BYTES} "
+                          f"different bytes is no secret (e.g. `openssl rand -hex 32`)")
     return secret
 
 
@@ -81,7 +89,7 @@ def _read_secret_file(path: str) -> bytes:
             raise SecretError(f"${SECRET_FILE_ENV}: {path} must be owned by this user or "
                               f"root and writable by no one else (owner uid {info.st_uid}, "
                               f"mode {stat.S_IMODE(info.st_mode):04o})")
-        if info.st_mode & 0o004 and info.st_uid != 0:
+        if info.st_mode & 0o004:
             log.warning("kvstrata: the deployment secret file %s is readable by every user; "
                         "make it 0600", path)
         data = os.read(fd, MAX_SECRET_BYTES + 1)
@@ -90,4 +98,7 @@ def _read_secret_file(path: str) -> bytes:
                           f"{exc.strerror or exc}") from None
     finally:
         os.close(fd)
+    if len(data) > MAX_SECRET_BYTES:        # before stripping: not a secret cut silently
+        raise SecretError(f"${SECRET_FILE_ENV}: {path} is longer than {MAX_SECRET_BYTES} "
+                          f"bytes")
     return data.strip()

@@ -1,0 +1,41 @@
+"""The deployment's secret from the environment or a file: what is refused, and how."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+from kvstrata.secret import MAX_SECRET_BYTES, SecretError, resolve_secret
+
+
+def test_a_secret_that_is_not_utf8_is_taken_as_the_bytes_the_environment_holds():
+    """An undecodable byte (Python hands it over as a surrogate) raised UnicodeEncodeError."""
+    value = os.fsdecode(b"\xff\xfe0123456789abcdefghij")
+    assert resolve_secret(env={"KVSTRATA_SHARING_SECRET": value}) == \
+        b"\xff\xfe0123456789abcdefghij"
+
+
+@pytest.mark.parametrize("placeholder", ["a" * 16, "\0" * 32, "abababababababab"])
+def test_a_placeholder_is_no_secret(placeholder):
+    with pytest.raises(SecretError, match="different bytes"):
+        resolve_secret(env={"KVSTRATA_SHARING_SECRET": placeholder})
+
+
+def test_a_secret_file_too_long_is_refused_not_cut(tmp_path):
+    path = tmp_path / "secret"
+    path.write_bytes(b" " + os.urandom(MAX_SECRET_BYTES))       # one byte over, before strip
+    path.chmod(0o600)
+    with pytest.raises(SecretError, match="longer than"):
+        resolve_secret(env={"KVSTRATA_SHARING_SECRET_FILE": str(path)})
+
+
+def test_a_secret_file_every_user_can_read_is_named_in_a_warning(tmp_path, caplog):
+    path = tmp_path / "secret"
+    path.write_text("a deployment secret of some length\n")
+    path.chmod(0o644)
+    with caplog.at_level(logging.WARNING, logger="kvstrata.secret"):
+        assert resolve_secret(env={"KVSTRATA_SHARING_SECRET_FILE": str(path)}) == \
+            b"a deployment secret of some length"
+    assert "readable by every user" in caplog.text and "a deployment secret" not in caplog.text
