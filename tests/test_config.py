@@ -205,3 +205,23 @@ def test_a_refused_object_store_url_never_shows_its_credentials(url):
     with pytest.raises(ConfigError) as refused:
         KvConfig(tiers=tiers).validate()
     assert "S3CRET-PASSWORD" not in str(refused.value)
+
+
+@pytest.mark.parametrize("toml, problem", [
+    ('keep_tokens = "false"\n', "keep_tokens must be true or false"),
+    ('[tiers.G1]\nblocks = 8\n[tiers.G2]\nbytes = "1GiB"\ngb = 64\n', "not bytes and gb"),
+    ('[tiers.G1]\nblocks = 8\n[tiers.G2]\ngb = true\n', "gb must be a number"),
+    ('[tiers]\nG1 = 1000\nG2 = 4e9\n', "neither a number of blocks"),
+])
+def test_values_that_would_be_read_as_something_else_are_refused(tmp_path, toml, problem):
+    """A string "false" was a true keep_tokens, gb beside bytes was ignored, gb = true was
+    1 GiB, and a float tier size was bytes where an integer is blocks."""
+    path = tmp_path / "kv.toml"
+    path.write_text(toml)
+    with pytest.raises(ConfigError, match=problem):
+        load_config(path, env={})
+
+
+def test_a_tier_sized_twice_in_the_environment_is_refused():
+    with pytest.raises(ConfigError, match="not bytes and gb"):
+        load_config(env={"KVSTRATA_G2_BYTES": "1GiB", "KVSTRATA_G2_GB": "64"})

@@ -208,9 +208,10 @@ class KvConfig:
     def validate(self) -> "KvConfig":
         """Return self if valid, else raise one :class:`ConfigError` naming every problem."""
         problems: list[str] = []
-        if not isinstance(self.encrypt_at_rest, bool):
-            problems.append(f"encrypt_at_rest must be true or false, got "
-                            f"{self.encrypt_at_rest!r:.40}")
+        for flag in ("encrypt_at_rest", "keep_tokens"):       # "false" is a true string
+            if not isinstance(getattr(self, flag), bool):
+                problems.append(f"{flag} must be true or false, got "
+                                f"{getattr(self, flag)!r:.40}")
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) \
                 or not 0 < self.block_size <= MAX_BLOCK_SIZE:
             problems.append(f"block_size must be an integer in 1..{MAX_BLOCK_SIZE:,}, got "
@@ -366,11 +367,16 @@ def _tier_from_mapping(name: str, raw: Mapping[str, Any], problems: list[str]) -
     unknown = set(raw) - _TIER_KEYS
     if unknown:
         problems.append(f"tier {name}: unknown keys {sorted(unknown)}; known {sorted(_TIER_KEYS)}")
+    sizes = [k for k in ("blocks", "bytes", "gb") if k in raw]
+    if len(sizes) > 1:
+        problems.append(f"tier {name}: give one of blocks, bytes or gb, not {' and '.join(sizes)}")
     size_bytes: int | None = None
     try:
         if "bytes" in raw:
             size_bytes = parse_size(raw["bytes"])
         elif "gb" in raw:
+            if isinstance(raw["gb"], bool):
+                raise ValueError(f"gb must be a number of GiB, got {raw['gb']!r}")
             gib = float(raw["gb"])
             if not math.isfinite(gib) or gib < 0:
                 raise ValueError(f"gb must be a finite number >= 0, got {raw['gb']!r}")
@@ -639,6 +645,10 @@ def normalize_tiers(tiers: Mapping[str, Any], problems: list[str] | None = None)
             out[name] = _tier_from_mapping(name, spec, problems)
         elif isinstance(spec, int) and not isinstance(spec, bool):
             out[name] = TierConfig(blocks=spec)
+        elif isinstance(spec, (float, bool)):
+            # an integer is blocks and a size has a unit: 4e9 is neither
+            problems.append(f"tier {name}: {spec!r} is neither a number of blocks (an "
+                            f"integer) nor a size with a unit (\"4GiB\")")
         else:
             out[name] = _tier_from_mapping(name, _parse_tier_text(str(spec)), problems)
     return out

@@ -400,8 +400,9 @@ def _switches(extra: Mapping[str, Any], geometry: KvGeometry,
                                lambda v: v is None or isinstance(v, bool),
                                "true, false or null", problems)
     out["list_interval"] = float(checked(
-        extra, "list_interval", 10.0, lambda v: is_number(v) and 0 < v <= 86_400,
-        "seconds in (0, 86400]", problems))
+        extra, "list_interval", 10.0, lambda v: is_number(v) and 0.1 <= v <= 86_400,
+        "seconds in 0.1..86400 (a shorter interval would list the store without pause)",
+        problems))
     for key, default, most in (("peer_ask_timeout", 0.2, 60), ("peer_read_timeout", 5.0,
                                                                    MAX_PEER_READ_TIMEOUT)):
         out[key] = float(checked(extra, key, default,
