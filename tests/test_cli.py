@@ -337,3 +337,28 @@ def test_a_config_error_line_is_cut(tmp_path):
     code, _, err = _cli("replay", "--config", str(config))
     assert_one_line_error(code, err, "invalid config")
     assert len(err) < 2100
+
+
+def test_the_indexer_server_stopped_by_sigterm_says_so_and_exits_143(tmp_path):
+    import signal
+
+    events = tmp_path / "events.jsonl"
+    events.write_text("")
+    proc = subprocess.Popen([sys.executable, "-m", "kvstrata.cli", "indexer", "--file",
+                             str(events), "--http", "127.0.0.1:0"], stderr=subprocess.PIPE)
+    try:
+        line = proc.stderr.readline().decode()        # readiness: it says where it serves
+        assert "serving http://127.0.0.1:" in line, line
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 143, err
+    assert "terminated" in err.decode() and "Traceback" not in err.decode()
+
+
+def test_trusted_worker_ids_are_u64():
+    code, _, err = _cli("indexer", "--file", "/dev/null", "--trust-workers", str(1 << 64))
+    assert_one_line_error(code, err, "--trust-workers", "2^64")

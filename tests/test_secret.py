@@ -39,3 +39,11 @@ def test_a_secret_file_every_user_can_read_is_named_in_a_warning(tmp_path, caplo
         assert resolve_secret(env={"KVSTRATA_SHARING_SECRET_FILE": str(path)}) == \
             b"a deployment secret of some length"
     assert "readable by every user" in caplog.text and "a deployment secret" not in caplog.text
+
+
+def test_no_repr_shows_a_secret():
+    from kvstrata.kinds.base import StorageOptions
+    from kvstrata.physical.storage.s3client import S3Config
+
+    assert "S3CRET" not in repr(S3Config(access_key="key", secret_key="S3CRET-KEY"))
+    assert "S3CRET" not in repr(StorageOptions(secret=b"S3CRET-DEPLOYMENT-SECRET"))

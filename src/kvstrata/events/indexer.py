@@ -505,8 +505,9 @@ def _worker_list(value: str) -> frozenset[int]:
         ids = frozenset(int(v) for v in value.replace(",", " ").split())
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected worker ids like 1,2,3, got {value!r}") from None
-    if not ids or min(ids) < 0:
-        raise argparse.ArgumentTypeError(f"expected worker ids >= 0, got {value!r}")
+    if not ids or min(ids) < 0 or max(ids) >= 1 << 64:
+        raise argparse.ArgumentTypeError(f"expected worker ids in 0..2^64-1 (an event's worker "
+                                         f"id is u64), got {value!r:.80}")
     return ids
 
 
@@ -583,11 +584,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(f"kvstrata indexer: serving http://{server.address[0]}:{server.address[1]}", file=sys.stderr, flush=True)
         try:
-            threading.Event().wait()
-        except KeyboardInterrupt:
-            pass
-        server.close()
-        return 0
+            threading.Event().wait()     # until a signal: the CLI says which (exit 143 / 130)
+        finally:
+            server.close()
 
     from kvstrata.redact import redacted
     from kvstrata.events.spec import SinkSpecError, nats_url_parts
@@ -621,14 +620,11 @@ def main(argv: list[str] | None = None) -> int:
         server = IndexServer(index, *args.http, follower=nf.follower).start()
         print(f"kvstrata indexer: serving http://{server.address[0]}:{server.address[1]}", file=sys.stderr, flush=True)
     try:
-        threading.Event().wait()
-    except KeyboardInterrupt:
-        pass
+        threading.Event().wait()         # until a signal: the CLI says which (exit 143 / 130)
     finally:
         if server is not None:
             server.close()
         nf.close()
-    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

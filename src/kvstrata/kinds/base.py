@@ -78,7 +78,7 @@ class StorageOptions:
     object_store: "S3Config | None" = None
     """The object tier's store, instead of the tier's ``url`` (credentials from
     ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` either way)."""
-    secret: bytes | None = None
+    secret: bytes | None = field(default=None, repr=False)
     """The deployment's secret (:mod:`kvstrata.secret`) that keys and encrypts stored
     blocks; None: from the environment."""
     follow_durable: bool = False

@@ -48,7 +48,7 @@ import os
 import re
 import threading
 import urllib.parse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
 from ..errors import StorageConfigError, StorageError
@@ -100,7 +100,7 @@ class S3Config:
     bucket: str = "kvstrata"
     region: str = "us-east-1"
     access_key: str | None = None
-    secret_key: str | None = None
+    secret_key: str | None = field(default=None, repr=False)     # never in a repr or log
     connect_timeout: float = 1.0
     read_timeout: float = 2.0
     request_timeout: float = 5.0
