@@ -225,3 +225,15 @@ def test_values_that_would_be_read_as_something_else_are_refused(tmp_path, toml,
 def test_a_tier_sized_twice_in_the_environment_is_refused():
     with pytest.raises(ConfigError, match="not bytes and gb"):
         load_config(env={"KVSTRATA_G2_BYTES": "1GiB", "KVSTRATA_G2_GB": "64"})
+
+
+@pytest.mark.parametrize("build", [
+    lambda: KvConfig(tiers={"G1": 5}).validate(),
+    lambda: KvConfig(tiers=5).validate(),
+    lambda: KvConfig(model=5).validate(),
+    lambda: load_config(tiers=5, env={}),
+    lambda: load_config(model={"num_layers": 2}, env={}),
+])
+def test_parts_of_the_wrong_type_from_the_python_api_are_config_errors(build):
+    with pytest.raises(ConfigError):
+        build()

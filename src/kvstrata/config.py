@@ -207,6 +207,9 @@ class KvConfig:
 
     def validate(self) -> "KvConfig":
         """Return self if valid, else raise one :class:`ConfigError` naming every problem."""
+        shapes = _shape_problems(self)
+        if shapes:                  # nothing else can be checked on parts of the wrong type
+            raise ConfigError(shapes)
         problems: list[str] = []
         for flag in ("encrypt_at_rest", "keep_tokens"):       # "false" is a true string
             if not isinstance(getattr(self, flag), bool):
@@ -408,6 +411,20 @@ def _to_int(value: Any) -> int:
         return value
     text = str(value).replace("_", "").replace(",", "")
     return int(text)
+
+
+def _shape_problems(config: "KvConfig") -> list[str]:
+    """Parts of ``config`` of the wrong type (a tier that is no :class:`TierConfig`, a model
+    that is no :class:`ModelGeometry`): what the Python API can be handed."""
+    problems = []
+    if not isinstance(config.tiers, Mapping) or not all(
+            isinstance(name, str) and isinstance(tier, TierConfig)
+            for name, tier in config.tiers.items()):
+        problems.append(f"tiers must map tier names to TierConfig, got {config.tiers!r:.80} "
+                        f"(load_config takes sizes)")
+    if not isinstance(config.model, ModelGeometry):
+        problems.append(f"model must be a ModelGeometry, got {config.model!r:.80}")
+    return problems
 
 
 def _from_mapping(raw: Mapping[str, Any], problems: list[str], source: str) -> dict[str, Any]:
@@ -638,6 +655,9 @@ def normalize_tiers(tiers: Mapping[str, Any], problems: list[str] | None = None)
     """Tier specs given as TierConfig, an int (blocks), a size string or a mapping."""
     problems = [] if problems is None else problems
     out: dict[str, TierConfig] = {}
+    if not isinstance(tiers, Mapping):
+        problems.append(f"tiers must map tier names to sizes, got {tiers!r:.80}")
+        return out
     for name, spec in tiers.items():
         if isinstance(spec, TierConfig):
             out[name] = spec
