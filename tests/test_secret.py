@@ -17,10 +17,22 @@ def test_a_secret_that_is_not_utf8_is_taken_as_the_bytes_the_environment_holds()
         b"\xff\xfe0123456789abcdefghij"
 
 
-@pytest.mark.parametrize("placeholder", ["a" * 16, "\0" * 32, "abababababababab"])
+@pytest.mark.parametrize("placeholder", ["a" * 16, "\0" * 32, "abababababababab",
+                                         "abcdabcdabcdabcdab"])
 def test_a_placeholder_is_no_secret(placeholder):
-    with pytest.raises(SecretError, match="different bytes"):
+    with pytest.raises(SecretError, match="repeats a pattern"):
         resolve_secret(env={"KVSTRATA_SHARING_SECRET": placeholder})
+
+
+def test_random_secrets_of_small_alphabets_are_never_taken_for_placeholders():
+    """16 random decimal digits have few different bytes (a count of them refused a quarter)."""
+    import random
+
+    rng = random.Random(7)
+    for alphabet in ("0123456789", "0123456789abcdef"):
+        for _ in range(2000):
+            secret = "".join(rng.choice(alphabet) for _ in range(16))
+            assert resolve_secret(env={"KVSTRATA_SHARING_SECRET": secret}) == secret.encode()
 
 
 def test_a_secret_file_too_long_is_refused_not_cut(tmp_path):

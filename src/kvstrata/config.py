@@ -590,6 +590,7 @@ def load_config(
     env: Mapping[str, str] | None = None,
     *,
     defaults: Mapping[str, Any] | None = None,
+    fixed_tiers: Mapping[str, TierConfig] | None = None,
     **overrides: Any,
 ) -> KvConfig:
     """Build and validate a :class:`KvConfig`.
@@ -599,8 +600,12 @@ def load_config(
     blocks, or a mapping like ``{"bytes": "4GiB"}``). ``defaults`` are KvConfig fields in
     place of kvstrata's own defaults, where neither the file nor the environment sets them
     (an engine connector's): tiers the environment sizes are sized within them.
+    ``fixed_tiers`` are tiers the caller decides whatever any source says (an engine's own
+    cache as G1): what the file or environment says of them is ignored, and a file that
+    names no other tier leaves the tiers as they were.
     """
     env = os.environ if env is None else env
+    fixed = dict(fixed_tiers or {})
     problems: list[str] = []
     kwargs: dict[str, Any] = {}
     if defaults:
@@ -611,7 +616,14 @@ def load_config(
     if path:
         try:
             text = read_bounded(path, MAX_CONFIG_BYTES).decode("utf-8")
-            kwargs.update(_from_mapping(tomllib.loads(text), problems, str(path)))
+            from_file = _from_mapping(tomllib.loads(text), problems, str(path))
+            if fixed and "tiers" in from_file:
+                named = {t: c for t, c in from_file["tiers"].items() if t not in fixed}
+                if named:
+                    from_file["tiers"] = named
+                else:
+                    del from_file["tiers"]
+            kwargs.update(from_file)
         except OSError as exc:
             problems.append(f"cannot read config file {path}: {exc.strerror}")
         except InputTooLargeError:
@@ -624,6 +636,7 @@ def load_config(
             problems.append(f"config file {path} nests too deeply")
     env_scalars, env_tiers = _from_env(env, problems)
     kwargs.update(env_scalars)
+    env_tiers = {t: raw for t, raw in env_tiers.items() if t not in fixed}
     if env_tiers:
         tiers = dict(kwargs.get("tiers", DEFAULT_TIERS))
         for name, raw in env_tiers.items():
@@ -635,6 +648,9 @@ def load_config(
         overrides = dict(overrides)
         overrides["tiers"] = normalize_tiers(overrides["tiers"], problems)
     kwargs.update({k: v for k, v in overrides.items() if v is not None})
+    if fixed:
+        kwargs["tiers"] = {**fixed, **{t: c for t, c in kwargs.get("tiers", DEFAULT_TIERS).items()
+                                      if t not in fixed}}
     known = set(KvConfig.__dataclass_fields__)
     unknown = set(kwargs) - known
     if unknown:

@@ -21,9 +21,12 @@ def redacted(url: str, *, query: bool = True) -> str:
     scheme, sep, rest = url.partition("://")
     if not sep:
         scheme, rest = "", url
+    # the credentials end at the last "@" before any query or fragment: a password may hold
+    # a "/" (base64 does), so the authority's end cannot be trusted to come first
+    head = rest.split("?", 1)[0].split("#", 1)[0]
+    if "@" in head:
+        rest = "***@" + rest[head.rindex("@") + 1:]
     authority, slash, path = rest.partition("/")
-    if "@" in authority:
-        authority = "***@" + authority.rpartition("@")[2]
     if query:
         path, mark, _ = path.partition("?")
         if not slash:

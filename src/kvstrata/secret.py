@@ -28,9 +28,10 @@ SECRET_ENV = "KVSTRATA_SHARING_SECRET"
 SECRET_FILE_ENV = "KVSTRATA_SHARING_SECRET_FILE"
 MIN_SECRET_BYTES = 16
 MAX_SECRET_BYTES = 4096
-MIN_DISTINCT_BYTES = 8
-"""A secret of fewer different byte values (``"a" * 16``, zeros) is refused: a placeholder,
-not a secret. Any random secret of 16 bytes or more has far more."""
+PLACEHOLDER_PERIOD = 4
+"""A secret that is one pattern of at most this many bytes repeated (``"a" * 16``, zeros,
+``"abab..."``) is refused: a placeholder, not a secret. A random secret of 16 bytes or more,
+in any alphabet (hex, decimal digits), is such a repetition with a chance of 10^-12 at most."""
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +62,11 @@ def resolve_secret(secret: bytes | str | None = None,
     if not isinstance(secret, bytes) or not MIN_SECRET_BYTES <= len(secret) <= MAX_SECRET_BYTES:
         raise SecretError(f"{source}: a deployment secret is {MIN_SECRET_BYTES} to "
                           f"{MAX_SECRET_BYTES} bytes (e.g. `openssl rand -hex 32`)")
-    if len(set(secret)) < MIN_DISTINCT_BYTES:
-        raise SecretError(f"{source}: a deployment secret of fewer than {MIN_DISTINCT_BYTES} "
-                          f"different bytes is no secret (e.g. `openssl rand -hex 32`)")
+    if any(secret == secret[:period] * (len(secret) // period) + secret[:len(secret) % period]
+           for period in range(1, PLACEHOLDER_PERIOD + 1)):
+        raise SecretError(f"{source}: a deployment secret that repeats a pattern of "
+                          f"{PLACEHOLDER_PERIOD} bytes or fewer is no secret (e.g. "
+                          f"`openssl rand -hex 32`)")
     return secret
 
 

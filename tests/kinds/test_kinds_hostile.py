@@ -349,8 +349,12 @@ def test_the_vllm_connectors_defaults_hold_until_a_source_names_tiers_or_evictio
     tiers, _ = chosen({"DYN_KVBM_CPU_CACHE_GB": "8"})          # sized within the defaults
     assert tiers == {**defaults, "G2": (None, 8 << 30)}
     named = tmp_path / "named.toml"
-    named.write_text('eviction = "lfu"\n[tiers.G1]\nblocks = 8\n[tiers.G2]\nbytes = "2GiB"\n')
+    named.write_text('eviction = "lfu"\n[tiers.G2]\nbytes = "2GiB"\n')     # G1 is vLLM's
     assert chosen({"KVSTRATA_CONFIG": str(named)}) == ({"G2": (None, 2 << 30)}, "lfu")
+    only_g1 = tmp_path / "g1.toml"                # sizes the replay's G1: nothing of vLLM's
+    only_g1.write_text('[tiers.G1]\nblocks = 8\n')
+    assert chosen({"KVSTRATA_CONFIG": str(only_g1), "KVSTRATA_G1_BLOCKS": "9"}) == \
+        (defaults, "lru")
 
 
 def test_sglang_takes_its_tiers_from_kvstratas_own_file_and_environment(tmp_path):
@@ -369,8 +373,7 @@ def test_sglang_takes_its_tiers_from_kvstratas_own_file_and_environment(tmp_path
         return {t: (c.blocks, c.bytes) for t, c in config.tiers.items()}
 
     toml = tmp_path / "kv.toml"
-    toml.write_text('[tiers.G1]\nblocks = 1\n[tiers.G2]\nbytes = "1GiB"\n'
-                    '[tiers.G3]\nbytes = "64GiB"\n')
+    toml.write_text('[tiers.G2]\nbytes = "1GiB"\n[tiers.G3]\nbytes = "64GiB"\n')   # no G1
     assert tiers({"config": str(toml)}, {}) == {"G1": (100, None), "G2": (None, 1 << 30),
                                                 "G3": (None, 64 << 30)}
     assert tiers({}, {"KVSTRATA_G3_BYTES": "64GiB"}) == {"G1": (100, None),

@@ -109,3 +109,21 @@ def test_a_live_owners_server_is_left_alone():
     finally:
         server.cleanup()
     assert not os.path.exists(server.data_dir)
+
+
+def test_a_binary_named_without_a_path_is_found_on_path(tmp_path, monkeypatch):
+    """``SeaweedServer("weed")`` runs the ``weed`` of PATH, as Popen would (the launcher that
+    sets the parent-death signal execs a path)."""
+    marker = tmp_path / "ran"
+    fake = tmp_path / "bin" / "weed"
+    fake.parent.mkdir()
+    fake.write_text(f"#!/bin/sh\ntouch '{marker}'\nexit 3\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    server = SeaweedServer("weed")
+    try:
+        with pytest.raises(RuntimeError, match="exited with 3"):
+            server.start(attempts=1)
+    finally:
+        server.cleanup()
+    assert marker.exists()

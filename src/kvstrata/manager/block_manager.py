@@ -744,8 +744,8 @@ def _track_for_exit(manager: KvBlockManager) -> None:
     managers are closed at ``atexit``, once the threads still running have ended (they may
     still be using them), which also closes one made after the first hook ran."""
     global _exit_hook
-    _OPEN.add(manager)
     with _exit_hook_lock:
+        _OPEN.add(manager)
         if not _exit_hook:
             atexit.register(_close_open_managers)
             register = getattr(threading, "_register_atexit", None)
@@ -757,8 +757,13 @@ def _track_for_exit(manager: KvBlockManager) -> None:
             _exit_hook = True
 
 
+def _open_managers() -> list[KvBlockManager]:
+    with _exit_hook_lock:          # another thread may be making one right now
+        return list(_OPEN)
+
+
 def _flush_open_managers() -> None:
-    for manager in list(_OPEN):
+    for manager in _open_managers():
         try:
             manager.flush().result()
         except Exception:                          # a broken or closed manager: closed later
@@ -766,7 +771,7 @@ def _flush_open_managers() -> None:
 
 
 def _close_open_managers() -> None:
-    for manager in list(_OPEN):
+    for manager in _open_managers():
         try:
             manager.close()
         except Exception:

@@ -106,19 +106,15 @@ def kv_config(settings: BackendSettings, pool: HostPoolView, model_name: str | N
     the geometry of its runs), the lower tiers and the rest from the settings. The pool's
     layout is part of the model's identity, so stored blocks are only read by a pool of the
     same layout."""
-    top = {TOP_TIER: TierConfig(blocks=pool.pages)}
-    given = {} if settings.tiers is None else {"tiers": {**top, **settings.tiers}}
+    given = {} if settings.tiers is None else {"tiers": settings.tiers}
     try:
         # the tiers of the extra config, else kvstrata's own file and environment, else
         # DEFAULT_TIERS; G1 is the host pool whatever they say
-        config = load_config(settings.config_path, env=env,
-                             defaults={"tiers": {**top, **DEFAULT_TIERS}}, **{
+        config = load_config(settings.config_path, env=env, defaults={"tiers": DEFAULT_TIERS},
+                             fixed_tiers={TOP_TIER: TierConfig(blocks=pool.pages)}, **{
                                  **settings.overrides, **given,
                                  "block_size": pool.page_size, "model": pool.geometry,
                                  "model_id": f"{model_name or ''}|sglang-host:{pool.layout}"})
-        if settings.tiers is None:
-            config = replace(config, tiers={**top, **{t: c for t, c in config.tiers.items()
-                                                       if t != TOP_TIER}}).validate()
     except ConfigError as exc:
         raise SGLangConfigError("kvstrata HiCache backend: " + "; ".join(exc.problems)) \
             from None

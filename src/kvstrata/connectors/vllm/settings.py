@@ -467,10 +467,9 @@ def _kv_config(geometry: KvGeometry, tiers: dict[str, TierConfig] | None,
     try:
         # the connector's defaults where kvstrata's own file and environment say nothing
         # (kvstrata's built-in tiers are sized for the trace replay); G1 is vLLM's cache
-        base = load_config(config_path, env=env, defaults={
-            "tiers": {TOP_TIER: TierConfig(blocks=max(1, geometry.num_gpu_blocks)),
-                      **DEFAULT_TIERS},
-            "eviction": "lru"})
+        base = load_config(
+            config_path, env=env, defaults={"tiers": DEFAULT_TIERS, "eviction": "lru"},
+            fixed_tiers={TOP_TIER: TierConfig(blocks=max(1, geometry.num_gpu_blocks))})
     except ConfigError as exc:
         raise ConnectorConfigError("kvstrata connector: " + "; ".join(exc.problems)) from None
     chosen = tiers if tiers is not None else \

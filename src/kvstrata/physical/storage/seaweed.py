@@ -156,10 +156,15 @@ def _remove_grpc_sockets(ports: list[int]) -> None:
 
 
 _ENDED_WITH_PARENT = (
-    "import ctypes, os, signal, sys\n"
-    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG\n"
-    "if os.getppid() != int(sys.argv[1]):\n"
-    "    sys.exit(1)          # the parent ended before the signal was set\n"
+    "import os, signal, sys\n"
+    "try:\n"
+    "    import ctypes\n"
+    "    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PDEATHSIG\n"
+    "except (ImportError, OSError, AttributeError):\n"
+    "    pass                 # not offered here: the next server reclaims an orphan\n"
+    "else:\n"
+    "    if os.getppid() != int(sys.argv[1]):\n"
+    "        sys.exit(1)      # the parent ended before the signal was set\n"
     "os.execv(sys.argv[2], sys.argv[2:])\n")
 """Run as ``python -c`` in front of a command: it has the command sent SIGTERM when the
 process that started it ends (Linux's ``PR_SET_PDEATHSIG``, which survives ``exec``), then
@@ -171,10 +176,14 @@ def _ended_with_this_process(command: list[str]) -> list[str]:
     """``command``, made to end with this process where that can be promised (Linux, the
     main thread: the signal follows the starting thread, which may end long before the
     process); else unchanged."""
-    if not sys.platform.startswith("linux") or not sys.executable or \
+    binary = shutil.which(command[0])      # the launcher execs a path: no PATH search
+    if binary is None or not sys.platform.startswith("linux") or not sys.executable or \
             threading.current_thread() is not threading.main_thread():
         return command
-    return [sys.executable, "-c", _ENDED_WITH_PARENT, str(os.getpid()), *command]
+    # -I: nothing from the environment, the user's site or the working directory (the
+    # server's data directory) is imported
+    return [sys.executable, "-I", "-c", _ENDED_WITH_PARENT, str(os.getpid()), binary,
+            *command[1:]]
 
 
 START_TIMEOUT = 300.0
