@@ -132,8 +132,10 @@ class SlowDisk(FileOps):          # writes still pending when the interpreter ex
 
 # blocks of 128 KiB: a batch of 16 is big enough for the disk tier to hash on its helper
 # thread while it writes (the pool the interpreter's exit shuts down)
+# G1 holds every block: its slots are never all held by copies a loaded machine has not
+# finished, so no allocation fails
 config = KvConfig(block_size=BS, admission="always",
-                  tiers={"G1": TierConfig(blocks=64), "G2": TierConfig(blocks=64),
+                  tiers={"G1": TierConfig(blocks=128), "G2": TierConfig(blocks=64),
                          "G3": TierConfig(blocks=256)},
                   model=ModelGeometry(num_layers=4, kv_heads=8, head_dim=64, dtype="fp16"))
 mgr = KvBlockManager(config, disk_dir=sys.argv[1], file_ops=SlowDisk())
@@ -154,7 +156,7 @@ def test_a_manager_left_open_at_exit_lands_its_pending_writes(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert int(done.stdout.split()[-1]) > 0, "nothing was pending at exit: the test proves nothing"
-    config = KvConfig(block_size=BS, tiers={"G1": TierConfig(blocks=64), "G2": TierConfig(blocks=64),
+    config = KvConfig(block_size=BS, tiers={"G1": TierConfig(blocks=128), "G2": TierConfig(blocks=64),
                                             "G3": TierConfig(blocks=256)},
                       model=ModelGeometry(num_layers=4, kv_heads=8, head_dim=64, dtype="fp16"))
     with KvBlockManager(config, disk_dir=str(tmp_path)) as mgr:
