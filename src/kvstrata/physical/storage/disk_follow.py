@@ -34,7 +34,7 @@ import numpy as np
 
 from ..errors import StorageConfigError
 from .disk_home import private_file
-from .disk_index import (_HEADER, _PUT, _RECORD_DTYPE, RECORD_BYTES,
+from .disk_index import (_HEADER, _PUT, _RECORD_DTYPE, RECORD_BYTES, last_per_slot,
                          DiskIndex, LiveEntries, _sound)
 
 __all__ = ["FollowedJournal"]
@@ -164,12 +164,9 @@ class FollowedJournal(DiskIndex):
         slot's last record decides what it holds; then a block put anew supersedes an older
         slot naming it. Returns the slots changed."""
         slots = records["slot"].astype(np.int64)
-        inside = np.flatnonzero(slots < self.capacity)
-        if not len(inside):
+        last = last_per_slot(slots, self.capacity)  # each slot's last record, in order
+        if not len(last):
             return np.zeros(0, np.int64)
-        backwards = inside[::-1]
-        _, first = np.unique(slots[backwards], return_index=True)
-        last = np.sort(backwards[first])            # each slot's last record, in order
         touched = slots[last]
         for slot in touched[self._valid[touched]].tolist():
             self._drop(slot)

@@ -262,13 +262,10 @@ class DiskIndex:
             corrupt += int(len(records) - len(numbers))
             records = records[good]
             slots = records["slot"].astype(np.int64)
-            inside = slots < self.capacity
-            beyond += int(((records["op"] == _PUT) & ~inside).sum())
+            beyond += int(((records["op"] == _PUT) & (slots >= self.capacity)).sum())
             # The last record naming a slot decides what it holds (a PUT: that block; a
             # FREE: nothing); a later chunk's record overrides an earlier one's.
-            named = np.flatnonzero(inside)[::-1]
-            _, first_in_reversed = np.unique(slots[named], return_index=True)
-            last = named[first_in_reversed]
+            last = last_per_slot(slots, self.capacity)
             is_put = records["op"][last] == _PUT
             self._valid[slots[last[~is_put]]] = False
             self._set_entries(records[last[is_put]], numbers[last[is_put]])
@@ -432,6 +429,15 @@ class DiskIndex:
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
+
+
+def last_per_slot(slots: np.ndarray, capacity: int) -> np.ndarray:
+    """Positions, ascending, of the last of ``slots`` naming each slot below ``capacity``:
+    in a run of journal records, the ones that decide what their slots hold."""
+    inside = np.flatnonzero(slots < capacity)
+    backwards = inside[::-1]
+    _, first = np.unique(slots[backwards], return_index=True)
+    return np.sort(backwards[first])
 
 
 def _sound(body: bytes, records: np.ndarray) -> np.ndarray:
