@@ -1,3 +1,7 @@
+import logging
+import re
+from pathlib import Path
+
 import pytest
 
 from kvstrata.config import (
@@ -9,6 +13,7 @@ from kvstrata.config import (
     load_config,
     parse_size,
     parse_tiers_flag,
+    unknown_env_vars,
 )
 
 
@@ -237,3 +242,27 @@ def test_a_tier_sized_twice_in_the_environment_is_refused():
 def test_parts_of_the_wrong_type_from_the_python_api_are_config_errors(build):
     with pytest.raises(ConfigError):
         build()
+
+
+def test_an_unknown_kvstrata_variable_is_warned_about_once(caplog):
+    env = {"KVSTRATA_G2_GIB": "8", "KVSTRATA_G2_BLOCKS": "64", "KVSTRATA_TENANT": "a",
+           "KVSTRATA_NATS_TOKEN": "t" * 20, "DYN_KVBM_METRICS": "true"}
+    with caplog.at_level(logging.WARNING, logger="kvstrata.config"):
+        config = load_config(env=env)
+        load_config(env=env)
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "KVSTRATA_G2_GIB" in warned[0]
+    assert config.tiers["G2"].blocks == 64  # the known variables still apply
+
+
+def test_every_kvstrata_variable_the_project_reads_is_known():
+    root = Path(__file__).resolve().parent.parent
+    names = set()
+    for folder in ("src", "scripts", "bench"):
+        for path in (root / folder).rglob("*"):
+            if path.is_file() and path.suffix in ("", ".py", ".sh"):
+                names |= set(re.findall(r"KVSTRATA_[A-Z0-9_]*[A-Z0-9]",
+                                        path.read_text(errors="replace")))
+    names -= {"KVSTRATA_G"}  # "KVSTRATA_Gn_*" in prose
+    assert "KVSTRATA_WEED" in names and "KVSTRATA_GPU_OUT" in names
+    assert unknown_env_vars(dict.fromkeys(names, "")) == []

@@ -11,6 +11,7 @@ problem at once in a single :class:`ConfigError`. docs/configuration.md lists ev
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
@@ -26,6 +27,8 @@ from .logical.policy import ADMISSION_NAMES, EVICTION_NAMES
 from .logical.slots import MAX_SLOTS as MAX_TIER_BLOCKS
 from .tokens import MAX_BLOCK_SIZE
 from .tiers import TIER_NAMES, TIERS, TOP_TIER, Addressing, TierKind, first_of_kind, ordered, spec
+
+log = logging.getLogger(__name__)
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "ki": 1024, "kib": 1024,
@@ -474,6 +477,39 @@ _ENV_TIER_SIZE = re.compile(rf"^KVSTRATA_({'|'.join(TIER_NAMES)})_(BLOCKS|BYTES|
 _DYNAMO_TIER_GB = {"DYN_KVBM_CPU_CACHE_GB": first_of_kind(TierKind.HOST),
                    "DYN_KVBM_DISK_CACHE_GB": first_of_kind(TierKind.DISK)}
 
+OTHER_ENV_VARS = frozenset({
+    "KVSTRATA_CONFIG",
+    "KVSTRATA_SHARING_SECRET", "KVSTRATA_SHARING_SECRET_FILE",
+    "KVSTRATA_RAM_CLAIMS_DIR",
+    "KVSTRATA_NATS_SERVER", "KVSTRATA_NATS_USER", "KVSTRATA_NATS_PASSWORD", "KVSTRATA_NATS_TOKEN",
+    "KVSTRATA_NATIVE_COPY", "KVSTRATA_NATIVE_EVENTS",
+    "KVSTRATA_WEED", "KVSTRATA_DEBUG",
+    # read by the project's own scripts, benchmarks and tests
+    "KVSTRATA_GPU_OUT", "KVSTRATA_GPU_SUITE", "KVSTRATA_GPU_BENCH",
+    "KVSTRATA_PEERS_PYTHON", "KVSTRATA_BENCH_STANDIN_PIDS", "KVSTRATA_HYPOTHESIS_EXAMPLES",
+})
+"""The ``KVSTRATA_*`` variables read outside this module's settings (``_ENV_SCALARS`` and
+the tier sizes): together they are every variable kvstrata knows."""
+
+_warned_env_vars: set[str] = set()
+
+
+def unknown_env_vars(env: Mapping[str, str]) -> list[str]:
+    """The ``KVSTRATA_*`` variables in ``env`` that kvstrata does not read (a misspelling,
+    of a tier size, say, would otherwise be ignored without a word)."""
+    return sorted(var for var in env
+                  if var.startswith("KVSTRATA_") and var not in _ENV_SCALARS
+                  and var not in OTHER_ENV_VARS and not _ENV_TIER_SIZE.match(var))
+
+
+def _warn_unknown_env_vars(env: Mapping[str, str]) -> None:
+    """Log each unknown ``KVSTRATA_*`` variable once per process."""
+    for var in unknown_env_vars(env):
+        if var not in _warned_env_vars:
+            _warned_env_vars.add(var)
+            log.warning("unknown kvstrata environment variable %s is ignored "
+                        "(docs/configuration.md lists them)", var)
+
 
 def _from_env(env: Mapping[str, str], problems: list[str]) -> tuple[dict[str, Any], dict[str, dict]]:
     scalars: dict[str, Any] = {}
@@ -634,6 +670,7 @@ def load_config(
             problems.append(f"config file {path} is not valid TOML: {exc}")
         except RecursionError:
             problems.append(f"config file {path} nests too deeply")
+    _warn_unknown_env_vars(env)
     env_scalars, env_tiers = _from_env(env, problems)
     kwargs.update(env_scalars)
     env_tiers = {t: raw for t, raw in env_tiers.items() if t not in fixed}
