@@ -106,3 +106,27 @@ def test_a_connection_still_in_use_is_not_closed():
             assert channel._sock is first              # one connection all along
         finally:
             channel.close()
+
+
+def test_an_idle_connection_that_holds_something_is_kept_until_it_holds_nothing():
+    """A reader holding a lease sits idle while it reads the blocks over NIXL: closing its
+    connection then would release the lease under it (a lease granted for 300 s went after
+    the 120 s idle timeout, and the exporter reused the slots the reader was reading)."""
+    holding: set[int] = set()
+    with serving(idle_timeout=0.3, holds=lambda peer: peer.ident in holding) as server:
+        def connect():
+            sock = socket.create_connection(parse_control(server.address), timeout=5)
+            sock.sendall(FRAME.pack(len(msgpack.packb({"id": 1}))) + msgpack.packb({"id": 1}))
+            sock.recv(1 << 16)                        # answered: it reached the handler
+            return sock
+        keeper, other = connect(), connect()
+        try:
+            holding.add(max(p.ident for p in server._peers.values() if p.sock is not None
+                            and p.sock.getpeername() == keeper.getsockname()))
+            assert _closed_by_server(other, within=3)
+            assert not _closed_by_server(keeper, within=1.0)   # idle 1 s, still open
+            holding.clear()
+            assert _closed_by_server(keeper, within=3)
+        finally:
+            keeper.close()
+            other.close()

@@ -79,7 +79,8 @@ class PeerId(NamedTuple):
 IDLE_TIMEOUT = 120.0
 """Seconds a connection may sit with nothing to send or receive before the server closes it
 (a reader's channel reconnects on its next call), so idle connections cannot hold every
-slot for ever."""
+slot for ever. A connection holding a lease is kept while it does (its reader may be reading
+the blocks); the lease's own deadline, at most 300 s, bounds that."""
 REQUEST_TIMEOUT = 30.0
 """Seconds a request may take to arrive whole from its first byte, however its bytes
 trickle in; a slower one drops its connection."""
@@ -173,7 +174,8 @@ class _Peer:
 class ControlServer:
     """Serve ``handler(request bytes, PeerId) -> reply bytes`` on ``host:port`` (0: any free
     port) from a thread named ``name``, calling ``on_tick()`` at least every ``tick`` seconds
-    and ``on_close(PeerId)`` when a connection that reached the handler closes. Requests
+    and ``on_close(PeerId)`` when a connection that reached the handler closes; a
+    connection for which ``holds(PeerId)`` is true is not closed for being idle. Requests
     longer than ``max_request`` bytes drop their connection. With ``secret``, only
     connections that proved they hold it reach the handler (:mod:`.auth`). The port is bound
     (:attr:`address` known) when this returns; serving begins with :meth:`start`."""
@@ -183,7 +185,8 @@ class ControlServer:
                  idle_timeout: float = IDLE_TIMEOUT,
                  request_timeout: float = REQUEST_TIMEOUT,
                  secret: bytes | None = None,
-                 on_close: Callable[[PeerId], None] | None = None) -> None:
+                 on_close: Callable[[PeerId], None] | None = None,
+                 holds: Callable[[PeerId], bool] | None = None) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -203,6 +206,7 @@ class ControlServer:
         self._peers: dict[int, _Peer] = {}
         self._secret = secret
         self._on_close = on_close
+        self._holds = holds
         self._idents = itertools.count(1)
         self._stop = threading.Event()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -257,14 +261,25 @@ class ControlServer:
     def _drop_late(self) -> None:
         """Close the connections that moved no byte for the idle timeout (idle, or a reader
         not reading its reply) and those whose request has not arrived whole within the
-        request timeout."""
+        request timeout. An idle connection that ``holds`` something is kept: closing it
+        would end what its reader counts on (a lease, while the reader reads the blocks)."""
         now = time.monotonic()
         for peer in list(self._peers.values()):
-            if now - peer.active_at > self._idle_timeout or (
+            if (now - peer.active_at > self._idle_timeout and not self._held(peer)) or (
                     peer.inbox and now - peer.request_at > self._request_timeout) or (
                     self._secret is not None and not peer.authenticated
                     and now - peer.connected_at > AUTH_TIMEOUT):
                 self._drop(peer)
+
+    def _held(self, peer: _Peer) -> bool:
+        """Whether an authenticated connection holds something its handler gave it."""
+        if self._holds is None or (self._secret is not None and not peer.authenticated):
+            return False
+        try:
+            return bool(self._holds(PeerId(peer.ident, peer.host)))
+        except Exception:
+            log.exception("kvstrata: control server holds() failed")
+            return False
 
     def _release(self) -> None:
         for peer in list(self._peers.values()):

@@ -86,7 +86,8 @@ class BlockExporter:
                                          on_tick=self.leases.expire,
                                          name=f"kvstrata-export-{name}", secret=secret,
                                          on_close=lambda peer: self.leases.release_owner(
-                                             peer.ident))
+                                             peer.ident),
+                                         holds=lambda peer: self.leases.holds(peer.ident))
             self.control = self._server.address
             self.blockset = BlockSet(name, tier, SharedLayout(layout, tuple(regions)),
                                      self._agent.metadata(), self.control, fingerprint)

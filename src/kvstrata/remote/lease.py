@@ -122,6 +122,11 @@ class LeaseTable:
         self._unpin(entry[1])
         return True
 
+    def holds(self, owner: Any) -> bool:
+        """Whether ``owner`` holds a lease (expired ones go at the next :meth:`expire`)."""
+        with self._lock:
+            return any(entry[2] == owner for entry in self._leases.values())
+
     def release_owner(self, owner: Any) -> int:
         """Unpin every lease ``owner`` holds (it went away); returns how many."""
         with self._lock:
