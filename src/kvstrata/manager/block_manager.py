@@ -167,16 +167,20 @@ class KvBlockManager:
                 except OSError as exc:
                     raise ManagerConfigError(
                         f"cannot serve metrics on 127.0.0.1:{metrics_port}: {exc}") from exc
+            options = StorageOptions(
+                kv_caches=kv_caches, kv_layout=kv_layout, g1_layout=g1_layout,
+                device=device, verify_host_reads=verify_host_reads,
+                max_host_bytes=max_host_bytes, o_direct=o_direct, file_ops=file_ops,
+                durable_disk=durable_disk, object_store=object_store, secret=secret,
+                rank=rank, world_size=world_size)
             try:
-                self._storages = build_storages(config, StorageOptions(
-                    kv_caches=kv_caches, kv_layout=kv_layout, g1_layout=g1_layout,
-                    device=device, verify_host_reads=verify_host_reads,
-                    max_host_bytes=max_host_bytes, o_direct=o_direct, file_ops=file_ops,
-                    durable_disk=durable_disk, object_store=object_store, secret=secret,
-                    rank=rank, world_size=world_size))
+                self._storages = build_storages(config, options)
             except TierSetupError as exc:
                 raise ManagerConfigError(str(exc)) from exc
             self.config = self._storages.config
+            self.fingerprint = options.compatibility(self.config).fingerprint
+            """What this manager's blocks were computed for (model, geometry, rank:
+            :mod:`kvstrata.compat`); its exports carry it and its importer requires it."""
             self.planner = Planner(self.config, listeners=[self.metrics], release=self.release,
                                    costs=CostModel(cost_priors()),
                                    engine_owns_top=self.engine_owns_g1)
@@ -548,10 +552,12 @@ class KvBlockManager:
                           internal=True).result()
 
     def export(self, tier: str | None = None, *, name: str | None = None, host: str = "127.0.0.1",
-               port: int = 0, fingerprint: str = "") -> "BlockExporter":
+               port: int = 0, fingerprint: str | None = None) -> "BlockExporter":
         """Export ``tier`` (host memory) to other processes over NIXL: a
         :class:`~kvstrata.remote.BlockExporter` whose leases pin blocks in this manager's
-        pool (on the owner thread) until released or expired. Close it before the manager."""
+        pool (on the owner thread) until released or expired. Its block set carries
+        ``fingerprint`` (default :attr:`fingerprint`), which an importer must match. Close
+        it before the manager."""
         from ..remote.exporter import BlockExporter
 
         self._check_open("export")
@@ -579,12 +585,15 @@ class KvBlockManager:
             self._call(run, internal=True).result()
 
         return BlockExporter(name or f"kvstrata-{tier.lower()}-{id(self):x}", tier, storage,
-                             pin, unpin, fingerprint=fingerprint, host=host, port=port)
+                             pin, unpin, host=host, port=port,
+                             fingerprint=self.fingerprint if fingerprint is None else fingerprint)
 
     def importer(self, tier: str | None = None, *, fingerprint: str | None = None) -> "BlockSetImporter":
         """This manager's reader of other workers' exported memory, into ``tier`` (host
         memory): connect it to an exporter and hand the peer to :meth:`fetch_remote`. One per
-        tier, closed with the manager."""
+        tier, closed with the manager. It connects only to exporters whose block set
+        carries ``fingerprint`` (default :attr:`fingerprint`: blocks computed for the same
+        model, geometry and rank; another model's KV passes every checksum)."""
         from ..remote.importer import BlockSetImporter
 
         self._check_open("importer")
@@ -593,7 +602,8 @@ class KvBlockManager:
             storage = self.storage(tier)
             if tier not in self.pools or not hasattr(storage, "seal"):
                 raise InvalidBlockError(f"tier {tier!r} is not a host-memory tier kvstrata owns")
-            self._importers[tier] = BlockSetImporter(storage, fingerprint=fingerprint)
+            self._importers[tier] = BlockSetImporter(
+                storage, fingerprint=self.fingerprint if fingerprint is None else fingerprint)
         return self._importers[tier]
 
     def fetch_remote(self, peer: "RemotePeer", records: Sequence[BlockRecord],
@@ -627,10 +637,17 @@ class KvBlockManager:
                 return 0
             lease = peer.lease([r.sequence_hash for r in wanted], ttl)
             try:
-                count = len(lease.blocks)
-                if not count:
+                if not lease.blocks:
                     return 0
-                slots = self._call(lambda: pool.allocate(count), internal=True).result()
+
+                def take_slots():
+                    # the quota first: taking slots evicts idle blocks of any tenant
+                    fits = self.planner.room_for(tier, wanted[:len(lease.blocks)], tenant)
+                    return pool.allocate(fits) if fits else None
+                slots = self._call(take_slots, internal=True).result()
+                if slots is None:
+                    return 0
+                count = len(slots)
                 try:
                     peer.read(lease, slots.block_ids)
                 except BaseException:

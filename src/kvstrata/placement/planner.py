@@ -322,6 +322,18 @@ class Planner:
                                  "below the top tier")
         return self._offload.register_and_offer(owner, blocks, priority, tenant)
 
+    def room_for(self, tier: str, records: Sequence[BlockRecord], tenant: str) -> int:
+        """How many of ``records`` (a prefix new to ``tier``) ``tenant``'s quota of ``tier``
+        has room for now, after evicting the tenant's own idle blocks (none of these or their
+        parents); all of them without quotas. Ask before taking slots for blocks filled from
+        outside (:meth:`register_fetched`): taking slots evicts any tenant's blocks."""
+        s = self._state
+        tier = self._tier(tier)
+        if s.tenants is None:
+            return len(records)
+        protect = {r.sequence_hash for r in records} | {r.parent_hash for r in records}
+        return s.tenants.room(s.pools[tier], _tenant(tenant), len(records), protect)
+
     def prepare_offload(self, tier: str, records: Sequence[BlockRecord],
                         engine_block_ids: Sequence[int] | None = None,
                         tenant: str | None = None) -> None:
