@@ -188,22 +188,55 @@ def _wait(predicate, timeout: float = 3.0) -> bool:
 
 
 def test_connections_in_the_handshake_are_few_and_small(exporter):
-    """A peer without the secret cannot hold the slots of those that have it, nor make the
-    exporter hold a request's worth of bytes per connection."""
+    """A peer without the secret cannot make the exporter hold a request's worth of bytes
+    per connection, nor hold the handshake slots of those that have the secret: one more
+    connection from a network at its limit closes that network's oldest."""
     ex, _ = exporter
     address = parse_control(ex.control)
     waiting = [socket.create_connection(address, timeout=3)
                for _ in range(control.MAX_UNAUTHENTICATED_PER_HOST)]
     try:
-        assert_refused_at_once(address)
-        with connect(address, timeout=3, source="127.0.0.8"):   # other hosts still served
-            pass
+        with socket.create_connection(address, timeout=3) as newest:
+            assert waiting[0].recv(1) == b""                     # the oldest made room
+            newest.settimeout(0.3)
+            with pytest.raises(socket.timeout):                  # the newest still waits
+                newest.recv(1)
     finally:
         for sock in waiting:
             sock.close()
     with socket.create_connection(address, timeout=3) as big:
         big.sendall(struct.pack("<I", control.MAX_HANDSHAKE_BYTES + 1) + b"\x80")
         assert big.recv(1) == b""                                # dropped, nothing buffered
+
+
+def test_silent_connections_from_many_addresses_do_not_lock_readers_out(exporter):
+    """A peer without the secret held every handshake slot from 8 loopback addresses and
+    refilled them as they timed out: a reader holding the secret was refused at once."""
+    ex, _ = exporter
+    address = parse_control(ex.control)
+    silent = [socket.create_connection(address, timeout=3, source_address=(f"127.0.1.{i}", 0))
+              for i in range(1, 9) for _ in range(control.MAX_UNAUTHENTICATED_PER_HOST)]
+    try:
+        for _ in range(3):
+            silent.append(socket.create_connection(address, timeout=3))  # refills as it goes
+            channel = ControlChannel(ex.control, 5.0)
+            try:
+                assert channel.call({"op": "has", "hashes": hashes(1)}) == {"held": 1, "id": 1}
+            finally:
+                channel.close()
+    finally:
+        for sock in silent:
+            sock.close()
+
+
+@pytest.mark.parametrize("host, network", [
+    ("127.0.0.1", "loopback"), ("127.0.5.9", "loopback"), ("::1", "loopback"),
+    ("::ffff:127.0.0.2", "loopback"), ("10.1.2.3", "10.1.2.0/24"),
+    ("::ffff:10.1.2.3", "10.1.2.0/24"), ("2001:db8:1:2:3::4", "2001:db8:1:2::/64"),
+    ("not-an-address", "not-an-address"),
+])
+def test_handshake_limits_count_networks_not_addresses(host, network):
+    assert control.network_of(host) == network
 
 
 def assert_refused_at_once(address) -> None:

@@ -47,6 +47,27 @@ def test_lease_table_grants_prefixes_caps_ttl_expires_and_closes():
     assert len(table) == 0 and pins.unpinned[-1] == [1, 2] and again.lease_id != long.lease_id
 
 
+def test_leases_pin_at_most_their_shares_and_a_slot_pinned_twice_counts_once():
+    """One reader pinned the whole exported tier for as long as it renewed its lease: its
+    owner could store nothing new. A lease past a cap is cut to the prefix that fits."""
+    pins = Pins()                                        # hashes 1..8 at slots 10..17
+    table = LeaseTable(pins.pin, pins.unpin, max_blocks_per_owner=4, max_blocks=6)
+    first = table.grant([1, 2, 3, 4, 5, 6], ttl=5, owner="c1", group="host-a")
+    assert [b[0] for b in first.blocks] == [1, 2, 3, 4]             # the host's share
+    again = table.grant([1, 2], ttl=5, owner="c2", group="host-b")   # same slots: no room used
+    other = table.grant([5, 6, 7, 8], ttl=5, owner="c3", group="host-b")
+    assert [b[0] for b in again.blocks] == [1, 2] and [b[0] for b in other.blocks] == [5, 6]
+    with pytest.raises(LeaseError, match="no block may be pinned"):  # 6 slots in all
+        table.grant([7], ttl=5, owner="c3", group="host-b")
+    assert table.release(first.lease_id, "c1")          # 1, 2 still c2's: 4 slots pinned
+    assert [b[0] for b in table.grant([3, 4, 7], ttl=5, owner="c4", group="host-c").blocks] \
+        == [3, 4]
+    table.release_owner("c2")
+    table.release_owner("c3")
+    table.release_owner("c4")
+    assert not table._pinned and not table._pinned_by_group
+
+
 from .handshake import connect  # noqa: E402
 
 needs_nixl = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed")

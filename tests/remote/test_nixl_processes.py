@@ -183,7 +183,7 @@ def test_an_exporter_killed_mid_read_never_hands_over_wrong_bytes():
     verified. Repeated to land the kill inside the read at least sometimes."""
     outcomes = []
     for attempt in range(3):
-        ex = start_exporter(chains=1, chain_blocks=48, g2_blocks=64,
+        ex = start_exporter(chains=1, chain_blocks=48, g2_blocks=96,
                             geometry=dict(layers=8, kv_heads=4, head_dim=128))
         local = HostStorage(LayoutConfig(num_blocks=64, num_layers=8, outer_dim=2,
                                          page_size=16, inner_dim=512, dtype="bfloat16",

@@ -65,10 +65,29 @@ AUTH_TIMEOUT = 10.0
 """Seconds a connection has to prove it holds the shared secret, when there is one."""
 MAX_UNAUTHENTICATED = 32
 MAX_UNAUTHENTICATED_PER_HOST = 4
-"""Connections still in the handshake, in all and from one address: a peer without the
-secret cannot hold the slots of those that have it."""
+"""Connections still in the handshake, in all and from one network (:func:`network_of`).
+One more from a network at its limit closes that network's oldest; one more when all are
+taken closes the oldest of the network holding the most. A peer without the secret cannot
+hold the slots of those that have it: it can only keep replacing its own, and a reader's
+channel tries its handshake again until its deadline."""
 MAX_HANDSHAKE_BYTES = 256
 """Largest frame of the handshake, either way (a hello is about 60 bytes)."""
+
+
+def network_of(host: str) -> str:
+    """The network a remote address counts against for connections still in the
+    handshake: its IPv4 /24 or IPv6 /64, every loopback address as one (one machine), so
+    that many addresses of one network are not many peers."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    if address.is_loopback:
+        return "loopback"
+    prefix = 24 if address.version == 4 else 64
+    return str(ipaddress.ip_network(f"{address}/{prefix}", strict=False))
 
 
 class PeerId(NamedTuple):
@@ -309,16 +328,32 @@ class ControlServer:
             sock.close()
             return
         if self._secret is not None:
-            waiting = [p for p in self._peers.values() if not p.authenticated]
-            if len(waiting) >= MAX_UNAUTHENTICATED or sum(
-                    p.host == host for p in waiting) >= MAX_UNAUTHENTICATED_PER_HOST:
-                sock.close()
-                return
+            self._make_room_to_authenticate(network_of(host))
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         peer = _Peer(sock, next(self._idents), host)
         self._peers[sock.fileno()] = peer
         self._selector.register(sock, selectors.EVENT_READ, peer)
+
+    def _make_room_to_authenticate(self, network: str) -> None:
+        """Close a connection still in the handshake if one more from ``network`` would
+        pass a limit: ``network``'s oldest if it is at its own, else the oldest of the
+        network holding the most when all slots are taken. (Refusing the newcomer instead
+        let a peer without the secret hold every slot by refilling them.)"""
+        by_network: dict[str, list[_Peer]] = {}
+        waiting = 0
+        for peer in self._peers.values():
+            if not peer.authenticated:
+                by_network.setdefault(network_of(peer.host), []).append(peer)
+                waiting += 1
+        mine = by_network.get(network, [])
+        if len(mine) >= MAX_UNAUTHENTICATED_PER_HOST:
+            victims = mine
+        elif waiting >= MAX_UNAUTHENTICATED:
+            victims = max(by_network.values(), key=len)
+        else:
+            return
+        self._drop(min(victims, key=lambda p: p.connected_at))
 
     def _service(self, peer: _Peer, mask: int) -> None:
         if mask & selectors.EVENT_WRITE and not self._flush(peer):
@@ -428,9 +463,20 @@ class _Closed(Exception):
     """The server closed the connection before a frame's first byte."""
 
 
+class _HandshakeCut(LeaseError):
+    """The server closed the connection in the handshake before it could have found this
+    channel's proof wrong (at its limit of connections in the handshake): worth another
+    try."""
+
+
 class _StaleConnection(Exception):
     """A connection kept from an earlier call was closed by the server before the request
     was answered (it closes idle connections): the request may be sent again."""
+
+
+HANDSHAKE_RETRY = 0.01
+"""Seconds a channel waits before its first new try of a handshake the server cut (at its
+limit of connections in the handshake), doubling to 0.2 s, until the call's deadline."""
 
 
 class ControlChannel:
@@ -523,13 +569,21 @@ class ControlChannel:
             self._close()
 
     def _connected(self, deadline: float) -> socket.socket:
-        if self._sock is None:
+        pause = HANDSHAKE_RETRY
+        while self._sock is None:
             sock = socket.create_connection(self._address,
                                             timeout=max(1e-3, deadline - time.monotonic()))
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 if self._secret is not None:
                     self._handshake(sock, deadline)
+            except _HandshakeCut:
+                sock.close()
+                if time.monotonic() + pause >= deadline:
+                    raise
+                time.sleep(pause)
+                pause = min(2 * pause, 0.2)
+                continue
             except BaseException:
                 sock.close()
                 raise
@@ -539,15 +593,23 @@ class ControlChannel:
     def _handshake(self, sock: socket.socket, deadline: float) -> None:
         """Prove this channel holds the secret, and check the exporter does (:mod:`.auth`)."""
         ours = new_nonce()
-        reply = self._roundtrip(sock, {"op": "hello", "nonce": ours}, deadline)
+        try:
+            reply = self._roundtrip(sock, {"op": "hello", "nonce": ours}, deadline)
+        except (ConnectionResetError, BrokenPipeError):
+            raise _HandshakeCut(f"{self.control} closed the connection during the "
+                                f"handshake") from None
         theirs = reply.get("nonce")
         if not isinstance(theirs, bytes) or not proofs_match(
                 server_proof(self._secret, ours, theirs), reply.get("proof")):
             raise LeaseError(f"{self.control} did not prove it holds the sharing secret "
                              f"(another secret, or not a kvstrata exporter that has one)")
-        reply = self._roundtrip(sock, {"op": "auth",
-                                       "proof": client_proof(self._secret, ours, theirs)},
-                                deadline)
+        try:     # the exporter proved the same secret: a cut here is not our proof's fault
+            reply = self._roundtrip(sock, {"op": "auth",
+                                           "proof": client_proof(self._secret, ours, theirs)},
+                                    deadline)
+        except (ConnectionResetError, BrokenPipeError, _HandshakeCut):
+            raise _HandshakeCut(f"{self.control} closed the connection during the "
+                                f"handshake") from None
         if reply.get("ok") is not True:
             raise LeaseError(f"{self.control} refused this channel's proof of the secret")
 
@@ -557,8 +619,8 @@ class ControlChannel:
         try:
             header = self._exactly(sock, FRAME.size, deadline, first=True)
         except _Closed:
-            raise LeaseError(f"{self.control} closed the connection during the handshake "
-                             f"(another secret, or its connection limit reached)") from None
+            raise _HandshakeCut(f"{self.control} closed the connection during the handshake "
+                                f"(its limit of connections in the handshake)") from None
         (length,) = FRAME.unpack(header)
         if length > MAX_HANDSHAKE_BYTES:          # nothing proved yet: nothing big parsed
             raise LeaseError(f"{self.control} sent a handshake frame of {length} bytes")

@@ -51,6 +51,11 @@ MAX_REQUEST_BYTES = 1 << 20
 """Largest control request read; a bigger one drops its connection unanswered."""
 MAX_LEASE_BLOCKS = 65536
 """Most blocks one lease may ask for."""
+PINNED_SHARE = 0.75
+PINNED_SHARE_PER_HOST = 0.5
+"""Shares of the exported tier's blocks that leases may pin, all readers together and one
+reader's host: a quarter stays free to evict, so the tier's owner can always store new
+blocks, and one host leaves room for the others. A lease asking more is cut short."""
 
 
 class BlockExporter:
@@ -72,7 +77,11 @@ class BlockExporter:
                              f"user's named by ${SECRET_FILE_ENV}): nothing is served to a "
                              f"peer that cannot prove it holds it")
         self.name, self.tier = name, tier
-        self.leases = LeaseTable(pin, unpin, max_leases=max_leases)
+        capacity = storage.layout.config.num_blocks
+        self.leases = LeaseTable(
+            pin, unpin, max_leases=max_leases,
+            max_blocks_per_owner=max(1, int(capacity * PINNED_SHARE_PER_HOST)),
+            max_blocks=max(1, int(capacity * PINNED_SHARE)))
         layout, regions = storage.layout, storage.descriptors()
         self._agent = NixlAgent(name)
         self._closed = False

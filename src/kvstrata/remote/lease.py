@@ -14,8 +14,11 @@ random (63 bits, not a count another reader could guess), only its owner release
 anyone else it does not exist), and an owner's leases go when it does
 (:meth:`LeaseTable.release_owner`: the connection closed). Caps count per *group* of owners
 (the exporter passes the remote host): one host holds at most ``max_per_owner`` leases and
-``max_blocks_per_owner`` pinned blocks, however many connections it opens, so one reader
-cannot take the table from the others or pin the whole tier.
+``max_blocks_per_owner`` pinned blocks, however many connections it opens, and all leases
+together pin at most ``max_blocks`` (the exporter passes shares of its tier), so one reader
+cannot take the table from the others, and readers cannot pin the whole tier (its owner
+could then store nothing new). A lease that would pass a block cap is cut to the prefix
+that fits.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import secrets
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -53,14 +57,19 @@ class LeaseTable:
     def __init__(self, pin: Callable[[Sequence[int]], tuple[list[tuple[int, int, int]], Any]],
                  unpin: Callable[[Any], None], max_leases: int = 1024,
                  clock: Callable[[], float] = time.monotonic, *, max_per_owner: int = 64,
-                 max_blocks_per_owner: int = 1 << 18) -> None:
+                 max_blocks_per_owner: int = 1 << 18, max_blocks: int = 1 << 20) -> None:
         self._pin, self._unpin = pin, unpin
         self._max = max_leases
         self._max_per_owner, self._max_blocks_per_owner = max_per_owner, max_blocks_per_owner
+        self._max_blocks = max_blocks
         self._clock = clock
         self._lock = threading.Lock()
         self._leases: dict[int, tuple[Lease, Any, Any, Any]] = {}
         """lease id -> (lease, pin token, owner, the owner's group)."""
+        self._pinned: Counter[int] = Counter()
+        self._pinned_by_group: dict[Any, Counter[int]] = {}
+        """Slots pinned (a slot pinned by two leases once) and the leases pinning each, in
+        all and per group."""
         self.expired = 0
         """Leases that reached their deadline unreleased."""
 
@@ -71,15 +80,15 @@ class LeaseTable:
               group: Any = None) -> Lease | None:
         """Pin the longest held prefix of ``hashes`` for ``ttl`` seconds (at most
         :data:`MAX_TTL`) for ``owner`` (of ``group``); None when not even its first block is
-        held. Expires overdue leases first; :class:`LeaseError` when ``max_leases`` are
-        outstanding, or the group's ``max_per_owner`` leases or ``max_blocks_per_owner``
-        blocks."""
+        held, at most as many blocks as the caps leave room for. Expires overdue leases
+        first; :class:`LeaseError` when ``max_leases`` are outstanding, the group holds
+        ``max_per_owner`` leases, or a block cap leaves no room."""
         if not ttl > 0:
             raise LeaseError(f"a lease lasts > 0 seconds, got {ttl!r}")
         self.expire()
         with self._lock:
-            self._check_room(group, len(hashes))
-        blocks, token = self._pin(list(hashes))
+            room = self._room(group)
+        blocks, token = self._pin(list(hashes[:room]))
         if not blocks:
             if token is not None:
                 self._unpin(token)
@@ -91,18 +100,26 @@ class LeaseTable:
                 lease_id = secrets.randbits(63) or 1
             lease = Lease(lease_id, tuple(blocks), ttl, self._clock() + ttl)
             self._leases[lease_id] = (lease, token, owner, group)
+            slots = [row[1] for row in lease.blocks]
+            self._pinned.update(slots)
+            self._pinned_by_group.setdefault(group, Counter()).update(slots)
         return lease
 
-    def _check_room(self, group: Any, wanted: int) -> None:
+    def _room(self, group: Any) -> int:
+        """How many blocks one more lease of ``group`` may pin (> 0), or LeaseError."""
         if len(self._leases) >= self._max:
             raise LeaseError(f"{self._max} leases outstanding; release some first")
         mine = [lease for lease, _, _, g in self._leases.values() if g == group]
         if len(mine) >= self._max_per_owner:
             raise LeaseError(f"this reader's host holds {len(mine)} leases, the most one "
                              f"may; release some first")
-        if sum(len(lease.blocks) for lease in mine) + wanted > self._max_blocks_per_owner:
-            raise LeaseError(f"this reader would pin more than {self._max_blocks_per_owner} "
-                             f"blocks; release some first")
+        room = min(self._max_blocks_per_owner - len(self._pinned_by_group.get(group, ())),
+                   self._max_blocks - len(self._pinned))
+        if room <= 0:
+            raise LeaseError("no block may be pinned now (this reader's host, or all "
+                             "readers together, pin as many as the exporter lets them); "
+                             "release some first")
+        return room
 
     def held(self, hashes: Sequence[int]) -> int:
         """How long a prefix of ``hashes`` is held now (pinned and unpinned at once)."""
@@ -118,7 +135,7 @@ class LeaseTable:
             entry = self._leases.get(lease_id)
             if entry is None or entry[2] != owner:
                 return False
-            del self._leases[lease_id]
+            self._pop([lease_id])
         self._unpin(entry[1])
         return True
 
@@ -130,8 +147,7 @@ class LeaseTable:
     def release_owner(self, owner: Any) -> int:
         """Unpin every lease ``owner`` holds (it went away); returns how many."""
         with self._lock:
-            gone = [k for k, entry in self._leases.items() if entry[2] == owner]
-            entries = [self._leases.pop(k) for k in gone]
+            entries = self._pop([k for k, entry in self._leases.items() if entry[2] == owner])
         for entry in entries:
             self._unpin(entry[1])
         return len(entries)
@@ -140,8 +156,8 @@ class LeaseTable:
         """Unpin every lease past its deadline; returns how many."""
         now = self._clock()
         with self._lock:
-            overdue = [k for k, entry in self._leases.items() if entry[0].deadline <= now]
-            entries = [self._leases.pop(k) for k in overdue]
+            entries = self._pop([k for k, entry in self._leases.items()
+                                 if entry[0].deadline <= now])
         for entry in entries:
             self._unpin(entry[1])
         self.expired += len(entries)
@@ -150,6 +166,23 @@ class LeaseTable:
     def close(self) -> None:
         """Unpin everything (the exporter is going away)."""
         with self._lock:
-            entries, self._leases = list(self._leases.values()), {}
+            entries = self._pop(list(self._leases))
         for entry in entries:
             self._unpin(entry[1])
+
+    def _pop(self, lease_ids: list[int]) -> list[tuple[Lease, Any, Any, Any]]:
+        """Forget these leases and what they pin (under the lock); their entries."""
+        entries = [self._leases.pop(k) for k in lease_ids]
+        for lease, _, _, group in entries:
+            slots = [row[1] for row in lease.blocks]
+            self._pinned.subtract(slots)
+            mine = self._pinned_by_group[group]
+            mine.subtract(slots)
+            for slot in slots:
+                if self._pinned[slot] <= 0:
+                    del self._pinned[slot]
+                if mine[slot] <= 0:
+                    del mine[slot]
+            if not mine:
+                del self._pinned_by_group[group]
+        return entries
