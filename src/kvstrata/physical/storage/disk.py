@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import queue
 import secrets
@@ -70,11 +71,13 @@ from ...protocol.layout_codec import StorageDescriptor
 from .base import BlockStore, StorageStatus
 from .disk_follow import FollowedJournal
 from .disk_home import DiskTierHome, check_fingerprint, home_name, private_file
-from .disk_index import DiskIndex, LiveEntries
+from .disk_index import DiskIndex, JournalWriteError, LiveEntries
 from .fileio import FileOps
 from ..tags import NO_SEAL, SEAL_BYTES, BlockCipher, BlockTagger
 
 __all__ = ["DiskStorage", "Durability", "DIRECT_ALIGNMENT", "slab_stride"]
+
+log = logging.getLogger(__name__)
 
 DIRECT_ALIGNMENT = 4096
 _IOV_MAX = 1024
@@ -200,6 +203,8 @@ class DiskStorage(BlockStore):
         except BaseException:
             with contextlib.suppress(OSError):     # the first error is the one to tell
                 self._ops.close(self._fd)
+            if self.index is not None:
+                self.index.close()
             if self._journal is not None:
                 self._journal.close()
             if durable is None and followed is None:
@@ -286,7 +291,11 @@ class DiskStorage(BlockStore):
             # Encryption turned on: blocks kept in clear are not served (their slots are
             # overwritten as the tier refills; remove the directory to erase them now).
             clear = live.slots[~live.seals.any(axis=1)]
-            index.free(clear.tolist())
+            try:
+                index.free(clear.tolist())
+            except JournalWriteError as exc:
+                raise StorageConfigError(f"cannot write the disk tier index {index.path}: "
+                                         f"{exc.strerror or exc}") from exc
             self.notes.append(f"dropped {len(clear)} blocks kept in clear (encrypt_at_rest "
                               f"is on)")
             live = index.live()
@@ -387,7 +396,10 @@ class DiskStorage(BlockStore):
 
         A durable storage journals the written blocks in its index after their bytes landed
         when ``parent_hashes`` and ``local_hashes`` give their identity (without it they are
-        served until the process ends, but not recovered)."""
+        served until the process ends, but not recovered). A block whose journal record
+        could not be written (a full disk) fails too, :class:`DiskFullError` for a full
+        one, and is not served; a slot the journal could not release keeps its block and
+        is not written."""
         if self.followed:
             raise StorageConfigError(f"{self.path} is followed read-only: another process "
                                      f"writes it")
@@ -395,8 +407,13 @@ class DiskStorage(BlockStore):
         if checksums is not None and len(checksums) != len(block_ids):
             raise ValueError(f"{len(checksums)} checksums for {len(block_ids)} blocks")
         self.checksums.invalidate(block_ids)
+        failures: list[BlockFailure] = []
+        failed: set[int] = set()
         if self.index is not None:
-            self.index.free(block_ids)            # before their bytes change
+            try:
+                self.index.free(block_ids)            # before their bytes change
+            except JournalWriteError as exc:      # those slots keep their blocks: not written
+                _fail_unjournaled(exc, "releasing the slot", block_ids, failures, failed)
         block_bytes = self.config.block_bytes
         known = [None] * len(block_ids) if checksums is None else list(checksums)
         # Blocks without a known checksum are hashed and, with a tagger, every block is
@@ -418,11 +435,11 @@ class DiskStorage(BlockStore):
             for p, seal in zip(run, sealed):
                 seals[p] = seal
 
-        failures: list[BlockFailure] = []
-        failed: set[int] = set()
+        todo = [p for p in range(len(block_ids)) if p not in failed] if failed \
+            else range(len(block_ids))
         try:
-            for run in self._runs(block_ids):
-                for positions, exc in self._isolating(run, write):
+            for run in self._runs([block_ids[p] for p in todo]):
+                for positions, exc in self._isolating([todo[i] for i in run], write):
                     failures.extend(BlockFailure(p, block_ids[p], _failure_kind(exc),
                                                  f"write failed: {exc}") for p in positions)
                     failed.update(positions)
@@ -433,11 +450,20 @@ class DiskStorage(BlockStore):
         if job is not None:
             known, tagging = job
         sums: list[int | None] = known
-        good = range(len(block_ids))
-        if failed:
-            for p in failed:
-                sums[p] = None
-            good = [p for p in range(len(block_ids)) if p not in failed]
+        good = [p for p in range(len(block_ids)) if p not in failed] if failed \
+            else range(len(block_ids))
+        if self.index is not None and local_hashes is not None and parent_hashes is not None:
+            try:
+                self.index.put([block_ids[p] for p in good], [sequence_hashes[p] for p in good],
+                               [parent_hashes[p] for p in good], [local_hashes[p] for p in good],
+                               [sums[p] for p in good], data_fd=self._fd,
+                               tags=None if tagging is None else [tagging[p] for p in good],
+                               seals=[seals[p] for p in good])
+            except JournalWriteError as exc:      # not recorded: not served either
+                _fail_unjournaled(exc, "recording the block", block_ids, failures, failed)
+                good = [p for p in good if p not in failed]
+        for p in failed:
+            sums[p] = None
         if tagging is not None:       # before the checksums make the slots readable
             self._tags[[block_ids[p] for p in good]] = [tagging[p] for p in good]
             self._seals[[block_ids[p] for p in good]] = np.frombuffer(
@@ -447,22 +473,23 @@ class DiskStorage(BlockStore):
                                        [sequence_hashes[p] for p in good])
         else:
             self.checksums.record_many(block_ids, sums, sequence_hashes)
-        if self.index is not None and local_hashes is not None and parent_hashes is not None:
-            self.index.put([block_ids[p] for p in good], [sequence_hashes[p] for p in good],
-                           [parent_hashes[p] for p in good], [local_hashes[p] for p in good],
-                           [sums[p] for p in good], data_fd=self._fd,
-                           tags=None if tagging is None else [tagging[p] for p in good],
-                           seals=[seals[p] for p in good])
         raise_for_failures(f"write to {self.path.name}", failures, len(block_ids), sums)
         return sums  # type: ignore[return-value]
 
     def forget(self, block_ids: Sequence[int]) -> None:
         """Slots ``block_ids`` no longer hold their blocks, for good: a durable slab journals
         it, so a restart does not recover them (an invalidation, as opposed to an eviction,
-        whose bytes stay valid until the slot is written again)."""
+        whose bytes stay valid until the slot is written again). Where the journal cannot
+        be written (a full disk), a slot stays in it, with its block, until it is written
+        again: a restart before that recovers the block."""
         self.checksums.invalidate(block_ids)
         if self.index is not None:
-            self.index.free(block_ids)
+            try:
+                self.index.free(block_ids)
+            except JournalWriteError as exc:
+                log.warning("kvstrata: %d blocks dropped from %s stay in its journal until "
+                            "their slots are written again (%s)", len(exc.unrecorded),
+                            self.path, exc)
 
     def read_blocks(self, block_ids: Sequence[int], destinations: Sequence[np.ndarray],
                     sequence_hashes: Sequence[int]) -> list[int]:
@@ -508,7 +535,9 @@ class DiskStorage(BlockStore):
             # writer keeps its journal: they are forgotten here until it writes them again).
             self.checksums.invalidate(rotten)
             if self.index is not None:
-                self.index.free(rotten)
+                # if the journal cannot take it, a restart finds them rotten again
+                with contextlib.suppress(JournalWriteError):
+                    self.index.free(rotten)
             elif self._journal is not None:
                 self._journal.forget_here(rotten)
         sums = self.checksums.checksums_of(block_ids)
@@ -752,6 +781,18 @@ class DiskStorage(BlockStore):
             self._ops.unlink(str(self.path))
         except FileNotFoundError:
             pass
+
+
+def _fail_unjournaled(exc: JournalWriteError, step: str, block_ids: Sequence[int],
+                      failures: list[BlockFailure], failed: set[int]) -> None:
+    """Fail the positions of ``block_ids`` whose journal records ``exc`` says did not land."""
+    unrecorded = set(exc.unrecorded)
+    kind = _failure_kind(exc)
+    for p, slot in enumerate(block_ids):
+        if slot in unrecorded and p not in failed:
+            failures.append(BlockFailure(p, slot, kind, f"{step} in the index journal "
+                                                        f"failed: {exc}"))
+            failed.add(p)
 
 
 def _tail(buffers: list[np.ndarray], done: int, stride: int) -> list[np.ndarray]:

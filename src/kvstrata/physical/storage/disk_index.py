@@ -1,6 +1,6 @@
 """The index of a durable disk tier: which slot of the slab holds which block, as a journal.
 
-(Just over 400 lines on purpose: one concern, the disk tier's journal; its record format, write
+(Over 500 lines on purpose: one concern, the disk tier's journal; its record format, write
 order, replay and compaction make one crash-safety argument, spelled out below.)
 
 The index is one append-only file of fixed-size records beside the slab. Writing a batch
@@ -22,6 +22,16 @@ dropped ``FREE`` can only resurrect an entry whose bytes no longer match its che
 every read of the slab verifies that checksum (which is what makes verification lazy: blocks
 are checked when first served, not at start).
 
+Records are written at the journal's record-aligned end. A write that fails part-way (a
+full disk: ENOSPC, EDQUOT or EFBIG after a short write) keeps the whole records that landed
+and cuts the file back to the last of them (a failed flush, with ``sync``, cuts off the whole
+batch: none of it is known to be durable); the in-memory index counts exactly the records
+kept, and :class:`JournalWriteError` names the slots whose records were not, so the caller
+fails those blocks (a slot whose ``FREE`` was not kept still holds its block and must not be
+written). Should the cut fail too, or take off whole records (which a follower may have
+read), nothing is appended until the journal was rewritten from the in-memory index (as a
+compaction does); until then every ``free`` and ``put`` fails.
+
 :meth:`DiskIndex.open` replays the journal into a table of live entries (numpy arrays by
 slot, about 40 bytes per slot), drops entries past the slab's capacity, keeps the newest of
 two entries naming one block, and rewrites the journal compactly (written to a temporary
@@ -41,6 +51,7 @@ makes a forged record useless is the tag of its block, checked when the block is
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import struct
@@ -55,8 +66,8 @@ import xxhash
 from ..errors import StorageConfigError
 from .disk_home import private_file
 
-__all__ = ["DiskIndex", "IndexEntry", "LiveEntries", "RecoveryReport", "INDEX_VERSION",
-           "RECORD_BYTES"]
+__all__ = ["DiskIndex", "IndexEntry", "JournalWriteError", "LiveEntries", "RecoveryReport",
+           "INDEX_VERSION", "RECORD_BYTES"]
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +88,16 @@ _RECORD_DTYPE = np.dtype([("op", "u1"), ("flags", "u1"), ("pad", "<u2"), ("slot"
                           ("xxh", "<u8")])
 assert _RECORD_DTYPE.itemsize == RECORD_BYTES and _BODY.size + 8 == RECORD_BYTES
 assert _HEADER.size == 64
+
+
+class JournalWriteError(OSError):
+    """Records of one :meth:`DiskIndex.free` or :meth:`DiskIndex.put` did not reach the
+    journal (its ``errno`` says why). ``unrecorded`` names their slots, which keep what the
+    journal said of them before; the records before them landed and count."""
+
+    def __init__(self, cause: OSError, unrecorded: Sequence[int]) -> None:
+        super().__init__(cause.errno, cause.strerror or str(cause))
+        self.unrecorded = list(unrecorded)
 
 
 @dataclass(frozen=True)
@@ -166,6 +187,10 @@ class DiskIndex:
         self._seal = np.zeros((capacity, 32), dtype=np.uint8)
         self._order = np.zeros(capacity, dtype=np.int64)   # record number of the entry
         self._records = 0
+        self._end = 0
+        """Bytes of the journal up to its last record kept: where the next one goes."""
+        self._rewrite_due = False
+        """The file holds bytes past ``_end`` that could not be cut off: rewrite it first."""
         self._compact_at = _COMPACT_FACTOR * max(capacity, 256)
         self.report = RecoveryReport(0, 0)
 
@@ -317,14 +342,19 @@ class DiskIndex:
 
     # ------------------------------------------------------------------ writing
     def free(self, slots: Sequence[int]) -> None:
-        """Journal that ``slots`` no longer hold their blocks (before overwriting them)."""
-        slots = [s for s in slots if self._valid[s]]
-        if not slots:
-            return
-        body = b"".join(_record(_FREE, s, 0, None, 0, 0, 0, _NO_SEAL) for s in slots)
+        """Journal that ``slots`` no longer hold their blocks (before overwriting them).
+        Raises :class:`JournalWriteError` naming the slots whose records did not land: they
+        still hold their blocks, in the journal and here, and must not be overwritten."""
         with self._lock:
-            self._valid[np.asarray(slots, dtype=np.int64)] = False
-            self._append(body, len(slots))
+            self._settle_locked(slots)
+            slots = [s for s in slots if self._valid[s]]
+            if not slots:
+                return
+            body = b"".join(_record(_FREE, s, 0, None, 0, 0, 0, _NO_SEAL) for s in slots)
+            landed, error = self._append(body)
+            self._valid[np.asarray(slots[:landed], dtype=np.int64)] = False
+            if error is not None:
+                raise JournalWriteError(error, slots[landed:]) from error
 
     def put(self, slots: Sequence[int], sequence_hashes: Sequence[int],
             parent_hashes: Sequence[int | None], local_hashes: Sequence[int],
@@ -333,7 +363,8 @@ class DiskIndex:
         """Journal that ``slots`` now hold these blocks (after their bytes were written),
         with their keyed ``tags`` (None: zeros, an index kept without a key) and the
         ``seals`` of those stored encrypted (None: none). With ``sync``, ``data_fd`` is
-        flushed first and the journal after."""
+        flushed first and the journal after. Raises :class:`JournalWriteError` naming the
+        slots whose records did not land (recorded neither here nor in the journal)."""
         if not slots:
             return
         tags = [0] * len(slots) if tags is None else tags
@@ -343,13 +374,17 @@ class DiskIndex:
                             slots, sequence_hashes, parent_hashes, local_hashes, checksums,
                             tags, seals))
         if self.sync and data_fd is not None:
-            os.fdatasync(data_fd)
+            try:
+                os.fdatasync(data_fd)
+            except OSError as exc:
+                raise JournalWriteError(exc, slots) from exc
         with self._lock:
+            self._settle_locked(slots)
             first = self._records
-            self._append(body, len(slots))
+            landed, error = self._append(body)
             for n, (s, h, p, local, c, t, seal) in enumerate(zip(
-                    slots, sequence_hashes, parent_hashes, local_hashes, checksums, tags,
-                    seals)):
+                    slots[:landed], sequence_hashes, parent_hashes, local_hashes, checksums,
+                    tags, seals)):
                 self._valid[s] = True
                 self._seq[s] = h
                 self._parent[s] = 0 if p is None else p
@@ -359,6 +394,8 @@ class DiskIndex:
                 self._tag[s] = t
                 self._seal[s] = np.frombuffer(seal, np.uint8)
                 self._order[s] = first + n
+            if error is not None:
+                raise JournalWriteError(error, slots[landed:]) from error
             if self._records > self._compact_at:
                 try:
                     self._rewrite_locked()
@@ -367,14 +404,51 @@ class DiskIndex:
                     log.warning("kvstrata: compacting %s failed (%s); the journal keeps "
                                 "growing until it succeeds", self.path, exc)
 
-    def _append(self, body: bytes, count: int) -> None:
+    def _settle_locked(self, slots: Sequence[int]) -> None:
+        """Before writing to the journal: rewrite it if a failed cut left bytes past its
+        last record, or a cut took off whole records (see :meth:`_append`). Raises
+        :class:`JournalWriteError` for all ``slots`` while that fails."""
+        if self._rewrite_due:
+            try:
+                self._rewrite_locked()
+            except OSError as exc:
+                raise JournalWriteError(exc, slots) from exc
+
+    def _append(self, body: bytes) -> tuple[int, OSError | None]:
+        """Write the whole records ``body`` at the journal's end; returns how many were
+        kept and, when not all were, the error that stopped the rest (see the module
+        docstring)."""
         view = memoryview(body)
-        while view:
-            written = os.write(self._fd, view)
-            view = view[written:]
-        if self.sync:
-            os.fdatasync(self._fd)
-        self._records += count
+        written = 0
+        try:
+            while written < len(body):
+                done = os.pwrite(self._fd, view[written:], self._end + written)
+                if done <= 0:
+                    raise OSError(errno.EIO, f"journal write made no progress at "
+                                             f"{self._end + written}")
+                written += done
+            if self.sync:
+                os.fdatasync(self._fd)
+        except OSError as exc:
+            whole = written // RECORD_BYTES * RECORD_BYTES
+            # After a failed flush none of the batch is known to be durable: none counts.
+            kept = whole if written < len(body) else 0
+            try:
+                os.ftruncate(self._fd, self._end + kept)
+            except OSError as cut:
+                self._rewrite_due = True
+                log.warning("kvstrata: cutting %s back to its last whole record failed "
+                            "(%s); it is rewritten before anything more is journaled",
+                            self.path, cut)
+            # A follower may have read the whole records cut off; it reads a new file from
+            # its start, but would skip new records written where they were in this one.
+            self._rewrite_due |= kept < whole
+            self._end += kept
+            self._records += kept // RECORD_BYTES
+            return kept // RECORD_BYTES, exc
+        self._end += len(body)
+        self._records += len(body) // RECORD_BYTES
+        return len(body) // RECORD_BYTES, None
 
     def _rewrite(self) -> None:
         with self._lock:
@@ -415,10 +489,11 @@ class DiskIndex:
         os.close(fd)
         os.replace(temp, self.path)
         _fsync_dir(self.path.parent)
-        old, self._fd = self._fd, os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC
-                                          | os.O_NOFOLLOW)
+        old, self._fd = self._fd, os.open(self.path, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         if old >= 0:
             os.close(old)
+        self._end = len(data)
+        self._rewrite_due = False
         self._order[slots] = np.arange(len(slots))
         self._records = len(slots)
         self._compact_at = _COMPACT_FACTOR * max(self.capacity, 256)
