@@ -656,6 +656,36 @@ def test_blocks_of_a_preempted_request_go_to_a_load_after_the_flush(make):
     assert_idle(sim)
 
 
+def test_stores_a_flush_gave_up_on_fail_and_g2_never_serves_what_the_forward_wrote(
+        make, monkeypatch):
+    """The flush before a forward that overwrites a preempted request's blocks waits at most
+    FLUSH_TIMEOUT (shortened here, a store made slower than it): a store it gave up on read
+    the forward's KV, and it was registered in G2 and served to every later request."""
+    import kvstrata.connectors.vllm.worker as worker_module
+
+    monkeypatch.setattr(worker_module, "FLUSH_TIMEOUT", 0.2)
+    sim = make(g2_blocks=32, g3_blocks=0)
+    restore = slow_path(sim.workers[0], "G1->G2", 1.0)
+    tokens = prompt(172, 5 * BS + 1)
+    sim.add("a", tokens, max_new=6)
+    sim.step()                                  # a's stores start after its forward
+    sim.preempt("a")
+    parked = sim.requests.pop("a")
+    sim.step()                                  # the flush gives up; the forward scribbles
+    time.sleep(1.5)                             # the stores finish, with the forward's KV
+    restore()
+    sim.run()
+    g2 = sim.scheduler.planner.pools["G2"]
+    assert not any(h in g2 for h in _hashes(sim, tokens))     # failed: not registered
+    sim.requests["a"] = parked
+    request = sim.add("b", tokens + [9])
+    step_until(sim, lambda: request.state == "running")
+    assert not sim.invalid_seen
+    check_blocks(sim, request, request.loaded)
+    sim.run()
+    assert_idle(sim)
+
+
 def test_two_ranks_abort_while_loading_and_a_failure_on_one_rank(make):
     from kvstrata.protocol.results import BlockFailure, FailureKind
 

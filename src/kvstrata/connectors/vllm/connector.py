@@ -63,7 +63,7 @@ class KvStrataConnector(KVConnectorBase_V1, SupportsHMA):
                                         _replicating_ranks(parallel))
         settings = settings_from(extra, geometry,
                                  model_id=_model_id(vllm_config),
-                                 block_layout=_block_layout(),
+                                 block_layout=_block_layout(vllm_config, kv_cache_config),
                                  engine_index=_engine_index(parallel))
         if settings.load and not _engine_reads_cached_prefixes(vllm_config):
             log.warning("kvstrata: vLLM cannot attend to a cached prefix of this model here "
@@ -258,14 +258,23 @@ def _engine_reads_cached_prefixes(vllm_config: Any) -> bool:
                 and not getattr(cache, "enable_prefix_caching", True))
 
 
-def _block_layout() -> str:
-    """How vLLM lays out a KV page here: its version, the device type and the attention
-    backend asked for (both halves compute the same)."""
+def _block_layout(vllm_config: Any, kv_cache_config: Any) -> str:
+    """How vLLM lays out a KV page here: its version, the device type, the KV cache layout
+    the engine resolved (``LBNHC``, ``LBHNC``...: which way a page's tokens and heads are
+    ordered; vLLM picks it from ``VLLM_KV_CACHE_LAYOUT``, the backends' preferences and the
+    GPU) and the attention backend asked for. Both halves compute the same: the engine core
+    resolves the layout before it builds the scheduler, and a worker records it before it
+    builds its connector. A page stored under another layout passes every checksum, so only
+    this name keeps it from being loaded as this one."""
     import vllm
     from vllm.platforms import current_platform
 
-    backend = os.environ.get("VLLM_ATTENTION_BACKEND") or "default"
-    return f"vllm {vllm.__version__} {current_platform.device_type} {backend}"
+    cache = getattr(vllm_config, "cache_config", None)
+    layout = getattr(cache, "kv_cache_layout", None) \
+        or getattr(kv_cache_config, "kv_cache_layout", None) or "default"
+    attention = getattr(vllm_config, "attention_config", None)
+    backend = getattr(getattr(attention, "backend", None), "name", None) or "auto"
+    return f"vllm {vllm.__version__} {current_platform.device_type} {layout} {backend}"
 
 
 def _replicating_ranks(parallel_config: Any) -> int:

@@ -136,6 +136,9 @@ class WorkerHalf:
         self._reported: list[tuple[int, TransferResult]] = []
         self._outstanding: set[int] = set()
         self._reading_g1: set[int] = set()
+        self._overwritten: set[int] = set()
+        """Copies out of G1 that a flush gave up waiting for: the forward overwrote what
+        they read, so they fail whatever they copied."""
         self._stores: list[TransferPlan] = []
         self._bound_at = 0.0
         """When the step's orders came (``time.monotonic``): its stores wait from then for
@@ -284,8 +287,10 @@ class WorkerHalf:
 
     def flush_g1_readers(self) -> None:
         """Wait until no copy reads vLLM's KV (requests were preempted: their blocks may be
-        overwritten by this step's forward)."""
+        overwritten by this step's forward). Copies still reading after
+        :data:`FLUSH_TIMEOUT` fail when they finish: what they copied may be the forward's."""
         self._drain(until=lambda: not self._reading_g1)
+        self._overwritten |= self._reading_g1
 
     def save(self) -> None:
         """After the forward: time it if asked, start the stores (they read what the
@@ -403,7 +408,7 @@ class WorkerHalf:
             if until is not None and not until():
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    log.error("kvstrata: copies still running after %.0f s", FLUSH_TIMEOUT)
+                    log.error("kvstrata: copies still running after %g s", FLUSH_TIMEOUT)
                     return
                 try:
                     finished_at, result = self._done.get(timeout=remaining)
@@ -429,6 +434,12 @@ class WorkerHalf:
         result = replace(result, waited_seconds=waited
                          + max(0.0, time.monotonic() - finished_at))
         job = result.plan.job_id
+        if job in self._overwritten:
+            self._overwritten.discard(job)
+            result = replace(TransferResult.failed(
+                result.plan, FailureKind.INTERNAL, "vLLM's forward overwrote the blocks this "
+                "copy read (a flush gave up waiting for it)"),
+                waited_seconds=result.waited_seconds)
         self._outstanding.discard(job)
         self._reading_g1.discard(job)
         if self._executor is not None:
