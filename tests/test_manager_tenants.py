@@ -68,6 +68,29 @@ def test_blocks_loaded_up_from_g3_keep_their_tenant(tmp_path):
         assert_baseline(mgr)
 
 
+def test_blocks_a_durable_g3_recovered_share_one_tenants_quota(tmp_path):
+    """The G3 journal keeps no tenant: after a restart a's recovered blocks counted against
+    no quota, and loaded back they took G2 from b (within its own quota of 4 of 8)."""
+    first = [chain(4, 1000 * k) for k in range(4)]
+    with KvBlockManager(tenant_config(), disk_dir=tmp_path) as mgr:
+        for records in first:
+            put_for(mgr, records, payloads(mgr, records), tenant="a")
+            mgr.wait_idle(HANG_GUARD)
+    with KvBlockManager(tenant_config(), disk_dir=tmp_path) as mgr:
+        assert mgr.status()["tenants"]["held"]["G3"] == {"(recovered)": 16}
+        mine = chain(4, 50000)
+        put_for(mgr, mine, payloads(mgr, mine), tenant="b")
+        mgr.wait_idle(HANG_GUARD)
+        for records in first:                       # a loads its recovered blocks back
+            evict_g1(mgr)
+            with mgr.onboard(hashes_of(records)).result(HANG_GUARD) as loaded:
+                assert len(loaded) == 4
+            mgr.wait_idle(HANG_GUARD)
+        assert all(r.sequence_hash in mgr.pools["G2"] for r in mine)
+        held = mgr.status()["tenants"]["held"]["G2"]
+        assert held["b"] == 4 and held["(recovered)"] <= 4
+
+
 @pytest.mark.parametrize("bad", [None, 7, "x" * 300])
 def test_register_refuses_a_tenant_that_is_not_a_short_string(tmp_path, bad):
     with KvBlockManager(tenant_config(), disk_dir=tmp_path) as mgr:

@@ -64,7 +64,7 @@ from .offload import Offload, allocate_up_to
 from .onboard import OnboardResult, Onboarding
 from .state import Job, PlacementState
 from .telemetry import PlacementListener, PlacementStats
-from .tenants import TenantLedger
+from .tenants import RECOVERED_TENANT, TenantLedger
 
 __all__ = ["Planner", "PlacementError"]
 
@@ -193,7 +193,13 @@ class Planner:
         pool = self._state.pools.get(tier)
         if pool is None:
             raise PlacementError(f"restore: {tier} is the engine's; nothing to restore")
-        return pool.restore(entries)
+        restored = pool.restore(entries)
+        ledger = self._state.tenants
+        if ledger is not None and restored:
+            # the journal keeps no tenant: the blocks it recovered share one tenant's quota
+            ledger.stored(tier, [r for _, r in entries if r.sequence_hash in pool],
+                          RECOVERED_TENANT)
+        return restored
 
     def learn(self, tier: str, records: Sequence[BlockRecord]) -> int:
         """Blocks found in a shared, key-addressed ``tier`` that this worker did not put

@@ -25,8 +25,12 @@ from outside are registered in one:
 
 So when every block of a tier belongs to a tenant with a quota and the quotas add up to at
 most the tier, every tenant keeps its quota's worth of it whatever the others store. Blocks
-whose tenant is not known belong to none and count against no quota (they compete by the
-tier's policy alone): blocks a durable G3 recovered at start (its index keeps no tenant).
+a durable G3 recovered at start belong to :data:`RECOVERED_TENANT` (its index keeps no
+tenant): together they are held to one tenant's quota, in G3 and wherever they are loaded
+up to (unowned, they counted against none, and after a restart one tenant's recovered
+blocks, loaded back, took G2 from every other tenant). Blocks whose tenant is not known
+otherwise belong to none and count against no quota (they compete by the tier's policy
+alone).
 
 :class:`TenantLedger` keeps, per tier, which tenant each held block belongs to; in a tier
 with a quota also how many held blocks (and blocks on their way) name each hash as their
@@ -49,7 +53,12 @@ from ..logical.pool import BlockPool
 from ..logical.registry import RegistryObserver
 from ..types import BlockRecord
 
-__all__ = ["TenantLedger", "TENANT_OTHERS"]
+__all__ = ["TenantLedger", "TENANT_OTHERS", "RECOVERED_TENANT"]
+
+RECOVERED_TENANT = "(recovered)"
+"""The tenant of the blocks a durable tier recovered at start (its journal keeps none).
+Not a key vLLM's connector makes (``""``, ``salt:...``, ``lora:...``); under any quota a
+tenant not named in ``tenant_quotas`` gets, and shown among the others (``*``)."""
 
 TENANT_OTHERS = "*"
 """The label of tenants that ``tenant_quotas`` does not name, summed, in per-tenant
