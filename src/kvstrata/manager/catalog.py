@@ -9,6 +9,15 @@ once at start and then every ``interval`` seconds from a daemon thread, so a wor
 starts empty finds what others stored, and keeps finding what they store later. A listing
 that fails (the store is down) is logged, at most once a minute, and retried at the next
 interval; it never stops the worker.
+
+Anyone with the bucket's credentials can write names too, so a listing keeps only block keys
+(others neither count toward its ``limit`` nor cost memory), passes over keys whose object
+this worker already found bad (:meth:`ObjectStorage.found_bad`), and hands on one key per
+sequence hash: one whose hashes follow the chaining rule
+(:func:`~kvstrata.placement.keys.chain_consistent`) if any does, else each in turn from one
+listing to the next, so a bad key cannot shadow a good one for good. Every other rank's
+namespace is read only as far as the first rank's last key, keeping only the keys the first
+one listed.
 """
 
 from __future__ import annotations
@@ -19,7 +28,7 @@ import time
 from typing import Callable, Sequence
 
 from ..physical.storage.objects import ObjectStorage
-from ..placement.keys import parse_block_key
+from ..placement.keys import chain_consistent, parse_block_key
 from ..types import BlockRecord
 
 __all__ = ["StoreLister"]
@@ -49,19 +58,30 @@ class StoreLister:
         self._thread: threading.Thread | None = None
 
     def records(self) -> list[BlockRecord]:
-        """The blocks the store holds now, in every rank's namespace (raises the store's
-        error if a listing fails)."""
+        """The blocks the store holds now, in every rank's namespace, one record per
+        sequence hash (raises the store's error if a listing fails)."""
         first, *others = self.storages
-        keys = first.list_keys(self.limit)
+        keys = first.list_keys(self.limit, accept=self._usable)
         for storage in others:
-            present = set(storage.list_keys())
+            if not keys:
+                break
+            wanted = set(keys)
+            present = set(storage.list_keys(accept=wanted.__contains__, last=keys[-1]))
             keys = [k for k in keys if k in present]
-        out = []
+        candidates: dict[int, list[BlockRecord]] = {}
         for key in keys:
             record = parse_block_key(key, self.block_size)
-            if record is not None:
-                out.append(record)
+            candidates.setdefault(record.sequence_hash, []).append(record)
+        out = []
+        for named in candidates.values():
+            if len(named) > 1:
+                named = [r for r in named if chain_consistent(r)] or named
+            out.append(named[self.listings % len(named)])
         return out
+
+    def _usable(self, key: str) -> bool:
+        return (parse_block_key(key, self.block_size) is not None
+                and not any(s.found_bad(key) for s in self.storages))
 
     def refresh(self, learn: Callable[[str, list[BlockRecord]], object] | None = None) -> int:
         """List once and hand the result to ``learn`` (default: the one given at

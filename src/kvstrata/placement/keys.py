@@ -10,15 +10,20 @@ and announce it (parent and local hash are what router events carry), without re
 single object. Two workers storing one block choose the same key (the identity follows from
 the tokens), so a store holds each block once. The store adds its own namespace in front
 (the compatibility fingerprint and tenant, see :mod:`kvstrata.compat`).
+
+Whoever can write the bucket can also write names: several keys may name one sequence hash.
+:func:`chain_consistent` tells the one whose hashes follow kvstrata's chaining rule, which
+listings prefer (:mod:`kvstrata.manager.catalog`).
 """
 
 from __future__ import annotations
 
 import re
 
+from ..tokens import chain_hash
 from ..types import BlockRecord
 
-__all__ = ["block_key", "parse_block_key"]
+__all__ = ["block_key", "chain_consistent", "parse_block_key"]
 
 _KEY = re.compile(r"^([0-9a-f]{16})\.([0-9a-f]{16})\.([0-9a-f]{16}|root)$")
 
@@ -39,3 +44,12 @@ def parse_block_key(key: str, block_size: int) -> BlockRecord | None:
         return None
     return BlockRecord(int(seq, 16), int(local, 16), None if parent == "root" else int(parent, 16),
                        block_size)
+
+
+def chain_consistent(record: BlockRecord) -> bool:
+    """Whether ``record``'s sequence hash follows from its parent and local hash by
+    kvstrata's chaining rule (:func:`kvstrata.tokens.chain_hash`, default seed); a first
+    block's, under any seed. Blocks of a LoRA adapter or a cache salt (other seeds), or of
+    the vLLM connector's secondary KV cache groups (group-keyed hashes), do not follow it
+    either, so this ranks the keys that name one sequence hash; it cannot reject one."""
+    return chain_hash(record.parent_hash, record.local_hash) == record.sequence_hash

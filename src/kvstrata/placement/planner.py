@@ -59,7 +59,7 @@ from ..tiers import Addressing, ordered, spec
 from ..types import BlockRecord, first_bad_record
 from .checks import PlacementError, check_results, engine_ids
 from .costs import CostModel
-from .keys import block_key
+from .keys import block_key, chain_consistent
 from .offload import Offload, allocate_up_to
 from .onboard import OnboardResult, Onboarding
 from .state import Job, PlacementState
@@ -205,8 +205,10 @@ class Planner:
         """Blocks found in a shared, key-addressed ``tier`` that this worker did not put
         there (another worker did; a listing of the store shows them): hold them in the
         tier's catalog so lookups find them. Returns how many were new. Blocks already held
-        or on their way are skipped; if the catalog is full, its idle entries are forgotten
-        in eviction order (the store keeps the objects) and what does not fit is left out.
+        or on their way are skipped; of several records for one block, the first that
+        follows the chaining rule is kept (:func:`.keys.chain_consistent`), else the first.
+        If the catalog is full, its idle entries are forgotten in eviction order (the store
+        keeps the objects) and what does not fit is left out.
         A block that is gone by the time it is read is a load failure and is dropped."""
         tier = self._tier(tier)
         if spec(tier).addressing is not Addressing.KEYS:
@@ -219,15 +221,17 @@ class Planner:
         if bad is not None:
             raise PlacementError(f"learn: records[{bad}] = {records[bad]!r:.120} is not a "
                                  f"block of {pool.block_size} tokens with u64 hashes")
-        seen: set[int] = set()
-        new = []
+        chosen: dict[int, BlockRecord] = {}
         for record in records:
             h = record.sequence_hash
             if record.parent_hash == h:
                 continue                        # never its own prefix: not a real block
-            if h not in pool and h not in receiving and h not in seen:
-                seen.add(h)
-                new.append(record)
+            if h in pool or h in receiving:
+                continue
+            other = chosen.get(h)               # several keys for one hash: not all real
+            if other is None or (not chain_consistent(other) and chain_consistent(record)):
+                chosen[h] = record
+        new = list(chosen.values())
         slots = allocate_up_to(pool, len(new)) if new else None
         if slots is None:
             return 0

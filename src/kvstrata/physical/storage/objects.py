@@ -12,21 +12,27 @@ the compatibility ``fingerprint``, the geometry, the sequence hash and the paylo
 
 * :meth:`ObjectStorage.write_blocks` writes a batch with conditional PUTs (``If-None-Match:
   *``): a key the bucket already holds is left as it is and counted in
-  ``puts_skipped_existing`` (blocks are immutable: same key, same bytes).
+  ``puts_skipped_existing`` (blocks are immutable: same key, same bytes). A block is hashed
+  as it is copied into the request body, and one whose bytes do not match the checksum the
+  caller recorded fails (``CHECKSUM_MISMATCH``) instead of being stored: an object nobody can
+  replace must not be born corrupt.
 * :meth:`ObjectStorage.read_blocks` fetches a batch and copies a payload into its destination
   only after checking magic, version, fingerprint, geometry, sequence hash, length and
   checksum. A missing object is a ``NOT_FOUND`` failure; another model's, another geometry's
   or another block's object a ``HASH_MISMATCH``; a truncated or altered one a
   ``CHECKSUM_MISMATCH``; a timeout, refused connection, 5xx or throttling an ``IO_ERROR``.
+  A key whose object failed its checks is remembered (:meth:`ObjectStorage.found_bad`), so a
+  listing can pass it over.
 
-Batches run on a thread pool of ``max_concurrency`` threads, one request per block, so a
-batch is that many requests in flight. Failures are per block: the call raises one
-:class:`~kvstrata.physical.errors.BlockIOError` subclass whose ``failures`` name the failed
-positions (``block_id`` -1: the tier has no slots); every other block completed. A batch never
-waits longer than its requests' timeouts allow: whatever is still running at the batch
-deadline fails with ``IO_ERROR``, and from then on no thread of that batch reads its sources or
-writes its destinations (a late reply is dropped): a caller's buffers are never touched after
-the call returned, and only verified payloads are ever copied into them.
+Reads (and HEADs) and writes run on two thread pools of ``max_concurrency`` threads each, one
+request per block, so a load never queues behind a store. Failures are per block: the call
+raises one :class:`~kvstrata.physical.errors.BlockIOError` subclass whose ``failures`` name the
+failed positions (``block_id`` -1: the tier has no slots); every other block completed. A
+batch never waits longer than its requests' timeouts allow, counting the requests queued ahead
+of it on its pool: whatever is still running at the batch deadline fails with ``IO_ERROR``,
+and from then on no thread of that batch reads its sources or writes its destinations (a late
+reply is dropped): a caller's buffers are never touched after the call returned, and only
+verified payloads are ever copied into them.
 
 Counters (:attr:`ObjectStorage.counters`): objects written and skipped, objects read and
 missed, failures, payload bytes written and read.
@@ -37,7 +43,8 @@ from __future__ import annotations
 import math
 import re
 import threading
-from concurrent.futures import ThreadPoolExecutor, wait
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
@@ -58,6 +65,9 @@ from .s3client import ObjectStoreError, ObjectTooLargeError, S3Client, S3Config
 __all__ = ["ObjectStorage", "ObjectCounters"]
 
 _SEGMENT = re.compile(r"[A-Za-z0-9._=+:@,~-]+")
+
+_BAD_KEYS_KEPT = 4096
+"""Keys remembered as holding a bad object (:meth:`ObjectStorage.found_bad`), newest kept."""
 
 
 @dataclass
@@ -119,6 +129,35 @@ class _Abandoned(Exception):
     """The batch ended (deadline) before this block's thread got to the caller's buffer."""
 
 
+class _SourceChanged(ObjectFormatError):
+    """A block to store does not match the checksum recorded for it (its bytes changed
+    since it was hashed): it is not stored."""
+
+
+class _Lane:
+    """A thread pool for one kind of request, and how many of its requests are queued or
+    running (a new batch waits behind those)."""
+
+    def __init__(self, threads: int, name: str) -> None:
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix=name)
+        self._lock = threading.Lock()
+        self._outstanding = 0
+
+    def submit(self, calls: Sequence[Callable[[], Any]]) -> tuple[list[Future], int]:
+        """Queue ``calls``: their futures, and how many requests were ahead of them."""
+        with self._lock:
+            ahead = self._outstanding
+            self._outstanding += len(calls)
+            futures = [self.pool.submit(call) for call in calls]
+        for future in futures:
+            future.add_done_callback(self._done)   # also when cancelled
+        return futures, ahead
+
+    def _done(self, _future: Future) -> None:
+        with self._lock:
+            self._outstanding -= 1
+
+
 class ObjectStorage(BlockStore):
     """Block objects in a bucket (G4). See the module docstring for format and failures.
 
@@ -164,7 +203,8 @@ class ObjectStorage(BlockStore):
         self.counters = ObjectCounters()
         self._counter_lock = threading.Lock()
         self._pool_lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
+        self._lanes: dict[str, _Lane] = {}
+        self._bad_keys: OrderedDict[str, None] = OrderedDict()
         if ensure_bucket:
             self.client.ensure_bucket()
 
@@ -185,8 +225,8 @@ class ObjectStorage(BlockStore):
         ``.checksums`` has ``None`` for those).
 
         ``checksums``, when given, are the blocks' known xxh3-64 (e.g. recorded when they
-        entered G2) and go into the headers as they are: a source whose bytes changed since
-        fails its checksum when read back. Blocks without one are hashed here. The blocks'
+        entered G2): a source whose bytes no longer match fails (``CHECKSUM_MISMATCH``) and
+        is not stored. Every block is hashed as it is copied into its request. The blocks'
         identity (``parent_hashes``, ``local_hashes``) is already in their keys
         (:mod:`kvstrata.placement.keys`): nothing else records it."""
         self._check_batch(keys, sources, sequence_hashes)
@@ -196,35 +236,40 @@ class ObjectStorage(BlockStore):
         known = [None] * len(keys) if checksums is None else list(checksums)
 
         def put(gate: _Gate, p: int) -> tuple[int, bool]:
+            body = np.empty(HEADER_SIZE + block_bytes, np.uint8)
+            payload = body[HEADER_SIZE:]
             if not gate.enter():
                 raise _Abandoned()
             try:     # the only time the caller's source is read
-                payload = sources[p][:block_bytes]
-                checksum = known[p] if known[p] is not None else block_checksum(payload)
-                body = np.empty(HEADER_SIZE + block_bytes, np.uint8)
-                header = dict(fingerprint=self.fingerprint, geometry=self.geometry,
-                              sequence_hash=sequence_hashes[p], checksum=checksum)
-                where = self.namespace + keys[p]
-                if not self.encrypt:
-                    body[:HEADER_SIZE] = np.frombuffer(encode_header(
-                        **header, tagger=self.tagger, payload=payload, where=where), np.uint8)
-                    body[HEADER_SIZE:] = payload
-                else:
-                    seal = self.cipher.encrypt(object_identity(where, encode_header(**header)),
-                                               sequence_hashes[p], payload, body[HEADER_SIZE:])
-                    body[:HEADER_SIZE] = np.frombuffer(encode_header(**header, seal=seal),
-                                                       np.uint8)
+                payload[:] = sources[p][:block_bytes]
             finally:
                 gate.leave()
-            return checksum, self.client.put_if_absent(self.namespace + keys[p], body)
+            # hash the copy that is sent: the header must describe exactly these bytes
+            checksum = block_checksum(payload)
+            if known[p] is not None and checksum != known[p]:
+                raise _SourceChanged(f"block xxh3-64 {checksum:#018x} != recorded "
+                                     f"{known[p]:#018x}: its bytes changed; not stored")
+            header = dict(fingerprint=self.fingerprint, geometry=self.geometry,
+                          sequence_hash=sequence_hashes[p], checksum=checksum)
+            where = self.namespace + keys[p]
+            if not self.encrypt:
+                body[:HEADER_SIZE] = np.frombuffer(encode_header(
+                    **header, tagger=self.tagger, payload=payload, where=where), np.uint8)
+            else:
+                seal = self.cipher.encrypt(object_identity(where, encode_header(**header)),
+                                           sequence_hashes[p], payload, payload)
+                body[:HEADER_SIZE] = np.frombuffer(encode_header(**header, seal=seal),
+                                                   np.uint8)
+            return checksum, self.client.put_if_absent(where, body)
 
-        outcomes, failures = self._run_batch(put, len(keys), "write")
+        outcomes, failures = self._run_batch("write", put, len(keys))
         sums: list[int | None] = [None] * len(keys)
         written = skipped = 0
         for p, outcome in outcomes.items():
             sums[p] = outcome[0]
             written += outcome[1]
             skipped += not outcome[1]
+        self._judge(keys, good=[p for p, o in outcomes.items() if o[1]], failures=())
         self._count(puts=written, puts_skipped_existing=skipped, failures=len(failures),
                     bytes_written=written * block_bytes)
         raise_for_failures(f"put to {self._where()}", failures, len(keys), sums)
@@ -270,7 +315,7 @@ class ObjectStorage(BlockStore):
                 gate.leave()
             return header.checksum
 
-        outcomes, failures = self._run_batch(get, len(keys), "read")
+        outcomes, failures = self._run_batch("read", get, len(keys))
         sums: list[int | None] = [None] * len(keys)
         misses = 0
         for p, checksum in outcomes.items():
@@ -281,6 +326,8 @@ class ObjectStorage(BlockStore):
             else:
                 sums[p] = checksum
         good = len(outcomes) - misses
+        self._judge(keys, good=[p for p, c in outcomes.items() if c is not None],
+                    failures=failures)
         self._count(gets=good, misses=misses, failures=len(failures) - misses,
                     bytes_read=good * block_bytes)
         raise_for_failures(f"get from {self._where()}", failures, len(keys), sums)
@@ -295,34 +342,52 @@ class ObjectStorage(BlockStore):
             self._check_key(key)
         if not keys:
             return []
-        pool = self._executor()
-        futures = [pool.submit(self.client.head, self.namespace + k) for k in keys]
+        futures, _ = self._lane("read").submit(
+            [lambda k=k: self.client.head(self.namespace + k) for k in keys])
         return [f.result() for f in futures]
 
-    def list_keys(self, limit: int | None = None) -> list[str]:
+    def list_keys(self, limit: int | None = None,
+                  accept: Callable[[str], bool] | None = None,
+                  last: str | None = None) -> list[str]:
         """Keys of the objects directly under the namespace, sorted (names under a deeper
-        prefix are not keys of this storage and are left out); at most ``limit`` of them
-        (the first the store lists). Which of them name blocks is the key scheme's business
-        (:mod:`kvstrata.placement.keys`)."""
+        prefix are not keys of this storage and are left out); only those ``accept`` takes,
+        when given, and at most ``limit`` of them (the first the store lists): names it
+        refuses neither count nor are kept, so whoever can write the bucket cannot hide keys
+        behind junk names. With ``last``, the listing stops at the first name past it (the
+        store lists in order). Which names are blocks is the key scheme's business
+        (:func:`kvstrata.placement.keys.parse_block_key`)."""
         self._check_open()
         out = []
         for name in self.client.list_keys(self.namespace.rstrip("/")):
             rest = name[len(self.namespace):] if name.startswith(self.namespace) else ""
-            if rest and "/" not in rest:
+            # By its first segment: S3 lists in byte order, SeaweedFS a directory's entries
+            # in order with what is under one right after it ("k/x" before "k-").
+            if last is not None and rest.split("/", 1)[0] > last:
+                break
+            if rest and "/" not in rest and (accept is None or accept(rest)):
                 out.append(rest)
                 if limit is not None and len(out) >= limit:
                     break
         return sorted(out)
 
+    def found_bad(self, key: str) -> bool:
+        """Whether the object under ``key`` failed its checks (identity, checksum, tag) the
+        last time this storage read it, and no good read or write of the key came since (the
+        last few thousand such keys are remembered)."""
+        with self._counter_lock:
+            return key in self._bad_keys
+
     # ------------------------------------------------------------------ helpers
-    def _run_batch(self, work: Callable[[_Gate, int], Any], n: int, verb: str
+    def _run_batch(self, verb: str, work: Callable[[_Gate, int], Any], n: int
                    ) -> tuple[dict[int, Any], list[BlockFailure]]:
-        """Run ``work(gate, p)`` for every position on the pool; the results of those that
-        returned, and failures of those that raised or outlived the batch deadline."""
+        """Run ``work(gate, p)`` for every position on the ``verb`` pool; the results of
+        those that returned, and failures of those that raised or outlived the batch
+        deadline."""
         gate = _Gate()
-        pool = self._executor()
-        futures = {pool.submit(work, gate, p): p for p in range(n)}
-        done, pending = wait(futures, timeout=self._deadline(n))
+        queued, ahead = self._lane(verb).submit(
+            [lambda p=p: work(gate, p) for p in range(n)])
+        futures = dict(zip(queued, range(n)))
+        done, pending = wait(futures, timeout=self._deadline(n, ahead))
         gate.close()     # from here on no thread touches the caller's buffers
         late = {f for f in pending if f.done()}   # finished while the gate closed
         done, pending = done | late, pending - late
@@ -349,22 +414,43 @@ class ObjectStorage(BlockStore):
                                              f"{type(exc).__name__}: {exc}"))
         return results, failures
 
-    def _deadline(self, n: int) -> float:
-        """Seconds a batch of ``n`` may take: every round of ``max_concurrency`` requests
-        gets its full timeout budget (retries included), plus a margin."""
+    def _deadline(self, n: int, ahead: int = 0) -> float:
+        """Seconds a batch of ``n`` requests, queued behind ``ahead`` others on its pool, may
+        take: every round of ``max_concurrency`` requests gets its full timeout budget
+        (retries included), plus a margin. Behind others, its requests start as theirs end,
+        out of step: one round more."""
         cfg = getattr(self.client, "config", None)
         if cfg is None:
             return 60.0
         per_request = (cfg.retries + 1) * (cfg.request_timeout + cfg.connect_timeout) + 0.5
-        return math.ceil(n / self.max_concurrency) * per_request + 1.0
+        rounds = math.ceil((ahead + n) / self.max_concurrency) + (1 if ahead else 0)
+        return rounds * per_request + 1.0
 
-    def _executor(self) -> ThreadPoolExecutor:
+    def _lane(self, verb: str) -> _Lane:
+        """The pool of reads (and HEADs) or of writes: a load never waits behind a store."""
         with self._pool_lock:
             self._check_open()
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.max_concurrency,
-                                                thread_name_prefix="kvstrata-g4")
-            return self._pool
+            lane = self._lanes.get(verb)
+            if lane is None:
+                lane = self._lanes[verb] = _Lane(self.max_concurrency, f"kvstrata-g4-{verb}")
+            return lane
+
+    def _judge(self, keys: Sequence[str], good: Sequence[int],
+               failures: Sequence[BlockFailure]) -> None:
+        """Remember the keys whose objects failed their checks; forget those read or
+        written fine."""
+        bad = [keys[f.position] for f in failures
+               if f.kind in (FailureKind.CHECKSUM_MISMATCH, FailureKind.HASH_MISMATCH)]
+        if not bad and not self._bad_keys:
+            return
+        with self._counter_lock:
+            for p in good:
+                self._bad_keys.pop(keys[p], None)
+            for key in bad:
+                self._bad_keys[key] = None
+                self._bad_keys.move_to_end(key)
+            while len(self._bad_keys) > _BAD_KEYS_KEPT:
+                self._bad_keys.popitem(last=False)
 
     def _check_key(self, key: str) -> None:
         if not isinstance(key, str):
@@ -421,9 +507,9 @@ class ObjectStorage(BlockStore):
             if self.closed:
                 return
             super().close()
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+            lanes, self._lanes = list(self._lanes.values()), {}
+        for lane in lanes:
+            lane.pool.shutdown(wait=True, cancel_futures=True)
         close = getattr(self.client, "close", None)
         if close is not None:
             close()

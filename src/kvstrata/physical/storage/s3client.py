@@ -15,10 +15,11 @@ throttling (503 SlowDown, 429); :class:`ObjectStoreRequestError` covers what ret
 fix (403 denied, 400 bad request, other 4xx). Both are :class:`ObjectStoreError`.
 
 Conditional PUT: ``If-None-Match: *`` makes "write once" atomic across workers; a 412 or 409
-answer means the object exists. A server that does not implement it (501 NotImplemented, or
-obstore's "not supported") is remembered and served by HEAD then PUT (two workers may then both
-write the same block; harmless, the bytes are equal). ``S3Config(conditional_put=False)``
-skips the attempt.
+answer means the object exists, which a HEAD confirms (SeaweedFS answers 412 for a key that
+an object under ``key/`` made a directory: nothing is stored there, an error). A server that
+does not implement it (501 NotImplemented, or obstore's "not supported") is remembered and
+served by HEAD then PUT (two workers may then both write the same block; harmless, the bytes
+are equal). ``S3Config(conditional_put=False)`` skips the attempt.
 
 Why obstore -- ``bench/bench_s3clients.py`` against SeaweedFS 4.48 ``weed mini`` on this
 2-core machine (the server shares the cores), payload GB/s put / get, N requests in flight,
@@ -178,7 +179,9 @@ class S3Client:
     # ------------------------------------------------------------------ objects
     def put_if_absent(self, key: str, body) -> bool:
         """Store ``body`` (a bytes-like object) under ``key`` unless an object is there.
-        Returns ``True`` if this call wrote it, ``False`` if it was present."""
+        Returns ``True`` if this call wrote it, ``False`` if it was present.
+        :class:`ObjectStoreRequestError` if the store answers that ``key`` exists but holds
+        no object there (SeaweedFS, once a name below ``key`` made it a directory)."""
         if self._conditional:
             try:
                 self._obs.put(self._store, key, body, mode="create", use_multipart=False)
@@ -186,6 +189,11 @@ class S3Client:
             except Exception as exc:
                 outcome = self._classify(exc, f"PUT {key}", conditional=True)
                 if outcome == "exists":
+                    if not self.head(key):     # one HEAD, only when nothing was written
+                        raise ObjectStoreRequestError(
+                            f"PUT {key} on {self.config.endpoint_url}/{self.config.bucket}: "
+                            f"the store answers that it exists, but holds no object there "
+                            f"(a directory?); not stored", _status_of(exc)) from None
                     return False
                 if outcome != "unsupported":
                     raise outcome from None
