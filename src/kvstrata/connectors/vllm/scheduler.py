@@ -152,6 +152,9 @@ class SchedulerHalf:
         self._null_block = 0
         """The engine block id of vLLM's null block (what a block table holds where a
         sliding window freed a block); read from vLLM's block pool when it is bound."""
+        self._block_ids_of = None
+        """vLLM's KV cache manager's ``get_block_ids(req_id)``: any request's block tables
+        now, scheduled or not (set by :meth:`bind_kv_cache_manager`)."""
         self._skipped = None
         """vLLM's own count of the tokens a KV cache group no longer attends to (set by
         :meth:`bind_kv_cache_manager`); without it a window's size gives it."""
@@ -184,6 +187,9 @@ class SchedulerHalf:
         self._step = 0
         self._listers = self._open_store_listers()
         self._requests: dict[str, _Tracked] = {}
+        self._readers: dict[str, _Tracked] = {}
+        """The tracked requests with ``reading`` entries (stores of blocks vLLM may free
+        while the request lives), checked every step."""
         self._outbox: list[TransferPlan] = []
         self._loads: dict[str, LoadOrder] = {}
         self._loading: set[str] = set()
@@ -270,7 +276,7 @@ class SchedulerHalf:
         ``num_external_tokens`` of them to be loaded: plan the load into those blocks."""
         tracked = self._requests.get(request.request_id)
         if tracked is not None and tracked.remote is not None and num_external_tokens > 0:
-            self._order_remote_load(request.request_id, tracked, block_ids[0],
+            self._order_remote_load(request.request_id, tracked, block_ids,
                                     num_external_tokens)
             return
         if tracked is None or num_external_tokens <= 0 or tracked.load is None:
@@ -295,10 +301,9 @@ class SchedulerHalf:
         except PlacementError as exc:
             # e.g. a block vLLM reused while a copy still reads it: recompute instead
             log.warning("kvstrata: load for request %s not planned: %s", request.request_id, exc)
-            targets = [b for ids in block_ids for b in ids[start:start + count]
-                       if b != self._null_block]
-            self._loads[request.request_id] = LoadOrder((), tuple(targets))
-            self.counters.blocks_load_failed += len(targets)
+            self._fail_load(request.request_id,
+                            [b for ids in block_ids for b in ids[start:start + count]
+                             if b != self._null_block])
             return
         plans = self.planner.take_plans()
         self._outbox.extend(plans)
@@ -309,28 +314,43 @@ class SchedulerHalf:
             tuple(p.job_id for p in mine), tuple(b for b in targets if b not in filled))
         self._collect_finished()
 
-    def _order_remote_load(self, req_id: str, tracked: "_Tracked", block_ids: list[int],
-                           num_external_tokens: int) -> None:
+    def _order_remote_load(self, req_id: str, tracked: "_Tracked",
+                           block_ids: Sequence[list[int]], num_external_tokens: int) -> None:
         """vLLM allocated the blocks of a prefix a peer engine holds: order the worker to
-        read it from there."""
+        read it from there, into the blocks a local load would fill (a sliding window's
+        null block is never a target)."""
         start, peer, held = tracked.remote
         tracked.remote = None
         count = min(held, num_external_tokens // self.block_size)
-        hashes = tuple(tracked.seq[start:start + count])
-        targets = tuple(block_ids[start:start + count])
-        self._remote_loads[req_id] = RemoteLoad(peer, hashes, targets)
+        hashes, targets = self._load_targets(tracked, block_ids, start, start + count)
         self._loading.add(req_id)
         self.counters.lookups += 1
         matched = self.counters.tokens_matched
         matched["remote"] = matched.get("remote", 0) + count * self.block_size
         self._count_tenant_match(tracked, count)
         self._peers.forget(req_id)
+        if self.planner.engine_blocks_in_use().intersection(targets):
+            # vLLM gave the load blocks a store still reads (freed in this step by a
+            # preemption or a window): the worker starts a remote load before the step's
+            # flush, so it would write them under the store
+            log.warning("kvstrata: remote load for request %s not ordered: its blocks are "
+                        "still read by stores; recomputed", req_id)
+            self._fail_load(req_id, targets)
+            return
+        self._remote_loads[req_id] = RemoteLoad(peer, tuple(hashes), tuple(targets))
+
+    def _fail_load(self, req_id: str, targets: Sequence[int]) -> None:
+        """Have the workers report a load's ``targets`` failed, without copying anything
+        (vLLM recomputes them)."""
+        self._loads[req_id] = LoadOrder((), tuple(targets))
+        self.counters.blocks_load_failed += len(targets)
 
     def build_connector_meta(self, scheduler_output: Any) -> StepOrders:
         step = self._time_if_prefill(scheduler_output)
         preempted = getattr(scheduler_output, "preempted_req_ids", None) or ()
         if preempted:
             self._flush = True
+        self._check_freed_while_read(scheduler_output)
         if self.settings.store:
             self._offer_new_blocks(scheduler_output)
         self._outbox.extend(self.planner.take_plans())
@@ -491,13 +511,14 @@ class SchedulerHalf:
                  "it is dropped")
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
-        """vLLM's scheduler-side KV cache manager: its null block's id, and each KV cache
-        group's own count of the tokens it skips (exact where a window keeps extra
-        tokens)."""
+        """vLLM's scheduler-side KV cache manager: its null block's id, the block tables of
+        requests it does not schedule, and each KV cache group's own count of the tokens it
+        skips (exact where a window keeps extra tokens)."""
         pool = getattr(kv_cache_manager, "block_pool", None)
         null = getattr(getattr(pool, "null_block", None), "block_id", None)
         if isinstance(null, int):
             self._null_block = null
+        self._block_ids_of = getattr(kv_cache_manager, "get_block_ids", None)
         managers = getattr(getattr(kv_cache_manager, "coordinator", None),
                            "single_type_managers", None)
         if managers is not None and len(managers) == len(self.groups.groups):
@@ -511,6 +532,7 @@ class SchedulerHalf:
             block_ids = [b for ids in block_ids for b in ids if b != self._null_block]
         req_id = request.request_id
         tracked = self._requests.pop(req_id, None)
+        self._readers.pop(req_id, None)
         self._load_tiers.pop(req_id, None)
         if self._peers is not None:
             self._peers.forget(req_id)
@@ -615,7 +637,6 @@ class SchedulerHalf:
         state = getattr(scheduler_output, "kv_connector_block_state", None)
         if state is None:
             return
-        in_use = self.planner.engine_blocks_in_use() if self.groups.has_window else None
         for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
             tracked = self._requests.get(req_id)
             if tracked is None:
@@ -623,8 +644,6 @@ class SchedulerHalf:
             tables = state.get_block_ids(req_id)
             if not tables:
                 continue
-            if in_use is not None and tracked.reading:
-                self._check_freed_while_read(tracked, tables, in_use)
             request = tracked.request
             # Full after this step's forward, and named by token ids already sampled: draft
             # tokens (speculative decoding) and async scheduling's placeholders are scheduled
@@ -655,18 +674,39 @@ class SchedulerHalf:
             self.counters.blocks_offered += len(blocks)
             if not self.groups.groups[pos].keeps_every_block:
                 tracked.reading.extend((pos, i, ids[i]) for i in blocks)
+                self._readers[tracked.request.request_id] = tracked
         tracked.offered[pos] = full
 
-    def _check_freed_while_read(self, tracked: "_Tracked", tables: Sequence[list[int]],
-                                in_use: frozenset[int]) -> None:
-        """vLLM frees a sliding-window block once the window has passed it, in the step that
-        schedules the request, without asking: if a store still reads one, the workers must
-        finish the copies reading vLLM's KV before this step's forward (as after a
-        preemption), since the block may be given to another request now."""
-        still = [(pos, i, b) for pos, i, b in tracked.reading if b in in_use]
-        tracked.reading = still
-        if any(tables[pos][i] != b for pos, i, b in still if i < len(tables[pos])):
-            self._flush = True
+    def _check_freed_while_read(self, scheduler_output: Any) -> None:
+        """vLLM frees a sliding-window (or Mamba) block once the window has passed it,
+        without asking, when it tries to schedule the request: also in a step that then does
+        not schedule it (``allocate_slots`` frees them before it finds no room, and may give
+        them to a waiting request in that step). If a store still reads such a block, the
+        workers must finish the copies reading vLLM's KV before this step's forward (as
+        after a preemption). Every request with such stores in flight is checked, scheduled
+        or not."""
+        if not self._readers:
+            return
+        in_use = self.planner.engine_blocks_in_use()
+        for req_id, tracked in list(self._readers.items()):
+            still = [(pos, i, b) for pos, i, b in tracked.reading if b in in_use]
+            tracked.reading = still
+            if not still:
+                del self._readers[req_id]
+                continue
+            tables = self._tables_now(req_id, scheduler_output)
+            if tables is None or any(tables[pos][i] != b for pos, i, b in still
+                                     if i < len(tables[pos])):
+                self._flush = True
+
+    def _tables_now(self, req_id: str, scheduler_output: Any) -> Sequence[list[int]] | None:
+        """A request's block tables as vLLM holds them in this step, one per KV cache group
+        (None where they cannot be read: a request not scheduled, no KV cache manager
+        bound)."""
+        state = getattr(scheduler_output, "kv_connector_block_state", None)
+        if state is not None and req_id in scheduler_output.num_scheduled_tokens:
+            return state.get_block_ids(req_id)
+        return self._block_ids_of(req_id) if self._block_ids_of is not None else None
 
     def _count_not_stored(self) -> None:
         skipped = self.planner.stats.skipped_blocks
