@@ -274,3 +274,17 @@ def test_a_journal_flush_that_fails_records_none_of_its_batch(tmp_path, monkeypa
         assert _served(again, range(16), 0x1000) == expected
     finally:
         again.close()
+
+
+def test_a_closed_index_writes_nothing_and_never_opens_its_journal_again(tmp_path):
+    """A failed write on a closed index marked the journal to be rewritten, and the next
+    write rewrote and reopened it, its directory lock already let go."""
+    from kvstrata.physical.storage.disk_index import JournalWriteError
+
+    index = DiskIndex.open(tmp_path / "index", capacity=4, fingerprint="fp", stride=4096)
+    index.put([0], [11], [None], [11], [7])
+    index.close()
+    for _ in range(2):
+        with pytest.raises(JournalWriteError):
+            index.free([0])
+    assert index._fd < 0

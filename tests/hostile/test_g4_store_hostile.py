@@ -304,3 +304,26 @@ def test_other_ranks_are_listed_only_as_far_as_the_first_ranks_last_key(weed):
     assert consumed <= len(both) + 3                   # not the 200 beyond the last key
     r0.close()
     r1.close()
+
+
+def test_a_put_answered_409_is_another_writers_put_not_a_failure():
+    """AWS answers 409 ConditionalRequestConflict while another writer's PUT of the key is
+    in flight; the object is not visible yet, so a HEAD finds nothing. It is that writer's
+    (the same bytes), not a key made a directory. (The store is faked: unit-level.)"""
+    import types
+
+    from kvstrata.physical.storage.s3client import S3Config
+
+    client = S3Client(S3Config(endpoint_url="http://127.0.0.1:9", bucket="b"))
+    real = client._obs
+
+    def put(*args, **kwargs):
+        raise Exception("Generic S3 error: Client error with status code: 409 Conflict: "
+                        "ConditionalRequestConflict: A conflicting conditional operation is "
+                        "currently in progress against this resource.")
+
+    def head(*args, **kwargs):
+        raise FileNotFoundError("Object at location k not found: status code: 404")
+
+    client._obs = types.SimpleNamespace(put=put, head=head, exceptions=real.exceptions)
+    assert client.put_if_absent("ns/k", b"x") is False

@@ -197,7 +197,10 @@ def test_connections_in_the_handshake_are_few_and_small(exporter):
                for _ in range(control.MAX_UNAUTHENTICATED_PER_HOST)]
     try:
         with socket.create_connection(address, timeout=3) as newest:
-            assert waiting[0].recv(1) == b""                     # the oldest made room
+            told = b""
+            while chunk := waiting[0].recv(64):                  # the oldest made room,
+                told += chunk                                    # told it was busy first
+            assert msgpack.unpackb(told[4:]) == {"busy": True}
             newest.settimeout(0.3)
             with pytest.raises(socket.timeout):                  # the newest still waits
                 newest.recv(1)
@@ -256,3 +259,33 @@ def test_one_host_cannot_take_every_connection(exporter):
     finally:
         for sock in held:
             sock.close()
+
+
+def test_a_server_that_just_closes_the_handshake_gets_no_second_try():
+    """Only an exporter that says it is busy is tried again: a port whose server drops the
+    connection (not an exporter, a proxy with no backend) is an error at once, not a retry
+    loop until the call's deadline."""
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted = []
+
+    def serve():
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            accepted.append(conn)
+            conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        channel = ControlChannel(f"tcp://127.0.0.1:{listener.getsockname()[1]}", 5.0)
+        with pytest.raises(LeaseError):     # closed, or reset: either way no new try
+            channel.call({"op": "has", "hashes": hashes(1)})
+        assert len(accepted) == 1
+    finally:
+        listener.close()
+        thread.join(5)

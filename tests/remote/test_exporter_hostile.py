@@ -59,6 +59,9 @@ def test_leases_pin_at_most_their_shares_and_a_slot_pinned_twice_counts_once():
     assert [b[0] for b in again.blocks] == [1, 2] and [b[0] for b in other.blocks] == [5, 6]
     with pytest.raises(LeaseError, match="no block may be pinned"):  # 6 slots in all
         table.grant([7], ttl=5, owner="c3", group="host-b")
+    shared = table.grant([1, 2, 3, 7], ttl=5, owner="c5", group="host-d")
+    assert [b[0] for b in shared.blocks] == [1, 2, 3]      # pinned already: they cost nothing
+    table.release_owner("c5")
     assert table.release(first.lease_id, "c1")          # 1, 2 still c2's: 4 slots pinned
     assert [b[0] for b in table.grant([3, 4, 7], ttl=5, owner="c4", group="host-c").blocks] \
         == [3, 4]

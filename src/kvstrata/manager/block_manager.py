@@ -398,7 +398,9 @@ class KvBlockManager:
         in use; blocks in use stay), for good: a durable G3 journals it, so a restart does
         not bring them back (after a change of weights, say). The future gives how many were
         dropped. Objects in a shared G4 stay in the store (other workers may use them): this
-        worker forgets them until a listing finds them again."""
+        worker forgets them until a listing finds them again. The future fails with an
+        ``OSError`` if a durable G3 could not record it (a full disk): the blocks are served
+        no more, but a restart before their slots are reused would bring them back."""
         def run() -> int:
             dropped = 0
             for tier, pool in self.pools.items():

@@ -68,8 +68,9 @@ MAX_UNAUTHENTICATED_PER_HOST = 4
 """Connections still in the handshake, in all and from one network (:func:`network_of`).
 One more from a network at its limit closes that network's oldest; one more when all are
 taken closes the oldest of the network holding the most. A peer without the secret cannot
-hold the slots of those that have it: it can only keep replacing its own, and a reader's
-channel tries its handshake again until its deadline."""
+hold the slots of those that have it: it can only keep replacing its own. A connection so
+closed is told first (``{"busy": true}``), and a reader's channel then tries its handshake
+again until its deadline (a server that just closes the connection gets no new try)."""
 MAX_HANDSHAKE_BYTES = 256
 """Largest frame of the handshake, either way (a hello is about 60 bytes)."""
 
@@ -353,7 +354,17 @@ class ControlServer:
             victims = max(by_network.values(), key=len)
         else:
             return
-        self._drop(min(victims, key=lambda p: p.connected_at))
+        victim = min(victims, key=lambda p: p.connected_at)
+        if not victim.outbox:     # say why, so a reader with the secret tries again
+            try:
+                victim.sock.recv(MAX_HANDSHAKE_BYTES)   # unread bytes would reset it
+            except OSError:
+                pass
+            try:
+                victim.sock.send(_BUSY)
+            except OSError:
+                pass
+        self._drop(victim)
 
     def _service(self, peer: _Peer, mask: int) -> None:
         if mask & selectors.EVENT_WRITE and not self._flush(peer):
@@ -464,15 +475,17 @@ class _Closed(Exception):
 
 
 class _HandshakeCut(LeaseError):
-    """The server closed the connection in the handshake before it could have found this
-    channel's proof wrong (at its limit of connections in the handshake): worth another
-    try."""
+    """The server said it was busy and closed the connection in the handshake (at its limit
+    of connections in the handshake): worth another try."""
 
 
 class _StaleConnection(Exception):
     """A connection kept from an earlier call was closed by the server before the request
     was answered (it closes idle connections): the request may be sent again."""
 
+
+_BUSY = FRAME.pack(len(msgpack.packb({"busy": True}))) + msgpack.packb({"busy": True})
+"""What a connection still in the handshake is told when it is closed to make room."""
 
 HANDSHAKE_RETRY = 0.01
 """Seconds a channel waits before its first new try of a handshake the server cut (at its
@@ -593,23 +606,15 @@ class ControlChannel:
     def _handshake(self, sock: socket.socket, deadline: float) -> None:
         """Prove this channel holds the secret, and check the exporter does (:mod:`.auth`)."""
         ours = new_nonce()
-        try:
-            reply = self._roundtrip(sock, {"op": "hello", "nonce": ours}, deadline)
-        except (ConnectionResetError, BrokenPipeError):
-            raise _HandshakeCut(f"{self.control} closed the connection during the "
-                                f"handshake") from None
+        reply = self._roundtrip(sock, {"op": "hello", "nonce": ours}, deadline)
         theirs = reply.get("nonce")
         if not isinstance(theirs, bytes) or not proofs_match(
                 server_proof(self._secret, ours, theirs), reply.get("proof")):
             raise LeaseError(f"{self.control} did not prove it holds the sharing secret "
                              f"(another secret, or not a kvstrata exporter that has one)")
-        try:     # the exporter proved the same secret: a cut here is not our proof's fault
-            reply = self._roundtrip(sock, {"op": "auth",
-                                           "proof": client_proof(self._secret, ours, theirs)},
-                                    deadline)
-        except (ConnectionResetError, BrokenPipeError, _HandshakeCut):
-            raise _HandshakeCut(f"{self.control} closed the connection during the "
-                                f"handshake") from None
+        reply = self._roundtrip(sock, {"op": "auth",
+                                       "proof": client_proof(self._secret, ours, theirs)},
+                                deadline)
         if reply.get("ok") is not True:
             raise LeaseError(f"{self.control} refused this channel's proof of the secret")
 
@@ -619,8 +624,8 @@ class ControlChannel:
         try:
             header = self._exactly(sock, FRAME.size, deadline, first=True)
         except _Closed:
-            raise _HandshakeCut(f"{self.control} closed the connection during the handshake "
-                                f"(its limit of connections in the handshake)") from None
+            raise LeaseError(f"{self.control} closed the connection during the handshake "
+                             f"(another secret, or its connection limit reached)") from None
         (length,) = FRAME.unpack(header)
         if length > MAX_HANDSHAKE_BYTES:          # nothing proved yet: nothing big parsed
             raise LeaseError(f"{self.control} sent a handshake frame of {length} bytes")
@@ -630,6 +635,9 @@ class ControlChannel:
         if not isinstance(reply, dict):
             raise LeaseError(f"{self.control} answered the handshake with a "
                              f"{type(reply).__name__}")
+        if reply.get("busy") is True:
+            raise _HandshakeCut(f"{self.control} is at its limit of connections in the "
+                                f"handshake")
         return reply
 
     def _body(self, sock: socket.socket, header: bytes, deadline: float) -> bytes:

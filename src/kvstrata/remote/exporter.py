@@ -80,8 +80,8 @@ class BlockExporter:
         capacity = storage.layout.config.num_blocks
         self.leases = LeaseTable(
             pin, unpin, max_leases=max_leases,
-            max_blocks_per_owner=max(1, int(capacity * PINNED_SHARE_PER_HOST)),
-            max_blocks=max(1, int(capacity * PINNED_SHARE)))
+            max_blocks_per_owner=int(capacity * PINNED_SHARE_PER_HOST),
+            max_blocks=int(capacity * PINNED_SHARE))
         layout, regions = storage.layout, storage.descriptors()
         self._agent = NixlAgent(name)
         self._closed = False

@@ -87,8 +87,20 @@ class LeaseTable:
             raise LeaseError(f"a lease lasts > 0 seconds, got {ttl!r}")
         self.expire()
         with self._lock:
-            room = self._room(group)
-        blocks, token = self._pin(list(hashes[:room]))
+            self._check_count(group)
+        hashes = list(hashes)
+        blocks, token = self._pin(hashes)
+        if blocks:
+            with self._lock:
+                fit = self._fitting(blocks, group)
+            if fit == 0:
+                self._unpin(token)
+                raise LeaseError("no block may be pinned now (this reader's host, or all "
+                                 "readers together, pin as many as the exporter lets "
+                                 "them); release some first")
+            if fit < len(blocks):         # pinned as one handle: pin the prefix that fits
+                self._unpin(token)
+                blocks, token = self._pin(hashes[:fit])
         if not blocks:
             if token is not None:
                 self._unpin(token)
@@ -105,21 +117,31 @@ class LeaseTable:
             self._pinned_by_group.setdefault(group, Counter()).update(slots)
         return lease
 
-    def _room(self, group: Any) -> int:
-        """How many blocks one more lease of ``group`` may pin (> 0), or LeaseError."""
+    def _check_count(self, group: Any) -> None:
+        """LeaseError if no lease, or none more for ``group``, may be granted now."""
         if len(self._leases) >= self._max:
             raise LeaseError(f"{self._max} leases outstanding; release some first")
-        mine = [lease for lease, _, _, g in self._leases.values() if g == group]
-        if len(mine) >= self._max_per_owner:
-            raise LeaseError(f"this reader's host holds {len(mine)} leases, the most one "
-                             f"may; release some first")
-        room = min(self._max_blocks_per_owner - len(self._pinned_by_group.get(group, ())),
-                   self._max_blocks - len(self._pinned))
-        if room <= 0:
-            raise LeaseError("no block may be pinned now (this reader's host, or all "
-                             "readers together, pin as many as the exporter lets them); "
-                             "release some first")
-        return room
+        mine = sum(1 for _, _, _, g in self._leases.values() if g == group)
+        if mine >= self._max_per_owner:
+            raise LeaseError(f"this reader's host holds {mine} leases, the most one may; "
+                             f"release some first")
+
+    def _fitting(self, rows: Sequence[tuple[int, int, int]], group: Any) -> int:
+        """How many of pinned ``rows`` fit the block caps: a slot some lease (of ``group``,
+        for its own cap) pins already costs nothing more."""
+        mine = self._pinned_by_group.get(group, Counter())
+        room_mine = self._max_blocks_per_owner - len(mine)
+        room_all = self._max_blocks - len(self._pinned)
+        seen: set[int] = set()
+        for end, (_, slot, _) in enumerate(rows):
+            if slot in seen:
+                continue
+            seen.add(slot)
+            room_mine -= slot not in mine
+            room_all -= slot not in self._pinned
+            if room_mine < 0 or room_all < 0:
+                return end
+        return len(rows)
 
     def held(self, hashes: Sequence[int]) -> int:
         """How long a prefix of ``hashes`` is held now (pinned and unpinned at once)."""

@@ -264,7 +264,12 @@ class WorkerHalf:
         for tier, slots in orders.forget.items():
             forget = getattr(self.storages.by_tier.get(tier), "forget", None)
             if forget is not None:
-                forget(slots)
+                try:
+                    forget(slots)
+                except OSError as exc:     # the step goes on: served no more, kept on disk
+                    log.error("kvstrata: %s could not record %d cleared blocks (%s); a "
+                              "restart before their slots are reused brings them back",
+                              tier, len(slots), exc)
         for req_id, order in orders.loads.items():
             self._request_jobs[req_id] = set(order.job_ids)
             if order.unloadable:

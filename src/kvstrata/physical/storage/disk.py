@@ -479,17 +479,13 @@ class DiskStorage(BlockStore):
     def forget(self, block_ids: Sequence[int]) -> None:
         """Slots ``block_ids`` no longer hold their blocks, for good: a durable slab journals
         it, so a restart does not recover them (an invalidation, as opposed to an eviction,
-        whose bytes stay valid until the slot is written again). Where the journal cannot
-        be written (a full disk), a slot stays in it, with its block, until it is written
-        again: a restart before that recovers the block."""
+        whose bytes stay valid until the slot is written again). Raises
+        :class:`~.disk_index.JournalWriteError` (an ``OSError``) naming the slots the journal
+        could not take (a full disk): they are no longer served here, but a restart before
+        their slots are written again recovers them."""
         self.checksums.invalidate(block_ids)
         if self.index is not None:
-            try:
-                self.index.free(block_ids)
-            except JournalWriteError as exc:
-                log.warning("kvstrata: %d blocks dropped from %s stay in its journal until "
-                            "their slots are written again (%s)", len(exc.unrecorded),
-                            self.path, exc)
+            self.index.free(block_ids)
 
     def read_blocks(self, block_ids: Sequence[int], destinations: Sequence[np.ndarray],
                     sequence_hashes: Sequence[int]) -> list[int]:

@@ -407,7 +407,11 @@ class DiskIndex:
     def _settle_locked(self, slots: Sequence[int]) -> None:
         """Before writing to the journal: rewrite it if a failed cut left bytes past its
         last record, or a cut took off whole records (see :meth:`_append`). Raises
-        :class:`JournalWriteError` for all ``slots`` while that fails."""
+        :class:`JournalWriteError` for all ``slots`` while that fails, or once the index
+        is closed (a rewrite would open the journal again, its lock let go)."""
+        if self._fd < 0:
+            raise JournalWriteError(OSError(errno.EBADF, "the disk tier index is closed"),
+                                    slots)
         if self._rewrite_due:
             try:
                 self._rewrite_locked()

@@ -15,8 +15,9 @@ throttling (503 SlowDown, 429); :class:`ObjectStoreRequestError` covers what ret
 fix (403 denied, 400 bad request, other 4xx). Both are :class:`ObjectStoreError`.
 
 Conditional PUT: ``If-None-Match: *`` makes "write once" atomic across workers; a 412 or 409
-answer means the object exists, which a HEAD confirms (SeaweedFS answers 412 for a key that
-an object under ``key/`` made a directory: nothing is stored there, an error). A server that
+answer means the object exists (a 409, another writer's PUT of the key in flight, taken as
+such), and a 412 is confirmed by a HEAD (SeaweedFS answers 412 for a key that an object
+under ``key/`` made a directory: nothing is stored there, an error). A server that
 does not implement it (501 NotImplemented, or obstore's "not supported") is remembered and
 served by HEAD then PUT (two workers may then both write the same block; harmless, the bytes
 are equal). ``S3Config(conditional_put=False)`` skips the attempt.
@@ -189,6 +190,9 @@ class S3Client:
             except Exception as exc:
                 outcome = self._classify(exc, f"PUT {key}", conditional=True)
                 if outcome == "exists":
+                    if _status_of(exc) == 409:
+                        # AWS: another writer's PUT of this key is in flight (the same bytes)
+                        return False
                     if not self.head(key):     # one HEAD, only when nothing was written
                         raise ObjectStoreRequestError(
                             f"PUT {key} on {self.config.endpoint_url}/{self.config.bucket}: "
