@@ -52,6 +52,7 @@ def storage_config(tmp_path, mla=False, tp_rank=0, tp_size=1, pp_rank=0, pp_size
     extra_config = {"backend_name": "kvstrata", "module_path": "kvstrata.connectors.sglang",
                     "class_name": "KvStrataStorage", "interface_v1": 1,
                     "tiers": {"G3": {"blocks": 64}}, "disk_dir": str(tmp_path / "g3"), **extra}
+    extra_config = {k: v for k, v in extra_config.items() if v is not None}
     return HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank,
                                 pp_size=pp_size, attn_cp_rank=0, attn_cp_size=1,
                                 is_mla_model=mla, enable_storage_metrics=False,
@@ -287,6 +288,37 @@ def test_a_hybrid_models_side_pools_are_refused_at_start(tmp_path):
         store.register_mem_host_pool_v2(store.mem_pool_host, PoolName.KV)   # the KV anchor
         with pytest.raises(SGLangConfigError, match="mamba"):
             store.register_mem_host_pool_v2(object(), PoolName.MAMBA)
+        # SGLang does not undo an attach that failed there: the refused backend let go of
+        # its G3 (held locked, an attach again on the same directory was refused)
+        assert store.manager is None
+        with closing(backend(tmp_path, host_pool("page_first", False))) as again:
+            assert again.manager is not None
+
+
+def test_sglangs_own_keys_are_accepted_where_a_decode_server_hands_them_on(tmp_path):
+    """A PD decode server's offload manager hands the whole extra config to the backend,
+    SGLang's prefetch keys included (its cache controller takes them out elsewhere): they
+    were refused as unknown, and the decode server did not start."""
+    own = {"prefetch_threshold": 256, "prefetch_timeout_base": 1,
+           "prefetch_timeout_per_ki_token": 0.25, "hicache_storage_pass_prefix_keys": True,
+           "tp_lcm_size": 2}
+    with closing(backend(tmp_path, host_pool("page_first", False), **own)) as store:
+        store.batch_set_v1(keys_of(2), slots([0, 1]))
+        assert store.batch_exists(keys_of(2)) == 2
+
+
+def test_data_parallel_ranks_keep_their_own_g3_wherever_its_directory_is_named(tmp_path):
+    """Only disk_dir got a directory per data-parallel rank: with the tier's own path, every
+    rank (all tp rank 0) claimed one G3 home, and rank 1 could not start."""
+    tiers = {"G3": {"blocks": 64, "path": str(tmp_path / "g3p")}}
+    made = [backend(tmp_path, host_pool("page_first", False, seed=rank), dp_rank=rank,
+                    tiers=tiers, disk_dir=None) for rank in (0, 1)]
+    try:
+        made[0].batch_set_v1(keys_of(2), slots([0, 1]))
+        assert [m.batch_exists(keys_of(2)) for m in made] == [2, 0]
+    finally:
+        for m in made:
+            m.close()
 
 
 def test_cleared_pages_stay_gone_after_a_restart(tmp_path):

@@ -102,10 +102,12 @@ class KvStrataStorage(HiCacheStorage):
             raise SGLangConfigError(f"kvstrata HiCache backend: {exc}") from None
         config = kv_config(self.settings, pool, self._identity())
         dp_rank = int(getattr(self.storage_config, "dp_rank", 0) or 0)
-        if config.disk_dir and dp_rank:
-            # data-parallel attention ranks each have a backend of tp rank 0: one home each
-            config = replace(config, disk_dir=engine_directory(config.disk_dir, dp_rank))
         disk = first_of_kind(TierKind.DISK)
+        directory = config.directory_of(disk) if disk in config.tiers else None
+        if directory and dp_rank:
+            # data-parallel attention ranks each have a backend of tp rank 0: one home each
+            # (wherever the directory was named: disk_dir or the tier's own path)
+            config = replace(config, disk_dir=engine_directory(directory, dp_rank))
         if self.shared and (disk not in config.tiers or config.directory_of(disk) is None):
             raise SGLangConfigError(
                 f"kvstrata HiCache backend: an MLA model over {self.storage_config.tp_size} "
@@ -163,8 +165,10 @@ class KvStrataStorage(HiCacheStorage):
         (serving KV without the state it goes with would never be a usable hit)."""
         name = getattr(host_pool_name, "value", host_pool_name)
         if name != "kv":
-            raise SGLangConfigError(f"kvstrata HiCache backend: a {name!r} host pool (a hybrid "
-                                    f"model's) is not held yet; kvstrata holds plain KV pools")
+            self.close()       # SGLang does not undo the attach: let go of G3 and threads
+            raise SGLangConfigError(f"kvstrata HiCache backend: a {name!r} host pool (beside "
+                                    f"the KV pool) is not held yet; kvstrata holds plain KV "
+                                    f"pools")
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
 
     # -- the verbs SGLang calls ------------------------------------------------------------

@@ -48,8 +48,14 @@ from .host_pool import HostPoolView
 __all__ = ["BackendSettings", "SGLangConfigError", "settings_from", "kv_config", "KNOWN",
            "SGLANG_KEYS", "DEFAULT_TIERS"]
 
-SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
-"""SGLang's own keys that reach a dynamic backend's extra config."""
+SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1",
+                         "prefetch_threshold", "prefetch_timeout_base",
+                         "prefetch_timeout_per_ki_token", "hicache_storage_pass_prefix_keys",
+                         "tp_lcm_size"})
+"""SGLang's own keys that may reach a dynamic backend's extra config: its cache controller
+takes the prefetch keys and ``tp_lcm_size`` out before it builds the backend, but a PD
+decode server's offload manager hands the whole extra config on (they were refused as
+unknown, and a decode server with the documented config did not start)."""
 
 KNOWN = ENGINE_KEYS
 """The keys kvstrata reads: the ones every engine connector reads, no SGLang-only ones."""
