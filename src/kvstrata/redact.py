@@ -14,18 +14,17 @@ __all__ = ["redacted"]
 def redacted(url: str, *, query: bool = True) -> str:
     """``url`` with any ``user:password@`` or ``token@`` replaced by ``***@`` and, unless
     ``query`` is false (a query known to hold only options), its query string by ``?***``.
-    Also for text that is not a well-formed URL: whatever precedes the last ``@`` of the
-    authority goes."""
+    Also for text that is not a well-formed URL: whatever precedes the last ``@`` goes."""
     if not isinstance(url, str):
         return url
     scheme, sep, rest = url.partition("://")
     if not sep:
         scheme, rest = "", url
-    # the credentials end at the last "@" before any query or fragment: a password may hold
-    # a "/" (base64 does), so the authority's end cannot be trusted to come first
-    head = rest.split("?", 1)[0].split("#", 1)[0]
-    if "@" in head:
-        rest = "***@" + rest[head.rindex("@") + 1:]
+    # the credentials end at the last "@": a password may hold a "/" (base64 does), a "?"
+    # or a "#" (typed without percent-encoding), so neither the authority's end nor the
+    # query's start can be trusted to come first (an "@" further on hides more, not less)
+    if "@" in rest:
+        rest = "***@" + rest[rest.rindex("@") + 1:]
     authority, slash, path = rest.partition("/")
     if query:
         path, mark, _ = path.partition("?")

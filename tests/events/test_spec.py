@@ -131,3 +131,18 @@ def test_redacted_takes_credentials_and_signed_queries_out():
     assert redacted("nats://u:p@h:1/s?format=dynamo", query=False) == "nats://***@h:1/s?format=dynamo"
     assert redacted("user:pw@host/x") == "***@host/x"
     assert redacted("http://user:s3cr/etPW@host:9000/b") == "http://***@host:9000/b"   # base64
+
+
+@pytest.mark.parametrize("password", ["s3cr?tPW", "s3cr#tPW", "s3cr?t#P/W"])
+def test_a_password_holding_a_query_or_fragment_mark_is_not_shown(password):
+    """The credentials were looked for before the first "?" or "#" only: a password typed
+    without percent-encoding came back in the message saying what was wrong with it."""
+    from kvstrata.redact import redacted
+
+    for url in (f"nats://indexer:{password}@127.0.0.1:4222/kv",
+                f"nats://indexer:{password}@127.0.0.1:99999/kv"):
+        shown = redacted(url)
+        assert "s3cr" not in shown and shown.startswith("nats://***@127.0.0.1")
+    with pytest.raises(ValueError) as refused:
+        parse_sink_spec(f"nats://indexer:{password}@127.0.0.1:99999/kv")
+    assert "s3cr" not in str(refused.value)
