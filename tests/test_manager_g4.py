@@ -286,3 +286,33 @@ def test_encrypt_at_rest_stores_no_block_in_clear_and_loads_them_back(weed, tena
         with reader.onboard(hashes_of(records)).result(HANG_GUARD) as loaded:
             assert len(loaded) == 1
             assert [f.kind for f in loaded.failures] == ["checksum_mismatch"]
+
+
+def test_a_clear_the_g3_journal_cannot_record_still_clears_g4(weed, tenant, tmp_path,
+                                                                monkeypatch):
+    """A clear whose G3 journal write failed (a full disk) stopped at G3: the future failed,
+    and G4, cleared after G3, kept serving the old model's blocks."""
+    import errno
+    import os
+
+    config = g4_config(g3=32, tenant=tenant)
+    records = chain(8)
+    with _manager(weed, config, disk_dir=str(tmp_path)) as mgr:
+        _store_all(mgr, records, payloads(mgr, records))
+        assert all(h in mgr.pools["G4"] for h in hashes_of(records))
+        full = {int(f) for f in os.listdir("/proc/self/fd")
+                if os.path.basename(os.path.realpath(f"/proc/self/fd/{f}")) == "index"}
+        assert full
+        pwrite, write = os.pwrite, os.write
+
+        def refuse(fd):
+            if fd in full:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        monkeypatch.setattr(os, "pwrite", lambda fd, data, at: refuse(fd) or pwrite(fd, data, at))
+        monkeypatch.setattr(os, "write", lambda fd, data: refuse(fd) or write(fd, data))
+        with pytest.raises(OSError):
+            mgr.clear().result(HANG_GUARD)
+        monkeypatch.setattr(os, "pwrite", pwrite)
+        monkeypatch.setattr(os, "write", write)
+        assert not any(h in mgr.pools["G4"] for h in hashes_of(records))

@@ -403,6 +403,7 @@ class KvBlockManager:
         no more, but a restart before their slots are reused would bring them back."""
         def run() -> int:
             dropped = 0
+            failed: OSError | None = None
             for tier, pool in self.pools.items():
                 if tier == self._top:
                     continue
@@ -410,7 +411,12 @@ class KvBlockManager:
                 dropped += len(gone)
                 forget = getattr(self._storages.by_tier[tier], "forget", None)
                 if forget is not None and gone:
-                    forget(gone)
+                    try:
+                        forget(gone)
+                    except OSError as exc:     # every tier is cleared all the same
+                        failed = failed or exc
+            if failed is not None:
+                raise failed
             return dropped
         return self._call(run)
 

@@ -677,6 +677,10 @@ def test_stores_a_flush_gave_up_on_fail_and_g2_never_serves_what_the_forward_wro
     sim.run()
     g2 = sim.scheduler.planner.pools["G2"]
     assert not any(h in g2 for h in _hashes(sim, tokens))     # failed: not registered
+    storage = sim.workers[0].storages.by_tier["G2"]           # nor leased to a peer
+    held = storage.pin_held(_hashes(sim, tokens))
+    storage.unpin([slot for _, slot, _ in held])
+    assert held == []
     sim.requests["a"] = parked
     request = sim.add("b", tokens + [9])
     step_until(sim, lambda: request.state == "running")

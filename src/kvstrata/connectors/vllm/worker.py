@@ -427,7 +427,27 @@ class WorkerHalf:
             self._take(result, finished_at)
 
     def _finished(self, result: TransferResult) -> None:
+        if result.plan.job_id in self._overwritten:     # at once: an export may lease it
+            self._unseal(result.plan)
         self._done.put((time.monotonic(), result))
+
+    def _unseal(self, plan: TransferPlan) -> None:
+        """The blocks copy ``plan`` wrote are not what they are named (the copy read what a
+        forward overwrote): they are no longer served from their tier, to a peer's lease
+        either, and a durable tier's journal forgets them."""
+        storage = self.storages.by_tier.get(plan.dst_tier) if self.storages else None
+        ids = [b for b in plan.dst_block_ids if b >= 0]
+        if storage is None or not ids:
+            return
+        try:
+            forget = getattr(storage, "forget", None)
+            if forget is not None:
+                forget(ids)
+            elif getattr(storage, "checksums", None) is not None:
+                storage.checksums.invalidate(ids)
+        except OSError as exc:
+            log.error("kvstrata: %s could not drop %d blocks copied from overwritten KV (%s)",
+                      plan.dst_tier, len(ids), exc)
 
     def _take(self, result: TransferResult, finished_at: float) -> None:
         # Neither the time a store waited for the forward that writes what it reads, nor
@@ -441,6 +461,7 @@ class WorkerHalf:
         job = result.plan.job_id
         if job in self._overwritten:
             self._overwritten.discard(job)
+            self._unseal(result.plan)
             result = replace(TransferResult.failed(
                 result.plan, FailureKind.INTERNAL, "vLLM's forward overwrote the blocks this "
                 "copy read (a flush gave up waiting for it)"),
