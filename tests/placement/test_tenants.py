@@ -130,15 +130,23 @@ def test_the_ledger_holds_exactly_what_the_tiers_hold_under_random_traffic():
         p.pools["G3"].check_invariants()
 
 
-def test_blocks_of_no_known_tenant_count_against_no_quota():
+def test_restored_blocks_belong_to_the_recovered_tenant_and_count_against_its_quota():
+    """A durable tier's journal keeps no tenant: what it recovered is held by one tenant,
+    (recovered), under the quota any unnamed tenant gets (unowned, they counted against
+    none, and loaded back up they took a tier from every other tenant)."""
+    from kvstrata.placement.tenants import RECOVERED_TENANT
+
     p = planner(g2=16, quota="25%")
     p.prepare_offload("G1", chain(8, start=0), engine_block_ids=list(range(8)))
     drive(p)                                      # the default tenant "" has a quota too
     assert p.tenants.usage()["G2"] == {"": 4}
     restored = chain(6, start=9000)
     p.restore("G2", list(zip(range(10, 16), restored)))
-    assert held(p, "G2", restored) == 6
-    assert p.tenants.usage()["G2"] == {"": 4}
+    assert held(p, "G2", restored) == 6          # all restored, over its quota of 4...
+    assert p.tenants.usage()["G2"] == {"": 4, RECOVERED_TENANT: 6}
+    # ...so one more of its blocks first evicts its own down to its quota, no one else's
+    assert p.tenants.room(p.pools["G2"], RECOVERED_TENANT, 1) == 1
+    assert p.tenants.usage()["G2"] == {"": 4, RECOVERED_TENANT: 3}
 
 
 def test_no_quota_configured_means_no_ledger():
