@@ -104,7 +104,8 @@ def test_blocking_sink_never_blocks_caller_and_counts_drops():
         reg.record_stored("G1", chain(s, 1))
     elapsed = time.monotonic() - t0
     m = pub.metrics()
-    assert m["dropped"] > 0 and m["lag"] <= 64 and m["enqueued"] == 2000
+    # lag: the buffer and the batch the sink holds
+    assert m["dropped"] > 0 and m["lag"] <= 64 + 8 and m["enqueued"] == 2000
     assert elapsed < 30  # generous; the point is the loop finished while the sink is stuck
     release.set()
     assert pub.flush(5)

@@ -164,6 +164,6 @@ def test_dead_sink_never_blocks_the_caller(kind, capsys):
     with capsys.disabled():
         print(f"\n[{kind}] {2 * n} registry updates: {base * 1e3:.1f} ms with a null sink, "
               f"{dead * 1e3:.1f} ms with a dead sink (x{dead / base:.2f}); dropped={m['dropped']}")
-    assert m["dropped"] > 0 and m["lag"] <= 1024
+    assert m["dropped"] > 0 and m["lag"] <= 1024 + 64   # the buffer and the batch in the sink
     release.set()
     pub.close(timeout=1.0)

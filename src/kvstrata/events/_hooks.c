@@ -3,13 +3,15 @@
  *   stored(publisher, tier, records) -> bool
  *       EventPublisher.on_tier_stored for its common case: ``records`` (BlockRecords, exactly
  *       that type) form one parent-linked run of one block size, all new to the tier and
- *       without repeats. Does what the Python code does for that case (shadow set, event id,
- *       timestamp, the stored item, the tier's log, the send buffer, the counters, waking the
- *       batching thread) and returns True; returns False having changed nothing otherwise
- *       (the caller then runs the Python code, which takes its slow path).
+ *       without repeats, no longer than one event holds (EventPublisher.event_blocks; the
+ *       Python code cuts a longer run into several events). Does what the Python code does
+ *       for that case (shadow set, event id, timestamp, the stored item, the tier's log, the
+ *       send buffer, the counters, waking the batching thread) and returns True; returns
+ *       False having changed nothing otherwise (the caller then runs the Python code).
  *   removed(publisher, tier, hashes) -> bool
- *       EventPublisher.on_tier_removed, whole; False (nothing done) only for a publisher
- *       of a class configure() was not given (e.g. after a reload of the module).
+ *       EventPublisher.on_tier_removed, whole; False (nothing done) for a publisher of a
+ *       class configure() was not given (e.g. after a reload of the module) and for more
+ *       hashes than one event holds (``max_event_blocks``: the Python code splits them).
  *
  * Why: per event the Python hooks were a dozen attribute reads and writes, a lock, a clock
  * and a bounded-buffer check, each a bytecode round trip (~1.5-2 us); here they are one call.
@@ -32,7 +34,8 @@
 static Py_ssize_t r_seq, r_local, r_parent, r_size, r_tokens;
 /* EventPublisher slots */
 static Py_ssize_t p_lock, p_cond, p_buffer, p_tiers, p_ts, p_ts_text, p_last_id, p_done_id,
-    p_first_pending_at, p_closing, p_enqueued, p_dropped, p_buffer_events, p_max_batch, p_keep_tokens;
+    p_first_pending_at, p_closing, p_enqueued, p_dropped, p_buffer_events, p_max_batch, p_keep_tokens,
+    p_max_event_blocks, p_max_event_tokens;
 /* _TierShadow slots */
 static Py_ssize_t s_held, s_log, s_logged, s_limit;
 
@@ -84,7 +87,8 @@ static PyObject *configure(PyObject *mod, PyObject *args) {
         {"_tiers", &p_tiers}, {"_ts", &p_ts}, {"_ts_text", &p_ts_text}, {"_last_id", &p_last_id},
         {"_done_id", &p_done_id}, {"_first_pending_at", &p_first_pending_at}, {"_closing", &p_closing},
         {"enqueued", &p_enqueued}, {"dropped", &p_dropped}, {"buffer_events", &p_buffer_events},
-        {"max_batch", &p_max_batch}, {"keep_tokens", &p_keep_tokens}, {NULL, NULL}};
+        {"max_batch", &p_max_batch}, {"keep_tokens", &p_keep_tokens},
+        {"max_event_blocks", &p_max_event_blocks}, {"max_event_tokens", &p_max_event_tokens}, {NULL, NULL}};
     static const SlotName shadow_slots[] = {{"held", &s_held}, {"log", &s_log}, {"logged", &s_logged},
         {"limit", &s_limit}, {NULL, NULL}};
     configured = 0;
@@ -249,6 +253,29 @@ static int at_batch_boundary(Py_ssize_t n, PyObject *pub) {
     int r = PyObject_Not(rem);
     Py_DECREF(rem);
     return r;
+}
+
+/* Whether ``n`` blocks (or hashes) fit in one event: ``n <= max_event_blocks`` and, when the
+ * event carries tokens of ``block_size`` (an int, else NULL), ``n <= max(1, max_event_tokens //
+ * block_size)``, as EventPublisher.event_blocks computes it. 1, 0 (also for a setting or size
+ * that is not a plain int: the Python code decides), or -1 with an exception. */
+static int fits_one_event(PyObject *pub, Py_ssize_t n, PyObject *block_size) {
+    PyObject *v;
+    long long blocks, tokens, size;
+    int exact = setting(pub, p_max_event_blocks, &v, &blocks);
+    if (exact <= 0) return exact;
+    if ((long long)n > blocks) return 0;
+    if (!block_size) return 1;
+    if (!PyLong_CheckExact(block_size)) return 0;
+    int overflow;
+    size = PyLong_AsLongLongAndOverflow(block_size, &overflow);
+    if (size == -1 && PyErr_Occurred()) return -1;
+    if (overflow) return 0;
+    if (size <= 0) return 1;
+    exact = setting(pub, p_max_event_tokens, &v, &tokens);
+    if (exact <= 0) return exact;
+    long long limit = tokens / size;   /* Python's // where tokens > 0; 1 either way below it */
+    return (long long)n <= (limit > 1 ? limit : 1);
 }
 
 /* Set when a hook filled a batch and woke the batching thread: the hook lets go of the GIL
@@ -454,6 +481,11 @@ static PyObject *hook_stored(PyObject *mod, PyObject *const *args, Py_ssize_t na
     Py_ssize_t n = PyTuple_GET_SIZE(recs);
     PyObject **rs = &PyTuple_GET_ITEM(recs, 0);
     int run = n ? one_linked_run(rs, n) : 0;
+    if (run > 0) {   /* a run longer than one event holds: the Python code cuts it */
+        int tokens = SLOT(pub, p_keep_tokens) ? PyObject_IsTrue(SLOT(pub, p_keep_tokens)) : 0;
+        run = tokens < 0 ? -1 : fits_one_event(pub, n, tokens && SLOT(rs[0], r_tokens) != Py_None
+                                                           ? SLOT(rs[0], r_size) : NULL);
+    }
     if (run <= 0) {
         Py_DECREF(recs);
         if (run < 0) return NULL;
@@ -519,6 +551,12 @@ static PyObject *hook_removed(PyObject *mod, PyObject *const *args, Py_ssize_t n
     if (!usable(pub)) Py_RETURN_FALSE;       /* the Python code handles it */
     PyObject *seq = PySequence_Fast(args[2], "removed: hashes must be a sequence");
     if (!seq) return NULL;
+    int fits = fits_one_event(pub, PySequence_Fast_GET_SIZE(seq), NULL);
+    if (fits <= 0) {                         /* more than one event holds: the Python code */
+        Py_DECREF(seq);
+        if (fits < 0) return NULL;
+        Py_RETURN_FALSE;
+    }
     PyObject *lock = SLOT(pub, p_lock);
     Py_INCREF(lock);
     if (call_method0(lock, str_acquire) < 0) { Py_DECREF(lock); Py_DECREF(seq); return NULL; }

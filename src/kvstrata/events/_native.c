@@ -20,6 +20,8 @@
  *              indices, keyed by the node's sequence hash
  *   by_child   the same, keyed by (parent index, local hash): the parent's "children" map
  *   holders    up to two inline per node, more in a small heap array
+ *   held       per holder, a log of the records it was given (with records since let go of,
+ *              dropped in passes): clear and hashes_in cost what the holder holds
  *
  * Core(): store(holder, parent_or_None, blocks), remove(holder, hashes), clear(holder),
  * match(hashes, holders), match_local(local_hashes, holders) (holders[holder] is the
@@ -45,8 +47,8 @@ typedef struct {
     uint64_t seq, local;
     uint32_t parent;   /* NIL, FREED or a node index */
     uint32_t nkids;    /* live nodes whose parent is this one (next free index when freed) */
-    uint32_t nhold;
-    uint32_t hcap;     /* 0: holders inline in h.in */
+    uint32_t nhold;    /* up to two holders inline in h.in; more in h.heap, whose [0] is its capacity */
+    uint32_t up;       /* NIL, or an ancestor nearer the top of the tree: a shortcut of top_of */
     union { uint32_t in[2]; uint32_t *heap; } h;
 } Node;
 
@@ -62,6 +64,11 @@ typedef struct {
 } Table;
 
 typedef struct {
+    uint32_t *v;       /* record indices, in the order the holder was given them */
+    uint64_t n, cap;
+} Held;
+
+typedef struct {
     PyObject_HEAD
     Node **chunks;
     uint32_t nchunks, nalloc;   /* chunks allocated, records handed out (high-water) */
@@ -72,6 +79,8 @@ typedef struct {
     Table by_seq, by_child;
     uint64_t *counts;           /* per holder: nodes it holds */
     uint32_t *runs;             /* per holder, scratch of match() (kept zero between calls) */
+    Held *held;                 /* per holder: every node it holds, and some it no longer does */
+    uint64_t held_bytes;
     uint32_t nholders;
 } Core;
 
@@ -85,7 +94,7 @@ static inline uint64_t mix64(uint64_t x) {
 static inline uint64_t child_key(uint32_t parent, uint64_t local) {
     return mix64(local ^ ((uint64_t)parent * 0x9E3779B97F4A7C15ULL));
 }
-static inline uint32_t *holders_of(Node *n) { return n->hcap ? n->h.heap : n->h.in; }
+static inline uint32_t *holders_of(Node *n) { return n->nhold > 2 ? n->h.heap + 1 : n->h.in; }
 
 /* ---- tables ------------------------------------------------------------------------------ */
 
@@ -201,7 +210,7 @@ static uint32_t node_new(Core *c, uint64_t seq) {
     uint32_t i = node_alloc(c);
     if (i == NIL) return NIL;
     Node *n = N(c, i);
-    n->seq = seq; n->local = 0; n->parent = NIL; n->nkids = 0; n->nhold = 0; n->hcap = 0;
+    n->seq = seq; n->local = 0; n->parent = NIL; n->nkids = 0; n->nhold = 0; n->up = NIL;
     int found; uint64_t k = seq_find_slot(c, seq, &found);
     c->by_seq.slots[k].idx = i; c->by_seq.slots[k].tag = (uint32_t)mix64(seq); c->by_seq.used++;
     c->live++;
@@ -210,8 +219,8 @@ static uint32_t node_new(Core *c, uint64_t seq) {
 
 static void node_free(Core *c, uint32_t i) {
     Node *n = N(c, i);
-    if (n->hcap) { c->heap_bytes -= n->hcap * sizeof(uint32_t); free(n->h.heap); }
-    n->hcap = 0; n->nhold = 0;
+    if (n->nhold > 2) { c->heap_bytes -= (n->h.heap[0] + 1) * sizeof(uint32_t); free(n->h.heap); }
+    n->nhold = 0;
     n->parent = FREED;
     n->nkids = 0;
     c->live--;
@@ -224,41 +233,93 @@ static void node_free(Core *c, uint32_t i) {
     c->free_stack[c->nfree++] = i;
 }
 
-static int holder_add(Core *c, Node *n, uint32_t h) {
+/* Where holder h is in node n's holders, or -1. */
+static int holder_index(Node *n, uint32_t h) {
     uint32_t *hs = holders_of(n);
-    for (uint32_t j = 0; j < n->nhold; j++) if (hs[j] == h) return 0;
-    uint32_t cap = n->hcap ? n->hcap : 2;
+    for (uint32_t j = 0; j < n->nhold; j++) if (hs[j] == h) return (int)j;
+    return -1;
+}
+
+#define MARK 0x80000000u   /* holder ids are below 2^28 (as_holder): a bit for held_compact */
+
+/* A holder's log lists each node it holds at least once. It is compacted (records let go of
+ * dropped, and repeats: a freed record reused for a node the holder takes again) when it fills
+ * up at half again the holder's count or more, so it stays within a small multiple of that
+ * count, and a pass is paid for by the additions since the last. */
+static void held_compact(Core *c, uint32_t h) {
+    Held *L = &c->held[h];
+    uint64_t k = 0;
+    for (uint64_t j = 0; j < L->n; j++) {          /* keep the first entry of each node held */
+        if (j + 8 < L->n) __builtin_prefetch(N(c, L->v[j + 8]));
+        Node *n = N(c, L->v[j]);
+        int at = holder_index(n, h);
+        if (at >= 0) { holders_of(n)[at] |= MARK; L->v[k++] = L->v[j]; }
+    }
+    for (uint64_t j = 0; j < k; j++) {
+        Node *n = N(c, L->v[j]);
+        holders_of(n)[holder_index(n, h | MARK)] = h;
+    }
+    L->n = k;
+    uint64_t want = k + k / 2 + 64;
+    if (L->cap > 2 * want) {
+        uint32_t *v = realloc(L->v, want * sizeof(uint32_t));
+        if (v) { c->held_bytes -= (L->cap - want) * sizeof(uint32_t); L->v = v; L->cap = want; }
+    }
+}
+
+static int held_push(Core *c, uint32_t h, uint32_t i) {
+    Held *L = &c->held[h];
+    if (L->n == L->cap) {
+        if (L->n >= c->counts[h] + c->counts[h] / 2 + 64) held_compact(c, h);
+        if (L->n == L->cap) {
+            uint64_t cap = L->cap + L->cap / 2 + 64;
+            uint32_t *v = realloc(L->v, cap * sizeof(uint32_t));
+            if (!v) { PyErr_NoMemory(); return -1; }
+            c->held_bytes += (cap - L->cap) * sizeof(uint32_t);
+            L->v = v; L->cap = cap;
+        }
+    }
+    L->v[L->n++] = i;
+    return 0;
+}
+
+static int holder_add(Core *c, uint32_t i, uint32_t h) {
+    Node *n = N(c, i);
+    if (holder_index(n, h) >= 0) return 0;
+    if (held_push(c, h, i) < 0) return -1;     /* first: an entry for a node not held is harmless */
+    uint32_t *hs = holders_of(n);
+    uint32_t cap = n->nhold > 2 ? n->h.heap[0] : 2;
     if (n->nhold == cap) {
         uint32_t ncap = cap * 2;
-        uint32_t *heap = malloc(ncap * sizeof(uint32_t));
+        uint32_t *heap = malloc((ncap + 1) * sizeof(uint32_t));
         if (!heap) { PyErr_NoMemory(); return -1; }
-        memcpy(heap, hs, n->nhold * sizeof(uint32_t));
-        if (n->hcap) { free(n->h.heap); c->heap_bytes -= n->hcap * sizeof(uint32_t); }
-        n->h.heap = heap; n->hcap = ncap;
-        c->heap_bytes += ncap * sizeof(uint32_t);
-        hs = heap;
+        heap[0] = ncap;
+        memcpy(heap + 1, hs, n->nhold * sizeof(uint32_t));
+        if (n->nhold > 2) { c->heap_bytes -= (cap + 1) * sizeof(uint32_t); free(n->h.heap); }
+        n->h.heap = heap;
+        c->heap_bytes += (ncap + 1) * sizeof(uint32_t);
+        hs = heap + 1;
     }
     hs[n->nhold++] = h;
     c->counts[h]++;
     return 0;
 }
 
-static void holder_discard(Core *c, Node *n, uint32_t h) {
+/* Drop holder h from node n: 1 if it held it, else 0. */
+static int holder_discard(Core *c, Node *n, uint32_t h) {
+    int j = holder_index(n, h);
+    if (j < 0) return 0;
     uint32_t *hs = holders_of(n);
-    for (uint32_t j = 0; j < n->nhold; j++) {
-        if (hs[j] == h) {
-            memmove(hs + j, hs + j + 1, (n->nhold - j - 1) * sizeof(uint32_t));
-            n->nhold--;
-            c->counts[h]--;
-            if (n->hcap && n->nhold <= 2) {          /* back inline */
-                uint32_t *heap = n->h.heap, cap = n->hcap;
-                uint32_t a = heap[0], b = n->nhold > 1 ? heap[1] : 0;
-                free(heap); c->heap_bytes -= cap * sizeof(uint32_t);
-                n->hcap = 0; n->h.in[0] = a; n->h.in[1] = b;
-            }
-            return;
-        }
+    memmove(hs + j, hs + j + 1, (n->nhold - j - 1) * sizeof(uint32_t));
+    n->nhold--;
+    c->counts[h]--;
+    if (n->nhold == 2) {                       /* it had three, on the heap: back inline */
+        uint32_t *heap = n->h.heap, a = heap[1], b = heap[2];
+        c->heap_bytes -= (heap[0] + 1) * sizeof(uint32_t);
+        free(heap);
+        n->h.in[0] = a; n->h.in[1] = b;
     }
+    return 1;
 }
 
 /* Remove nodes upwards from i while they have neither holders nor children. */
@@ -288,8 +349,12 @@ static int ensure_holder(Core *c, uint32_t h) {
     uint32_t *runs = realloc(c->runs, n * sizeof(uint32_t));
     if (!runs) { PyErr_NoMemory(); return -1; }
     c->runs = runs;
+    Held *held = realloc(c->held, n * sizeof(Held));
+    if (!held) { PyErr_NoMemory(); return -1; }
+    c->held = held;
     memset(c->counts + c->nholders, 0, (n - c->nholders) * sizeof(uint64_t));
     memset(c->runs + c->nholders, 0, (n - c->nholders) * sizeof(uint32_t));
+    memset(c->held + c->nholders, 0, (n - c->nholders) * sizeof(Held));
     c->nholders = n;
     return 0;
 }
@@ -343,13 +408,27 @@ static int as_holder(Core *c, PyObject *o, uint32_t *out) {
     return 0;
 }
 
-/* Whether node a is node i or descends from it. A link from a placeholder i to a parent
- * that descends from it would close a cycle (no real chain has one): its nodes would keep
- * each other alive for ever, so the link is not made (as the Python core does). */
-static int descends_from(Core *c, uint32_t a, uint32_t i) {
-    for (; a != NIL && a != ROOT; a = N(c, a)->parent)
-        if (a == i) return 1;
-    return 0;
+/* The top of node i's tree: the root, or a placeholder not linked yet. Every node passed on
+ * the way keeps it as its shortcut (path compression: a chain is walked once, not at every
+ * link). A shortcut stays true: a node's parent never changes, and its ancestors live as long
+ * as it does. A placeholder i may be linked under p unless top_of(p) is i: that link would
+ * close a cycle (no real chain has one), whose nodes would keep each other alive for ever (as
+ * the Python core decides). */
+static uint32_t top_of(Core *c, uint32_t i) {
+    uint32_t t = i, next;
+    for (;;) {
+        Node *n = N(c, t);
+        next = n->up != NIL ? n->up : n->parent;
+        if (next == NIL) break;
+        t = next;
+    }
+    while (i != t) {
+        Node *n = N(c, i);
+        next = n->up != NIL ? n->up : n->parent;
+        n->up = t;
+        i = next;
+    }
+    return t;
 }
 
 /* ---- methods ----------------------------------------------------------------------------- */
@@ -410,7 +489,7 @@ static PyObject *Core_store(Core *c, PyObject *args) {
             else if ((p = seq_get(c, parent)) == NIL && (p = node_new(c, parent)) == NIL) goto fail;
             /* the link would close a cycle; only a node with children can be an ancestor
              * of p, so a new node (the common case) costs no walk */
-            if (p == i || (N(c, i)->nkids && descends_from(c, p, i))) goto link_refused;
+            if (p == i || (N(c, i)->nkids && top_of(c, p) == i)) goto link_refused;
             if (reserve(c, &c->by_child, 1) < 0) { PyErr_NoMemory(); goto fail; }
             Node *n = N(c, i);
             n->parent = p; n->local = local;
@@ -422,7 +501,7 @@ static PyObject *Core_store(Core *c, PyObject *args) {
             N(c, p)->nkids++;
         }
     link_refused:
-        if (holder_add(c, N(c, i), h) < 0) goto fail;
+        if (holder_add(c, i, h) < 0) goto fail;
         parent = seq; has_parent = 1; pidx = i;
     }
     if (hl != stack) free(hl);
@@ -462,19 +541,15 @@ static PyObject *Core_clear(Core *c, PyObject *args) {
     if (!PyArg_ParseTuple(args, "O", &holder_o)) return NULL;
     uint32_t h;
     if (as_holder(c, holder_o, &h) < 0) return NULL;
-    if (!c->counts[h]) Py_RETURN_NONE;
-    uint32_t *dropped = malloc(sizeof(uint32_t) * c->counts[h]);
-    if (!dropped) return PyErr_NoMemory();
-    uint64_t nd = 0;
-    for (uint32_t i = 1; i < c->nalloc && c->counts[h]; i++) {
-        Node *n = N(c, i);
-        if (n->parent == FREED) continue;
-        uint64_t before = c->counts[h];
-        holder_discard(c, n, h);
-        if (c->counts[h] != before) dropped[nd++] = i;
+    Held *L = &c->held[h];
+    for (uint64_t j = 0; j < L->n; j++) {
+        if (j + 8 < L->n) __builtin_prefetch(N(c, L->v[j + 8]));
+        uint32_t i = L->v[j];
+        if (holder_discard(c, N(c, i), h)) prune(c, i);   /* a freed record holds nobody */
     }
-    for (uint64_t j = 0; j < nd; j++) prune(c, dropped[j]);  /* freed ones are skipped by prune */
-    free(dropped);
+    c->held_bytes -= L->cap * sizeof(uint32_t);
+    free(L->v);
+    L->v = NULL; L->n = L->cap = 0;
     Py_RETURN_NONE;
 }
 
@@ -580,20 +655,13 @@ static PyObject *Core_hashes_in(Core *c, PyObject *args) {
     if (as_holder(c, holder_o, &h) < 0) return NULL;
     PyObject *out = PySet_New(NULL);
     if (!out) return NULL;
-    uint64_t left = c->counts[h];
-    for (uint32_t i = 1; i < c->nalloc && left; i++) {
-        Node *n = N(c, i);
-        if (n->parent == FREED) continue;
-        uint32_t *hs = holders_of(n);
-        for (uint32_t k = 0; k < n->nhold; k++) {
-            if (hs[k] == h) {
-                PyObject *v = PyLong_FromUnsignedLongLong(n->seq);
-                if (!v || PySet_Add(out, v) < 0) { Py_XDECREF(v); Py_DECREF(out); return NULL; }
-                Py_DECREF(v);
-                left--;
-                break;
-            }
-        }
+    Held *L = &c->held[h];
+    for (uint64_t j = 0; j < L->n && (uint64_t)PySet_GET_SIZE(out) < c->counts[h]; j++) {
+        Node *n = N(c, L->v[j]);
+        if (holder_index(n, h) < 0) continue;
+        PyObject *v = PyLong_FromUnsignedLongLong(n->seq);
+        if (!v || PySet_Add(out, v) < 0) { Py_XDECREF(v); Py_DECREF(out); return NULL; }
+        Py_DECREF(v);
     }
     return out;
 }
@@ -609,9 +677,9 @@ static PyObject *Core_count(Core *c, PyObject *args) {
 static PyObject *Core_nodes(Core *c, PyObject *unused) { return PyLong_FromUnsignedLongLong(c->live); }
 
 static PyObject *Core_memory(Core *c, PyObject *unused) {
-    uint64_t b = (uint64_t)c->nchunks * CHUNK * sizeof(Node) + c->heap_bytes
+    uint64_t b = (uint64_t)c->nchunks * CHUNK * sizeof(Node) + c->heap_bytes + c->held_bytes
         + (c->by_seq.mask + 1 + c->by_child.mask + 1) * sizeof(Slot)
-        + c->nholders * (sizeof(uint64_t) + sizeof(uint32_t));
+        + c->nholders * (sizeof(uint64_t) + sizeof(uint32_t) + sizeof(Held));
     return PyLong_FromUnsignedLongLong(b);
 }
 
@@ -624,7 +692,7 @@ static int Core_init(Core *c, PyObject *args, PyObject *kw) {
     if (node_alloc(c) != ROOT) return -1;   /* the root */
     Node *r = N(c, ROOT);
     memset(r, 0, sizeof(Node));
-    r->parent = NIL;
+    r->parent = NIL; r->up = NIL;
     if (ensure_holder(c, 15) < 0) return -1;
     return 0;
 }
@@ -632,8 +700,10 @@ static int Core_init(Core *c, PyObject *args, PyObject *kw) {
 static void Core_dealloc(Core *c) {
     for (uint32_t i = 0; i < c->nalloc; i++) {
         Node *n = N(c, i);
-        if (n->parent != FREED && n->hcap) free(n->h.heap);
+        if (n->parent != FREED && n->nhold > 2) free(n->h.heap);
     }
+    for (uint32_t h = 0; h < c->nholders; h++) free(c->held[h].v);
+    free(c->held);
     for (uint32_t k = 0; k < c->nchunks; k++) free(c->chunks[k]);
     free(c->free_stack);
     free(c->chunks); free(c->by_seq.slots); free(c->by_child.slots); free(c->counts); free(c->runs);
@@ -712,7 +782,8 @@ fail:
 
 /* ---- Dynamo RouterEvent parser ----------------------------------------------------------- */
 /* parse_router_event(text_or_bytes, cls) ->
- *     (worker_id, storage_tier or None, event_id, kind, parent_hash or None, payload) or None
+ *     (worker_id, storage_tier or None, event_id, kind, parent_hash or None, payload, dp_rank)
+ *     or None (dp_rank: the inner event's, an unsigned 32-bit integer, 0 when absent)
  * kind 0 stored (payload: tuple of cls(block_hash, tokens_hash, None)), 1 removed (payload:
  * tuple of hashes), 2 cleared (payload: ()). None for anything this strict parser does not
  * take: invalid JSON, a duplicate key it reads, escapes in a key it reads, a number that is
@@ -895,9 +966,9 @@ static int push(U64s *a, uint64_t x) {
     } while (0)
 
 typedef struct {
-    uint64_t worker_id, event_id, parent;
+    uint64_t worker_id, event_id, parent, dp_rank;
     const unsigned char *tier; size_t tier_len;
-    int have_worker, have_tier, have_event, have_event_id, have_data, have_parent_key, has_parent;
+    int have_worker, have_tier, have_event, have_event_id, have_data, have_parent_key, has_parent, have_dp_rank;
     int kind;            /* -1 unknown, 0 stored, 1 removed, 2 cleared */
     U64s hashes;         /* stored: seq, local pairs; removed: hashes */
 } RouterEvent;
@@ -969,6 +1040,9 @@ static int parse_inner(Parser *ps, RouterEvent *ev) {
     FOR_MEMBERS(ps, k, n, {
         if (key_is(k, n, "event_id")) { if (ev->have_event_id++ || !read_u64(ps, &ev->event_id)) return 0; }
         else if (key_is(k, n, "data")) { if (ev->have_data++ || !parse_data(ps, ev)) return 0; }
+        else if (key_is(k, n, "dp_rank")) {
+            if (ev->have_dp_rank++ || !read_u64(ps, &ev->dp_rank) || ev->dp_rank > 0xFFFFFFFFu) return 0;
+        }
         else if (!skip_value(ps, 1)) return 0;
     });
     return ev->have_event_id && ev->have_data;
@@ -1040,8 +1114,8 @@ static PyObject *parse_router_event(PyObject *mod, PyObject *args) {
     if (ev.has_parent) parent = PyLong_FromUnsignedLongLong(ev.parent);
     else { parent = Py_None; Py_INCREF(parent); }
     if (!tier || !parent) { Py_XDECREF(tier); Py_XDECREF(parent); Py_DECREF(payload); goto done; }
-    out = Py_BuildValue("(KNKiNN)", (unsigned long long)ev.worker_id, tier, (unsigned long long)ev.event_id,
-                        ev.kind, parent, payload);
+    out = Py_BuildValue("(KNKiNNK)", (unsigned long long)ev.worker_id, tier, (unsigned long long)ev.event_id,
+                        ev.kind, parent, payload, (unsigned long long)ev.dp_rank);
     goto done;
 none:
     out = Py_None; Py_INCREF(out);

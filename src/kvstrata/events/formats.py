@@ -26,7 +26,10 @@ import json
 from itertools import chain as _chain
 from typing import Any, Iterable, Sequence
 
+from kvstrata.paths import MAX_LINE_BYTES
 from kvstrata.events.model import (
+    CLEARED,
+    ITEM_HEAD,
     STORAGE_TIER,
     TIER_OF_MEDIUM,
     TIER_OF_STORAGE,
@@ -211,8 +214,8 @@ def encode_batch_messages(batch: EventBatch, max_bytes: int) -> tuple[list[bytes
         payload = native_encode_message(head, items)
         if payload is not None and len(payload) <= max_bytes:
             return [payload], [items[0][0]]
-    texts = json_event_texts(items)
     fixed = len(head) + 2
+    texts = _fitting_texts(items, max_bytes - fixed)
     if fixed + sum(map(len, texts)) + len(texts) - 1 <= max_bytes:
         return [(head + ",".join(texts) + "]}").encode()], [items[0][0]]
     payloads: list[bytes] = []
@@ -230,34 +233,91 @@ def encode_batch_messages(batch: EventBatch, max_bytes: int) -> tuple[list[bytes
     return payloads, first_ids
 
 
-def encode_jsonl(batch: EventBatch) -> str:
-    """A batch as kvstrata JSON lines: one self-contained line per event."""
+def _fitting_texts(items: Sequence[tuple], room: int) -> list[str]:
+    """:func:`json_event_texts`, but a cleared event longer than ``room`` without its
+    ``block_hashes``: they are informative (a follower clears the tier whatever they say), and
+    a whole tier's list would not fit a message (or a line a reader takes)."""
+    texts = json_event_texts(items)
+    if texts and max(map(len, texts)) > room:
+        for i, item in enumerate(items):
+            if item[1] == CLEARED and len(texts[i]) > room:
+                texts[i] = '{"type":"cleared","event_id":%d,"tier":"%s","ts":%s}' % (item[0], item[2], item[3])
+    return texts
+
+
+def encode_jsonl(batch: EventBatch, dp_rank: int = 0) -> str:
+    """A batch as kvstrata JSON lines: one self-contained line per event (a cleared event
+    without its hash list where that would pass :data:`~kvstrata.paths.MAX_LINE_BYTES`, the
+    longest line readers take). A data-parallel engine's lines (``dp_rank`` > 0) say its
+    rank, so a reader of every engine's file follows each engine apart."""
     ident = batch.identity
     head = '{"publisher_id":%d,"worker_id":%d,' % (ident.publisher_id, ident.worker_id)
-    return "".join([head + text[1:] + "\n" for text in json_event_texts(batch.items)])
+    if dp_rank:
+        head += '"dp_rank":%d,' % dp_rank
+    room = MAX_LINE_BYTES - len(head)   # a line is head + the text after its "{"
+    return "".join([head + text[1:] + "\n" for text in _fitting_texts(batch.items, room)])
 
 
-def encode_snapshot(snapshot: Snapshot, max_bytes: int = 512 * 1024) -> list[bytes]:
-    """A snapshot as one or more JSON messages of at most about ``max_bytes`` each.
+SNAPSHOT_CHUNK_BYTES = 512 * 1024
+"""Default size of a snapshot reply's chunks (a sink passes less for a server that takes less)."""
+
+
+def stored_part(item: tuple, start: int, stop: int) -> tuple:
+    """Blocks ``start:stop`` of a stored item, as a stored item: its parent is the block
+    before ``start`` (a run can be cut anywhere)."""
+    n = (len(item) - ITEM_HEAD) >> 1
+    parent = item[4] if start == 0 else item[ITEM_HEAD + start - 1]
+    tokens = item[6][start:stop] if item[6] is not None else None
+    return (item[:4] + (parent, item[5], tokens) + item[ITEM_HEAD + start : ITEM_HEAD + stop]
+            + item[ITEM_HEAD + n + start : ITEM_HEAD + n + stop])
+
+
+def _texts_within(item: tuple, room: int) -> list[str]:
+    """A snapshot event's JSON text, or, when it is longer than ``room``, the texts of the
+    parts it is cut into so each fits (down to single blocks, which may not)."""
+    text = json_event_texts([item])[0]
+    n = (len(item) - ITEM_HEAD) >> 1
+    if len(text) <= room or item[1] != 0 or n < 2:
+        return [text]
+    parts = min(n, -(-len(text) // max(room, 1)))
+    step = -(-n // parts)
+    out: list[str] = []
+    for start in range(0, n, step):
+        out += _texts_within(stored_part(item, start, min(start + step, n)), room)
+    return out
+
+
+def encode_snapshot(snapshot: Snapshot, max_bytes: int = SNAPSHOT_CHUNK_BYTES) -> list[bytes]:
+    """A snapshot as one or more JSON messages of at most ``max_bytes`` each.
 
     Each chunk carries ``chunk`` (0-based) and ``last``; the receiver concatenates ``events``.
+    A stored event too large for a chunk is cut into parts (each part's parent the previous
+    part's last block; all carry the snapshot's ``last_event_id``, as every snapshot event
+    does), so only a single block larger than ``max_bytes`` makes a larger message.
     """
     dumps = json.JSONEncoder(separators=(",", ":")).encode
-    groups: list[list[str]] = [[]]
-    size = 0
-    for text in json_event_texts([event_to_item(e) for e in snapshot.events]):
-        if groups[-1] and size + len(text) > max_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(text)
-        size += len(text) + 1
-    out = []
-    for i, texts in enumerate(groups):
+
+    def head(chunk: int, last: bool) -> str:
         obj = _identity_fields(snapshot.identity)
-        obj.update(type="snapshot", last_event_id=snapshot.last_event_id, chunk=i, last=i == len(groups) - 1)
-        head = dumps(obj)[:-1]  # drop the closing brace, append the events array
-        out.append((head + ',"events":[' + ",".join(texts) + "]}").encode())
-    return out
+        obj.update(type="snapshot", last_event_id=snapshot.last_event_id, chunk=chunk, last=last)
+        return dumps(obj)[:-1] + ',"events":['  # the closing brace dropped, events appended
+
+    groups: list[list[str]] = [[]]
+    room = max_bytes - len(head(0, False)) - 2   # 2: the closing "]}"
+    any_room = max_bytes - len(head(10**9, False)) - 2   # what any chunk has room for
+    size = 0   # of the current group's texts, joined by commas
+    items = [event_to_item(e) for e in snapshot.events]
+    for item, whole in zip(items, json_event_texts(items)):
+        for text in [whole] if len(whole) <= any_room else _texts_within(item, any_room):
+            grown = size + len(text) + (1 if groups[-1] else 0)
+            if groups[-1] and grown > room:
+                groups.append([])
+                room = max_bytes - len(head(len(groups) - 1, False)) - 2
+                grown = len(text)
+            groups[-1].append(text)
+            size = grown
+    return [(head(i, i == len(groups) - 1) + ",".join(texts) + "]}").encode()
+            for i, texts in enumerate(groups)]
 
 
 def _int(obj: dict, key: str, what: str) -> int:
@@ -265,6 +325,20 @@ def _int(obj: dict, key: str, what: str) -> int:
     value = obj.get(key)
     if type(value) is not int or not 0 <= value < _U64:
         raise EventFormatError(f"{what}: field {key!r} must be an unsigned 64-bit integer, "
+                               f"got {value!r:.40}")
+    return value
+
+
+MAX_DP_RANK = (1 << 32) - 1
+"""Largest data-parallel rank (Dynamo's ``DpRank`` is an unsigned 32-bit integer)."""
+
+
+def dp_rank_of(obj: dict, what: str) -> int:
+    """The ``dp_rank`` field of a decoded message: the data-parallel rank of the engine that
+    published it, 0 when absent (one engine per worker)."""
+    value = obj.get("dp_rank", 0)
+    if type(value) is not int or not 0 <= value <= MAX_DP_RANK:
+        raise EventFormatError(f"{what}: field 'dp_rank' must be an unsigned 32-bit integer, "
                                f"got {value!r:.40}")
     return value
 
@@ -382,18 +456,24 @@ def _identity_from(obj: dict) -> PublisherIdentity:
 
 
 @_typed_decode_errors
-def decode_kvstrata(data: bytes | str | dict) -> EventBatch | Snapshot:
-    """Decode a kvstrata message: a batch, a snapshot chunk, or one JSON line."""
+def decode_kvstrata(data: bytes | str | dict, with_rank: bool = False):
+    """Decode a kvstrata message: a batch, a snapshot chunk, or one JSON line.
+
+    ``with_rank``: return ``(message, dp_rank)``, the publishing engine's data-parallel rank
+    (an optional ``dp_rank`` field, 0 when absent); it is checked either way."""
     obj = _load_json(data)
     identity = _identity_from(obj)
+    dp_rank = dp_rank_of(obj, "message")
     if obj.get("type") == "snapshot":
         events = [event_from_dict(e) for e in _list(obj, "events")]
         if any(not isinstance(e, StoredEvent) for e in events):
             raise EventFormatError("snapshot: every event must be a stored event")
-        return Snapshot(identity, _int(obj, "last_event_id", "snapshot"), events)  # type: ignore[arg-type]
-    if "events" in obj:
-        return EventBatch(identity, [event_from_dict(e) for e in _list(obj, "events")])
-    return EventBatch(identity, [event_from_dict(obj)])
+        message = Snapshot(identity, _int(obj, "last_event_id", "snapshot"), events)  # type: ignore[arg-type]
+    elif "events" in obj:
+        message = EventBatch(identity, [event_from_dict(e) for e in _list(obj, "events")])
+    else:
+        message = EventBatch(identity, [event_from_dict(obj)])
+    return (message, dp_rank) if with_rank else message
 
 
 @_typed_decode_errors
@@ -402,9 +482,11 @@ def decode_snapshot_chunk(data: bytes | str | dict) -> tuple[Snapshot, int, bool
     index, whether it is the last)``; a message without the two fields is a whole snapshot
     (chunk 0, the last). :class:`EventFormatError` for anything else."""
     obj = _load_json(data)
-    part = decode_kvstrata(obj)
+    part, dp_rank = decode_kvstrata(obj, with_rank=True)
     if not isinstance(part, Snapshot):
         raise EventFormatError("not a snapshot")
+    if dp_rank:     # followers re-sync engine 0's stream only: no snapshot speaks for another
+        raise EventFormatError(f"snapshot: of data-parallel rank {dp_rank}, not 0")
     chunk = _int(obj, "chunk", "snapshot") if "chunk" in obj else 0
     last = obj.get("last", True)
     if type(last) is not bool:
@@ -563,6 +645,7 @@ else:
     class _Inner(msgspec.Struct, gc=False):
         event_id: int
         data: str | _Data
+        dp_rank: int = 0
 
     class _RouterEvent(msgspec.Struct, gc=False):
         worker_id: int
@@ -571,8 +654,9 @@ else:
 
 
 def _fast_dynamo_decoder(use_native: bool = True):
-    """``decode(data, need_tier) -> (worker_id, event) | None``: the native parser when built
-    (and ``use_native``), else msgspec, else None (no fast path)."""
+    """``decode(data, need_tier=False, with_rank=False) -> (worker_id, event) | None`` (with
+    ``with_rank``, ``(worker_id, event, dp_rank)``): the native parser when built (and
+    ``use_native``), else msgspec, else None (no fast path)."""
     native = None
     if use_native and os.environ.get("KVSTRATA_NATIVE_EVENTS", "1") != "0":  # as indexer.py
         try:
@@ -582,11 +666,12 @@ def _fast_dynamo_decoder(use_native: bool = True):
     tier_of = TIER_OF_STORAGE
 
     if native is not None:
-        def decode(data: bytes | str, need_tier: bool = False) -> tuple[int, Event] | None:
+        def decode(data: bytes | str, need_tier: bool = False,
+                   with_rank: bool = False) -> tuple | None:
             parsed = native(data, StoredBlock)
             if parsed is None:
                 return None
-            worker_id, storage, event_id, kind, parent, payload = parsed
+            worker_id, storage, event_id, kind, parent, payload, dp_rank = parsed
             if storage is None:
                 if need_tier:
                     return None
@@ -595,10 +680,12 @@ def _fast_dynamo_decoder(use_native: bool = True):
             if tier is None:
                 return None
             if kind == 0:
-                return worker_id, StoredEvent(event_id, tier, parent, 0, payload)
-            if kind == 1:
-                return worker_id, RemovedEvent(event_id, tier, payload)
-            return worker_id, ClearedEvent(event_id, tier)
+                event = StoredEvent(event_id, tier, parent, 0, payload)
+            elif kind == 1:
+                event = RemovedEvent(event_id, tier, payload)
+            else:
+                event = ClearedEvent(event_id, tier)
+            return (worker_id, event, dp_rank) if with_rank else (worker_id, event)
 
         return decode
 
@@ -608,7 +695,29 @@ def _fast_dynamo_decoder(use_native: bool = True):
     decoder = msgspec.json.Decoder(_RouterEvent)
     errors = (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError)
 
-    def decode(data: bytes | str, need_tier: bool = False) -> tuple[int, Event] | None:
+    def event_of(msg, tier: str) -> Event | None:
+        inner = msg.event
+        event_id = inner.event_id
+        data_ = inner.data
+        if type(data_) is str:
+            return ClearedEvent(event_id, tier) if data_ == "cleared" else None
+        st = data_.stored
+        if st is not UNSET:
+            parent = st.parent_hash
+            if not st.blocks or (parent is not None and not 0 <= parent < _U64):
+                return None
+            blocks = _stored_blocks_py(st.blocks)
+            return None if blocks is None else StoredEvent(event_id, tier, parent, 0, blocks)
+        rm = data_.removed
+        if rm is not UNSET:
+            hashes = rm.block_hashes
+            if hashes and (min(hashes) < 0 or max(hashes) >= _U64):
+                return None
+            return RemovedEvent(event_id, tier, tuple(hashes))
+        return None
+
+    def decode(data: bytes | str, need_tier: bool = False,
+               with_rank: bool = False) -> tuple | None:
         try:
             msg = decoder.decode(data)
         except errors:
@@ -619,44 +728,32 @@ def _fast_dynamo_decoder(use_native: bool = True):
                 return None
             storage = "device"
         tier = tier_of.get(storage)
-        inner = msg.event
-        event_id = inner.event_id
-        if tier is None or not 0 <= msg.worker_id < _U64 or not 0 <= event_id < _U64:
+        dp_rank = msg.event.dp_rank
+        if (tier is None or not 0 <= msg.worker_id < _U64 or not 0 <= msg.event.event_id < _U64
+                or not 0 <= dp_rank <= MAX_DP_RANK):
             return None
-        data_ = inner.data
-        if type(data_) is str:
-            return (msg.worker_id, ClearedEvent(event_id, tier)) if data_ == "cleared" else None
-        st = data_.stored
-        if st is not UNSET:
-            parent = st.parent_hash
-            if not st.blocks or (parent is not None and not 0 <= parent < _U64):
-                return None
-            blocks = _stored_blocks_py(st.blocks)
-            if blocks is None:
-                return None
-            return msg.worker_id, StoredEvent(event_id, tier, parent, 0, blocks)
-        rm = data_.removed
-        if rm is not UNSET:
-            hashes = rm.block_hashes
-            if hashes and (min(hashes) < 0 or max(hashes) >= _U64):
-                return None
-            return msg.worker_id, RemovedEvent(event_id, tier, tuple(hashes))
-        return None
+        event = event_of(msg, tier)
+        if event is None:
+            return None
+        return (msg.worker_id, event, dp_rank) if with_rank else (msg.worker_id, event)
 
     return decode
 
 
 fast_decode_dynamo = _fast_dynamo_decoder()
-"""The msgspec fast path of :func:`decode_dynamo` for text and bytes (None without msgspec):
-``fast_decode_dynamo(data, need_tier=False)`` returns ``(worker_id, event)`` or None, never
-raises; ``need_tier`` refuses a message without ``storage_tier`` (format auto-detection)."""
+"""The fast path of :func:`decode_dynamo` for text and bytes (None when neither the native
+parser nor msgspec is there): ``fast_decode_dynamo(data, need_tier=False, with_rank=False)``
+returns what :func:`decode_dynamo` would, or None, never raises; ``need_tier`` refuses a
+message without ``storage_tier`` (format auto-detection)."""
 
 
 @_typed_decode_errors
-def decode_dynamo(data: bytes | str | dict) -> tuple[int, Event]:
-    """Decode one Dynamo RouterEvent -> (worker_id, event)."""
+def decode_dynamo(data: bytes | str | dict, with_rank: bool = False) -> tuple:
+    """Decode one Dynamo RouterEvent -> ``(worker_id, event)``; with ``with_rank``,
+    ``(worker_id, event, dp_rank)``: the publishing engine's data-parallel rank (the inner
+    event's ``dp_rank``, 0 when absent, as Dynamo reads it)."""
     if fast_decode_dynamo is not None and not isinstance(data, dict):
-        decoded = fast_decode_dynamo(data)
+        decoded = fast_decode_dynamo(data, False, with_rank)
         if decoded is not None:
             return decoded
     obj = _load_json(data)
@@ -669,10 +766,11 @@ def decode_dynamo(data: bytes | str | dict) -> tuple[int, Event]:
     if not isinstance(inner, dict):
         raise EventFormatError("router event: field 'event' must be an object")
     event_id = _int(inner, "event_id", "router event")
+    dp_rank = dp_rank_of(inner, "router event")
     data_ = inner.get("data")
     if data_ == "cleared":
-        return worker_id, ClearedEvent(event_id, tier)
-    if isinstance(data_, dict) and "stored" in data_:
+        event: Event = ClearedEvent(event_id, tier)
+    elif isinstance(data_, dict) and "stored" in data_:
         st = data_["stored"]
         if not isinstance(st, dict) or not isinstance(st.get("blocks"), list) or not st["blocks"]:
             raise EventFormatError("router event: 'stored.blocks' must be a non-empty list")
@@ -682,13 +780,15 @@ def decode_dynamo(data: bytes | str | dict) -> tuple[int, Event]:
         )
         # Dynamo events carry no block size; 0 means "unknown".
         parent = None if st.get("parent_hash") is None else _hash(st, "parent_hash", "stored")
-        return worker_id, StoredEvent(event_id, tier, parent, 0, blocks)
-    if isinstance(data_, dict) and "removed" in data_:
+        event = StoredEvent(event_id, tier, parent, 0, blocks)
+    elif isinstance(data_, dict) and "removed" in data_:
         rm = data_["removed"]
         if not isinstance(rm, dict):
             raise EventFormatError("router event: 'removed' must be an object")
-        return worker_id, RemovedEvent(event_id, tier, _hash_list(rm, "block_hashes", "removed"))
-    raise EventFormatError(f"router event: unknown data {data_!r:.80}")
+        event = RemovedEvent(event_id, tier, _hash_list(rm, "block_hashes", "removed"))
+    else:
+        raise EventFormatError(f"router event: unknown data {data_!r:.80}")
+    return (worker_id, event, dp_rank) if with_rank else (worker_id, event)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """``kvstrata indexer``: the storage-provider side of the event plane.
 
-(Nearly 600 lines on purpose: one concern, the ``kvstrata indexer`` tool: the prefix tree (with
+(Nearly 700 lines on purpose: one concern, the ``kvstrata indexer`` tool: the prefix tree (with
 its pure-Python core, the native core's reference), its queries, and the HTTP server and
 command line that serve them.)
 
@@ -11,12 +11,15 @@ hash, so a prefix can be walked from the root either way. A node lists its holde
 (worker, tier) pairs it is live in; it disappears when it has neither holders nor children.
 
 Queries answer "for these hashes, how long a prefix is cached, and where":
-``match(hashes)`` -> per worker, per tier, the number of leading hashes held there.
+``match(hashes)`` -> per engine, per tier, the number of leading hashes held there. An engine
+is a worker's data-parallel rank; it is named by its worker id, or ``(worker id, dp rank)``
+for a rank above 0 (:func:`~kvstrata.events.subscriber.engine_key`).
 
 HTTP (stdlib ``http.server``, JSON):
 
 * ``POST /match`` ``{"hashes": [SEQ, ...]}`` or ``{"local_hashes": [LOCAL, ...]}`` ->
   ``{"length": N, "matches": [{"worker_id": W, "tier": "G2", "prefix": K}, ...], "best": {...}}``
+  (an engine of data-parallel rank R > 0 also has ``"dp_rank": R``)
 * ``GET /stats`` -> node, worker, tier counts and stream follower counters.
 """
 
@@ -26,6 +29,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler
@@ -39,16 +43,16 @@ from kvstrata.events.model import (
     RemovedEvent,
     StoredEvent,
 )
-from kvstrata.events.subscriber import StreamFollower
+from kvstrata.events.subscriber import StreamFollower, engine_key, split_engine
 from kvstrata.tiers import TIER_NAMES
 
 log = logging.getLogger(__name__)
 
-Holder = tuple[int, str]  # (worker_id, tier)
+Holder = tuple[object, str]  # (engine_key(worker_id, dp_rank), tier)
 
 
 class _Node:
-    __slots__ = ("seq_hash", "local_hash", "parent", "children", "nkids", "holders")
+    __slots__ = ("seq_hash", "local_hash", "parent", "children", "nkids", "holders", "up")
 
     def __init__(self, seq_hash: int | None, local_hash: int | None, parent: "_Node | None") -> None:
         self.seq_hash = seq_hash
@@ -57,6 +61,7 @@ class _Node:
         self.children: dict[int, _Node] = {}
         self.nkids = 0  # live nodes whose parent is this one (>= len(children))
         self.holders: set[int] = set()
+        self.up: _Node | None = None  # an ancestor nearer the top: a shortcut of _top
 
 
 class _PyCore:
@@ -92,12 +97,12 @@ class _PyCore:
                 parent = self._nodes.get(parent_hash)
                 if parent is None:  # child arrived before (or without) its parent: placeholder
                     parent = self._nodes[parent_hash] = _Node(parent_hash, None, None)
-                elif parent is node or (node.nkids and _descends_from(parent, node)):
+                elif parent is node or (node.nkids and _top(parent) is node):
                     # A link that closes a cycle (a block its own ancestor: no real chain
                     # does that) is not made: the nodes of a cycle would each keep the other
                     # alive, and nothing could ever remove them. Only a node with children
-                    # can be an ancestor of the new parent: the walk up is for those alone
-                    # (a new node has none, so storing a chain stays linear).
+                    # can be an ancestor of the new parent (a new node has none, so storing
+                    # a chain costs no look-up).
                     return node
             node.parent = parent
             node.local_hash = local_hash
@@ -177,16 +182,22 @@ class _PyCore:
         return len(self._nodes)
 
 
-def _descends_from(node: _Node, ancestor: _Node) -> bool:
-    """Whether ``ancestor`` is ``node`` or one of its ancestors."""
-    while node is not None:
-        if node is ancestor:
-            return True
-        node = node.parent
-    return False
+def _top(node: _Node) -> _Node:
+    """The top of ``node``'s tree: the root, or the placeholder (not linked yet) its chain of
+    parents ends at, ``node`` itself if it is one. Every node passed on the way keeps the top
+    as its shortcut (path compression: a chain is walked once, not at every link). A shortcut
+    stays true: a node's parent never changes, and its ancestors live as long as it does."""
+    top = node
+    while (above := top.up or top.parent) is not None:
+        top = above
+    while node is not top:
+        above = node.up or node.parent
+        node.up = top
+        node = above
+    return top
 
 
-def _by_worker(runs: dict[int, int], holders: list[Holder]) -> dict[int, dict[str, int]]:
+def _by_worker(runs: dict[int, int], holders: list[Holder]) -> dict:
     out: dict[int, dict[str, int]] = {}
     for hid, n in runs.items():
         if n:
@@ -230,6 +241,7 @@ class PrefixIndex:
         self._core = NATIVE_CORE() if self.native else _PyCore()
         self._holder_ids: dict[Holder, int] = {}
         self._holders: list[Holder] = []
+        self._engine_holders: dict[object, list[int]] = {}   # engine key -> its holder ids
         self._lock = threading.RLock()
         self.events_applied = 0
 
@@ -238,15 +250,18 @@ class PrefixIndex:
         if hid is None:
             hid = self._holder_ids[key] = len(self._holders)
             self._holders.append(key)
+            self._engine_holders.setdefault(key[0], []).append(hid)
         return hid
 
     # -- updates -----------------------------------------------------------------------------
-    def apply_event(self, worker_id: int, event: Event) -> None:
+    def apply_event(self, worker_id: int, event: Event, dp_rank: int = 0) -> None:
+        """Apply one event of worker ``worker_id``'s engine of data-parallel rank ``dp_rank``."""
         with self._lock:
             self.events_applied += 1
-            hid = self._holder_ids.get((worker_id, event.tier))
+            key = ((worker_id, dp_rank) if dp_rank else worker_id, event.tier)  # engine_key
+            hid = self._holder_ids.get(key)
             if hid is None:
-                hid = self._holder((worker_id, event.tier))
+                hid = self._holder(key)
             kind = type(event)
             if kind is StoredEvent:
                 self._core.store(hid, event.parent_hash, event.blocks)
@@ -261,60 +276,70 @@ class PrefixIndex:
             elif isinstance(event, ClearedEvent):
                 self._core.clear(hid)
 
-    def reset_worker(self, worker_id: int) -> None:
+    def reset_worker(self, worker_id: int, dp_rank: int = 0) -> None:
+        """Drop everything engine ``dp_rank`` of ``worker_id`` holds (its other engines keep
+        theirs)."""
         with self._lock:
-            for hid, (w, _t) in enumerate(self._holders):
-                if w == worker_id:
-                    self._core.clear(hid)
+            for hid in self._engine_holders.get(engine_key(worker_id, dp_rank), ()):
+                self._core.clear(hid)
 
-    def apply_events(self, worker_id: int, events: Iterable[Event]) -> "PrefixIndex":
+    def apply_events(self, worker_id: int, events: Iterable[Event], dp_rank: int = 0) -> "PrefixIndex":
         for event in events:
-            self.apply_event(worker_id, event)
+            self.apply_event(worker_id, event, dp_rank)
         return self
 
     # -- queries -----------------------------------------------------------------------------
-    def match(self, hashes: Sequence[int]) -> dict[int, dict[str, int]]:
-        """worker -> tier -> number of leading ``hashes`` (sequence hashes) held there."""
+    def match(self, hashes: Sequence[int]) -> dict:
+        """engine -> tier -> number of leading ``hashes`` (sequence hashes) held there; an
+        engine is its worker id, or ``(worker id, dp rank)`` for a data-parallel rank above 0."""
         with self._lock:
             return self._core.match(hashes, self._holders)
 
-    def match_local(self, local_hashes: Sequence[int]) -> dict[int, dict[str, int]]:
+    def match_local(self, local_hashes: Sequence[int]) -> dict:
         """Like :meth:`match` but walking from the root by local (tokens) hashes."""
         with self._lock:
             return self._core.match_local(local_hashes, self._holders)
 
-    def hashes_in(self, worker_id: int, tier: str) -> set[int]:
+    def hashes_in(self, worker_id: int, tier: str, dp_rank: int = 0) -> set[int]:
         with self._lock:
-            hid = self._holder_ids.get((worker_id, tier))
+            hid = self._holder_ids.get((engine_key(worker_id, dp_rank), tier))
             return set() if hid is None else self._core.hashes_in(hid)
 
-    def _counts(self) -> list[tuple[Holder, int]]:
-        """(worker, tier) -> blocks held, for holders holding any, sorted."""
+    def _counts(self) -> list[tuple[int, int, str, int]]:
+        """(worker, dp rank, tier, blocks held) of the holders holding any, sorted."""
         core = self._core
-        return sorted((key, n) for hid, key in enumerate(self._holders) if (n := core.count(hid)))
+        return sorted((*split_engine(key), tier, n)
+                      for hid, (key, tier) in enumerate(self._holders) if (n := core.count(hid)))
 
     def workers(self) -> list[int]:
         with self._lock:
-            return sorted({w for (w, _t), _n in self._counts()})
+            return sorted({w for w, _dp, _t, _n in self._counts()})
 
     def stats(self) -> dict:
+        """Node count, and blocks held per worker and tier (``blocks``: a worker's engines
+        summed; ``blocks_by_dp_rank``: per engine)."""
         with self._lock:
-            tiers: dict[str, dict[str, int]] = {}
-            for (w, t), n in self._counts():
-                tiers.setdefault(str(w), {})[t] = n
+            blocks: dict[str, dict[str, int]] = {}
+            by_rank: dict[str, dict[str, dict[str, int]]] = {}
+            for w, dp, t, n in self._counts():
+                tiers = blocks.setdefault(str(w), {})
+                tiers[t] = tiers.get(t, 0) + n
+                by_rank.setdefault(str(w), {}).setdefault(str(dp), {})[t] = n
             return {
                 "nodes": self._core.nodes(),
-                "workers": len({w for w in tiers}),
-                "blocks": tiers,
+                "workers": len(blocks),
+                "blocks": blocks,
+                "blocks_by_dp_rank": by_rank,
                 "events_applied": self.events_applied,
             }
 
-    def compare_with_registry(self, registry, worker_id: int, tiers: Sequence[str] = TIER_NAMES) -> dict[str, dict]:
-        """Per tier, differences between this index (for ``worker_id``) and a
-        :class:`~kvstrata.logical.registry.BlockRegistry`; empty dict means identical."""
+    def compare_with_registry(self, registry, worker_id: int, tiers: Sequence[str] = TIER_NAMES,
+                              dp_rank: int = 0) -> dict[str, dict]:
+        """Per tier, differences between this index (for ``worker_id``'s engine ``dp_rank``)
+        and a :class:`~kvstrata.logical.registry.BlockRegistry`; empty dict means identical."""
         diffs = {}
         for tier in tiers:
-            ours = self.hashes_in(worker_id, tier)
+            ours = self.hashes_in(worker_id, tier, dp_rank)
             theirs = registry.hashes_in(tier)
             if ours != theirs:
                 diffs[tier] = {
@@ -332,15 +357,18 @@ def build_index(events: Iterable[Event], worker_id: int = 0) -> PrefixIndex:
 
 
 def match_response(index: PrefixIndex, hashes: Sequence[int], local: bool = False) -> dict:
-    """The JSON answer of ``/match`` and ``--query``."""
+    """The JSON answer of ``/match`` and ``--query``. A match of a data-parallel engine of
+    rank R > 0 carries ``"dp_rank": R`` after its ``worker_id`` (rank 0, and a worker
+    without data parallelism, carries none: answers read as before); ``per_worker`` is a
+    worker's longest prefix over all its engines and tiers."""
     result = index.match_local(hashes) if local else index.match(hashes)
-    matches = [
-        {"worker_id": w, "tier": t, "prefix": n}
-        for w, tiers in sorted(result.items())
-        for t, n in sorted(tiers.items())
-    ]
+    matches = []
+    per_worker: dict[str, int] = {}
+    for (w, dp), tiers in sorted((split_engine(key), tiers) for key, tiers in result.items()):
+        engine = {"worker_id": w, "dp_rank": dp} if dp else {"worker_id": w}
+        matches.extend({**engine, "tier": t, "prefix": n} for t, n in sorted(tiers.items()))
+        per_worker[str(w)] = max(per_worker.get(str(w), 0), *tiers.values())
     best = max(matches, key=lambda m: (m["prefix"], -TIER_NAMES.index(m["tier"])), default=None)
-    per_worker = {str(w): max(tiers.values()) for w, tiers in result.items()}
     return {"length": len(hashes), "matches": matches, "best": best, "per_worker": per_worker}
 
 
@@ -349,13 +377,26 @@ def match_response(index: PrefixIndex, hashes: Sequence[int], local: bool = Fals
 # --------------------------------------------------------------------------------------------
 
 
+MAX_MATCH_HASHES = 1 << 20
+"""Most hashes one query may hold (a prompt of a million blocks is far past any context)."""
+
+_HASH_TEXT = re.compile(r"[^,\s]+")
+
+
 def _parse_hash_list(value, name: str) -> list[int]:
+    """A list of hashes (unsigned 64-bit integers, or their decimal or hex strings), or one
+    string of them separated by commas or spaces; at most :data:`MAX_MATCH_HASHES`, counted
+    as they are read (a string is never split whole). ``ValueError`` naming what is wrong."""
     if isinstance(value, str):
-        value = [v for v in value.replace(",", " ").split()]
-    if not isinstance(value, list):
+        value = (m.group() for m in _HASH_TEXT.finditer(value))
+    elif not isinstance(value, list):
         raise ValueError(f"{name!r} must be a list of integers")
+    elif len(value) > MAX_MATCH_HASHES:
+        raise ValueError(f"{name!r}: more than {MAX_MATCH_HASHES:,} hashes")
     out = []
     for v in value:
+        if len(out) == MAX_MATCH_HASHES:
+            raise ValueError(f"{name!r}: more than {MAX_MATCH_HASHES:,} hashes")
         try:
             h = int(v, 0) if isinstance(v, str) else v
         except ValueError:
@@ -371,7 +412,11 @@ MAX_BODY_BYTES = 16 << 20
 
 def _read_body(handler: BaseHTTPRequestHandler) -> bytes:
     """The request body, bounded: a ``Content-Length`` that is missing, negative, not a
-    number or over :data:`MAX_BODY_BYTES`, or a body shorter than it, is a ``ValueError``."""
+    number or over :data:`MAX_BODY_BYTES`, a body shorter than it, or a ``Transfer-Encoding``
+    (bodies are read by their length only) is a ``ValueError``; nothing past the length is
+    read."""
+    if handler.headers.get("Transfer-Encoding") is not None:
+        raise ValueError("Transfer-Encoding is not accepted; send a Content-Length")
     text = handler.headers.get("Content-Length")
     if text is None:
         raise ValueError("Content-Length is required")
@@ -390,7 +435,16 @@ def _read_body(handler: BaseHTTPRequestHandler) -> bytes:
     return body
 
 
+MAX_BODY_COMMAS = MAX_MATCH_HASHES + 1024
+"""Commas a /match body may hold, counted before it is parsed: a JSON list of n values has
+n - 1, so this bounds how many values parsing builds (16 MiB of ``[],`` would be 5 million
+lists, some 300 MiB)."""
+
+
 def _parse_body(body: bytes) -> dict:
+    if body.count(b",") > MAX_BODY_COMMAS:
+        raise ValueError(f"body holds more than {MAX_BODY_COMMAS:,} commas: a query holds at "
+                         f"most {MAX_MATCH_HASHES:,} hashes")
     try:
         doc = json.loads(body or b"{}")
     except RecursionError:
@@ -556,10 +610,10 @@ def main(argv: list[str] | None = None) -> int:
         path = None
         try:
             for path in args.file:
-                for wid, pid, event in read_events_file(path, args.format):
+                for wid, pid, event, dp_rank in read_events_file(path, args.format, with_rank=True):
                     if args.worker_id is not None:
                         wid = args.worker_id
-                    follower.feed(wid, pid, [event])
+                    follower.feed(wid, pid, [event], dp_rank)
         except OSError as exc:
             print(f"kvstrata indexer: --file {path}: {exc.strerror or exc}", file=sys.stderr)
             return 2

@@ -96,10 +96,6 @@ def _load_send_nowait():
 send_nowait = _load_send_nowait()
 
 
-class PayloadTooLargeError(ValueError):
-    """A message over the server's ``max_payload`` (the server would close the connection)."""
-
-
 class UnsupportedServerError(RuntimeError):
     """The server needs what this connection does not do (TLS)."""
 
@@ -169,16 +165,21 @@ class NatsPublishConnection:
             self._drop(sock)
 
     # -- the publishing thread ----------------------------------------------------------------
-    def publish(self, subject: bytes, payloads: list[bytes]) -> None:
-        """Write one message per payload on ``subject``, in order: all of them, or raise
-        :class:`SinkUnavailableError` (no connection, or it failed: nothing of this call
-        counts as sent) or :class:`PayloadTooLargeError` (nothing written)."""
+    def publish(self, subject: bytes, payloads: list[bytes]) -> list[int]:
+        """Write one message per payload on ``subject``, in order, except those over the
+        server's ``max_payload`` (it would close the connection): returns their indices
+        (usually none). Raises :class:`SinkUnavailableError` (no connection, or it failed:
+        nothing of this call counts as sent)."""
         limit = self.max_payload
         frames: list[bytes] = []
-        for p in payloads:
+        too_large: list[int] = []
+        for i, p in enumerate(payloads):
             if len(p) > limit:
-                raise PayloadTooLargeError(f"a {len(p)}-byte message is over the server's max_payload ({limit})")
+                too_large.append(i)
+                continue
             frames += (b"PUB %s %d\r\n" % (subject, len(p)), p, CRLF)
+        if not frames:
+            return too_large
         with self._lock:
             sock = self._sock
             if sock is None:
@@ -188,6 +189,7 @@ class NatsPublishConnection:
             except OSError as exc:
                 self._lose_locked(sock, exc)
                 raise SinkUnavailableError(f"NATS publish failed: {type(exc).__name__}: {exc}") from None
+        return too_large
 
     def flush(self, timeout: float) -> bool:
         """Wait (at most ``timeout``) until the server has read everything written so far (a

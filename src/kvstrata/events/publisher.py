@@ -7,10 +7,12 @@ The registry calls the observer hooks on the pool owner's thread. Each hook, und
 lock, filters no-op changes against a shadow of every tier, assigns strictly increasing event
 ids, updates the shadow and appends one compact tuple per event to a bounded buffer (no event
 objects; the common case, one parent-linked run of new blocks, is a few C-level list/set
-operations whatever its length). A background thread takes batches off the buffer (up to
-``max_batch`` events, or whatever has waited ``max_delay`` seconds) and hands them to the
-sink, which encodes straight from the tuples (``EventBatch.items``); event objects are only
-built for sinks that ask for ``EventBatch.events``.
+operations whatever its length; a run longer than one event may hold, ``max_event_blocks``,
+becomes several events, so that no message approaches a transport's size limit). A background
+thread takes batches off the buffer (up to ``max_batch`` events, or whatever has waited
+``max_delay`` seconds) and hands them to the sink, which encodes straight from the tuples
+(``EventBatch.items``); event objects are only built for sinks that ask for
+``EventBatch.events``.
 
 The shadow of a tier is the set of hashes it holds plus a log of the stored items (which carry
 each block's parent, local hash, size and tokens); snapshots read the log filtered by the set.
@@ -33,6 +35,7 @@ import time
 from collections import deque
 from typing import Any, Iterable, Sequence
 
+from kvstrata.events.formats import stored_part
 from kvstrata.events.model import (
     CLEARED,
     ITEM_HEAD,
@@ -63,6 +66,15 @@ HARD_SLACK = 262144
 """A hook compacts inline past ``4 * held + HARD_SLACK`` blocks (background thread stuck)."""
 COMPACT_STEP = 256
 """Log items compacted per lock hold."""
+DEFAULT_MAX_EVENT_BLOCKS = 512
+"""Most blocks one stored or removed event holds: a longer run becomes several events, so no
+event approaches a transport's message limit (NATS: 1 MiB by default; a block is ~42 bytes of
+kvstrata JSON, ~72 of Dynamo's)."""
+DEFAULT_MAX_EVENT_TOKENS = 16384
+"""Most token ids one stored event carries (when tokens are kept): its blocks are capped at
+this over the block size."""
+UNAVAILABLE_WARN_AFTER = 5.0
+"""Seconds a sink may stay unavailable (retried) before the publisher warns about it."""
 
 
 class SinkUnavailableError(RuntimeError):
@@ -75,14 +87,16 @@ class Sink:
 
     ``send`` gets an :class:`EventBatch` built from the publisher's compact items: the
     encoders in :mod:`kvstrata.events.formats` read ``batch.items`` directly; reading
-    ``batch.events`` builds the event objects (once per batch)."""
+    ``batch.events`` builds the event objects (once per batch). It returns None (or 0) when
+    the whole batch went out, or how many of its events it had to leave out (e.g. one message
+    over the server's size limit) having sent the rest: the publisher counts those dropped."""
 
     kind = "sink"
 
     def open(self, publisher: "EventPublisher") -> None:
         """Called once by :meth:`EventPublisher.start`, before the first ``send``."""
 
-    def send(self, batch: EventBatch) -> None:
+    def send(self, batch: EventBatch) -> int | None:
         raise NotImplementedError
 
     def flush(self, timeout: float) -> bool:
@@ -127,21 +141,11 @@ def live_items(items: Iterable[tuple], held: set[int], seen: set[int]) -> list[t
                 if start < 0:
                     start = i
             elif start >= 0:
-                append(_sub_item(item, n, start, i))
+                append(stored_part(item, start, i))
                 start = -1
         if start >= 0:
-            append(_sub_item(item, n, start, n))
+            append(stored_part(item, start, n))
     return out
-
-
-def _sub_item(item: tuple, n: int, start: int, stop: int) -> tuple:
-    """Blocks ``start:stop`` of a stored item with ``n`` blocks, as a stored item."""
-    h0 = ITEM_HEAD
-    parent = item[4] if start == 0 else item[h0 + start - 1]
-    tokens = item[6][start:stop] if item[6] is not None else None
-    return (
-        item[:4] + (parent, item[5], tokens) + item[h0 + start : h0 + stop] + item[h0 + n + start : h0 + n + stop]
-    )
 
 
 class EventPublisher(RegistryObserver):
@@ -157,7 +161,7 @@ class EventPublisher(RegistryObserver):
     # them by offset, the Python code by name.
     __slots__ = ("_lock", "_cond", "_buffer", "_tiers", "_ts", "_ts_text", "_last_id", "_done_id",
                  "_first_pending_at", "_closing", "enqueued", "dropped", "buffer_events",
-                 "max_batch", "keep_tokens")
+                 "max_batch", "keep_tokens", "max_event_blocks", "max_event_tokens")
 
     def __init__(
         self,
@@ -169,9 +173,14 @@ class EventPublisher(RegistryObserver):
         worker_id: int | None = None,
         keep_tokens: bool = True,
         retry_backoff: tuple[float, float] = (0.02, 1.0),
+        max_event_blocks: int = DEFAULT_MAX_EVENT_BLOCKS,
+        max_event_tokens: int = DEFAULT_MAX_EVENT_TOKENS,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if max_event_blocks < 1 or max_event_tokens < 1:
+            raise ValueError(f"max_event_blocks ({max_event_blocks}) and max_event_tokens "
+                             f"({max_event_tokens}) must be >= 1")
         if max_delay < 0:
             raise ValueError(f"max_delay must be >= 0, got {max_delay}")
         if buffer_events < max_batch:
@@ -182,6 +191,8 @@ class EventPublisher(RegistryObserver):
         self.max_delay = max_delay
         self.buffer_events = buffer_events
         self.keep_tokens = keep_tokens
+        self.max_event_blocks = int(max_event_blocks)
+        self.max_event_tokens = int(max_event_tokens)
         self._backoff = retry_backoff
 
         self._lock = threading.Lock()
@@ -193,6 +204,8 @@ class EventPublisher(RegistryObserver):
         self._last_id = 0  # last event id assigned
         self._done_id = 0  # every id <= this was delivered or dropped
         self._first_pending_at = 0.0
+        self._in_flight = 0  # events of the batch the sink is being handed (out of the buffer)
+        self._in_flight_since = 0.0  # when its oldest event was buffered (monotonic)
         self._closing = False
         self._flush_waiters = 0
         self._thread: threading.Thread | None = None
@@ -206,6 +219,7 @@ class EventPublisher(RegistryObserver):
         self.dropped_by_errors = 0
         self.compactions = 0
         self._warned_at = float("-inf")
+        self._unavailable_warned_at = float("-inf")
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> "EventPublisher":
@@ -278,9 +292,20 @@ class EventPublisher(RegistryObserver):
             self._ts_text = repr(now)
         return self._ts_text
 
+    def event_blocks(self, block_size: int, tokens: bool) -> int:
+        """Most blocks of ``block_size`` tokens one stored event holds (``tokens``: it carries
+        their token ids): ``max_event_blocks``, less where the tokens would pass
+        ``max_event_tokens``. A longer run is cut into parts of this many blocks (each part's
+        parent the previous part's last block), each an event of its own."""
+        limit = self.max_event_blocks
+        if tokens and block_size > 0:
+            limit = min(limit, max(1, self.max_event_tokens // block_size))
+        return limit
+
     def on_tier_stored(self, tier: str, records: Sequence[BlockRecord]) -> None:
         if _native_hooks is not None and _native_hooks.stored(self, tier, records):
-            return   # the common case below, in C (it declines, changing nothing, otherwise)
+            return   # the common case below, in C (it declines, changing nothing, otherwise,
+                     # and for a run longer than one event holds)
         n = len(records)
         if not n:
             return
@@ -293,16 +318,22 @@ class EventPublisher(RegistryObserver):
         with self._lock:
             sh = self._tiers[tier]
             held = sh.held
-            # Fast path: one linked run of hashes all new to the tier -> one stored event; the
-            # per-record work is C-level (comprehensions, set operations).
+            # Fast path: one linked run of hashes all new to the tier -> one stored event (or
+            # parts of event_blocks() blocks); the per-record work is C-level (comprehensions,
+            # set operations).
             if parents[1:] == hashes[:-1] and held.isdisjoint(hashes) and len(set(hashes)) == len(hashes):
                 held.update(hashes)
-                self._last_id = eid = self._last_id + 1
                 now = time.time()
                 if now - self._ts >= TS_RESOLUTION or now < self._ts:
                     self._ts = now
                     self._ts_text = repr(now)
                 parent = first.parent_hash
+                tokens = first.token_ids is not None and self.keep_tokens
+                limit = self.event_blocks(size, tokens)
+                if n > limit:
+                    self._stored_parts_locked(sh, tier, records, hashes, limit, tokens)
+                    return
+                self._last_id = eid = self._last_id + 1
                 item = (
                     eid,
                     STORED,
@@ -310,9 +341,7 @@ class EventPublisher(RegistryObserver):
                     self._ts_text,
                     NO_PARENT if parent is None else parent,
                     size,
-                    tuple([r.token_ids for r in records])
-                    if first.token_ids is not None and self.keep_tokens
-                    else None,
+                    tuple([r.token_ids for r in records]) if tokens else None,
                     *hashes,
                     *[r.local_hash for r in records],
                 )
@@ -320,24 +349,55 @@ class EventPublisher(RegistryObserver):
                 return
             self._stored_slow_locked(tier, records)
 
+    def _stored_parts_locked(self, sh: _TierShadow, tier: str, records: Sequence[BlockRecord],
+                             hashes: list[int], limit: int, tokens: bool) -> None:
+        """The fast path's run (new to the tier, already in ``held``, timestamp taken) as
+        stored events of at most ``limit`` blocks each."""
+        locals_ = [r.local_hash for r in records]
+        all_tokens = tuple([r.token_ids for r in records]) if tokens else None
+        first_parent = records[0].parent_hash
+        size = records[0].block_size
+        n = len(hashes)
+        for start in range(0, n, limit):
+            stop = min(start + limit, n)
+            parent = hashes[start - 1] if start else first_parent
+            self._last_id += 1
+            item = (
+                self._last_id,
+                STORED,
+                tier,
+                self._ts_text,
+                NO_PARENT if parent is None else parent,
+                size,
+                # as the slow path: tokens only where the part's first block has them
+                all_tokens[start:stop] if tokens and all_tokens[start] is not None else None,
+                *hashes[start:stop],
+                *locals_[start:stop],
+            )
+            self._log_and_enqueue_locked(sh, item, stop - start)
+
     def _stored_slow_locked(self, tier: str, records: Iterable[BlockRecord]) -> int:
-        """General case: skip held hashes, split into parent-linked runs of one block size."""
+        """General case: skip held hashes, split into parent-linked runs of one block size,
+        of at most :meth:`event_blocks` blocks each."""
         sh = self._tiers[tier]
         held = sh.held
         keep_tokens = self.keep_tokens
         chains: list[list[BlockRecord]] = []
         chain: list[BlockRecord] = []
         prev_hash = prev_size = None
+        limit = 0
         for record in records:
             h = record.sequence_hash
             if h in held:
                 continue
             held.add(h)
-            if chain and record.parent_hash == prev_hash and record.block_size == prev_size:
+            if chain and record.parent_hash == prev_hash and record.block_size == prev_size \
+                    and len(chain) < limit:
                 chain.append(record)
             else:
                 chain = [record]
                 chains.append(chain)
+                limit = self.event_blocks(record.block_size, keep_tokens and record.token_ids is not None)
             prev_hash, prev_size = h, record.block_size
         if not chains:
             return 0
@@ -368,7 +428,8 @@ class EventPublisher(RegistryObserver):
 
     def on_tier_removed(self, tier: str, sequence_hashes: Sequence[int]) -> None:
         if _native_hooks is not None and _native_hooks.removed(self, tier, sequence_hashes):
-            return   # this method, in C (it declines, changing nothing, for a class it does not know)
+            return   # this method, in C (it declines, changing nothing, for a class it does not
+                     # know and for more hashes than one event holds)
         with self._lock:
             held = self._tiers[tier].held
             if len(sequence_hashes) == 1:
@@ -381,6 +442,13 @@ class EventPublisher(RegistryObserver):
                 # ``discard`` returns None: each hash is removed as it is taken (repeats drop out)
                 gone = [h for h in sequence_hashes if h in held and not held.discard(h)]
                 if not gone:
+                    return
+                limit = self.max_event_blocks
+                if len(gone) > limit:   # several events, at most ``limit`` hashes each
+                    ts = self._now()
+                    for start in range(0, len(gone), limit):
+                        self._last_id += 1
+                        self._enqueue1_locked((self._last_id, REMOVED, tier, ts, *gone[start : start + limit]))
                     return
             self._last_id = eid = self._last_id + 1
             now = time.time()
@@ -549,8 +617,12 @@ class EventPublisher(RegistryObserver):
     def metrics(self) -> dict[str, float]:
         """Plain counters; names match the Prometheus metrics (see docs/events.md)."""
         with self._lock:
-            pending = len(self._buffer)
-            lag_s = time.monotonic() - self._first_pending_at if pending else 0.0
+            # the batch being delivered (retried while the sink is unavailable) is no longer
+            # in the buffer, but not delivered either (after close nothing is waited for)
+            in_flight = 0 if self._closing else self._in_flight
+            pending = len(self._buffer) + in_flight
+            since = self._in_flight_since if in_flight else self._first_pending_at
+            lag_s = time.monotonic() - since if pending else 0.0
             return {
                 "enqueued": self.enqueued,
                 "published": self.published,
@@ -580,6 +652,7 @@ class EventPublisher(RegistryObserver):
             if not buf:
                 return [] if not self._closing else None
             n = min(len(buf), self.max_batch)
+            self._in_flight, self._in_flight_since = n, self._first_pending_at
             if n == len(buf):
                 items = list(buf)
                 buf.clear()
@@ -595,49 +668,80 @@ class EventPublisher(RegistryObserver):
                 return
             if not batch:
                 continue
-            delivered = self._deliver(batch)
+            left_out = self._deliver(batch)
             with self._cond:
-                if delivered:
-                    self.published += len(batch)
+                if left_out < len(batch):
+                    self.published += len(batch) - left_out
                     self.batches += 1
-                else:
-                    self.dropped += len(batch)
+                self.dropped += left_out
+                self._in_flight = 0
                 self._done_id = max(self._done_id, batch[-1][0])
                 if not self._buffer:
                     self._done_id = self._last_id
                 self._cond.notify_all()
             self._compact_step()
 
-    def _deliver(self, items: list[tuple]) -> bool:
+    def _deliver(self, items: list[tuple]) -> int:
+        """Hand ``items`` to the sink, retrying while it is unavailable; returns how many of
+        them were not delivered (0: all were)."""
         batch = EventBatch(self.identity, items=items)
         delay = self._backoff[0]
+        unavailable_since = None
         while True:
             try:
-                self.sink.send(batch)
-                return True
+                left_out = self.sink.send(batch) or 0
             except SinkUnavailableError as exc:
+                now = time.monotonic()
+                if unavailable_since is None:
+                    unavailable_since = now
+                self._warn_unavailable(exc, now - unavailable_since)
                 with self._cond:
                     self.sink_errors += 1
                     if self._closing:
-                        return False
+                        return len(items)
                     log.debug("event sink %s unavailable (%s); retrying in %.2fs", self.sink.describe(), exc, delay)
                     self._cond.wait(delay)
                     if self._closing:
-                        return False
+                        return len(items)
                 delay = min(delay * 2, self._backoff[1])
+                continue
             except Exception as exc:
+                self._count_failed(len(items), exc)
+                return len(items)
+            if unavailable_since is not None and self._unavailable_warned_at >= unavailable_since:
+                log.info("event sink %s available again after %.1fs", self.sink.describe(),
+                         time.monotonic() - unavailable_since)
+            if left_out:     # the sink sent the rest and said why (logged)
                 with self._cond:
                     self.sink_errors += 1
-                    self.dropped_by_errors += len(items)
-                    errors, dropped = self.sink_errors, self.dropped_by_errors
-                now = time.monotonic()
-                if now - self._warned_at >= WARN_EVERY:   # one line now and then, not per batch
-                    self._warned_at = now
-                    log.warning("event sink %s failed: %s; %d events dropped in %d failed "
-                                "batches so far", self.sink.describe(), _one_line(exc), dropped,
-                                errors)
-                return False
+                    self.dropped_by_errors += left_out
+            return left_out
 
+    def _count_failed(self, events: int, exc: BaseException) -> None:
+        """A batch of ``events`` the sink failed (not worth a retry): counted, and said now and
+        then."""
+        with self._cond:
+            self.sink_errors += 1
+            self.dropped_by_errors += events
+            errors, dropped = self.sink_errors, self.dropped_by_errors
+        now = time.monotonic()
+        if now - self._warned_at >= WARN_EVERY:   # one line now and then, not per batch
+            self._warned_at = now
+            log.warning("event sink %s failed: %s; %d events dropped in %d failed "
+                        "batches so far", self.sink.describe(), _one_line(exc), dropped,
+                        errors)
+
+    def _warn_unavailable(self, exc: BaseException, for_s: float) -> None:
+        """Say that the sink has been unavailable for ``for_s`` seconds, once it is past
+        :data:`UNAVAILABLE_WARN_AFTER`, at most once every :data:`WARN_EVERY`."""
+        now = time.monotonic()
+        if for_s < UNAVAILABLE_WARN_AFTER or now - self._unavailable_warned_at < WARN_EVERY:
+            return
+        self._unavailable_warned_at = now
+        lag = self.metrics()
+        log.warning("event sink %s unavailable for %.1fs: %s; %d events waiting (oldest %.1fs), "
+                    "still retrying", self.sink.describe(), for_s, _one_line(exc), lag["lag"],
+                    lag["lag_seconds"])
 
 
 def delivery_report(sink: str, metrics: dict) -> dict:

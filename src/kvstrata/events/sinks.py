@@ -23,13 +23,29 @@ from typing import Callable
 
 from kvstrata.events import formats
 from kvstrata.events.model import EventBatch
-from kvstrata.events.natswire import PayloadTooLargeError, with_credentials
+from kvstrata.events.natswire import with_credentials
 from kvstrata.redact import redacted
-from kvstrata.events.publisher import EventPublisher, Sink, SinkUnavailableError
+from kvstrata.events.publisher import EventPublisher, Sink, SinkUnavailableError, _one_line
 
 log = logging.getLogger(__name__)
 
 EVENT_FORMATS = ("kvstrata", "dynamo")
+WARN_EVERY = 60.0
+"""Seconds between two warnings of one kind from a sink (the counts say how many)."""
+
+
+class _Warnings:
+    """Rate-limits a sink's warnings: one line per kind every :data:`WARN_EVERY` seconds."""
+
+    def __init__(self) -> None:
+        self._at: dict[str, float] = {}
+
+    def due(self, kind: str) -> bool:
+        now = time.monotonic()
+        if now - self._at.get(kind, float("-inf")) < WARN_EVERY:
+            return False
+        self._at[kind] = now
+        return True
 
 
 class NullSink(Sink):
@@ -107,7 +123,7 @@ class JsonlFileSink(Sink):
 
     def send(self, batch: EventBatch) -> None:
         if self.format == "kvstrata":
-            text = formats.encode_jsonl(batch)
+            text = formats.encode_jsonl(batch, self.dp_rank)
         else:
             text = formats.encode_dynamo_jsonl(batch, self.dp_rank)
         data = text.encode("utf-8")
@@ -147,6 +163,12 @@ class ZmqSink(Sink):
 
     Binds ``endpoint`` by default (like a vLLM engine); ``connect=True`` connects instead.
     Sends never block: a PUB socket drops messages for slow subscribers at its HWM.
+
+    A ``BlockStored`` carries ``token_ids`` only when the records carry them (pools with
+    ``keep_tokens``, and the publisher's ``keep_tokens``); without them it has ``token_ids:
+    []``, and a consumer that recomputes block hashes from the tokens (Dynamo's router)
+    learns nothing from it. The sink warns once when it first sends such an event (at open if
+    the publisher strips tokens) and counts them in ``stored_without_tokens``.
     """
 
     kind = "zmq"
@@ -171,10 +193,15 @@ class ZmqSink(Sink):
         self._seq = 0
         self._sock = None
         self._bound_ipc: str | None = None
+        self.stored_without_tokens = 0
+        """``BlockStored`` events sent with ``token_ids: []`` (see the class docstring)."""
+        self._warned_tokens = False
 
     def open(self, publisher: EventPublisher) -> None:
         import zmq
 
+        if not publisher.keep_tokens:
+            self._warn_no_tokens("the publisher was made with keep_tokens=False")
         ctx = zmq.Context.instance()
         sock = ctx.socket(zmq.PUB)
         sock.set_hwm(self.hwm)
@@ -206,11 +233,24 @@ class ZmqSink(Sink):
         import zmq
 
         payload = formats.encode_vllm_items(batch.items, time.time(), self.dp_rank, self.layout)
+        without = sum(1 for item in batch.items if item[1] == 0 and (item[6] is None or None in item[6]))
+        if without:
+            self.stored_without_tokens += without
+            self._warn_no_tokens("the pools do not keep token ids (kvstrata config keep_tokens: false)")
         try:
             self._sock.send_multipart((self.topic, self._seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
         except zmq.Again:
             raise SinkUnavailableError("ZMQ PUB would block") from None
         self._seq += 1
+
+    def _warn_no_tokens(self, why: str) -> None:
+        if self._warned_tokens:
+            return
+        self._warned_tokens = True
+        log.warning("ZMQ event sink %s: BlockStored events go out with token_ids: [] because %s; "
+                    "consumers that recompute block hashes from token ids (Dynamo's KV router) "
+                    "cannot use them. Set keep_tokens: true in kvstrata's config to send them",
+                    self.endpoint, why)
 
     def close(self, timeout: float) -> None:
         if self._sock is not None:
@@ -317,8 +357,11 @@ class NatsSink(Sink):
     publisher's thread writes itself (:mod:`kvstrata.events.natswire`: no hand-over to nats-py's
     event-loop thread per batch); nats-py's connection serves snapshots. ``direct=False``
     publishes through nats-py instead, as JetStream always does and as the sink does when the
-    server requires TLS. A message over the server's ``max_payload`` (one event larger than it)
-    is never sent: that batch fails with :class:`PayloadTooLargeError` (dropped and counted).
+    server requires TLS. A message over the server's ``max_payload`` (an event larger than it,
+    which the publisher's event size limits make rare) is never sent: the batch's other
+    messages are, and ``send`` reports that message's events left out (the publisher counts
+    them dropped; followers see the gap and re-sync from a snapshot). With JetStream, a stream
+    that disappeared (deleted, or a server restarted without its store) is made again.
     """
 
     kind = "nats"
@@ -363,6 +406,12 @@ class NatsSink(Sink):
         self._ready = threading.Event()
         self._connect_task = None
         self.connect_error: BaseException | None = None
+        self._warnings = _Warnings()
+        self.too_large_events = 0
+        """Events left out in messages over the server's ``max_payload``."""
+        self.streams_recreated = 0
+        self.snapshot_errors = 0
+        """Snapshot requests whose reply failed (logged)."""
 
     # -- lifecycle ---------------------------------------------------------------------------
     def open(self, publisher: EventPublisher) -> None:
@@ -464,17 +513,46 @@ class NatsSink(Sink):
             return formats.encode_batch_messages(batch, max_payload)
         return formats.encode_dynamo_messages(batch, self.dp_rank), [item[0] for item in batch.items]
 
-    def send(self, batch: EventBatch) -> None:
+    def send(self, batch: EventBatch) -> int:
+        """Publish the batch; returns how many of its events were left out (in messages over
+        the server's ``max_payload``)."""
         wire = self._direct_wire()
         if wire is not None:
-            wire.publish(self._subject_bytes, self.encode(batch, wire.max_payload)[0])
-            return
+            limit = wire.max_payload
+            payloads, ids = self.encode(batch, limit)
+            return self._left_out(batch, payloads, ids, wire.publish(self._subject_bytes, payloads), limit)
         if not self._ready.is_set():
             raise SinkUnavailableError(f"not connected to {redacted(self.url)}" + (f": {self.connect_error}" if self.connect_error else ""))
         limit = getattr(self._nc, "max_payload", 1 << 20) or (1 << 20)
         payloads, ids = self.encode(batch, limit)
-        if max(map(len, payloads)) > limit:  # nats-py would refuse it on every retry
-            raise PayloadTooLargeError(f"a message is over the server's max_payload ({limit})")
+        too_large = [k for k, p in enumerate(payloads) if len(p) > limit]  # nats-py refuses them
+        skip = set(too_large)
+        self._publish_now([p for k, p in enumerate(payloads) if k not in skip],
+                          [i for k, i in enumerate(ids) if k not in skip], batch)
+        return self._left_out(batch, payloads, ids, too_large, limit)
+
+    def _left_out(self, batch: EventBatch, payloads: list[bytes], ids: list[int],
+                  too_large: list[int], limit: int) -> int:
+        """How many events the messages ``too_large`` (indices) held; counted and logged."""
+        if not too_large:
+            return 0
+        position = {item[0]: k for k, item in enumerate(batch.items)}
+        starts = [position[i] for i in ids] + [len(batch.items)]
+        events = sum(starts[m + 1] - starts[m] for m in too_large)
+        self.too_large_events += events
+        if self._warnings.due("too_large"):
+            m = too_large[0]
+            log.warning("NATS sink %s: a %d-byte message (events from id %d) is over the "
+                        "server's max_payload (%d) and was not sent; %d events left out so far "
+                        "(followers re-sync from a snapshot)", self.describe(), len(payloads[m]),
+                        ids[m], limit, self.too_large_events)
+        return events
+
+    def _publish_now(self, payloads: list[bytes], ids: list[int], batch: EventBatch) -> None:
+        """Publish through nats-py (on its loop), waiting; transport trouble raises
+        :class:`SinkUnavailableError`."""
+        if not payloads:
+            return
         try:
             self._aio.run(self._publish(payloads, ids, batch.identity.publisher_id), self.send_timeout + 1.0)
         except SinkUnavailableError:
@@ -494,17 +572,45 @@ class NatsSink(Sink):
             return
         if not nc.is_connected:
             raise SinkUnavailableError("JetStream publish while disconnected")
+        from nats.js.errors import NoStreamResponseError, NotFoundError
+
         acks = [
             self._js.publish(
                 self.subject, p, timeout=self.send_timeout, headers={"Nats-Msg-Id": f"{publisher_id:016x}-{i}"}
             )
             for p, i in zip(payloads, ids)
         ]
-        await asyncio.gather(*acks)
+        try:
+            await asyncio.gather(*acks)
+        except (NoStreamResponseError, NotFoundError) as exc:  # no stream holds the subject
+            await self._recreate_stream(exc)
+            raise SinkUnavailableError(f"JetStream stream {self.stream} was missing ({exc}); "
+                                       f"made again") from None
+
+    async def _recreate_stream(self, why: BaseException) -> None:
+        """Make the stream again (deleted, or the server restarted without its store); the
+        batch is then retried. :class:`SinkUnavailableError` if that fails."""
+        try:
+            await self._ensure_stream(self._js)
+        except Exception as exc:
+            raise SinkUnavailableError(f"JetStream stream {self.stream} is missing ({why}) and "
+                                       f"could not be made: {type(exc).__name__}: {exc}") from None
+        self.streams_recreated += 1
+        if self._warnings.due("stream"):
+            log.warning("NATS sink %s: JetStream stream %s was missing (%s): made it again (%d "
+                        "times so far); the events it held before are gone", self.describe(),
+                        self.stream, why, self.streams_recreated)
 
     async def _on_snapshot_request(self, msg) -> None:
         if not msg.reply:
             return
-        snap = self._publisher.snapshot()
-        for chunk in formats.encode_snapshot(snap):
-            await self._nc.publish(msg.reply, chunk)
+        try:
+            snap = self._publisher.snapshot()
+            limit = min(formats.SNAPSHOT_CHUNK_BYTES, self._nc.max_payload or formats.SNAPSHOT_CHUNK_BYTES)
+            for chunk in formats.encode_snapshot(snap, limit):
+                await self._nc.publish(msg.reply, chunk)
+        except Exception as exc:   # the requester gives up or asks again; say why here
+            self.snapshot_errors += 1
+            if self._warnings.due("snapshot"):
+                log.warning("NATS sink %s: a snapshot reply failed: %s (%d failed so far)",
+                            self.describe(), _one_line(exc), self.snapshot_errors)

@@ -1,13 +1,16 @@
 """Following event streams: ordering, de-duplication, gaps, restarts and late joins.
 
-(About 500 lines on purpose: one concern, following streams in order; every transport feeds
+(About 750 lines on purpose: one concern, following streams in order; every transport feeds
 :class:`StreamFollower`'s rules, and the NATS follower's snapshot requests are the other half of
 its late-join protocol, so they read best together.)
 
-:class:`StreamFollower` is transport-agnostic. It tracks, per worker, the publisher identity and
-the last applied event id, and applies events to a *target* (anything with
-``apply_event(worker_id, event)`` and ``reset_worker(worker_id)``, e.g. the indexer's
-:class:`~kvstrata.events.indexer.PrefixIndex` or :class:`WorkerStates`).
+:class:`StreamFollower` is transport-agnostic. It tracks, per engine (a worker's data-parallel
+rank: each publishes its own stream, ids from 1), the publisher identity and the last applied
+event id, and applies events to a *target* (anything with ``apply_event(worker_id, event)``
+and ``reset_worker(worker_id)``, e.g. the indexer's
+:class:`~kvstrata.events.indexer.PrefixIndex` or :class:`WorkerStates`; for an engine of rank
+``k > 0`` both are called with ``k`` as a third argument, so a target written for one engine
+per worker works unchanged until it meets data parallelism).
 
 Late-join protocol (no gap, no duplicate): subscribe to the live stream first, buffering;
 fetch the worker's snapshot (``last_event_id = N``); reset the worker, apply the snapshot,
@@ -45,31 +48,44 @@ log = logging.getLogger(__name__)
 
 
 class EventTarget(Protocol):
-    def apply_event(self, worker_id: int, event: Event) -> None: ...
+    def apply_event(self, worker_id: int, event: Event, dp_rank: int = 0) -> None: ...
 
-    def reset_worker(self, worker_id: int) -> None: ...
+    def reset_worker(self, worker_id: int, dp_rank: int = 0) -> None: ...
+
+
+def engine_key(worker_id: int, dp_rank: int = 0) -> int | tuple[int, int]:
+    """How followers and the index name one engine: its worker id, or ``(worker_id,
+    dp_rank)`` for a data-parallel rank above 0 (so a worker without data parallelism is named
+    as it always was)."""
+    return (worker_id, dp_rank) if dp_rank else worker_id
+
+
+def split_engine(key: int | tuple[int, int]) -> tuple[int, int]:
+    """``(worker_id, dp_rank)`` of an :func:`engine_key`."""
+    return key if type(key) is tuple else (key, 0)
 
 
 class WorkerStates:
-    """A simple target: worker id -> :class:`TierState`."""
+    """A simple target: engine (:func:`engine_key`) -> :class:`TierState`."""
 
     def __init__(self) -> None:
-        self.workers: dict[int, TierState] = {}
+        self.workers: dict[int | tuple[int, int], TierState] = {}
 
-    def apply_event(self, worker_id: int, event: Event) -> None:
-        self.workers.setdefault(worker_id, TierState()).apply(event)
+    def apply_event(self, worker_id: int, event: Event, dp_rank: int = 0) -> None:
+        self.workers.setdefault(engine_key(worker_id, dp_rank), TierState()).apply(event)
 
-    def reset_worker(self, worker_id: int) -> None:
-        self.workers[worker_id] = TierState()
+    def reset_worker(self, worker_id: int, dp_rank: int = 0) -> None:
+        self.workers[engine_key(worker_id, dp_rank)] = TierState()
 
-    def hashes(self, worker_id: int) -> dict[str, set[int]]:
-        state = self.workers.get(worker_id)
+    def hashes(self, worker_id: int, dp_rank: int = 0) -> dict[str, set[int]]:
+        state = self.workers.get(engine_key(worker_id, dp_rank))
         return state.hashes() if state else TierState().hashes()
 
 
 MAX_WORKER_ID = 1 << 64
 """Worker ids are unsigned 64-bit (:class:`~kvstrata.events.model.PublisherIdentity`); a
 larger one is no worker."""
+MAX_DP_RANK = formats.MAX_DP_RANK
 
 
 def _loops(event: StoredEvent) -> bool:
@@ -170,12 +186,19 @@ class _Worker:
 
 
 class StreamFollower:
-    """Applies per-worker event streams to ``target`` in order, exactly once.
+    """Applies per-engine event streams to ``target`` in order, exactly once.
+
+    A stream is one engine's: a worker id and a data-parallel rank (0 without data
+    parallelism), keyed by :func:`engine_key` in :attr:`workers`. The engines of one worker
+    number their events each from 1; one's events never restart, reset or conflict with
+    another's.
 
     ``snapshots=True``: when a worker is first seen mid-stream (first id > 1) or a gap appears,
     the worker goes into *syncing* (events buffered) and is listed by :meth:`pending_snapshots`
-    until :meth:`apply_snapshot` (or :meth:`give_up_sync`) is called. ``snapshots=False``:
-    gaps are counted and events applied anyway (best effort, e.g. reading a file).
+    until :meth:`apply_snapshot` (or :meth:`give_up_sync`) is called. A snapshot is a worker's
+    (engine 0's): the streams of engines of rank > 0 are followed best effort.
+    ``snapshots=False``: gaps are counted and events applied anyway (best effort, e.g. reading
+    a file).
     """
 
     def __init__(self, target: EventTarget, *, snapshots: bool = True, max_buffer: int = 1_000_000,
@@ -188,9 +211,11 @@ class StreamFollower:
         and counted in ``untrusted``: a bus others can publish on cannot forge a worker."""
         self.untrusted = 0
         self.invalid = 0
-        """Events dropped as impossible: a worker id outside 0..2^64-1, a stored block that
-        is its own parent or follows itself in its chain."""
-        self.workers: dict[int, _Worker] = {}
+        """Events dropped as impossible: a worker id outside 0..2^64-1 or a data-parallel
+        rank outside 0..2^32-1, a stored block that is its own parent or follows itself in its
+        chain."""
+        self.workers: dict[int | tuple[int, int], _Worker] = {}
+        """Streams by :func:`engine_key`."""
         self.lock = threading.RLock()
         self.applied = 0
         self.duplicates = 0
@@ -207,7 +232,10 @@ class StreamFollower:
     def feed_batch(self, batch: EventBatch) -> None:
         self.feed(batch.identity.worker_id, batch.identity.publisher_id, batch.events)
 
-    def feed(self, worker_id: int, publisher_id: int | None, events: Iterable[Event]) -> None:
+    def feed(self, worker_id: int, publisher_id: int | None, events: Iterable[Event],
+             dp_rank: int = 0) -> None:
+        """Follow ``events`` of the engine of data-parallel rank ``dp_rank`` of worker
+        ``worker_id`` (``publisher_id`` None where the format has none, as Dynamo's)."""
         events = list(events)
         if not events:
             return
@@ -215,12 +243,14 @@ class StreamFollower:
             with self.lock:
                 self.untrusted += len(events)
             return
-        if not (type(worker_id) is int and 0 <= worker_id < MAX_WORKER_ID):
+        if not (type(worker_id) is int and 0 <= worker_id < MAX_WORKER_ID
+                and type(dp_rank) is int and 0 <= dp_rank <= MAX_DP_RANK):
             with self.lock:
                 self.invalid += len(events)
             return
+        key = engine_key(worker_id, dp_rank)
         with self.lock:
-            st = self.workers.get(worker_id)
+            st = self.workers.get(key)
             restarted = st is not None and (
                 (publisher_id is not None and st.publisher_id is not None and publisher_id != st.publisher_id)
                 or (publisher_id is None and events[0].event_id == 1 and st.last_id > 0)
@@ -228,10 +258,10 @@ class StreamFollower:
             if st is None or restarted:
                 if restarted:
                     self.restarts += 1
-                    self.target.reset_worker(worker_id)
-                st = self.workers[worker_id] = _Worker(publisher_id)
+                    self._reset(worker_id, dp_rank)
+                st = self.workers[key] = _Worker(publisher_id)
                 if events[0].event_id != 1:
-                    if self.snapshots:
+                    if self.snapshots and not dp_rank:
                         st.syncing = True
                     else:                          # joined late: earlier ids are
                         self.gaps += 1             # history, not a hole to fill
@@ -241,7 +271,13 @@ class StreamFollower:
             if st.syncing:
                 self._buffer(st, events)
                 return
-            self._apply(worker_id, st, events)
+            self._apply(worker_id, st, events, dp_rank=dp_rank)
+
+    def _reset(self, worker_id: int, dp_rank: int) -> None:
+        if dp_rank:
+            self.target.reset_worker(worker_id, dp_rank)
+        else:
+            self.target.reset_worker(worker_id)
 
     def _buffer(self, st: _Worker, events: list[Event]) -> None:
         st.buffer.extend(events)
@@ -249,13 +285,18 @@ class StreamFollower:
             del st.buffer[: len(st.buffer) - self.max_buffer]
 
     def _apply(self, worker_id: int, st: _Worker, events: list[Event],
-               after_snapshot: bool = False) -> None:
-        """Apply ``events`` in order. A gap starts a re-sync (snapshots) or is applied past
-        (best effort); ``after_snapshot``: the events were buffered while a snapshot was
-        awaited, and one still past a gap after it is dropped (counted in ``gaps``) rather
-        than asking for another snapshot: the next live event asks if one is needed, and an
-        event with a made-up id cannot keep the worker re-syncing."""
+               after_snapshot: bool = False, dp_rank: int = 0) -> None:
+        """Apply ``events`` in order. A gap starts a re-sync (snapshots, engine 0) or is
+        applied past (best effort); ``after_snapshot``: the events were buffered while a
+        snapshot was awaited, and one still past a gap after it is dropped (counted in
+        ``gaps``) rather than asking for another snapshot: the next live event asks if one is
+        needed, and an event with a made-up id cannot keep the worker re-syncing."""
         recent = st.recent
+        snapshots = self.snapshots and not dp_rank
+        apply = self.target.apply_event
+        if dp_rank:
+            def apply(wid: int, event: Event, _apply=apply) -> None:
+                _apply(wid, event, dp_rank)
         for i, event in enumerate(events):
             eid = event.event_id
             if eid == st.last_id + 1 and not st.ahead:      # the common case, inlined
@@ -265,7 +306,7 @@ class StreamFollower:
                 before = st.applied_before(eid)
                 if before is not None and before != event:
                     self.conflicts += 1
-                    if self.snapshots:
+                    if snapshots:
                         log.warning("worker %s sent event %d twice with different contents: "
                                     "re-syncing it from its snapshot", worker_id, eid)
                         st.syncing = True
@@ -279,7 +320,7 @@ class StreamFollower:
                     self.gaps += 1
                     if after_snapshot:
                         continue
-                    if self.snapshots:
+                    if snapshots:
                         st.syncing = True
                         self._buffer(st, events[i:])
                         return
@@ -287,7 +328,7 @@ class StreamFollower:
             if isinstance(event, StoredEvent) and _loops(event):
                 self.invalid += 1              # in order, but never applied
                 continue
-            self.target.apply_event(worker_id, event)
+            apply(worker_id, event)
             self.applied += 1
 
     # -- snapshots ---------------------------------------------------------------------------
@@ -297,7 +338,7 @@ class StreamFollower:
             self.untrusted += events
 
     def pending_snapshots(self) -> list[int]:
-        """Workers waiting for a snapshot."""
+        """Workers waiting for a snapshot (only engine 0's stream ever waits for one)."""
         with self.lock:
             return [w for w, st in self.workers.items() if st.syncing]
 
@@ -348,17 +389,18 @@ class StreamFollower:
             finally:
                 self.snapshots = snapshots
 
-    def last_event_id(self, worker_id: int) -> int:
-        """The last id of the worker's unbroken run of applied events (ids applied past a
+    def last_event_id(self, worker_id: int, dp_rank: int = 0) -> int:
+        """The last id of the engine's unbroken run of applied events (ids applied past a
         gap that has not filled are not counted)."""
         with self.lock:
-            st = self.workers.get(worker_id)
+            st = self.workers.get(engine_key(worker_id, dp_rank))
             return st.last_id if st else 0
 
     def stats(self) -> dict[str, int]:
         with self.lock:
             return {
-                "workers": len(self.workers),
+                "workers": len({split_engine(key)[0] for key in self.workers}),
+                "streams": len(self.workers),
                 "applied": self.applied,
                 "duplicates": self.duplicates,
                 "conflicts": self.conflicts,
@@ -388,12 +430,15 @@ def follow_in_process(publisher, target: EventTarget) -> tuple[StreamFollower, C
 # --------------------------------------------------------------------------------------------
 
 
-def decode_line(line: str, fmt: str = "auto") -> tuple[int, int | None, Event]:
-    """One JSON line -> (worker_id, publisher_id or None, event); kvstrata or Dynamo format."""
+def decode_line(line: str, fmt: str = "auto", with_rank: bool = False) -> tuple:
+    """One JSON line -> (worker_id, publisher_id or None, event); kvstrata or Dynamo format.
+    ``with_rank``: (worker_id, publisher_id, event, dp_rank), the rank of the engine that
+    wrote it (0 where the line names none)."""
     if fmt != "kvstrata" and formats.fast_decode_dynamo is not None:
-        decoded = formats.fast_decode_dynamo(line, fmt == "auto")
+        decoded = formats.fast_decode_dynamo(line, fmt == "auto", True)
         if decoded is not None:
-            return decoded[0], None, decoded[1]
+            wid, event, dp_rank = decoded
+            return (wid, None, event, dp_rank) if with_rank else (wid, None, event)
     try:
         obj = json.loads(line)
     except (ValueError, RecursionError) as exc:
@@ -401,17 +446,19 @@ def decode_line(line: str, fmt: str = "auto") -> tuple[int, int | None, Event]:
     if not isinstance(obj, dict):
         raise EventFormatError("line must be a JSON object")
     if fmt == "dynamo" or (fmt == "auto" and "event" in obj and "storage_tier" in obj):
-        wid, event = formats.decode_dynamo(obj)
-        return wid, None, event
-    batch = formats.decode_kvstrata(obj)
+        wid, event, dp_rank = formats.decode_dynamo(obj, with_rank=True)
+        return (wid, None, event, dp_rank) if with_rank else (wid, None, event)
+    batch, dp_rank = formats.decode_kvstrata(obj, with_rank=True)
     if not isinstance(batch, EventBatch) or len(batch.events) != 1:
         raise EventFormatError("expected one event per line")
-    return batch.identity.worker_id, batch.identity.publisher_id, batch.events[0]
+    decoded = batch.identity.worker_id, batch.identity.publisher_id, batch.events[0]
+    return (*decoded, dp_rank) if with_rank else decoded
 
 
-def read_events_file(path: str, fmt: str = "auto",
-                     torn: list[int] | None = None) -> Iterator[tuple[int, int | None, Event]]:
-    """Yield (worker_id, publisher_id, event) from a JSON-lines file; errors name the line.
+def read_events_file(path: str, fmt: str = "auto", torn: list[int] | None = None,
+                     with_rank: bool = False) -> Iterator[tuple]:
+    """Yield (worker_id, publisher_id, event) from a JSON-lines file (with ``with_rank``,
+    (worker_id, publisher_id, event, dp_rank): see :func:`decode_line`); errors name the line.
 
     A last line without its newline that does not decode is a torn tail (a writer that
     stopped mid-line: a crash, a full disk): it is skipped, and its line number appended to
@@ -422,7 +469,7 @@ def read_events_file(path: str, fmt: str = "auto",
             if not line.strip():
                 continue
             try:
-                yield decode_line(line, fmt)
+                yield decode_line(line, fmt, with_rank)
             except EventFormatError as exc:
                 if not line.endswith("\n") and not f.read(1):
                     log.warning("%s:%d: torn last line skipped", path, n)
@@ -443,8 +490,8 @@ def _named_lines(lines: Iterator[str], path: str) -> Iterator[str]:
 def follow_file(path: str, follower: StreamFollower, fmt: str = "auto") -> int:
     """Feed every event of a file into ``follower``; returns the number of lines read."""
     n = 0
-    for wid, pid, event in read_events_file(path, fmt):
-        follower.feed(wid, pid, [event])
+    for wid, pid, event, dp_rank in read_events_file(path, fmt, with_rank=True):
+        follower.feed(wid, pid, [event], dp_rank)
         n += 1
     return n
 
@@ -544,19 +591,20 @@ class NatsFollower:
         self.messages += 1
         try:
             if self.format == "kvstrata":
-                batch = formats.decode_kvstrata(msg.data)
+                batch, dp_rank = formats.decode_kvstrata(msg.data, with_rank=True)
                 if not isinstance(batch, EventBatch):
                     return
                 if not self._from_its_subject(msg.subject, batch.identity.worker_id,
                                               len(batch.events)):
                     return
-                self.follower.feed_batch(batch)
+                self.follower.feed(batch.identity.worker_id, batch.identity.publisher_id,
+                                   batch.events, dp_rank)
                 n = len(batch.events)
             else:
-                wid, event = formats.decode_dynamo(msg.data)
+                wid, event, dp_rank = formats.decode_dynamo(msg.data, with_rank=True)
                 if not self._from_its_subject(msg.subject, wid, 1):
                     return
-                self.follower.feed(wid, None, [event])
+                self.follower.feed(wid, None, [event], dp_rank)
                 n = 1
         except EventFormatError as exc:
             self.decode_errors += 1
@@ -713,6 +761,8 @@ __all__ = [
     "StreamFollower",
     "WorkerStates",
     "decode_line",
+    "engine_key",
+    "split_engine",
     "follow_file",
     "follow_in_process",
     "read_events_file",
