@@ -485,3 +485,41 @@ def test_a_body_is_read_by_its_length_only():
         assert code == 200
     finally:
         server.close()
+
+
+def test_a_target_that_does_not_tell_engines_apart_gets_rank_0_only():
+    """A target written for one engine per worker (``apply_event(worker, event)``) raised
+    TypeError on an engine of rank > 0, after the follower had counted the event applied."""
+    class OneEnginePerWorker:
+        def __init__(self) -> None:
+            self.got: list[tuple[int, int]] = []
+
+        def apply_event(self, worker_id, event):
+            self.got.append((worker_id, event.event_id))
+
+        def reset_worker(self, worker_id):
+            self.got.clear()
+
+    target = OneEnginePerWorker()
+    follower = StreamFollower(target, snapshots=False)
+    event = lambda i: StoredEvent(i, "G1", None, 4, (StoredBlock(i, i),))  # noqa: E731
+    follower.feed(3, None, [event(1)], 0)
+    follower.feed(3, None, [event(1), event(2)], 1)
+    follower.feed(3, None, [event(2)], 0)
+    assert target.got == [(3, 1), (3, 2)]
+    assert follower.stats()["unranked"] == 2 and follower.applied == 2
+    assert StreamFollower(PrefixIndex()).ranked and not follower.ranked
+
+
+@pytest.mark.skipif(NATIVE_CORE is None, reason="the native core is not built")
+def test_a_holder_emptied_by_removals_keeps_no_log_of_what_it_held():
+    """The native core's per-holder log was compacted only when the holder took more, so a
+    holder emptied by removals listed and cleared at the cost of its peak, and kept its
+    log's memory."""
+    core = NATIVE_CORE()
+    blocks = [(h, h) for h in range(1, 50_001)]
+    core.store(0, None, blocks)
+    peak = core.memory()
+    core.remove(0, [h for h, _ in blocks[1:]][::-1])
+    assert core.count(0) == 1 and core.hashes_in(0) == {1}
+    assert core.memory() < peak - 4 * 40_000      # the log shrank with what it holds

@@ -533,6 +533,9 @@ static PyObject *Core_remove(Core *c, PyObject *args) {
         prune(c, i);
     }
     Py_DECREF(hashes);
+    /* removals empty a holder without pushing: compact here too, or listing and clearing it
+     * would cost its peak (a pass is paid for by the removals since the last) */
+    if (c->held[h].n > 2 * c->counts[h] + 64) held_compact(c, h);
     Py_RETURN_NONE;
 }
 

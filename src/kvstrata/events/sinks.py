@@ -235,13 +235,13 @@ class ZmqSink(Sink):
         payload = formats.encode_vllm_items(batch.items, time.time(), self.dp_rank, self.layout)
         without = sum(1 for item in batch.items if item[1] == 0 and (item[6] is None or None in item[6]))
         if without:
-            self.stored_without_tokens += without
             self._warn_no_tokens("the pools do not keep token ids (kvstrata config keep_tokens: false)")
         try:
             self._sock.send_multipart((self.topic, self._seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
         except zmq.Again:
             raise SinkUnavailableError("ZMQ PUB would block") from None
         self._seq += 1
+        self.stored_without_tokens += without      # sent: a batch retried counts once
 
     def _warn_no_tokens(self, why: str) -> None:
         if self._warned_tokens:

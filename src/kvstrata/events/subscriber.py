@@ -24,6 +24,7 @@ publisher or missed) triggers the same re-sync; a new ``publisher_id`` for a kno
 
 from __future__ import annotations
 
+import inspect
 import io
 import json
 import logging
@@ -227,6 +228,11 @@ class StreamFollower:
         self.gaps = 0
         self.restarts = 0
         self.snapshots_applied = 0
+        self.ranked = _takes_rank(target)
+        """Whether the target tells data-parallel engines apart (its ``apply_event`` takes a
+        ``dp_rank``); the events of engines of rank > 0 are dropped for one that does not
+        (counted in ``unranked``, a warning once), rather than merged into rank 0's."""
+        self.unranked = 0
 
     # -- input -------------------------------------------------------------------------------
     def feed_batch(self, batch: EventBatch) -> None:
@@ -274,10 +280,10 @@ class StreamFollower:
             self._apply(worker_id, st, events, dp_rank=dp_rank)
 
     def _reset(self, worker_id: int, dp_rank: int) -> None:
-        if dp_rank:
-            self.target.reset_worker(worker_id, dp_rank)
-        else:
+        if not dp_rank:
             self.target.reset_worker(worker_id)
+        elif self.ranked:
+            self.target.reset_worker(worker_id, dp_rank)
 
     def _buffer(self, st: _Worker, events: list[Event]) -> None:
         st.buffer.extend(events)
@@ -291,6 +297,13 @@ class StreamFollower:
         snapshot was awaited, and one still past a gap after it is dropped (counted in
         ``gaps``) rather than asking for another snapshot: the next live event asks if one is
         needed, and an event with a made-up id cannot keep the worker re-syncing."""
+        if dp_rank and not self.ranked:
+            if not self.unranked:
+                log.warning("worker %s: events of its data-parallel engine %d dropped: the "
+                            "follower's target does not tell engines apart (its apply_event "
+                            "takes no dp_rank)", worker_id, dp_rank)
+            self.unranked += len(events)
+            return
         recent = st.recent
         snapshots = self.snapshots and not dp_rank
         apply = self.target.apply_event
@@ -409,6 +422,7 @@ class StreamFollower:
                 "snapshots_applied": self.snapshots_applied,
                 "untrusted": self.untrusted,
                 "invalid": self.invalid,
+                "unranked": self.unranked,
                 "syncing": sum(1 for st in self.workers.values() if st.syncing),
             }
 
@@ -767,3 +781,13 @@ __all__ = [
     "follow_in_process",
     "read_events_file",
 ]
+
+
+def _takes_rank(target: object) -> bool:
+    """Whether ``target.apply_event`` takes a third argument (a data-parallel rank)."""
+    try:
+        parameters = inspect.signature(target.apply_event).parameters.values()
+    except (AttributeError, TypeError, ValueError):
+        return False
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 3 or any(p.kind is p.VAR_POSITIONAL for p in parameters)
