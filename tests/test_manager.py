@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import socket
@@ -67,6 +68,29 @@ def evict_g1(mgr: KvBlockManager) -> None:
 
 def hashes_of(records) -> list[int]:
     return [r.sequence_hash for r in records]
+
+
+@contextlib.contextmanager
+def g3_journal_full():
+    """Inside the block, every write to the G3 index journals this process has open fails
+    with ENOSPC, as on a full disk (unit-level fault injection)."""
+    import errno
+
+    full = {int(f) for f in os.listdir("/proc/self/fd")
+            if os.path.basename(os.path.realpath(f"/proc/self/fd/{f}")) == "index"}
+    assert full, "no G3 index journal is open"
+    pwrite, write = os.pwrite, os.write
+
+    def refuse(fd):
+        if fd in full:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    os.pwrite = lambda fd, data, at: refuse(fd) or pwrite(fd, data, at)
+    os.write = lambda fd, data: refuse(fd) or write(fd, data)
+    try:
+        yield
+    finally:
+        os.pwrite, os.write = pwrite, write
 
 
 def assert_g1_bytes(mgr, result, data) -> None:

@@ -15,7 +15,8 @@ from kvstrata.config import KvConfig, ModelGeometry, TierConfig
 from kvstrata.manager import KvBlockManager
 from kvstrata.physical.storage.s3client import S3Client, S3Config
 
-from test_manager import HANG_GUARD, assert_g1_bytes, chain, hashes_of, payloads, put
+from test_manager import (HANG_GUARD, assert_g1_bytes, chain, g3_journal_full, hashes_of,
+                          payloads, put)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -288,31 +289,14 @@ def test_encrypt_at_rest_stores_no_block_in_clear_and_loads_them_back(weed, tena
             assert [f.kind for f in loaded.failures] == ["checksum_mismatch"]
 
 
-def test_a_clear_the_g3_journal_cannot_record_still_clears_g4(weed, tenant, tmp_path,
-                                                                monkeypatch):
+def test_a_clear_the_g3_journal_cannot_record_still_clears_g4(weed, tenant, tmp_path):
     """A clear whose G3 journal write failed (a full disk) stopped at G3: the future failed,
     and G4, cleared after G3, kept serving the old model's blocks."""
-    import errno
-    import os
-
     config = g4_config(g3=32, tenant=tenant)
     records = chain(8)
     with _manager(weed, config, disk_dir=str(tmp_path)) as mgr:
         _store_all(mgr, records, payloads(mgr, records))
         assert all(h in mgr.pools["G4"] for h in hashes_of(records))
-        full = {int(f) for f in os.listdir("/proc/self/fd")
-                if os.path.basename(os.path.realpath(f"/proc/self/fd/{f}")) == "index"}
-        assert full
-        pwrite, write = os.pwrite, os.write
-
-        def refuse(fd):
-            if fd in full:
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-        monkeypatch.setattr(os, "pwrite", lambda fd, data, at: refuse(fd) or pwrite(fd, data, at))
-        monkeypatch.setattr(os, "write", lambda fd, data: refuse(fd) or write(fd, data))
-        with pytest.raises(OSError):
+        with g3_journal_full(), pytest.raises(OSError):
             mgr.clear().result(HANG_GUARD)
-        monkeypatch.setattr(os, "pwrite", pwrite)
-        monkeypatch.setattr(os, "write", write)
         assert not any(h in mgr.pools["G4"] for h in hashes_of(records))

@@ -15,8 +15,8 @@ from kvstrata.config import KvConfig, ModelGeometry, TierConfig
 from kvstrata.logical.registry import RegistryObserver
 from kvstrata.manager import KvBlockManager, ManagerConfigError
 
-from test_manager import (BS, HANG_GUARD, assert_g1_bytes, chain, hashes_of, make_config, payloads,
-                           put)
+from test_manager import (BS, HANG_GUARD, assert_g1_bytes, chain, g3_journal_full, hashes_of,
+                          make_config, payloads, put)
 
 
 class Recorder(RegistryObserver):
@@ -163,29 +163,12 @@ def test_a_manager_left_open_at_exit_lands_its_pending_writes(tmp_path):
         assert len(mgr.storage("G3").recovered) == 96
 
 
-def test_a_clear_the_journal_cannot_record_fails_its_future(tmp_path, monkeypatch):
+def test_a_clear_the_journal_cannot_record_fails_its_future(tmp_path):
     """clear() promises the blocks are gone for good (after a change of weights, say): one a
     full disk kept from the G3 journal said it had dropped them, and a restart served them."""
-    import errno
-    import os
-
     records = chain(12)
     _store(tmp_path, records)
     with KvBlockManager(make_config(g1=8, g2=4, g3=32), disk_dir=str(tmp_path)) as mgr:
-        journal = [f for f in os.listdir("/proc/self/fd")
-                   if os.path.basename(os.path.realpath(f"/proc/self/fd/{f}")) == "index"]
-        assert journal
-        full = {int(f) for f in journal}
-        pwrite, write = os.pwrite, os.write
-
-        def refuse(fd):
-            if fd in full:
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-        monkeypatch.setattr(os, "pwrite", lambda fd, data, at: refuse(fd) or pwrite(fd, data, at))
-        monkeypatch.setattr(os, "write", lambda fd, data: refuse(fd) or write(fd, data))
-        with pytest.raises(OSError):
+        with g3_journal_full(), pytest.raises(OSError):
             mgr.clear().result(HANG_GUARD)
-        monkeypatch.setattr(os, "pwrite", pwrite)
-        monkeypatch.setattr(os, "write", write)
         assert mgr.locate(hashes_of(records)).result(HANG_GUARD) == []   # served no more
