@@ -218,7 +218,7 @@ class EventPublisher(RegistryObserver):
         self.sink_errors = 0
         self.dropped_by_errors = 0
         self.compactions = 0
-        self._warned_at = float("-inf")
+        self._warnings = Warnings()
         self._unavailable_warned_at = float("-inf")
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -724,9 +724,7 @@ class EventPublisher(RegistryObserver):
             self.sink_errors += 1
             self.dropped_by_errors += events
             errors, dropped = self.sink_errors, self.dropped_by_errors
-        now = time.monotonic()
-        if now - self._warned_at >= WARN_EVERY:   # one line now and then, not per batch
-            self._warned_at = now
+        if self._warnings.due("failed"):   # one line now and then, not per batch
             log.warning("event sink %s failed: %s; %d events dropped in %d failed "
                         "batches so far", self.sink.describe(), _one_line(exc), dropped,
                         errors)
@@ -734,10 +732,9 @@ class EventPublisher(RegistryObserver):
     def _warn_unavailable(self, exc: BaseException, for_s: float) -> None:
         """Say that the sink has been unavailable for ``for_s`` seconds, once it is past
         :data:`UNAVAILABLE_WARN_AFTER`, at most once every :data:`WARN_EVERY`."""
-        now = time.monotonic()
-        if for_s < UNAVAILABLE_WARN_AFTER or now - self._unavailable_warned_at < WARN_EVERY:
+        if for_s < UNAVAILABLE_WARN_AFTER or not self._warnings.due("unavailable"):
             return
-        self._unavailable_warned_at = now
+        self._unavailable_warned_at = time.monotonic()
         lag = self.metrics()
         log.warning("event sink %s unavailable for %.1fs: %s; %d events waiting (oldest %.1fs), "
                     "still retrying", self.sink.describe(), for_s, _one_line(exc), lag["lag"],
@@ -752,7 +749,22 @@ def delivery_report(sink: str, metrics: dict) -> dict:
             "lost": max(0, metrics["enqueued"] - metrics["published"])}
 
 WARN_EVERY = 60.0
-"""Seconds between two warnings about a failing sink (the counts say how many failed)."""
+"""Seconds between two warnings of one kind about a sink (the counts say how many)."""
+
+
+class Warnings:
+    """Rate-limits warnings: one line per kind every :data:`WARN_EVERY` seconds."""
+
+    def __init__(self) -> None:
+        self._at: dict[str, float] = {}
+
+    def due(self, kind: str) -> bool:
+        """Whether a warning of ``kind`` may be logged now (it then counts as logged)."""
+        now = time.monotonic()
+        if now - self._at.get(kind, float("-inf")) < WARN_EVERY:
+            return False
+        self._at[kind] = now
+        return True
 
 
 def _one_line(exc: BaseException) -> str:

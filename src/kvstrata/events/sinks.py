@@ -25,27 +25,12 @@ from kvstrata.events import formats
 from kvstrata.events.model import EventBatch
 from kvstrata.events.natswire import with_credentials
 from kvstrata.redact import redacted
-from kvstrata.events.publisher import EventPublisher, Sink, SinkUnavailableError, _one_line
+from kvstrata.events.publisher import (EventPublisher, Sink, SinkUnavailableError, Warnings,
+                                       _one_line)
 
 log = logging.getLogger(__name__)
 
 EVENT_FORMATS = ("kvstrata", "dynamo")
-WARN_EVERY = 60.0
-"""Seconds between two warnings of one kind from a sink (the counts say how many)."""
-
-
-class _Warnings:
-    """Rate-limits a sink's warnings: one line per kind every :data:`WARN_EVERY` seconds."""
-
-    def __init__(self) -> None:
-        self._at: dict[str, float] = {}
-
-    def due(self, kind: str) -> bool:
-        now = time.monotonic()
-        if now - self._at.get(kind, float("-inf")) < WARN_EVERY:
-            return False
-        self._at[kind] = now
-        return True
 
 
 class NullSink(Sink):
@@ -406,7 +391,7 @@ class NatsSink(Sink):
         self._ready = threading.Event()
         self._connect_task = None
         self.connect_error: BaseException | None = None
-        self._warnings = _Warnings()
+        self._warnings = Warnings()
         self.too_large_events = 0
         """Events left out in messages over the server's ``max_payload``."""
         self.streams_recreated = 0
