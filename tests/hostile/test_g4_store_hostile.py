@@ -306,24 +306,60 @@ def test_other_ranks_are_listed_only_as_far_as_the_first_ranks_last_key(weed):
     r1.close()
 
 
-def test_a_put_answered_409_is_another_writers_put_not_a_failure():
-    """AWS answers 409 ConditionalRequestConflict while another writer's PUT of the key is
-    in flight; the object is not visible yet, so a HEAD finds nothing. It is that writer's
-    (the same bytes), not a key made a directory. (The store is faked: unit-level.)"""
+_CONFLICT = ("Generic S3 error: Client error with status code: 409 Conflict: "
+             "ConditionalRequestConflict: A conflicting conditional operation is currently "
+             "in progress against this resource.")
+
+
+def _client_answering(answers, found):
+    """An S3Client whose conditional PUTs get ``answers`` in turn (an exception to raise, or
+    None: written) and whose HEAD finds the object iff ``found``. Returns (client, puts made).
+    The store is faked: unit-level fault injection."""
     import types
 
     from kvstrata.physical.storage.s3client import S3Config
 
     client = S3Client(S3Config(endpoint_url="http://127.0.0.1:9", bucket="b"))
     real = client._obs
+    puts = []
 
     def put(*args, **kwargs):
-        raise Exception("Generic S3 error: Client error with status code: 409 Conflict: "
-                        "ConditionalRequestConflict: A conflicting conditional operation is "
-                        "currently in progress against this resource.")
+        answer = answers[min(len(puts), len(answers) - 1)]
+        puts.append(kwargs.get("mode"))
+        if answer is not None:
+            raise answer
 
     def head(*args, **kwargs):
+        if found:
+            return {"size": 1}
         raise FileNotFoundError("Object at location k not found: status code: 404")
 
     client._obs = types.SimpleNamespace(put=put, head=head, exceptions=real.exceptions)
+    return client, puts
+
+
+def test_a_put_answered_409_throughout_is_another_writers_put_not_a_failure():
+    """AWS answers 409 ConditionalRequestConflict while another writer's PUT of the key is
+    in flight; the object is not visible yet, so a HEAD finds nothing. Asked again until the
+    pauses run out, it is that writer's (the same bytes), not a key made a directory."""
+    from kvstrata.physical.storage.s3client import CONFLICT_PAUSES
+
+    client, puts = _client_answering([Exception(_CONFLICT)], found=False)
     assert client.put_if_absent("ns/k", b"x") is False
+    assert puts == ["create"] * len(CONFLICT_PAUSES)
+
+
+def test_a_put_answered_409_is_written_when_the_other_writer_failed():
+    """The other writer's PUT failed (its conflict ended with nothing stored): the block is
+    written by this one, not counted as stored when it is not."""
+    client, puts = _client_answering([Exception(_CONFLICT), None], found=False)
+    assert client.put_if_absent("ns/k", b"x") is True
+    assert puts == ["create", "create"]
+
+
+def test_a_put_answered_409_then_412_is_the_other_writers_object():
+    client, puts = _client_answering(
+        [Exception(_CONFLICT), Exception("Client error with status code: 412 Precondition "
+                                         "Failed")], found=True)
+    assert client.put_if_absent("ns/k", b"x") is False
+    assert puts == ["create", "create"]

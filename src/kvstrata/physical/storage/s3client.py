@@ -15,8 +15,9 @@ throttling (503 SlowDown, 429); :class:`ObjectStoreRequestError` covers what ret
 fix (403 denied, 400 bad request, other 4xx). Both are :class:`ObjectStoreError`.
 
 Conditional PUT: ``If-None-Match: *`` makes "write once" atomic across workers; a 412 or 409
-answer means the object exists (a 409, another writer's PUT of the key in flight, taken as
-such), and a 412 is confirmed by a HEAD (SeaweedFS answers 412 for a key that an object
+answer means the object exists (a 409, another writer's PUT of the key in flight, is asked
+again twice, 20 and 100 ms apart, since that PUT may fail; then taken as such), and a 412 is
+confirmed by a HEAD (SeaweedFS answers 412 for a key that an object
 under ``key/`` made a directory: nothing is stored there, an error). A server that
 does not implement it (501 NotImplemented, or obstore's "not supported") is remembered and
 served by HEAD then PUT (two workers may then both write the same block; harmless, the bytes
@@ -49,6 +50,7 @@ import http.client
 import os
 import re
 import threading
+import time
 import urllib.parse
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
@@ -84,6 +86,11 @@ class ObjectStoreTransientError(ObjectStoreError):
 
 class ObjectStoreRequestError(ObjectStoreError):
     """A failure retrying will not fix: access denied, bad request, other 4xx."""
+
+
+CONFLICT_PAUSES = (0.02, 0.1, None)
+"""Seconds between the attempts of a conditional PUT answered 409 (another writer's
+conditional PUT of the key in flight); ``None`` ends them."""
 
 
 @dataclass(frozen=True)
@@ -184,25 +191,33 @@ class S3Client:
         :class:`ObjectStoreRequestError` if the store answers that ``key`` exists but holds
         no object there (SeaweedFS, once a name below ``key`` made it a directory)."""
         if self._conditional:
-            try:
-                self._obs.put(self._store, key, body, mode="create", use_multipart=False)
-                return True
-            except Exception as exc:
-                outcome = self._classify(exc, f"PUT {key}", conditional=True)
-                if outcome == "exists":
-                    if _status_of(exc) == 409:
-                        # AWS: another writer's PUT of this key is in flight (the same bytes)
+            for pause in CONFLICT_PAUSES:
+                try:
+                    self._obs.put(self._store, key, body, mode="create", use_multipart=False)
+                    return True
+                except Exception as exc:
+                    outcome = self._classify(exc, f"PUT {key}", conditional=True)
+                    if outcome == "exists":
+                        if _status_of(exc) == 409:
+                            # AWS: another writer's conditional PUT of this key is in flight.
+                            # It may yet fail, so ask again after a pause: its object (412),
+                            # or room to write ours. Still in flight after the last: taken
+                            # as that writer's (the same bytes).
+                            if pause is None:
+                                return False
+                            time.sleep(pause)
+                            continue
+                        if not self.head(key):     # one HEAD, only when nothing was written
+                            raise ObjectStoreRequestError(
+                                f"PUT {key} on {self.config.endpoint_url}/{self.config.bucket}: "
+                                f"the store answers that it exists, but holds no object there "
+                                f"(a directory?); not stored", _status_of(exc)) from None
                         return False
-                    if not self.head(key):     # one HEAD, only when nothing was written
-                        raise ObjectStoreRequestError(
-                            f"PUT {key} on {self.config.endpoint_url}/{self.config.bucket}: "
-                            f"the store answers that it exists, but holds no object there "
-                            f"(a directory?); not stored", _status_of(exc)) from None
-                    return False
-                if outcome != "unsupported":
-                    raise outcome from None
-                with self._lock:
-                    self._conditional = False
+                    if outcome != "unsupported":
+                        raise outcome from None
+                    with self._lock:
+                        self._conditional = False
+                    break
         if self.head(key):
             return False
         self.put(key, body)
