@@ -87,3 +87,27 @@ def test_directories_made_on_the_way_are_never_writable_by_others_whatever_the_u
             "make_directories(sys.argv[1])")
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "c" / "d")], check=True)
     assert (tmp_path / "c").stat().st_mode & 0o777 == 0o700     # a stricter umask still holds
+
+
+def test_write_all_completes_short_writes_and_fails_one_that_makes_no_progress(tmp_path,
+                                                                               monkeypatch):
+    from kvstrata.paths import write_all
+
+    real_write = os.write
+    answers = iter([3, 0])
+
+    def short_then_stalled(fd, data):
+        n = next(answers)
+        return real_write(fd, bytes(data[:n])) if n else 0
+
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        monkeypatch.setattr(os, "write", short_then_stalled)
+        with pytest.raises(OSError) as info:
+            write_all(fd, b"abcdefgh")
+        assert info.value.errno == errno.EIO
+        monkeypatch.setattr(os, "write", lambda fd, data: real_write(fd, bytes(data[:2])))
+        write_all(fd, b"ijklmn")
+    finally:
+        os.close(fd)
+    assert (tmp_path / "f").read_bytes() == b"abcijklmn"

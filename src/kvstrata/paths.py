@@ -256,6 +256,17 @@ def atomic_write_problem(path: str | os.PathLike) -> str | None:
     return None
 
 
+def write_all(fd: int, data) -> None:
+    """Write all of ``data`` at ``fd``'s offset, continuing after short writes; a write that
+    makes no progress is ``OSError(EIO)`` rather than a loop without end."""
+    view = memoryview(data)
+    while view:
+        done = os.write(fd, view)
+        if done <= 0:
+            raise OSError(errno.EIO, "write made no progress")
+        view = view[done:]
+
+
 def write_atomically(path: str | os.PathLike, data: bytes, *, exclusive: bool = False,
                      mode: int = 0o666) -> tuple[int, int]:
     """Write ``data`` as the file ``path``: into a new file beside it (``mode``, less the

@@ -129,6 +129,33 @@ def test_short_writes_are_completed(tmp_path):
     disk.read_blocks([0, 1, 2, 3], out, [1, 2, 3, 4])
 
 
+class _StalledAfterShortWrite(FaultyFileOps):
+    """A write of several blocks lands its first, then every later write lands nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def pwritev(self, fd, buffers, offset):
+        self.calls += 1
+        if self.calls > 1:
+            return 0
+        return super().pwritev(fd, buffers[:1], offset)
+
+
+def test_a_write_that_stalls_after_a_short_one_fails_rather_than_spinning(tmp_path):
+    ops = _StalledAfterShortWrite()
+    disk = DiskStorage(small_config(), tmp_path, o_direct=False, file_ops=ops)
+    _, blocks = _aligned_blocks(disk, 3)
+    with pytest.raises(StorageIOError) as info:
+        disk.write_blocks([0, 1, 2], blocks, [1, 2, 3])
+    assert set(info.value.failed_positions) >= {1, 2}
+    assert ops.calls < 10
+    _, out = _aligned_blocks(disk, 3, seed=9)
+    with pytest.raises(BlockIntegrityError):        # what did not land is never read as held
+        disk.read_blocks([1], out[1:2], [2])
+
+
 def test_enospc_at_creation(tmp_path):
     with pytest.raises(DiskFullError, match="no space"):
         DiskStorage(small_config(), tmp_path, file_ops=FaultyFileOps(fallocate_errno=errno.ENOSPC))

@@ -24,6 +24,7 @@ from typing import Callable
 from kvstrata.events import formats
 from kvstrata.events.model import EventBatch
 from kvstrata.events.natswire import with_credentials
+from kvstrata.paths import write_all
 from kvstrata.redact import redacted
 from kvstrata.events.publisher import (EventPublisher, Sink, SinkUnavailableError, Warnings,
                                        _one_line)
@@ -116,9 +117,7 @@ class JsonlFileSink(Sink):
             assert self._file is not None, "sink not opened"
             start = os.fstat(self._file).st_size
             try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(self._file, view):]
+                write_all(self._file, data)
             except OSError:
                 try:
                     os.ftruncate(self._file, start)      # whole lines only

@@ -708,11 +708,14 @@ class DiskStorage(BlockStore):
     def _pwrite_all(self, buffers: list[np.ndarray], offset: int) -> None:
         total = len(buffers) * self._stride
         done = self._ops.pwritev(self._fd, buffers, offset)
+        if done <= 0:
+            raise OSError(errno.EIO, f"write made no progress at offset {offset}")
         while done < total:   # short write: continue where it stopped
-            if done <= 0:
-                raise OSError(errno.EIO, f"write made no progress at offset {offset + done}")
             rest = _tail(buffers, done, self._stride)
-            done += self._ops.pwritev(self._fd, rest, offset + done)
+            wrote = self._ops.pwritev(self._fd, rest, offset + done)
+            if wrote <= 0:
+                raise OSError(errno.EIO, f"write made no progress at offset {offset + done}")
+            done += wrote
 
     def _pread_all(self, buffers: list[np.ndarray], offset: int) -> None:
         total = len(buffers) * self._stride

@@ -64,6 +64,7 @@ import numpy as np
 import xxhash
 
 from ..errors import StorageConfigError
+from ...paths import write_all
 from .disk_home import private_file
 
 __all__ = ["DiskIndex", "IndexEntry", "JournalWriteError", "LiveEntries", "RecoveryReport",
@@ -482,9 +483,7 @@ class DiskIndex:
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW,
                      0o600)
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
+            write_all(fd, data)
             os.fsync(fd)
         except BaseException:
             os.close(fd)
