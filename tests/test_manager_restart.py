@@ -172,3 +172,17 @@ def test_a_clear_the_journal_cannot_record_fails_its_future(tmp_path):
         with g3_journal_full(), pytest.raises(OSError):
             mgr.clear().result(HANG_GUARD)
         assert mgr.locate(hashes_of(records)).result(HANG_GUARD) == []   # served no more
+
+
+def test_blocks_evicted_from_a_durable_g3_stay_gone_after_a_restart(tmp_path):
+    """evict() is an invalidation: a durable G3 journals it, as clear() does."""
+    records = chain(8)
+    _store(tmp_path, records)
+    gone = hashes_of(records[4:])[::-1]                     # leaves first: a whole idle tail
+    with KvBlockManager(make_config(g1=8, g2=4, g3=32), disk_dir=str(tmp_path)) as mgr:
+        assert sorted(mgr.evict("G3", gone).result(HANG_GUARD)) == sorted(gone)
+    with KvBlockManager(make_config(g1=8, g2=4, g3=32), disk_dir=str(tmp_path)) as mgr:
+        assert mgr.locate(hashes_of(records)).result(HANG_GUARD) == ["G3"] * 4
+        with g3_journal_full(), pytest.raises(OSError):
+            mgr.evict("G3", hashes_of(records[:4])[::-1]).result(HANG_GUARD)
+        assert mgr.locate(hashes_of(records)).result(HANG_GUARD) == []   # served no more

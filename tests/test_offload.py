@@ -120,8 +120,10 @@ def test_corrupted_disk_bytes_are_detected_dropped_and_reported(tmp_path):
         assert_baseline(mgr)
 
 
-def test_corrupted_host_bytes_detected_when_verifying_g2(tmp_path):
-    with KvBlockManager(make_config(), disk_dir=tmp_path, verify_host_reads=True) as mgr:
+@pytest.mark.parametrize("verifying", [{}, {"verify_host_reads": True}],
+                         ids=["by_default", "asked"])
+def test_corrupted_host_bytes_detected_when_verifying_g2(tmp_path, verifying):
+    with KvBlockManager(make_config(), disk_dir=tmp_path, **verifying) as mgr:
         records = chain(3)
         data = payloads(mgr, records)
         put(mgr, records, data)

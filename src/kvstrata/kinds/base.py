@@ -53,7 +53,7 @@ class StorageOptions:
     kv_layout: str = "auto"
     g1_layout: str = "outer_contiguous"
     device: object = None
-    verify_host_reads: bool = False
+    verify_host_reads: bool = True
     max_host_bytes: int | None = None
     o_direct: bool | None = None
     file_ops: FileOps | None = None

@@ -108,7 +108,9 @@ class KvBlockManager:
     * ``secret`` -- the deployment's secret that keys (and with ``encrypt_at_rest``
       encrypts) the blocks stored in G3 and G4 (:mod:`kvstrata.secret`); default: from the
       environment. A G4 tier needs one.
-    * ``verify_host_reads`` -- re-hash G2 bytes on every read from G2 (G3 reads always verify).
+    * ``verify_host_reads`` -- re-hash G2 bytes on every read from G2 (G3 reads always verify;
+      default on: a G2 byte changed after the offload is never loaded; off, a G2 slot is
+      sealed without a checksum and hashed on its way to G3).
     * ``max_host_bytes`` -- refuse (``ManagerConfigError``) a G2 bigger than this.
     * ``o_direct`` / ``file_ops`` -- passed to :class:`~kvstrata.physical.DiskStorage`
       (``file_ops`` is the fault-injection seam).
@@ -132,7 +134,7 @@ class KvBlockManager:
                  kv_caches: Mapping[str, torch.Tensor] | Sequence[torch.Tensor] | None = None,
                  kv_layout: str = "auto", g1_layout: str = "outer_contiguous",
                  device: str | torch.device | None = None, disk_dir: str | None = None,
-                 verify_host_reads: bool = False, max_host_bytes: int | None = None,
+                 verify_host_reads: bool = True, max_host_bytes: int | None = None,
                  o_direct: bool | None = None, file_ops: FileOps | None = None,
                  metrics_registry=None, metrics_port: int | None = None,
                  workers_per_path: int = 1, durable_disk: bool = True,
@@ -422,11 +424,23 @@ class KvBlockManager:
 
     def evict(self, tier: str, sequence_hashes: Sequence[int]) -> "Future[list[int]]":
         """Drop idle blocks from ``tier`` (invalidation); returns the hashes dropped. Blocks
-        in use, or (leaf-first policies) with registered children, are left alone."""
+        in use, or (leaf-first policies) with registered children, are left alone. A durable
+        G3 journals it, so a restart does not bring them back; the future fails with an
+        ``OSError`` if it could not (a full disk: as :meth:`clear`)."""
         if tier not in self.pools:
             raise InvalidBlockError(f"no tier {tier!r}; tiers are {sorted(self.pools)}")
         hashes = _hashes(sequence_hashes, "evict")
-        return self._call(lambda: self.pools[tier].reset_blocks(hashes))
+
+        def run() -> list[int]:
+            pool = self.pools[tier]
+            slots = {h: block.block_id for h in hashes
+                     if (block := pool.lookup(h)) is not None}
+            dropped = pool.reset_blocks(hashes)
+            forget = getattr(self._storages.by_tier[tier], "forget", None)
+            if forget is not None and dropped and tier != self._top:
+                forget([slots[h] for h in dropped])
+            return dropped
+        return self._call(run)
 
     def add_observer(self, observer: RegistryObserver) -> "Future[None]":
         """Attach a registry observer (it runs on the owner thread; keep it cheap)."""
