@@ -59,3 +59,45 @@ def test_no_repr_shows_a_secret():
 
     assert "S3CRET" not in repr(S3Config(access_key="key", secret_key="S3CRET-KEY"))
     assert "S3CRET" not in repr(StorageOptions(secret=b"S3CRET-DEPLOYMENT-SECRET"))
+
+
+def _secret_file(directory) -> str:
+    path = os.path.join(directory, "secret")
+    with open(path, "w") as fh:
+        fh.write("a deployment secret of some length\n")
+    os.chmod(path, 0o600)
+    return path
+
+
+def test_a_secret_file_in_a_directory_others_can_rename_entries_in_is_refused(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    path = _secret_file(shared)
+    os.chmod(shared, 0o777)                      # no sticky bit: anyone may swap the file
+    with pytest.raises(SecretError, match="without the sticky bit"):
+        resolve_secret(env={"KVSTRATA_SHARING_SECRET_FILE": path})
+    os.chmod(shared, 0o1777)                     # as /tmp: others add names, replace none
+    assert resolve_secret(env={"KVSTRATA_SHARING_SECRET_FILE": path}) == \
+        b"a deployment secret of some length"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another uid needs root")
+def test_a_secret_reached_through_another_users_link_or_directory_is_refused(tmp_path):
+    """Another user's link to a world-readable root file (/etc/machine-id, say) made that
+    file the deployment's secret, with only a warning."""
+    real = _secret_file(tmp_path)
+    link = tmp_path / "link"
+    os.symlink(real, link)
+    os.lchown(link, 54321, 54321)                # any uid but this user's and root's
+    with pytest.raises(SecretError, match="symbolic link on the way.*uid 54321"):
+        resolve_secret(env={"KVSTRATA_SHARING_SECRET_FILE": str(link)})
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    inside = _secret_file(theirs)
+    os.chown(theirs, 54321, 54321)
+    with pytest.raises(SecretError, match="directory on the way.*uid 54321"):
+        resolve_secret(env={"KVSTRATA_SHARING_SECRET_FILE": inside})
+    mine = tmp_path / "mine"                      # this user's link: followed, and the
+    os.symlink(real, mine)                        # file it names is checked as before
+    assert resolve_secret(env={"KVSTRATA_SHARING_SECRET_FILE": str(mine)}) == \
+        b"a deployment secret of some length"

@@ -125,6 +125,42 @@ def _not_private(info: os.stat_result, is_kind, kind: str) -> str | None:
     return None
 
 
+def redirectable_problem(path: str | os.PathLike) -> str | None:
+    """Why another user could have chosen what ``path`` names (None if no one but this user
+    and root could): every directory on it, as written and as its links resolve, and every
+    symbolic link on the way must be owned by this user or root, and a directory others can
+    write must have the sticky bit (as ``/tmp``: others may add names there, not replace
+    this user's). A secret read through a link another user made, or from a directory
+    another user can rename entries in, is that user's choice of file."""
+    me = os.geteuid()
+    given = os.path.abspath(os.fspath(path))
+    resolved = os.path.realpath(given)
+    seen: set[str] = set()
+    for start, look in ((given, os.lstat), (resolved, os.stat)):
+        parts = start.split(os.sep)[1:]
+        prefixes = [os.sep] + [os.sep + os.path.join(*parts[:i]) for i in range(1, len(parts) + 1)]
+        for i, prefix in enumerate(prefixes):
+            if (prefix, look) in seen:
+                continue
+            seen.add((prefix, look))
+            try:
+                info = look(prefix)
+            except OSError:
+                return None             # a missing part: the caller's open says so
+            last = i == len(prefixes) - 1
+            if stat.S_ISLNK(info.st_mode) or not last:
+                if info.st_uid not in (me, 0):
+                    kind = "symbolic link" if stat.S_ISLNK(info.st_mode) else "directory"
+                    return (f"{prefix} (a {kind} on the way) is owned by uid {info.st_uid}, "
+                            f"neither this user nor root")
+                if stat.S_ISDIR(info.st_mode) and info.st_mode & 0o022 \
+                        and not info.st_mode & stat.S_ISVTX:
+                    return (f"{prefix} (a directory on the way) is writable by its group or "
+                            f"others without the sticky bit (mode "
+                            f"{stat.S_IMODE(info.st_mode):04o})")
+    return None
+
+
 class InputTooLargeError(ValueError):
     """A file or a line is larger than the bound its reader accepts."""
 

@@ -79,6 +79,12 @@ def derive_key(secret: bytes, purpose: str) -> bytes:
 
 
 def _read_secret_file(path: str) -> bytes:
+    from .paths import redirectable_problem
+
+    problem = redirectable_problem(path)
+    if problem:
+        raise SecretError(f"${SECRET_FILE_ENV}: {path}: {problem}: another user could have "
+                          f"chosen this file; name one on a path only you (or root) control")
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as exc:
