@@ -49,6 +49,26 @@ import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")
+def other_user():
+    """A second OS user, ``kvstrata-other`` (its ``pwd`` entry; made once and kept: creating
+    users is slow and needs root), for tests of what another user can do; act as it with
+    ``setpriv --reuid=UID --regid=GID --clear-groups``. Skipped where it cannot be made."""
+    import pwd
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("a second OS user is made with useradd, which needs root")
+    if shutil.which("useradd") is None or shutil.which("setpriv") is None:
+        pytest.skip("useradd and setpriv (util-linux) are needed to act as a second user")
+    try:
+        return pwd.getpwnam("kvstrata-other")
+    except KeyError:
+        subprocess.run(["useradd", "--system", "--no-create-home", "--shell",
+                        "/usr/sbin/nologin", "kvstrata-other"], check=True, capture_output=True)
+        return pwd.getpwnam("kvstrata-other")
+
+
+@pytest.fixture(scope="session")
 def weed():
     """One SeaweedFS (``weed mini`` on 127.0.0.1, its own temporary directory) for every
     test that needs a real S3 server; tests keep apart by namespace or tenant."""

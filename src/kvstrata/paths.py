@@ -112,15 +112,28 @@ def check_private_file(fd: int, path: str | os.PathLike, *, tighten: bool = True
         os.fchmod(fd, stat.S_IMODE(info.st_mode) & 0o600)
 
 
+def writer_problem(info: os.stat_result, *, root_ok: bool = False) -> str | None:
+    """Why someone other than this user (or root, with ``root_ok``) could have written the
+    file of status ``info`` (None if no one could): its owner, or a mode that lets its group
+    or others write. The one owner-and-mode rule for what kvstrata trusts from a file; the
+    caller says what follows from it."""
+    owners = (os.geteuid(), 0) if root_ok else (os.geteuid(),)
+    if info.st_uid not in owners:
+        return (f"is owned by uid {info.st_uid}, not by this user (uid {os.geteuid()})"
+                + (" or root" if root_ok else ""))
+    if info.st_mode & 0o022:
+        return f"is writable by its group or others (mode {stat.S_IMODE(info.st_mode):04o})"
+    return None
+
+
 def _not_private(info: os.stat_result, is_kind, kind: str) -> str | None:
     if not is_kind(info.st_mode):
         return f"is not a {kind} (a symbolic link or another kind of file)"
-    if info.st_uid != os.geteuid():
-        return (f"is owned by uid {info.st_uid}, not by this user (uid {os.geteuid()}): "
-                f"what another user wrote is not served")
-    if info.st_mode & 0o022:
-        return (f"is writable by its group or others (mode {stat.S_IMODE(info.st_mode):04o}): "
-                f"what others could write is not served; make it the owner's alone "
+    problem = writer_problem(info)
+    if problem and info.st_uid != os.geteuid():
+        return f"{problem}: what another user wrote is not served"
+    if problem:
+        return (f"{problem}: what others could write is not served; make it the owner's alone "
                 f"(chmod go-w) or use another directory")
     return None
 

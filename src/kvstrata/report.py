@@ -172,7 +172,8 @@ def write_fleet_plot(shared, isolated, path: str) -> None:
 
 def _save(fig, path: str) -> None:
     """``fig`` as a PNG at ``path``, written whole or not at all (a full filesystem leaves no
-    empty or partial file behind)."""
+    empty or partial file behind), mode 0644 at most: others may read a plot (curves of hit
+    rates, no prompt), no one else may change it (under umask 0 it was 0666)."""
     image = io.BytesIO()
     fig.savefig(image, format="png")
-    write_atomically(path, image.getvalue())
+    write_atomically(path, image.getvalue(), mode=0o644)

@@ -79,7 +79,7 @@ def derive_key(secret: bytes, purpose: str) -> bytes:
 
 
 def _read_secret_file(path: str) -> bytes:
-    from .paths import redirectable_problem
+    from .paths import redirectable_problem, writer_problem
 
     problem = redirectable_problem(path)
     if problem:
@@ -94,7 +94,7 @@ def _read_secret_file(path: str) -> bytes:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise SecretError(f"${SECRET_FILE_ENV}: {path} is not a regular file")
-        if info.st_uid not in (os.geteuid(), 0) or info.st_mode & 0o022:
+        if writer_problem(info, root_ok=True):
             raise SecretError(f"${SECRET_FILE_ENV}: {path} must be owned by this user or "
                               f"root and writable by no one else (owner uid {info.st_uid}, "
                               f"mode {stat.S_IMODE(info.st_mode):04o})")

@@ -6,7 +6,6 @@ the umask; what an owned home or file lets others read is taken back."""
 from __future__ import annotations
 
 import os
-import pwd
 import shutil
 import stat
 import subprocess
@@ -20,7 +19,6 @@ from kvstrata.physical.storage.disk_home import home_name
 FP = "0123456789abcdef"
 CONFIG = LayoutConfig(num_blocks=4, num_layers=1, outer_dim=2, page_size=4, inner_dim=8,
                       dtype="float16")
-OTHER = "kvstrata-other"
 
 
 def durable(directory) -> DiskStorage:
@@ -33,21 +31,6 @@ def home_of(directory) -> str:
 
 def mode(path) -> int:
     return stat.S_IMODE(os.lstat(path).st_mode)
-
-
-@pytest.fixture(scope="module")
-def other_user():
-    """A second OS user (made once, kept: creating users is slow and needs root)."""
-    if os.geteuid() != 0:
-        pytest.skip("a second OS user is made with useradd, which needs root")
-    if shutil.which("useradd") is None or shutil.which("setpriv") is None:
-        pytest.skip("useradd and setpriv (util-linux) are needed to act as a second user")
-    try:
-        return pwd.getpwnam(OTHER)
-    except KeyError:
-        subprocess.run(["useradd", "--system", "--no-create-home", "--shell",
-                        "/usr/sbin/nologin", OTHER], check=True, capture_output=True)
-        return pwd.getpwnam(OTHER)
 
 
 def as_user(user, command: str) -> None:

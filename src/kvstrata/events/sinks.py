@@ -4,6 +4,9 @@
 half is the NATS sink, whose connections, JetStream acks and snapshot service share one
 lifecycle.)
 
+Events carry the prompts (block hashes, token ids): an event file and a bound ``ipc://``
+socket are this user's alone (:func:`open_event_file`, :func:`_bind_ipc_privately`).
+
 Each sink's ``send`` runs on the publisher thread only. Transport trouble that is worth a
 retry (server down, not yet connected, buffer full) raises
 :class:`~kvstrata.events.publisher.SinkUnavailableError`.
@@ -16,6 +19,7 @@ import errno
 import logging
 import os
 import re
+import secrets
 import stat
 import threading
 import time
@@ -24,7 +28,7 @@ from typing import Callable
 from kvstrata.events import formats
 from kvstrata.events.model import EventBatch
 from kvstrata.events.natswire import with_credentials
-from kvstrata.paths import write_all
+from kvstrata.paths import NotPrivateError, check_private_file, write_all, writer_problem
 from kvstrata.redact import redacted
 from kvstrata.events.publisher import (EventPublisher, Sink, SinkUnavailableError, Warnings,
                                        _one_line)
@@ -74,11 +78,94 @@ class MemorySink(Sink):
             return [e for b in self.batches for e in b.events]
 
 
+def _event_file_refusal(info: os.stat_result) -> str | None:
+    """Why an event file of status ``info`` is not written (None: it may be). The events
+    carry the prompts' block hashes and token ids, and readers (``kvstrata indexer --file``)
+    apply what the file holds: a regular file or a FIFO must be this user's and writable by
+    no one else; a character device (``/dev/null``, ``/dev/full``) this user's or root's
+    (only root makes devices; another user's terminal is refused); nothing else is written."""
+    mode = info.st_mode
+    if stat.S_ISCHR(mode):
+        if info.st_uid in (os.geteuid(), 0):
+            return None
+        return (f"event file is a device of uid {info.st_uid}, not of this user (uid "
+                f"{os.geteuid()}) or root: events are not written to another user's device")
+    if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
+        return "event file is not a regular file, a FIFO or a character device"
+    problem = writer_problem(info)
+    if problem and info.st_uid != os.geteuid():
+        return (f"event file {problem}: events carry prompts' token ids and are not written "
+                f"into another user's file (who owns it reads them, and can add forged ones); "
+                f"remove it or name another path")
+    if problem:
+        return (f"event file {problem}: others could add forged events; make it the owner's "
+                f"alone (chmod go-rw) or name another path")
+    return None
+
+
+def event_file_problem(path: str) -> str | None:
+    """What would make :class:`JsonlFileSink` refuse ``path`` as it is now, found without
+    opening or creating anything (None: nothing, or no file there yet): a symbolic link,
+    another user's file, one others can write (see :class:`JsonlFileSink`). For checking a
+    sink spec at start, before the sink is opened."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"cannot be examined ({exc.strerror or exc})"
+    if stat.S_ISLNK(info.st_mode):
+        return _LINK_REFUSED
+    return _event_file_refusal(info)
+
+
+_LINK_REFUSED = ("event file is a symbolic link: not followed (whoever made it chooses which "
+                 "file the events go to); name the file itself")
+
+
+def open_event_file(path: str) -> int:
+    """A descriptor appending to the event file ``path``, created 0600 whatever the umask
+    if there is none; :class:`~kvstrata.paths.NotPrivateError` naming ``path`` if it is a
+    symbolic link (not followed), another user's file or one others can write (see
+    :func:`_event_file_refusal`); an own file others may read is made 0600. A FIFO no
+    process reads is ``OSError(ENXIO)`` at once rather than an open that waits for ever."""
+    # not blocking while it opens: a FIFO nobody reads would hold the open for ever
+    # (ENXIO instead); writes then block as to any file
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
+                     | os.O_NONBLOCK | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:
+            raise OSError(exc.errno, "a FIFO no process reads", path) from None
+        if exc.errno == errno.ELOOP and os.path.islink(path):
+            raise NotPrivateError(errno.ELOOP, _LINK_REFUSED, path) from None
+        raise
+    try:
+        info = os.fstat(fd)
+        refusal = _event_file_refusal(info)
+        if refusal:
+            raise NotPrivateError(errno.EPERM, refusal, path)
+        if stat.S_ISREG(info.st_mode):
+            check_private_file(fd, path)         # read access of group and others taken back
+        elif stat.S_ISFIFO(info.st_mode) and info.st_mode & 0o077:
+            os.fchmod(fd, stat.S_IMODE(info.st_mode) & 0o600)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 class JsonlFileSink(Sink):
     """Appends JSON lines to ``path``: kvstrata events (``format="kvstrata"``) or Dynamo
     RouterEvents (``format="dynamo"``), one ``write`` per batch. Only whole lines land: a
     batch that fails part-way (a full disk) is cut back off the file, so readers never meet a
-    torn line that this sink wrote."""
+    torn line that this sink wrote.
+
+    The events carry the prompts (block hashes; token ids with ``keep_tokens``): the file is
+    created 0600 whatever the umask, never through a symbolic link, and an existing file must
+    be this user's and writable by no one else (:func:`open_event_file`), else opening the
+    sink is a :class:`~kvstrata.paths.NotPrivateError` naming the path."""
 
     def __init__(self, path: str, format: str = "kvstrata", dp_rank: int = 0, fsync: bool = False) -> None:
         if format not in EVENT_FORMATS:
@@ -95,17 +182,7 @@ class JsonlFileSink(Sink):
         parent = os.path.dirname(os.path.abspath(self.path))
         if not os.path.isdir(parent):
             raise FileNotFoundError(f"event file directory does not exist: {parent}")
-        # not blocking while it opens: a FIFO nobody reads would hold the open for ever
-        # (ENXIO instead); writes then block as to any file
-        try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
-                         | os.O_NONBLOCK, 0o644)
-        except OSError as exc:
-            if exc.errno == errno.ENXIO:
-                raise OSError(exc.errno, "a FIFO no process reads", self.path) from None
-            raise
-        os.set_blocking(fd, True)
-        self._file = fd
+        self._file = open_event_file(self.path)
 
     def send(self, batch: EventBatch) -> None:
         if self.format == "kvstrata":
@@ -177,6 +254,7 @@ class ZmqSink(Sink):
         self._seq = 0
         self._sock = None
         self._bound_ipc: str | None = None
+        self._bound_inode: tuple[int, int] | None = None
         self.stored_without_tokens = 0
         """``BlockStored`` events sent with ``token_ids: []`` (see the class docstring)."""
         self._warned_tokens = False
@@ -198,20 +276,26 @@ class ZmqSink(Sink):
         try:
             if self.connect:
                 sock.connect(self.endpoint)
+            elif ipc is not None:
+                self._bound_inode = _bind_ipc_privately(sock, ipc, self.endpoint)
             else:
                 sock.bind(self.endpoint)
         except zmq.ZMQError as exc:
             sock.close(0)
             raise OSError(f"cannot {'connect' if self.connect else 'bind'} ZMQ PUB to {self.endpoint}: {exc}") from None
+        except BaseException:
+            sock.close(0)
+            raise
         self._sock = sock
         self._bound_ipc = ipc
 
     def _ipc_path(self) -> str | None:
-        """The file an ``ipc://`` endpoint this sink binds is (None: another transport, or
-        connecting)."""
+        """The file an ``ipc://`` endpoint this sink binds is (None: another transport,
+        connecting, an abstract ``@name`` or ZMQ's wildcard ``*``, which name no file)."""
         if self.connect or not self.endpoint.startswith("ipc://"):
             return None
-        return self.endpoint[len("ipc://"):]
+        path = self.endpoint[len("ipc://"):]
+        return None if path.startswith("@") or path == "*" else path
 
     def send(self, batch: EventBatch) -> None:
         import zmq
@@ -243,13 +327,99 @@ class ZmqSink(Sink):
             ipc, self._bound_ipc = self._bound_ipc, None
             if ipc is not None:      # the socket file this sink made goes with it
                 try:
-                    if stat.S_ISSOCK(os.lstat(ipc).st_mode):
+                    info = os.lstat(ipc)
+                    if stat.S_ISSOCK(info.st_mode) and \
+                            (info.st_dev, info.st_ino) == self._bound_inode:
                         os.unlink(ipc)
                 except OSError:
                     pass
 
     def describe(self) -> str:
         return f"zmq:{self.endpoint}"
+
+
+MAX_IPC_PATH_BYTES = 107
+"""Longest ``ipc://`` path a socket binds (``sun_path`` less its NUL)."""
+
+
+def _bind_ipc_privately(sock, path: str, endpoint: str) -> tuple[int, int]:
+    """Bind the ZMQ socket ``sock`` at the file ``path`` so that only this user (and root)
+    can connect to it, whatever the umask; returns the (device, inode) of the socket file.
+
+    ZMQ makes its socket file ``0777 & ~umask`` (0777 under umask 0: any local user could
+    subscribe to the events, which carry the prompts), and a bind then chmod leaves a window.
+    So the socket is bound inside a new directory beside ``path`` that is this user's alone
+    (0700; checked and used through its descriptor, so a directory put in its place is
+    noticed), made 0600 there where no one else can reach it, and then hard-linked as
+    ``path``: a link never replaces what is there. (Not a tightened umask around the bind: the
+    umask is the whole process's, and other threads create files meanwhile.) A socket already
+    at ``path`` (a run that did not clean up) is replaced, as ZMQ's own bind does; anything
+    else is refused before this is called. The private directory's path must fit a socket
+    address too (:data:`MAX_IPC_PATH_BYTES`): a path 18 bytes longer than its directory at
+    most."""
+    def refused(why: str, code: int = errno.EPERM) -> OSError:
+        return OSError(code, f"cannot bind ZMQ PUB to {endpoint}: {why}")
+
+    private = os.path.join(os.path.dirname(path) or ".", f".kvs-{secrets.token_hex(5)}")
+    bound = os.path.join(private, "s")
+    for name in (path, bound):
+        if len(os.fsencode(name)) > MAX_IPC_PATH_BYTES:
+            raise refused(f"{name} is longer than {MAX_IPC_PATH_BYTES} bytes, the most a "
+                          f"socket's path may be" + ("" if name == path else
+                          " (the socket is bound there first, made private, then linked "
+                          "as the path: choose a shorter directory)"), errno.ENAMETOOLONG)
+    try:
+        os.mkdir(private, 0o700)              # the umask can only take away
+    except OSError as exc:
+        raise refused(f"{exc.strerror} (making {private})", exc.errno) from None
+    try:
+        dfd = os.open(private, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        _remove_quietly(os.rmdir, private)
+        raise refused(f"the directory {private} made for it was replaced") from None
+    try:
+        info = os.fstat(dfd)
+        if info.st_uid != os.geteuid() or info.st_mode & 0o077:
+            raise refused(f"the directory {private} made for it was replaced")
+        sock.bind(f"ipc://{bound}")
+        try:                                  # no one else can reach into the directory
+            os.chmod("s", 0o600, dir_fd=dfd, follow_symlinks=True)
+            socket_file = os.stat("s", dir_fd=dfd, follow_symlinks=False)
+        except FileNotFoundError:
+            raise refused(f"the directory {private} made for it was replaced") from None
+        if not stat.S_ISSOCK(socket_file.st_mode):
+            raise refused(f"{bound} is not the socket bound")
+        try:
+            os.link("s", path, src_dir_fd=dfd)
+        except FileExistsError:
+            if not stat.S_ISSOCK(os.lstat(path).st_mode):
+                raise refused(f"{path} exists and is not a socket; not replaced",
+                              errno.EEXIST) from None
+            try:
+                os.unlink(path)             # a stale socket, as ZMQ's bind replaces it
+            except OSError as exc:
+                raise refused(f"{path} is a socket that cannot be replaced "
+                              f"({exc.strerror})", exc.errno) from None
+            try:
+                os.link("s", path, src_dir_fd=dfd)
+            except FileExistsError:
+                raise refused(f"{path} appeared while binding; not replaced",
+                              errno.EEXIST) from None
+        except OSError as exc:
+            raise refused(f"cannot link the socket as {path} ({exc.strerror})",
+                          exc.errno) from None
+        return socket_file.st_dev, socket_file.st_ino
+    finally:
+        _remove_quietly(os.unlink, "s", dir_fd=dfd)
+        os.close(dfd)
+        _remove_quietly(os.rmdir, private)
+
+
+def _remove_quietly(remove, *args, **kwargs) -> None:
+    try:
+        remove(*args, **kwargs)
+    except OSError:
+        pass
 
 
 _SUBJECT_RE = re.compile(r"^[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*$")

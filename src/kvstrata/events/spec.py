@@ -165,7 +165,8 @@ def nats_url_parts(url: str, what: str) -> tuple[SplitResult, int | None]:
 def sink_problem(spec: str, dp_rank: int = 0) -> str | None:
     """What stops a sink spec from being used here, found without opening anything: the
     spec's form (:func:`parse_sink_spec`), for a file sink whether the file can be written
-    (its directory exists, it is not a directory, it is writable), and the file or bound
+    (its directory exists, it is not a directory, it is writable, it is not a link, another
+    user's file or one others can write: :func:`~.sinks.event_file_problem`), and the file or bound
     port of data-parallel engine ``dp_rank`` (see :func:`make_sink`). None if nothing."""
     try:
         s = parse_sink_spec(spec)
@@ -178,10 +179,15 @@ def sink_problem(spec: str, dp_rank: int = 0) -> str | None:
                 f"rank, so engine {dp_rank} would publish as engine 0's worker on the same "
                 f"subject; use format=dynamo (it carries dp_rank) or a file sink")
     if s.kind in ("jsonl", "dynamo-json"):
+        from kvstrata.events.sinks import event_file_problem
+
         target = _engine_file(s.target, dp_rank)
         problem = writable_file_problem(target)
         if problem:
             return f"sink spec {_shown(spec)!r:.80}: {target} {problem}"
+        problem = event_file_problem(target)
+        if problem:
+            return f"sink spec {_shown(spec)!r:.80}: {target}: {problem}"
     return None
 
 

@@ -24,16 +24,20 @@ publisher or missed) triggers the same re-sync; a new ``publisher_id`` for a kno
 
 from __future__ import annotations
 
+import errno
 import inspect
 import io
 import json
 import logging
+import os
+import stat
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Protocol
 
-from kvstrata.paths import MAX_LINE_BYTES, InputTooLargeError, bounded_lines, open_regular
+from kvstrata.paths import (MAX_LINE_BYTES, InputTooLargeError, NotPrivateError, bounded_lines,
+                            open_regular, writer_problem)
 from kvstrata.events import formats
 from kvstrata.events.model import (
     Event,
@@ -476,8 +480,25 @@ def read_events_file(path: str, fmt: str = "auto", torn: list[int] | None = None
 
     A last line without its newline that does not decode is a torn tail (a writer that
     stopped mid-line: a crash, a full disk): it is skipped, and its line number appended to
-    ``torn`` when given. Any other bad line is an :class:`EventFormatError`."""
-    with io.TextIOWrapper(open_regular(path), encoding="utf-8") as f:
+    ``torn`` when given. Any other bad line is an :class:`EventFormatError`.
+
+    What the file says is applied as the workers' state, so it must be written by this user
+    or root alone: a file another user owns, or one its group or others can write, is a
+    :class:`~kvstrata.paths.NotPrivateError` (an ``OSError`` whose ``strerror`` says why)
+    before anything is read (one that others may read is not refused: this only reads it).
+    Links are followed: the file they lead to is checked."""
+    raw = open_regular(path)
+    try:            # /dev/null, the one device open_regular lets through, holds nothing
+        info = os.fstat(raw.fileno())
+        problem = writer_problem(info, root_ok=True) if stat.S_ISREG(info.st_mode) else None
+        if problem:
+            raise NotPrivateError(errno.EPERM, f"{problem}: events another user could have "
+                                  f"written are not applied; make it the owner's alone "
+                                  f"(chmod go-w)", path)
+    except BaseException:
+        raw.close()
+        raise
+    with io.TextIOWrapper(raw, encoding="utf-8") as f:
         lines = bounded_lines(f, MAX_LINE_BYTES)
         for n, line in enumerate(_named_lines(lines, path), 1):
             if not line.strip():
