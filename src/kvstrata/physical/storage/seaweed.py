@@ -10,6 +10,28 @@ removes those of the ports it chose. The server checks signatures: it is started
 an access key and a random secret (:attr:`SeaweedServer.access_key` /
 :attr:`~SeaweedServer.secret_key`), and pre-creates ``bucket``.
 
+Only the S3 port is meant to be used, and it checks signatures; the other ports on
+127.0.0.1 are reachable by every local user, so each start locks them (tests/hostile/
+test_weed_private.py):
+
+- the master's and the filer's HTTP APIs are off (``-disableHttp``: the S3 gateway speaks
+  gRPC to the filer and HTTP to the volume server only);
+- the volume server's HTTP API takes only requests signed with JWT keys that are random per
+  start (``jwt.signing`` for writes and deletes, ``jwt.signing.read`` for reads; also
+  ``jwt.filer_signing`` and ``jwt.filer_signing.read``, should the filer's HTTP be on);
+- every gRPC port (master, volume, filer, S3, admin) takes only mutual TLS with a
+  certificate of a CA made for this start (its private key is never written down);
+- the weed process runs with umask 077 (its files and its gRPC Unix sockets in ``/tmp``
+  are its owner's only), and its environment keeps no ``AWS_*``, ``S3_*``, ``WEED_*`` (a
+  ``WEED_JWT_*`` would override the keys) or ``KVSTRATA_*`` variable of ours.
+
+The keys and certificates are in ``security.toml`` (mode 0600) in ``<data_dir>/security``
+(0700; the data directory is 0700 too), passed as ``weed -config_dir``: SeaweedFS reads
+the first ``security.toml`` it finds, and this one is found before any in the working
+directory, ``~/.seaweedfs`` or ``/etc/seaweedfs``. Certificates are made with
+``cryptography`` if it is installed, else with the ``openssl`` command; a start without
+either fails rather than leave the ports open.
+
 :meth:`SeaweedServer.start` returns once the S3 endpoint answers HTTP (about a second);
 :meth:`SeaweedServer.stop` ends the whole process group by PID (SIGTERM, then SIGKILL) and
 :meth:`SeaweedServer.cleanup` also removes the directory. As a context manager it does both.
@@ -39,6 +61,7 @@ import sys
 import tempfile
 import threading
 import time
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from ..leftovers import owner_tag, reclaim
@@ -186,6 +209,171 @@ def _ended_with_this_process(command: list[str]) -> list[str]:
             *command[1:]]
 
 
+def _write_private(path: Path, data: bytes) -> None:
+    """Write ``path`` afresh, mode 0600 (an old file or link there is replaced, not
+    followed)."""
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+def _private_dir(path: Path) -> Path:
+    """``path`` made if need be, this user's and mode 0700 (not a link)."""
+    path.mkdir(mode=0o700, exist_ok=True)
+    st = path.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        raise PermissionError(f"{path} is not a directory of this user's")
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(path, 0o700)
+    return path
+
+
+_CERT_DAYS = 3650   # the certificates live as long as the server; its directory goes with it
+
+
+def _tls_with_cryptography(ca_crt: Path, crt: Path, key: Path) -> None:
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.now(timezone.utc)
+    begin, end = now - timedelta(hours=1), now + timedelta(days=_CERT_DAYS)
+
+    def name(cn):
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    def usage(signs_certificates: bool) -> x509.KeyUsage:
+        return x509.KeyUsage(digital_signature=not signs_certificates,
+                             content_commitment=False, key_encipherment=False,
+                             data_encipherment=False, key_agreement=False,
+                             key_cert_sign=signs_certificates, crl_sign=signs_certificates,
+                             encipher_only=False, decipher_only=False)
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = (x509.CertificateBuilder().subject_name(name("kvstrata-weed-ca"))
+          .issuer_name(name("kvstrata-weed-ca")).public_key(ca_key.public_key())
+          .serial_number(x509.random_serial_number()).not_valid_before(begin)
+          .not_valid_after(end)
+          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+          .add_extension(usage(signs_certificates=True), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    node_key = ec.generate_private_key(ec.SECP256R1())
+    node = (x509.CertificateBuilder().subject_name(name("127.0.0.1"))
+            .issuer_name(ca.subject).public_key(node_key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(begin)
+            .not_valid_after(end)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(usage(signs_certificates=False), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                                  ExtendedKeyUsageOID.CLIENT_AUTH]),
+                           critical=False)
+            .add_extension(x509.SubjectAlternativeName(
+                [x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                 x509.DNSName("localhost")]), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    _write_private(ca_crt, ca.public_bytes(serialization.Encoding.PEM))
+    _write_private(crt, node.public_bytes(serialization.Encoding.PEM))
+    _write_private(key, node_key.private_bytes(serialization.Encoding.PEM,
+                                               serialization.PrivateFormat.PKCS8,
+                                               serialization.NoEncryption()))
+
+
+def _tls_with_openssl(openssl: str, ca_crt: Path, crt: Path, key: Path) -> None:
+    work = Path(tempfile.mkdtemp(dir=crt.parent))      # the CA's key: removed below
+    try:
+        ext = work / "ext.cnf"
+        ext.write_text("basicConstraints=critical,CA:FALSE\n"
+                       "keyUsage=critical,digitalSignature\n"
+                       "extendedKeyUsage=serverAuth,clientAuth\n"
+                       "subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+        ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+        for command in (
+                [openssl, "req", "-x509", *ec, "-keyout", str(work / "ca.key"),
+                 "-out", str(work / "ca.crt"), "-subj", "/CN=kvstrata-weed-ca",
+                 "-days", str(_CERT_DAYS),
+                 "-addext", "basicConstraints=critical,CA:TRUE,pathlen:0",
+                 "-addext", "keyUsage=critical,keyCertSign,cRLSign"],
+                [openssl, "req", "-new", *ec, "-keyout", str(work / "node.key"),
+                 "-out", str(work / "node.csr"), "-subj", "/CN=127.0.0.1"],
+                [openssl, "x509", "-req", "-in", str(work / "node.csr"),
+                 "-CA", str(work / "ca.crt"), "-CAkey", str(work / "ca.key"),
+                 "-set_serial", str(int.from_bytes(secrets.token_bytes(16), "big") >> 1),
+                 "-days", str(_CERT_DAYS), "-sha256", "-extfile", str(ext),
+                 "-out", str(work / "node.crt")]):
+            done = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True,
+                                  umask=0o077)
+            if done.returncode != 0:
+                raise RuntimeError(f"{' '.join(command[:3])} failed: "
+                                   f"{done.stderr.decode(errors='replace')[-500:]}")
+        for made, path in ((work / "ca.crt", ca_crt), (work / "node.crt", crt),
+                           (work / "node.key", key)):
+            _write_private(path, made.read_bytes())
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _make_tls(directory: Path) -> tuple[Path, Path, Path]:
+    """A CA made for this start and one certificate it signs (for 127.0.0.1, server and
+    client use), written under ``directory``: the CA's certificate, the certificate and its
+    key. The CA's key is dropped once it has signed."""
+    ca_crt, crt, key = directory / "ca.crt", directory / "weed.crt", directory / "weed.key"
+    try:
+        import cryptography  # noqa: F401
+    except ImportError:
+        openssl = shutil.which("openssl")
+        if openssl is None:
+            raise RuntimeError(
+                "SeaweedFS's gRPC ports need a TLS certificate: install cryptography "
+                "(pip install kvstrata[encrypt]) or the openssl command") from None
+        _tls_with_openssl(openssl, ca_crt, crt, key)
+    else:
+        _tls_with_cryptography(ca_crt, crt, key)
+    return ca_crt, crt, key
+
+
+def _toml_string(value: str) -> str:
+    """A TOML basic string."""
+    return '"' + "".join(c if c >= " " and c not in '"\\\x7f' else f"\\u{ord(c):04x}"
+                         for c in value) + '"'
+
+
+_GRPC_COMPONENTS = ("master", "volume", "filer", "s3", "admin", "worker", "msg_broker",
+                    "msg_agent", "mq")
+"""The ``[grpc.<component>]`` sections of SeaweedFS's security.toml (``weed scaffold
+-config=security``): servers that take mutual TLS only, with the certificate they present."""
+
+
+def _write_security(directory: Path) -> None:
+    """``directory/security.toml`` (0600) for one start of the server: fresh random JWT keys
+    for the volume server (writes, reads) and the filer (writes, reads), and mutual TLS on
+    every gRPC port with a certificate made for this start."""
+    ca, crt, key = _make_tls(directory)
+    lines = ["# written by kvstrata for one start of its embedded SeaweedFS: random keys, "
+             "never reused", ""]
+    # a token lives as long as weed's defaults say: the gateway signs one per request
+    for section, seconds in (("jwt.signing", 10), ("jwt.signing.read", 60),
+                             ("jwt.filer_signing", 10), ("jwt.filer_signing.read", 60)):
+        lines += [f"[{section}]", f'key = "{secrets.token_hex(32)}"',
+                  f"expires_after_seconds = {seconds}", ""]
+    lines += ["[access]", "ui = false", "",
+              "[filer.expose_directory_metadata]", "enabled = false", "",
+              "[guard]", 'white_list = ""', "",
+              "[grpc]", f"ca = {_toml_string(str(ca))}", 'allowed_wildcard_domain = ""', ""]
+    for component in (*_GRPC_COMPONENTS, "client"):
+        lines += [f"[grpc.{component}]", f"cert = {_toml_string(str(crt))}",
+                  f"key = {_toml_string(str(key))}", ""]
+    lines += ["[https.client]", "enabled = false", ""]
+    _write_private(directory / "security.toml", "\n".join(lines).encode())
+
+
 START_TIMEOUT = 300.0
 """Seconds to wait for ``weed mini`` to answer (issue 28: 20 s failed a replay on a busy
 machine); the wait ends as soon as it answers or exits."""
@@ -212,6 +400,7 @@ class SeaweedServer:
         if data_dir is None:
             reclaim(tempfile.gettempdir(), DIR_PREFIX, remove=_stop_and_remove)
             data_dir = tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{owner_tag()}-")
+        _private_dir(Path(data_dir))    # the volumes hold the objects' bytes
         self.data_dir = data_dir
         self.proc: subprocess.Popen | None = None
         self.s3_port = 0
@@ -221,6 +410,11 @@ class SeaweedServer:
     @property
     def endpoint_url(self) -> str:
         return f"http://127.0.0.1:{self.s3_port}"
+
+    @property
+    def security_dir(self) -> str:
+        """Where this server's ``security.toml``, certificates and key are (mode 0700)."""
+        return os.path.join(self.data_dir, "security")
 
     @property
     def log_path(self) -> str:
@@ -242,7 +436,8 @@ class SeaweedServer:
         self.s3_port = s3
         self._grpc_ports = [master_grpc, volume_grpc, filer_grpc, s3_grpc, admin + _GRPC_OFFSET]
         d = self.data_dir
-        return [self.binary, "mini", f"-dir={d}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+        return [self.binary, f"-config_dir={self.security_dir}", "mini", f"-dir={d}",
+                "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-disableHttp",
                 f"-master.port={master}", f"-master.port.grpc={master_grpc}",
                 f"-volume.port={volume}", f"-volume.port.grpc={volume_grpc}",
                 f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}",
@@ -253,8 +448,10 @@ class SeaweedServer:
                 "-master.telemetry=false", f"-bucket={self.bucket}"]
 
     def _environment(self) -> dict[str, str]:
+        # WEED_*: SeaweedFS reads any setting from WEED_<KEY> before security.toml;
+        # KVSTRATA_*: our secrets (sharing secret, NATS password, ...) are none of its business
         env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("AWS_", "S3_", "WEED_"))}
+               if not k.startswith(("AWS_", "S3_", "WEED_", "KVSTRATA_"))}
         env.update(AWS_ACCESS_KEY_ID=self.access_key, AWS_SECRET_ACCESS_KEY=self.secret_key,
                    TMPDIR=self.data_dir)
         return env
@@ -275,11 +472,14 @@ class SeaweedServer:
     def _start_once(self, timeout: float) -> "SeaweedServer":
         if self.proc is not None:
             return self
+        _private_dir(Path(self.data_dir))
+        _write_security(_private_dir(Path(self.security_dir)))   # new keys for each start
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(_ended_with_this_process(self._command()),
                                      cwd=self.data_dir, env=self._environment(),
                                      stdin=subprocess.DEVNULL, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+                                     stderr=subprocess.STDOUT, start_new_session=True,
+                                     umask=0o077)
         deadline = time.monotonic() + timeout
         delay = 0.01
         while time.monotonic() < deadline:
