@@ -414,7 +414,10 @@ def test_the_cores_agree_over_long_churn_of_data_parallel_engines(seed):
 def _post(server, body: bytes, extra: bytes = b"") -> tuple[int, dict]:
     import socket
 
+    from kvstrata.events.indexer import http_token
+
     request = (b"POST /match HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n" % len(body)
+               + b"Authorization: Bearer %s\r\n" % http_token().encode()
                + extra + b"\r\n" + body)
     with socket.create_connection(server.address, timeout=30) as sock:
         sock.sendall(request)

@@ -15,28 +15,37 @@ Queries answer "for these hashes, how long a prefix is cached, and where":
 is a worker's data-parallel rank; it is named by its worker id, or ``(worker id, dp rank)``
 for a rank above 0 (:func:`~kvstrata.events.subscriber.engine_key`).
 
-HTTP (stdlib ``http.server``, JSON):
+HTTP (stdlib ``http.server``, JSON), answered only to a request carrying
+``Authorization: Bearer TOKEN``, the token derived from the deployment's secret
+(:func:`http_token`; ``kvstrata indexer --print-token``), else 401: what a worker caches
+tells what its users asked, so it is told to no one who cannot show the deployment's secret.
 
 * ``POST /match`` ``{"hashes": [SEQ, ...]}`` or ``{"local_hashes": [LOCAL, ...]}`` ->
   ``{"length": N, "matches": [{"worker_id": W, "tier": "G2", "prefix": K}, ...], "best": {...}}``
   (an engine of data-parallel rank R > 0 also has ``"dp_rank": R``)
 * ``GET /stats`` -> node, worker, tier counts and stream follower counters.
+* ``GET /healthz`` -> ``{"ok": true}``, to anyone (it tells nothing else).
 """
 
 from __future__ import annotations
 
 import argparse
+import hmac
+import ipaddress
 import json
 import logging
 import os
 import re
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
-from kvstrata.httpserve import (MAX_CONNECTIONS, READ_TIMEOUT, REQUEST_TIMEOUT,
-                                BoundedHTTPServer, BoundedRequestHandler)
+from kvstrata.httpserve import (HEADER_TIMEOUT, MAX_CONNECTIONS, MAX_CONNECTIONS_PER_HOST,
+                                READ_TIMEOUT, REQUEST_TIMEOUT, BoundedHTTPServer,
+                                BoundedRequestHandler)
+from kvstrata.secret import SECRET_ENV, SECRET_FILE_ENV, SecretError, derive_key, resolve_secret
 from kvstrata.events.model import (
     ClearedEvent,
     Event,
@@ -407,8 +416,10 @@ def _parse_hash_list(value, name: str) -> list[int]:
     return out
 
 
-MAX_BODY_BYTES = 16 << 20
-"""Largest /match body accepted (a million hashes in JSON is well under it)."""
+MAX_BODY_BYTES = 8 << 20
+"""Largest /match body accepted: 8 MiB, some 380,000 hashes written in full (20 digits),
+a prompt of 6 million tokens in blocks of 16, or a million short ones. (It was 16 MiB; the
+bodies being read are held whole, one per connection.)"""
 
 def _read_body(handler: BaseHTTPRequestHandler) -> bytes:
     """The request body, bounded: a ``Content-Length`` that is missing, negative, not a
@@ -437,8 +448,8 @@ def _read_body(handler: BaseHTTPRequestHandler) -> bytes:
 
 MAX_BODY_COMMAS = MAX_MATCH_HASHES + 1024
 """Commas a /match body may hold, counted before it is parsed: a JSON list of n values has
-n - 1, so this bounds how many values parsing builds (16 MiB of ``[],`` would be 5 million
-lists, some 300 MiB)."""
+n - 1, so this bounds how many values parsing builds (8 MiB of ``[],`` would be 2.8 million
+lists, some 150 MiB)."""
 
 
 def _parse_body(body: bytes) -> dict:
@@ -456,20 +467,104 @@ def _parse_body(body: bytes) -> dict:
     return doc
 
 
+MATCH_GATE_BYTES = 64 << 10
+MATCH_CONCURRENCY = 2
+"""A /match body over :data:`MATCH_GATE_BYTES` is parsed and matched by at most
+:data:`MATCH_CONCURRENCY` requests at once (the others wait their turn; 503 a second before
+their request's deadline): parsing a body takes about 6 times its size (a 16 MiB body peaked at
+98 MiB, 8 of them at once at 515 MiB). Smaller bodies, a prompt of up to ~3,000 hashes,
+never wait."""
+
+
+class _Gate:
+    """At most ``n`` holders at once; ``waiting`` and ``held`` say how many wait and hold."""
+
+    def __init__(self, n: int) -> None:
+        self._cond = threading.Condition()
+        self.limit = n
+        self.held = 0
+        self.waiting = 0
+
+    def acquire(self, timeout: float) -> bool:
+        with self._cond:
+            self.waiting += 1
+            try:
+                if not self._cond.wait_for(lambda: self.held < self.limit, timeout):
+                    return False
+            finally:
+                self.waiting -= 1
+            self.held += 1
+            return True
+
+    def release(self) -> None:
+        with self._cond:
+            self.held -= 1
+            self._cond.notify()
+
+
+HTTP_TOKEN_PURPOSE = "kvstrata 2026-11-28 indexer http bearer token v1"
+"""The context string of the indexer's HTTP token (:func:`~kvstrata.secret.derive_key`)."""
+
+
+class IndexerSecretError(ValueError):
+    """The indexer's HTTP was asked for without the deployment's secret (or with an
+    unusable one)."""
+
+
+def http_token(secret: bytes | str | None = None,
+               env: Mapping[str, str] | None = None) -> str | None:
+    """The bearer token the indexer's ``/match`` and ``/stats`` require: 64 hex digits
+    derived from the deployment's secret (``secret``, else ``$KVSTRATA_SHARING_SECRET``, else
+    the file ``$KVSTRATA_SHARING_SECRET_FILE``); None when there is none.
+    :class:`~kvstrata.secret.SecretError` when it is unusable."""
+    found = resolve_secret(secret, env=env)
+    return None if found is None else derive_key(found, HTTP_TOKEN_PURPOSE).hex()
+
+
+def _bearer_matches(expected: bytes, given: list[str]) -> bool:
+    """Whether the ``Authorization`` headers ``given`` are one, ``Bearer`` ``expected``
+    (compared in constant time)."""
+    if len(given) != 1:
+        return False
+    scheme, _, value = given[0].strip().partition(" ")
+    offered = value.strip().encode("latin-1", "replace")
+    return hmac.compare_digest(expected, offered) and scheme.lower() == "bearer"
+
+
 class IndexServer:
-    """A small HTTP server over a :class:`PrefixIndex` (POST /match, GET /stats). Reads are
-    bounded in size and time: each read waits at most ``read_timeout``, each request may
-    take at most ``request_timeout`` however slowly its bytes come, and at most
-    ``max_connections`` are served at once (a thread each; one more is closed at once).
-    Every malformed request is answered 400."""
+    """A small HTTP server over a :class:`PrefixIndex` (POST /match, GET /stats, GET
+    /healthz). /match and /stats answer only a request with ``Authorization: Bearer
+    TOKEN``, :func:`http_token` of ``secret`` (default: the deployment's, from the
+    environment), else 401; without a secret the server is not made
+    (:class:`IndexerSecretError`). Reads are bounded in size and time: each read waits at
+    most ``read_timeout``, a request's line and headers must come within
+    ``header_timeout`` and the whole within ``request_timeout`` however slowly its bytes
+    come, and at most ``max_connections`` are served at once (a thread each),
+    ``max_connections_per_host`` from one client (see :mod:`kvstrata.httpserve`). Every
+    malformed request is answered 400."""
 
     def __init__(self, index: PrefixIndex, host: str = "127.0.0.1", port: int = 0,
                  follower: StreamFollower | None = None,
                  read_timeout: float = READ_TIMEOUT,
                  request_timeout: float = REQUEST_TIMEOUT,
-                 max_connections: int = MAX_CONNECTIONS) -> None:
+                 max_connections: int = MAX_CONNECTIONS, *,
+                 secret: bytes | str | None = None,
+                 header_timeout: float = HEADER_TIMEOUT,
+                 max_connections_per_host: int = MAX_CONNECTIONS_PER_HOST) -> None:
+        try:
+            token = http_token(secret)
+        except SecretError as exc:
+            raise IndexerSecretError(f"the indexer's HTTP: {exc}") from None
+        if token is None:
+            raise IndexerSecretError(
+                f"the indexer's HTTP needs the deployment's secret (${SECRET_ENV}, or a file "
+                f"of the running user's named by ${SECRET_FILE_ENV}): /match and /stats "
+                f"answer only a bearer token derived from it")
+        self.token = token
         self.index = index
         self.follower = follower
+        self.match_gate = _Gate(MATCH_CONCURRENCY)
+        expected = token.encode()
         outer = self
 
         class Handler(BoundedRequestHandler):
@@ -478,44 +573,101 @@ class IndexServer:
             def log_message(self, fmt, *args):  # quiet
                 log.debug("http: " + fmt, *args)
 
-            def _reply(self, code: int, obj) -> None:
+            def _reply(self, code: int, obj, headers: dict[str, str] | None = None) -> None:
                 body = json.dumps(obj).encode()
                 self.send_response(code)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
+                for name, value in (headers or {}).items():
+                    self.send_header(name, value)
                 self.end_headers()
                 self.wfile.write(body)
 
+            def _authorized(self) -> bool:
+                """Whether the request carries the token; if not, it is answered 401 (its
+                body read only if small, never parsed) and its connection closed."""
+                if _bearer_matches(expected, self.headers.get_all("Authorization") or []):
+                    return True
+                self.close_connection = True
+                self._discard_small_body()
+                self._reply(401, {"error": "send Authorization: Bearer TOKEN, the token "
+                                           "`kvstrata indexer --print-token` prints"},
+                            {"WWW-Authenticate": 'Bearer realm="kvstrata indexer"',
+                             "Connection": "close"})
+                return False
+
+            def _discard_small_body(self) -> None:
+                """Read a small body the request will not be answered for, so that closing
+                the connection does not reset it before the client reads the answer."""
+                try:
+                    length = int(self.headers.get("Content-Length", "0"))
+                except ValueError:
+                    return
+                if 0 < length <= MATCH_GATE_BYTES and "Transfer-Encoding" not in self.headers:
+                    try:
+                        self.rfile.read(length)
+                    except OSError:
+                        pass
+
             def do_GET(self):
-                if self.path.rstrip("/") == "/stats":
+                path = self.path.rstrip("/")
+                if path in ("", "/healthz"):
+                    self._reply(200, {"ok": True})
+                elif path == "/stats":
+                    if not self._authorized():
+                        return
                     stats = outer.index.stats()
                     if outer.follower is not None:
                         stats["stream"] = outer.follower.stats()
                     self._reply(200, stats)
-                elif self.path.rstrip("/") in ("", "/healthz"):
-                    self._reply(200, {"ok": True})
                 else:
-                    self._reply(404, {"error": f"no such path {self.path}; use POST /match or GET /stats"})
+                    self._reply(404, {"error": "no such path; use POST /match or GET /stats"})
 
             def do_POST(self):
                 if self.path.rstrip("/") != "/match":
-                    self._reply(404, {"error": f"no such path {self.path}; use POST /match"})
+                    self.close_connection = True
+                    self._reply(404, {"error": "no such path; use POST /match"})
+                    return
+                if not self._authorized():
                     return
                 try:
-                    body = _parse_body(_read_body(self))
-                    if "hashes" in body:
-                        hashes, local = _parse_hash_list(body["hashes"], "hashes"), False
-                    elif "local_hashes" in body:
-                        hashes, local = _parse_hash_list(body["local_hashes"], "local_hashes"), True
-                    else:
-                        raise ValueError('body needs "hashes" (sequence hashes) or "local_hashes"')
+                    body = _read_body(self)
                 except ValueError as exc:
                     self.close_connection = True
                     self._reply(400, {"error": str(exc)})
                     return
-                self._reply(200, match_response(outer.index, hashes, local))
+                gated = len(body) > MATCH_GATE_BYTES
+                # wait no later than a second before the request's deadline, to say why
+                if gated and not outer.match_gate.acquire(
+                        timeout=max(self._request_due - time.monotonic() - 1.0, 0.0)):
+                    self.close_connection = True
+                    self._reply(503, {"error": "busy: too many large queries at once"})
+                    return
+                try:
+                    answer = self._match(body)
+                finally:
+                    if gated:
+                        outer.match_gate.release()
+                self._reply(*answer)
+
+            def _match(self, raw: bytes) -> tuple[int, dict]:
+                try:
+                    body = _parse_body(raw)
+                    if "hashes" in body:
+                        hashes, local = _parse_hash_list(body.pop("hashes"), "hashes"), False
+                    elif "local_hashes" in body:
+                        hashes, local = _parse_hash_list(body.pop("local_hashes"),
+                                                         "local_hashes"), True
+                    else:
+                        raise ValueError('body needs "hashes" (sequence hashes) or "local_hashes"')
+                except ValueError as exc:
+                    self.close_connection = True
+                    return 400, {"error": str(exc)}
+                return 200, match_response(outer.index, hashes, local)
 
         self.httpd = BoundedHTTPServer((host, port), Handler, max_connections=max_connections,
+                                       max_connections_per_host=max_connections_per_host,
+                                       header_timeout=header_timeout,
                                        request_timeout=request_timeout)
 
     @property
@@ -575,10 +727,16 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--nats", metavar="URL", help="follow a NATS server, e.g. nats://127.0.0.1:4222")
     src.add_argument("--file", metavar="PATH", action="append", help="read a JSON-lines event file (repeatable)")
+    src.add_argument("--print-token", action="store_true",
+                     help="print the bearer token --http requires of /match and /stats "
+                     f"(derived from the deployment's secret, ${SECRET_ENV}) and exit")
     p.add_argument("--subject", default="kvstrata.events", help="NATS subject (default: %(default)s)")
     p.add_argument("--format", choices=("auto", "kvstrata", "dynamo"), default="auto", help="event format (default: auto)")
     p.add_argument("--jetstream", action="store_true", help="replay the JetStream stream from its start")
-    p.add_argument("--http", metavar="HOST:PORT", type=_host_port, help="serve POST /match and GET /stats")
+    p.add_argument("--http", metavar="HOST:PORT", type=_host_port,
+                   help="serve POST /match and GET /stats to requests bearing the token "
+                   f"(--print-token); needs the deployment's secret (${SECRET_ENV} or "
+                   f"${SECRET_FILE_ENV})")
     p.add_argument("--query", metavar="H1,H2,...", help="print the prefix match for these sequence hashes and exit")
     p.add_argument("--local", action="store_true", help="--query hashes are local (tokens) hashes")
     p.add_argument("--worker-id", type=_worker_id, default=None,
@@ -592,9 +750,47 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _secret_for_http(flag: str) -> bytes | None:
+    """The deployment's secret for the HTTP token, or None having said on stderr, in one
+    line, why there is none to use."""
+    try:
+        secret = resolve_secret()
+    except SecretError as exc:
+        print(f"kvstrata indexer: {flag}: {exc}", file=sys.stderr)
+        return None
+    if secret is None:
+        print(f"kvstrata indexer: {flag} needs the deployment's secret: set ${SECRET_ENV} "
+              f"(e.g. `openssl rand -hex 32`) or ${SECRET_FILE_ENV}; /match and /stats "
+              f"answer only a bearer token derived from it", file=sys.stderr)
+    return secret
+
+
+def _say_serving(server: IndexServer) -> None:
+    """Say where the server is (the last line said at start: readiness), after a warning if
+    other machines can reach it."""
+    host, port = server.address[:2]
+    try:
+        local = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        local = host == "localhost"
+    if not local:
+        print(f"kvstrata indexer: warning: --http {host} is reachable from other machines "
+              f"and HTTP is not encrypted: the bearer token crosses the network in clear "
+              f"(bind 127.0.0.1, or put a TLS proxy in front)", file=sys.stderr, flush=True)
+    print(f"kvstrata indexer: serving http://{host}:{port}", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``kvstrata indexer``; returns the exit status."""
     args = build_parser().parse_args(argv)
+    secret = None
+    if args.print_token or args.http:
+        secret = _secret_for_http("--print-token" if args.print_token else "--http")
+        if secret is None:
+            return 2
+        if args.print_token:
+            print(http_token(secret))
+            return 0
     index = PrefixIndex()
     if args.query is not None:
         try:
@@ -631,12 +827,12 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({**index.stats(), "stream": follower.stats()}))
             return 0
         try:
-            server = IndexServer(index, *args.http, follower=follower).start()
+            server = IndexServer(index, *args.http, follower=follower, secret=secret).start()
         except OSError as exc:           # busy port, an address not on this machine
             print(f"kvstrata indexer: --http {args.http[0]}:{args.http[1]}: "
                   f"{exc.strerror or exc}", file=sys.stderr)
             return 2
-        print(f"kvstrata indexer: serving http://{server.address[0]}:{server.address[1]}", file=sys.stderr, flush=True)
+        _say_serving(server)
         try:
             threading.Event().wait()     # until a signal: the CLI says which (exit 143 / 130)
         finally:
@@ -671,8 +867,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     server = None
     if args.http:
-        server = IndexServer(index, *args.http, follower=nf.follower).start()
-        print(f"kvstrata indexer: serving http://{server.address[0]}:{server.address[1]}", file=sys.stderr, flush=True)
+        try:
+            server = IndexServer(index, *args.http, follower=nf.follower, secret=secret).start()
+        except OSError as exc:
+            nf.close()
+            print(f"kvstrata indexer: --http {args.http[0]}:{args.http[1]}: "
+                  f"{exc.strerror or exc}", file=sys.stderr)
+            return 2
+        _say_serving(server)
     try:
         threading.Event().wait()         # until a signal: the CLI says which (exit 143 / 130)
     finally:
