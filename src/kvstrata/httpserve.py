@@ -165,7 +165,7 @@ class BoundedRequestHandler(BaseHTTPRequestHandler):
 
     def handle_one_request(self) -> None:
         server = self.server
-        if not server._awaiting_headers(self.connection):   # closed to make room
+        if not server._sending_headers(self.connection, True):   # closed to make room
             self.close_connection = True
             return
         self._request_due = time.monotonic() + server.request_timeout
@@ -179,7 +179,7 @@ class BoundedRequestHandler(BaseHTTPRequestHandler):
     def parse_request(self) -> bool:
         if not super().parse_request():
             return False
-        if not self.server._headers_done(self.connection):   # closed to make room meanwhile
+        if not self.server._sending_headers(self.connection, False):   # closed meanwhile
             self.close_connection = True
             return False
         self.server.deadlines.arm(self.connection,
@@ -285,24 +285,15 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         return False
 
     # -- what a connection's thread reports --------------------------------------------------
-    def _awaiting_headers(self, sock: socket.socket) -> bool:
-        """A request starts: its connection waits for its line and headers again (so it may
-        be closed to make room). False if it was closed to make room."""
+    def _sending_headers(self, sock: socket.socket, sending: bool) -> bool:
+        """Whether ``sock``'s connection is waiting for a request's line and headers (True: a
+        request starts, and it may be closed to make room) or has them whole (False: no
+        longer one to close). Returns False if it was closed to make room already."""
         with self._room:
             conn = self._connections.get(sock)
             if conn is None or conn.dropped:
                 return False
-            conn.in_headers = True
-            return True
-
-    def _headers_done(self, sock: socket.socket) -> bool:
-        """A request's headers arrived whole: its connection is no longer one to close to
-        make room. False if it was closed to make room before they did."""
-        with self._room:
-            conn = self._connections.get(sock)
-            if conn is None or conn.dropped:
-                return False
-            conn.in_headers = False
+            conn.in_headers = sending
             return True
 
     def _ended(self, sock: socket.socket) -> None:
