@@ -258,3 +258,10 @@ def test_indexer_flags(flags):
     assert status in (0, 2), (argv, status)
     if status == 2:
         assert err.getvalue().strip() and "Traceback" not in err.getvalue(), err.getvalue()
+
+
+def test_a_number_of_thousands_of_digits_is_named_so_not_by_pythons_own_words():
+    from kvstrata.trace import TraceFormatError, parse_request
+
+    with pytest.raises(TraceFormatError, match=r"^t:2: holds a number of more than [\d,]+ digits$"):
+        parse_request('{"input_length": ' + "9" * 5000 + ', "hash_ids": []}', "t:2")

@@ -235,3 +235,26 @@ def test_the_hashers_memo_is_bounded_and_changes_no_hash(monkeypatch):
     for request, want in zip(requests * 2, expected * 2):
         assert bounded.records(request) == want
         assert bounded._memo_records <= 64 + 32
+
+
+def test_a_parsed_trace_holds_its_hash_ids_in_a_few_bytes_each():
+    """A trace is held whole while it is replayed: ids as a tuple of ints took about 36
+    bytes each (a 52 MB gzipped trace of long prompts grew the process to 780 MB)."""
+    import json
+    import tracemalloc
+
+    from kvstrata.trace import parse_request
+
+    lines = [json.dumps({"timestamp": i, "input_length": 512 * 1000, "output_length": 1,
+                         "hash_ids": list(range(i * 1000 + 300, i * 1000 + 1300))})
+             for i in range(100)]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        held = [parse_request(line, f"t:{n}") for n, line in enumerate(lines, 1)]
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert sum(len(r.hash_ids) for r in held) == 100_000
+    assert list(held[7].hash_ids[:3]) == [7300, 7301, 7302]
+    assert grown < 8 * 100_000, grown

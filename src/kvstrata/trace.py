@@ -19,11 +19,13 @@ blocks count (``min(input_length, 512 * ids) // block_size``), as an engine woul
 from __future__ import annotations
 
 import codecs
+from array import array
 import contextlib
 import gzip
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -46,12 +48,16 @@ class TraceFormatError(ValueError):
     """A malformed trace line; the message names the file and line."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class TraceRequest:
+    """One line of a trace. ``hash_ids`` as :func:`parse_request` makes them are an
+    ``array('I')`` (4 bytes an id, where a tuple of ints takes about 36: a trace is held whole
+    while it is replayed); any sequence of ints will do."""
+
     timestamp: int
     input_length: int
     output_length: int
-    hash_ids: tuple[int, ...]
+    hash_ids: Sequence[int]
 
 
 def default_trace_path() -> Path:
@@ -95,6 +101,9 @@ def parse_request(line: str, where: str) -> TraceRequest:
     except RecursionError:
         raise TraceFormatError(f"{where}: nests too deeply") from None
     except ValueError as exc:                    # e.g. an integer of thousands of digits
+        if "int_max_str_digits" in str(exc):
+            raise TraceFormatError(f"{where}: holds a number of more than "
+                                   f"{sys.get_int_max_str_digits():,} digits") from None
         raise TraceFormatError(f"{where}: {' '.join(str(exc).split())[:120]}") from None
     if not isinstance(obj, dict):
         raise TraceFormatError(f"{where}: expected a JSON object, got {type(obj).__name__}")
@@ -128,7 +137,8 @@ def parse_request(line: str, where: str) -> TraceRequest:
         if key != "timestamp" and value != int(value):
             raise TraceFormatError(f"{where}: {key} counts tokens: a whole number, got {value!r}")
         fields[key] = int(value)
-    return TraceRequest(fields["timestamp"], fields["input_length"], fields["output_length"], tuple(ids))
+    return TraceRequest(fields["timestamp"], fields["input_length"], fields["output_length"],
+                        array("I", ids))
 
 
 def prompt_blocks(request: TraceRequest, block_size: int) -> int:
