@@ -194,3 +194,15 @@ def test_a_salt_never_names_an_adapters_tenant():
     assert long.startswith("salt#") and len(long) == 37
     assert tenant_key(cache_salt=b"raw").startswith("salt#")
     assert tenant_key(lora_name="l" * 196).startswith("lora#")
+
+
+def test_a_lora_path_makes_another_seed_for_the_same_name():
+    """vLLM keys its prefix cache by an adapter's name and path; so does the connector."""
+    import xxhash
+
+    name_only = isolation_seed(lora_name="ad")
+    a = isolation_seed(lora_name="ad", lora_path="/adapters/a")
+    b = isolation_seed(lora_name="ad", lora_path="/adapters/b")
+    assert len({name_only, a, b}) == 3
+    assert a == xxhash.xxh3_64_intdigest(b"lora_path:/adapters/a", seed=name_only)
+    assert isolation_seed(lora_path="/adapters/a") == DEFAULT_SEED    # no adapter, no path

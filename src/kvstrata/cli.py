@@ -31,13 +31,16 @@ from .tokens import TokenError, hash_blocks, isolation_seed
 
 
 def _cmd_hash(args: argparse.Namespace) -> int:
-    for flag, value in (("--lora", args.lora), ("--salt", args.salt)):
+    if args.lora_path is not None and args.lora is None:
+        raise CliInputError("--lora-path needs --lora (the adapter's name)")
+    for flag, value in (("--lora", args.lora), ("--salt", args.salt),
+                        ("--lora-path", args.lora_path)):
         if value is not None:
             try:
                 value.encode("utf-8")
             except UnicodeEncodeError:
                 raise CliInputError(f"{flag} is not valid UTF-8 text") from None
-    seed = isolation_seed(args.lora, args.salt)
+    seed = isolation_seed(args.lora, args.salt, args.lora_path)
     try:
         tokens = [int(t) for t in args.tokens]
         local, seqs = hash_blocks(tokens, args.block_size, seed)
@@ -335,6 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_hash = sub.add_parser("hash", help="print the block hashes of a token sequence (JSON)")
     p_hash.add_argument("--block-size", type=int, required=True)
     p_hash.add_argument("--lora", help="LoRA adapter name (changes the seed)")
+    p_hash.add_argument("--lora-path", help="the LoRA adapter's path, as vLLM's lora_path "
+                        "(changes the seed: the vLLM connector's rule)")
     p_hash.add_argument("--salt", help="per-request cache salt (changes the seed)")
     p_hash.add_argument("tokens", nargs="*", help="token ids")
     p_hash.set_defaults(func=_cmd_hash)

@@ -5,8 +5,10 @@ store shared by workers) may only be served to an engine that would have compute
 bytes for the same sequence hash. That holds when everything below is equal, and the
 fingerprint is a short digest of exactly that:
 
-* the model's identity (``model_id``: a name and revision, e.g. what vLLM serves); two models
-  of the same geometry (two fine-tunes of one base) differ only here, so set it;
+* the model's identity (``model_id``: a name and revision, e.g. what vLLM serves, which the
+  vLLM connector follows with a digest of the resolved config and of the weights' content,
+  :func:`weights_identity`); two models of the same geometry (two fine-tunes of one base)
+  differ only here;
 * the geometry of this rank's share of a block: layers, K/V (or MLA), tokens per block,
   elements per token, dtype;
 * the shard: this rank and the number of ranks the KV heads are split over (tensor
@@ -32,7 +34,7 @@ from .dtypes import canonical_dtype
 from .tokens import DEFAULT_SEED
 
 __all__ = ["BLOCK_LAYOUT_VERSION", "HASH_SCHEME", "NATIVE_BLOCK_LAYOUT", "Compatibility",
-           "compatibility_of"]
+           "compatibility_of", "weights_identity"]
 
 BLOCK_LAYOUT_VERSION = 1
 """Version of the byte layout of one stored block: FullyContiguous, layer-major, then K/V,
@@ -85,3 +87,48 @@ def compatibility_of(config, *, rank: int = 0, world_size: int = 1,
                          outer_dim=m.outer_dim, block_size=config.block_size,
                          inner_dim=m.kv_heads * m.head_dim, dtype=canonical_dtype(m.dtype),
                          rank=rank, world_size=world_size, block_layout=block_layout)
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+"""Files whose bytes are a model's weights (in its directory, not below it)."""
+
+WEIGHT_SAMPLES = 64
+WEIGHT_SAMPLE_BYTES = 16 << 10
+"""Each weights file is identified by its name, its size and the xxh3-64 of this many pieces
+of this size spread evenly over it (the whole file when it is no bigger): a few MiB read at
+start, however large the model."""
+
+
+def weights_identity(directory: str) -> str:
+    """16 hex digits naming the weights in ``directory`` by their content (not by their
+    path or times: the same weights copied to another machine give the same value), or ``""``
+    if it holds no weights file. Two models of the same architecture and size (another
+    fine-tune, new weights put at the same path) differ in their sampled pieces; a change
+    that keeps every file's size and every sampled piece is not seen."""
+    import os
+
+    digest = xxhash.xxh3_64()
+    found = False
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return ""
+    for name in names:
+        if not name.endswith(WEIGHT_SUFFIXES):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            with open(path, "rb") as fh:
+                size = os.fstat(fh.fileno()).st_size
+                digest.update(f"{name}\0{size}\0".encode())
+                if size <= WEIGHT_SAMPLES * WEIGHT_SAMPLE_BYTES:
+                    digest.update(fh.read())
+                else:
+                    last = size - WEIGHT_SAMPLE_BYTES        # the file's first and last
+                    for i in range(WEIGHT_SAMPLES):         # bytes are always read
+                        fh.seek(last * i // (WEIGHT_SAMPLES - 1))
+                        digest.update(fh.read(WEIGHT_SAMPLE_BYTES))
+        except OSError:
+            continue
+        found = True
+    return f"{digest.intdigest():016x}" if found else ""

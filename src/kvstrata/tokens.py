@@ -87,11 +87,16 @@ class TokenError(ValueError):
     """Token ids or block parameters that cannot be hashed (negative, > 2**32-1, bad size)."""
 
 
-def isolation_seed(lora_name: str | None = None, cache_salt: str | bytes | None = None) -> int:
+def isolation_seed(lora_name: str | None = None, cache_salt: str | bytes | None = None,
+                   lora_path: str | None = None) -> int:
     """The hash seed for a tenant.
 
     * no LoRA, no salt: 1337 (the Dynamo default);
-    * LoRA adapter: ``(1337 + xxh3_64(lora_name utf-8)) mod 2**64`` (Dynamo's rule);
+    * LoRA adapter: ``(1337 + xxh3_64(lora_name utf-8)) mod 2**64`` (Dynamo's rule), then,
+      where the adapter's path is known (vLLM's ``lora_path``), ``xxh3_64(b"lora_path:" +
+      path, seed=s)``: a name pointed at another adapter is another tenant's KV (vLLM keys
+      its own prefix cache by name and path for this reason). A router hashing by the name
+      alone (Dynamo's rule) then finds no LoRA request's blocks;
     * cache salt (vLLM's per-request ``cache_salt``): ``xxh3_64(b"salt:" + salt, seed=s)``
       where ``s`` is the seed so far (1337 or the LoRA seed). The salt goes through a
       different function than the LoRA name, so a salt and a LoRA name cannot produce the
@@ -100,6 +105,8 @@ def isolation_seed(lora_name: str | None = None, cache_salt: str | bytes | None 
     seed = DEFAULT_SEED
     if lora_name:
         seed = (seed + _xxh3(lora_name.encode("utf-8"))) & _MASK64
+        if lora_path:
+            seed = _xxh3(b"lora_path:" + lora_path.encode("utf-8", "surrogatepass"), seed=seed)
     if cache_salt:
         salt = cache_salt.encode("utf-8") if isinstance(cache_salt, str) else bytes(cache_salt)
         seed = _xxh3(b"salt:" + salt, seed=seed)

@@ -227,6 +227,29 @@ def test_aborted_while_loading_is_not_held_twice(make):
     assert_idle(sim)
 
 
+def test_a_lora_name_pointed_at_another_adapter_shares_nothing(make):
+    """vLLM keys its own prefix cache by an adapter's name and path: a name re-pointed at
+    another adapter loaded the first adapter's KV from G2."""
+    from types import SimpleNamespace
+
+    sim = make()
+    tokens = prompt(13, 4 * BS + 1)
+    request = sim.add("a", tokens)
+    request.lora_request = SimpleNamespace(lora_name="ad", lora_path="/adapters/a")
+    sim.run()
+
+    def matched(req_id: str, path: str) -> int:
+        asking = sim.add(req_id, tokens)
+        asking.lora_request = SimpleNamespace(lora_name="ad", lora_path=path)
+        count = sim.scheduler.get_num_new_matched_tokens(asking, 0)[0]
+        sim.scheduler.request_finished(sim.requests.pop(req_id), [])
+        return count
+
+    assert matched("b", "/adapters/b") == 0
+    assert matched("c", "/adapters/a") == 4 * BS
+    assert_idle(sim)
+
+
 def test_requests_with_other_salts_never_share(make):
     """Neither in G2 nor, once pushed out of G2, in G3: a prompt stored for one salt is no hit
     for another (nor for no salt), and is one for its own."""

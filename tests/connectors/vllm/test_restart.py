@@ -135,6 +135,29 @@ def test_a_reset_cache_is_for_good_across_a_restart(tmp_path, ranks):
     _a_restart_serves_only(tmp_path, new, ranks)
 
 
+def test_a_reset_of_an_idle_engine_keeps_it_stepping_until_the_workers_forgot(tmp_path):
+    """vLLM steps an idle engine only while its connector has pending work: a reset that
+    only queued the workers' orders was never journaled, and a restart with new weights
+    served the old KV."""
+    old, new = prompt(46, 6 * BS + 1), prompt(47, 3 * BS + 1)
+    sim = SimEngine(tmp_path, g2_blocks=16, g3_blocks=64, ranks=1, block_size=BS)
+    sim.add("a", old)
+    sim.run()
+    sim.add("b", new)
+    sim.run()
+    assert not sim.scheduler.has_pending_work()
+    assert sim.scheduler.reset_cache() is True
+    assert sim.scheduler.has_pending_work()     # the orders are still to go: keep stepping
+    steps = sim.steps
+    while sim.scheduler.has_pending_work():      # what vLLM's engine loop does when idle
+        assert sim.steps - steps < 100, "the reset never left"
+        sim.step()
+    sim.run()
+    for worker in sim.workers:
+        worker.shutdown()
+    _a_restart_serves_only(tmp_path, [], 1)             # neither prompt comes back
+
+
 def test_a_reset_before_the_workers_report_what_they_kept_drops_that_too(tmp_path,
                                                                          monkeypatch):
     """A scheduler that cannot read the workers' index files learns what they kept from

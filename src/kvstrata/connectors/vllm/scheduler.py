@@ -556,8 +556,10 @@ class SchedulerHalf:
         return self._load_tiers.pop(req_id, [])
 
     def has_pending_work(self) -> bool:
-        """Copies in flight or not yet shipped: the engine must keep stepping."""
-        return not self.planner.idle or bool(self._outbox)
+        """Copies in flight or not yet shipped, or slots the workers must forget (a
+        :meth:`reset_cache` an idle engine would otherwise never journal): the engine must
+        keep stepping."""
+        return not self.planner.idle or bool(self._outbox) or bool(self._forget)
 
     def take_events(self) -> list:
         return self.events.take()
@@ -595,9 +597,10 @@ class SchedulerHalf:
             return None
         lora = getattr(request, "lora_request", None)
         lora_name = getattr(lora, "lora_name", None) if lora else None
+        lora_path = getattr(lora, "lora_path", None) if lora else None
         salt = getattr(request, "cache_salt", None)
         tracked = self._requests[request.request_id] = _Tracked(
-            request, isolation_seed(lora_name, salt), len(self.groups.groups),
+            request, isolation_seed(lora_name, salt, lora_path), len(self.groups.groups),
             tenant_key(lora_name, salt))
         return tracked
 

@@ -1,0 +1,72 @@
+"""Stored pages are named by what computed them, not only by the model's name: new weights
+put at the same path, or the same weights served with another RoPE, loaded the KV of the old
+ones from a durable G3 (every prompt's output changed). vLLM's own configs, built without an
+engine (``EngineArgs.create_engine_config``), of random-weight models written here."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import replace
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvstrata.compat import WEIGHT_SAMPLE_BYTES, WEIGHT_SAMPLES, weights_identity  # noqa: E402
+from kvstrata.connectors.vllm.connector import _model_id  # noqa: E402
+from kvstrata.testing.random_model import TINY, make_random_llama  # noqa: E402
+
+
+def config_of(path, **kw):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=str(path), max_model_len=256, **kw).create_engine_config()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Two random models of one shape (other seeds), in directories of their own."""
+    root = tmp_path_factory.mktemp("models")
+    return (make_random_llama(root / "a", TINY),
+            make_random_llama(root / "b", replace(TINY, seed=TINY.seed + 1)))
+
+
+def test_new_weights_at_the_same_path_are_another_model(models, tmp_path):
+    a, b = models
+    served = tmp_path / "current"
+    shutil.copytree(a, served)
+    before = _model_id(config_of(served))
+    assert before == _model_id(config_of(served))           # the same on every call
+    assert before.startswith(f"{served}#")
+    for name in os.listdir(b):                               # the operator swaps the weights
+        if name.endswith(".safetensors"):
+            shutil.copyfile(b / name, served / name)
+    assert _model_id(config_of(served)) != before
+
+
+def test_the_same_weights_elsewhere_are_the_same_model_and_a_rope_override_is_not(models,
+                                                                                   tmp_path):
+    a, _ = models
+    copy = tmp_path / "copy"
+    shutil.copytree(a, copy)                 # other path, other times: the same content
+    assert weights_identity(str(copy)) == weights_identity(str(a)) != ""
+    plain = _model_id(config_of(a))
+    assert plain.split("#")[1] == _model_id(config_of(copy)).split("#")[1]
+    assert _model_id(config_of(a, hf_overrides={"rope_theta": 500.0})) != plain
+
+
+def test_a_large_weights_file_is_sampled_and_a_changed_piece_is_seen(tmp_path):
+    size = WEIGHT_SAMPLES * WEIGHT_SAMPLE_BYTES * 4 + 123
+    data = bytearray(os.urandom(size))
+    (tmp_path / "model.safetensors").write_bytes(data)
+    (tmp_path / "notes.txt").write_text("not weights")
+    before = weights_identity(str(tmp_path))
+    (tmp_path / "notes.txt").write_text("still not weights")
+    assert weights_identity(str(tmp_path)) == before
+    data[-1] ^= 0xFF                          # the last sampled piece ends the file
+    (tmp_path / "model.safetensors").write_bytes(data)
+    assert weights_identity(str(tmp_path)) != before
+    assert weights_identity(str(tmp_path / "missing")) == ""
+    (tmp_path / "model.safetensors").unlink()
+    assert weights_identity(str(tmp_path)) == ""
