@@ -251,6 +251,23 @@ class PoolMachine(RuleBasedStateMachine):
         self.handles.append(registered)
 
     @precondition(lambda self: self.pool is not None)
+    @rule(start=st.integers(0, 17), length=st.integers(1, 5))
+    def register_children_first(self, start, length):
+        # a batch in reverse chain order: each parent registered after its child (a
+        # leaf-first pool links them all the same; check_invariants says so)
+        records = self.universe[start : start + length][::-1]
+        if not self.pool.can_allocate(len(records)):
+            return
+        handle = self.pool.allocate(len(records))
+        handle.apply_token_blocks(records)
+        self.handles.append(self.pool.register(handle))
+
+    @precondition(lambda self: self.pool is not None)
+    @rule()
+    def clear(self):
+        self.pool.clear()
+
+    @precondition(lambda self: self.pool is not None)
     @rule(count=st.integers(0, 3))
     def allocate_mutable(self, count):
         if self.pool.can_allocate(count):

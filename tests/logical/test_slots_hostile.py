@@ -59,7 +59,7 @@ def test_a_tier_bit_outside_int32_is_refused_and_changes_nothing(bit):
     assert len(tiers) == 0 and len(store.index) == 0
     assert store.state[0] == slots.COMPLETE and set(store.pending) == {0, 1}
     # the same batch with a valid bit goes through, and the map is sound
-    records, tiers_new, _ = store.ops.register_new([0, 1], tiers, 4, False, 0)
+    records, tiers_new, *_ = store.ops.register_new([0, 1], tiers, 4, False, 0)
     assert tiers_new and sorted(tiers.items()) == [(100, 4), (101, 4)]
 
 
@@ -370,3 +370,42 @@ def test_bools_are_not_hashes_on_either_path(native_path):
     pool.register(handle).release()
     assert True in pool and pool.held([True]) == [True]
     pool.check_invariants()
+
+
+def test_bulk_register_enters_waiting_blocks_and_reports_the_rest():
+    """register_new's leaf-first work: a block whose parent is held nowhere here is entered
+    in the pool's table of waiting blocks (one per parent hash); blocks it cannot place
+    (a parent later in the batch, a parent another block waits for) are reported unlinked,
+    and blocks that children registered before them wait for as adopters. A mapping whose
+    look-up fails changes nothing. unwait takes leaving blocks out of the table."""
+    store = SlotStore(8, 4)
+    # 0: child of 101 (later in the batch); 1: hash 101, child of 7 (held nowhere);
+    # 2: hash 102 (a waiting block's parent); 3: child of 7 too (a sibling of 1)
+    store.ops.apply([0, 1, 2, 3], [BlockRecord(100, 1, 101, 4), BlockRecord(101, 2, 7, 4),
+                                   BlockRecord(102, 3, None, 4), BlockRecord(103, 4, 7, 4)],
+                    4)
+
+    class Broken(dict):
+        def __contains__(self, key):
+            raise LookupError("no")
+
+    with pytest.raises(LookupError):
+        store.ops.register_new([0, 1, 2, 3], None, 0, True, 0, Broken({1: 1}))
+    assert len(store.index) == 0 and set(store.pending) == {0, 1, 2, 3}
+    waiting = type(store.index)()
+    waiting[102] = 6                       # some block waits for 102
+    records, _, leaving, unlinked, adopters = store.ops.register_new(
+        [0, 1, 2, 3], None, 0, True, 0, waiting)
+    assert [r.sequence_hash for r in records] == [100, 101, 102, 103]
+    assert leaving == [] and unlinked == [0, 3] and adopters == [2]
+    assert sorted(waiting.items()) == [(7, 1), (102, 6)]
+    assert not any(store.up[s] for s in range(4))   # the pool links them, not the loop
+    # without link (not a leaf-first pool) nothing is reported or entered
+    store.ops.apply([4], [BlockRecord(104, 5, 9, 4)], 4)
+    waiting[104] = 6
+    assert store.ops.register_new([4], None, 0, False, 4, waiting)[3:] == ([], [])
+    assert 9 not in waiting
+    # leaving: only the entry naming the slot goes (3 waits beside 1, not in the table)
+    assert store.ops.unwait([3, 2, 0], waiting) == 0
+    assert store.ops.unwait([1], waiting) == 1
+    assert sorted(waiting.items()) == [(102, 6), (104, 6)]

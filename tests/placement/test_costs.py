@@ -76,7 +76,9 @@ def test_an_unmeasured_path_borrows_what_its_slow_tier_showed_elsewhere():
     assert model.bandwidth("G4->G1") == pytest.approx(0.01e9, rel=0.05)
     assert model.overhead("G4->G1") == pytest.approx(0.3, rel=0.05)
     assert model.bandwidth("G3->G1") == pytest.approx(1.5e9)          # G3 measured nowhere
-    feed(model, "G4->G1", gbps=1.0, overhead=0.01)                    # its own samples win
+    # its own samples win: 100x better than its borrowed prior, and good news is clipped
+    # to CLIP x the estimate from the first sample on, so it takes ~25 plans, not ~5
+    feed(model, "G4->G1", gbps=1.0, overhead=0.01, n=30)
     assert model.bandwidth("G4->G1") == pytest.approx(1.0e9, rel=0.05)
 
 
@@ -113,9 +115,96 @@ def test_a_path_that_got_slow_is_learned_and_a_stale_one_returns_to_its_prior():
 
 def test_bad_samples_are_ignored():
     estimate = Estimate(5.0)
-    for value in (0.0, -1.0, math.nan, math.inf):
+    for value in (0.0, -1.0, math.nan, math.inf, 10**400, -10**400):
         estimate.add(value, 0.0)
     assert estimate.samples == 0 and estimate.value(0.0) == 5.0
+
+
+def test_a_sample_past_the_floats_is_ignored_not_raised():
+    """A hostile result claiming more than ~1e308 bytes (or prompt tokens) moved: ignored as a
+    NaN or infinite sample is, never an OverflowError out of the planner's completion."""
+    model = CostModel(cost_priors(), Clock())
+    model.transfer_done("G3->G1", 1, 10**400, 1.0, 2.0, ())
+    model.transfer_done("G3->G1", 1, 10**400, 1e-300, 2.0, ())
+    model.observe_prefill(10**400, 1.0)
+    snap = model.snapshot()
+    assert snap["paths"]["G3->G1"]["samples"] == 0 and snap["prefill_samples"] == 0
+    assert model.bandwidth("G3->G1") == pytest.approx(1.5e9)
+
+
+MB2 = 2 << 20
+
+
+def test_a_first_sample_is_clipped_like_any_other():
+    """The reviewer's repro_cost_cold_outlier.py: one 2 MiB-in-1-us first sample on a path
+    measured nowhere set its bandwidth to 1.7e10 B/s (11x the disk's prior: the first
+    WARM_SAMPLES samples were not clipped at all) and the model loaded 32 blocks from G3
+    (46 ms) that recomputing does in 10 ms. Clipped to CLIP x the prior, and blended with it
+    (one sample of WARM_SAMPLES), it moves the estimate by CLIP ** (1/3)."""
+    model = CostModel(cost_priors(), Clock())
+    model.assume_prefill(50_000)
+    prior = model.bandwidth("G3->G1")
+    assert model.worth_loading(["G3"] * 32, "G1", MB2, 16) == 0
+    model.transfer_done("G3->G1", 1, MB2, 1e-6, 1e-6 + 1e-3, ())
+    assert model.bandwidth("G3->G1") == pytest.approx(prior * CLIP ** (1 / 3))
+    assert model.worth_loading(["G3"] * 32, "G1", MB2, 16) == 0
+    # the next young samples are clipped to CLIP x the blended estimate too
+    for _ in range(2):
+        before = model.bandwidth("G3->G1")
+        model.transfer_done("G3->G1", 1, MB2, 1e-6, 1e-6 + 1e-3, ())
+        assert model.bandwidth("G3->G1") <= before * CLIP * 1.0001
+    # real samples after one outlier: not loading, and soon near the truth
+    model = CostModel(cost_priors(), Clock())
+    model.assume_prefill(50_000)
+    model.transfer_done("G3->G1", 1, MB2, 1e-6, 1e-6 + 1e-3, ())
+    for _ in range(3):
+        model.transfer_done("G3->G1", 1, MB2, MB2 / 1.5e9, MB2 / 1.5e9 + 1e-3, ())
+        assert model.worth_loading(["G3"] * 32, "G1", MB2, 16) == 0
+    assert model.bandwidth("G3->G1") < 1.5 * 1.5e9
+
+
+def test_a_young_estimate_believes_bad_news_at_once():
+    """Pessimistic from the first sample: a path far slower than its prior (a bucket behind a
+    slow link, tiny blocks: 10,000x) is believed within its first plans, unclipped; only
+    good news is clipped while young. The prefill rate (no worse side) is bounded by its
+    prior, CLIP ** WARM_SAMPLES either way."""
+    model = CostModel(cost_priors(), Clock())
+    prior = model.bandwidth("G4->G1")
+    for _ in range(3):
+        model.transfer_done("G4->G1", 1, 4096, 4096 / (prior / 1e4), 4096 / (prior / 1e4), ())
+    assert model.bandwidth("G4->G1") == pytest.approx(prior / 1e4)
+    model.observe_prefill(10**9, 1.0)
+    assert math.exp(model.prefill.log_mean) == pytest.approx(2_000 * CLIP ** 3)
+    assert model.prefill.value(1000.0) == pytest.approx(2_000 * CLIP)
+
+
+def test_a_run_of_good_news_moves_an_estimate_by_at_most_clip_a_sample():
+    """Young or warm, an estimate fed samples 10,000 times better than it (or, without a
+    worse side, off either way) moves by CLIP a sample at most, and still gets there."""
+    for value, higher_is_better in ((5e4, True), (5e-4, False), (5e4, None), (5e-4, None)):
+        estimate = Estimate(5.0, higher_is_better=higher_is_better)
+        for _ in range(60):
+            before = estimate.value(0.0)
+            estimate.add(value, 0.0)
+            assert 1 / CLIP <= estimate.value(0.0) / before <= CLIP * 1.0001
+        assert estimate.value(0.0) == pytest.approx(value, rel=0.05)
+
+
+def test_blocks_already_in_the_top_tier_cost_nothing_and_make_no_path():
+    """The reviewer's repro_cost_resident.py, on the model: a prefix already in G1 was charged
+    a made-up G1->G1 load (the device prior's 50 us a plan) and refused with a fast engine;
+    and the model grew a "G1->G1" path."""
+    model = CostModel(cost_priors(), Clock())
+    model.assume_prefill(2e6)                    # 16 tokens: 8 us
+    assert model.worth_loading(["G1"] * 4, "G1", MB2, 16) == 4
+    assert model.saving(["G1"] * 4, "G1", MB2, 16, 4) == pytest.approx(4 * 16 / 2e6)
+    assert model.snapshot()["paths"] == {}
+    # resident blocks ahead of a run in a slow tier: the cut after them is the best one
+    assert model.worth_loading(["G1"] * 4 + ["G3"] * 4, "G1", MB2, 16) == 4
+    # the tier of the lower runs still decides as before
+    model.assume_prefill(1_000)
+    assert model.worth_loading(["G1"] * 2 + ["G2"] * 4, "G1", MB2, 16) == 6
+    assert sorted(model.snapshot()["paths"]) == ["G2->G1", "G3->G1"]   # no G1->G1
 
 
 def test_every_manager_learns_its_paths_and_shows_them():

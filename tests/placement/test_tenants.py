@@ -348,3 +348,113 @@ def test_a_tenants_heap_stays_bounded_when_others_extend_its_blocks():
         store(p, [shared[0], BlockRecord(seqs[1], local[1], seqs[0], BS)], "y")
     book = p.tenants._books["G2"]
     assert len(book.leaves.get("x", [])) < 200
+
+
+# -- blocks no tier knows the tenant of; ownership across a failed onboard; room_for -------
+
+
+def owned_planner(tiers: dict, eviction: str = "lru") -> Planner:
+    return Planner(KvConfig(block_size=BS, eviction=eviction, admission="always",
+                            tiers=tiers))
+
+
+def compute(p: Planner, records, tenant: str) -> None:
+    g1 = p.pools["G1"]
+    blocks = g1.allocate(len(records))
+    blocks.apply_token_blocks(records)
+    g1.release(p.register(blocks, tenant=tenant))
+    drive(p)
+
+
+def test_blocks_learned_from_g4_belong_to_the_recovered_tenant_under_its_quota():
+    """The reviewer's repro_quota_bypass_learned_g4.py: blocks another worker put in G4,
+    onboarded, were offered down owned by no one, held to no quota, and evicted a tenant
+    within its quota although the quotas (2 + 2) add up to G2's 4 blocks."""
+    from kvstrata.placement.tenants import RECOVERED_TENANT
+
+    p = owned_planner({"G1": TierConfig(blocks=8),
+                       "G2": TierConfig(blocks=4, tenant_quota="50%"),   # 2 blocks a tenant
+                       "G4": TierConfig(blocks=16)})
+    b = chain(2, start=0)
+    compute(p, b, "b")
+    shared = chain(4, start=5000)
+    assert p.learn("G4", shared) == 4
+    p.prepare_onboard([r.sequence_hash for r in shared])
+    drive(p)
+    for result in p.take_finished():
+        assert len(result) == 4
+        result.release()
+    p.settle()
+    drive(p)
+    assert held(p, "G2", b) == 2                  # b keeps its quota's worth
+    assert p.tenants.usage()["G2"] == {"b": 2, RECOVERED_TENANT: 2}
+    book = p.tenants._books["G2"]
+    assert all(book.owner.get(h) is not None for h in p.pools["G2"].hashes())
+    assert p.tenants.refused["G2", "*"] == 2 == p.stats.skipped_for("quota")["G2"]
+    p.pools["G2"].check_invariants()
+
+
+def test_blocks_fetched_without_a_tenant_no_tier_knows_are_the_recovered_tenants():
+    """register_fetched(tenant=None) of blocks no tier knows: stored owned by
+    RECOVERED_TENANT, under its quota, not by nobody."""
+    from kvstrata.placement.tenants import RECOVERED_TENANT
+
+    p = owned_planner({"G1": TierConfig(blocks=8),
+                       "G2": TierConfig(blocks=8, tenant_quota="25%"),
+                       "G3": TierConfig(blocks=8)})
+    g2 = p.pools["G2"]
+    records = chain(4, start=7000)
+    slots = g2.allocate(4)
+    slots.apply_token_blocks(records)
+    kept = p.register_fetched(slots)
+    assert len(kept) == 2                         # its quota of G2
+    g2.release(kept)
+    drive(p)
+    assert p.tenants.usage()["G2"] == {RECOVERED_TENANT: 2}
+    assert p.tenants.usage()["G3"] == {RECOVERED_TENANT: 2}   # offered down as its too
+
+
+@pytest.mark.parametrize("eviction", ["default", "lru"])
+def test_a_failed_onboard_keeps_the_owner_of_the_blocks_it_loaded(eviction):
+    """The reviewer's repro_quota_bypass_failed_onboard.py: a block loaded into G1 whose
+    prefix failed its check in the same copy had its G2 copy dropped with the prefix (and
+    its owner with it), so it was offered back down owned by nobody: tenant a held 3 blocks
+    of G2 with a quota of 2."""
+    from kvstrata.protocol.results import BlockFailure, FailureKind, TransferResult
+
+    p = owned_planner({"G1": TierConfig(blocks=8),
+                       "G2": TierConfig(blocks=8, tenant_quota="25%")}, eviction)
+    g1, g2 = p.pools["G1"], p.pools["G2"]
+    a = chain(2, start=0)
+    compute(p, a, "a")
+    assert p.tenants.usage()["G2"] == {"a": 2}
+    g1.reset_blocks([a[1].sequence_hash, a[0].sequence_hash])
+    p.prepare_onboard([r.sequence_hash for r in a])
+    (plan,) = p.take_plans()
+    ids = plan.dst_block_ids
+    p.complete([TransferResult(plan, (False, True), (None, None), 0, 0.0,
+                               (BlockFailure(0, ids[0], FailureKind.CHECKSUM_MISMATCH, "bad"),))])
+    drive(p)
+    for result in p.take_finished():
+        result.release()
+    p.settle()
+    if a[1].sequence_hash in g2:                  # offered back down: still a's
+        assert p.tenants._books["G2"].owner[a[1].sequence_hash] == "a"
+    compute(p, chain(2, start=100), "a")
+    mine = [h for h in g2.hashes()]
+    assert len(mine) <= 2 and p.tenants.usage()["G2"] == {"a": len(mine)}
+    g2.check_invariants()
+
+
+def test_room_for_is_a_question_that_counts_nothing():
+    """The reviewer's repro_room_for_counters.py: asking counted a refusal in the ledger
+    each time (and none in the stats)."""
+    p = owned_planner({"G1": TierConfig(blocks=8),
+                       "G2": TierConfig(blocks=8, tenant_quota="25%")})
+    records = chain(5, start=0)
+    assert p.room_for("G2", records, "a") == 2
+    assert p.room_for("G2", records, "a") == 2
+    assert sum(p.tenants.refused.values()) == 0 and p.stats.skipped_for("quota") == {}
+    # a caller that stores only what fits counts the rest once, in both places
+    assert p.room_for("G2", records, "a", refuse=True) == 2
+    assert p.tenants.refused["G2", "*"] == 3 == p.stats.skipped_for("quota")["G2"]

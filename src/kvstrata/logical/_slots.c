@@ -723,6 +723,26 @@ static PyObject *so_reset(SlotOps *o, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* A leaf-first pool's blocks leave: each that waits for its parent (no parent linked, a
+ * parent hash, and the table's entry for that hash is this slot) leaves the table. Returns
+ * how many left it. */
+static PyObject *so_unwait(SlotOps *o, PyObject *args) {
+    PyObject *ids;
+    HashIndex *waiting;
+    if (!PyArg_ParseTuple(args, "OO!", &ids, &HashIndexType, &waiting) || check_ids(o, ids) < 0)
+        return NULL;
+    Py_ssize_t gone = 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(ids) && waiting->used; i++) {
+        Py_ssize_t s = ID(ids, i);
+        if (o->up[s] || !(o->flags[s] & HAS_PARENT)) continue;
+        if (hi_get(waiting, o->parent[s]) == (int32_t)s) {
+            hi_del(waiting, o->parent[s]);
+            gone++;
+        }
+    }
+    return PyLong_FromSsize_t(gone);
+}
+
 /* -- identity ----------------------------------------------------------------------------- */
 
 /* 1: the pair is valid and applied; 0: invalid (nothing stored); -1: an error. */
@@ -813,14 +833,14 @@ static PyObject *so_apply(SlotOps *o, PyObject *args) {
 }
 
 static PyObject *register_ids(SlotOps *o, PyObject *ids, PyObject *tiers, int32_t bit, int link,
-                              uint32_t born);
+                              uint32_t born, PyObject *waiting);
 
 static PyObject *so_register_new(SlotOps *o, PyObject *args) {
-    PyObject *ids, *tiers;
+    PyObject *ids, *tiers, *waiting = Py_None;
     long bit;
     int link;
     long long born;
-    if (!PyArg_ParseTuple(args, "OOlpL", &ids, &tiers, &bit, &link, &born) ||
+    if (!PyArg_ParseTuple(args, "OOlpL|O", &ids, &tiers, &bit, &link, &born, &waiting) ||
         check_ids(o, ids) < 0)
         return NULL;
     if (tiers != Py_None && (bit < 0 || bit > INT32_MAX)) {
@@ -834,7 +854,8 @@ static PyObject *so_register_new(SlotOps *o, PyObject *args) {
     /* tiers is any mapping (its methods may run Python code): the ids are a copy */
     PyObject *fixed = PyList_AsTuple(ids);
     if (!fixed) return NULL;
-    PyObject *result = register_ids(o, fixed, tiers, (int32_t)bit, link, (uint32_t)born);
+    PyObject *result = register_ids(o, fixed, tiers, (int32_t)bit, link, (uint32_t)born,
+                                    waiting);
     Py_DECREF(fixed);
     return result;
 }
@@ -855,11 +876,43 @@ static int tiers_hold_none(SlotOps *o, PyObject *ids, PyObject *tiers) {
     return 1;
 }
 
+/* The slots of the batch whose sequence hash is a key of ``waiting`` (a leaf-first pool's
+ * parent hash -> a slot waiting for it; a HashIndex, or any mapping): they adopt those
+ * children. NULL with an error. */
+static PyObject *adopters_of(SlotOps *o, PyObject *ids, PyObject *waiting) {
+    PyObject *out = PyList_New(0);
+    if (!out || waiting == Py_None) return out;
+    int native = Py_IS_TYPE(waiting, &HashIndexType);
+    Py_ssize_t size = native ? ((HashIndex *)waiting)->used : PyObject_Length(waiting);
+    if (size <= 0) {
+        if (size == 0) return out;
+        Py_DECREF(out);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(ids); i++) {
+        PyObject *slot = PyTuple_GET_ITEM(ids, i);
+        uint64_t h = o->seq[PyLong_AsSsize_t(slot)];
+        int has;
+        if (native) {
+            has = hi_find((HashIndex *)waiting, h) >= 0;
+        } else {
+            PyObject *key = PyLong_FromUnsignedLongLong(h);
+            has = key ? PySequence_Contains(waiting, key) : -1;
+            Py_XDECREF(key);
+        }
+        if (has < 0 || (has && PyList_Append(out, slot) < 0)) {
+            Py_DECREF(out);
+            return NULL;
+        }
+    }
+    return out;
+}
+
 /* register_new on a tuple of ids in range. Everything that can fail for want of memory or
  * in the tiers map's own methods (the result lists, the tables' growth, the look-ups in the
  * map) is done before the first change. */
 static PyObject *register_ids(SlotOps *o, PyObject *ids, PyObject *tiers, int32_t bit, int link,
-                              uint32_t born) {
+                              uint32_t born, PyObject *waiting) {
     Py_ssize_t n = PyTuple_GET_SIZE(ids);
 #define TID(i) PyLong_AsSsize_t(PyTuple_GET_ITEM(ids, i))
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -871,8 +924,12 @@ static PyObject *register_ids(SlotOps *o, PyObject *ids, PyObject *tiers, int32_
     }
     int tiers_new = 0;
     if (tiers != Py_None && (tiers_new = tiers_hold_none(o, ids, tiers)) < 0) return NULL;
-    PyObject *records = PyList_New(n), *leaving = PyList_New(0);
-    if (!records || !leaving || hi_reserve(o->index, n) < 0 ||
+    PyObject *records = PyList_New(n), *leaving = PyList_New(0), *unlinked = PyList_New(0);
+    PyObject *adopters = link ? adopters_of(o, ids, waiting) : PyList_New(0);
+    /* a table of the index's kind takes the blocks that wait for their parent here */
+    HashIndex *table = link && Py_IS_TYPE(waiting, &HashIndexType) ? (HashIndex *)waiting : NULL;
+    if (!records || !leaving || !unlinked || !adopters || hi_reserve(o->index, n) < 0 ||
+        (table && hi_reserve(table, n) < 0) ||
         (tiers_new && Py_IS_TYPE(tiers, &HashIndexType) && hi_reserve((HashIndex *)tiers, n) < 0))
         goto error;
     /* index the batch (no growth now: cannot fail); a hash twice in it is found at its
@@ -883,6 +940,8 @@ static PyObject *register_ids(SlotOps *o, PyObject *ids, PyObject *tiers, int32_
             for (Py_ssize_t j = 0; j < i; j++) hi_del(o->index, o->seq[TID(j)]);
             Py_DECREF(records);
             Py_DECREF(leaving);
+            Py_DECREF(unlinked);
+            Py_DECREF(adopters);
             Py_RETURN_NONE;
         }
         hi_put(o->index, o->seq[s], (int32_t)s);
@@ -909,7 +968,16 @@ static PyObject *register_ids(SlotOps *o, PyObject *ids, PyObject *tiers, int32_
             index_past_slots(p);
             goto error;
         }
-        if (p < 0 || p == s || o->state[p] != REGISTERED) continue;
+        if (p == s) continue;                /* a block never is its own prefix */
+        if (p < 0 && table && hi_find(table, o->parent[s]) < 0) {
+            hi_put(table, o->parent[s], (int32_t)s);    /* reserved: cannot fail */
+            continue;                        /* waits for its parent, held nowhere here */
+        }
+        if (p < 0 || o->state[p] != REGISTERED) {
+            /* later in the batch, or another block waits for the same parent: the pool's */
+            if (append_long(unlinked, s) < 0) goto error;
+            continue;
+        }
         o->up[s] = p + 1;
         if (++o->kids[p] == 1 && o->refs[p] == 0 && append_long(leaving, p) < 0) goto error;
     }
@@ -926,10 +994,13 @@ static PyObject *register_ids(SlotOps *o, PyObject *ids, PyObject *tiers, int32_
         }
     }
 #undef TID
-    return Py_BuildValue("(NON)", records, tiers_new ? Py_True : Py_False, leaving);
+    return Py_BuildValue("(NONNN)", records, tiers_new ? Py_True : Py_False, leaving, unlinked,
+                         adopters);
 error:
     Py_XDECREF(records);
     Py_XDECREF(leaving);
+    Py_XDECREF(unlinked);
+    Py_XDECREF(adopters);
     return NULL;
 }
 
@@ -1319,8 +1390,9 @@ static PyMethodDef so_methods[] = {
     {"acquire", (PyCFunction)so_acquire, METH_VARARGS, "acquire(ids, active) -> (leaving, woken)"},
     {"release", (PyCFunction)so_release, METH_VARARGS, "release(ids, tick, active) -> (tick, idle, parked)"},
     {"reset", (PyCFunction)so_reset, METH_VARARGS, "reset(ids, ref_count, plain)"},
+    {"unwait", (PyCFunction)so_unwait, METH_VARARGS, "unwait(ids, waiting) -> how many left it"},
     {"apply", (PyCFunction)so_apply, METH_VARARGS, "apply(ids, records, size) -> applied"},
-    {"register_new", (PyCFunction)so_register_new, METH_VARARGS, "register_new(ids, tiers, bit, link, born) -> (records, tiers_done, leaving) or None"},
+    {"register_new", (PyCFunction)so_register_new, METH_VARARGS, "register_new(ids, tiers, bit, link, born, waiting=None) -> (records, tiers_done, leaving, unlinked, adopters) or None"},
     {"touch", (PyCFunction)so_touch, METH_VARARGS, "touch(hashes, tick, leaf_first, hits, cap) -> (tick, movers, touched)"},
     {"count_hits", (PyCFunction)so_count_hits, METH_VARARGS, "count_hits(ids, cap)"},
     {"push_back", (PyCFunction)so_push_back, METH_VARARGS, "push_back(list_id, ids)"},

@@ -124,6 +124,14 @@ class BlockPool:
         # Registered blocks in use; leaf-first pools need them to count what eviction can
         # reach (None in other pools: the ops skip it).
         self._active_registered: set[int] | None = set() if self._leaf_first else None
+        # Leaf-first pools: the registered blocks waiting for their parent, which is not held
+        # here: parent hash -> one of them (a table like the index: 12 bytes an entry when
+        # native; a hybrid model's other KV groups store many blocks without their parent),
+        # and the others, if several wait for one parent. A parent registered after its
+        # children adopts them (links them, so it is not evictable before them); every
+        # removal takes a waiting block out.
+        self._waiting = type(self._index)()
+        self._waiting_more: dict[int, list[int]] = {}
 
     # -- side-effect-free queries ----------------------------------------------------------
     def __contains__(self, sequence_hash: int) -> bool:
@@ -252,6 +260,13 @@ class BlockPool:
                             slot = parent
                         else:
                             insert(parent)
+            if self._waiting:           # victims waiting for their parent wait no more
+                if self._waiting_more:
+                    for slot in victims:
+                        if not up[slot]:
+                            self._unwait(slot)
+                else:
+                    ops.unwait(victims, self._waiting)
             removed = ops.unindex(victims)
             ops.reset(victims, 1, False)
         else:
@@ -330,11 +345,12 @@ class BlockPool:
             # leaf-first pools linking each block to its parent in order (natively when built).
             registry = self.registry
             tiers, bit = registry.bulk_target(self.tier)
-            done = ops.register_new(ids, tiers, bit, leaf_first, self._born)
+            done = ops.register_new(ids, tiers, bit, leaf_first, self._born,
+                                    self._waiting if leaf_first else None)
             if done is not None:
                 self._born += len(ids)
                 handle._take()
-                stored, tiers_done, leaving = done
+                stored, tiers_done, leaving = done[0], done[1], done[2]
                 if leaving:
                     self.eviction.remove_many(leaving)
                 if priority:                   # Complete blocks have priority 0
@@ -343,6 +359,12 @@ class BlockPool:
                         prio[slot] = priority
                 if leaf_first:
                     self._active_registered.update(ids)  # type: ignore[union-attr]
+                    unlinked, adopters = done[3], done[4]
+                    if adopters:                 # parents of blocks registered before them
+                        for slot in adopters:
+                            self._adopt(slot)
+                    if unlinked:                 # parents not held, or later in the batch
+                        self._link_unlinked(unlinked)
                 if self._tracks_registration:
                     self.eviction.registered_many(ids)
                 if tiers_done:
@@ -383,6 +405,8 @@ class BlockPool:
             self._born += 1
             if leaf_first:
                 self._link_parent(slot)
+                if self._waiting:
+                    self._adopt(slot)
                 self._active_registered.add(slot)  # type: ignore[union-attr]
             if registered is not None:
                 registered(slot)
@@ -451,6 +475,9 @@ class BlockPool:
             for slot in restored:
                 self._link_parent(slot)
             self._break_cycles(restored)
+            if self._waiting:              # children registered before their parent came
+                for slot in restored:
+                    self._adopt(slot)
         registered = self.eviction.registered if self._tracks_registration else None
         tick = self._tick
         ticks = store.tick
@@ -491,21 +518,106 @@ class BlockPool:
                 state[s] = 2
 
     def _link_parent(self, slot: int) -> None:
+        """Leaf-first pools: link the registered ``slot`` to its parent if held here, else
+        wait for it (:meth:`_adopt`)."""
         store = self._store
         if not store.flags[slot] & slots.HAS_PARENT:
             return
-        parent = self._index.get(store.parent[slot])
-        if parent is None or parent == slot:     # a block never is its own prefix
+        h = store.parent[slot]
+        parent = self._index.get(h)
+        if parent is None:
+            if h in self._waiting:
+                self._waiting_more.setdefault(h, []).append(slot)
+            else:
+                self._waiting[h] = slot
             return
+        if parent == slot:                       # a block never is its own prefix
+            return
+        if store.kids[slot] and self._descends(parent, slot):
+            return                               # hashes from outside: never a loop
         store.up[slot] = parent + 1
         store.kids[parent] += 1
         if store.kids[parent] == 1 and store.refs[parent] == 0:
             self.eviction.remove(parent)
 
+    def _link_unlinked(self, unlinked: list[int]) -> None:
+        """:meth:`_link_parent` for blocks just registered in bulk that the bulk loop left
+        unlinked (a parent later in the batch, or one another block waits for already):
+        a parent held nowhere that no block waits for yet, inlined."""
+        index, waiting, parents = self._index, self._waiting, self._store.parent
+        for slot in unlinked:
+            h = parents[slot]
+            if h in index or h in waiting:
+                self._link_parent(slot)
+            else:
+                waiting[h] = slot
+
+    def _adopt(self, slot: int) -> None:
+        """Leaf-first pools: link the blocks registered before ``slot`` that wait for it as
+        their parent. ``slot`` is not in the eviction order (just registered: held, or
+        restored and not inserted yet)."""
+        store = self._store
+        h = store.seq[slot]
+        first = self._waiting.pop(h, None)
+        if first is None:
+            return
+        children = [first]
+        if self._waiting_more:
+            children += self._waiting_more.pop(h, ())
+        up, kids = store.up, store.kids
+        for child in children:
+            if kids[child] and self._descends(slot, child):
+                continue                         # it would close a loop: left unlinked
+            up[child] = slot + 1
+            kids[slot] += 1
+
+    def _descends(self, slot: int, ancestor: int) -> bool:
+        """Whether ``ancestor`` is ``slot`` or one of its linked ancestors."""
+        up = self._store.up
+        seen = 0
+        while slot >= 0 and seen <= self.capacity:
+            if slot == ancestor:
+                return True
+            slot = up[slot] - 1
+            seen += 1
+        return False
+
+    def _unwait(self, slot: int) -> None:
+        """``slot`` (registered, linked to no parent) leaves: it waits for its parent no
+        more."""
+        store = self._store
+        if not store.flags[slot] & slots.HAS_PARENT:
+            return
+        h = store.parent[slot]
+        first = self._waiting.get(h)
+        if first is None:
+            return
+        more = self._waiting_more.get(h) if self._waiting_more else None
+        if first == slot:
+            if more:
+                self._waiting[h] = more.pop()
+            else:
+                del self._waiting[h]
+        elif more and slot in more:
+            more.remove(slot)
+        else:
+            return
+        if more is not None and not more:
+            del self._waiting_more[h]
+
+    def _waiting_children(self) -> dict[int, list[int]]:
+        """Parent hash -> the registered blocks waiting for it (checks and tests)."""
+        out: dict[int, list[int]] = {h: [slot] for h, slot in self._waiting.items()}
+        for h, more in self._waiting_more.items():
+            out.setdefault(h, []).extend(more)
+        return out
+
     def _unlink_parent(self, slot: int) -> None:
         store = self._store
         parent = store.up[slot] - 1
         if parent < 0:
+            if self._waiting:
+                self._unwait(slot)
             return
         store.kids[parent] -= 1
         if store.kids[parent] == 0 and store.refs[parent] == 0:
@@ -647,6 +759,8 @@ class BlockPool:
         self._ops.reset(held, 0, False)
         self._free.extend(held)
         self._inactive = 0
+        self._waiting.clear()
+        self._waiting_more.clear()
         self.registry.record_cleared(self.tier, hashes)
         return len(held)
 

@@ -55,6 +55,25 @@ def check_pool_invariants(pool) -> None:
             assert counted.get(slot, 0) == kids[slot], f"block {slot} child count drifted"
         assert pool._active_registered == {s for s in registered if refs[s]}, (
             "the set of registered blocks in use drifted")
+        flags, parent = store.flags, store.parent
+        by_parent = pool._waiting_children()
+        waiting = {slot: h for h, children in by_parent.items() for slot in children}
+        assert sum(map(len, by_parent.values())) == len(waiting), "a block waits twice"
+        assert set(pool._waiting_more) <= set(by_parent) and all(pool._waiting_more.values()), (
+            "more blocks wait for a parent than the first one, or none")
+        for slot in registered:
+            if up[slot] or not flags[slot] & slots.HAS_PARENT or parent[slot] == seq[slot]:
+                assert slot not in waiting, f"block {slot} waits though it needs no parent"
+                continue
+            held = pool._index.get(parent[slot])
+            if held is None:
+                assert waiting.get(slot) == parent[slot], (
+                    f"block {slot} does not wait for its parent, which is not held")
+            else:
+                # its parent is held: unlinked only where linking would close a loop
+                assert slot not in waiting and pool._descends(held, slot), (
+                    f"block {slot} is not linked to its parent {held}, held here")
+        assert set(waiting) <= set(registered), "a slot not registered waits for a parent"
     expected_evictable = {
         s for s in registered if refs[s] == 0 and not (pool._leaf_first and kids[s])
     }

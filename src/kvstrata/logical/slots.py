@@ -254,16 +254,22 @@ class PySlotOps:
             done += 1
         return done
 
-    def register_new(self, ids: list[int], tiers, bit: int, link: bool, born: int):
+    def register_new(self, ids: list[int], tiers, bit: int, link: bool, born: int,
+                     waiting=None):
         """Register a batch in bulk when nothing is deduplicated: if every slot is Complete
         with its applied record at hand and no hash is indexed or twice in the batch, index
         each and mark it Registered with stamp ``born``, ``born + 1``, ... (they must fit 32
         bits), in order; with ``link`` (a leaf-first pool), link each to its parent indexed
-        here. If ``tiers`` (a registry's map) holds none of the hashes
+        here (registered before it). If ``tiers`` (a registry's map) holds none of the hashes
         either, set ``tiers[h] = bit`` too. Returns (the records, whether ``tiers`` was
-        updated, the parents that gained their first child while idle); None, with nothing
-        changed, otherwise (``ValueError`` for a ``bit`` outside [0, 2**31) with
-        ``tiers``)."""
+        updated, the parents that gained their first child while idle, and with ``link``:
+        the slots with a parent hash (not their own) left unlinked and not entered in
+        ``waiting``, and the slots whose hash was a key of ``waiting``, each in order); None,
+        with nothing changed, otherwise (``ValueError`` for a ``bit`` outside [0, 2**31)
+        with ``tiers``). ``waiting`` is a leaf-first pool's map of parent hash -> a block
+        waiting for it: a slot whose parent is held nowhere here (not indexed, not in the
+        batch) is entered in it if its parent is not a key yet (the native loop enters them
+        only in a table of the index's kind, and reports them as unlinked otherwise)."""
         if tiers is not None and not 0 <= bit <= _INT32_MAX:
             raise ValueError(f"a tier bit is in [0, 2**31), got {bit}")
         if not 0 <= born <= 2**32 - len(ids):
@@ -275,8 +281,12 @@ class PySlotOps:
         hashes = [seq[slot] for slot in ids]
         if any(h in index for h in hashes) or len(set(hashes)) != len(hashes):
             return None
+        adopters = [slot for slot, h in zip(ids, hashes) if h in waiting] \
+            if link and waiting else []            # looked up before any change
+        batch = set(hashes) if link else ()
         records = [pending.pop(slot) for slot in ids]
         leaving: list[int] = []
+        unlinked: list[int] = []
         flags, parent, up, kids, refs, stamps = s.flags, s.parent, s.up, s.kids, s.refs, s.born
         for slot, h in zip(ids, hashes):
             index[h] = slot
@@ -284,8 +294,14 @@ class PySlotOps:
             stamps[slot] = born
             born += 1
             if link and flags[slot] & HAS_PARENT:
-                p = index.get(parent[slot])
-                if p is not None and p != slot:
+                ph = parent[slot]
+                p = index.get(ph)
+                if p is None:              # not held (yet): the pool links it when it comes
+                    if waiting is None or ph in batch or ph in waiting:
+                        unlinked.append(slot)
+                    else:
+                        waiting[ph] = slot
+                elif p != slot:            # a block never is its own prefix
                     up[slot] = p + 1
                     kids[p] += 1
                     if kids[p] == 1 and refs[p] == 0:
@@ -294,7 +310,25 @@ class PySlotOps:
         if tiers_new:
             for h in hashes:
                 tiers[h] = bit
-        return records, tiers_new, leaving
+        return records, tiers_new, leaving, unlinked, adopters
+
+    def unwait(self, ids: list[int], waiting) -> int:
+        """A leaf-first pool's blocks leave: each that waits for its parent (none linked, a
+        parent hash, and ``waiting``'s entry for that hash is this slot) leaves ``waiting``.
+        Returns how many left it."""
+        s = self._s
+        up, flags, parent = s.up, s.flags, s.parent
+        gone = 0
+        for slot in ids:
+            if not waiting:
+                break
+            if up[slot] or not flags[slot] & HAS_PARENT:
+                continue
+            h = parent[slot]
+            if waiting.get(h) == slot:
+                del waiting[h]
+                gone += 1
+        return gone
 
     # -- use ---------------------------------------------------------------------------------
     def touch(self, hashes, tick: int, leaf_first: bool, hits: bool, cap: int

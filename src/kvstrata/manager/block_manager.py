@@ -663,8 +663,10 @@ class KvBlockManager:
                     return 0
 
                 def take_slots():
-                    # the quota first: taking slots evicts idle blocks of any tenant
-                    fits = self.planner.room_for(tier, wanted[:len(lease.blocks)], tenant)
+                    # the quota first: taking slots evicts idle blocks of any tenant; what
+                    # it has no room for is counted once, as refused for quota
+                    fits = self.planner.room_for(tier, wanted[:len(lease.blocks)], tenant,
+                                                 refuse=True)
                     return pool.allocate(fits) if fits else None
                 slots = self._call(take_slots, internal=True).result()
                 if slots is None:

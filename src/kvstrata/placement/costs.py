@@ -15,9 +15,18 @@ and, from what a driver reports (:meth:`CostModel.observe_prefill`), the engine'
 rate** in tokens per second. Each estimate is an exponentially weighted moving average of
 the samples' logarithms (a geometric mean: one slow outlier moves it by a factor, not by an
 order of magnitude), each sample first clipped to within :data:`CLIP` times the current
-estimate. It is pessimistic: a sample worse than the estimate (less bandwidth, more
-overhead, a slower engine) weighs :data:`ALPHA_WORSE`, a better one :data:`ALPHA`, so a path
-that turns slow is used less within a plan or two and trusted again gradually. With fewer
+estimate (the prior before any sample; while the estimate is young, its blend with the
+prior), its first samples too: an outlier first sample (2 MiB "copied" in a microsecond)
+moves it by a factor of :data:`CLIP` at most. Two exceptions while an estimate is young
+(fewer than :data:`WARM_SAMPLES` samples): a sample *worse* than it (less bandwidth, more
+overhead) is believed as it is, so a path far slower than its prior is known within its
+first plans (bad news is never the dangerous kind: at worst a block is recomputed); and the
+prefill rate, which has no worse side, is clipped to within ``CLIP ** WARM_SAMPLES`` times
+its prior (weighing one :data:`WARM_SAMPLES`-th in the blend, a first sample moves it by
+:data:`CLIP` at most). It is pessimistic: a sample worse than the estimate (less bandwidth,
+more overhead) weighs :data:`ALPHA_WORSE`, a better one :data:`ALPHA` (every prefill sample
+weighs :data:`ALPHA`), so a path that turns slow is used less within a plan or two and
+trusted again gradually. With fewer
 than :data:`WARM_SAMPLES` samples an estimate is blended with a prior, and it decays back
 towards the prior with a half-life of :data:`STALE_HALF_LIFE` seconds without samples (a
 path that was slow an hour ago is tried again).
@@ -59,6 +68,10 @@ CLIP = 4.0
 """A sample further than this factor from the current estimate counts as this factor."""
 WARM_SAMPLES = 3
 """Samples before an estimate stands on its own (before that it is blended with the prior)."""
+_COLD_CLIP = CLIP ** WARM_SAMPLES
+"""How far from its prior a young direction-less estimate's (the prefill rate's) sample may
+lie: its blend with the prior weighs it one WARM_SAMPLES-th, so the first moves it by CLIP
+at most."""
 STALE_HALF_LIFE = 300.0
 """Seconds without samples after which an estimate has moved halfway back to its prior."""
 
@@ -101,12 +114,27 @@ class Estimate:
         self.log_mean = math.log(self.prior)
 
     def add(self, value: float, now: float, prior: float | None = None) -> None:
-        """Fold in one sample (ignored unless finite and > 0)."""
+        """Fold in one sample (ignored unless a finite float > 0: an integer past the
+        floats, too), clipped to within :data:`CLIP` times the estimate now; while the
+        estimate is young, a worse sample is taken as it is and one of an estimate without
+        a worse side is clipped to within ``CLIP ** WARM_SAMPLES`` times the prior (module
+        docstring)."""
+        try:
+            value = float(value)
+        except OverflowError:
+            return
         if not (value > 0 and math.isfinite(value)):
             return
         current = self.value(now, prior)
         if self.samples >= WARM_SAMPLES:
             value = min(max(value, current / CLIP), current * CLIP)
+        elif self.higher_is_better is None:   # blended: bounded by the prior, moved by CLIP
+            base = self.prior if prior is None else prior
+            value = min(max(value, base / _COLD_CLIP), base * _COLD_CLIP)
+        elif self.higher_is_better:           # young: good news clipped, bad news believed
+            value = min(value, current * CLIP)
+        else:
+            value = max(value, current / CLIP)
         log_value = math.log(value)
         if self.samples == 0:
             self.log_mean = log_value
@@ -174,7 +202,7 @@ class CostModel(PlacementListener):
         now = self._clock()
         if busy_seconds > 0:
             self._estimate(self._bandwidth, path, True).add(
-                nbytes / busy_seconds, now, self._prior(self._bandwidth, path, now))
+                _ratio(nbytes, busy_seconds), now, self._prior(self._bandwidth, path, now))
         if latency_seconds > 0:
             self._estimate(self._overhead, path, False).add(
                 max(latency_seconds - busy_seconds, 1e-6), now,
@@ -183,7 +211,7 @@ class CostModel(PlacementListener):
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """The engine computed ``tokens`` prompt tokens in ``seconds``."""
         if tokens > 0 and seconds > 0:
-            self.prefill.add(tokens / seconds, self._clock())
+            self.prefill.add(_ratio(tokens, seconds), self._clock())
 
     # -- what a decision compares ----------------------------------------------------------
     def bandwidth(self, path: str) -> float:
@@ -228,7 +256,8 @@ class CostModel(PlacementListener):
         to load into ``top`` so that the time to first token is least: the cut, at a change
         of tier or at the end, where the estimated recompute time of the loaded tokens beats
         their estimated load time by the most (0 if loading never pays). Copies on different
-        paths run side by side, so a cut's load time is its slowest path's."""
+        paths run side by side, so a cut's load time is its slowest path's; blocks already
+        in ``top`` cost nothing (their recompute is saved, no copy is made)."""
         best, best_saved = 0, 0.0
         for count, saved in self._savings(tiers, top, block_bytes, block_tokens):
             if saved > best_saved:
@@ -245,15 +274,16 @@ class CostModel(PlacementListener):
         savings: list[tuple[int, float]] = []
         count = 0
         for tier, run in groupby(tiers):
-            path = path_name(tier, top)
-            if path not in costs:
-                costs[path] = (self.overhead(path), 1.0 / self.bandwidth(path),
-                               self._backlog(path) * block_bytes)
             blocks = sum(1 for _ in run)
             count += blocks
-            loading[path] = loading.get(path, 0) + blocks * block_bytes
-            load = max(costs[q][0] + (costs[q][2] + nbytes) * costs[q][1]
-                       for q, nbytes in loading.items())
+            if tier != top:     # blocks already in the top tier: nothing to move, no path
+                path = path_name(tier, top)
+                if path not in costs:
+                    costs[path] = (self.overhead(path), 1.0 / self.bandwidth(path),
+                                   self._backlog(path) * block_bytes)
+                loading[path] = loading.get(path, 0) + blocks * block_bytes
+            load = max((costs[q][0] + (costs[q][2] + nbytes) * costs[q][1]
+                        for q, nbytes in loading.items()), default=0.0)
             savings.append((count, count * block_tokens * per_token - load))
         return savings
 
@@ -304,6 +334,14 @@ class CostModel(PlacementListener):
             raise ValueError(f"no cost prior for {kind.value} tiers (path {path}); the "
                              f"model knows {sorted(k.value for k in self._priors)}")
         return prior.bandwidth if higher_is_better else prior.overhead
+
+
+def _ratio(amount: int | float, seconds: float) -> float:
+    """``amount / seconds`` as a float; NaN (a sample ignored) past the floats' range."""
+    try:
+        return amount / seconds
+    except OverflowError:
+        return math.nan
 
 
 def _slower_tier(path: str) -> str:

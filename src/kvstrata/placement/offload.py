@@ -15,7 +15,9 @@ next configured tier:
   engine may reuse it), so its surplus is skipped (``no_slot``);
 * with tenant quotas (:mod:`.tenants`), a tenant at its quota of the target evicts its own
   idle blocks there first; what still does not fit is skipped (``quota``). The tenant of a
-  batch travels with it: down the tiers, through deferral, into the copy's job.
+  batch travels with it: down the tiers, through deferral, into the copy's job. With quotas
+  no block goes unowned: one whose tenant no tier knows (learned from a shared G4, say)
+  belongs to :data:`~.tenants.RECOVERED_TENANT`, held to the quota of an unnamed tenant.
 
 :meth:`Offload.register_and_offer` is the one way blocks enter a pool of ours and start down
 the tiers: the planner's ``register`` verbs, an offload copy that arrived
@@ -29,15 +31,26 @@ dropped; a copy made from a block quarantined meanwhile is not registered.
 from __future__ import annotations
 
 from collections import deque
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from ..logical.handles import ImmutableBlocks, MutableBlocks
 from ..logical.pool import BlockPool, PoolExhaustedError
 from ..protocol.results import TransferResult
 from ..types import BlockRecord
 from .state import Job, PlacementState
+from .tenants import RECOVERED_TENANT
 
 __all__ = ["Offload", "allocate_up_to"]
+
+
+def _owner_of(sequence_hash: int, known: Mapping[int, str | None] | None, ledger) -> str:
+    """The tenant of a block registered without one: ``known``'s, else the one a tier knows
+    it by, else :data:`~.tenants.RECOVERED_TENANT` (learned from a shared G4, recovered by a
+    durable G3: no tier kept its tenant)."""
+    owner = known.get(sequence_hash) if known else None
+    if owner is None:
+        owner = ledger.owner(sequence_hash)
+    return RECOVERED_TENANT if owner is None else owner
 
 
 def allocate_up_to(pool: BlockPool, count: int) -> MutableBlocks | None:
@@ -59,19 +72,22 @@ class Offload:
             t: deque() for t in state.tiers}
 
     def register_and_offer(self, pool: BlockPool, blocks: MutableBlocks,
-                           priority: int = 0, tenant: str | None = None) -> ImmutableBlocks:
+                           priority: int = 0, tenant: str | None = None,
+                           known: Mapping[int, str | None] | None = None) -> ImmutableBlocks:
         """Register ``blocks`` (Complete, of ``pool``; consumed) for ``tenant`` and offer the
         newly stored ones to the tier below. Returns handles on the registered blocks (a
         hash already held dedups onto the existing block, which is not offered again); if
         the offer raises, they are released first, so nothing stays held. With quotas, new
         blocks beyond their tenant's quota of the tier (after it evicted its own) are given
-        back, not registered; with ``tenant`` None, each block's tenant is the one another
-        tier knows it by (a block loaded up the tiers), else unknown."""
+        back, not registered; with ``tenant`` None, each block's tenant is the one ``known``
+        names (read by the caller before its other copies could be dropped), else the one
+        another tier knows it by (a block loaded up the tiers), else
+        :data:`~.tenants.RECOVERED_TENANT`: with a ledger no block is stored unowned."""
         ledger = self.state.tenants
         owners: list[str | None] = [tenant] * len(blocks)
         if ledger is not None:
             if tenant is None:
-                owners = [ledger.owner(b.sequence_hash) for b in blocks.blocks]
+                owners = [_owner_of(b.sequence_hash, known, ledger) for b in blocks.blocks]
             blocks, owners = self._within_quota(pool, blocks, owners)
         before = blocks.block_ids
         registered = pool.register(blocks, priority)
@@ -122,13 +138,16 @@ class Offload:
 
     def offer(self, source_tier: str, records: Sequence[BlockRecord],
               engine_ids: Sequence[int] | None = None, tenant: str | None = None) -> None:
-        """Offer blocks of ``tenant`` (None: unknown) newly registered in ``source_tier``
-        (held by the engine's blocks ``engine_ids`` when the engine owns that tier) to the
-        next tier down."""
+        """Offer blocks of ``tenant`` (None: unknown; with quotas,
+        :data:`~.tenants.RECOVERED_TENANT`) newly registered in ``source_tier`` (held by the
+        engine's blocks ``engine_ids`` when the engine owns that tier) to the next tier
+        down."""
         state = self.state
         target = state.below(source_tier)
         if target is None or not records:
             return
+        if tenant is None and state.tenants is not None:
+            tenant = RECOVERED_TENANT           # never stored unowned where quotas apply
         pool, receiving = state.pools[target], state.receiving[target]
         bad_source, bad_target = state.quarantine[source_tier], state.quarantine[target]
         seen: set[int] = set()

@@ -262,6 +262,11 @@ class Onboarding:
         what failed, and finish the ticket once it has nothing left to wait for."""
         state, ticket = self.state, job.ticket
         assert ticket is not None
+        ledger = state.tenants
+        # whose the copied blocks are, read now: dropping a failed source below takes its
+        # descendants there (good blocks of this very copy) and their ownership with them
+        owners = None if ledger is None or good is None else {
+            r.sequence_hash: ledger.owner(r.sequence_hash) for r in job.records}
         failed = _failures_by_position(job, result)
         tainted = state.quarantine[job.src_tier]
         for pos, record in enumerate(job.records) if tainted else ():
@@ -285,10 +290,11 @@ class Onboarding:
         if drop:
             state.drop(job.src_tier, drop)
         if good is not None:   # registered in the top tier; offered on to the second
-            ticket.holds.append(self.offload.register_and_offer(good.pool, good))
-        if state.tenants is not None and loaded_positions:
-            state.tenants.used(job.src_tier, (job.records[p].sequence_hash
-                                              for p in loaded_positions))
+            ticket.holds.append(self.offload.register_and_offer(good.pool, good,
+                                                                known=owners))
+        if ledger is not None and loaded_positions:
+            ledger.used(job.src_tier, (job.records[p].sequence_hash
+                                       for p in loaded_positions))
         job.settled = True
         self._count_down(ticket)
 

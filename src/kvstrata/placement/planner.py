@@ -320,8 +320,9 @@ class Planner:
                          tenant: str | None = None) -> ImmutableBlocks:
         """Register blocks of a tier below the top whose bytes were filled from outside (read
         from another worker's memory; consumed) for ``tenant`` (None: whoever another tier
-        knows them by), and offer them further down, as :meth:`register` does for computed
-        ones. With quotas, blocks beyond the tenant's are given back, not registered."""
+        knows them by, else :data:`~.tenants.RECOVERED_TENANT`), and offer them further down,
+        as :meth:`register` does for computed ones. With quotas, blocks beyond the tenant's
+        are given back, not registered."""
         if tenant is not None:
             tenant = _tenant(tenant)
         s = self._state
@@ -332,17 +333,27 @@ class Planner:
                                  "below the top tier")
         return self._offload.register_and_offer(owner, blocks, priority, tenant)
 
-    def room_for(self, tier: str, records: Sequence[BlockRecord], tenant: str) -> int:
+    def room_for(self, tier: str, records: Sequence[BlockRecord], tenant: str, *,
+                 refuse: bool = False) -> int:
         """How many of ``records`` (a prefix new to ``tier``) ``tenant``'s quota of ``tier``
         has room for now, after evicting the tenant's own idle blocks (none of these or their
         parents); all of them without quotas. Ask before taking slots for blocks filled from
-        outside (:meth:`register_fetched`): taking slots evicts any tenant's blocks."""
+        outside (:meth:`register_fetched`): taking slots evicts any tenant's blocks. A
+        question: what it has no room for is counted nowhere, unless ``refuse`` (a caller
+        that stores only what fits, once) counts it as refused for ``quota``, in the ledger
+        and as skipped (:attr:`stats`) alike."""
         s = self._state
         tier = self._tier(tier)
         if s.tenants is None:
             return len(records)
+        tenant = _tenant(tenant)
         protect = {r.sequence_hash for r in records} | {r.parent_hash for r in records}
-        return s.tenants.room(s.pools[tier], _tenant(tenant), len(records), protect)
+        fits = s.tenants.room(s.pools[tier], tenant, len(records), protect,
+                              count_refused=False)
+        if refuse and fits < len(records):
+            s.tenants.refuse(tier, tenant, len(records) - fits)
+            s.skipped(tier, "quota", len(records) - fits)
+        return fits
 
     def prepare_offload(self, tier: str, records: Sequence[BlockRecord],
                         engine_block_ids: Sequence[int] | None = None,
@@ -353,7 +364,8 @@ class Planner:
         For an engine-owned top tier, ``engine_block_ids`` names the engine block holding
         each record (read by the copy; see :meth:`engine_blocks_in_use`), and ``tenant``
         None is the default tenant ``""``. For a kvstrata tier the records must be
-        registered there, and ``tenant`` None means whoever holds them there."""
+        registered there, and ``tenant`` None means whoever holds them there (with quotas,
+        :data:`~.tenants.RECOVERED_TENANT` for a block no tier knows the tenant of)."""
         tier = self._tier(tier)
         if tenant is not None:
             tenant = _tenant(tenant)
@@ -379,6 +391,7 @@ class Planner:
         if tenant is not None or ledger is None:
             self._offload.offer(tier, records, tenant=tenant)
             return
+        # a block no tier knows the tenant of is offered as RECOVERED_TENANT's (.offload)
         by_owner: dict[str | None, list[BlockRecord]] = {}
         for record in records:
             by_owner.setdefault(ledger.owner(record.sequence_hash), []).append(record)

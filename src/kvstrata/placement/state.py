@@ -53,7 +53,8 @@ class Job:
     settled: bool = False
     """Its onboard has counted it as done."""
     tenant: str | None = None
-    """Whose blocks an offload copies (None: unknown; :mod:`.tenants`)."""
+    """Whose blocks an offload copies (:mod:`.tenants`; None, unknown, only without quotas:
+    with them a block no tier knows the tenant of is :data:`~.tenants.RECOVERED_TENANT`'s)."""
 
     @property
     def path(self) -> str:

@@ -25,12 +25,14 @@ from outside are registered in one:
 
 So when every block of a tier belongs to a tenant with a quota and the quotas add up to at
 most the tier, every tenant keeps its quota's worth of it whatever the others store. Blocks
-a durable G3 recovered at start belong to :data:`RECOVERED_TENANT` (its index keeps no
-tenant): together they are held to one tenant's quota, in G3 and wherever they are loaded
-up to (unowned, they counted against none, and after a restart one tenant's recovered
-blocks, loaded back, took G2 from every other tenant). Blocks whose tenant is not known
-otherwise belong to none and count against no quota (they compete by the tier's policy
-alone).
+whose tenant no tier knows belong to :data:`RECOVERED_TENANT`: those a durable G3 recovered
+at start (its index keeps no tenant) and those learned from a shared G4 (another worker
+stored them; :meth:`~.planner.Planner.learn`), whenever they are stored in a tier with a
+ledger. Together they are held to one tenant's quota, wherever they are stored or loaded up
+to (unowned, they counted against none: after a restart one tenant's recovered blocks,
+loaded back, took G2 from every other tenant, and blocks loaded from G4 did so too). With a
+ledger no block is stored unowned (:mod:`.offload`); a block loaded up the tiers keeps the
+tenant a lower tier knows it by, read before a failed copy of its prefix could drop it.
 
 :class:`TenantLedger` keeps, per tier, which tenant each held block belongs to; in a tier
 with a quota also how many held blocks (and blocks on their way) name each hash as their
@@ -56,9 +58,10 @@ from ..types import BlockRecord
 __all__ = ["TenantLedger", "TENANT_OTHERS", "RECOVERED_TENANT"]
 
 RECOVERED_TENANT = "(recovered)"
-"""The tenant of the blocks a durable tier recovered at start (its journal keeps none).
-Not a key vLLM's connector makes (``""``, ``salt:...``, ``lora:...``); under any quota a
-tenant not named in ``tenant_quotas`` gets, and shown among the others (``*``)."""
+"""The tenant of the blocks whose tenant no tier knows: those a durable tier recovered at
+start (its journal keeps none) and those learned from a shared G4 (another worker's). Not a
+key vLLM's connector makes (``""``, ``salt:...``, ``lora:...``); under any quota a tenant
+not named in ``tenant_quotas`` gets, and shown among the others (``*``)."""
 
 TENANT_OTHERS = "*"
 """The label of tenants that ``tenant_quotas`` does not name, summed, in per-tenant
@@ -140,10 +143,11 @@ class TenantLedger(RegistryObserver):
             self.refused[tier, self.label(tenant)] += count
 
     def room(self, pool: BlockPool, tenant: str | None, count: int,
-             protect: Collection[int] = ()) -> int:
+             protect: Collection[int] = (), count_refused: bool = True) -> int:
         """How many of ``count`` blocks of ``tenant`` may be stored in ``pool``'s tier now;
         evicts the tenant's own idle blocks first to make room, never one of ``protect``
-        (the batch's blocks and their parents). Counts what is refused."""
+        (the batch's blocks and their parents). Counts what is refused in :attr:`refused`
+        unless ``count_refused`` is False (a question asked before storing)."""
         if tenant is None or count <= 0:
             return count
         tier = pool.tier
@@ -159,7 +163,8 @@ class TenantLedger(RegistryObserver):
         if over <= 0:
             return count
         allowed = max(count - over, 0)
-        self.refuse(tier, tenant, count - allowed)
+        if count_refused:
+            self.refuse(tier, tenant, count - allowed)
         return allowed
 
     def _evict_own(self, pool: BlockPool, book: _TierBook, tenant: str, wanted: int,
