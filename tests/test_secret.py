@@ -101,3 +101,29 @@ def test_a_secret_reached_through_another_users_link_or_directory_is_refused(tmp
     os.symlink(real, mine)                        # file it names is checked as before
     assert resolve_secret(env={"KVSTRATA_SHARING_SECRET_FILE": str(mine)}) == \
         b"a deployment secret of some length"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another uid needs root")
+def test_a_secret_through_a_chain_of_links_or_a_dotdot_after_a_link_is_checked_all_the_way(
+        tmp_path):
+    """The path is resolved as the kernel resolves it: a link of this user's to another
+    user's link, or ``mine/L/../secret`` where L leads into another user's directory, was
+    checked as if it named only this user's own paths."""
+    real = _secret_file(tmp_path)
+    theirs = tmp_path / "their_link"
+    os.symlink(real, theirs)
+    os.lchown(theirs, 54321, 54321)
+    mine = tmp_path / "mine"
+    os.symlink(theirs, mine)
+    with pytest.raises(SecretError, match="their_link .a symbolic link on the way"):
+        resolve_secret(env={"KVSTRATA_SHARING_SECRET_FILE": str(mine)})
+    other = tmp_path / "other"
+    (other / "deep").mkdir(parents=True)
+    _secret_file(other)
+    os.chown(other, 54321, 54321)
+    me = tmp_path / "me"
+    me.mkdir()
+    os.symlink(other / "deep", me / "L")
+    _secret_file(me)                              # what the text of the path seems to name
+    with pytest.raises(SecretError, match="other .a directory on the way"):
+        resolve_secret(env={"KVSTRATA_SHARING_SECRET_FILE": f"{me}/L/../secret"})

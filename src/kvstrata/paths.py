@@ -22,6 +22,7 @@ This module imports nothing from kvstrata.
 
 from __future__ import annotations
 
+import collections
 import errno
 import os
 import secrets
@@ -138,39 +139,78 @@ def _not_private(info: os.stat_result, is_kind, kind: str) -> str | None:
     return None
 
 
+MAX_LINKS_FOLLOWED = 40
+"""Symbolic links a path may pass through (Linux's own limit: more is ``ELOOP``)."""
+
+
 def redirectable_problem(path: str | os.PathLike) -> str | None:
     """Why another user could have chosen what ``path`` names (None if no one but this user
-    and root could): every directory on it, as written and as its links resolve, and every
-    symbolic link on the way must be owned by this user or root, and a directory others can
-    write must have the sticky bit (as ``/tmp``: others may add names there, not replace
-    this user's). A secret read through a link another user made, or from a directory
-    another user can rename entries in, is that user's choice of file."""
+    and root could). The path is resolved as the kernel resolves it, one name at a time
+    (``..`` after the link before it, every link's target in turn): every directory passed
+    through and every symbolic link followed must be owned by this user or root, and a
+    directory others can write must have the sticky bit (as ``/tmp``: others may add names
+    there, not replace this user's). A secret read through a link another user made, or from
+    a directory another user can rename entries in, is that user's choice of file. A path
+    that does not resolve is None here: opening it says why."""
     me = os.geteuid()
-    given = os.path.abspath(os.fspath(path))
-    resolved = os.path.realpath(given)
-    seen: set[str] = set()
-    for start, look in ((given, os.lstat), (resolved, os.stat)):
-        parts = start.split(os.sep)[1:]
-        prefixes = [os.sep] + [os.sep + os.path.join(*parts[:i]) for i in range(1, len(parts) + 1)]
-        for i, prefix in enumerate(prefixes):
-            if (prefix, look) in seen:
-                continue
-            seen.add((prefix, look))
+
+    def untrusted(where: str, info: os.stat_result, kind: str) -> str | None:
+        if info.st_uid not in (me, 0):
+            return (f"{where} (a {kind} on the way) is owned by uid {info.st_uid}, neither "
+                    f"this user nor root")
+        if kind == "directory" and info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+            return (f"{where} (a directory on the way) is writable by its group or others "
+                    f"without the sticky bit (mode {stat.S_IMODE(info.st_mode):04o})")
+        return None
+
+    def more(names) -> bool:
+        return any(n not in ("", ".") for n in names)
+
+    text = os.fspath(path)
+    if not os.path.isabs(text):
+        text = os.path.join(os.getcwd(), text)
+    try:
+        problem = untrusted(os.sep, os.lstat(os.sep), "directory")
+    except OSError:
+        return None
+    if problem:
+        return problem
+    names = collections.deque(text.split(os.sep))
+    current, links = os.sep, 0
+    while names:
+        name = names.popleft()
+        if name in ("", "."):
+            continue
+        if name == "..":                       # current is resolved: its parent is real
+            current = os.path.dirname(current)
+            continue
+        candidate = os.path.join(current, name)
+        try:
+            info = os.lstat(candidate)
+        except OSError:
+            return None
+        if stat.S_ISLNK(info.st_mode):
+            problem = untrusted(candidate, info, "symbolic link")
+            if problem:
+                return problem
+            links += 1
+            if links > MAX_LINKS_FOLLOWED:
+                return None
             try:
-                info = look(prefix)
+                target = os.readlink(candidate)
             except OSError:
-                return None             # a missing part: the caller's open says so
-            last = i == len(prefixes) - 1
-            if stat.S_ISLNK(info.st_mode) or not last:
-                if info.st_uid not in (me, 0):
-                    kind = "symbolic link" if stat.S_ISLNK(info.st_mode) else "directory"
-                    return (f"{prefix} (a {kind} on the way) is owned by uid {info.st_uid}, "
-                            f"neither this user nor root")
-                if stat.S_ISDIR(info.st_mode) and info.st_mode & 0o022 \
-                        and not info.st_mode & stat.S_ISVTX:
-                    return (f"{prefix} (a directory on the way) is writable by its group or "
-                            f"others without the sticky bit (mode "
-                            f"{stat.S_IMODE(info.st_mode):04o})")
+                return None
+            if os.path.isabs(target):
+                current = os.sep
+            names.extendleft(reversed(target.split(os.sep)))
+            continue
+        if more(names):                        # a directory to pass through
+            if not stat.S_ISDIR(info.st_mode):
+                return None
+            problem = untrusted(candidate, info, "directory")
+            if problem:
+                return problem
+        current = candidate
     return None
 
 

@@ -156,6 +156,24 @@ def test_a_write_that_stalls_after_a_short_one_fails_rather_than_spinning(tmp_pa
         disk.read_blocks([1], out[1:2], [2])
 
 
+class _NoFallocateNoProgress(FaultyFileOps):
+    def __init__(self):
+        super().__init__(fallocate_errno=errno.EOPNOTSUPP)
+        self.calls = 0
+
+    def pwritev(self, fd, buffers, offset):
+        self.calls += 1
+        return 0
+
+
+def test_zeros_that_make_no_progress_fail_the_slab_rather_than_spinning(tmp_path):
+    ops = _NoFallocateNoProgress()
+    with pytest.raises(StorageIOError, match="no progress"):
+        DiskStorage(small_config(), tmp_path, file_ops=ops)
+    assert ops.calls == 1
+    assert list(tmp_path.iterdir()) == []          # no half-made slab left behind
+
+
 def test_enospc_at_creation(tmp_path):
     with pytest.raises(DiskFullError, match="no space"):
         DiskStorage(small_config(), tmp_path, file_ops=FaultyFileOps(fallocate_errno=errno.ENOSPC))

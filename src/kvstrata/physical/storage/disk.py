@@ -338,7 +338,10 @@ class DiskStorage(BlockStore):
         try:
             while offset < self.size:
                 view = zeros.array[:min(zeros.size, self.size - offset)]
-                offset += self._ops.pwritev(fd, [view], offset)
+                wrote = self._ops.pwritev(fd, [view], offset)
+                if wrote <= 0:
+                    raise OSError(errno.EIO, "write made no progress")
+                offset += wrote
         except OSError as exc:
             cls = DiskFullError if exc.errno in _FULL_ERRNOS else StorageIOError
             raise cls(f"reserving {self.size} bytes for {self.path} failed at offset "
