@@ -90,6 +90,33 @@ def test_match_and_stats_answer_only_the_bearer_of_the_token(served):
     assert status == 200 and json.loads(reply)["blocks"] == {"7": {"G2": 4}}
 
 
+def test_requests_without_the_token_hold_no_connection_for_their_body(served):
+    """A 401 read the rest of a small body first, on a connection no longer one to close
+    for room: a client without the token held every connection of its address (and with
+    two addresses, every connection) by announcing bodies it never sent."""
+    import socket
+
+    server, hashes = served
+    held = []
+    try:
+        for source in ("127.0.0.2", "127.0.0.3"):
+            for _ in range(server.httpd.max_connections_per_host):
+                sock = socket.create_connection(server.address, timeout=WAIT,
+                                                source_address=(source, 0))
+                sock.sendall(b"POST /match HTTP/1.0\r\nAuthorization: Bearer wrong\r\n"
+                             b"Content-Length: 65536\r\n\r\nx")     # the rest never comes
+                held.append(sock)
+        status, _, body = _request(server, "POST", "/match",
+                                   json.dumps({"hashes": hashes}).encode(), _bearer(),
+                                   source="127.0.0.9")
+        assert status == 200 and json.loads(body)["matches"][0]["prefix"] == 4
+        for sock in held:                          # each answered without its body
+            assert sock.recv(64).startswith(b"HTTP/1.0 401")
+    finally:
+        for sock in held:
+            sock.close()
+
+
 def test_two_authorization_headers_are_refused(served):
     server, hashes = served
     conn = http.client.HTTPConnection(*server.address, timeout=WAIT)

@@ -597,17 +597,24 @@ class IndexServer:
                 return False
 
             def _discard_small_body(self) -> None:
-                """Read a small body the request will not be answered for, so that closing
-                the connection does not reset it before the client reads the answer."""
+                """Drop what has already arrived of a small body the request will not be
+                answered for (so that closing the connection rarely resets it before the
+                client reads the answer), never waiting for more: a client without the
+                token must not hold a connection, which once its headers are in is no
+                longer one the server closes to make room."""
                 try:
                     length = int(self.headers.get("Content-Length", "0"))
                 except ValueError:
                     return
                 if 0 < length <= MATCH_GATE_BYTES and "Transfer-Encoding" not in self.headers:
+                    timeout = self.connection.gettimeout()
                     try:
-                        self.rfile.read(length)
-                    except OSError:
+                        self.connection.settimeout(0.0)
+                        self.rfile.read1(length)
+                    except (OSError, ValueError):
                         pass
+                    finally:
+                        self.connection.settimeout(timeout)
 
             def do_GET(self):
                 path = self.path.rstrip("/")
