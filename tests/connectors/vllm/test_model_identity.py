@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvstrata.compat import WEIGHT_SAMPLE_BYTES, WEIGHT_SAMPLES, weights_identity  # noqa: E402
-from kvstrata.connectors.vllm.connector import _model_id  # noqa: E402
+from kvstrata.connectors.vllm.identity import model_identity as _model_id  # noqa: E402
 from kvstrata.testing.random_model import TINY, make_random_llama  # noqa: E402
 
 
@@ -70,3 +70,52 @@ def test_a_large_weights_file_is_sampled_and_a_changed_piece_is_seen(tmp_path):
     assert weights_identity(str(tmp_path / "missing")) == ""
     (tmp_path / "model.safetensors").unlink()
     assert weights_identity(str(tmp_path)) == ""
+
+
+def test_a_hub_model_is_named_by_the_weights_in_vllms_download_dir(models, tmp_path,
+                                                                    monkeypatch):
+    """vLLM reads a hub model's config from the hub's cache but keeps its weights in
+    ``--download-dir`` when one is given: looked for in the default cache only, no weights
+    were found, and new weights under the same name loaded the old KV."""
+    from types import SimpleNamespace
+
+    import huggingface_hub.constants
+
+    a, b = models
+    commit = "c" * 40
+
+    def publish(cache, files):
+        repo = cache / "models--org--tiny"
+        snapshot = repo / "snapshots" / commit
+        snapshot.mkdir(parents=True, exist_ok=True)
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / "main").write_text(commit)
+        for path in files:
+            shutil.copyfile(path, snapshot / path.name)
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    publish(tmp_path / "hub", [a / "config.json"])          # the config: the default cache
+    download = tmp_path / "download"
+
+    def served(weights_from):
+        publish(download, [p for p in weights_from.iterdir() if p.suffix == ".safetensors"])
+        return _model_id(SimpleNamespace(
+            model_config=SimpleNamespace(model="org/tiny", revision=None, quantization=None,
+                                         hf_overrides=None, hf_config_path=None),
+            load_config=SimpleNamespace(download_dir=str(download))))
+
+    old = served(a)
+    assert old.startswith("org/tiny#")
+    assert served(b) != old
+
+
+def test_a_model_constructor_changing_its_config_changes_no_name(models):
+    """Some models' constructors write into vLLM's config in the workers (Falcon's
+    ``num_ln_in_parallel_attn``), never in the engine core: the two halves of the connector
+    named stored pages differently when the live config was hashed."""
+    a, _ = models
+    config = config_of(a)
+    scheduler_view = _model_id(config)
+    config.model_config.hf_config.num_ln_in_parallel_attn = 2      # as a worker's model does
+    config.model_config.hf_config.rope_theta = 1.0
+    assert _model_id(config) == scheduler_view

@@ -30,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ...tiers import TierKind, spec
+from .identity import model_identity
 from .metadata import StepOrders
 from .settings import KvGeometry, settings_from
 from .stats import KvStrataPromMetrics, KvStrataStats, delta, estimates, moved
@@ -62,7 +63,7 @@ class KvStrataConnector(KVConnectorBase_V1, SupportsHMA):
         geometry = KvGeometry.from_vllm(kv_cache_config, world_size,
                                         _replicating_ranks(parallel))
         settings = settings_from(extra, geometry,
-                                 model_id=_model_id(vllm_config),
+                                 model_id=model_identity(vllm_config),
                                  block_layout=_block_layout(vllm_config, kv_cache_config),
                                  engine_index=_engine_index(parallel))
         if settings.load and not _engine_reads_cached_prefixes(vllm_config):
@@ -235,74 +236,6 @@ class KvStrataConnector(KVConnectorBase_V1, SupportsHMA):
                            ) -> KvStrataPromMetrics:
         return KvStrataPromMetrics(vllm_config, metric_types, labelnames,
                                    per_engine_labelvalues)
-
-
-def _model_id(vllm_config: Any) -> str:
-    """The served model's identity for the fingerprint of stored blocks: its name or path
-    and revision, then ``#`` and a digest of what else decides its KV (a different model of
-    the same geometry must never read them): the model config vLLM resolved (overrides such
-    as RoPE scaling included), its quantization, and its weights by content
-    (:func:`~kvstrata.compat.weights_identity`; new weights put at the same path, or a
-    name of the hub whose files changed, read nothing stored before)."""
-    model = getattr(vllm_config, "model_config", None)
-    name = str(getattr(model, "model", "") or "")
-    revision = getattr(model, "revision", None)
-    named = f"{name}@{revision}" if revision else name
-    made_by = _made_by(model, name, revision)
-    return f"{named}#{made_by}" if made_by else named
-
-
-_CONFIG_KEYS_OF_PLACE = ("_name_or_path", "name_or_path", "_commit_hash", "transformers_version")
-"""Keys of a model config that say where it was read, not what the model computes."""
-
-
-def _made_by(model: Any, name: str, revision: str | None) -> str:
-    """16 hex digits over the resolved config, quantization and weights ("" if vLLM gave
-    none of them: a test double)."""
-    import json
-
-    import xxhash
-
-    from ...compat import weights_identity
-
-    parts: dict[str, Any] = {}
-    hf_config = getattr(model, "hf_config", None)
-    if hf_config is not None and hasattr(hf_config, "to_dict"):
-        config = {k: v for k, v in hf_config.to_dict().items()
-                  if k not in _CONFIG_KEYS_OF_PLACE}
-        parts["config"] = config
-    quantization = getattr(model, "quantization", None)
-    if quantization:
-        parts["quantization"] = str(quantization)
-    directory = _weights_directory(name, revision)
-    if directory:
-        parts["weights"] = weights_identity(directory)
-    if not parts:
-        return ""
-    text = json.dumps(parts, sort_keys=True, default=_plain, separators=(",", ":"))
-    return f"{xxhash.xxh3_64_intdigest(text.encode()):016x}"
-
-
-def _plain(value: Any) -> str:
-    """A config value JSON cannot hold, as text both halves (and other machines) write alike:
-    its ``str`` (``torch.bfloat16``), or its type's name where that ``str`` names an address."""
-    text = str(value)
-    return type(value).__name__ if " at 0x" in text else text
-
-
-def _weights_directory(name: str, revision: str | None) -> str | None:
-    """Where the model's weights are: its directory, or the snapshot of the hub's cache vLLM
-    loaded it from (None where neither is found)."""
-    import os
-
-    if os.path.isdir(name):
-        return name
-    try:
-        from huggingface_hub import snapshot_download
-
-        return snapshot_download(name, revision=revision, local_files_only=True)
-    except Exception:            # not from the hub, or not in its cache: name and config
-        return None
 
 
 def _engine_reads_cached_prefixes(vllm_config: Any) -> bool:
