@@ -3,6 +3,7 @@ sent SIGTERM with its owner (started from the main thread), or stopped by the ne
 started on the machine, which removes its directory (real ``weed mini`` processes)."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -127,3 +128,16 @@ def test_a_binary_named_without_a_path_is_found_on_path(tmp_path, monkeypatch):
     finally:
         server.cleanup()
     assert marker.exists()
+
+
+def test_a_start_that_fails_for_good_leaves_no_directory_or_keys(tmp_path):
+    """A failed start left its directory, with the keys and certificates of its security
+    configuration, in the temporary directory."""
+    false = shutil.which("false")
+    if false is None:
+        pytest.skip("no `false` binary to stand in for a weed that dies at once")
+    server = SeaweedServer(binary=false)
+    directory = server.data_dir
+    with pytest.raises(RuntimeError, match="exited"):
+        server.start(attempts=2)
+    assert not os.path.exists(directory)

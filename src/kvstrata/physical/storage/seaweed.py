@@ -379,6 +379,11 @@ START_TIMEOUT = 300.0
 machine); the wait ends as soon as it answers or exits."""
 
 
+class WeedExitedError(RuntimeError):
+    """The weed process ended while starting (a port taken between choosing and binding it,
+    say): a new start on new ports may succeed."""
+
+
 class SeaweedServer:
     """One ``weed mini`` process serving S3 on :attr:`endpoint_url`; see the module docstring.
 
@@ -460,14 +465,19 @@ class SeaweedServer:
         """Start the server and wait until its S3 endpoint answers: by readiness, polling
         while the process lives, for at most ``timeout`` seconds (generous: a loaded machine
         starts it slowly, and a process that dies is seen at once). A start that fails (e.g.
-        a port taken between choosing and binding it) is retried on new ports."""
-        for attempt in range(attempts):
-            try:
-                return self._start_once(timeout)
-            except RuntimeError:
-                if attempt == attempts - 1:
-                    raise
-        return self
+        a port taken between choosing and binding it) is retried on new ports. A start that
+        fails for good removes the directory this server made (its keys with it)."""
+        try:
+            for attempt in range(attempts):
+                try:
+                    return self._start_once(timeout)
+                except WeedExitedError:
+                    if attempt == attempts - 1:
+                        raise
+            return self
+        except BaseException:
+            self.cleanup()
+            raise
 
     def _start_once(self, timeout: float) -> "SeaweedServer":
         if self.proc is not None:
@@ -486,7 +496,7 @@ class SeaweedServer:
             if self.proc.poll() is not None:
                 code = self.proc.returncode
                 self.stop()
-                raise RuntimeError(f"weed mini exited with {code}; see {self.log_path}")
+                raise WeedExitedError(f"weed mini exited with {code}; see {self.log_path}")
             if self._answers():
                 return self
             time.sleep(delay)
