@@ -96,10 +96,13 @@ def _plain(value: Any) -> str:
 
 
 def _local_copy(name: str, revision: str | None, cache_dir: str | None) -> str | None:
-    """The model's directory (``name`` itself), or its snapshot in the hub's cache
-    (``cache_dir``: vLLM's ``--download-dir``, else the default one); None if neither."""
+    """The model's directory (``name`` itself, or the directory of a model that is one file,
+    a GGUF), or its snapshot in the hub's cache (``cache_dir``: vLLM's ``--download-dir``,
+    else the default one); None if neither."""
     if os.path.isdir(name):
         return name
+    if os.path.isfile(name):
+        return os.path.dirname(os.path.abspath(name))
     try:
         from huggingface_hub import snapshot_download
 
