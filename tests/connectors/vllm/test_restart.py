@@ -4,6 +4,8 @@ rank lost is a miss for all of them."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 pytest.importorskip("vllm")
@@ -156,6 +158,39 @@ def test_a_reset_of_an_idle_engine_keeps_it_stepping_until_the_workers_forgot(tm
     for worker in sim.workers:
         worker.shutdown()
     _a_restart_serves_only(tmp_path, [], 1)             # neither prompt comes back
+
+
+def test_a_reset_with_stores_in_flight_loads_nothing_old_and_drops_it_when_they_end(
+        tmp_path):
+    """A reset was refused while any copy was in flight: under load (an RL loop syncing
+    weights right after a rollout, its stores still draining) that was always, and the old
+    KV kept being loaded. It now holds loads and stores off until the copies end, then
+    drops everything."""
+    old = prompt(48, 6 * BS + 1)
+    sim = SimEngine(tmp_path, g2_blocks=16, g3_blocks=64, ranks=1, block_size=BS)
+    sim.add("warm", prompt(49, 2 * BS + 1))
+    sim.run()
+    sim.add("a", old)
+    for _ in range(100):                          # until its stores are on their way
+        sim.step()
+        if not sim.scheduler.planner.idle:
+            break
+    assert not sim.scheduler.planner.idle
+    assert sim.scheduler.reset_cache() is True
+    asking = sim.add("again", old)
+    assert sim.scheduler.get_num_new_matched_tokens(asking, 0)[0] == 0   # nothing old loads
+    sim.scheduler.request_finished(sim.requests.pop("again"), [])
+    sim.run()                                     # the copies end
+    deadline = time.monotonic() + 60              # a hang guard, not a timing claim
+    while sim.scheduler.has_pending_work():       # what vLLM's engine loop does when idle
+        assert time.monotonic() < deadline, "the reset never finished"
+        sim.step()
+        time.sleep(0.001)
+    sim.run()
+    assert all(not sim.scheduler.registry.hashes_in(t) for t in ("G2", "G3"))
+    for worker in sim.workers:
+        worker.shutdown()
+    _a_restart_serves_only(tmp_path, [], 1)
 
 
 def test_a_reset_before_the_workers_report_what_they_kept_drops_that_too(tmp_path,

@@ -173,6 +173,7 @@ class SchedulerHalf:
         self._results = RankResults(world_size)
         self._world_size = world_size
         self._reset_before_recovery = False
+        self._reset_pending = False
         """``reset_cache`` ran while workers' reports of their recovered blocks were due."""
         self._recovered: dict[int, dict[str, list]] | None = {}
         """Each worker's recovered durable blocks until every rank reported (then None)."""
@@ -237,8 +238,8 @@ class SchedulerHalf:
             tracked.observed = True             # once, whoever serves it (vLLM asks again)
             tracked.hash_upto(limit, bs)
             self._observe(tracked.seq[:limit])
-        if not self.settings.load:
-            return 0, False
+        if not self.settings.load or self._reset_pending:
+            return 0, False              # a reset waits for copies: nothing stored before loads
         if self._listers:
             self._apply_learned()
         start = num_computed_tokens // bs
@@ -351,7 +352,10 @@ class SchedulerHalf:
         if preempted:
             self._flush = True
         self._check_freed_while_read(scheduler_output)
-        if self.settings.store:
+        if self._reset_pending and self.idle:
+            self._reset_pending = False
+            self._drop_every_block()
+        if self.settings.store and not self._reset_pending:
             self._offer_new_blocks(scheduler_output)
         self._outbox.extend(self.planner.take_plans())
         self._count_not_stored()
@@ -559,17 +563,29 @@ class SchedulerHalf:
         """Copies in flight or not yet shipped, or slots the workers must forget (a
         :meth:`reset_cache` an idle engine would otherwise never journal): the engine must
         keep stepping."""
-        return not self.planner.idle or bool(self._outbox) or bool(self._forget)
+        return (not self.planner.idle or bool(self._outbox) or bool(self._forget)
+                or self._reset_pending)
 
     def take_events(self) -> list:
         return self.events.take()
 
     def reset_cache(self) -> bool:
-        """Drop every idle block of kvstrata's tiers (only when no copy is in flight), for
-        good: the next step's orders tell the workers to forget their slots, so a durable G3
-        journals it and a restart does not bring them back (after a change of weights, say)."""
-        if not self.idle:
+        """Drop every block of kvstrata's tiers, for good: the next step's orders tell the
+        workers to forget their slots, so a durable G3 journals it and a restart does not
+        bring them back (after a change of weights, say). With stores still in flight it is
+        done once they have ended: from now until then nothing is loaded and nothing new is
+        stored, and the engine is kept stepping. Refused (False) only while a load is in
+        flight (its KV is the old one; vLLM's own reset fails then too)."""
+        if self._loading:
             return False
+        if not self.idle:
+            self._reset_pending = True
+            return True
+        self._drop_every_block()
+        return True
+
+    def _drop_every_block(self) -> None:
+        """:meth:`reset_cache`, once no copy is in flight."""
         if self._recovered is not None:
             # The workers have not all reported what their durable tiers recovered: when
             # they do, those blocks are dropped too (:meth:`_restore_recovered`).
@@ -582,7 +598,6 @@ class SchedulerHalf:
             gone = held - self.registry.hashes_in(tier)
             if gone:
                 self.events.on_tier_removed(tier, sorted(gone))
-        return True
 
     # -- helpers ---------------------------------------------------------------------------
     def _track(self, request: Any) -> _Tracked | None:
