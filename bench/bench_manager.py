@@ -4,7 +4,8 @@ The same batch of N blocks (default geometry: 4 layers x 8 KV heads x 64 dims bf
 blocks = 128 KiB) is (a) registered in G1 through the manager and written through to G2 and G3
 (register -> flush), then onboarded back from G2; (b) moved with the same plans submitted
 directly to a TransferEngine over storages of the same geometry (the baseline: bytes only, no
-pools, no owner thread). The ratio is the manager's cost on top of the data path.
+pools, no owner thread; G2 verified on both sides, as the manager's is by default). The ratio
+is the manager's cost on top of the data path.
 Prints figures, never asserts timing. Usage: ``python bench/bench_manager.py [--quick]``.
 """
 
@@ -55,7 +56,9 @@ def bare_engine(cfg: KvConfig, n: int, reps: int) -> tuple[float, float]:
     best_off = best_on = float("inf")
     with tempfile.TemporaryDirectory() as tmp:
         g1 = DeviceStorage.allocate(geometry, device="cpu")
-        g2 = HostStorage(geometry.with_blocks(cfg.tier_blocks("G2")).with_alignment(4096))
+        # G2 verified as the manager's is by default (verify_host_reads): the same work
+        g2 = HostStorage(geometry.with_blocks(cfg.tier_blocks("G2")).with_alignment(4096),
+                         verify_reads=True)
         g3 = DiskStorage(geometry.with_blocks(cfg.tier_blocks("G3")), tmp)
         with TransferEngine({"G1": g1, "G2": g2, "G3": g3}) as engine:
             ids = list(range(n))
