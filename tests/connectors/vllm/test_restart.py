@@ -160,12 +160,13 @@ def test_a_reset_of_an_idle_engine_keeps_it_stepping_until_the_workers_forgot(tm
     _a_restart_serves_only(tmp_path, [], 1)             # neither prompt comes back
 
 
-def test_a_reset_with_stores_in_flight_loads_nothing_old_and_drops_it_when_they_end(
+def test_a_reset_with_copies_in_flight_loads_nothing_old_and_drops_it_when_they_end(
         tmp_path):
-    """A reset was refused while any copy was in flight: under load (an RL loop syncing
-    weights right after a rollout, its stores still draining) that was always, and the old
-    KV kept being loaded. It now holds loads and stores off until the copies end, then
-    drops everything."""
+    """A reset was refused while any copy was in flight, and nothing else happened: under
+    load (an RL loop syncing weights right after a rollout, its stores still draining) that
+    was always, and the old KV kept being loaded. It still says False until it is done, but
+    from then on nothing loads, nothing new is stored, and the drop is made once the copies
+    end, whether or not the caller asks again."""
     old = prompt(48, 6 * BS + 1)
     sim = SimEngine(tmp_path, g2_blocks=16, g3_blocks=64, ranks=1, block_size=BS)
     sim.add("warm", prompt(49, 2 * BS + 1))
@@ -176,7 +177,7 @@ def test_a_reset_with_stores_in_flight_loads_nothing_old_and_drops_it_when_they_
         if not sim.scheduler.planner.idle:
             break
     assert not sim.scheduler.planner.idle
-    assert sim.scheduler.reset_cache() is True
+    assert sim.scheduler.reset_cache() is False   # not done yet: under way
     asking = sim.add("again", old)
     assert sim.scheduler.get_num_new_matched_tokens(asking, 0)[0] == 0   # nothing old loads
     sim.scheduler.request_finished(sim.requests.pop("again"), [])
@@ -188,6 +189,7 @@ def test_a_reset_with_stores_in_flight_loads_nothing_old_and_drops_it_when_they_
         time.sleep(0.001)
     sim.run()
     assert all(not sim.scheduler.registry.hashes_in(t) for t in ("G2", "G3"))
+    assert sim.scheduler.reset_cache() is True    # asked again: done (nothing left to drop)
     for worker in sim.workers:
         worker.shutdown()
     _a_restart_serves_only(tmp_path, [], 1)

@@ -572,15 +572,15 @@ class SchedulerHalf:
     def reset_cache(self) -> bool:
         """Drop every block of kvstrata's tiers, for good: the next step's orders tell the
         workers to forget their slots, so a durable G3 journals it and a restart does not
-        bring them back (after a change of weights, say). With stores still in flight it is
-        done once they have ended: from now until then nothing is loaded and nothing new is
-        stored, and the engine is kept stepping. Refused (False) only while a load is in
-        flight (its KV is the old one; vLLM's own reset fails then too)."""
-        if self._loading:
-            return False
+        bring them back (after a change of weights, say). True once done. With copies still
+        in flight it is not done yet (False), but under way: from now on nothing is loaded
+        and nothing new is stored, the engine is kept stepping, and the drop is made as soon
+        as the copies have ended (a caller that asks again then gets True). Until then a
+        restart would still find the old blocks."""
         if not self.idle:
             self._reset_pending = True
-            return True
+            return False
+        self._reset_pending = False
         self._drop_every_block()
         return True
 
