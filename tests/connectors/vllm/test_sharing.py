@@ -86,6 +86,23 @@ def test_b_loads_from_a_what_only_a_computed(pair):
     assert_idle(a)
 
 
+def test_after_a_reset_a_peer_loads_nothing_a_held_before(pair):
+    """A reset (new weights everywhere) told A's workers to forget their G2 slots, but G2
+    had no way to: A's export went on serving the old KV to B."""
+    a, b, _ = pair
+    tokens = prompt(202, 8 * BS + 1)
+    a.add("a", tokens)
+    a.run()
+    assert a.scheduler.reset_cache() is True
+    a.add("next", prompt(203, 2 * BS + 1))        # the step that carries the reset's orders
+    a.run()
+    request = run_until_loaded(b, "b", tokens + [7])
+    assert request.loaded == 0
+    assert "remote" not in b.scheduler.counters.tokens_matched
+    b.run()
+    assert_idle(b)
+
+
 def test_what_a_does_not_hold_b_recomputes_and_a_dead_peer_costs_nothing(pair):
     a, b, address = pair
     request = run_until_loaded(b, "x", prompt(201, 6 * BS + 1))      # nobody holds it

@@ -147,6 +147,14 @@ class HostStorage(MemoryStorage):
                                           f"process; not overwritten")
             self.checksums.invalidate(block_ids)
 
+    def forget(self, block_ids: Sequence[int]) -> None:
+        """Slots ``block_ids`` no longer hold their blocks, for good (a reset, after new
+        weights say): no read and no reader in another process (:meth:`pin_held`) is served
+        from them until they are written again. A reader that pinned one before keeps
+        reading the bytes it was promised."""
+        with self._pin_lock:
+            self.checksums.invalidate(block_ids)
+
     def pin_held(self, sequence_hashes: Sequence[int]) -> list[tuple[int, int, int]]:
         """For a reader in another process: the longest prefix of ``sequence_hashes`` held
         in valid slots, as ``(hash, slot, checksum)`` rows (deferred checksums computed

@@ -461,6 +461,9 @@ class FollowedHostStorage(HostStorage):
     def begin_write(self, block_ids: Sequence[int]) -> None:
         raise self._refuse("begin_write")
 
+    def forget(self, block_ids: Sequence[int]) -> None:
+        """Nothing to do here: the writer forgets its slots, and its seals say so."""
+
     def block_view(self, block_id: int) -> torch.Tensor:
         """A copy of slot ``block_id`` as a typed tensor (a view would be a writable tensor
         over memory mapped read-only)."""
