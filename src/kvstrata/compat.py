@@ -90,13 +90,15 @@ def compatibility_of(config, *, rank: int = 0, world_size: int = 1,
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-"""Files whose bytes are a model's weights (in its directory, not below it)."""
+"""Files whose bytes are a model's weights (in its directory, not below it). Where there are
+``.safetensors`` files only they count, as vLLM then loads only them (a stray
+``pytorch_model.bin`` in one machine's copy does not make it another model)."""
 
 WEIGHT_SAMPLES = 64
 WEIGHT_SAMPLE_BYTES = 16 << 10
 """Each weights file is identified by its name, its size and the xxh3-64 of this many pieces
-of this size spread evenly over it (the whole file when it is no bigger): a few MiB read at
-start, however large the model."""
+of this size spread evenly over it (the whole file when it is no bigger): 1 MiB read from
+each weights file at start, in each process that names stored pages."""
 
 
 def weights_identity(directory: str) -> str:
@@ -113,9 +115,9 @@ def weights_identity(directory: str) -> str:
         names = sorted(os.listdir(directory))
     except OSError:
         return ""
-    for name in names:
-        if not name.endswith(WEIGHT_SUFFIXES):
-            continue
+    weights = [n for n in names if n.endswith(".safetensors")] \
+        or [n for n in names if n.endswith(WEIGHT_SUFFIXES)]
+    for name in weights:
         path = os.path.join(directory, name)
         try:
             with open(path, "rb") as fh:

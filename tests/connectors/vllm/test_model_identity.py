@@ -119,3 +119,63 @@ def test_a_model_constructor_changing_its_config_changes_no_name(models):
     config.model_config.hf_config.num_ln_in_parallel_attn = 2      # as a worker's model does
     config.model_config.hf_config.rope_theta = 1.0
     assert _model_id(config) == scheduler_view
+
+
+def test_overrides_given_as_functions_are_told_apart_by_what_they_set(models):
+    """A callable ``hf_overrides`` was named by its qualified name only: two closures (or
+    partials) of one function with other values named one model."""
+    import functools
+
+    a, _ = models
+
+    def rope(theta):
+        def set_theta(config):
+            config.rope_theta = theta
+            return config
+        return set_theta
+
+    def set_rope(config, theta):
+        config.rope_theta = theta
+        return config
+
+    closures = {_model_id(config_of(a, hf_overrides=rope(t))) for t in (500.0, 1e6)}
+    partials = {_model_id(config_of(a, hf_overrides=functools.partial(set_rope, theta=t)))
+                for t in (500.0, 1e6)}
+    assert len(closures) == 2 and len(partials) == 2
+    assert _model_id(config_of(a, hf_overrides=rope(500.0))) in closures   # and stable
+
+
+def test_online_quantization_options_are_part_of_the_name(models):
+    a, _ = models
+    whole = _model_id(config_of(a, quantization="fp8_per_tensor"))
+    first_layer_left = _model_id(config_of(
+        a, quantization="fp8_per_tensor",
+        quantization_config={"ignore": ["re:.*layers\\.0\\..*"]}))
+    assert len({_model_id(config_of(a)), whole, first_layer_left}) == 3
+
+
+def test_a_stray_bin_beside_safetensors_is_not_another_model(models, tmp_path):
+    """vLLM loads only the .safetensors where there are any: a pytorch_model.bin in one
+    machine's copy made its servers name pages differently from the others'."""
+    a, _ = models
+    copy = tmp_path / "copy"
+    shutil.copytree(a, copy)
+    (copy / "pytorch_model.bin").write_bytes(b"a leftover")
+    assert weights_identity(str(copy)) == weights_identity(str(a))
+
+
+def test_a_config_from_elsewhere_is_part_of_the_name(models, tmp_path):
+    """``--hf-config-path``: the config read from there, not from the model's directory,
+    decides the KV (a hub name there was not looked for, and two configs named one model)."""
+    import json
+
+    a, _ = models
+    names = set()
+    for theta in (10000.0, 1234.0):
+        where = tmp_path / f"config-{int(theta)}"
+        where.mkdir()
+        config = json.loads((a / "config.json").read_text())
+        config["rope_theta"] = theta
+        (where / "config.json").write_text(json.dumps(config))
+        names.add(_model_id(config_of(a, hf_config_path=str(where))))
+    assert len(names) == 2

@@ -48,18 +48,28 @@ def _made_by(vllm_config: Any, model: Any, name: str, revision: str | None) -> s
     if model is None:
         return ""
     download_dir = getattr(getattr(vllm_config, "load_config", None), "download_dir", None)
-    config_dir = getattr(model, "hf_config_path", None) or _local_copy(name, revision, None) \
-        or _local_copy(name, revision, download_dir)
+    config_path = getattr(model, "hf_config_path", None)
+    config_revision = getattr(model, "_hf_config_revision", None) or revision
+    config_dir = (_local_copy(config_path, config_revision, None)
+                  or _local_copy(config_path, config_revision, download_dir)) \
+        if config_path else (_local_copy(name, revision, None)
+                             or _local_copy(name, revision, download_dir))
     weights_dir = _local_copy(name, revision, download_dir) if download_dir else None
     weights_dir = weights_dir or _local_copy(name, revision, None)
     parts: dict[str, Any] = {"config": _files_digest(config_dir, CONFIG_FILES)}
+    if config_path:
+        parts["config_path"] = str(config_path)
+    if not parts["config"]:
+        log.warning("kvstrata: no config file found for %s: its stored pages are named by its "
+                    "name and weights only (a config change under that name needs a new "
+                    "kvstrata model_id)", config_path or name)
     overrides = getattr(model, "hf_overrides", None)
     if overrides:
-        parts["overrides"] = overrides if not callable(overrides) \
-            else f"{getattr(overrides, '__module__', '')}.{getattr(overrides, '__qualname__', '')}"
-    quantization = getattr(model, "quantization", None)
-    if quantization:
-        parts["quantization"] = str(quantization)
+        parts["overrides"] = _callable_identity(overrides) if callable(overrides) else overrides
+    for key in ("quantization", "quantization_config"):
+        value = getattr(model, key, None)
+        if value:
+            parts[key] = value
     parts["weights"] = weights_identity(weights_dir) if weights_dir else ""
     if not parts["weights"]:
         log.info("kvstrata: no weights files found for %s: its stored pages are named by its "
@@ -88,9 +98,40 @@ def _files_digest(directory: str | None, names: tuple[str, ...]) -> str:
     return f"{digest.intdigest():016x}" if found else ""
 
 
-def _plain(value: Any) -> str:
-    """An override JSON cannot hold, as text both halves (and other machines) write alike:
-    its ``str``, or its type's name where that ``str`` names an address."""
+def _callable_identity(function: Any) -> dict[str, Any]:
+    """An ``hf_overrides`` function as both halves see it alike: its name, its code (bytes
+    and constants), its defaults and the values it closes over (a ``functools.partial``:
+    the function and the arguments it fixes). Two closures or partials of one function with
+    other values are then told apart, not only two functions of other names."""
+    import functools
+
+    if isinstance(function, functools.partial):
+        return {"partial": _callable_identity(function.func), "args": function.args,
+                "keywords": function.keywords}
+    code = getattr(function, "__code__", None)
+    cells = getattr(function, "__closure__", None) or ()
+    values = []
+    for cell in cells:
+        try:
+            values.append(cell.cell_contents)
+        except ValueError:                    # a cell not filled yet
+            values.append(None)
+    return {"name": f"{getattr(function, '__module__', '')}."
+                    f"{getattr(function, '__qualname__', type(function).__name__)}",
+            "code": code.co_code.hex() if code is not None else "",
+            "constants": code.co_consts if code is not None else (),
+            "defaults": getattr(function, "__defaults__", None),
+            "closure": values}
+
+
+def _plain(value: Any) -> Any:
+    """A value JSON cannot hold, as both halves (and other machines) write it alike: a
+    dataclass's fields, else its ``str``, or its type's name where that ``str`` names an
+    address."""
+    import dataclasses
+
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {"type": type(value).__name__, **dataclasses.asdict(value)}
     text = str(value)
     return type(value).__name__ if " at 0x" in text else text
 
