@@ -111,3 +111,19 @@ def test_write_all_completes_short_writes_and_fails_one_that_makes_no_progress(t
     finally:
         os.close(fd)
     assert (tmp_path / "f").read_bytes() == b"abcijklmn"
+
+
+def test_a_path_that_does_not_resolve_is_an_error_not_a_pass(tmp_path):
+    """A part missing when the path was checked could be another user's when it is opened
+    (renamed into place between the two): the check raises as the open would."""
+    from kvstrata.paths import redirectable_problem
+
+    with pytest.raises(FileNotFoundError):
+        redirectable_problem(tmp_path / "missing" / "secret")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(NotADirectoryError):
+        redirectable_problem(tmp_path / "file" / "secret")
+    os.symlink("loop", tmp_path / "loop")
+    with pytest.raises(OSError):
+        redirectable_problem(tmp_path / "loop" / "secret")
+    assert redirectable_problem(tmp_path / "file") is None

@@ -151,7 +151,9 @@ def redirectable_problem(path: str | os.PathLike) -> str | None:
     directory others can write must have the sticky bit (as ``/tmp``: others may add names
     there, not replace this user's). A secret read through a link another user made, or from
     a directory another user can rename entries in, is that user's choice of file. A path
-    that does not resolve is None here: opening it says why."""
+    that does not resolve raises the ``OSError`` opening it would (a part missing at this
+    check, present at the open, could be another user's: nothing is opened after a check
+    that did not see the whole path)."""
     me = os.geteuid()
 
     def untrusted(where: str, info: os.stat_result, kind: str) -> str | None:
@@ -169,10 +171,7 @@ def redirectable_problem(path: str | os.PathLike) -> str | None:
     text = os.fspath(path)
     if not os.path.isabs(text):
         text = os.path.join(os.getcwd(), text)
-    try:
-        problem = untrusted(os.sep, os.lstat(os.sep), "directory")
-    except OSError:
-        return None
+    problem = untrusted(os.sep, os.lstat(os.sep), "directory")
     if problem:
         return problem
     names = collections.deque(text.split(os.sep))
@@ -185,28 +184,22 @@ def redirectable_problem(path: str | os.PathLike) -> str | None:
             current = os.path.dirname(current)
             continue
         candidate = os.path.join(current, name)
-        try:
-            info = os.lstat(candidate)
-        except OSError:
-            return None
+        info = os.lstat(candidate)               # a missing part: FileNotFoundError
         if stat.S_ISLNK(info.st_mode):
             problem = untrusted(candidate, info, "symbolic link")
             if problem:
                 return problem
             links += 1
             if links > MAX_LINKS_FOLLOWED:
-                return None
-            try:
-                target = os.readlink(candidate)
-            except OSError:
-                return None
+                raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), text)
+            target = os.readlink(candidate)
             if os.path.isabs(target):
                 current = os.sep
             names.extendleft(reversed(target.split(os.sep)))
             continue
         if more(names):                        # a directory to pass through
             if not stat.S_ISDIR(info.st_mode):
-                return None
+                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), candidate)
             problem = untrusted(candidate, info, "directory")
             if problem:
                 return problem

@@ -81,7 +81,11 @@ def derive_key(secret: bytes, purpose: str) -> bytes:
 def _read_secret_file(path: str) -> bytes:
     from .paths import redirectable_problem, writer_problem
 
-    problem = redirectable_problem(path)
+    try:
+        problem = redirectable_problem(path)
+    except OSError as exc:
+        raise SecretError(f"${SECRET_FILE_ENV}: cannot open {path}: "
+                          f"{exc.strerror or exc}") from None
     if problem:
         raise SecretError(f"${SECRET_FILE_ENV}: {path}: {problem}: another user could have "
                           f"chosen this file; name one on a path only you (or root) control")
