@@ -141,3 +141,22 @@ def test_a_start_that_fails_for_good_leaves_no_directory_or_keys(tmp_path):
     with pytest.raises(RuntimeError, match="exited"):
         server.start(attempts=2)
     assert not os.path.exists(directory)
+
+
+def test_a_restart_that_fails_keeps_the_objects_stored_before():
+    """The directory of a server that ran holds its objects: a restart that failed removed
+    it, and the next start came up empty."""
+    server = SeaweedServer().start()
+    try:
+        directory = server.data_dir
+        server.stop()
+        real, server.binary = server.binary, shutil.which("false") or "/bin/false"
+        with pytest.raises(RuntimeError, match="exited"):
+            server.start(attempts=1)
+        assert os.path.isdir(directory)
+        server.binary = real
+        server.start()
+        assert server.running
+    finally:
+        server.cleanup()
+    assert not os.path.exists(directory)

@@ -402,6 +402,7 @@ class SeaweedServer:
         self.access_key = access_key
         self.secret_key = secret_key or secrets.token_hex(16)
         self._own_dir = data_dir is None
+        self._started = False                 # once: a later failed start keeps the data
         if data_dir is None:
             reclaim(tempfile.gettempdir(), DIR_PREFIX, remove=_stop_and_remove)
             data_dir = tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{owner_tag()}-")
@@ -465,18 +466,24 @@ class SeaweedServer:
         """Start the server and wait until its S3 endpoint answers: by readiness, polling
         while the process lives, for at most ``timeout`` seconds (generous: a loaded machine
         starts it slowly, and a process that dies is seen at once). A start that fails (e.g.
-        a port taken between choosing and binding it) is retried on new ports. A start that
-        fails for good removes the directory this server made (its keys with it)."""
+        a port taken between choosing and binding it) is retried on new ports. A first start
+        that fails for good removes the directory this server made (its keys with it); a
+        restart that fails keeps it (the objects stored before are in it)."""
         try:
             for attempt in range(attempts):
                 try:
-                    return self._start_once(timeout)
+                    self._start_once(timeout)
+                    self._started = True
+                    return self
                 except WeedExitedError:
                     if attempt == attempts - 1:
                         raise
             return self
         except BaseException:
-            self.cleanup()
+            if self._started:
+                self.stop()
+            else:
+                self.cleanup()
             raise
 
     def _start_once(self, timeout: float) -> "SeaweedServer":
