@@ -50,12 +50,14 @@ def _made_by(vllm_config: Any, model: Any, name: str, revision: str | None) -> s
     download_dir = getattr(getattr(vllm_config, "load_config", None), "download_dir", None)
     config_path = getattr(model, "hf_config_path", None)
     config_revision = getattr(model, "_hf_config_revision", None) or revision
-    config_dir = (_local_copy(config_path, config_revision, None)
-                  or _local_copy(config_path, config_revision, download_dir)) \
-        if config_path else (_local_copy(name, revision, None)
-                             or _local_copy(name, revision, download_dir))
-    weights_dir = _local_copy(name, revision, download_dir) if download_dir else None
-    weights_dir = weights_dir or _local_copy(name, revision, None)
+    in_cache = _local_copy(name, revision, None)
+    downloaded = _local_copy(name, revision, download_dir) if download_dir else None
+    weights_dir = downloaded or in_cache          # vLLM loads weights from --download-dir
+    if config_path:
+        config_dir = _local_copy(config_path, config_revision, None) or (
+            _local_copy(config_path, config_revision, download_dir) if download_dir else None)
+    else:
+        config_dir = in_cache or downloaded
     parts: dict[str, Any] = {"config": _files_digest(config_dir, CONFIG_FILES)}
     if config_path:
         parts["config_path"] = str(config_path)
